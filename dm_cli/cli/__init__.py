@@ -1,0 +1,66 @@
+"""The `dmap` command line: Typer lives here and nowhere else.
+
+Each subcommand is one module that parses options, calls one core function and hands the result
+to the renderer (or prints JSON). Heavy imports stay inside the command functions so that
+`dmap --help` never imports torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from .. import __version__
+from . import inspect as inspect_command
+
+app = typer.Typer(
+    name="dmap",
+    help="Plan, shard and run big diffusion models across GPUs, CPU and disk.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"dmap {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """dmap: inspect, shard, plan and run diffusion pipelines on several devices.
+
+    Add --debug anywhere to see the traceback of an error.
+    """
+
+
+app.command("inspect", help=inspect_command.__doc__)(inspect_command.inspect)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: errors become one sentence and an exit code (tracebacks with --debug)."""
+    from ._errors import report_error
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    try:
+        result = app(args=args, prog_name="dmap", standalone_mode=False)
+    except typer.Exit as done:
+        sys.exit(done.exit_code)
+    except (typer.Abort, KeyboardInterrupt) as error:
+        sys.exit(report_error(KeyboardInterrupt() if isinstance(error, typer.Abort) else error, debug))
+    except Exception as error:  # noqa: BLE001 - every error ends in one sentence and an exit code
+        import click
+
+        if isinstance(error, click.ClickException):
+            error.show()
+            sys.exit(error.exit_code)
+        sys.exit(report_error(error, debug))
+    sys.exit(result if isinstance(result, int) else 0)

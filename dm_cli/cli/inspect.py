@@ -1,0 +1,31 @@
+"""Show what is in a model or pipeline and how big each part is (configs on meta, headers only)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def inspect(
+    source: str = typer.Argument(..., help="Pipeline/component folder, .safetensors, index JSON, preset or Hub repo id."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Size at bf16|fp16|fp32 (default: as stored, bf16 for configs)."),
+    component: str | None = typer.Option(None, "--component", "-c", help="Only this component."),
+    depth: int = typer.Option(0, "--depth", min=0, help="Also show the module tree to this depth."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (schema in README) instead of a table."),
+    binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Rebuild skeletons instead of using the cache."),
+) -> int:
+    from ..inspection import inspect_source
+    from ..units import parse_dtype
+
+    report = inspect_source(
+        source, dtype=parse_dtype(dtype) if dtype else None, component=component, depth=depth, use_cache=not no_cache
+    )
+    if as_json:
+        from ._output import print_json
+
+        print_json(report.to_json())
+    else:
+        from ..render import render_inspect
+
+        render_inspect(report, binary=binary)
+    return 0

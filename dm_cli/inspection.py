@@ -1,0 +1,124 @@
+"""`dmap inspect`: what is in a model and how big each part is, without loading weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .skeleton import ModuleSize, Skeleton, skeleton_for_component
+from .sources import Source, resolve_source
+
+
+@dataclass
+class ComponentReport:
+    name: str
+    library: str | None
+    cls: str
+    dtype: str  # dominant dtype of the parameters as they would be loaded
+    params: int
+    bytes: int
+    buffers_bytes: int
+    num_blocks: int
+    largest_block: ModuleSize | None
+    no_split_modules: list[str]
+    weights: str | None  # path of the index / file, None for config-only
+    tree: list[dict] = field(default_factory=list)  # module rows to --depth
+    problems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        block = self.largest_block
+        return {
+            "name": self.name,
+            "library": self.library,
+            "class": self.cls,
+            "dtype": self.dtype,
+            "params": self.params,
+            "bytes": self.bytes,
+            "buffers_bytes": self.buffers_bytes,
+            "num_blocks": self.num_blocks,
+            "largest_block": None if block is None else {"name": block.name, "class": block.cls, "bytes": block.bytes},
+            "no_split_modules": self.no_split_modules,
+            "weights": self.weights,
+            "tree": self.tree,
+            "problems": self.problems,
+        }
+
+
+@dataclass
+class InspectReport:
+    source: str
+    kind: str
+    pipeline_class: str | None
+    dtype: str | None  # requested dtype; None = as stored / bf16 for configs
+    components: list[ComponentReport]
+
+    @property
+    def total_params(self) -> int:
+        return sum(c.params for c in self.components)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.bytes for c in self.components)
+
+    @property
+    def problems(self) -> list[str]:
+        return [p for c in self.components for p in c.problems]
+
+    def to_json(self) -> dict:
+        return {
+            "source": self.source,
+            "kind": self.kind,
+            "pipeline_class": self.pipeline_class,
+            "dtype": self.dtype,
+            "components": [c.to_json() for c in self.components],
+            "total": {"params": self.total_params, "bytes": self.total_bytes},
+            "problems": self.problems,
+        }
+
+
+def module_tree(skeleton: Skeleton, dtype: str | None, depth: int) -> list[dict]:
+    """Rows of the module tree down to `depth` levels below the root, each with its subtree sizes."""
+    sizes = skeleton.module_sizes(dtype)
+    rows: list[dict] = []
+
+    def walk(prefix: str, level: int) -> None:
+        node = sizes[prefix]
+        if prefix:
+            rows.append({"name": prefix, "class": node.cls, "depth": level, "params": node.params,
+                         "bytes": node.bytes, "no_split": node.no_split})
+        if level < depth:
+            for child in node.children:
+                if sizes[child].bytes or sizes[child].children:
+                    walk(child, level + 1)
+
+    walk("", 0)
+    return rows
+
+
+def inspect_source(spec: str, dtype: str | None = None, component: str | None = None, depth: int = 0,
+                   use_cache: bool = True) -> InspectReport:
+    source: Source = resolve_source(spec)
+    comps = [source.component(component)] if component else source.components
+    reports = []
+    for comp in comps:
+        skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+        effective = dtype if dtype is not None else skeleton.default_dtype()
+        block = skeleton.largest_block(effective)
+        reports.append(
+            ComponentReport(
+                name=comp.name,
+                library=comp.library,
+                cls=skeleton.cls if skeleton.cls != "?" else comp.cls,
+                dtype=skeleton.dominant_dtype(effective),
+                params=skeleton.params,
+                bytes=skeleton.bytes_at(effective),
+                buffers_bytes=sum(t.bytes_at(effective) for t in skeleton.tensors if t.kind != "param"),
+                num_blocks=len(skeleton.blocks(effective)),
+                largest_block=block,
+                no_split_modules=skeleton.no_split_modules,
+                weights=str(comp.weights) if comp.weights else None,
+                tree=module_tree(skeleton, effective, depth) if depth > 0 else [],
+                problems=[str(p) for p in checkpoint.problems] if checkpoint else [],
+            )
+        )
+    return InspectReport(spec, source.kind, source.pipeline_class, dtype, reports)
+

@@ -1,0 +1,65 @@
+"""Rich rendering: tables, trees and bars for people. The only module that imports Rich."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .units import format_size
+
+
+def console(stderr: bool = False):
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    # Tables are wide: give them room when piped (Rich assumes 80 columns off a terminal).
+    width = None if stream.isatty() or os.environ.get("COLUMNS") else 140
+    return Console(stderr=stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, width=width)
+
+
+def _num(n: int) -> str:
+    return f"{n:,}"
+
+
+def render_inspect(report, binary: bool = False) -> None:
+    from rich.table import Table
+
+    out = console()
+    title = f"{report.source}"
+    if report.pipeline_class:
+        title += f" — {report.pipeline_class}"
+    table = Table(title=title, title_justify="left")
+    for column, justify in (("component", "left"), ("class", "left"), ("dtype", "left"), ("params", "right"),
+                            ("size", "right"), ("blocks", "right"), ("largest block", "left"), ("block size", "right")):
+        table.add_column(column, justify=justify)
+    for comp in report.components:
+        block = comp.largest_block
+        table.add_row(
+            comp.name, comp.cls, comp.dtype.replace("bfloat16", "bf16").replace("float", "fp"),
+            _num(comp.params), format_size(comp.bytes, binary), str(comp.num_blocks),
+            f"{block.name} ({block.cls})" if block else "-", format_size(block.bytes, binary) if block else "-",
+        )
+    if len(report.components) > 1:
+        table.add_section()
+        table.add_row("total", "", "", _num(report.total_params), format_size(report.total_bytes, binary), "", "", "")
+    out.print(table)
+    for comp in report.components:
+        if comp.tree:
+            tree_table = Table(title=f"{comp.name} modules", title_justify="left")
+            tree_table.add_column("module")
+            tree_table.add_column("class")
+            tree_table.add_column("params", justify="right")
+            tree_table.add_column("size", justify="right")
+            for row in comp.tree:
+                marker = " [no-split]" if row["no_split"] else ""
+                tree_table.add_row("  " * (row["depth"] - 1) + row["name"].rpartition(".")[2], row["class"] + marker,
+                                   _num(row["params"]), format_size(row["bytes"], binary))
+            out.print(tree_table)
+    problems = report.problems
+    if problems:
+        err = console(stderr=True)
+        err.print(f"[bold red]{len(problems)} checkpoint problem(s):[/]")
+        for problem in problems:
+            err.print(f"  - {problem}", markup=False)
+    elif any(c.weights for c in report.components):
+        out.print("Checkpoint checked: index, shards and headers agree.")

@@ -1,0 +1,399 @@
+"""Skeletons: the planner's view of one component, built once on the meta device and cached.
+
+A skeleton is plain data: the module tree (registration order, classes), every parameter and
+buffer with shape and dtype, tie groups and the no-split classes. Sizes at any dtype are computed
+from it without torch, so a cached skeleton makes `inspect` and `plan` torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from functools import cached_property
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+from .errors import SourceError
+from .units import DTYPE_BYTES, FLOATING_DTYPES
+
+SKELETON_FORMAT_VERSION = 2
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # as built (float32 on meta) or as stored in the checkpoint
+    kind: str  # "param", "buffer" (persistent) or "buffer_np" (non-persistent: not in checkpoints)
+    fp32_when: tuple[str, ...] = ()  # target dtypes for which this tensor stays float32
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def dtype_at(self, target: str | None) -> str:
+        """The dtype this tensor has once the component is loaded at `target` (None: as stored)."""
+        if target is None or self.dtype not in FLOATING_DTYPES:
+            return self.dtype  # integer buffers are never cast
+        return "float32" if target in self.fp32_when else target
+
+    def bytes_at(self, target: str | None) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype_at(target)]
+
+
+@dataclass
+class ModuleSize:
+    name: str
+    cls: str
+    params: int
+    bytes: int
+    no_split: bool
+    children: list[str]
+
+
+@dataclass
+class Skeleton:
+    name: str
+    library: str | None
+    cls: str
+    no_split_modules: list[str]
+    modules: list[tuple[str, str]]  # (prefix, class) in registration order; "" is the root
+    tensors: list[TensorInfo]  # tied aliases excluded (listed in tie_groups)
+    tie_groups: list[list[str]] = field(default_factory=list)  # [kept name, alias, ...]
+    execution_order: list[str] | None = None  # filled by the tracer (plan issue)
+    stored: bool = False  # True when tensor dtypes come from a checkpoint header
+
+    # --- sizes -----------------------------------------------------------------------------
+
+    @property
+    def params(self) -> int:
+        return sum(t.numel for t in self.tensors if t.kind == "param")
+
+    def bytes_at(self, dtype: str | None) -> int:
+        return sum(t.bytes_at(dtype) for t in self.tensors)
+
+    def default_dtype(self) -> str | None:
+        """Stored dtype for checkpoints (None: as stored), bfloat16 for config-only skeletons."""
+        return None if self.stored else "bfloat16"
+
+    def dominant_dtype(self, dtype: str | None) -> str:
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            if t.kind == "param":
+                d = t.dtype_at(dtype)
+                counts[d] = counts.get(d, 0) + t.numel
+        return max(counts, key=counts.get) if counts else (dtype or "float32")
+
+    @cached_property
+    def _class_of(self) -> dict[str, str]:
+        return dict(self.modules)
+
+    def module_sizes(self, dtype: str | None) -> dict[str, ModuleSize]:
+        """Every module with the params/bytes of its whole subtree, in registration order."""
+        sizes = {
+            prefix: ModuleSize(prefix, cls, 0, 0, cls in self.no_split_modules, []) for prefix, cls in self.modules
+        }
+        if "" not in sizes:
+            sizes[""] = ModuleSize("", self.cls, 0, 0, False, [])
+        for prefix in list(sizes):
+            if prefix:
+                parent = prefix.rpartition(".")[0]
+                while parent not in sizes and parent:
+                    parent = parent.rpartition(".")[0]
+                sizes[parent].children.append(prefix)
+        for tensor in self.tensors:
+            nbytes = tensor.bytes_at(dtype)
+            numel = tensor.numel if tensor.kind == "param" else 0
+            prefix = tensor.name.rpartition(".")[0]
+            seen_root = False
+            while True:
+                if prefix in sizes:
+                    sizes[prefix].params += numel
+                    sizes[prefix].bytes += nbytes
+                    seen_root = seen_root or prefix == ""
+                if not prefix:
+                    break
+                prefix = prefix.rpartition(".")[0]
+        return sizes
+
+    def blocks(self, dtype: str | None) -> list[ModuleSize]:
+        """Top-level no-split blocks: the units a split never cuts through."""
+        sizes = self.module_sizes(dtype)
+        found: list[ModuleSize] = []
+
+        def walk(prefix: str) -> None:
+            node = sizes[prefix]
+            if node.no_split and prefix:
+                found.append(node)
+                return
+            for child in node.children:
+                walk(child)
+
+        walk("")
+        return found
+
+    def largest_block(self, dtype: str | None) -> ModuleSize | None:
+        blocks = self.blocks(dtype)
+        return max(blocks, key=lambda b: b.bytes) if blocks else None
+
+    # --- JSON ---------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {
+            "format": "dmap-skeleton",
+            "version": SKELETON_FORMAT_VERSION,
+            "name": self.name,
+            "library": self.library,
+            "class": self.cls,
+            "no_split_modules": self.no_split_modules,
+            "modules": [list(m) for m in self.modules],
+            "tensors": [[t.name, list(t.shape), t.dtype, t.kind, list(t.fp32_when)] for t in self.tensors],
+            "tie_groups": self.tie_groups,
+            "execution_order": self.execution_order,
+            "stored": self.stored,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Skeleton":
+        if data.get("format") != "dmap-skeleton" or data.get("version") != SKELETON_FORMAT_VERSION:
+            raise ValueError("not a current dmap skeleton")
+        return cls(
+            name=data["name"],
+            library=data["library"],
+            cls=data["class"],
+            no_split_modules=list(data["no_split_modules"]),
+            modules=[(m[0], m[1]) for m in data["modules"]],
+            tensors=[TensorInfo(t[0], tuple(t[1]), t[2], t[3], tuple(t[4])) for t in data["tensors"]],
+            tie_groups=[list(g) for g in data["tie_groups"]],
+            execution_order=data.get("execution_order"),
+            stored=bool(data.get("stored")),
+        )
+
+    def with_checkpoint_dtypes(self, stored: dict[str, str]) -> "Skeleton":
+        """Same skeleton, dtypes as a checkpoint stores them (names it lacks keep the built dtype)."""
+        tensors = [
+            TensorInfo(t.name, t.shape, stored.get(t.name, t.dtype), t.kind, t.fp32_when) for t in self.tensors
+        ]
+        return Skeleton(
+            self.name, self.library, self.cls, self.no_split_modules, self.modules, tensors, self.tie_groups,
+            self.execution_order, stored=True,
+        )
+
+
+def skeleton_from_header(name: str, entries: dict) -> Skeleton:
+    """A skeleton from safetensors headers alone (no config: classes unknown, no no-split info)."""
+    modules: dict[str, str] = {"": "?"}
+    tensors = []
+    for tensor_name, entry in entries.items():
+        parts = tensor_name.split(".")
+        for depth in range(1, len(parts)):
+            modules.setdefault(".".join(parts[:depth]), "?")
+        tensors.append(TensorInfo(tensor_name, tuple(entry.shape), entry.dtype, "param"))
+    return Skeleton(name, None, "?", [], list(modules.items()), tensors, stored=True)
+
+
+# --- building on the meta device (needs torch) --------------------------------------------------
+
+
+def _fp32_rules(model, library: str) -> list[tuple[str, tuple[str, ...]]]:
+    """Module-name patterns kept in float32, and for which target dtypes, as each library loads them."""
+    rules = []
+    if library == "transformers":
+        for pattern in getattr(model, "_keep_in_fp32_modules", None) or []:
+            rules.append((pattern, ("float16",)))
+        for pattern in getattr(model, "_keep_in_fp32_modules_strict", None) or []:
+            rules.append((pattern, ("float16", "bfloat16")))
+    else:
+        for pattern in getattr(model, "_keep_in_fp32_modules", None) or []:
+            rules.append((pattern, ("float16", "bfloat16")))
+    return rules
+
+
+def _fp32_when(tensor_name: str, rules: list[tuple[str, tuple[str, ...]]]) -> tuple[str, ...]:
+    parts = tensor_name.split(".")
+    when: set[str] = set()
+    for pattern, dtypes in rules:
+        if pattern in parts or f".{pattern}." in f".{tensor_name}.":
+            when.update(dtypes)
+    return tuple(sorted(when))
+
+
+def _no_split_modules(model) -> list[str]:
+    getter = getattr(model, "_get_no_split_modules", None)
+    if getter is not None:
+        try:
+            return sorted(getter("auto"))
+        except Exception:  # older signatures or models that raise for missing attributes
+            pass
+    return sorted(getattr(model, "_no_split_modules", None) or [])
+
+
+def skeleton_from_model(name: str, library: str | None, model) -> Skeleton:
+    """Read a built (meta) torch module into a Skeleton: tied parameters once, buffers typed."""
+    rules = _fp32_rules(model, library or "")
+    modules = [(prefix, type(module).__name__) for prefix, module in model.named_modules()]
+    tensors: list[TensorInfo] = []
+    first_name: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for param_name, param in model.named_parameters(remove_duplicate=False):
+        key = id(param)
+        if key in first_name:
+            aliases[first_name[key]].append(param_name)
+            continue
+        first_name[key] = param_name
+        aliases[param_name] = []
+        dtype = str(param.dtype).removeprefix("torch.")
+        tensors.append(TensorInfo(param_name, tuple(param.shape), dtype, "param", _fp32_when(param_name, rules)))
+    for module_prefix, module in model.named_modules():
+        non_persistent = getattr(module, "_non_persistent_buffers_set", set())
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if buffer is None:
+                continue
+            full = f"{module_prefix}.{buffer_name}" if module_prefix else buffer_name
+            key = id(buffer)
+            if key in first_name:
+                aliases[first_name[key]].append(full)
+                continue
+            first_name[key] = full
+            aliases[full] = []
+            kind = "buffer_np" if buffer_name in non_persistent else "buffer"
+            dtype = str(buffer.dtype).removeprefix("torch.")
+            tensors.append(TensorInfo(full, tuple(buffer.shape), dtype, kind, _fp32_when(full, rules)))
+    tie_groups = [[kept, *names] for kept, names in aliases.items() if names]
+    return Skeleton(name, library, type(model).__name__, _no_split_modules(model), modules, tensors, tie_groups)
+
+
+def build_on_meta(library: str, class_name: str, config: dict):
+    """Instantiate a diffusers/transformers class on the meta device from its config dict."""
+    import torch
+
+    if library == "diffusers":
+        import diffusers
+
+        model_cls = getattr(diffusers, class_name, None)
+        if model_cls is None:
+            raise SourceError(f"Class '{class_name}' is not in diffusers {diffusers.__version__}: cannot build it.")
+        with torch.device("meta"):
+            model = model_cls.from_config(config)
+        return model
+    if library == "transformers":
+        import transformers
+
+        model_cls = getattr(transformers, class_name, None)
+        if model_cls is None:
+            raise SourceError(f"Class '{class_name}' is not in transformers {transformers.__version__}: cannot build it.")
+        config_cls = model_cls.config_class
+        clean = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
+        model_config = config_cls.from_dict(clean)
+        with torch.device("meta"):
+            model = model_cls(model_config)
+        # Built under init_empty_weights, T5 comes out untied; here tie explicitly (see reference README).
+        model.tie_weights()
+        return model
+    raise SourceError(f"Component class '{class_name}' comes from library '{library}', which dmap cannot build: only diffusers and transformers.")
+
+
+def guess_library(class_name: str) -> str | None:
+    """Which library has `class_name`, for a config.json that does not say."""
+    import diffusers
+    import transformers
+
+    if hasattr(diffusers, class_name):
+        return "diffusers"
+    if hasattr(transformers, class_name):
+        return "transformers"
+    return None
+
+
+# --- cache ----------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """`$DMAP_CACHE_DIR`, else `$XDG_CACHE_HOME/dmap`, else `~/.cache/dmap`."""
+    if os.environ.get("DMAP_CACHE_DIR"):
+        return Path(os.environ["DMAP_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dmap"
+
+
+def _library_versions() -> str:
+    versions = []
+    for package in ("torch", "diffusers", "transformers"):
+        try:
+            versions.append(f"{package}={importlib_metadata.version(package)}")
+        except importlib_metadata.PackageNotFoundError:
+            versions.append(f"{package}=none")
+    return ";".join(versions)
+
+
+def skeleton_cache_key(library: str | None, class_name: str, config: dict) -> str:
+    blob = json.dumps(
+        {"library": library, "class": class_name, "config": config, "versions": _library_versions(),
+         "format": SKELETON_FORMAT_VERSION},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def load_skeleton(name: str, library: str | None, class_name: str, config: dict, use_cache: bool = True) -> Skeleton:
+    """The skeleton of one component from its config: from the cache, else built on meta and cached."""
+    key = skeleton_cache_key(library, class_name, config)
+    path = cache_dir() / "skeletons" / f"{key}.json"
+    if use_cache and path.is_file():
+        try:
+            skeleton = Skeleton.from_json(json.loads(path.read_text()))
+            skeleton.name = name
+            return skeleton
+        except (ValueError, KeyError, TypeError, IndexError):
+            pass  # stale or damaged cache entry: rebuild
+    if library is None:
+        library = guess_library(class_name)
+        if library is None:
+            raise SourceError(f"Class '{class_name}' is in neither diffusers nor transformers: dmap cannot build it.")
+    model = build_on_meta(library, class_name, config)
+    skeleton = skeleton_from_model(name, library, model)
+    if use_cache:
+        _write_atomic(path, json.dumps(skeleton.to_json()))
+    return skeleton
+
+
+def save_execution_order(library: str | None, class_name: str, config: dict, skeleton: Skeleton) -> None:
+    """Store a traced execution order back into the cached skeleton."""
+    path = cache_dir() / "skeletons" / f"{skeleton_cache_key(library, class_name, config)}.json"
+    _write_atomic(path, json.dumps(skeleton.to_json()))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache that cannot be written only costs time
+
+
+def skeleton_for_component(comp, use_cache: bool = True):
+    """(skeleton, checkpoint or None) for a ComponentSource: config on meta, dtypes from headers.
+
+    The one entry point `inspect`, `plan` and `run` use to size a component.
+    """
+    from .checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(comp.weights, strict=False) if comp.weights is not None else None
+    if comp.config is not None:
+        skeleton = load_skeleton(comp.name, comp.library, comp.cls, comp.config, use_cache=use_cache)
+        if checkpoint is not None:
+            skeleton = skeleton.with_checkpoint_dtypes({n: e.dtype for n, e in checkpoint.tensors.items()})
+    elif checkpoint is not None:
+        skeleton = skeleton_from_header(comp.name, checkpoint.tensors)
+    else:
+        raise SourceError(f"Component '{comp.name}' has neither a config nor weights.")
+    return skeleton, checkpoint

@@ -1,0 +1,232 @@
+"""Resolve a SOURCE (path, preset or Hub repo id) into components with configs and weights.
+
+No torch here: resolution reads JSON files only, so cached skeletons keep `inspect` fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import find_component_weights, legacy_weight_files
+from .errors import SourceError
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+# preset name -> bundled folder under presets/
+PRESETS = {
+    "flux": "flux.1-dev",
+    "flux-dev": "flux.1-dev",
+    "flux-schnell": "flux.1-schnell",
+    "sdxl": "sdxl-base-1.0",
+    "sd15": "sd-1.5",
+    "sd3": "sd3-medium",
+    "sd3-medium": "sd3-medium",
+    "tiny-flux": "tiny-flux",
+    "tiny-sdxl": "tiny-sdxl",
+    "tiny-sd15": "tiny-sd15",
+    "tiny-sd3": "tiny-sd3",
+}
+
+# Components that hold no weights: copied, never planned.
+WEIGHTLESS_HINTS = ("Tokenizer", "Scheduler", "FeatureExtractor", "ImageProcessor", "Processor")
+
+_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(/[\w.-]+)?$")
+
+
+@dataclass
+class ComponentSource:
+    """One component: where its config and weights are (either may be missing)."""
+
+    name: str
+    library: str | None
+    cls: str
+    config: dict | None
+    folder: Path | None
+    weights: Path | None  # index JSON or single .safetensors file
+    legacy_weights: list[Path] = field(default_factory=list)  # .bin/.pt files, for shard
+
+
+@dataclass
+class Source:
+    spec: str
+    kind: str  # "pipeline", "component" or "weights"
+    root: Path | None
+    pipeline_class: str | None = None
+    preset: str | None = None
+    model_index: dict | None = None
+    components: list[ComponentSource] = field(default_factory=list)  # weighted components
+    other_components: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+
+    def component(self, name: str) -> ComponentSource:
+        for comp in self.components:
+            if comp.name == name:
+                return comp
+        names = ", ".join(c.name for c in self.components)
+        raise SourceError(f"{self.spec} has no component '{name}': it has {names}.")
+
+
+def accepted_forms() -> str:
+    presets = ", ".join(PRESETS)
+    return (
+        "a pipeline folder (model_index.json), a component folder (config.json), a .safetensors file, "
+        f"an *.index.json file, a Hub repo id such as black-forest-labs/FLUX.1-dev, or a preset: {presets}"
+    )
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as error:
+        raise SourceError(f"{what} is missing: {path}.") from error
+    except OSError as error:
+        raise SourceError(f"Cannot read {path}: {error.strerror or error}.") from error
+    except ValueError as error:
+        raise SourceError(f"{path} is malformed JSON ({error}); fix or re-download it.") from error
+    if not isinstance(data, dict):
+        raise SourceError(f"{path} is not a JSON object; fix or re-download it.")
+    return data
+
+
+def resolve_source(spec: str) -> Source:
+    """SOURCE forms tried in DESIGN.md order: path, preset, Hub repo id."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _resolve_path(spec, path)
+    if spec in PRESETS:
+        source = _resolve_path(spec, PRESETS_DIR / PRESETS[spec])
+        source.preset = spec
+        return source
+    if _REPO_ID_RE.match(spec) and not spec.startswith((".", "/")):
+        return _resolve_hub(spec)
+    raise SourceError(f"Unknown SOURCE '{spec}': give {accepted_forms()}.")
+
+
+def _resolve_path(spec: str, path: Path) -> Source:
+    if path.is_file():
+        if path.name.endswith(".json") and "index" in path.name:
+            return _weights_only(spec, path)
+        if path.suffix == ".safetensors":
+            return _weights_only(spec, path)
+        if path.name == "model_index.json":
+            return _pipeline(spec, path.parent)
+        if path.name == "config.json":
+            return _component_folder(spec, path.parent)
+        raise SourceError(f"'{spec}' is a file dmap cannot read: give {accepted_forms()}.")
+    if (path / "model_index.json").is_file():
+        return _pipeline(spec, path)
+    if (path / "config.json").is_file():
+        return _component_folder(spec, path)
+    weights = find_component_weights(path)
+    if weights is not None:
+        return _weights_only(spec, weights)
+    raise SourceError(f"Folder '{spec}' has no model_index.json, config.json or safetensors weights: give {accepted_forms()}.")
+
+
+def _class_from_config(config: dict, where: Path) -> tuple[str | None, str]:
+    if "_class_name" in config:
+        return "diffusers", str(config["_class_name"])
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and architectures:
+        return "transformers", str(architectures[0])
+    raise SourceError(f"{where} names no model class ('_class_name' or 'architectures'): dmap cannot tell what it is.")
+
+
+def _component_folder(spec: str, folder: Path, name: str | None = None) -> Source:
+    config_path = folder / "config.json"
+    config = read_json(config_path, "config.json")
+    library, cls = _class_from_config(config, config_path)
+    comp = ComponentSource(
+        name or folder.name, library, cls, config, folder, find_component_weights(folder), legacy_weight_files(folder)
+    )
+    return Source(spec, "component", folder, components=[comp])
+
+
+def _pipeline(spec: str, root: Path) -> Source:
+    index_path = root / "model_index.json"
+    model_index = read_json(index_path, "model_index.json")
+    source = Source(spec, "pipeline", root, pipeline_class=model_index.get("_class_name"), model_index=model_index)
+    if not source.pipeline_class:
+        raise SourceError(f"{index_path} has no '_class_name': it is not a diffusers pipeline index.")
+    for name, value in model_index.items():
+        if name.startswith("_"):
+            continue
+        if not isinstance(value, list):
+            continue  # pipeline flags such as requires_safety_checker
+        if len(value) != 2:
+            raise SourceError(f"{index_path}: entry '{name}' should be [library, class], found {value!r}.")
+        library, cls = value
+        if library is None or cls is None:
+            source.other_components[name] = (library, cls)
+            continue
+        if any(hint in cls for hint in WEIGHTLESS_HINTS):
+            source.other_components[name] = (library, cls)
+            continue
+        folder = root / name
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise SourceError(f"Component '{name}' of {spec} has no config.json ({config_path} is missing).")
+        config = read_json(config_path, f"config.json of '{name}'")
+        source.components.append(
+            ComponentSource(name, library, cls, config, folder, find_component_weights(folder), legacy_weight_files(folder))
+        )
+    if not source.components:
+        raise SourceError(f"{index_path} lists no component with weights.")
+    return source
+
+
+def _weights_only(spec: str, weights: Path) -> Source:
+    folder = weights.parent
+    config_path = folder / "config.json"
+    if config_path.is_file():
+        config = read_json(config_path, "config.json")
+        library, cls = _class_from_config(config, config_path)
+    else:
+        config, library, cls = None, None, "?"
+    name = weights.name.split(".")[0].split("-0")[0]
+    comp = ComponentSource(name, library, cls, config, folder, weights)
+    return Source(spec, "weights", folder, components=[comp])
+
+
+def _resolve_hub(spec: str) -> Source:
+    """A repo id: the local HF cache first; the Hub (configs and index files only) when not offline."""
+    parts = spec.split("/")
+    repo_id, component = "/".join(parts[:2]), (parts[2] if len(parts) == 3 else None)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    configs_only = ["*.json", "*/*.json", "*.txt", "*/*.txt"]
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        if _offline():
+            raise SourceError(
+                f"'{spec}' is not in the local Hugging Face cache ({_cache_path()}) and HF_HUB_OFFLINE=1: "
+                "download it first or unset HF_HUB_OFFLINE."
+            ) from None
+        try:
+            folder = Path(snapshot_download(repo_id, allow_patterns=configs_only))
+        except Exception as error:  # network, auth, not found: one sentence, not a traceback
+            raise SourceError(f"Cannot fetch the configs of '{repo_id}' from the Hub: {error}.") from error
+    except Exception as error:
+        raise SourceError(f"Cannot resolve '{spec}' ({error}); give {accepted_forms()}.") from error
+    if component:
+        if not (folder / component).is_dir():
+            raise SourceError(f"'{repo_id}' has no folder '{component}'.")
+        source = _resolve_path(spec, folder / component)
+    else:
+        source = _resolve_path(spec, folder)
+    return source
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _cache_path() -> str:
+    return os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface")), "hub"
+    )

@@ -1,0 +1,181 @@
+"""Sizes, dtypes and device specs: the small vocabulary every command shares.
+
+Pure Python, no torch: `dmap --help` and the planner import this.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """`16GB` = 16e9, `16GiB` = 16*2**30, case-insensitive (unlike accelerate, `gb` is never bits)."""
+    if isinstance(text, int):
+        if text < 0:
+            raise UsageError(f"Size {text} is negative.")
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        if str(text).strip().startswith("-"):
+            raise UsageError(f"Size '{text}' is negative: sizes must be zero or more.")
+        raise UsageError(f"Cannot read size '{text}': use a number with a unit such as 500MB, 16GB or 16GiB.")
+    number, unit = match.groups()
+    unit = unit.upper()
+    if unit not in _UNITS:
+        raise UsageError(f"Unknown unit '{match.group(2)}' in size '{text}': use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB.")
+    return int(round(float(number) * _UNITS[unit]))
+
+
+def format_size(num_bytes: int | float, binary: bool = False) -> str:
+    """Decimal units by default, as the Hub and diffusers print them."""
+    base, units = (1024, ["B", "KiB", "MiB", "GiB", "TiB"]) if binary else (1000, ["B", "KB", "MB", "GB", "TB"])
+    value = float(num_bytes)
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit in units:
+        if value < base or unit == units[-1]:
+            if unit == "B":
+                return f"{sign}{int(value)} B"
+            return f"{sign}{value:.2f} {unit}"
+        value /= base
+    raise AssertionError("unreachable")
+
+
+# dtype names as torch spells them, with the sizes the planner needs without importing torch.
+DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+}
+FLOATING_DTYPES = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+
+# safetensors header spellings <-> torch spellings
+SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+}
+TORCH_TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+}
+
+
+def parse_dtype(text: str) -> str:
+    """`bf16|fp16|fp32` (or torch spellings) -> torch dtype name."""
+    name = _DTYPE_ALIASES.get(str(text).strip().lower())
+    if name is None:
+        raise UsageError(f"Unknown dtype '{text}': use bf16, fp16 or fp32.")
+    return name
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """One device of the target machine and the bytes dmap may use on it."""
+
+    device: int | str  # GPU index, "cpu", "mps" or "disk"
+    capacity_bytes: int | None  # None: unlimited (disk only)
+
+    @property
+    def key(self) -> str:
+        return str(self.device)
+
+    @property
+    def is_gpu(self) -> bool:
+        return isinstance(self.device, int) or self.device == "mps"
+
+
+def _parse_device_name(name: str) -> int | str:
+    name = name.strip().lower()
+    if name.isdigit():
+        return int(name)
+    if name.startswith("cuda:") and name[5:].isdigit():
+        return int(name[5:])
+    if name in ("cpu", "mps", "disk"):
+        return name
+    raise UsageError(f"Unknown device '{name}' in --max-memory: use a GPU index (0), cuda:N, cpu, mps or disk.")
+
+
+def parse_device_spec(spec: str) -> list[DeviceBudget]:
+    """`0=16GB,1=16GB,cpu=64GB,disk` -> budgets in placement order: GPUs, mps, cpu, disk."""
+    budgets: dict[int | str, DeviceBudget] = {}
+    if not spec or not spec.strip():
+        raise UsageError("--max-memory is empty: give devices like 0=16GB,1=16GB,cpu=64GB.")
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            raise UsageError(f"Empty entry in --max-memory '{spec}'.")
+        name, _, size_text = item.partition("=")
+        device = _parse_device_name(name)
+        if device in budgets:
+            raise UsageError(f"Device '{name.strip()}' appears twice in --max-memory '{spec}'.")
+        if not size_text.strip():
+            if device != "disk":
+                raise UsageError(f"Device '{name.strip()}' has no size in --max-memory: write it as {name.strip()}=16GB.")
+            capacity = None
+        else:
+            capacity = parse_size(size_text)
+            if device == "disk" and capacity == 0:
+                raise UsageError("disk=0 in --max-memory: leave the size out (disk) for unlimited, or drop disk.")
+        budgets[device] = DeviceBudget(device, capacity)
+    return sorted(budgets.values(), key=_device_rank)
+
+
+def _device_rank(budget: DeviceBudget) -> tuple[int, int]:
+    device = budget.device
+    if isinstance(device, int):
+        return (0, device)
+    return ({"mps": 1, "cpu": 2, "disk": 3}[device], 0)
+
+
+def format_device_spec(budgets: list[DeviceBudget]) -> str:
+    return ",".join(b.key if b.capacity_bytes is None else f"{b.key}={b.capacity_bytes}" for b in budgets)

@@ -1,0 +1,17 @@
+# Sourced by scripts/test and scripts/demo: create .venv if missing and install pinned packages.
+# torch goes first and pinned, so that nothing later pulls a multi-GB CUDA build.
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=".venv/.dmap-setup-$(cat pyproject.toml scripts/requirements-pinned.txt | sha256sum | cut -c1-16)-${TORCH_SPEC//[^A-Za-z0-9.=]/_}"
+if [ ! -f "$stamp" ]; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r scripts/requirements-pinned.txt "$TORCH_SPEC" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import torch, diffusers, transformers, accelerate, safetensors, typer, rich, dm_cli" \
+    || { echo "setup failed: see the pip output above" >&2; exit 1; }
+  rm -f .venv/.dmap-setup-*
+  touch "$stamp"
+fi
