@@ -25,7 +25,7 @@ def inspect(
 
         print_json(report.to_json())
     else:
-        from ..render import render_inspect
+        from ..render.inspect import render_inspect
 
         render_inspect(report, binary=binary)
     return 0

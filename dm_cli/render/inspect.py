@@ -1,25 +1,9 @@
-"""Rich rendering: tables, trees and bars for people. The only module that imports Rich."""
+"""Rendering of `dmap inspect`."""
 
 from __future__ import annotations
 
-import os
-import sys
-
-from .units import format_size
-
-
-def console(stderr: bool = False):
-    from rich.console import Console
-
-    stream = sys.stderr if stderr else sys.stdout
-    # Tables are wide: give them room when piped (Rich assumes 80 columns off a terminal).
-    width = None if stream.isatty() or os.environ.get("COLUMNS") else 140
-    return Console(stderr=stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, width=width)
-
-
-def _num(n: int) -> str:
-    return f"{n:,}"
-
+from ..units import format_size
+from . import console, num as _num
 
 def render_inspect(report, binary: bool = False) -> None:
     from rich.table import Table

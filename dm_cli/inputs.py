@@ -1,0 +1,37 @@
+"""What the user asks a pipeline for (resolution, batch, CFG, sequence length), as plain data.
+
+Shared by the tracer (activation estimates), the planner and the runner. No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """The inputs a plan is made for. height == width == 0 means weights only (no activations)."""
+
+    height: int = 1024
+    width: int = 1024
+    batch_size: int = 1
+    num_images: int = 1  # images per prompt: the models see batch_size * num_images
+    guidance_scale: float | None = None  # None: the pipeline's default
+    max_sequence_length: int | None = None  # None: the pipeline's default (T5 tokens)
+
+    @property
+    def weights_only(self) -> bool:
+        return self.height == 0 or self.width == 0
+
+    @property
+    def effective_batch(self) -> int:
+        return self.batch_size * self.num_images
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "InputSpec":
+        fields = {k: data[k] for k in ("height", "width", "batch_size", "num_images", "guidance_scale",
+                                        "max_sequence_length") if k in data}
+        return cls(**fields)
