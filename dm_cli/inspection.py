@@ -50,6 +50,7 @@ class InspectReport:
     pipeline_class: str | None
     dtype: str | None  # requested dtype; None = as stored / bf16 for configs
     components: list[ComponentReport]
+    notes: list[str] = field(default_factory=list)
 
     @property
     def total_params(self) -> int:
@@ -72,6 +73,7 @@ class InspectReport:
             "components": [c.to_json() for c in self.components],
             "total": {"params": self.total_params, "bytes": self.total_bytes},
             "problems": self.problems,
+            "notes": self.notes,
         }
 
 
@@ -120,5 +122,5 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
                 problems=[str(p) for p in checkpoint.problems] if checkpoint else [],
             )
         )
-    return InspectReport(spec, source.kind, source.pipeline_class, dtype, reports)
+    return InspectReport(spec, source.kind, source.pipeline_class, dtype, reports, source.notes)
 

@@ -34,6 +34,9 @@ PRESETS = {
 # Components that hold no weights: copied, never planned.
 WEIGHTLESS_HINTS = ("Tokenizer", "Scheduler", "FeatureExtractor", "ImageProcessor", "Processor")
 
+# Listed by some pipelines but optional at load time (diffusers loads them as None when absent).
+OPTIONAL_COMPONENTS = ("safety_checker", "feature_extractor", "image_encoder")
+
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(/[\w.-]+)?$")
 
 
@@ -60,6 +63,7 @@ class Source:
     model_index: dict | None = None
     components: list[ComponentSource] = field(default_factory=list)  # weighted components
     other_components: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def component(self, name: str) -> ComponentSource:
         for comp in self.components:
@@ -167,6 +171,10 @@ def _pipeline(spec: str, root: Path) -> Source:
             continue
         folder = root / name
         config_path = folder / "config.json"
+        if not folder.exists() and name in OPTIONAL_COMPONENTS:
+            source.other_components[name] = (library, cls)
+            source.notes.append(f"'{name}' ({cls}) is listed in model_index.json but has no folder: left out.")
+            continue
         if not config_path.is_file():
             raise SourceError(f"Component '{name}' of {spec} has no config.json ({config_path} is missing).")
         config = read_json(config_path, f"config.json of '{name}'")

@@ -28,4 +28,12 @@ def inspect(
         from ..render.inspect import render_inspect
 
         render_inspect(report, binary=binary)
+    if report.problems:
+        from ..errors import EXIT_USAGE
+
+        if as_json:  # the table renderer already listed them
+            import sys
+
+            print(f"Error: {len(report.problems)} checkpoint problem(s), first: {report.problems[0]}", file=sys.stderr)
+        return EXIT_USAGE  # a corrupt checkpoint is bad input: scripts can tell
     return 0

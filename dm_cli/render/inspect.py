@@ -39,6 +39,8 @@ def render_inspect(report, binary: bool = False) -> None:
                 tree_table.add_row("  " * (row["depth"] - 1) + row["name"].rpartition(".")[2], row["class"] + marker,
                                    _num(row["params"]), format_size(row["bytes"], binary))
             out.print(tree_table)
+    for note in report.notes:
+        out.print(f"note: {note}", markup=False)
     problems = report.problems
     if problems:
         err = console(stderr=True)
