@@ -1,0 +1,821 @@
+"""Meta-device forward passes: execution order, activation peaks and cross-device checks.
+
+One engine (`_Session`) runs a component's forward under a torch dispatch mode and module hooks:
+- it records the order in which modules holding weights first run (UNets run down -> mid -> up,
+  not in registration order);
+- it counts live activation bytes per storage (added when an op creates a storage, removed when the
+  last tensor using it dies) and the peak while each module runs. On meta, scaled-dot-product
+  attention decomposes and materialises the n^2 matrix that the CPU/CUDA fused kernels never
+  allocate, so it is replaced by an empty output of the right shape;
+- it tags every tensor with a virtual device (or, to find unsplittable modules, with the module it
+  came from) and reports ops that combine tensors of two tags, moving inputs at module boundaries
+  as accelerate's AlignDevicesHook does.
+
+torch is imported inside functions only: `dmap --help` must not pay for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import sys
+import tempfile
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from .inputs import InputSpec
+from .pipelines import CallSpec, TensorSpec, call_spec, generic_argument
+
+TRACE_FORMAT_VERSION = 1
+WEIGHTS_ONLY_SIZE = 256  # resolution used to find the execution order when no inputs are given
+_TAG = "_dmap_tag"
+
+
+@dataclass
+class ComponentTrace:
+    execution_order: list[str]  # modules holding tensors directly, in first-call order, then never-called ones
+    module_peaks: dict[str, int]  # module prefix -> peak live activation bytes while its forward ran
+    activation_peak: int  # peak live activation bytes over the whole call (weights excluded)
+    unsplittable: list[str]  # modules (not the root) whose own forward combines tensors of two children,
+    # or of a child and its own inputs: splitting their children across devices fails
+    fallback_warning: str | None = None  # set when no forward could run and registration order was used
+    same_device_groups: dict[str, list[list[str]]] = field(default_factory=dict)  # module -> groups of its
+    # children (or itself: its inputs/own tensors) that its forward combines: each group must share a device
+    inputs: dict = field(default_factory=dict)  # the call that was traced (method, argument shapes)
+    dtype: str = ""  # dtype the component ran in
+    seconds: float = 0.0  # time the trace took (0 when it came from the cache)
+
+    def to_json(self) -> dict:
+        return {
+            "format": "dmap-trace",
+            "version": TRACE_FORMAT_VERSION,
+            "execution_order": self.execution_order,
+            "module_peaks": self.module_peaks,
+            "activation_peak": self.activation_peak,
+            "unsplittable": self.unsplittable,
+            "fallback_warning": self.fallback_warning,
+            "same_device_groups": self.same_device_groups,
+            "inputs": self.inputs,
+            "dtype": self.dtype,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ComponentTrace":
+        if data.get("format") != "dmap-trace" or data.get("version") != TRACE_FORMAT_VERSION:
+            raise ValueError("not a current dmap trace")
+        return cls(
+            execution_order=list(data["execution_order"]),
+            module_peaks={k: int(v) for k, v in data["module_peaks"].items()},
+            activation_peak=int(data["activation_peak"]),
+            unsplittable=list(data["unsplittable"]),
+            fallback_warning=data.get("fallback_warning"),
+            same_device_groups={k: [list(g) for g in v] for k, v in data.get("same_device_groups", {}).items()},
+            inputs=dict(data.get("inputs", {})),
+            dtype=data.get("dtype", ""),
+            seconds=float(data.get("seconds", 0.0)),
+        )
+
+
+# --- the engine ------------------------------------------------------------------------------------
+
+
+def _iter_tensors(value, torch):
+    """Tensors in an op's or a module's arguments (nested lists, tuples and dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _iter_tensors(item, torch)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _iter_tensors(item, torch)
+
+
+@lru_cache(maxsize=1)
+def _mode_classes():
+    """The dispatch and function modes, defined on first use so that importing this module needs no torch."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    to_methods = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
+
+    class DispatchMode(TorchDispatchMode):
+        def __init__(self, session):
+            super().__init__()
+            self.session = session
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            self.session.after_op(func, args, kwargs, out)
+            return out
+
+    class FunctionMode(TorchFunctionMode):
+        def __init__(self, session):
+            super().__init__()
+            self.session = session
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is sdpa and self.session.replace_sdpa:
+                return self.session.fused_attention(*args, **kwargs)
+            if func in to_methods and self.session.tag_mode is not None:
+                caller = sys._getframe(1).f_globals.get("__name__", "")
+                out = func(*args, **kwargs)
+                if _explicit_device(func, args, kwargs) and not caller.startswith("accelerate"):
+                    # model code moving a tensor to a named device (x.to(y.device)): on meta we cannot
+                    # tell which virtual device is meant, so the result is compatible with any.
+                    if out is args[0]:
+                        out = out.view_as(out)
+                    self.session.set_tag(out, None)
+                return out
+            return func(*args, **kwargs)
+
+    def _explicit_device(func, args, kwargs):
+        if func is not torch.Tensor.to:
+            return True
+        if "device" in kwargs or "other" in kwargs:
+            return True
+        return any(isinstance(a, (torch.device, str, int, torch.Tensor)) and not isinstance(a, bool) for a in args[1:])
+
+    return DispatchMode, FunctionMode
+
+
+class _Session:
+    """Hooks + modes around one forward. `tag_mode`: None, "device" (virtual devices) or "provenance"."""
+
+    def __init__(self, model, *, track_memory=False, replace_sdpa=False, tag_mode=None, device_map=None,
+                 problems: list | None = None, seen_problems: set | None = None):
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.track_memory = track_memory
+        self.replace_sdpa = replace_sdpa
+        self.tag_mode = tag_mode
+        # memory
+        self.live = 0
+        self.peak = 0
+        self.storage_refs: dict[int, int] = {}  # storage -> live tensors using it
+        self.storage_bytes: dict[int, int] = {}
+        self.weight_storages: set[int] = set()
+        # modules
+        self.names: dict[int, str] = {}
+        self.classes: dict[str, str] = {}
+        self.holds_tensors: set[str] = set()
+        self.weight_owner: dict[int, str] = {}
+        self.order: list[str] = []
+        self.ordered: set[str] = set()
+        self.called: set[str] = set()
+        self.stack: list[list] = []  # [prefix, peak while running]
+        self.module_peaks: dict[str, int] = {}
+        # tags
+        self.recolor: dict[str, frozenset] = {}  # module prefix -> tag its inputs get at entry
+        self.tagged: list = []
+        self.problems: list[str] = problems if problems is not None else []
+        self._seen_problems: set = seen_problems if seen_problems is not None else set()
+        self.groups: dict[str, list[frozenset]] = {}
+        self._unit_cache: dict[tuple[str, str], str] = {}
+        self._handles: list = []
+        self._modes: list = []
+
+        for prefix, module in model.named_modules():
+            if id(module) in self.names:
+                continue
+            self.names[id(module)] = prefix
+            self.classes[prefix] = type(module).__name__
+            own = [t for t in list(module._parameters.values()) + list(module._buffers.values()) if t is not None]
+            if own:
+                self.holds_tensors.add(prefix)
+            for tensor in own:
+                self.weight_owner.setdefault(id(tensor), prefix)
+                if track_memory:
+                    self.weight_storages.add(self._storage_key(tensor))
+        if tag_mode == "provenance":
+            for prefix in self.classes:
+                self.recolor[prefix] = frozenset((prefix,))
+            for name, tensor in self._named_tensors():
+                self.set_tag(tensor, frozenset((self.weight_owner.get(id(tensor), ""),)))
+                self.tagged.append(tensor)
+        elif tag_mode == "device":
+            self._setup_devices(device_map or {})
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    def _named_tensors(self):
+        seen = set()
+        for prefix, module in self.model.named_modules():
+            for collection in (module._parameters, module._buffers):
+                for name, tensor in collection.items():
+                    if tensor is None or id(tensor) in seen:
+                        continue
+                    seen.add(id(tensor))
+                    yield (f"{prefix}.{name}" if prefix else name), tensor
+
+    def _setup_devices(self, device_map: dict) -> None:
+        placed = {str(k): _normalise_device(v) for k, v in device_map.items()}
+        gpus = sorted({d for d in placed.values() if d not in ("cpu", "disk")}, key=str)
+        main = gpus[0] if gpus else "cpu"
+        execution = {k: (main if d in ("cpu", "disk") else d) for k, d in placed.items()}
+        uncovered: dict[str, int] = {}
+        for name, tensor in self._named_tensors():
+            key = _longest_prefix(name, execution)
+            if key is None:
+                owner = name.rpartition(".")[0]
+                uncovered[owner] = uncovered.get(owner, 0) + 1
+                continue
+            self.set_tag(tensor, frozenset((execution[key],)))
+            self.tagged.append(tensor)
+        if uncovered:
+            owners = sorted(uncovered)
+            shown = ", ".join(o or "(root)" for o in owners[:3]) + (", ..." if len(owners) > 3 else "")
+            self.report(f"device_map places no entry for {sum(uncovered.values())} tensors of {len(owners)} modules "
+                        f"({shown}): accelerate would refuse the map", key=("uncovered",))
+        if len(set(execution.values())) > 1 or "disk" in placed.values():
+            # accelerate hooks: every mapped module and, below one, every module holding tensors
+            for prefix in self.classes:
+                key = _longest_prefix(prefix, execution)
+                if key is None:
+                    continue
+                if prefix == key or prefix in self.holds_tensors:
+                    self.recolor[prefix] = frozenset((execution[key],))
+            self.recolor[""] = frozenset((main,))
+
+    # --- enter / exit --------------------------------------------------------------------------------
+
+    def __enter__(self):
+        dispatch_cls, function_cls = _mode_classes()
+        for module in self.model.modules():
+            prefix = self.names.get(id(module))
+            if prefix is None:
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(prefix), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_hook(prefix), always_call=True))
+        self._modes = [function_cls(self), dispatch_cls(self)]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        self._modes = []
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for tensor in self.tagged:
+            try:
+                delattr(tensor, _TAG)
+            except AttributeError:
+                pass
+        self.tagged = []
+        return False
+
+    # --- module boundaries -------------------------------------------------------------------
+
+    def enter_module(self, prefix: str) -> None:
+        self.stack.append([prefix, self.live])
+        self.called.add(prefix)
+        if prefix in self.holds_tensors and prefix not in self.ordered:
+            self.ordered.add(prefix)
+            self.order.append(prefix)
+
+    def exit_module(self, prefix: str) -> None:
+        if not any(frame[0] == prefix for frame in self.stack):
+            return
+        while self.stack:
+            name, peak = self.stack.pop()
+            peak = max(peak, self.live)
+            if self.stack:
+                self.stack[-1][1] = max(self.stack[-1][1], peak)
+            self.module_peaks[name] = max(self.module_peaks.get(name, 0), peak)
+            if name == prefix:
+                break
+
+    def _pre_hook(self, prefix):
+        def hook(module, args, kwargs):
+            self.enter_module(prefix)
+            target = self.recolor.get(prefix)
+            if target is None:
+                return None
+            return self._move(args, target), self._move(kwargs, target)
+
+        return hook
+
+    def _post_hook(self, prefix):
+        def hook(module, args, kwargs_or_output, output=None):
+            self.exit_module(prefix)
+            return None
+
+        return hook
+
+    def _move(self, value, target):
+        """What accelerate's send_to_device does to a module's inputs: tensors land on `target`."""
+        torch = self.torch
+        if isinstance(value, torch.Tensor):
+            if getattr(value, _TAG, None) == target:
+                return value
+            alias = value.view_as(value)
+            self.set_tag(alias, target)
+            return alias
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(self._move(v, target) for v in value)
+        if isinstance(value, list):
+            return [self._move(v, target) for v in value]
+        if type(value) is dict:
+            return {k: self._move(v, target) for k, v in value.items()}
+        return value
+
+    # --- ops -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _storage_key(tensor) -> int:
+        return tensor.untyped_storage()._cdata
+
+    def set_tag(self, tensor, tag) -> None:
+        try:
+            setattr(tensor, _TAG, tag)
+        except (AttributeError, RuntimeError):
+            pass
+
+    def after_op(self, func, args, kwargs, out) -> None:
+        torch = self.torch
+        inputs = list(_iter_tensors(args, torch))
+        if kwargs:
+            inputs.extend(_iter_tensors(kwargs, torch))
+        input_ids = {id(t) for t in inputs}
+        for tensor in inputs:
+            owner = self.weight_owner.get(id(tensor))
+            if owner is not None and owner not in self.ordered:
+                self.ordered.add(owner)
+                self.order.append(owner)
+        outputs = [t for t in _iter_tensors(out, torch) if id(t) not in input_ids]
+        if self.tag_mode is not None:
+            tag = self.combine(inputs, func)
+            if tag is not None:
+                for tensor in outputs:
+                    self.set_tag(tensor, tag)
+        if self.track_memory:
+            for tensor in outputs:
+                self._track(tensor)
+            if self.live > self.peak:
+                self.peak = self.live
+            if self.stack and self.live > self.stack[-1][1]:
+                self.stack[-1][1] = self.live
+
+    def _track(self, tensor) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key = storage._cdata
+        if key in self.weight_storages:
+            return
+        refs = self.storage_refs.get(key)
+        if refs is None:
+            nbytes = storage.nbytes()
+            self.storage_refs[key] = 1
+            self.storage_bytes[key] = nbytes
+            self.live += nbytes
+        else:
+            self.storage_refs[key] = refs + 1
+        weakref.finalize(tensor, self._release, key).atexit = False
+
+    def _release(self, key: int) -> None:
+        refs = self.storage_refs.get(key)
+        if refs is None:
+            return
+        if refs <= 1:
+            del self.storage_refs[key]
+            self.live -= self.storage_bytes.pop(key, 0)
+        else:
+            self.storage_refs[key] = refs - 1
+
+    def combine(self, tensors, func):
+        """Tag of an op's result; report the op when its inputs carry different tags."""
+        tags = [t for t in (getattr(x, _TAG, None) for x in tensors) if t]
+        if not tags:
+            return None
+        first = tags[0]
+        if all(t == first for t in tags):
+            return first
+        union = frozenset().union(*tags)
+        op = _op_name(func)
+        where = self.stack[-1][0] if self.stack else ""
+        if self.tag_mode == "provenance":
+            units = frozenset(self._unit(where, c) for c in union)
+            if len(units) > 1:
+                self.groups.setdefault(where, []).append(units)
+            return union
+        devices = sorted(union, key=str)
+        shown = " and ".join(str(d) for d in devices)
+        self.report(f"{where or '(root)'} ({self.classes.get(where, '?')}) combines tensors on devices {shown} in {op}",
+                    key=(where, op, tuple(devices)))
+        return first
+
+    def _unit(self, frame: str, color: str) -> str:
+        """Which called child of `frame` a tagged tensor came from (`frame` itself for its inputs/own tensors)."""
+        key = (frame, color)
+        cached = self._unit_cache.get(key)
+        if cached is not None:
+            return cached
+        if color == frame:
+            unit = frame
+        elif frame and not color.startswith(frame + "."):
+            unit = frame  # reached the frame some other way than through a child: treat as its own
+        else:
+            rest = color[len(frame) + 1:] if frame else color
+            unit = color
+            base = frame
+            for part in rest.split("."):
+                base = f"{base}.{part}" if base else part
+                if base in self.called:
+                    unit = base
+                    break
+        self._unit_cache[key] = unit
+        return unit
+
+    def report(self, message: str, key) -> None:
+        if key in self._seen_problems:
+            return
+        self._seen_problems.add(key)
+        self.problems.append(message)
+
+    def fused_attention(self, query, key, value, attn_mask=None, *args, **kwargs):
+        """What fused SDPA kernels allocate: the output only (the meta decomposition would materialise n^2)."""
+        torch = self.torch
+        shape = tuple(query.shape[:-1]) + (value.shape[-1],)
+        out = torch.empty(shape, dtype=query.dtype, device=query.device)
+        if self.tag_mode is not None:
+            tensors = [query, key, value] + ([attn_mask] if isinstance(attn_mask, torch.Tensor) else [])
+            tag = self.combine(tensors, "aten.scaled_dot_product_attention")
+            self.set_tag(out, tag)
+        return out
+
+    # --- results -------------------------------------------------------------------------------
+
+    def execution_order(self) -> list[str]:
+        order = list(self.order)
+        seen = set(order)
+        for prefix in self.classes:
+            if prefix in self.holds_tensors and prefix not in seen:
+                order.append(prefix)
+        return order
+
+    def same_device_groups(self) -> dict[str, list[list[str]]]:
+        result = {}
+        for frame, sets in self.groups.items():
+            parent: dict[str, str] = {}
+
+            def find(x):
+                while parent.setdefault(x, x) != x:
+                    parent[x] = parent[parent[x]]
+                    x = parent[x]
+                return x
+
+            for units in sets:
+                items = sorted(units)
+                for other in items[1:]:
+                    parent[find(other)] = find(items[0])
+            merged: dict[str, list[str]] = {}
+            for item in parent:
+                merged.setdefault(find(item), []).append(item)
+            result[frame] = sorted(sorted(g) for g in merged.values() if len(g) > 1)
+        return result
+
+
+def _op_name(func) -> str:
+    if isinstance(func, str):
+        return func
+    packet = getattr(func, "_overloadpacket", None)
+    name = getattr(packet, "__name__", None) or str(func).split(".")[0]
+    namespace = getattr(func, "namespace", "aten")
+    return f"{namespace}.{name}"
+
+
+def _normalise_device(value):
+    if isinstance(value, bool):
+        raise ValueError(f"not a device: {value!r}")
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().lower()
+    if text.isdigit():
+        return int(text)
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    return text
+
+
+def _longest_prefix(name: str, mapping: dict):
+    """The device_map key that places `name` (a tensor or module name), as accelerate matches them."""
+    candidate = name
+    while True:
+        if candidate in mapping:
+            return candidate
+        if not candidate:
+            return None
+        candidate = candidate.rpartition(".")[0]
+
+
+# --- building the model and its inputs ---------------------------------------------------------
+
+
+_MODEL_CACHE: "OrderedDict[str, object]" = OrderedDict()
+_MODEL_CACHE_SIZE = 3
+
+
+def _meta_model(comp, dtype: str):
+    """The component on meta, cast as loading casts it; a few kept in memory for repeated checks."""
+    from .skeleton import build_on_meta, guess_library
+
+    library = comp.library or guess_library(comp.cls)
+    key = json.dumps([library, comp.cls, comp.config, dtype], sort_keys=True, default=str)
+    model = _MODEL_CACHE.get(key)
+    if model is not None:
+        _MODEL_CACHE.move_to_end(key)
+        return model
+    model = build_on_meta(library, comp.cls, comp.config or {})
+    cast_like_loading(model, library, dtype)
+    model.eval()
+    _MODEL_CACHE[key] = model
+    while len(_MODEL_CACHE) > _MODEL_CACHE_SIZE:
+        _MODEL_CACHE.popitem(last=False)
+    return model
+
+
+def cast_like_loading(model, library: str | None, dtype: str) -> None:
+    """Floating tensors to `dtype`, keep-in-fp32 modules in float32, integer buffers untouched."""
+    import torch
+
+    from .skeleton import _fp32_rules, _fp32_when
+
+    rules = _fp32_rules(model, library or "")
+    for prefix, module in model.named_modules():
+        for collection in (module._parameters, module._buffers):
+            for name, tensor in list(collection.items()):
+                if tensor is None:
+                    continue
+                full = f"{prefix}.{name}" if prefix else name
+                if tensor.is_floating_point():
+                    target = "float32" if dtype in _fp32_when(full, rules) else dtype
+                    tensor.data = tensor.data.to(getattr(torch, target))
+                if isinstance(tensor, torch.nn.Parameter):
+                    tensor.requires_grad_(False)
+
+
+def _materialise(value, dtype, device):
+    import torch
+
+    if isinstance(value, TensorSpec):
+        if value.kind == "long":
+            return torch.zeros(value.shape, dtype=torch.long, device=device)
+        return torch.zeros(value.shape, dtype=dtype, device=device)
+    if isinstance(value, dict):
+        return {k: _materialise(v, dtype, device) for k, v in value.items()}
+    return value
+
+
+def _generic_call(model, comp, inputs: InputSpec) -> CallSpec | None:
+    """Plausible arguments for an unknown model's forward, from its signature and config."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    kwargs = {}
+    for name, parameter in signature.parameters.items():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        value = generic_argument(name, comp, inputs)
+        if value is None:
+            if parameter.default is parameter.empty:
+                return None
+            continue
+        if name == "return_dict" and parameter.default is parameter.empty:
+            continue
+        kwargs[name] = value
+    if not any(isinstance(v, TensorSpec) for v in kwargs.values()):
+        return None
+    return CallSpec("forward", kwargs, description="generic inputs from the forward signature")
+
+
+def _full_config(model, comp) -> dict:
+    """The built model's config (class defaults filled in) over the component's config.json."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return dict(comp.config or {})
+    full = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    full.update(comp.config or {})
+    return full
+
+
+def _resolve_call(model, comp, pipeline_class, inputs: InputSpec) -> CallSpec | None:
+    spec = call_spec(comp, pipeline_class, inputs)
+    if spec is None:
+        spec = _generic_call(model, dataclasses.replace(comp, config=_full_config(model, comp)), inputs)
+    return spec
+
+
+def _run(model, spec: CallSpec, dtype: str, session: _Session):
+    """Build the inputs inside the session (so they count as activations) and call the component."""
+    import torch
+
+    device = next((p.device for p in model.parameters()), torch.device("meta"))
+    with torch.no_grad(), session:
+        session.enter_module("")
+        try:
+            kwargs = _materialise(spec.kwargs, getattr(torch, dtype), device)
+            root_device = session.recolor.get("")
+            if root_device is not None:  # accelerate's root hook: inputs go to the main device
+                kwargs = session._move(kwargs, root_device)
+            method = model if spec.method == "forward" else getattr(model, spec.method)
+            output = method(**kwargs)
+            del kwargs
+            return output
+        finally:
+            session.exit_module("")
+
+
+# --- public API --------------------------------------------------------------------------------
+
+
+def _library_versions() -> str:
+    from .skeleton import _library_versions as versions
+
+    return versions()
+
+
+def _trace_key(comp, pipeline_class, spec_shapes, dtype, weights_only) -> str:
+    blob = json.dumps(
+        {"library": comp.library, "class": comp.cls, "config": comp.config, "pipeline": pipeline_class,
+         "call": spec_shapes, "dtype": dtype, "weights_only": weights_only, "versions": _library_versions(),
+         "format": TRACE_FORMAT_VERSION},
+        sort_keys=True, default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _write_atomic(path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache that cannot be written only costs time
+
+
+def compute_dtype(spec: CallSpec | None, dtype: str) -> str:
+    """The dtype the component runs in (an fp16 SDXL VAE decodes in fp32)."""
+    if spec is not None and spec.upcast_fp16 and dtype == "float16":
+        return "float32"
+    return dtype
+
+
+def trace_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str,
+                    use_cache: bool = True) -> ComponentTrace:
+    """Execution order, activation peaks and unsplittable modules of one component for `inputs`.
+
+    Cached in `cache_dir()/traces/` keyed by config, class, call shapes, dtype and library versions.
+    """
+    from .skeleton import cache_dir
+
+    dtype = _torch_dtype_name(dtype, comp)
+    weights_only = inputs.weights_only
+    shape_inputs = InputSpec(WEIGHTS_ONLY_SIZE, WEIGHTS_ONLY_SIZE, 1, 1, inputs.guidance_scale,
+                             inputs.max_sequence_length) if weights_only else inputs
+    spec = call_spec(comp, pipeline_class, shape_inputs)
+    run_dtype = compute_dtype(spec, dtype)
+    key = _trace_key(comp, pipeline_class, spec.shapes() if spec else "generic:" + json.dumps(shape_inputs.to_json()),
+                     run_dtype, weights_only)
+    path = cache_dir() / "traces" / f"{key}.json"
+    if use_cache and path.is_file():
+        try:
+            cached = ComponentTrace.from_json(json.loads(path.read_text()))
+            cached.seconds = 0.0
+            return cached
+        except (ValueError, KeyError, TypeError):
+            pass
+    start = time.perf_counter()
+    trace = _trace_uncached(comp, pipeline_class, shape_inputs, run_dtype)
+    if weights_only:
+        trace.activation_peak = 0
+        trace.module_peaks = {k: 0 for k in trace.module_peaks}
+    trace.seconds = round(time.perf_counter() - start, 3)
+    if use_cache and trace.fallback_warning is None:
+        _write_atomic(path, json.dumps(trace.to_json()))
+    return trace
+
+
+def _torch_dtype_name(dtype: str | None, comp) -> str:
+    """bf16/fp16/fp32 or torch spellings -> torch name; None: the checkpoint's dominant dtype."""
+    from .units import parse_dtype
+
+    if dtype is None:
+        from .skeleton import skeleton_for_component
+
+        try:
+            return skeleton_for_component(comp)[0].dominant_dtype(None)
+        except Exception:
+            return "bfloat16"
+    return parse_dtype(dtype)
+
+
+def _trace_uncached(comp, pipeline_class, inputs: InputSpec, dtype: str) -> ComponentTrace:
+    from .errors import SourceError
+
+    if comp.config is None:
+        return ComponentTrace([], {}, 0, [], f"{comp.name} has no config.json: dmap cannot run it, so the "
+                              "order is the checkpoint's and there is no activation estimate.", dtype=dtype)
+    try:
+        model = _meta_model(comp, dtype)
+    except SourceError as error:
+        return ComponentTrace([], {}, 0, [], f"{error} No execution order or activation estimate.", dtype=dtype)
+    spec = _resolve_call(model, comp, pipeline_class, inputs)
+    session = _Session(model, track_memory=True, replace_sdpa=True, tag_mode="provenance")
+    warning = None
+    if spec is None:
+        warning = (f"dmap does not know how to call {comp.cls} ({comp.name}): using registration order, "
+                   "no activation estimate.")
+    else:
+        try:
+            output = _run(model, spec, dtype, session)
+            del output
+        except Exception as error:  # any model code may fail on meta: fall back, say why
+            warning = (f"Tracing {comp.cls} ({comp.name}) on the meta device failed ({type(error).__name__}: "
+                       f"{str(error).splitlines()[0][:200] if str(error) else ''}): using registration order, "
+                       "no activation estimate.")
+    if warning is not None:
+        order = [prefix for prefix in session.classes if prefix in session.holds_tensors]
+        return ComponentTrace(order, {}, 0, [], warning, {}, spec.shapes() if spec else {}, dtype)
+    groups = session.same_device_groups()
+    rank = {p: i for i, p in enumerate(session.classes)}
+    unsplittable = sorted((p for p, g in groups.items() if p and g), key=lambda p: rank.get(p, 0))
+    return ComponentTrace(
+        execution_order=session.execution_order(),
+        module_peaks=dict(session.module_peaks),
+        activation_peak=session.peak,
+        unsplittable=unsplittable,
+        fallback_warning=None,
+        same_device_groups=groups,
+        inputs=spec.shapes(),
+        dtype=dtype,
+    )
+
+
+def check_device_map(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str,
+                     device_map: dict) -> list[str]:
+    """Simulate `device_map` on the meta device; one message per op that mixes two devices ([] = it runs)."""
+    dtype = _torch_dtype_name(dtype, comp)
+    shape_inputs = InputSpec(WEIGHTS_ONLY_SIZE, WEIGHTS_ONLY_SIZE, 1, 1, inputs.guidance_scale,
+                             inputs.max_sequence_length) if inputs.weights_only else inputs
+    spec0 = call_spec(comp, pipeline_class, shape_inputs)
+    run_dtype = compute_dtype(spec0, dtype)
+    if comp.config is None:
+        return [f"{comp.name} has no config.json: dmap cannot run it, the split was not checked."]
+    model = _meta_model(comp, run_dtype)
+    spec = _resolve_call(model, comp, pipeline_class, shape_inputs)
+    if spec is None:
+        return [f"dmap cannot run {comp.cls} ({comp.name}) on the meta device: the split was not checked."]
+    session = _Session(model, replace_sdpa=True, tag_mode="device", device_map=device_map)
+    try:
+        _run(model, spec, run_dtype, session)
+    except Exception as error:
+        session.problems.append(f"{comp.cls} ({comp.name}) failed on the meta device "
+                                f"({type(error).__name__}): the split was not checked.")
+    return list(session.problems)
+
+
+class VirtualDevices:
+    """Check a device_map during a real (CPU) forward: every tensor carries the device it would be on.
+
+    Numerics are untouched (ops run as they are; inputs are only aliased at module boundaries).
+    Usage: `with VirtualDevices(model, device_map) as vd: model(...)`, then `vd.problems`.
+    """
+
+    def __init__(self, model, device_map: dict):
+        self.model = model
+        self.device_map = dict(device_map)
+        self.problems: list[str] = []
+        self._seen: set = set()
+        self._session = None
+
+    def __enter__(self):
+        # may be entered once per forward (the runner does): problems accumulate, each reported once
+        self._session = _Session(self.model, tag_mode="device", device_map=self.device_map,
+                                 problems=self.problems, seen_problems=self._seen)
+        self._session.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._session.__exit__(*exc)
+        return False

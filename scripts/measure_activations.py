@@ -1,0 +1,153 @@
+"""Compare dmap's meta-device activation estimate with a real CPU measurement.
+
+Builds a reduced-width SD 1.5 UNet (random weights, fp32), runs one denoiser call as the SD 1.5
+pipeline does (batch 2 for classifier-free guidance, 77 text tokens) on the CPU under
+torch.profiler with profile_memory=True, and walks the allocation events in start-time order
+(allocations are charged to the op that made them, frees are "[memory]" events with negative size);
+the running maximum is the measured activation peak (weights are allocated before profiling starts,
+inputs inside it, as in the estimate). The estimate is `dm_cli.trace.trace_component` on meta.
+
+    .venv/bin/python scripts/measure_activations.py [--sizes 256,512] [--widths 160,320,640,640]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SD15_UNET = {
+    "_class_name": "UNet2DConditionModel",
+    "act_fn": "silu",
+    "attention_head_dim": 8,
+    "center_input_sample": False,
+    "cross_attention_dim": 768,
+    "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    "downsample_padding": 1,
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "in_channels": 4,
+    "layers_per_block": 2,
+    "mid_block_scale_factor": 1,
+    "norm_eps": 1e-05,
+    "norm_num_groups": 32,
+    "out_channels": 4,
+    "sample_size": 64,
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+}
+
+
+def reduced_unet_config(widths: tuple[int, ...], cross_attention_dim: int = 768) -> dict:
+    config = dict(SD15_UNET)
+    config["block_out_channels"] = list(widths)
+    config["cross_attention_dim"] = cross_attention_dim
+    return config
+
+
+def unet_component(config: dict):
+    from dm_cli.sources import ComponentSource
+
+    return ComponentSource("unet", "diffusers", "UNet2DConditionModel", config, None, None)
+
+
+def measured_peak(config: dict, size: int, batch: int = 2, tokens: int = 77, threads: int | None = 1) -> int:
+    """Peak live bytes the CPU allocator sees during one UNet call (weights excluded, inputs included)."""
+    import torch
+
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)  # one thread: no oversubscription on a shared machine
+    try:
+        return _measure(config, size, batch, tokens)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _measure(config: dict, size: int, batch: int, tokens: int) -> int:
+    import torch
+    from diffusers import UNet2DConditionModel
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = UNet2DConditionModel.from_config(config).eval()
+    latent = size // 8
+    with torch.no_grad():
+        # warm-up outside the profiler: one-time allocations (oneDNN caches) are not activations
+        model(torch.randn(batch, 4, latent, latent), torch.tensor(10.0),
+              encoder_hidden_states=torch.randn(batch, tokens, config["cross_attention_dim"]), return_dict=False)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            sample = torch.randn(batch, 4, latent, latent)
+            text = torch.randn(batch, tokens, config["cross_attention_dim"])
+            out = model(sample, torch.tensor(10.0), encoder_hidden_states=text, return_dict=False)
+            del out, sample, text
+    return profile_peak(prof)
+
+
+def profile_peak(prof) -> int:
+    """Running maximum of self-allocated bytes over the profiler's events in start-time order."""
+    events = [e for e in prof.events() if e.self_cpu_memory_usage]
+    events.sort(key=lambda e: e.time_range.start)
+    live = peak = 0
+    for event in events:
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def estimated_peak(config: dict, size: int, batch_size: int = 1) -> int:
+    from dm_cli.inputs import InputSpec
+    from dm_cli.trace import trace_component
+
+    trace = trace_component(unet_component(config), "StableDiffusionPipeline", InputSpec(size, size, batch_size),
+                            "float32", use_cache=False)
+    return trace.activation_peak
+
+
+def naive_peak(config: dict, size: int, batch_size: int = 1) -> int:
+    """The same meta trace without the fused-attention rule: what a plain meta forward would claim."""
+    from dm_cli import trace
+    from dm_cli.inputs import InputSpec
+
+    comp = unet_component(config)
+    model = trace._meta_model(comp, "float32")
+    spec = trace._resolve_call(model, comp, "StableDiffusionPipeline", InputSpec(size, size, batch_size))
+    session = trace._Session(model, track_memory=True, replace_sdpa=False)
+    trace._run(model, spec, "float32", session)
+    return session.peak
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="256,512")
+    parser.add_argument("--widths", default="160,320,640,640")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads for the measured run")
+    args = parser.parse_args(argv)
+    widths = tuple(int(w) for w in args.widths.split(","))
+    config = reduced_unet_config(widths)
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        start = time.perf_counter()
+        measured = measured_peak(config, size, threads=args.threads)
+        measure_s = time.perf_counter() - start
+        start = time.perf_counter()
+        estimate = estimated_peak(config, size)
+        estimate_s = time.perf_counter() - start
+        naive = naive_peak(config, size)
+        rows.append((size, measured, estimate, estimate / measured, measure_s, estimate_s, naive))
+    print(f"SD 1.5 UNet, block_out_channels {widths}, fp32, batch 2 (CFG), 77 tokens, CPU")
+    print(f"{'resolution':>10} {'measured':>12} {'estimated':>12} {'ratio':>7} {'naive meta':>12} "
+          f"{'measure s':>10} {'trace s':>8}")
+    for size, measured, estimate, ratio, measure_s, estimate_s, naive in rows:
+        print(f"{str(size) + '²':>10} {measured / 1e6:>9.2f} MB {estimate / 1e6:>9.2f} MB {ratio:>7.3f} "
+              f"{naive / 1e6:>9.1f} MB {measure_s:>10.1f} {estimate_s:>8.1f}")
+    print("(bytes: " + "; ".join(f"{r[0]}²: measured {r[1]}, estimated {r[2]}" for r in rows) + ")")
+    worst = max(abs(r[3] - 1) for r in rows)
+    print(f"worst deviation: {worst:.1%} ({'within' if worst <= 0.2 else 'OUTSIDE'} ±20%)")
+    return 0 if worst <= 0.2 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
