@@ -13,6 +13,7 @@ import typer
 
 from .. import __version__
 from . import inspect as inspect_command
+from . import shard as shard_command
 
 app = typer.Typer(
     name="dmap",
@@ -41,6 +42,7 @@ def _root(
 
 
 app.command("inspect", help=inspect_command.__doc__)(inspect_command.inspect)
+app.command("shard", help=shard_command.__doc__)(shard_command.shard)
 
 
 def main(argv: list[str] | None = None) -> None:

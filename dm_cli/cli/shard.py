@@ -1,0 +1,37 @@
+"""Rewrite weights as safetensors shards of a given size, streaming (never the whole model in RAM)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def shard(
+    source: str = typer.Argument(..., help="Pipeline/component folder, .safetensors or .bin file, or index JSON."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", "-s",
+                                       help="Largest file: 5GB = 5e9 bytes, 5GiB = 5*2^30; 0 = one file per component."),
+    output: str | None = typer.Option(None, "--output", "-o", help="Folder to create (default: SOURCE-sharded beside it)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Convert floating tensors to bf16|fp16|fp32 (one at a time)."),
+    variant: str | None = typer.Option(None, "--variant", help="Read and write this variant, e.g. fp16."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the shard layout; write nothing."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the output folder if it exists."),
+    in_place: bool = typer.Option(False, "--in-place", help="Replace the source weights, after the new ones are verified."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip re-reading and hashing every written tensor."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
+) -> int:
+    from ..render.shard import ShardProgressBar
+    from ..shard import shard as shard_source
+
+    with ShardProgressBar(enabled=False if (quiet or as_json or dry_run) else None) as bar:
+        result = shard_source(source, max_shard_size, output=output, dtype=dtype, variant=variant, dry_run=dry_run,
+                              overwrite=overwrite, in_place=in_place, verify=not no_verify, progress=bar)
+    if as_json:
+        from ._output import print_json
+
+        print_json(result.to_json())
+    else:
+        from ..render.shard import render_shard
+
+        render_shard(result, binary=binary)
+    return 0

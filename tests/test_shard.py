@@ -1,0 +1,498 @@
+"""`dmap shard`: round trips through the real loaders, layout rules, bad input, faults, in-place."""
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PRESETS, REPO, run_dmap
+from dm_cli import shard as shard_module
+from dm_cli.errors import CheckpointError, DmapError, SourceError, UsageError
+from dm_cli.shard import shard
+
+SMALL = {"min_shard_size": 1}  # the tiny models are ~70 KB: let tests cut them below the 1 MB floor
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+
+
+def tiny_model(preset: str, component: str, seed: int = 0):
+    """A tiny component from the bundled preset config, with random weights."""
+    config = json.loads((PRESETS / preset / component / "config.json").read_text())
+    torch.manual_seed(seed)
+    if "_class_name" in config:
+        import diffusers
+
+        cls = getattr(diffusers, config["_class_name"])
+        model = cls.from_config(config)
+    else:
+        import transformers
+
+        cls = getattr(transformers, config["architectures"][0])
+        model = cls(transformers.AutoConfig.for_model(**config))
+    with torch.no_grad():
+        for p in model.parameters():  # not the init values: every tensor different and non-trivial
+            p.copy_(torch.randn_like(p))
+    return model.eval()
+
+
+def assert_state_equal(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert sa[key].dtype == sb[key].dtype, key
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def tree_digest(root: Path) -> dict:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def write_safetensors(path: Path, entries: dict, data: bytes, raw_header: bytes | None = None) -> None:
+    """Hand-written safetensors file (for corrupt-input tests)."""
+    header = raw_header if raw_header is not None else json.dumps(entries).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+def limit_for(folder: Path, shards: int) -> int:
+    total = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    return total // shards + 1
+
+
+# --- round trips through the real loaders -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset, component", [
+    ("tiny-sd15", "unet"),
+    ("tiny-flux", "transformer"),
+    ("tiny-flux", "text_encoder"),
+    ("tiny-flux", "text_encoder_2"),
+])
+def test_round_trip_through_loaders(tmp_path, preset, component):
+    from accelerate import load_checkpoint_in_model
+
+    model = tiny_model(preset, component)
+    model.save_pretrained(tmp_path / "src")
+    before = tree_digest(tmp_path / "src")
+    result = shard(str(tmp_path / "src"), limit_for(tmp_path / "src", 4), output=tmp_path / "out", **SMALL)
+    comp = result.components[0]
+    assert len(comp.shards) >= 3 and result.verified
+    from diffusers import ModelMixin
+
+    stem = "diffusion_pytorch_model" if isinstance(model, ModelMixin) else "model"
+    assert comp.index_name == f"{stem}.safetensors.index.json"
+    n = len(comp.shards)
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == [
+        f"{stem}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    for s in comp.shards:
+        size = (tmp_path / "out" / s.name).stat().st_size
+        assert size == s.file_bytes
+        assert size <= result.max_shard_size or (s.oversized and len(s.tensors) == 1)
+
+    loaded = type(model).from_pretrained(tmp_path / "out").eval()
+    assert_state_equal(model, loaded)
+
+    fresh = tiny_model(preset, component, seed=1)
+    load_checkpoint_in_model(fresh, str(tmp_path / "out" / comp.index_name))
+    if hasattr(fresh, "tie_weights"):
+        fresh.tie_weights()
+    assert_state_equal(model, fresh)
+    assert tree_digest(tmp_path / "src") == before  # the source is never touched
+
+
+def tiny_pipeline(root: Path) -> dict:
+    """A tiny SD 1.5 pipeline folder: components saved by their libraries, configs as shipped."""
+    models = {name: tiny_model("tiny-sd15", name) for name in ("unet", "vae", "text_encoder")}
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+    shutil.copy(PRESETS / "tiny-sd15" / "model_index.json", root / "model_index.json")
+    shutil.copytree(PRESETS / "tiny-sd15" / "scheduler", root / "scheduler")
+    (root / "tokenizer").mkdir()
+    (root / "tokenizer" / "vocab.json").write_text('{"a": 0}')
+    (root / "README.md").write_text("tiny test pipeline\n")
+    return models
+
+
+def test_whole_pipeline_loads_after_resharding(tmp_path):
+    from diffusers import DiffusionPipeline
+
+    models = tiny_pipeline(tmp_path / "pipe")
+    result = shard(str(tmp_path / "pipe"), 20_000, output=tmp_path / "out", **SMALL)
+    assert {c.name for c in result.components} == {"unet", "vae", "text_encoder"}
+    assert all(len(c.shards) >= 2 for c in result.components)
+    src, out = tree_digest(tmp_path / "pipe"), tree_digest(tmp_path / "out")
+    for rel in ("model_index.json", "scheduler/scheduler_config.json", "tokenizer/vocab.json", "README.md",
+                "unet/config.json", "vae/config.json", "text_encoder/config.json"):
+        assert out[rel] == src[rel], rel
+    assert not any(rel.endswith("diffusion_pytorch_model.safetensors") or rel.endswith("/model.safetensors") for rel in out)
+    assert (tmp_path / "out" / "text_encoder" / "model.safetensors.index.json").is_file()
+    assert (tmp_path / "out" / "unet" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    # Tokenizers are not needed to load the weights; loading them would need real vocab files.
+    pipe = DiffusionPipeline.from_pretrained(tmp_path / "out", tokenizer=None)
+    for name, model in models.items():
+        assert_state_equal(model, getattr(pipe, name))
+
+
+def test_cli_pipeline_json_and_one_file_per_component(tmp_path):
+    tiny_pipeline(tmp_path / "pipe")
+    code, out, err = run_dmap("shard", tmp_path / "pipe", "--max-shard-size", "0", "-o", tmp_path / "out", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["verified"] is True and data["dry_run"] is False
+    files = {c["name"]: [f["name"] for f in c["files"]] for c in data["components"]}
+    assert files == {"unet": ["diffusion_pytorch_model.safetensors"], "vae": ["diffusion_pytorch_model.safetensors"],
+                     "text_encoder": ["model.safetensors"]}
+    assert not list((tmp_path / "out").rglob("*.index.json"))
+    # the whole model fits in 5GB (the default): one file without an index as well
+    code, out, err = run_dmap("shard", tmp_path / "pipe", "-o", tmp_path / "out2", "--quiet")
+    assert code == 0, err
+    assert "Wrote 3 weight file(s)" in out
+    assert not list((tmp_path / "out2").rglob("*.index.json"))
+
+
+def test_same_input_gives_byte_identical_output(tmp_path):
+    tiny_model("tiny-flux", "transformer").save_pretrained(tmp_path / "src")
+    limit = limit_for(tmp_path / "src", 3)
+    shard(str(tmp_path / "src"), limit, output=tmp_path / "a", **SMALL)
+    shard(str(tmp_path / "src"), limit, output=tmp_path / "b", **SMALL)
+    assert tree_digest(tmp_path / "a") == tree_digest(tmp_path / "b")
+    index = (tmp_path / "a" / "diffusion_pytorch_model.safetensors.index.json").read_text()
+    data = json.loads(index)
+    assert index == json.dumps(data, indent=2, sort_keys=True) + "\n"
+    assert data["metadata"]["total_size"] == sum(
+        t.nbytes for t in shard_module.open_checkpoint(tmp_path / "src" / "diffusion_pytorch_model.safetensors").tensors.values())
+    assert data["metadata"]["total_parameters"] == 68484
+    # resharding the shards again (index JSON as SOURCE) gives the same bytes once more
+    shard(str(tmp_path / "a" / "diffusion_pytorch_model.safetensors.index.json"), limit, output=tmp_path / "c", **SMALL)
+    assert {k: v for k, v in tree_digest(tmp_path / "c").items()} == {
+        k: v for k, v in tree_digest(tmp_path / "a").items() if k != "config.json"}
+
+
+def test_oversized_tensor_gets_its_own_shard_and_is_reported(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = {"a.small": torch.randn(1000), "b.big": torch.randn(400_000), "c.small": torch.randn(1000)}
+    save_file(tensors, tmp_path / "w.safetensors")
+    code, out, err = run_dmap("shard", tmp_path / "w.safetensors", "-s", "1MB", "-o", tmp_path / "out")
+    assert code == 0, err
+    assert "b.big" in out and "larger than the limit" in out
+    result = json.loads((tmp_path / "out" / "w.safetensors.index.json").read_text())
+    shards = sorted(set(result["weight_map"].values()))
+    assert shards == [f"w-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert result["weight_map"]["b.big"] == "w-00002-of-00003.safetensors"
+    for name in shards:
+        part = load_file(tmp_path / "out" / name)
+        for key, value in part.items():
+            assert torch.equal(value, tensors[key])
+        if "b.big" not in part:
+            assert (tmp_path / "out" / name).stat().st_size <= 10**6
+
+
+def test_dtype_conversion_keeps_integers(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = {"w": torch.randn(64, 32), "ids": torch.arange(77, dtype=torch.int64), "h": torch.randn(8).half()}
+    save_file(tensors, tmp_path / "m.safetensors")
+    result = shard(str(tmp_path / "m.safetensors"), 0, output=tmp_path / "out", dtype="bf16")
+    assert result.components[0].converted == 2 and result.verified
+    got = load_file(tmp_path / "out" / "m.safetensors")
+    assert got["w"].dtype == torch.bfloat16 and torch.equal(got["w"], tensors["w"].to(torch.bfloat16))
+    assert torch.equal(got["h"], tensors["h"].to(torch.bfloat16))
+    assert got["ids"].dtype == torch.int64 and torch.equal(got["ids"], tensors["ids"])
+
+
+def test_variant_names_load_with_diffusers(tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    model = tiny_model("tiny-sd15", "unet")
+    model.save_pretrained(tmp_path / "src")
+    result = shard(str(tmp_path / "src"), 25_000, output=tmp_path / "out", dtype="fp16", variant="fp16", **SMALL)
+    n = len(result.components[0].shards)
+    assert n >= 3
+    assert (tmp_path / "out" / "diffusion_pytorch_model.safetensors.index.fp16.json").is_file()
+    assert (tmp_path / "out" / f"diffusion_pytorch_model.fp16-00001-of-{n:05d}.safetensors").is_file()
+    loaded = UNet2DConditionModel.from_pretrained(tmp_path / "out", variant="fp16", torch_dtype=torch.float16)
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value.half()), key
+
+
+def test_no_torch_import_when_dtype_is_unchanged(tmp_path):
+    """The byte-copy path never imports torch: the model's bytes never pass through tensors."""
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.randn(200_000), "y": torch.randn(200_000), "z": torch.randn(200_000)}, tmp_path / "m.safetensors")
+    code = (
+        "import sys; from dm_cli.shard import shard; "
+        f"r = shard({str(tmp_path / 'm.safetensors')!r}, '1MB', output={str(tmp_path / 'out')!r}); "
+        "assert r.verified and len(r.components[0].shards) == 3; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- legacy .bin ------------------------------------------------------------------------------------
+
+
+def test_legacy_bin_with_shared_tensors(tmp_path):
+    from safetensors import safe_open
+
+    shared = torch.randn(16, 8)
+    state = {"embed.weight": shared, "lm_head.weight": shared, "bias": torch.randn(8), "steps": torch.tensor(3)}
+    (tmp_path / "comp").mkdir()
+    torch.save(state, tmp_path / "comp" / "pytorch_model.bin")
+    result = shard(str(tmp_path / "comp" / "pytorch_model.bin"), 0, output=tmp_path / "out")
+    comp = result.components[0]
+    assert comp.dropped == {"lm_head.weight": "embed.weight"}
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt", "lm_head.weight": "embed.weight"}
+        assert sorted(f.keys()) == ["bias", "embed.weight", "steps"]
+        for key in f.keys():
+            assert torch.equal(f.get_tensor(key), state[key])
+
+
+class NotATensor:
+    """Any user class makes a pickle that weights_only=True refuses."""
+
+
+def test_legacy_bin_needing_full_unpickling_is_refused(tmp_path):
+    torch.save({"w": torch.randn(3), "extra": NotATensor()}, tmp_path / "evil.bin")
+    code, out, err = run_dmap("shard", tmp_path / "evil.bin", "-o", tmp_path / "out")
+    assert code == 2
+    assert "unpickling" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+# --- bad input: one sentence, exit 2, nothing written -----------------------------------------------
+
+
+def _valid_pair(folder: Path):
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    save_file({"a": torch.ones(4)}, folder / "m-00001-of-00002.safetensors")
+    save_file({"b": torch.ones(4)}, folder / "m-00002-of-00002.safetensors")
+    index = {"metadata": {"total_size": 32}, "weight_map": {"a": "m-00001-of-00002.safetensors", "b": "m-00002-of-00002.safetensors"}}
+    (folder / "m.safetensors.index.json").write_text(json.dumps(index))
+    return index
+
+
+def bad_truncated(folder):
+    _valid_pair(folder)
+    path = folder / "m-00002-of-00002.safetensors"
+    path.write_bytes(path.read_bytes()[:-3])
+    return folder / "m.safetensors.index.json"
+
+
+def bad_offsets_past_end(folder):
+    folder.mkdir()
+    write_safetensors(folder / "m.safetensors", {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 160]}}, bytes(16))
+    return folder / "m.safetensors"
+
+
+def bad_overlap(folder):
+    folder.mkdir()
+    write_safetensors(folder / "m.safetensors", {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                                                 "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, bytes(24))
+    return folder / "m.safetensors"
+
+
+def bad_missing_shard(folder):
+    _valid_pair(folder)
+    (folder / "m-00002-of-00002.safetensors").unlink()
+    return folder / "m.safetensors.index.json"
+
+
+def bad_path_outside(folder):
+    index = _valid_pair(folder)
+    index["weight_map"]["b"] = "../m-00002-of-00002.safetensors"
+    (folder / "m.safetensors.index.json").write_text(json.dumps(index))
+    return folder / "m.safetensors.index.json"
+
+
+def bad_tensor_in_two_shards(folder):
+    from safetensors.torch import save_file
+
+    _valid_pair(folder)
+    save_file({"a": torch.ones(4), "b": torch.ones(4)}, folder / "m-00002-of-00002.safetensors")
+    return folder / "m.safetensors.index.json"
+
+
+def bad_not_a_header(folder):
+    folder.mkdir()
+    write_safetensors(folder / "m.safetensors", {}, b"", raw_header=b"{not json")
+    return folder / "m.safetensors"
+
+
+@pytest.mark.parametrize("make, words", [
+    (bad_truncated, "truncated"),
+    (bad_offsets_past_end, "truncated or corrupt"),
+    (bad_overlap, "overlap"),
+    (bad_missing_shard, "does not exist"),
+    (bad_path_outside, "is a path"),
+    (bad_tensor_in_two_shards, "also stored"),
+    (bad_not_a_header, "cannot be parsed"),
+])
+def test_bad_checkpoints_exit_2_and_write_nothing(tmp_path, make, words):
+    source = make(tmp_path / "src")
+    before = tree_digest(tmp_path)
+    code, out, err = run_dmap("shard", source, "-o", tmp_path / "out")
+    assert code == 2, (out, err)
+    assert words in err and err.startswith("Error:") and err.count("\n") == 1, err
+    assert tree_digest(tmp_path) == before and not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("size, words", [("5 elephants", "Unknown unit"), ("abc", "Cannot read size"),
+                                         ("999KB", "below the 1.00 MB minimum"), ("-5GB", "negative")])
+def test_bad_sizes_exit_2(tmp_path, size, words):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(4)}, tmp_path / "m.safetensors")
+    code, out, err = run_dmap("shard", tmp_path / "m.safetensors", "--max-shard-size", size, "-o", tmp_path / "out")
+    assert code == 2 and words in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_rules(tmp_path):
+    tiny_model("tiny-sd15", "unet").save_pretrained(tmp_path / "src")
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(UsageError, match="already exists"):
+        shard(str(tmp_path / "src"), 0, output=tmp_path / "exists")
+    with pytest.raises(UsageError, match="inside it"):
+        shard(str(tmp_path / "src"), 0, output=tmp_path / "src" / "sub")
+    with pytest.raises(UsageError, match="contains the source"):
+        shard(str(tmp_path / "src"), 0, output=tmp_path, overwrite=True)
+    with pytest.raises(SourceError, match="without weights"):
+        shard("tiny-flux", 0, output=tmp_path / "p")
+    # --overwrite replaces an existing folder only once the new one is complete
+    (tmp_path / "exists" / "old.txt").write_text("old")
+    result = shard(str(tmp_path / "src"), 0, output=tmp_path / "exists", overwrite=True)
+    assert result.verified and not (tmp_path / "exists" / "old.txt").exists()
+    assert sorted(p.name for p in (tmp_path / "exists").iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    # default output: beside the source
+    shard(str(tmp_path / "src"), 0)
+    assert (tmp_path / "src-sharded" / "diffusion_pytorch_model.safetensors").is_file()
+
+
+def test_dry_run_prints_layout_and_writes_nothing(tmp_path):
+    tiny_model("tiny-sd15", "unet").save_pretrained(tmp_path / "src")
+    before = tree_digest(tmp_path)
+    result = shard(str(tmp_path / "src"), 25_000, output=tmp_path / "out", dry_run=True, **SMALL)
+    assert result.dry_run and len(result.components[0].shards) >= 3
+    assert tree_digest(tmp_path) == before and not (tmp_path / "out").exists()
+    code, out, err = run_dmap("shard", tmp_path / "src", "--dry-run", "-s", "1MB", "-o", tmp_path / "out")
+    assert code == 0 and "dry run" in out and "diffusion_pytorch_model.safetensors" in out, err
+    assert tree_digest(tmp_path) == before
+
+
+# --- faults -----------------------------------------------------------------------------------------
+
+
+def _assert_nothing_left(tmp_path: Path, src_digest: dict):
+    assert tree_digest(tmp_path / "src") == src_digest
+    assert not (tmp_path / "out").exists()
+
+
+def test_full_disk_leaves_nothing(tmp_path, monkeypatch):
+    tiny_model("tiny-sd15", "unet").save_pretrained(tmp_path / "src")
+    before = tree_digest(tmp_path / "src")
+    calls = {"n": 0}
+    real = shard_module._copy_range
+
+    def fill_up(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shard_module, "_copy_range", fill_up)
+    with pytest.raises(DmapError, match="disk filled up"):
+        shard(str(tmp_path / "src"), 25_000, output=tmp_path / "out", **SMALL)
+    _assert_nothing_left(tmp_path, before)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # the temp folder is gone too
+
+
+KILL_SCRIPT = """
+import sys, time
+from dm_cli import shard as m
+real = m._copy_range
+def slow(*a, **k):
+    real(*a, **k)
+    print("writing", flush=True)
+    time.sleep(0.2)
+m._copy_range = slow
+m.shard(sys.argv[1], 25_000, output=sys.argv[2], min_shard_size=1)
+"""
+
+
+def test_sigkill_mid_write_leaves_nothing_and_next_run_cleans_up(tmp_path):
+    tiny_model("tiny-sd15", "unet").save_pretrained(tmp_path / "src")
+    before = tree_digest(tmp_path / "src")
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "src"), str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO)
+    for _ in range(5):  # a few tensors are written, the rest is not
+        assert proc.stdout.readline().strip() == "writing"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    _assert_nothing_left(tmp_path, before)
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".out.dmap-tmp-")]
+    assert len(leftovers) == 1  # hidden, beside the output, never at the output's name
+    result = shard(str(tmp_path / "src"), 25_000, output=tmp_path / "out", **SMALL)
+    assert result.removed_stale == [str(leftovers[0])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+@pytest.mark.parametrize("dtype", [None, "fp16"])  # byte comparison, and sha256 of converted tensors
+def test_verification_failure_moves_nothing(tmp_path, monkeypatch, dtype):
+    tiny_model("tiny-sd15", "unet").save_pretrained(tmp_path / "src")
+    before = tree_digest(tmp_path / "src")
+    real = shard_module.verify_output
+
+    def corrupt_then_verify(root, result, expected, progress):
+        """Flip one data byte in the last written shard, as a bad disk or a bug would."""
+        comp = result.components[0]
+        path = root / comp.folder / comp.shards[-1].name
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+        return real(root, result, expected, progress)
+
+    monkeypatch.setattr(shard_module, "verify_output", corrupt_then_verify)
+    with pytest.raises(CheckpointError, match="differs from the source"):
+        shard(str(tmp_path / "src"), 25_000, output=tmp_path / "out", dtype=dtype, **SMALL)
+    _assert_nothing_left(tmp_path, before)
+    with pytest.raises(CheckpointError, match="differs from the source"):
+        shard(str(tmp_path / "src"), 25_000, in_place=True, dtype=dtype, **SMALL)
+    assert tree_digest(tmp_path / "src") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_in_place_replaces_source_after_verification(tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    model = tiny_model("tiny-sd15", "unet")
+    model.save_pretrained(tmp_path / "src")
+    result = shard(str(tmp_path / "src"), 25_000, in_place=True, **SMALL)
+    assert result.verified and result.in_place
+    names = sorted(p.name for p in (tmp_path / "src").iterdir())
+    n = len(result.components[0].shards)
+    assert names == sorted(["config.json", "diffusion_pytorch_model.safetensors.index.json"] + [
+        f"diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert_state_equal(model, UNet2DConditionModel.from_pretrained(tmp_path / "src"))
+    # and back to one file, in place again
+    shard(str(tmp_path / "src"), 0, in_place=True)
+    assert sorted(p.name for p in (tmp_path / "src").iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    assert_state_equal(model, UNet2DConditionModel.from_pretrained(tmp_path / "src"))
