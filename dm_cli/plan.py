@@ -1,0 +1,528 @@
+"""`dmap plan`: resolve a SOURCE, size and trace its components, place them, check the split.
+
+The Plan (and its `dmap-plan` JSON, DESIGN.md v1) lives here, with the orchestration around the
+pure planner (`planner.py`): skeletons, meta traces (`trace.py`), local devices, suggestions when a
+plan does not fit, and the split check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .errors import DoesNotFitError, UsageError
+from .inputs import InputSpec
+from .planner import (
+    MODES, STRATEGIES, ComponentInput, ComponentPlacement, Device, DeviceUse, NoFit, Placement, StagePlacement,
+    component_blocks, coverage_problems, default_stages, plan_pipeline,
+)
+from .units import DeviceBudget, format_size, parse_device_spec, parse_dtype, parse_size
+
+PLAN_FORMAT = "dmap-plan"
+PLAN_VERSION = 1
+
+# CUDA context (~300-600 MB) plus cuBLAS workspaces and caching-allocator slack, per GPU.
+DEFAULT_GPU_OVERHEAD = 600 * 10**6
+
+# Pipeline class -> model_cpu_offload_seq (diffusers 0.42): stage order without importing diffusers.
+OFFLOAD_SEQ = {
+    "FluxPipeline": "text_encoder->text_encoder_2->image_encoder->transformer->vae",
+    "StableDiffusionXLPipeline": "text_encoder->text_encoder_2->image_encoder->unet->vae",
+    "StableDiffusionPipeline": "text_encoder->image_encoder->unet->vae",
+    "StableDiffusion3Pipeline": "text_encoder->text_encoder_2->text_encoder_3->image_encoder->transformer->vae",
+}
+
+
+@dataclass
+class PlanOptions:
+    max_memory: str | None = None  # device spec; None: read the local devices
+    strategy: str = "auto"
+    mode: str = "auto"
+    inputs: InputSpec = field(default_factory=InputSpec)
+    dtype: str | None = None  # torch name; None: as stored (bf16 for config-only sources)
+    overhead: str | None = None  # "0=600MB,cpu=0"
+    component: str | None = None  # plan one component only
+    check: bool = True
+    use_cache: bool = True
+
+
+@dataclass
+class Plan:
+    source: str
+    dtype: str
+    strategy: str
+    mode: str
+    devices: list[Device]
+    inputs: InputSpec
+    components: dict[str, ComponentPlacement]
+    stages: list[StagePlacement]
+    pipeline_class: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    check: dict = field(default_factory=lambda: {"ran": False, "problems": []})
+    activation_peaks: dict[str, int] = field(default_factory=dict)  # component -> whole-forward estimate
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(c.offloaded_bytes for c in self.components.values())
+
+    @property
+    def hops(self) -> int:
+        return sum(c.hops for c in self.components.values())
+
+    @property
+    def hf_device_map(self) -> dict:
+        return {name: (c.devices[0] if len(c.devices) == 1 else c.devices) for name, c in self.components.items()}
+
+    def to_json(self) -> dict:
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "source": self.source,
+            "pipeline_class": self.pipeline_class,
+            "dtype": self.dtype,
+            "strategy": self.strategy,
+            "mode": self.mode,
+            "devices": {
+                d.name: {"capacity_bytes": d.capacity, "overhead_bytes": d.overhead} for d in self.devices
+            },
+            "inputs": self.inputs.to_json(),
+            "hf_device_map": self.hf_device_map,
+            "components": {
+                name: {
+                    "class": c.cls,
+                    "weights_bytes": c.weights_bytes,
+                    "device_map": c.device_map,
+                    "execution_device": c.execution_device,
+                    "stage": c.stage,
+                    "offloaded_bytes": c.offloaded_bytes,
+                    "disk_bytes": c.disk_bytes,
+                    "hops": c.hops,
+                    "activation_peak_bytes": self.activation_peaks.get(name, 0),
+                    "activation_bytes": c.activation_by_device,
+                }
+                for name, c in self.components.items()
+            },
+            "stages": [
+                {
+                    "name": s.name,
+                    "components": s.components,
+                    "peak_bytes": s.peak_bytes,
+                    "breakdown": {k: {"weights": u.weights, "reserve": u.reserve, "activations": u.activations,
+                                      "overhead": u.overhead} for k, u in s.use.items()},
+                }
+                for s in self.stages
+            ],
+            "offloaded_bytes": self.offloaded_bytes,
+            "hops": self.hops,
+            "check": self.check,
+            "warnings": self.warnings,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Plan":
+        if data.get("format") != PLAN_FORMAT or data.get("version") != PLAN_VERSION:
+            raise ValueError(f"not a {PLAN_FORMAT} v{PLAN_VERSION} document")
+        devices = [Device(_device_key(k), v.get("capacity_bytes"), v.get("overhead_bytes", 0))
+                   for k, v in data["devices"].items()]
+        components = {}
+        for name, c in data["components"].items():
+            device_map = {k: _device_key(v) for k, v in c["device_map"].items()}
+            components[name] = ComponentPlacement(
+                name, c.get("class", "?"), int(c.get("weights_bytes", 0)), device_map,
+                _device_key(c.get("execution_device", next(iter(device_map.values())) if device_map else "cpu")),
+                dict(c.get("activation_bytes", {})), int(c.get("offloaded_bytes", 0)), int(c.get("hops", 0)),
+                c.get("stage", ""), int(c.get("disk_bytes", 0)),
+            )
+        stages = []
+        for s in data["stages"]:
+            breakdown = s.get("breakdown") or {k: {"weights": v} for k, v in s["peak_bytes"].items()}
+            use = {k: DeviceUse(v.get("weights", 0), v.get("reserve", 0), v.get("activations", 0), v.get("overhead", 0))
+                   for k, v in breakdown.items()}
+            stages.append(StagePlacement(s["name"], list(s["components"]), use))
+        return cls(
+            data.get("source", "?"), data.get("dtype", "?"), data.get("strategy", "auto"), data.get("mode", "staged"),
+            devices, InputSpec.from_json(data.get("inputs", {})), components, stages, data.get("pipeline_class"),
+            list(data.get("warnings", [])), dict(data.get("check", {"ran": False, "problems": []})),
+            {n: int(c.get("activation_peak_bytes", 0)) for n, c in data["components"].items()},
+        )
+
+
+def _device_key(value):
+    if isinstance(value, int):
+        return value
+    text = str(value)
+    return int(text) if text.isdigit() else text
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan JSON written by `dmap plan --output` (exit 2 when it is not one)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"Plan file {path} does not exist.") from None
+    except (OSError, ValueError) as error:
+        raise UsageError(f"Cannot read plan {path}: {error}.") from None
+    try:
+        return Plan.from_json(data)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise UsageError(f"{path} is not a dmap plan ({error}): write one with dmap plan --output.") from None
+
+
+def write_plan(plan: Plan, path: str | Path) -> None:
+    """Atomically: a temp file next to the target, renamed when complete."""
+    path = Path(path)
+    text = json.dumps(plan.to_json(), indent=2) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as error:
+        raise UsageError(f"Cannot write plan to {path}: {error.strerror or error}.") from None
+
+
+# --- devices ------------------------------------------------------------------------------------
+
+
+def local_devices() -> list[DeviceBudget]:
+    """Free memory of each local GPU and the available RAM: the target when no --max-memory is given."""
+    budgets: list[DeviceBudget] = []
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            for index in range(torch.cuda.device_count()):
+                free, _total = torch.cuda.mem_get_info(index)
+                budgets.append(DeviceBudget(index, int(free)))
+    except Exception:  # a broken CUDA install plans for cpu only
+        budgets = []
+    budgets.append(DeviceBudget("cpu", available_ram()))
+    return budgets
+
+
+def available_ram() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def parse_overhead(spec: str | None, budgets: list[DeviceBudget], weights_only: bool) -> dict[str, int]:
+    """Per-device overhead: 600 MB per GPU by default (0 for weights-only plans), 0 for cpu and disk."""
+    default = 0 if weights_only and spec is None else DEFAULT_GPU_OVERHEAD
+    overhead = {b.key: (default if b.is_gpu else 0) for b in budgets}
+    if spec:
+        for item in spec.split(","):
+            name, sep, size = item.strip().partition("=")
+            if not sep or not size.strip():
+                raise UsageError(f"--overhead entry '{item.strip()}' needs a size, like 0=600MB.")
+            key = name.strip().lower().removeprefix("cuda:")
+            if key not in overhead:
+                raise UsageError(f"--overhead names device '{name.strip()}', which is not in --max-memory.")
+            overhead[key] = parse_size(size.strip())
+    return overhead
+
+
+# --- components -----------------------------------------------------------------------------------
+
+
+def offload_sequence(pipeline_class: str | None) -> list[str] | None:
+    """model_cpu_offload_seq: from the bundled table, else from the diffusers pipeline class."""
+    if not pipeline_class:
+        return None
+    seq = OFFLOAD_SEQ.get(pipeline_class)
+    if seq is None:
+        try:
+            import diffusers
+
+            seq = getattr(getattr(diffusers, pipeline_class, None), "model_cpu_offload_seq", None)
+        except Exception:
+            seq = None
+    return seq.split("->") if seq else None
+
+
+def _splittable(comp) -> bool:
+    """The VAE is never split (AutoencoderKL does not split cleanly across GPUs)."""
+    return not (comp.name == "vae" or comp.cls.startswith("Autoencoder"))
+
+
+@dataclass
+class TraceFacts:
+    """What the planner needs from a trace (the tracer caches the traces themselves)."""
+
+    execution_order: list[str] | None
+    module_peaks: dict[str, int]
+    activation_peak: int
+    unsplittable: list[str]
+    same_device_groups: dict[str, list[list[str]]]
+    warning: str | None
+
+
+def trace_facts(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str, use_cache: bool = True) -> TraceFacts:
+    """The meta trace of one component: execution order, activation peaks, what must not be split."""
+    try:
+        from .trace import trace_component
+    except ImportError:
+        return TraceFacts(None, {}, 0, [], {}, "the meta tracer is not available: registration order, no activations")
+    result = trace_component(comp, pipeline_class, inputs, dtype, use_cache=use_cache)
+    return TraceFacts(list(result.execution_order) or None, dict(result.module_peaks), int(result.activation_peak),
+                      list(result.unsplittable), dict(getattr(result, "same_device_groups", {}) or {}),
+                      result.fallback_warning)
+
+
+@dataclass
+class PreparedComponent:
+    source: object  # ComponentSource
+    skeleton: object  # Skeleton
+    dtype: str
+    facts: TraceFacts
+    spec: ComponentInput
+    warnings: list[str]
+
+
+def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str | None,
+                      use_cache: bool = True) -> PreparedComponent:
+    """Skeleton + trace -> the planner's ComponentInput (blocks in execution order with activations)."""
+    from .skeleton import skeleton_for_component
+
+    skeleton, _checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+    effective = dtype if dtype is not None else skeleton.default_dtype()
+    trace_dtype = effective or skeleton.dominant_dtype(None)
+    warnings: list[str] = []
+    if comp.config is None:
+        facts = TraceFacts(None, {}, 0, [], {}, "no config: registration order, no activation estimate")
+    else:
+        facts = trace_facts(comp, pipeline_class, inputs, trace_dtype, use_cache)
+    if facts.warning:
+        warnings.append(f"{comp.name}: {facts.warning}")
+    peaks = {} if inputs.weights_only else facts.module_peaks
+    tensor_bytes = [(t.name, t.bytes_at(effective)) for t in skeleton.tensors]
+    blocks, block_warnings = component_blocks(skeleton.modules, tensor_bytes, skeleton.no_split_modules,
+                                              facts.execution_order, facts.unsplittable, peaks,
+                                              facts.same_device_groups, skeleton.tie_groups)
+    warnings += [f"{comp.name}: {w}" for w in block_warnings]
+    spec = ComponentInput(comp.name, skeleton.cls if skeleton.cls != "?" else comp.cls, blocks, _splittable(comp),
+                          0 if inputs.weights_only else facts.activation_peak)
+    names = [t.name for t in skeleton.tensors] + [alias for group in skeleton.tie_groups for alias in group[1:]]
+    problems = coverage_problems({k: 0 for b in blocks for k in b.keys}, names)
+    if problems:  # a bug in block cutting, never the user's fault
+        raise AssertionError(f"blocks of {comp.name} do not cover its tensors: {problems[:3]}")
+    return PreparedComponent(comp, skeleton, trace_dtype, facts, spec, warnings)
+
+
+# --- planning -------------------------------------------------------------------------------------
+
+
+def make_plan(source_spec: str, options: PlanOptions) -> Plan:
+    """Resolve, size, trace, place and check: the one core call of `dmap plan`."""
+    from .sources import resolve_source
+
+    if options.strategy not in STRATEGIES:
+        raise UsageError(f"Unknown strategy '{options.strategy}': use {', '.join(STRATEGIES)}.")
+    if options.mode not in MODES:
+        raise UsageError(f"Unknown mode '{options.mode}': use {', '.join(MODES)}.")
+    _check_inputs(options.inputs)
+    if options.dtype:
+        options = replace(options, dtype=parse_dtype(options.dtype))
+    budgets = parse_device_spec(options.max_memory) if options.max_memory else local_devices()
+    overhead = parse_overhead(options.overhead, budgets, options.inputs.weights_only)
+    devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
+    source = resolve_source(source_spec)
+    comps = [source.component(options.component)] if options.component else list(source.components)
+    prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache)
+                for c in comps]
+    specs = [p.spec for p in prepared]
+    stages = default_stages([c.name for c in comps], offload_sequence(source.pipeline_class))
+    try:
+        placement = plan_pipeline(specs, stages, devices, options.strategy, options.mode)
+    except NoFit:
+        raise _does_not_fit(source_spec, source, comps, prepared, stages, devices, options) from None
+    dtype = options.dtype or (prepared[0].dtype if prepared else "bfloat16")
+    plan = Plan(source_spec, dtype, options.strategy, placement.mode, devices, options.inputs, placement.components,
+                placement.stages, source.pipeline_class, [w for p in prepared for w in p.warnings] + placement.warnings,
+                activation_peaks={p.spec.name: p.spec.activation_peak for p in prepared})
+    _explain_offload(plan, prepared, stages, options)
+    if options.check:
+        plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
+    return plan
+
+
+def _check_inputs(inputs: InputSpec) -> None:
+    if inputs.height < 0 or inputs.width < 0:
+        raise UsageError("--height and --width must be 0 (weights only) or positive.")
+    if (inputs.height == 0) != (inputs.width == 0):
+        raise UsageError("Give --height 0 and --width 0 together for a weights-only plan.")
+    if inputs.height % 8 or inputs.width % 8:
+        raise UsageError(f"--height and --width must be multiples of 8 (got {inputs.height}x{inputs.width}).")
+    if inputs.batch_size < 1 or inputs.num_images < 1:
+        raise UsageError("--batch-size and --num-images must be at least 1.")
+    if inputs.max_sequence_length is not None and inputs.max_sequence_length < 1:
+        raise UsageError("--max-sequence-length must be at least 1.")
+
+
+def run_split_check(plan: Plan, prepared: list[PreparedComponent], pipeline_class: str | None,
+                    options: PlanOptions) -> dict:
+    """Simulate every split component on the meta device with virtual devices; list what mixes devices."""
+    problems: list[str] = []
+    checked: list[str] = []
+    try:
+        from .trace import check_device_map
+    except ImportError:
+        return {"ran": False, "problems": [], "reason": "the meta tracer is not available"}
+    inputs = options.inputs
+    for prep in prepared:
+        placed = plan.components[prep.spec.name]
+        devices = {d for d in placed.device_map.values()}
+        if len(devices) < 2 or prep.source.config is None:
+            continue
+        checked.append(prep.spec.name)
+        found = _cached_check(prep, pipeline_class, inputs, placed.device_map, options.use_cache, check_device_map)
+        problems.extend(f"{prep.spec.name}: {problem}" for problem in found)
+    return {"ran": True, "components": checked, "problems": problems}
+
+
+def _cached_check(prep, pipeline_class, inputs, device_map, use_cache: bool, check_device_map) -> list[str]:
+    """A check runs a meta forward (seconds for FLUX): remember its verdict per map, inputs and code."""
+    import hashlib
+
+    from .skeleton import cache_dir
+
+    here = Path(__file__).parent
+    code = hashlib.sha256()
+    for name in ("trace.py", "pipelines.py"):
+        try:
+            code.update((here / name).read_bytes())
+        except OSError:
+            pass
+    blob = json.dumps({"class": prep.source.cls, "config": prep.source.config, "pipeline": pipeline_class,
+                       "inputs": inputs.to_json(), "dtype": prep.dtype, "map": list(device_map.items()),
+                       "code": code.hexdigest()}, sort_keys=True, default=str)
+    path = cache_dir() / "checks" / f"{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"
+    if use_cache and path.is_file():
+        try:
+            return list(json.loads(path.read_text())["problems"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    problems = list(check_device_map(prep.source, pipeline_class, inputs, prep.dtype, device_map))
+    if use_cache and not any("was not checked" in p for p in problems):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+            with os.fdopen(fd, "w") as handle:
+                json.dump({"problems": problems}, handle)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return problems
+
+
+def _explain_offload(plan: Plan, prepared, stages, options: PlanOptions) -> None:
+    """When something is offloaded, say whether activations and overhead are the reason."""
+    if not plan.offloaded_bytes or options.inputs.weights_only:
+        return
+    specs = [replace(p.spec, blocks=[replace(b, activation=0) for b in p.spec.blocks], activation_peak=0, io_bytes=0)
+             for p in prepared]
+    bare = [Device(d.key, d.capacity, 0) for d in plan.devices]
+    try:
+        weights_only = plan_pipeline(specs, stages, bare, options.strategy, options.mode)
+    except NoFit:
+        return
+    if weights_only.offloaded_bytes < plan.offloaded_bytes:
+        act = max(plan.activation_peaks.values(), default=0)
+        gpu_overhead = sum(d.overhead for d in plan.devices if d.is_gpu)
+        plan.warnings.append(
+            f"Weights alone would offload {format_size(weights_only.offloaded_bytes)} instead of "
+            f"{format_size(plan.offloaded_bytes)}: the activations for {options.inputs.height}x{options.inputs.width} "
+            f"(up to {format_size(act)} per component) and {format_size(gpu_overhead)} of GPU overhead cost the rest."
+        )
+
+
+def _does_not_fit(source_spec, source, comps, prepared, stages, devices, options) -> DoesNotFitError:
+    """The shortfall per device and the nearest change that fits."""
+    specs = [p.spec for p in prepared]
+    gpus = [d for d in devices if d.is_gpu]
+    total_weights = sum(s.weights_bytes for s in specs)
+    biggest_act = max((s.activation_peak for s in specs), default=0)
+    suggestions: list[str] = []
+    shortfall: dict[str, int] = {}
+
+    def fits(trial_devices, trial_specs=specs) -> Placement | None:
+        try:
+            return plan_pipeline(trial_specs, stages, trial_devices, options.strategy, options.mode)
+        except NoFit:
+            return None
+
+    # more memory on one GPU
+    upper = total_weights + biggest_act + sum(d.overhead for d in devices)
+    for gpu in gpus:
+        def with_extra(extra, gpu=gpu):
+            return [Device(d.key, (d.capacity or 0) + extra, d.overhead) if d is gpu else d for d in devices]
+
+        if fits(with_extra(upper)) is None:
+            continue
+        low, high = 0, upper
+        while high - low > max(1, upper // 4000):
+            mid = (low + high) // 2
+            if fits(with_extra(mid)) is None:
+                low = mid
+            else:
+                high = mid
+        shortfall[gpu.name] = high
+    if shortfall:
+        best = min(shortfall, key=shortfall.get)
+        suggestions.append(f"needs {format_size(shortfall[best])} more on GPU {best}")
+    # cpu offload
+    cpu = next((d for d in devices if d.key == "cpu"), None)
+    if cpu is None or cpu.capacity is not None:
+        trial = [d for d in devices if d.key not in ("cpu",)] + [Device("cpu", upper * 2, 0)]
+        trial.sort(key=lambda d: (0, d.key) if isinstance(d.key, int) else ({"mps": 1, "cpu": 2, "disk": 3}[d.key], 0))
+        placed = fits(trial)
+        if placed is not None:
+            needed = max((u.peak for s in placed.stages for k, u in s.use.items() if k == "cpu"), default=1)
+            suggestions.append(f"fits with cpu={_round_up_gb(needed)} offload")
+    # smaller resolution
+    if not options.inputs.weights_only and comps and comps[0].config is not None:
+        for size in (1024, 768, 512):
+            if size >= min(options.inputs.height, options.inputs.width):
+                continue
+            smaller = replace(options.inputs, height=size, width=size)
+            try:
+                trial_specs = [prepare_component(c, source.pipeline_class, smaller, options.dtype, options.use_cache).spec
+                               for c in comps]
+            except Exception:  # a failed trace only loses a suggestion
+                break
+            if fits(devices, trial_specs) is not None:
+                suggestions.append(f"fits at {size}x{size}")
+                break
+    names = "+".join(s.name for s in specs) if len(specs) <= 3 else f"{len(specs)} components"
+    spec_text = ",".join(f"{d.name}={format_size(d.capacity)}" if d.capacity is not None else d.name for d in devices)
+    where = f"{options.inputs.height}x{options.inputs.width}" if not options.inputs.weights_only else "weights only"
+    need = (f"{format_size(total_weights)} of weights"
+            + (f" + up to {format_size(biggest_act)} of activations" if biggest_act else ""))
+    message = f"{source_spec} ({names}, {need}, {where}) does not fit on {spec_text}"
+    if shortfall:
+        message += "; shortfall per device: " + ", ".join(
+            f"GPU {k} {format_size(v)}" for k, v in shortfall.items())
+    message += ("; nearest change that fits: " + " or ".join(suggestions)) if suggestions else (
+        "; no single change found that fits: add devices or a disk")
+    return DoesNotFitError(message + ".", {"shortfall_bytes": shortfall, "suggestions": suggestions})
+
+
+def _round_up_gb(num_bytes: int) -> str:
+    """A size for --max-memory, rounded up to one decimal in the largest fitting unit."""
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if num_bytes >= scale or unit == "KB":
+            tenths = -(-num_bytes * 10 // scale)
+            return f"{tenths / 10:g}{unit}"
+    raise AssertionError("unreachable")
