@@ -33,7 +33,7 @@ from .inputs import InputSpec
 from .pipelines import CallSpec, TensorSpec, call_spec, generic_argument
 
 TRACE_FORMAT_VERSION = 1
-WEIGHTS_ONLY_SIZE = 256  # resolution used to find the execution order when no inputs are given
+WEIGHTS_ONLY_SIZE = 64  # pixels: order and split checks do not depend on size; small fits every model (tiny SD3 pos_embed too)
 _TAG = "_dmap_tag"
 
 
