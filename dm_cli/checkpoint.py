@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CheckpointError
-from .units import DTYPE_BYTES, SAFETENSORS_DTYPES
+from .units import DTYPE_BYTES, SAFETENSORS_DTYPES, numel
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 
@@ -32,10 +32,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return numel(self.shape)
 
     @property
     def nbytes(self) -> int:

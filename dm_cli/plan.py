@@ -63,6 +63,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     check: dict = field(default_factory=lambda: {"ran": False, "problems": []})
     activation_peaks: dict[str, int] = field(default_factory=dict)  # component -> whole-forward estimate
+    config_digest: str | None = None  # sources.config_digest: `dmap run` refuses a plan for another model
 
     @property
     def offloaded_bytes(self) -> int:
@@ -81,6 +82,7 @@ class Plan:
             "format": PLAN_FORMAT,
             "version": PLAN_VERSION,
             "source": self.source,
+            "config_digest": self.config_digest,
             "pipeline_class": self.pipeline_class,
             "dtype": self.dtype,
             "strategy": self.strategy,
@@ -147,6 +149,7 @@ class Plan:
             devices, InputSpec.from_json(data.get("inputs", {})), components, stages, data.get("pipeline_class"),
             list(data.get("warnings", [])), dict(data.get("check", {"ran": False, "problems": []})),
             {n: int(c.get("activation_peak_bytes", 0)) for n, c in data["components"].items()},
+            data.get("config_digest"),
         )
 
 
@@ -326,7 +329,7 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
 
 def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     """Resolve, size, trace, place and check: the one core call of `dmap plan`."""
-    from .sources import resolve_source
+    from .sources import config_digest, resolve_source
 
     if options.strategy not in STRATEGIES:
         raise UsageError(f"Unknown strategy '{options.strategy}': use {', '.join(STRATEGIES)}.")
@@ -351,7 +354,8 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     dtype = options.dtype or (prepared[0].dtype if prepared else "bfloat16")
     plan = Plan(source_spec, dtype, options.strategy, placement.mode, devices, options.inputs, placement.components,
                 placement.stages, source.pipeline_class, [w for p in prepared for w in p.warnings] + placement.warnings,
-                activation_peaks={p.spec.name: p.spec.activation_peak for p in prepared})
+                activation_peaks={p.spec.name: p.spec.activation_peak for p in prepared},
+                config_digest=config_digest(source))
     _explain_offload(plan, prepared, stages, options)
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)

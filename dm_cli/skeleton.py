@@ -2,7 +2,8 @@
 
 A skeleton is plain data: the module tree (registration order, classes), every parameter and
 buffer with shape and dtype, tie groups and the no-split classes. Sizes at any dtype are computed
-from it without torch, so a cached skeleton makes `inspect` and `plan` torch-free.
+from it without torch, so a cached skeleton makes `inspect` and `plan` torch-free. Execution order
+and activation peaks depend on the inputs, so they live beside it in the trace cache (trace.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 from .errors import SourceError
-from .units import DTYPE_BYTES, FLOATING_DTYPES
+from .units import DTYPE_BYTES, FLOATING_DTYPES, numel
 
 SKELETON_FORMAT_VERSION = 2
 
@@ -32,10 +33,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return numel(self.shape)
 
     def dtype_at(self, target: str | None) -> str:
         """The dtype this tensor has once the component is loaded at `target` (None: as stored)."""
@@ -66,7 +64,6 @@ class Skeleton:
     modules: list[tuple[str, str]]  # (prefix, class) in registration order; "" is the root
     tensors: list[TensorInfo]  # tied aliases excluded (listed in tie_groups)
     tie_groups: list[list[str]] = field(default_factory=list)  # [kept name, alias, ...]
-    execution_order: list[str] | None = None  # filled by the tracer (plan issue)
     stored: bool = False  # True when tensor dtypes come from a checkpoint header
 
     # --- sizes -----------------------------------------------------------------------------
@@ -155,7 +152,6 @@ class Skeleton:
             "modules": [list(m) for m in self.modules],
             "tensors": [[t.name, list(t.shape), t.dtype, t.kind, list(t.fp32_when)] for t in self.tensors],
             "tie_groups": self.tie_groups,
-            "execution_order": self.execution_order,
             "stored": self.stored,
         }
 
@@ -171,7 +167,6 @@ class Skeleton:
             modules=[(m[0], m[1]) for m in data["modules"]],
             tensors=[TensorInfo(t[0], tuple(t[1]), t[2], t[3], tuple(t[4])) for t in data["tensors"]],
             tie_groups=[list(g) for g in data["tie_groups"]],
-            execution_order=data.get("execution_order"),
             stored=bool(data.get("stored")),
         )
 
@@ -181,8 +176,7 @@ class Skeleton:
             TensorInfo(t.name, t.shape, stored.get(t.name, t.dtype), t.kind, t.fp32_when) for t in self.tensors
         ]
         return Skeleton(
-            self.name, self.library, self.cls, self.no_split_modules, self.modules, tensors, self.tie_groups,
-            self.execution_order, stored=True,
+            self.name, self.library, self.cls, self.no_split_modules, self.modules, tensors, self.tie_groups, stored=True
         )
 
 
@@ -361,12 +355,6 @@ def load_skeleton(name: str, library: str | None, class_name: str, config: dict,
     if use_cache:
         _write_atomic(path, json.dumps(skeleton.to_json()))
     return skeleton
-
-
-def save_execution_order(library: str | None, class_name: str, config: dict, skeleton: Skeleton) -> None:
-    """Store a traced execution order back into the cached skeleton."""
-    path = cache_dir() / "skeletons" / f"{skeleton_cache_key(library, class_name, config)}.json"
-    _write_atomic(path, json.dumps(skeleton.to_json()))
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -5,6 +5,7 @@ No torch here: resolution reads JSON files only, so cached skeletons keep `inspe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -238,3 +239,14 @@ def _cache_path() -> str:
     return os.environ.get("HF_HUB_CACHE") or os.path.join(
         os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface")), "hub"
     )
+
+
+def config_digest(source: Source) -> str:
+    """What a plan is tied to: the pipeline class and every component's class and config."""
+    volatile = {"_name_or_path", "_diffusers_version", "transformers_version", "_commit_hash", "torch_dtype", "dtype"}
+    blob = {
+        "pipeline": source.pipeline_class,
+        "components": {c.name: [c.cls, {k: v for k, v in (c.config or {}).items() if k not in volatile}]
+                       for c in source.components},
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -58,6 +58,14 @@ def format_size(num_bytes: int | float, binary: bool = False) -> str:
     raise AssertionError("unreachable")
 
 
+def numel(shape) -> int:
+    """Elements of a tensor of this shape (1 for a scalar)."""
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
 # dtype names as torch spells them, with the sizes the planner needs without importing torch.
 DTYPE_BYTES = {
     "float64": 8,
