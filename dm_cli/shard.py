@@ -8,7 +8,9 @@ deterministically, so the same input always gives byte-identical output.
 
 Safety: everything is written into a hidden temporary folder beside the output, fsynced, re-read
 and compared tensor by tensor with the source, and only then renamed into place. The source is
-never modified unless `in_place`, and then only after that verification.
+never modified unless `in_place`, and then only after that verification. Fsync and verification
+run on background threads while the next tensors are copied (see `_ShardFinisher`), so they cost
+little extra wall time.
 """
 
 from __future__ import annotations
@@ -20,20 +22,23 @@ import os
 import re
 import secrets
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from .checkpoint import WEIGHT_STEMS, find_component_weights, is_plain_file_name, open_checkpoint, read_index, read_safetensors_header
+from .checkpoint import WEIGHT_STEMS, find_component_weights, open_checkpoint, read_index, read_safetensors_header
 from .errors import CheckpointError, DmapError, SourceError, UsageError
 from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, parse_dtype, parse_size
 
 MIN_SHARD_SIZE = 10**6  # below 1 MB a "shard" is a mistake, not a choice
 COPY_CHUNK = 64 << 20  # bytes per copy_file_range call: keeps the progress bar moving
 BUFFER_BYTES = 8 << 20  # the one bounded buffer used when bytes must pass through Python
-VERIFY_CHUNK = 256 << 10  # compare in cache-sized pieces: measured 2.4 GB/s vs 1.4 GB/s with 4 MiB
+VERIFY_WINDOW = 16 << 20  # bytes of each file mapped at once when comparing: bounds RSS (mapped pages count)
+COMPARE_CHUNK = 1 << 20  # numpy compares in 1 MiB pieces so its temporary stays in cache
+HASH_CHUNK = 1 << 20  # read size when hashing converted tensors back
+VERIFY_THREADS = 2  # compare threads beside the copying thread (compares release the GIL)
 LEGACY_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf", ".onnx", ".onnx_data")
 CONVERTIBLE = {"float64", "float32", "float16", "bfloat16"}  # fp8 and integer tensors keep their dtype
@@ -663,28 +668,28 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
     try:
         progress.phase("write", needed)
         _copy_files(copies, temp, progress)
-        expected: dict[tuple[str, str], bytes] = {}
-        syncer = _BackgroundSync()
+        finisher = _ShardFinisher(verify, progress)
         try:
             for comp in result.components:
                 folder = temp / comp.folder
                 folder.mkdir(parents=True, exist_ok=True)
                 for shard_file in comp.shards:
-                    _write_shard(folder / shard_file.name, shard_file, legacy, expected, comp.folder, progress, syncer)
+                    _write_shard(folder / shard_file.name, shard_file, legacy, progress, finisher)
                 index = comp.index_bytes()
                 if index is not None:
                     _write_small(folder / comp.index_name, index)
+                    if verify:
+                        verify_index(folder, comp)
                 result.bytes_written += sum(s.file_bytes for s in comp.shards) + len(index or b"")
+            if verify:  # what the compare threads have not caught up with yet
+                finisher.report_rest_as("verify", result.total_size)
         except BaseException:
-            syncer.wait(raise_errors=False)
+            finisher.wait(raise_errors=False)
             raise
-        syncer.wait()
+        finisher.wait()
         result.bytes_written += copy_bytes
         _fsync_tree(temp)
-        if verify:
-            progress.phase("verify", result.total_size)
-            verify_output(temp, result, expected, progress)
-            result.verified = True
+        result.verified = verify
         if in_place:
             _replace_in_place(temp, result)
         else:
@@ -830,43 +835,97 @@ def _tensor_bytes(t: PlannedTensor, legacy: dict[Path, dict]):
     return flat.view(torch.uint8).numpy().data
 
 
-class _BackgroundSync:
-    """fsync finished shards on a thread while the next one is copied, so disk flushes overlap copying."""
+def _fsync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(max_workers=1)
-        self._pending = []
 
-    def submit(self, fd: int) -> None:
-        def sync_and_close() -> None:
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+class _ShardFinisher:
+    """Fsyncs and verifies in the background while the main thread copies the next tensors.
 
-        self._pending.append(self._pool.submit(sync_and_close))
+    One thread fsyncs each finished shard, so disk flushes overlap copying. With verification,
+    `VERIFY_THREADS` threads compare each tensor with its source as soon as it is written, while
+    both ranges are still in the page cache (a source bigger than RAM is then not read twice from
+    disk). File I/O, numpy compares and sha256 release the GIL, so these threads really run
+    beside the copy. The first failure stops the writing (`raise_if_failed`).
+    """
+
+    def __init__(self, verify: bool, progress: Progress):
+        self.verify = verify
+        self.expected: dict[tuple[Path, str], bytes] = {}  # sha256 of converted tensors, as written
+        self._progress = progress
+        self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmap-fsync")
+        self._checker = ThreadPoolExecutor(max_workers=VERIFY_THREADS, thread_name_prefix="dmap-verify") if verify else None
+        self._futures = []
+        self._failure: BaseException | None = None
+        self._lock = threading.Lock()
+        self._checked = 0  # bytes verified so far
+        self._reporting = False  # whether verified bytes go to the progress bar yet
+
+    def raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def check_tensor(self, path: Path, begin: int, t: PlannedTensor) -> None:
+        """Queue the comparison of one tensor just written at `begin` in `path`."""
+        self.raise_if_failed()
+        if self._checker is not None:
+            self._futures.append(self._checker.submit(self._check, path, begin, t))
+
+    def _check(self, path: Path, begin: int, t: PlannedTensor) -> None:
+        if self._failure is not None:
+            return
+        try:
+            _check_tensor(path, begin, t, self.expected)
+        except BaseException as error:
+            self._failure = self._failure or error
+            raise
+        with self._lock:
+            self._checked += t.nbytes
+            reporting = self._reporting
+        if reporting:
+            self._progress.advance(t.nbytes)
+
+    def shard_written(self, fd: int, path: Path, shard_file: ShardFile) -> None:
+        """Check the header that was written (cheap, here), then fsync and close `fd` in the background."""
+        try:
+            if self.verify:
+                _check_header(path, shard_file)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._futures.append(self._syncer.submit(_fsync_and_close, fd))
+
+    def report_rest_as(self, phase: str, total_bytes: int) -> None:
+        """Writing is done: show the verification still running as its own progress phase."""
+        with self._lock:
+            self._progress.phase(phase, total_bytes - self._checked)
+            self._reporting = True
 
     def wait(self, raise_errors: bool = True) -> None:
-        """Every file is durable (or its error raised) when this returns."""
-        errors = []
-        for future in self._pending:
-            error = future.exception()
-            if error is not None:
-                errors.append(error)
-        self._pending.clear()
-        self._pool.shutdown()
-        if errors and raise_errors:
-            raise errors[0]
+        """Every file is durable and verified (or the first error raised) when this returns."""
+        if self._checker is not None:
+            self._checker.shutdown(cancel_futures=not raise_errors)
+        self._syncer.shutdown()  # never cancelled: each fsync job also closes its file
+        errors = [f.exception() for f in self._futures if not f.cancelled() and f.exception() is not None]
+        self._futures.clear()
+        if raise_errors:
+            self.raise_if_failed()
+            if errors:
+                raise errors[0]
 
 
-def _write_shard(path: Path, shard_file: ShardFile, legacy: dict[Path, dict], expected: dict, folder: str,
-                 progress: Progress, syncer: _BackgroundSync) -> None:
+def _write_shard(path: Path, shard_file: ShardFile, legacy: dict[Path, dict], progress: Progress,
+                 finisher: _ShardFinisher) -> None:
     buffer = memoryview(bytearray(BUFFER_BYTES))
     sources: dict[Path, int] = {}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         _write_all(fd, shard_file.header)
         for t in shard_file.tensors:
+            finisher.raise_if_failed()
             if t.byte_copy:
                 src = sources.get(t.source.file)
                 if src is None:
@@ -876,16 +935,18 @@ def _write_shard(path: Path, shard_file: ShardFile, legacy: dict[Path, dict], ex
                 data = _tensor_bytes(t, legacy)
                 if len(data) != t.nbytes:
                     raise CheckpointError(f"Tensor '{t.name}' converted to {len(data)} bytes, expected {t.nbytes}.")
-                expected[(folder, t.name)] = hashlib.sha256(data).digest()
+                if finisher.verify:
+                    finisher.expected[(path, t.name)] = hashlib.sha256(data).digest()
                 _write_all(fd, data)
                 progress.advance(t.nbytes)
+            finisher.check_tensor(path, len(shard_file.header) + t.offset, t)
     except BaseException:
         os.close(fd)
         raise
     finally:
         for src in sources.values():
             os.close(src)
-    syncer.submit(fd)
+    finisher.shard_written(fd, path, shard_file)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -959,7 +1020,7 @@ def _replace_in_place(temp: Path, result: ShardResult) -> None:
 
 def _hash_range(path: Path, begin: int, count: int) -> bytes:
     digest = hashlib.sha256()
-    buffer = memoryview(bytearray(min(4 * VERIFY_CHUNK, max(count, 1))))
+    buffer = memoryview(bytearray(min(HASH_CHUNK, max(count, 1))))
     fd = os.open(path, os.O_RDONLY)
     try:
         done = 0
@@ -975,65 +1036,75 @@ def _hash_range(path: Path, begin: int, count: int) -> bytes:
 
 
 def _same_bytes(source: Path, source_begin: int, path: Path, begin: int, count: int) -> bool:
-    """Byte-for-byte comparison of two ranges through two bounded buffers (exact, unlike a hash)."""
-    size = min(VERIFY_CHUNK, count)
-    left, right = bytearray(size), bytearray(size)
-    src_fd, out_fd = os.open(source, os.O_RDONLY), os.open(path, os.O_RDONLY)
-    try:
+    """Exact byte comparison of two file ranges, through memory maps of `VERIFY_WINDOW` bytes.
+
+    Mapping reads the page cache in place (no copy into Python buffers) and numpy compares 8 bytes
+    at a time with the GIL released: measured ~3 GB/s here against ~2.3 GB/s for two `preadv` +
+    memcmp. Sizes are checked first, since touching a mapping past the end of a file is a SIGBUS.
+    """
+    import mmap
+
+    import numpy as np
+
+    if count == 0:
+        return True
+    with open(source, "rb") as left_file, open(path, "rb") as right_file:
+        files = ((left_file.fileno(), source_begin), (right_file.fileno(), begin))
+        if any(os.fstat(fd).st_size < start + count for fd, start in files):
+            return False
         done = 0
         while done < count:
-            want = min(size, count - done)
-            a = os.preadv(src_fd, [memoryview(left)[:want]], source_begin + done)
-            b = os.preadv(out_fd, [memoryview(right)[:want]], begin + done)
-            if a != want or b != want:
-                return False
-            # bytearray == bytearray is a memcmp; slicing (a copy) only for a short last chunk
-            if not (left == right if want == size else left[:want] == right[:want]):
-                return False
-            done += want
-    finally:
-        os.close(src_fd)
-        os.close(out_fd)
+            n = min(VERIFY_WINDOW, count - done)
+            maps, arrays = [], []
+            try:
+                for fd, start in files:
+                    at = start + done
+                    aligned = at - at % mmap.ALLOCATIONGRANULARITY
+                    maps.append(mmap.mmap(fd, at - aligned + n, prot=mmap.PROT_READ, offset=aligned))
+                    arrays.append(np.frombuffer(maps[-1], np.uint8, n, at - aligned))
+                left, right = arrays
+                words = n // 8  # the bulk as uint64 (numpy handles unaligned views), then the tail
+                wide_left, wide_right = left[: words * 8].view(np.uint64), right[: words * 8].view(np.uint64)
+                step = COMPARE_CHUNK // 8
+                for i in range(0, words, step):
+                    if not np.array_equal(wide_left[i:i + step], wide_right[i:i + step]):
+                        return False
+                if not np.array_equal(left[words * 8:], right[words * 8:]):
+                    return False
+            finally:
+                del arrays[:]
+                left = right = wide_left = wide_right = None  # views must go before their maps close
+                for m in maps:
+                    m.close()
+            done += n
     return True
 
 
-def verify_output(root: Path, result: ShardResult, expected: dict, progress: Progress) -> None:
-    """Re-read every written tensor and compare name, dtype, shape and content with the source.
+def _check_tensor(path: Path, begin: int, t: PlannedTensor, expected: dict) -> None:
+    """Compare one written tensor with its source: copies byte for byte (exact), conversions by sha256."""
+    if t.byte_copy:
+        same = _same_bytes(t.source.file, t.source.begin, path, begin, t.nbytes)
+    else:
+        same = _hash_range(path, begin, t.nbytes) == expected[(path, t.name)]
+    if not same:
+        raise CheckpointError(f"Verification failed: tensor '{t.name}' in {path.name} differs from the source.")
 
-    Copied tensors are compared byte for byte with the source range (exact, and faster than hashing
-    both sides); converted or unpickled tensors by sha256 with the bytes computed when writing.
-    """
-    jobs = []
-    for comp in result.components:
-        folder = root / comp.folder
-        if comp.index_name is not None:
-            written_index = json.loads((folder / comp.index_name).read_text(encoding="utf-8"))
-            want = {t.name: s.name for s in comp.shards for t in s.tensors}
-            if written_index.get("weight_map") != want:
-                raise CheckpointError(f"Verification failed: {comp.index_name} does not list the tensors written.")
-        for shard_file in comp.shards:
-            header = read_safetensors_header(folder / shard_file.name)
-            if set(header.tensors) != {t.name for t in shard_file.tensors}:
-                raise CheckpointError(f"Verification failed: {shard_file.name} does not hold the planned tensors.")
-            for t in shard_file.tensors:
-                entry = header.tensors[t.name]
-                if entry.dtype != t.dtype or entry.shape != t.shape or entry.nbytes != t.nbytes:
-                    raise CheckpointError(f"Verification failed: tensor '{t.name}' in {shard_file.name} has the wrong dtype or shape.")
-                jobs.append((comp, t, folder / shard_file.name, entry.begin))
 
-    def check(job) -> None:
-        comp, t, path, begin = job
-        if t.byte_copy:
-            same = _same_bytes(t.source.file, t.source.begin, path, begin, t.nbytes)
-        else:
-            same = _hash_range(path, begin, t.nbytes) == expected[(comp.folder, t.name)]
-        if not same:
-            raise CheckpointError(f"Verification failed: tensor '{t.name}' in {path.name} differs from the source.")
+def _check_header(path: Path, shard_file: ShardFile) -> None:
+    """The shard's header, parsed back, names the planned tensors with their dtype, shape and place."""
+    header = read_safetensors_header(path)
+    if set(header.tensors) != {t.name for t in shard_file.tensors}:
+        raise CheckpointError(f"Verification failed: {shard_file.name} does not hold the planned tensors.")
+    for t in shard_file.tensors:
+        entry = header.tensors[t.name]
+        if (entry.dtype != t.dtype or entry.shape != t.shape or entry.nbytes != t.nbytes
+                or entry.begin != len(shard_file.header) + t.offset):
+            raise CheckpointError(f"Verification failed: tensor '{t.name}' in {shard_file.name} has the wrong dtype or shape.")
 
-    workers = max(1, min(4, os.cpu_count() or 1))  # preadv, memcmp and sha256 release or barely hold the GIL
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        # biggest first keeps the threads busy to the end
-        futures = [(pool.submit(check, job), job[1].nbytes) for job in sorted(jobs, key=lambda j: -j[1].nbytes)]
-        for future, nbytes in futures:
-            future.result()
-            progress.advance(nbytes)
+
+def verify_index(folder: Path, comp: ComponentPlan) -> None:
+    """The index written maps exactly the tensors written to their shards."""
+    written_index = json.loads((folder / comp.index_name).read_text(encoding="utf-8"))
+    want = {t.name: s.name for s in comp.shards for t in s.tensors}
+    if written_index.get("weight_map") != want:
+        raise CheckpointError(f"Verification failed: {comp.index_name} does not list the tensors written.")

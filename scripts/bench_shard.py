@@ -3,14 +3,16 @@
 
 Builds a random SD 1.5 UNet in fp32 (~3.4 GB, one safetensors file, written in chunks with a
 hand-made header so building it never holds the model in RAM), then runs each contender in its own
-subprocess and reports wall time and that process's peak RSS (os.wait4):
+subprocess and reports wall time and that process's peak RSS (os.wait4). The machine may be
+shared and noisy, so the methods run in interleaved rounds (`--repeat`, default 3) and the table
+shows each one's median wall time (best in brackets); every ratio uses the medians:
 
   - cp of the same file (and cp + fsync of the copy, since dmap fsyncs what it writes)
   - dmap shard --max-shard-size 500MB (verification on, the default) and with --no-verify
   - huggingface_hub.save_torch_state_dict(safetensors.torch.load_file(...), max_shard_size="500MB")
   - diffusers UNet2DConditionModel.from_pretrained(...).save_pretrained(max_shard_size="500MB")
 
-Usage: python scripts/bench_shard.py [--workdir /tmp] [--keep]
+Usage: python scripts/bench_shard.py [--workdir /tmp] [--repeat 3] [--only cp,dmap,...] [--keep]
 Targets (issue 3): dmap peak RSS < 300 MB whatever the model size; throughput >= 0.8x cp.
 """
 
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import struct
 import subprocess
 import sys
@@ -83,10 +86,18 @@ UNet2DConditionModel.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2], m
 """
 
 
-def measure(name: str, argv: list[str], out: Path | None, repeat: int = 2) -> dict:
-    """Best wall time of `repeat` runs (this machine is shared and noisy), highest peak RSS."""
-    runs = [measure_once(name, argv, out) for _ in range(repeat)]
-    return {"name": name, "wall": min(r["wall"] for r in runs), "rss": max(r["rss"] for r in runs)}
+def measure_rounds(methods: list[tuple[str, str, list[str], Path | None]], repeat: int) -> list[dict]:
+    """Run every method once per round, rounds interleaved, so slow spells of a noisy machine hit all
+    methods alike; per method: median and best wall time, highest peak RSS."""
+    walls: dict[str, list[float]] = {key: [] for key, *_ in methods}
+    rss: dict[str, int] = {key: 0 for key, *_ in methods}
+    for _ in range(repeat):
+        for key, name, argv, out in methods:
+            run = measure_once(name, argv, out)
+            walls[key].append(run["wall"])
+            rss[key] = max(rss[key], run["rss"])
+    return [{"key": key, "name": name, "wall": statistics.median(walls[key]), "best": min(walls[key]), "rss": rss[key]}
+            for key, name, *_ in methods]
 
 
 def measure_once(name: str, argv: list[str], out: Path | None) -> dict:
@@ -112,6 +123,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="/tmp", help="Where to put the ~3.4 GB checkpoint and outputs.")
     parser.add_argument("--keep", action="store_true", help="Keep the work folder.")
+    parser.add_argument("--repeat", type=int, default=3, help="Interleaved rounds of every method (median reported).")
+    parser.add_argument("--only", help="Comma-separated subset of: cp,cp-sync,dmap,dmap-no-verify,hub,diffusers.")
     parser.add_argument("--build", help=argparse.SUPPRESS)  # internal: build the checkpoint in a child
     args = parser.parse_args()
     if args.build:
@@ -129,31 +142,35 @@ def main() -> None:
         size = source.stat().st_size
         print(f"built {source} ({size / 1e9:.2f} GB, {data_bytes / 1e9:.2f} GB of tensors) "
               f"in {time.perf_counter() - started:.1f} s", file=sys.stderr)
-        runs = [
-            measure("cp", ["cp", str(source), str(work / "copy.safetensors")], work / "copy.safetensors"),
-            measure("cp + sync (fsync the copy)",
-                    ["sh", "-c", f"cp '{source}' '{work}/copy.safetensors' && sync '{work}/copy.safetensors'"],
-                    work / "copy.safetensors"),
-            measure("dmap shard -s 500MB (verified)",
-                    [PY, "-m", "dm_cli", "shard", str(unet), "-s", "500MB", "-o", str(work / "dmap"), "--quiet"],
-                    work / "dmap"),
-            measure("dmap shard -s 500MB --no-verify",
-                    [PY, "-m", "dm_cli", "shard", str(unet), "-s", "500MB", "-o", str(work / "dmap2"), "--quiet",
-                     "--no-verify"], work / "dmap2"),
-            measure("huggingface_hub save_torch_state_dict", [PY, "-c", HUB, str(source), str(work / "hub")], work / "hub"),
-            measure("diffusers save_pretrained", [PY, "-c", DIFFUSERS, str(unet), str(work / "diffusers")],
-                    work / "diffusers"),
+        methods = [
+            ("cp", "cp", ["cp", str(source), str(work / "copy.safetensors")], work / "copy.safetensors"),
+            ("cp-sync", "cp + sync (fsync the copy)",
+             ["sh", "-c", f"cp '{source}' '{work}/copy.safetensors' && sync '{work}/copy.safetensors'"],
+             work / "copy.safetensors"),
+            ("dmap", "dmap shard -s 500MB (verified, the default)",
+             [PY, "-m", "dm_cli", "shard", str(unet), "-s", "500MB", "-o", str(work / "dmap"), "--quiet"], work / "dmap"),
+            ("dmap-no-verify", "dmap shard -s 500MB --no-verify",
+             [PY, "-m", "dm_cli", "shard", str(unet), "-s", "500MB", "-o", str(work / "dmap2"), "--quiet", "--no-verify"],
+             work / "dmap2"),
+            ("hub", "huggingface_hub save_torch_state_dict", [PY, "-c", HUB, str(source), str(work / "hub")], work / "hub"),
+            ("diffusers", "diffusers save_pretrained", [PY, "-c", DIFFUSERS, str(unet), str(work / "diffusers")],
+             work / "diffusers"),
         ]
-        cp = runs[0]
-        print(f"\nSource: random SD 1.5 UNet, fp32, one file of {size / 1e9:.2f} GB; "
-              f"{os.cpu_count()} CPUs; outputs on the same file system.\n")
-        baseline = measure("baseline: python -c pass", [PY, "-c", "pass"], None)["rss"]
+        if args.only:
+            keep = set(args.only.split(","))
+            methods = [m for m in methods if m[0] in keep]
+        runs = measure_rounds(methods, args.repeat)
+        ratio = {r["key"]: r["wall"] for r in runs}
+        print(f"\nSource: random SD 1.5 UNet, fp32, one file of {size / 1e9:.2f} GB; {os.cpu_count()} CPUs; outputs on "
+              f"the same file system; median of {args.repeat} interleaved rounds (best in brackets).\n")
+        baseline = measure_once("baseline: python -c pass", [PY, "-c", "pass"], None)["rss"]
         print(f"(peak RSS of a bare child of this script: {baseline / 1e6:.0f} MB)\n")
-        print("| method | wall time | throughput | vs cp | peak RSS |")
-        print("|---|---:|---:|---:|---:|")
+        print("| method | wall time | throughput | vs cp | vs cp + sync | peak RSS |")
+        print("|---|---:|---:|---:|---:|---:|")
         for run in runs:
-            print(f"| {run['name']} | {run['wall']:.2f} s | {size / run['wall'] / 1e9:.2f} GB/s | "
-                  f"{cp['wall'] / run['wall']:.2f}x | {run['rss'] / 1e6:,.0f} MB |")
+            vs = [f"{ratio[k] / run['wall']:.2f}x" if k in ratio else "-" for k in ("cp", "cp-sync")]
+            print(f"| {run['name']} | {run['wall']:.2f} s ({run['best']:.2f}) | {size / run['wall'] / 1e9:.2f} GB/s | "
+                  f"{vs[0]} | {vs[1]} | {run['rss'] / 1e6:,.0f} MB |")
     finally:
         if args.keep:
             print(f"kept {work}", file=sys.stderr)

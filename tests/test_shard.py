@@ -9,7 +9,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -454,29 +453,79 @@ def test_sigkill_mid_write_leaves_nothing_and_next_run_cleans_up(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
 @pytest.mark.parametrize("dtype", [None, "fp16"])  # byte comparison, and sha256 of converted tensors
-def test_verification_failure_moves_nothing(tmp_path, monkeypatch, dtype):
+def test_verification_catches_one_flipped_byte_and_moves_nothing(tmp_path, monkeypatch, dtype, where):
     tiny_model("tiny-sd15", "unet").save_pretrained(tmp_path / "src")
     before = tree_digest(tmp_path / "src")
-    real = shard_module.verify_output
+    real = shard_module._check_tensor
+    flipped = []
 
-    def corrupt_then_verify(root, result, expected, progress):
-        """Flip one data byte in the last written shard, as a bad disk or a bug would."""
-        comp = result.components[0]
-        path = root / comp.folder / comp.shards[-1].name
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0xFF
-        path.write_bytes(bytes(data))
-        return real(root, result, expected, progress)
+    def corrupt_then_check(path, begin, t, expected):
+        """Flip one byte of the first sizeable tensor checked, as a bad disk or a bug would."""
+        if t.nbytes > 64 and not flipped:
+            at = begin + {"first": 0, "middle": t.nbytes // 2 + 3, "last": t.nbytes - 1}[where]
+            with open(path, "r+b") as handle:
+                handle.seek(at)
+                byte = handle.read(1)[0]
+                handle.seek(at)
+                handle.write(bytes([byte ^ 0x01]))
+            flipped.append(t.name)
+        return real(path, begin, t, expected)
 
-    monkeypatch.setattr(shard_module, "verify_output", corrupt_then_verify)
+    monkeypatch.setattr(shard_module, "_check_tensor", corrupt_then_check)
     with pytest.raises(CheckpointError, match="differs from the source"):
         shard(str(tmp_path / "src"), 25_000, output=tmp_path / "out", dtype=dtype, **SMALL)
+    assert flipped
     _assert_nothing_left(tmp_path, before)
+    flipped.clear()
     with pytest.raises(CheckpointError, match="differs from the source"):
         shard(str(tmp_path / "src"), 25_000, in_place=True, dtype=dtype, **SMALL)
     assert tree_digest(tmp_path / "src") == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_verification_catches_a_wrong_header(tmp_path, monkeypatch):
+    tiny_model("tiny-sd15", "unet").save_pretrained(tmp_path / "src")
+    real = shard_module._check_header
+
+    def swap_shape_then_check(path, shard_file):
+        """Rewrite one shape in the written header (same length), as a header bug would."""
+        data = bytearray(path.read_bytes())
+        at = data.index(b'"shape":[') + len(b'"shape":[')
+        data[at] = ord("9") if data[at] != ord("9") else ord("8")
+        path.write_bytes(bytes(data))
+        return real(path, shard_file)
+
+    monkeypatch.setattr(shard_module, "_check_header", swap_shape_then_check)
+    with pytest.raises(CheckpointError, match="conv_in.bias"):  # the header reader or the shape check names it
+        shard(str(tmp_path / "src"), 25_000, output=tmp_path / "out", **SMALL)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("window", [1 << 20, 4096 * 3 + 8])  # the real window, and one that cuts tensors
+def test_same_bytes_finds_any_flipped_byte(tmp_path, monkeypatch, window):
+    """The comparison itself: equal ranges pass; one flipped byte anywhere (window edges, the tail
+    past the last 8-byte word, unaligned starts) fails; a file shorter than the range fails."""
+    monkeypatch.setattr(shard_module, "VERIFY_WINDOW", window)
+    monkeypatch.setattr(shard_module, "COMPARE_CHUNK", 4096)
+    data = os.urandom(100_003)
+    (tmp_path / "a").write_bytes(b"x" * 5 + data)
+    count = len(data)
+    same = shard_module._same_bytes
+    for pad in (0, 3, 8):
+        out = tmp_path / f"b{pad}"
+        out.write_bytes(b"y" * pad + data)
+        assert same(tmp_path / "a", 5, out, pad, count)
+        assert same(tmp_path / "a", 5, out, pad, 0)
+        edges = {window - 1, window, 2 * window + 1} & set(range(count))
+        for at in {0, 1, 7, 8, 4095, 4096, count - 9, count - 8, count - 1} | edges:
+            corrupt = bytearray(data)
+            corrupt[at] ^= 0x80
+            out.write_bytes(b"y" * pad + bytes(corrupt))
+            assert not same(tmp_path / "a", 5, out, pad, count), (pad, at)
+        out.write_bytes(b"y" * pad + data[:-1])
+        assert not same(tmp_path / "a", 5, out, pad, count)
 
 
 def test_in_place_replaces_source_after_verification(tmp_path):
