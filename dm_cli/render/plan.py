@@ -87,8 +87,10 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
                 err.print(f"  - {problem}", markup=False)
         elif check.get("components"):
             out.print(f"[green]Split check passed[/] on the meta device: {', '.join(check['components'])}.")
-    if plan.offloaded_bytes:
-        out.print(f"Offloaded: {size(plan.offloaded_bytes)} (streamed to its execution GPU per forward).")
+    if not any(d.is_gpu for d in plan.devices):
+        out.print("No GPU in the device list: every component runs on the CPU.")
+    elif plan.offloaded_bytes:
+        out.print(f"Offloaded to cpu/disk: {size(plan.offloaded_bytes)} (run where the plan's execution device says).")
     else:
         out.print("Nothing offloaded to cpu or disk.")
     for warning in plan.warnings:
