@@ -13,8 +13,9 @@ import typer
 
 from .. import __version__
 from . import inspect as inspect_command
-from . import shard as shard_command
 from . import plan as plan_command
+from . import run as run_command
+from . import shard as shard_command
 
 app = typer.Typer(
     name="dmap",
@@ -45,6 +46,7 @@ def _root(
 app.command("inspect", help=inspect_command.__doc__)(inspect_command.inspect)
 app.command("shard", help=shard_command.__doc__)(shard_command.shard)
 app.command("plan", help=plan_command.__doc__)(plan_command.plan)
+app.command("run", help=run_command.__doc__)(run_command.run)
 
 
 def main(argv: list[str] | None = None) -> None:

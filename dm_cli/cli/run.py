@@ -1,0 +1,53 @@
+"""Generate images: staged encode -> denoise -> decode across the devices of a plan (the demo without SOURCE)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def run(
+    source: str | None = typer.Argument(None, help="Pipeline folder, preset or Hub repo id (default: the bundled random-weight FLUX demo)."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="What to draw."),
+    negative_prompt: str | None = typer.Option(None, "--negative-prompt", help="What to avoid (CFG pipelines)."),
+    device_map: str = typer.Option("auto", "--device-map", "-d",
+                                   help="auto | balanced | balanced_low_0 | sequential (plan now), or a plan JSON from dmap plan."),
+    max_memory: str | None = typer.Option(None, "--max-memory", "-m",
+                                          help="Devices to plan for, e.g. 0=16GB,1=16GB,cpu=64GB (default: this machine)."),
+    mode: str = typer.Option("auto", "--mode", help="auto | resident | staged (when planning here)."),
+    overhead: str | None = typer.Option(None, "--overhead", help="Per-device overhead when planning, e.g. 0=600MB."),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="Denoising steps (default: the pipeline's)."),
+    guidance_scale: float | None = typer.Option(None, "--guidance-scale", help="Guidance (default: the pipeline's)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed: same seed, same image."),
+    height: int | None = typer.Option(None, "--height", help="Image height in pixels (default: the pipeline's)."),
+    width: int | None = typer.Option(None, "--width", help="Image width in pixels (default: the pipeline's)."),
+    num_images: int = typer.Option(1, "--num-images", min=1, help="Images for the prompt (out-0.png, out-1.png, ...)."),
+    max_sequence_length: int | None = typer.Option(None, "--max-sequence-length", help="T5 tokens (FLUX, SD3)."),
+    output: str = typer.Option("dmap.png", "--output", "-o", help="PNG to write (with prompt, seed and plan in its metadata)."),
+    save_latents: str | None = typer.Option(None, "--save-latents", help="Also write the final latents (safetensors)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: the plan's, as stored)."),
+    simulate: bool = typer.Option(False, "--simulate",
+                                  help="Run every planned device on this CPU with the split check (plans for GPUs you lack)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No plan, no progress bar."),
+    binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
+) -> int:
+    from ..runner import RunRequest, run as run_pipeline
+
+    request = RunRequest(
+        source=source, prompt=prompt, negative_prompt=negative_prompt, device_map=device_map, max_memory=max_memory,
+        overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, seed=seed, height=height, width=width,
+        num_images=num_images, max_sequence_length=max_sequence_length, output=output, save_latents=save_latents,
+        dtype=dtype, simulate=simulate,
+    )
+    if as_json:
+        result = run_pipeline(request)
+        from ._output import print_json
+
+        print_json(result.to_json())
+        return 0
+    from ..render.run import RunView
+
+    with RunView(quiet=quiet, binary=binary) as view:
+        result = run_pipeline(request, on_plan=view.show_plan, on_step=view.step)
+    view.summary(result)
+    return 0

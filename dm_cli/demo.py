@@ -1,0 +1,169 @@
+"""The embedded default pipeline: a small FLUX-architecture model with RANDOM weights.
+
+`dmap run --prompt ...` without a SOURCE needs something to run offline on a laptop CPU. The demo
+is a real FluxPipeline folder (model_index.json, configs, sharded safetensors, tokenizers,
+scheduler) whose weights are generated deterministically from a fixed seed on first use and then
+loaded like any checkpoint. Its images are noise-like: the weights are random, not trained.
+
+`write_random_pipeline` is also how tests give the tiny-* presets weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEMO_SEED = 0
+DEMO_SHARD_SIZE = "4MB"  # several shards per big component, as real checkpoints have
+DEMO_NOTICE = "The demo pipeline has RANDOM weights (FLUX architecture, untrained): its images are noise, not art."
+DEMO_DEFAULTS = {"height": 256, "width": 256, "steps": 4, "guidance_scale": 3.5, "max_sequence_length": 64}
+
+# FLUX.1 architecture at laptop size: same classes and wiring, fewer/narrower layers.
+DEMO_CONFIGS: dict[str, dict] = {
+    "model_index": {
+        "_class_name": "FluxPipeline",
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "text_encoder_2": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "tokenizer_2": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    },
+    "scheduler": {
+        "_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
+        "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000, "shift": 3.0,
+        "use_dynamic_shifting": True,
+    },
+    "text_encoder": {
+        "architectures": ["CLIPTextModel"], "model_type": "clip_text_model", "bos_token_id": 0, "eos_token_id": 2,
+        "pad_token_id": 1, "hidden_act": "quick_gelu", "hidden_size": 128, "intermediate_size": 512,
+        "layer_norm_eps": 1e-05, "max_position_embeddings": 77, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "projection_dim": 128, "vocab_size": 1000,
+    },
+    "text_encoder_2": {
+        "architectures": ["T5EncoderModel"], "model_type": "t5", "d_ff": 512, "d_kv": 32, "d_model": 256,
+        "dense_act_fn": "gelu_new", "feed_forward_proj": "gated-gelu", "is_gated_act": True, "num_heads": 8,
+        "num_layers": 4, "relative_attention_num_buckets": 32, "vocab_size": 512, "tie_word_embeddings": False,
+    },
+    "transformer": {
+        "_class_name": "FluxTransformer2DModel", "attention_head_dim": 32, "axes_dims_rope": [8, 12, 12],
+        "guidance_embeds": True, "in_channels": 64, "joint_attention_dim": 256, "num_attention_heads": 8,
+        "num_layers": 2, "num_single_layers": 6, "patch_size": 1, "pooled_projection_dim": 128,
+    },
+    "vae": {
+        "_class_name": "AutoencoderKL", "act_fn": "silu", "block_out_channels": [32, 32, 64, 64],
+        "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+        "in_channels": 3, "out_channels": 3, "latent_channels": 16, "layers_per_block": 1, "norm_num_groups": 32,
+        "sample_size": 256, "scaling_factor": 0.3611, "shift_factor": 0.1159, "use_post_quant_conv": False,
+        "use_quant_conv": False, "force_upcast": True,
+    },
+}
+
+
+def _digest(configs: dict) -> str:
+    from importlib import metadata
+
+    versions = [metadata.version(p) for p in ("torch", "diffusers", "transformers")]
+    blob = json.dumps({"configs": configs, "seed": DEMO_SEED, "versions": versions}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def demo_folder() -> Path:
+    from .skeleton import cache_dir
+
+    return cache_dir() / "demo" / f"flux-demo-{_digest(DEMO_CONFIGS)}"
+
+
+def ensure_demo() -> Path:
+    """The demo pipeline folder, generated (once, atomically) if the cache lacks it."""
+    folder = demo_folder()
+    if (folder / "model_index.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-demo-"))
+    try:
+        _write_configs(DEMO_CONFIGS, staging)
+        write_random_pipeline(staging, staging, seed=DEMO_SEED, max_shard_size=DEMO_SHARD_SIZE)
+        try:
+            os.replace(staging, folder)
+        except OSError:
+            if not (folder / "model_index.json").is_file():  # another process won the race: keep theirs
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _write_configs(configs: dict, root: Path) -> None:
+    (root / "model_index.json").write_text(json.dumps(configs["model_index"], indent=2))
+    for name, config in configs.items():
+        if name == "model_index":
+            continue
+        (root / name).mkdir(parents=True, exist_ok=True)
+        file_name = "scheduler_config.json" if name == "scheduler" else "config.json"
+        (root / name / file_name).write_text(json.dumps(config, indent=2))
+
+
+def write_random_pipeline(
+    config_root: str | Path, target: str | Path, seed: int = 0, max_shard_size: str | None = None,
+    dtype: str = "float32",
+) -> Path:
+    """A runnable pipeline folder from configs only: random weights (fixed seed), tokenizers, scheduler.
+
+    `config_root` is a pipeline folder with model_index.json and component configs (a tiny preset,
+    or the demo's); `target` receives model_index.json, every component as safetensors, the
+    scheduler config and offline tokenizers. Same seed and library versions, same bytes.
+    """
+    import torch
+
+    from .offline_tokenizers import write_tokenizer_for
+
+    config_root, target = Path(config_root), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    index = json.loads((config_root / "model_index.json").read_text())
+    if config_root != target:
+        (target / "model_index.json").write_text(json.dumps(index, indent=2))
+    torch_dtype = getattr(torch, dtype)
+    for position, (name, value) in enumerate(sorted((k, v) for k, v in index.items() if not k.startswith("_"))):
+        if not isinstance(value, list) or value[0] is None or value[1] is None:
+            continue
+        library, cls = value
+        if "Scheduler" in cls:
+            src = config_root / name / "scheduler_config.json"
+            (target / name).mkdir(parents=True, exist_ok=True)
+            if src.resolve() != (target / name / "scheduler_config.json").resolve():
+                shutil.copyfile(src, target / name / "scheduler_config.json")
+            continue
+        if "Tokenizer" in cls:
+            encoder = "text_encoder" + name.removeprefix("tokenizer")
+            encoder_config = json.loads((config_root / encoder / "config.json").read_text())
+            write_tokenizer_for(cls, target / name, encoder_config)
+            continue
+        config = json.loads((config_root / name / "config.json").read_text())
+        torch.manual_seed(seed + position)
+        model = _build_random(library, cls, config)
+        if torch_dtype != torch.float32:
+            model = model.to(torch_dtype)
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(target / name, **kwargs)
+        del model
+    return target
+
+
+def _build_random(library: str, cls: str, config: dict):
+    """The class with its own (random) initialisation, on the CPU."""
+    if library == "diffusers":
+        import diffusers
+
+        return getattr(diffusers, cls).from_config(config)
+    import transformers
+
+    model_cls = getattr(transformers, cls)
+    clean = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
+    return model_cls(model_cls.config_class.from_dict(clean))
