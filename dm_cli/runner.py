@@ -144,13 +144,14 @@ class RunResult:
 
 def _quiet_libraries() -> None:
     """dmap prints its own progress and summary: the libraries' load bars and advice would drown it."""
-    import diffusers
     import transformers
+
+    transformers.utils.logging.set_verbosity_error()  # diffusers' import triggers transformers warnings
+    transformers.utils.logging.disable_progress_bar()
+    import diffusers
 
     diffusers.utils.logging.set_verbosity_error()
     diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 def plan_digest(plan: dict) -> str:
@@ -828,6 +829,9 @@ def run(request: RunRequest, on_plan: Callable[[dict], None] | None = None,
     of the collector for the run, so collections only look at what the run makes, and what the
     stages free is still collected. Unfrozen at the end (unless the caller had frozen first).
     """
+    # before the libraries' first import: some of them warn while importing (torchvision fallbacks)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     owner = gc.get_freeze_count() == 0
     if owner:
         gc.freeze()
@@ -861,6 +865,9 @@ def _run(request: RunRequest, on_plan, on_step, freeze: bool) -> RunResult:
     inputs = InputSpec(height=height, width=width, batch_size=1, num_images=request.num_images,
                        guidance_scale=guidance, max_sequence_length=max_seq)
 
+    _quiet_libraries()
+    # missing or corrupt weights are bad input: say so before spending time on a plan
+    largest = {c.name: check_component_files(c) for c in source.components}
     is_file = request.device_map.endswith(".json") or Path(request.device_map).is_file()
     if is_file:
         plan = read_plan_file(request.device_map)
@@ -873,11 +880,9 @@ def _run(request: RunRequest, on_plan, on_step, freeze: bool) -> RunResult:
         on_plan(plan)
     if not request.simulate:
         check_devices_present(plan)
-    largest = {c.name: check_component_files(c) for c in source.components if c.name in plan["components"]}
 
     import torch
 
-    _quiet_libraries()
     dtype = plan.get("dtype")
     torch_dtype = getattr(torch, dtype) if dtype else None
     digest = plan_digest(plan)
