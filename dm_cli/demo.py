@@ -74,7 +74,7 @@ def _digest(configs: dict) -> str:
 
 
 def demo_folder() -> Path:
-    from .skeleton import cache_dir
+    from .cache import cache_dir
 
     return cache_dir() / "demo" / f"flux-demo-{_digest(DEMO_CONFIGS)}"
 

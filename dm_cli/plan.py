@@ -400,7 +400,7 @@ def _cached_check(prep, pipeline_class, inputs, device_map, use_cache: bool, che
     """A check runs a meta forward (seconds for FLUX): remember its verdict per map, inputs and code."""
     import hashlib
 
-    from .skeleton import cache_dir
+    from .cache import cache_key, read_cached, write_cached
 
     here = Path(__file__).parent
     code = hashlib.sha256()
@@ -409,25 +409,15 @@ def _cached_check(prep, pipeline_class, inputs, device_map, use_cache: bool, che
             code.update((here / name).read_bytes())
         except OSError:
             pass
-    blob = json.dumps({"class": prep.source.cls, "config": prep.source.config, "pipeline": pipeline_class,
-                       "inputs": inputs.to_json(), "dtype": prep.dtype, "map": list(device_map.items()),
-                       "code": code.hexdigest()}, sort_keys=True, default=str)
-    path = cache_dir() / "checks" / f"{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"
-    if use_cache and path.is_file():
-        try:
-            return list(json.loads(path.read_text())["problems"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+    key = cache_key({"class": prep.source.cls, "config": prep.source.config, "pipeline": pipeline_class,
+                     "inputs": inputs.to_json(), "dtype": prep.dtype, "map": list(device_map.items()),
+                     "code": code.hexdigest()})
+    cached = read_cached("checks", key) if use_cache else None
+    if cached is not None and isinstance(cached.get("problems"), list):
+        return list(cached["problems"])
     problems = list(check_device_map(prep.source, pipeline_class, inputs, prep.dtype, device_map))
     if use_cache and not any("was not checked" in p for p in problems):
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-            with os.fdopen(fd, "w") as handle:
-                json.dump({"problems": problems}, handle)
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        write_cached("checks", key, {"problems": problems})
     return problems
 
 

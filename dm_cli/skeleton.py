@@ -8,15 +8,10 @@ and activation peaks depend on the inputs, so they live beside it in the trace c
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
-from importlib import metadata as importlib_metadata
-from pathlib import Path
 
+from .cache import cache_key, read_cached, write_cached
 from .errors import SourceError
 from .units import DTYPE_BYTES, FLOATING_DTYPES, numel
 
@@ -308,40 +303,13 @@ def guess_library(class_name: str) -> str | None:
 # --- cache ----------------------------------------------------------------------------------
 
 
-def cache_dir() -> Path:
-    """`$DMAP_CACHE_DIR`, else `$XDG_CACHE_HOME/dmap`, else `~/.cache/dmap`."""
-    if os.environ.get("DMAP_CACHE_DIR"):
-        return Path(os.environ["DMAP_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dmap"
-
-
-def _library_versions() -> str:
-    versions = []
-    for package in ("torch", "diffusers", "transformers"):
-        try:
-            versions.append(f"{package}={importlib_metadata.version(package)}")
-        except importlib_metadata.PackageNotFoundError:
-            versions.append(f"{package}=none")
-    return ";".join(versions)
-
-
-def skeleton_cache_key(library: str | None, class_name: str, config: dict) -> str:
-    blob = json.dumps(
-        {"library": library, "class": class_name, "config": config, "versions": _library_versions(),
-         "format": SKELETON_FORMAT_VERSION},
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
 def load_skeleton(name: str, library: str | None, class_name: str, config: dict, use_cache: bool = True) -> Skeleton:
     """The skeleton of one component from its config: from the cache, else built on meta and cached."""
-    key = skeleton_cache_key(library, class_name, config)
-    path = cache_dir() / "skeletons" / f"{key}.json"
-    if use_cache and path.is_file():
+    key = cache_key({"library": library, "class": class_name, "config": config, "format": SKELETON_FORMAT_VERSION})
+    cached = read_cached("skeletons", key) if use_cache else None
+    if cached is not None:
         try:
-            skeleton = Skeleton.from_json(json.loads(path.read_text()))
+            skeleton = Skeleton.from_json(cached)
             skeleton.name = name
             return skeleton
         except (ValueError, KeyError, TypeError, IndexError):
@@ -353,19 +321,8 @@ def load_skeleton(name: str, library: str | None, class_name: str, config: dict,
     model = build_on_meta(library, class_name, config)
     skeleton = skeleton_from_model(name, library, model)
     if use_cache:
-        _write_atomic(path, json.dumps(skeleton.to_json()))
+        write_cached("skeletons", key, skeleton.to_json())
     return skeleton
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a cache that cannot be written only costs time
 
 
 def skeleton_for_component(comp, use_cache: bool = True):

@@ -17,18 +17,16 @@ torch is imported inside functions only: `dmap --help` must not pay for it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
 import json
-import os
 import sys
-import tempfile
 import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from .cache import cache_key, read_cached, write_cached
 from .inputs import InputSpec
 from .pipelines import CallSpec, TensorSpec, call_spec, generic_argument
 
@@ -647,31 +645,9 @@ def _run(model, spec: CallSpec, dtype: str, session: _Session):
 # --- public API --------------------------------------------------------------------------------
 
 
-def _library_versions() -> str:
-    from .skeleton import _library_versions as versions
-
-    return versions()
-
-
 def _trace_key(comp, pipeline_class, spec_shapes, dtype, weights_only) -> str:
-    blob = json.dumps(
-        {"library": comp.library, "class": comp.cls, "config": comp.config, "pipeline": pipeline_class,
-         "call": spec_shapes, "dtype": dtype, "weights_only": weights_only, "versions": _library_versions(),
-         "format": TRACE_FORMAT_VERSION},
-        sort_keys=True, default=str,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
-def _write_atomic(path, text: str) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a cache that cannot be written only costs time
+    return cache_key({"library": comp.library, "class": comp.cls, "config": comp.config, "pipeline": pipeline_class,
+                      "call": spec_shapes, "dtype": dtype, "weights_only": weights_only, "format": TRACE_FORMAT_VERSION})
 
 
 def compute_dtype(spec: CallSpec | None, dtype: str) -> str:
@@ -687,8 +663,6 @@ def trace_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: 
 
     Cached in `cache_dir()/traces/` keyed by config, class, call shapes, dtype and library versions.
     """
-    from .skeleton import cache_dir
-
     dtype = _torch_dtype_name(dtype, comp)
     weights_only = inputs.weights_only
     shape_inputs = InputSpec(WEIGHTS_ONLY_SIZE, WEIGHTS_ONLY_SIZE, 1, 1, inputs.guidance_scale,
@@ -697,12 +671,12 @@ def trace_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: 
     run_dtype = compute_dtype(spec, dtype)
     key = _trace_key(comp, pipeline_class, spec.shapes() if spec else "generic:" + json.dumps(shape_inputs.to_json()),
                      run_dtype, weights_only)
-    path = cache_dir() / "traces" / f"{key}.json"
-    if use_cache and path.is_file():
+    cached = read_cached("traces", key) if use_cache else None
+    if cached is not None:
         try:
-            cached = ComponentTrace.from_json(json.loads(path.read_text()))
-            cached.seconds = 0.0
-            return cached
+            trace = ComponentTrace.from_json(cached)
+            trace.seconds = 0.0
+            return trace
         except (ValueError, KeyError, TypeError):
             pass
     start = time.perf_counter()
@@ -712,7 +686,7 @@ def trace_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: 
         trace.module_peaks = {k: 0 for k in trace.module_peaks}
     trace.seconds = round(time.perf_counter() - start, 3)
     if use_cache and trace.fallback_warning is None:
-        _write_atomic(path, json.dumps(trace.to_json()))
+        write_cached("traces", key, trace.to_json())
     return trace
 
 
@@ -748,8 +722,7 @@ def _trace_uncached(comp, pipeline_class, inputs: InputSpec, dtype: str) -> Comp
                    "no activation estimate.")
     else:
         try:
-            output = _run(model, spec, dtype, session)
-            del output
+            _run(model, spec, dtype, session)  # the output is dropped at once: only the trace matters
         except Exception as error:  # any model code may fail on meta: fall back, say why
             warning = (f"Tracing {comp.cls} ({comp.name}) on the meta device failed ({type(error).__name__}: "
                        f"{str(error).splitlines()[0][:200] if str(error) else ''}): using registration order, "

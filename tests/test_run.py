@@ -169,8 +169,6 @@ def test_refusals(folders, tmp_path):
     with pytest.raises(UsageError, match="--simulate"):
         dmap_run(flux, hand_plan(flux, 2), tmp_path)  # GPUs this machine lacks
     with pytest.raises(UsageError, match="height=32"):
-        from dm_cli.runner import RunRequest as R  # noqa: F401
-
         plan_path = tmp_path / "p.json"
         plan_path.write_text(json.dumps(hand_plan(flux)))
         run(RunRequest(source=str(flux), prompt=PROMPT, device_map=str(plan_path), height=64, width=64, output=None))
