@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .atomic import atomic_write
 from .errors import DoesNotFitError, UsageError
 from .inputs import InputSpec
 from .planner import (
@@ -181,14 +181,7 @@ def write_plan(plan: Plan, path: str | Path) -> None:
     text = json.dumps(plan.to_json(), indent=2) + "\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     except OSError as error:
         raise UsageError(f"Cannot write plan to {path}: {error.strerror or error}.") from None
 

@@ -21,7 +21,6 @@ import inspect as pyinspect
 import json
 import math
 import os
-import tempfile
 import threading
 import time
 import weakref
@@ -34,6 +33,7 @@ from . import __version__
 from .errors import CheckpointError, DoesNotFitError, SourceError, UsageError
 from .inputs import InputSpec
 from .units import format_size
+from .atomic import atomic_write
 from .sources import config_digest
 
 SUPPORTED_PIPELINES = ("FluxPipeline", "StableDiffusionXLPipeline", "StableDiffusionPipeline", "StableDiffusion3Pipeline")
@@ -1146,14 +1146,4 @@ def save_latents(latents, output: str, metadata: dict[str, str]) -> str:
 def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
     if path.parent and not path.parent.exists():
         raise UsageError(f"Cannot write {path}: folder {path.parent} does not exist.")
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, write)
