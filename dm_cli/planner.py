@@ -143,25 +143,6 @@ class Placement:
     def hops(self) -> int:
         return sum(c.hops for c in self.components.values())
 
-    def max_share(self, devices: list[Device]) -> float:
-        """The most-loaded GPU's peak as a fraction of its capacity (over all stages)."""
-        capacity = {d.name: d.capacity for d in devices if d.is_gpu}
-        best = 0.0
-        for stage in self.stages:
-            for name, use in stage.use.items():
-                if capacity.get(name):
-                    best = max(best, use.peak / capacity[name])
-        return best
-
-    @property
-    def hf_device_map(self) -> dict[str, int | str | list]:
-        """Pipeline level: component -> device, or the list of its devices in execution order when split."""
-        out: dict[str, int | str | list] = {}
-        for name, comp in self.components.items():
-            devices = comp.devices
-            out[name] = devices[0] if len(devices) == 1 else devices
-        return out
-
 
 class NoFit(Exception):
     """Raised by the pure planner: nothing placed every block within the capacities."""

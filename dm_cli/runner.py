@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Callable
 
 from . import __version__
+from .atomic import atomic_write
 from .errors import CheckpointError, DoesNotFitError, SourceError, UsageError
 from .inputs import InputSpec
-from .units import format_size
-from .atomic import atomic_write
 from .sources import config_digest
+from .units import format_size, parse_dtype
 
 SUPPORTED_PIPELINES = ("FluxPipeline", "StableDiffusionXLPipeline", "StableDiffusionPipeline", "StableDiffusion3Pipeline")
 DENOISERS = ("transformer", "unet")
@@ -159,22 +159,9 @@ def plan_digest(plan: dict) -> str:
 
 
 def read_plan_file(path: str) -> dict:
-    try:
-        from .plan import load_plan
-    except ImportError:
-        load_plan = None
-    if load_plan is not None:
-        plan = load_plan(path)
-        return plan.to_json() if hasattr(plan, "to_json") else plan
-    try:
-        plan = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"Plan file {path} does not exist.") from None
-    except (OSError, ValueError) as error:
-        raise UsageError(f"Plan file {path} is not readable JSON ({error}); write it again with dmap plan --output.") from None
-    if not isinstance(plan, dict) or plan.get("format") != "dmap-plan":
-        raise UsageError(f"{path} is not a dmap plan (format 'dmap-plan'); write one with dmap plan --output.")
-    return plan
+    from .plan import load_plan
+
+    return load_plan(path).to_json()
 
 
 def make_run_plan(source, request: RunRequest, inputs: InputSpec) -> dict:
@@ -221,25 +208,15 @@ def check_plan_matches(plan: dict, source, inputs: InputSpec, dtype: str | None,
                 f"{where} was made for {key}={planned_inputs[key]}, this run asks for {value}: "
                 f"pass --{key.replace('_', '-')} {planned_inputs[key]} or plan again for these inputs."
             )
-    if dtype and plan.get("dtype") and _torch_dtype_name(dtype) != plan["dtype"]:
+    if dtype and plan.get("dtype") and parse_dtype(dtype) != plan["dtype"]:
         raise UsageError(f"{where} was made for {plan['dtype']}, this run asks for {dtype}: drop --dtype or plan again.")
-
-
-def _torch_dtype_name(dtype: str) -> str:
-    from .units import parse_dtype
-
-    return parse_dtype(dtype)
-
-
-def _device_key(device) -> str:
-    return str(device)
 
 
 def plan_devices(plan: dict) -> set[str]:
     devices = set()
     for comp in plan["components"].values():
         for dev in comp["device_map"].values():
-            devices.add(_device_key(dev))
+            devices.add(str(dev))
     return devices
 
 
@@ -289,7 +266,7 @@ class MemoryMeter:
         self.tracking = False
 
     def register_weights(self, model, device_map: dict, default_device: str) -> None:
-        entries = sorted(((k, _device_key(v)) for k, v in device_map.items()), key=lambda kv: -len(kv[0]))
+        entries = sorted(((k, str(v)) for k, v in device_map.items()), key=lambda kv: -len(kv[0]))
         seen: set[int] = set()
         tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
         for name, tensor in tensors:
@@ -397,7 +374,7 @@ class MemoryMeter:
             module = modules.get(prefix)
             if module is None:
                 continue
-            key = _device_key(dev)
+            key = str(dev)
 
             def pre(_module, _args, key=key):
                 self.current.append(key)
@@ -905,7 +882,7 @@ def _run(request: RunRequest, on_plan, on_step, freeze: bool) -> RunResult:
             for name in names:
                 cmap = plan["components"][name]["device_map"]
                 model = load_component(comps[name], cmap, dtype, request.simulate)
-                default_dev = _device_key(next(iter(cmap.values())))
+                default_dev = str(next(iter(cmap.values())))
                 meter.register_weights(model, cmap, default_dev)
                 hooks[name] = meter.attach(model, cmap, default_dev)
                 if request.simulate:
@@ -947,7 +924,7 @@ def _run(request: RunRequest, on_plan, on_step, freeze: bool) -> RunResult:
         for stage_plan in stages:
             name = stage_plan["name"]
             stage = StageResult(name, list(stage_plan["components"]), planned_peak={
-                _device_key(k): int(v) for k, v in stage_plan.get("peak_bytes", {}).items()})
+                str(k): int(v) for k, v in stage_plan.get("peak_bytes", {}).items()})
             t0 = time.perf_counter()
             stage.resident_before = meter.resident()
             if staged:
@@ -960,7 +937,7 @@ def _run(request: RunRequest, on_plan, on_step, freeze: bool) -> RunResult:
                     torch.cuda.reset_peak_memory_stats(i)
             t1 = time.perf_counter()
             first_map = plan["components"][stage.components[0]]["device_map"] if stage.components else {"": "cpu"}
-            meter.current[:] = [_device_key(next(iter(first_map.values())))]
+            meter.current[:] = [str(next(iter(first_map.values())))]
             track = not cuda_used or any(
                 _execution_device(plan["components"][c]["device_map"], False).type == "cpu" for c in stage.components)
             stage.tracked = "all" if track else "none (CUDA: max_memory_allocated)"
@@ -978,7 +955,7 @@ def _run(request: RunRequest, on_plan, on_step, freeze: bool) -> RunResult:
                             stage.tracked = f"first {TRACKED_STEPS} of {steps} steps"
                     elif name == "decode":
                         device = _execution_device(plan["components"]["vae"]["device_map"], request.simulate)
-                        meter.current.append(_device_key(next(iter(plan["components"]["vae"]["device_map"].values()))))
+                        meter.current.append(str(next(iter(plan["components"]["vae"]["device_map"].values()))))
                         images = decode(pipe, cls_name, latents, height, width, device)
                         meter.current.pop()
                     else:

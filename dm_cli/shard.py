@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .checkpoint import WEIGHT_STEMS, find_component_weights, open_checkpoint, read_index, read_safetensors_header
 from .errors import CheckpointError, DmapError, SourceError, UsageError
-from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, parse_dtype, parse_size
+from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
 
 MIN_SHARD_SIZE = 10**6  # below 1 MB a "shard" is a mistake, not a choice
 COPY_CHUNK = 64 << 20  # bytes per copy_file_range call: keeps the progress bar moving
@@ -63,10 +63,7 @@ class SourceTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return numel(self.shape)
 
 
 @dataclass

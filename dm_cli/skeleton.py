@@ -9,7 +9,6 @@ and activation peaks depend on the inputs, so they live beside it in the trace c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from .cache import cache_key, read_cached, write_cached
 from .errors import SourceError
@@ -81,10 +80,6 @@ class Skeleton:
                 d = t.dtype_at(dtype)
                 counts[d] = counts.get(d, 0) + t.numel
         return max(counts, key=counts.get) if counts else (dtype or "float32")
-
-    @cached_property
-    def _class_of(self) -> dict[str, str]:
-        return dict(self.modules)
 
     def module_sizes(self, dtype: str | None) -> dict[str, ModuleSize]:
         """Every module with the params/bytes of its whole subtree, in registration order."""

@@ -183,7 +183,3 @@ def _device_rank(budget: DeviceBudget) -> tuple[int, int]:
     if isinstance(device, int):
         return (0, device)
     return ({"mps": 1, "cpu": 2, "disk": 3}[device], 0)
-
-
-def format_device_spec(budgets: list[DeviceBudget]) -> str:
-    return ",".join(b.key if b.capacity_bytes is None else f"{b.key}={b.capacity_bytes}" for b in budgets)

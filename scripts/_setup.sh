@@ -6,10 +6,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=".venv/.dmap-setup-$(cat pyproject.toml scripts/requirements-pinned.txt | sha256sum | cut -c1-16)-${TORCH_SPEC//[^A-Za-z0-9.=]/_}"
+pip_install() {
+  # pip's own exit status decides (callers set -o pipefail); only its local-index noise is dropped
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+}
 if [ ! -f "$stamp" ]; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC" 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -m pip install -q --disable-pip-version-check -r scripts/requirements-pinned.txt "$TORCH_SPEC" 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
+  pip_install "$TORCH_SPEC"
+  pip_install -r scripts/requirements-pinned.txt "$TORCH_SPEC"
+  pip_install --no-deps -e .
   .venv/bin/python -c "import torch, diffusers, transformers, accelerate, safetensors, typer, rich, dm_cli" \
     || { echo "setup failed: see the pip output above" >&2; exit 1; }
   rm -f .venv/.dmap-setup-*
