@@ -1,8 +1,11 @@
 """dmap's on-disk cache (`$DMAP_CACHE_DIR`, else `$XDG_CACHE_HOME/dmap`, else `~/.cache/dmap`).
 
-Skeletons, meta traces and split-check verdicts are pure functions of configs, inputs and library
-versions: caching them keeps a second `inspect` or `plan` torch-free and fast. A cache entry that
-cannot be read is rebuilt and one that cannot be written only costs time, never an error.
+Skeletons, meta traces, split-check verdicts and the demo pipeline are pure functions of configs,
+inputs, library versions and the dmap code that computes them: caching them keeps a second `inspect`
+or `plan` torch-free and fast. Every key includes what produced the entry (`producer()`: dmap's
+version and a digest of its code), so a changed dmap never reads an entry an older one wrote. A
+cache entry that cannot be read is rebuilt and one that cannot be written only costs time, never an
+error.
 """
 
 from __future__ import annotations
@@ -11,8 +14,13 @@ import hashlib
 import json
 import os
 import tempfile
+from functools import lru_cache
 from importlib import metadata as importlib_metadata
 from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# Subpackages that only talk to people (options, tables): they never compute a cached entry.
+NOT_PRODUCERS = ("cli", "render")
 
 
 def cache_dir() -> Path:
@@ -33,9 +41,37 @@ def library_versions() -> str:
     return ";".join(versions)
 
 
+@lru_cache(maxsize=4)
+def code_digest(package_dir: Path) -> str:
+    """sha256 of every computing module of the package (all `.py` files outside cli/ and render/).
+
+    Read once per process (about 1 ms): what computes an entry is this code, whichever module a
+    refactor moves it to.
+    """
+    digest = hashlib.sha256()
+    for path in sorted(package_dir.rglob("*.py")):
+        relative = path.relative_to(package_dir)
+        if relative.parts[0] in NOT_PRODUCERS or "__pycache__" in relative.parts:
+            continue
+        digest.update(relative.as_posix().encode() + b"\0")
+        try:
+            digest.update(path.read_bytes())
+        except OSError:
+            digest.update(b"unreadable")
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def producer() -> str:
+    """What produces a cache entry: dmap's version and a digest of its code."""
+    from . import __version__
+
+    return f"dmap {__version__} code {code_digest(PACKAGE_DIR)}"
+
+
 def cache_key(parts: dict) -> str:
-    """A stable key for JSON-able `parts` plus the library versions."""
-    blob = json.dumps({**parts, "versions": library_versions()}, sort_keys=True, default=str)
+    """A stable key for JSON-able `parts` plus the library versions and the producing dmap code."""
+    blob = json.dumps({**parts, "versions": library_versions(), "producer": producer()}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 

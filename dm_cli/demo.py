@@ -68,8 +68,11 @@ DEMO_CONFIGS: dict[str, dict] = {
 def _digest(configs: dict) -> str:
     from importlib import metadata
 
+    from .cache import producer
+
     versions = [metadata.version(p) for p in ("torch", "diffusers", "transformers")]
-    blob = json.dumps({"configs": configs, "seed": DEMO_SEED, "versions": versions}, sort_keys=True)
+    blob = json.dumps({"configs": configs, "seed": DEMO_SEED, "versions": versions, "producer": producer()},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

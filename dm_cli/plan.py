@@ -390,21 +390,12 @@ def run_split_check(plan: Plan, prepared: list[PreparedComponent], pipeline_clas
 
 
 def _cached_check(prep, pipeline_class, inputs, device_map, use_cache: bool, check_device_map) -> list[str]:
-    """A check runs a meta forward (seconds for FLUX): remember its verdict per map, inputs and code."""
-    import hashlib
-
+    """A check runs a meta forward (seconds for FLUX): remember its verdict per map and inputs (the key
+    includes the code that checks, see cache.producer)."""
     from .cache import cache_key, read_cached, write_cached
 
-    here = Path(__file__).parent
-    code = hashlib.sha256()
-    for name in ("trace.py", "pipelines.py"):
-        try:
-            code.update((here / name).read_bytes())
-        except OSError:
-            pass
     key = cache_key({"class": prep.source.cls, "config": prep.source.config, "pipeline": pipeline_class,
-                     "inputs": inputs.to_json(), "dtype": prep.dtype, "map": list(device_map.items()),
-                     "code": code.hexdigest()})
+                     "inputs": inputs.to_json(), "dtype": prep.dtype, "map": list(device_map.items())})
     cached = read_cached("checks", key) if use_cache else None
     if cached is not None and isinstance(cached.get("problems"), list):
         return list(cached["problems"])

@@ -450,6 +450,7 @@ def _fill(comps: list[ComponentInput], gpu_order: list[Device], limits: dict[str
                 continue
         comp_map: dict[str, int | str] = {}
         comp_acts: dict[str, int] = {}
+        gpu_keys = {d.key for d in gpu_order}
         for index, block in enumerate(comp.blocks):
             placed = False
             while cursor < len(gpu_order):
@@ -457,6 +458,11 @@ def _fill(comps: list[ComponentInput], gpu_order: list[Device], limits: dict[str
                 act = block.activation
                 if comp.io_bytes and (index == 0 or index == len(comp.blocks) - 1):
                     act = max(act, comp.io_bytes)
+                if index == len(comp.blocks) - 1 and not any(
+                        d in gpu_keys and d != device.key for d in comp_map.values()):
+                    # the last block here runs the whole component on this GPU: charge its forward's peak
+                    # (as _evaluate will), or the fill must cut before it
+                    act = max(act, whole_act)
                 if room(device, block.bytes, act):
                     take(device, block.bytes, act)
                     comp_map[block.name] = device.key

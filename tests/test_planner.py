@@ -232,7 +232,7 @@ def test_runs_on_cpu_when_activations_fit_no_gpu():
     assert any("runs on the cpu" in w for w in placement.warnings)
 
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import assume, given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)
@@ -251,7 +251,10 @@ def test_any_plan_stays_within_capacity_covers_every_block_and_is_contiguous(siz
     try:
         placement = one(comp, devices, strategy=strategy)
     except NoFit:
-        return
+        placement = None
+    # a drawn case may not fit: hypothesis draws others until 60 examples were checked (fits and no-fits
+    # by construction are tests/test_planner_search.py's properties)
+    assume(placement is not None)
     assert_within_capacity(placement, devices)
     device_map = placement.components["m"].device_map
     if list(device_map) != [""]:
