@@ -1,16 +1,21 @@
-"""Split plans of the tiny pipelines run for real on CPU: accelerate hooks at every block, virtual devices.
+"""The split check bites: a map that splits a module whose forward combines its children is reported, per family.
 
-Each plan must split (budgets in KB). The component is dispatched with accelerate (every virtual
-device mapped to the CPU, hooks forced) and run under the tracer's VirtualDevices: no op may mix
-two virtual devices, and the output must be bitwise equal to the unsplit model's.
+For every pipeline family (dm_cli/families, so families added later are covered) the denoiser of its
+tiny twin gets a deliberately bad map (a no-split block cut between its children: the block adds or
+gates tensors from both sides of the cut) and a good one (the same cut moved to the block's end).
+Both are checked on the meta device and during a real CPU forward under VirtualDevices with
+accelerate's hooks attached: the bad map must be reported, naming the block, and the good one not.
+The planner's own split plans of the tiny pipelines must then report nothing in the same harness.
 """
 
-import copy
+import json
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import PRESETS  # noqa: E402
+from dm_cli.families import all_families, family_for  # noqa: E402
 from dm_cli.inputs import InputSpec  # noqa: E402
 from dm_cli.pipelines import TensorSpec, call_spec  # noqa: E402
 from dm_cli.plan import PlanOptions, make_plan, prepare_component  # noqa: E402
@@ -52,24 +57,97 @@ def make_inputs(comp, pipeline_class):
     return spec.method, make(spec.kwargs)
 
 
-def first_tensor(output):
-    if isinstance(output, torch.Tensor):
-        return output
-    if hasattr(output, "to_tuple"):
-        output = output.to_tuple()
-    return first_tensor(output[0])
-
-
 CASES = [("tiny-sd15", "unet"), ("tiny-sdxl", "unet"), ("tiny-flux", "transformer"), ("tiny-sd3", "transformer"),
          ("tiny-flux", "text_encoder_2")]
 
 
-@pytest.mark.parametrize("preset,name", CASES)
-def test_tiny_split_plan_runs_bitwise_equal(preset, name):
+def run_under_virtual_devices(comp, pipeline_class, device_map) -> list[str]:
+    """A real CPU forward (random weights) with accelerate's hooks at every entry and every virtual
+    device mapped to the CPU, as `dmap run --simulate` runs: the problems VirtualDevices saw."""
     from accelerate import dispatch_model
 
     from dm_cli.trace import VirtualDevices
 
+    model = build_random(comp)
+    method, kwargs = make_inputs(comp, pipeline_class)
+    dispatch_model(model, device_map={k: "cpu" for k in device_map}, main_device="cpu", force_hooks=True)
+    with torch.no_grad(), VirtualDevices(model, device_map) as virtual:
+        getattr(model, method)(**kwargs) if method != "forward" else model(**kwargs)
+    return virtual.problems
+
+
+def tiny_twin(family):
+    """The bundled tiny pipeline of a family (each family needs one to be tested)."""
+    for folder in sorted(PRESETS.glob("tiny-*")):
+        index = json.loads((folder / "model_index.json").read_text())
+        if family_for(index["_class_name"]) is family:
+            return folder.name
+    return None
+
+
+def cut_maps(comp, pipeline_class):
+    """(target block, bad map, good map), from the model's own no-split classes.
+
+    The target is the first block, in execution order, of a class the model declares no-split with at
+    least two leaves (modules holding tensors). Bad, at leaf granularity: the target's first leaf on
+    device 0, its other leaves on device 1, everything else on 0. Good, at the granularity of the
+    model's top-level parts (its root children, with ModuleLists opened into their items): the parts
+    up to the one holding the target on 0, the parts after it on 1.
+    """
+    from dm_cli.trace import trace_component
+
+    skeleton, _ = skeleton_for_component(comp)
+    order = trace_component(comp, pipeline_class, INPUTS, "fp32").execution_order
+    leaves, _ = component_blocks(skeleton.modules, [(t.name, t.bytes_at("float32")) for t in skeleton.tensors], [],
+                                 order)
+    classes = dict(skeleton.modules)
+
+    def inside(prefix):
+        return [b.name for b in leaves if b.name.startswith(prefix + ".")]
+
+    ancestors = [".".join(b.name.split(".")[:n]) for b in leaves for n in range(1, b.name.count(".") + 1)]
+    target = next(p for p in ancestors if classes.get(p) in skeleton.no_split_modules and len(inside(p)) >= 2)
+    first, *rest = inside(target)
+    bad = {b.name: (1 if b.name in rest else 0) for b in leaves}
+
+    def part(name):
+        head, _, tail = name.partition(".")
+        return f"{head}.{tail.split('.')[0]}" if classes.get(head) == "ModuleList" and tail else head
+
+    parts = list(dict.fromkeys(part(b.name) for b in leaves))  # in execution order
+    cut = parts.index(part(target))
+    good = {name: (0 if i <= cut else 1) for i, name in enumerate(parts)}
+    assert 0 < len(parts) - 1 - cut, "the good map must split"
+    return target, bad, good
+
+
+def reported(problems, target, label) -> bool:
+    """The target block is named, and every problem is inside it (nothing else was cut)."""
+    return any(p.startswith(label) for p in problems) and all(p.startswith((target + " (", target + ".")) for p in problems)
+
+
+@pytest.mark.parametrize("family", all_families(), ids=lambda f: f.name)
+def test_split_check_reports_a_block_cut_between_its_children_and_passes_a_cut_between_blocks(family):
+    from dm_cli.trace import check_device_map
+
+    preset = tiny_twin(family)
+    assert preset is not None, f"family {family.name} has no tiny-* preset: its split check cannot be tested"
+    source = resolve_source(preset)
+    comp = source.component(family.denoiser)
+    target, bad, good = cut_maps(comp, source.pipeline_class)
+    label = f"{target} ({dict(skeleton_for_component(comp)[0].modules)[target]}) combines tensors on devices"
+
+    on_meta = check_device_map(comp, source.pipeline_class, INPUTS, "float32", bad)
+    assert reported(on_meta, target, label), on_meta
+    assert check_device_map(comp, source.pipeline_class, INPUTS, "float32", good) == []
+
+    on_cpu = run_under_virtual_devices(comp, source.pipeline_class, bad)
+    assert reported(on_cpu, target, label), on_cpu
+    assert run_under_virtual_devices(comp, source.pipeline_class, good) == []
+
+
+@pytest.mark.parametrize("preset,name", CASES)
+def test_tiny_split_plan_passes_the_check_on_meta_and_on_cpu(preset, name):
     source = resolve_source(preset)
     comp = source.component(name)
     prepared = prepare_component(comp, source.pipeline_class, INPUTS, "float32").spec
@@ -87,16 +165,7 @@ def test_tiny_split_plan_runs_bitwise_equal(preset, name):
     assert placed.offloaded_bytes == 0
     assert plan.check["ran"] and plan.check["problems"] == []
 
-    model = build_random(comp)
-    method, kwargs = make_inputs(comp, source.pipeline_class)
-    with torch.no_grad():
-        expected = first_tensor(getattr(model, method)(**kwargs) if method != "forward" else model(**kwargs))
-    split = copy.deepcopy(model)
-    dispatch_model(split, device_map={k: "cpu" for k in placed.device_map}, main_device="cpu", force_hooks=True)
-    with torch.no_grad(), VirtualDevices(split, placed.device_map) as virtual:
-        got = first_tensor(split(**kwargs) if method == "forward" else getattr(split, method)(**kwargs))
-    assert virtual.problems == []
-    assert torch.equal(got, expected)
+    assert run_under_virtual_devices(comp, source.pipeline_class, placed.device_map) == []
 
 
 def test_bad_map_splitting_an_sdxl_up_block_is_caught():
