@@ -63,8 +63,43 @@ def test_a_block_that_misses_the_last_gpu_is_offloaded_alone_and_later_blocks_re
     placement = resident([chain("unet", [2, 3, 1])], devs)
     assert maps(placement) == {"unet": {"blocks.0": "cpu", "blocks.1": "cpu", "blocks.2": 0}}
     assert placement.offloaded_bytes == 5 * GB
+    assert placement.hops == 0  # offloaded blocks run on GPU 0: no device change
     use = placement.stages[0].use["0"]
     assert (use.weights, use.reserve, use.peak) == (1 * GB, 3 * GB, 4 * GB)
+
+
+def test_the_last_gpu_skips_a_block_after_the_first_gpu_is_full():
+    """Kills `skip-on-every-gpu` (and `no-skip-fill`). GPU 0 of 8 GB, GPU 1 of 2 GB, a cpu; blocks
+    2, 6, 2, 4 GB; offloaded blocks stream through GPU 0, the first GPU of the split.
+
+    14 GB do not fit 10. Keeping the 6 GB block on a GPU leaves at most 2 + 2 beside it and offloads
+    the 4 GB one, whose reserve no GPU has room for; so it is offloaded and GPU 0 reserves 6 GB,
+    keeping 2 GB of blocks. GPU 1 takes 2 GB: blocks.0 on GPU 0, blocks.2 on GPU 1, blocks.1 and
+    blocks.3 (10 GB) on the cpu. A fill that offloads every block missing *any* GPU never reaches
+    GPU 1 and offloads 12 GB.
+    """
+    placement = resident([chain("t", [2, 6, 2, 4])], devices(8, 2, cpu=100))
+    assert maps(placement) == {"t": {"blocks.0": 0, "blocks.1": "cpu", "blocks.2": 1, "blocks.3": "cpu"}}
+    assert placement.offloaded_bytes == 10 * GB
+    assert placement.stages[0].peak_bytes == {"0": 8 * GB, "cpu": 10 * GB, "1": 2 * GB}
+
+
+def test_the_reserve_refill_charges_overhead_and_activations():
+    """Kills `refill-ignores-overflow` and `room-ignores-overhead`. GPU 0 of 10 GB with 1 GB of
+    overhead, a cpu; blocks of 5, 4 and 1 GB with activations of 2, 0 and 2 GB.
+
+    Offloaded blocks run on GPU 0, so it always holds the largest activation (2) and the overhead (1):
+    7 GB are left for weights and the reserve. Keeping the 5 GB block needs at least 1 GB of reserve
+    beside it and then 5 + 4 or 5 + 1 + 4: over. Keeping the 4 GB block reserves 5: over. So both go
+    to the cpu (reserve 5) and GPU 0 keeps the 1 GB block: 1 + 5 + 2 + 1 = 9 GB, 9 GB offloaded.
+    """
+    devs = [Device(0, 10 * GB, 1 * GB), Device("cpu", 100 * GB)]
+    comp = ComponentInput("t", "Model", [Block("blocks.0", 5 * GB, 2 * GB), Block("blocks.1", 4 * GB),
+                                         Block("blocks.2", 1 * GB, 2 * GB)])
+    placement = resident([comp], devs)
+    assert maps(placement) == {"t": {"blocks.0": "cpu", "blocks.1": "cpu", "blocks.2": 0}}
+    use = placement.stages[0].use["0"]
+    assert (use.weights, use.reserve, use.activations, use.overhead) == (1 * GB, 5 * GB, 2 * GB, 1 * GB)
 
 
 def test_components_are_packed_largest_first():
@@ -125,6 +160,107 @@ def test_a_whole_component_goes_where_it_fits_best():
     placement = resident(comps, devices(9, 5))
     assert maps(placement) == {"a": {"": 1}, "b": {"": 0}, "c": {"blocks.0": 0, "blocks.1": 1}}
     assert placement.stages[0].peak_bytes == {"0": 9 * GB, "1": 5 * GB}
+
+
+def test_components_loaded_together_fill_the_gpus_in_turn():
+    """Kills `cursor-per-component`. GPU 0 of 4 GB, GPU 1 of 5 GB, a cpu; a (blocks of 2 and 5 GB) and
+    b (1 and 5 GB) loaded together, in that order.
+
+    13 GB do not fit 9. A 5 GB block fits GPU 1 only, so one component's 5 GB block goes there and
+    the other's cannot (5 + 5 > 5, and offloading it reserves 5 GB on a GPU that has no room). a split
+    2 | 5 fills GPU 0 with 2 and GPU 1 with 5; b whole on the cpu runs there, with no reserve: 6 GB
+    offloaded. Starting b on GPU 0 again puts its 1 GB block beside a's and its 5 GB block's reserve
+    with them, which does not fit.
+    """
+    placement = resident([chain("a", [2, 5]), chain("b", [1, 5])], devices(4, 5, cpu=100))
+    assert maps(placement) == {"a": {"blocks.0": 0, "blocks.1": 1}, "b": {"": "cpu"}}
+    assert placement.offloaded_bytes == 6 * GB
+
+
+def test_a_whole_component_is_packed_with_its_forward_activation():
+    """Kills `whole-activation-ignored`. GPU 0 of 6 GB, a cpu; a (2 GB, not splittable, forward peak
+    4 GB) and b (blocks of 3 and 4 GB) loaded together.
+
+    a on the GPU needs 2 + 4 = 6: all of it. b cannot join: half of it on the GPU reserves the other
+    half there. So a on GPU 0, b whole on the cpu (runs there): 7 GB offloaded. Packing a by its
+    weights alone lets b's blocks in beside it, and the plan that then fails pushes everything off.
+    """
+    a = ComponentInput("a", "Model", [Block("a", 2 * GB, 1 * GB)], splittable=False, activation_peak=4 * GB)
+    placement = resident([a, chain("b", [3, 4])], devices(6, cpu=100))
+    assert maps(placement) == {"a": {"": 0}, "b": {"": "cpu"}}
+    assert placement.offloaded_bytes == 7 * GB
+    assert placement.stages[0].use["0"].peak == 6 * GB
+
+
+def test_components_loaded_together_take_turns_for_activations():
+    """Kills `activations-add-up`. GPU 0 of 10 GB; a (4 GB) and b (3 GB) each need 3 GB of activations.
+
+    Components loaded together run one after another: 4 + 3 + max(3, 3) = 10 fits, both on GPU 0.
+    """
+    a = ComponentInput("a", "Model", [Block("a", 4 * GB, 3 * GB)])
+    b = ComponentInput("b", "Model", [Block("b", 3 * GB, 3 * GB)])
+    placement = resident([a, b], devices(10))
+    assert maps(placement) == {"a": {"": 0}, "b": {"": 0}}
+    use = placement.stages[0].use["0"]
+    assert (use.weights, use.activations) == (7 * GB, 3 * GB)
+
+
+def test_a_split_components_inputs_and_outputs_are_held_where_it_starts_and_ends():
+    """Kills `io-ignored-when-split`. Two 7 GB GPUs; four 3 GB blocks; 1 GB of inputs and outputs.
+
+    12 GB split 6 | 6; GPU 0 holds the inputs while the first block runs, GPU 1 the outputs: 7 and 7.
+    """
+    comp = ComponentInput("t", "Model", [Block(f"blocks.{i}", 3 * GB) for i in range(4)], io_bytes=1 * GB)
+    placement = resident([comp], devices(7, 7))
+    assert maps(placement)["t"] == {"blocks.0": 0, "blocks.1": 0, "blocks.2": 1, "blocks.3": 1}
+    assert {k: (u.weights, u.activations) for k, u in placement.stages[0].use.items()} == {
+        "0": (6 * GB, 1 * GB), "1": (6 * GB, 1 * GB)}
+
+
+def test_a_component_whose_forward_fits_no_gpu_runs_on_the_cpu():
+    """Kills `no-cpu-last-resort`. GPU 0 of 10 GB, a cpu; blocks of 5 and 1 GB, forward peak 5 GB.
+
+    On GPU 0, whole or with one block offloaded (which still runs there), the component needs its
+    6 GB of weights or weights plus reserve, and its 5 GB forward peak: 11 > 10. Only the cpu runs it.
+    """
+    comp = ComponentInput("t", "Model", [Block("blocks.0", 5 * GB), Block("blocks.1", 1 * GB, 1 * GB)],
+                          activation_peak=5 * GB)
+    placement = resident([comp], devices(10, cpu=100))
+    assert maps(placement) == {"t": {"": "cpu"}}
+    assert any("runs on the cpu" in w for w in placement.warnings)
+
+
+def test_the_balanced_strategy_never_offloads_to_balance():
+    """Kills `balanced-allows-offload`. Two 8 GB GPUs and a cpu; ten 1 GB blocks: 5 | 5, nothing offloaded."""
+    placement = plan_pipeline([chain("t", [1] * 10)], [Stage("denoise", ("t",))], devices(8, 8, cpu=100),
+                              strategy="balanced")
+    assert placement.offloaded_bytes == 0
+    assert placement.stages[0].peak_bytes == {"0": 5 * GB, "1": 5 * GB}
+
+
+def test_auto_mode_stages_when_loading_everything_would_offload():
+    """Kills `auto-keeps-more-offload`. GPU 0 of 8 GB, a cpu; encoder 6 GB, denoiser 6 GB, VAE 1 GB.
+
+    Loaded together (13 GB) something goes to the cpu; one stage at a time each fits GPU 0 alone.
+    """
+    comps = [whole("text_encoder", 6), whole("transformer", 6), whole("vae", 1, splittable=False)]
+    stages = [Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)), Stage("decode", ("vae",))]
+    placement = plan_pipeline(comps, stages, devices(8, cpu=100), mode="auto")
+    assert placement.mode == "staged" and placement.offloaded_bytes == 0
+    assert maps(placement) == {"text_encoder": {"": 0}, "transformer": {"": 0}, "vae": {"": 0}}
+
+
+def test_cpu_is_filled_before_disk():
+    """Kills `disk-not-scored`. A 1 GB GPU, 3 GB of cpu, a disk; a (2 GB) and b (3 GB), not splittable.
+
+    Neither fits the GPU; both cannot fit the cpu. b on the cpu and a on disk puts 2 GB on disk, the
+    other way round 3 GB.
+    """
+    comps = [whole("a", 2, splittable=False), whole("b", 3, splittable=False)]
+    devs = [Device(0, 1 * GB), Device("cpu", 3 * GB), Device("disk", None)]
+    placement = resident(comps, devs)
+    assert maps(placement) == {"a": {"": "disk"}, "b": {"": "cpu"}}
+    assert placement.disk_bytes == 2 * GB
 
 
 # --- properties: cases built around a placement known to fit, and cases that cannot fit ---------------
