@@ -292,10 +292,15 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
     """Skeleton + trace -> the planner's ComponentInput (blocks in execution order with activations)."""
     from .skeleton import skeleton_for_component
 
-    skeleton, _checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+    skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+    if checkpoint is not None and checkpoint.problems:  # a plan for a broken checkpoint would be wrong
+        from .errors import CheckpointError
+
+        listed = "; ".join(str(p) for p in checkpoint.problems)
+        raise CheckpointError(f"Component '{comp.name}' has {len(checkpoint.problems)} checkpoint problem(s): {listed}.")
     effective = dtype if dtype is not None else skeleton.default_dtype()
     trace_dtype = effective or skeleton.dominant_dtype(None)
-    warnings: list[str] = []
+    warnings: list[str] = [skeleton.note] if skeleton.note and not skeleton.stored else []
     if comp.config is None:
         facts = TraceFacts(None, {}, 0, [], {}, "no config: registration order, no activation estimate")
     else:

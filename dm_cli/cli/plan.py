@@ -6,7 +6,7 @@ import typer
 
 
 def plan(
-    source: str = typer.Argument(..., help="Pipeline/component folder, .safetensors, index JSON, preset or Hub repo id."),
+    source: str = typer.Argument(..., metavar="SOURCE", help="Pipeline/component folder, .safetensors, index JSON, preset or Hub repo id."),
     max_memory: str | None = typer.Option(None, "--max-memory", "-m",
                                           help="Target devices, e.g. 0=16GB,1=16GB,cpu=64GB,disk (default: this machine)."),
     strategy: str = typer.Option("auto", "--strategy", help="auto | sequential | balanced | balanced_low_0."),
