@@ -1,6 +1,6 @@
 """`dmap plan`: resolve a SOURCE, size and trace its components, place them, check the split.
 
-The Plan (and its `dmap-plan` JSON, DESIGN.md v1) lives here, with the orchestration around the
+The Plan (and its `dmap-plan` JSON v1, docs/CONTRACTS.md) lives here, with the orchestration around the
 pure planner (`planner.py`): skeletons, meta traces (`trace.py`), local devices, suggestions when a
 plan does not fit, and the split check.
 """

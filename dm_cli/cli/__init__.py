@@ -54,7 +54,7 @@ app.command("cache", help=cache_command.__doc__)(cache_command.cache)
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: errors become one sentence and an exit code (tracebacks with --debug)."""
-    from ._errors import click_exception_types, report_error
+    from ._errors import EXIT_INTERRUPTED, click_exception_types, report_error
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
@@ -63,8 +63,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = app(args=args, prog_name="dmap", standalone_mode=False)
     except typer.Exit as done:
-        if isinstance(done.__cause__, KeyboardInterrupt):  # typer turns Ctrl-C into Exit(130)
-            sys.exit(report_error(done.__cause__, debug))
         sys.exit(done.exit_code)
     except (typer.Abort, KeyboardInterrupt) as error:
         sys.exit(report_error(KeyboardInterrupt() if isinstance(error, typer.Abort) else error, debug))
@@ -76,4 +74,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(error.exit_code)
     except Exception as error:  # noqa: BLE001 - every error ends in one sentence and an exit code
         sys.exit(report_error(error, debug))
+    if result == EXIT_INTERRUPTED:  # typer turns Ctrl-C into a silent return of 130; no command returns it
+        sys.exit(report_error(KeyboardInterrupt(), debug))
     sys.exit(result if isinstance(result, int) else 0)

@@ -17,9 +17,12 @@ def inspect(
     from ..inspection import inspect_source
     from ..units import parse_dtype
 
-    report = inspect_source(
-        source, dtype=parse_dtype(dtype) if dtype else None, component=component, depth=depth, use_cache=not no_cache
-    )
+    from ..render import status
+
+    with status(f"Inspecting {source}: reading configs and headers…"):
+        report = inspect_source(
+            source, dtype=parse_dtype(dtype) if dtype else None, component=component, depth=depth, use_cache=not no_cache
+        )
     if as_json:
         from ._output import print_json
 

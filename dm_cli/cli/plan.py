@@ -22,26 +22,40 @@ def plan(
                                         help="Per-device overhead, e.g. 0=600MB,1=600MB (default 600MB per GPU, 0 for cpu)."),
     component: str | None = typer.Option(None, "--component", "-c", help="Plan this component only."),
     output: str | None = typer.Option(None, "--output", "-o", help="Write the plan JSON (dmap-plan v1) here."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace --output if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan JSON instead of tables."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No tables: only errors (and where the plan was written)."),
     no_check: bool = typer.Option(False, "--no-check", help="Skip the split check on the meta device."),
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Rebuild skeletons and traces instead of using the cache."),
 ) -> int:
+    from ..atomic import refuse_existing
     from ..inputs import InputSpec
     from ..plan import PlanOptions, make_plan, write_plan
+    from ..render import status
     from ..units import parse_dtype
 
+    if output:
+        refuse_existing([output], overwrite)
     inputs = InputSpec(height, height if width is None else width, batch_size, num_images, guidance_scale,
                        max_sequence_length)
     options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
                           component, not no_check, not no_cache)
-    result = make_plan(source, options)
+    with status(f"Planning {source}: sizing, tracing on the meta device and checking the split…", enabled=not quiet):
+        result = make_plan(source, options)
     if output:
         write_plan(result, output)
     if as_json:
         from ._output import print_json
 
         print_json(result.to_json())
+    elif quiet:
+        import sys
+
+        for problem in result.check.get("problems", []):
+            print(f"Split check: {problem}", file=sys.stderr)
+        if output:
+            print(f"Plan written to {output}.")
     else:
         from ..render.plan import render_plan
 

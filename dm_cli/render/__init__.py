@@ -23,11 +23,11 @@ def console(stderr: bool = False):
     return Console(stderr=stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
 
 
-def status(message: str):
+def status(message: str, enabled: bool = True):
     """A spinner with `message` on stderr while a long step runs (nothing when stderr is not a terminal)."""
     import contextlib
 
-    if not sys.stderr.isatty() or os.environ.get("DMAP_NO_STATUS"):
+    if not enabled or not sys.stderr.isatty():
         return contextlib.nullcontext()
     return console(stderr=True).status(message, spinner="dots")
 
