@@ -6,7 +6,7 @@ import typer
 
 
 def run(
-    source: str | None = typer.Argument(None, metavar="[SOURCE]", help="Pipeline folder, preset or Hub repo id (default: the bundled random-weight FLUX demo)."),
+    source: str | None = typer.Argument(None, metavar="SOURCE", help="Pipeline folder, preset or Hub repo id (default: the bundled random-weight FLUX demo)."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="What to draw."),
     negative_prompt: str | None = typer.Option(None, "--negative-prompt", help="What to avoid (CFG pipelines)."),
     device_map: str = typer.Option("auto", "--device-map", "-d",

@@ -17,7 +17,10 @@ OPTIONAL = 3  # columns with Col.drop >= OPTIONAL are dropped before any other c
 
 
 def console(stderr: bool = False):
-    """Rich's console: the terminal's width (read from stdin/stdout/stderr or COLUMNS), else 80."""
+    """Rich's console: the terminal's width (read from stdin/stdout/stderr or COLUMNS), else 80.
+
+    Markup is off: text from model files and paths prints as it is; styles come from Text and style=.
+    """
     from rich.console import Console
 
     return Console(stderr=stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
@@ -103,6 +106,5 @@ def print_table(out, title: str | None, columns: list[Col], rows: list[list[str]
     table, dropped = fitted_table(out, title, columns, rows)
     out.print(table)
     if dropped:
-        out.print(f"(hidden at {out.width} columns: {', '.join(dropped)}; see --json)",
-                  markup=False, style="dim")
+        out.print(f"(hidden at {out.width} columns: {', '.join(dropped)}; see --json)", style="dim")
     return dropped

@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 from ..units import format_size
-from . import console, num
+from . import Col, console, num, print_table
 
 
 def render_cache(folder: str, entries, freed: int | None, binary: bool = False) -> None:
-    from rich.table import Table
-
     out = console()
-    table = Table(title=f"dmap cache: {folder}", title_justify="left")
-    table.add_column("kind")
-    table.add_column("files", justify="right", no_wrap=True)
-    table.add_column("size", justify="right", no_wrap=True)
-    table.add_column("holds", ratio=1)
-    for entry in entries:
-        table.add_row(entry.kind, num(entry.files), format_size(entry.bytes, binary), entry.what)
-    table.add_section()
-    table.add_row("total", num(sum(e.files for e in entries)), format_size(sum(e.bytes for e in entries), binary), "")
-    out.print(table)
+    rows = [[e.kind, num(e.files), format_size(e.bytes, binary), e.what] for e in entries]
+    rows += [None, ["total", num(sum(e.files for e in entries)), format_size(sum(e.bytes for e in entries), binary), ""]]
+    print_table(out, f"dmap cache: {folder}",
+                [Col("kind"), Col("files", number=True), Col("size", number=True), Col("holds", drop=3)], rows)
     if freed is not None:
-        out.print(f"Cleared {format_size(freed, binary)}; entries are rebuilt when a command needs them.", markup=False)
+        out.print(f"Cleared {format_size(freed, binary)}; entries are rebuilt when a command needs them.")
     else:
         out.print("Entries are keyed by configs and library versions and never expire: "
-                  "dmap cache --clear deletes them (set DMAP_CACHE_DIR to move the folder).", markup=False)
+                  "dmap cache --clear deletes them (set DMAP_CACHE_DIR to move the folder).")

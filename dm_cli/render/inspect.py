@@ -34,12 +34,12 @@ def render_inspect(report, binary: bool = False) -> None:
                         [Col("module"), Col("class"), Col("params", number=True, drop=1), Col("size", number=True)],
                         tree_rows)
     for note in report.notes:
-        out.print(f"note: {note}", markup=False)
+        out.print(f"note: {note}")
     problems = report.problems
     if problems:
         err = console(stderr=True)
-        err.print(f"{len(problems)} checkpoint problem(s):", style="bold red", markup=False)
+        err.print(f"{len(problems)} checkpoint problem(s):", style="bold red")
         for problem in problems:
-            err.print(f"  - {problem}", markup=False)
+            err.print(f"  - {problem}")
     elif any(c.weights for c in report.components):
         out.print("Checkpoint checked: index, shards and headers agree.")

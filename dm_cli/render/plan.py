@@ -104,9 +104,9 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
     if check.get("ran"):
         if check.get("problems"):
             err = console(stderr=True)
-            err.print(f"Split check failed ({len(check['problems'])} problem(s)):", style="bold red", markup=False)
+            err.print(f"Split check failed ({len(check['problems'])} problem(s)):", style="bold red")
             for problem in check["problems"]:
-                err.print(f"  - {problem}", markup=False)
+                err.print(f"  - {problem}")
         elif check.get("components"):
             out.print(Text.assemble(("Split check passed", "green"), f" on the meta device: {', '.join(check['components'])}."))
     if not any(d.is_gpu for d in plan.devices):
@@ -120,7 +120,7 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
     for warning in plan.warnings:
         out.print(Text.assemble(("warning:", "yellow"), f" {warning}"))
     if output:
-        out.print(f"Plan written to {output}.", markup=False)
+        out.print(f"Plan written to {output}.")
 
 
 def _runs(device_map: dict) -> list[tuple[str, object]]:
