@@ -23,7 +23,7 @@ def console(stderr: bool = False):
     """
     from rich.console import Console
 
-    return Console(stderr=stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
+    return Console(stderr=stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False)
 
 
 def status(message: str, enabled: bool = True):
