@@ -59,3 +59,4 @@ def run_dmap_process(*args, env=None, cwd=None):
 
 def load_json(path):
     return json.loads(Path(path).read_text())
+

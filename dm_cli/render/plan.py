@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..devices import device_rank
 from ..planner import clean_device_map
 from ..units import format_size
 from . import Col, console, print_table
@@ -44,11 +45,6 @@ def _device_label(key: str) -> str:
     return f"GPU {key}" if key.isdigit() else key
 
 
-def device_order(key) -> tuple[int, int]:
-    """GPUs by index, then mps, cpu, disk: the order rows and lists show devices in."""
-    key = str(key)
-    return (0, int(key)) if key.isdigit() else ({"mps": 1, "cpu": 2, "disk": 3}.get(key, 4), 0)
-
 
 def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
     from rich.text import Text
@@ -66,7 +62,7 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
     bar_shown = False
     for stage in plan.stages:
         rows = []
-        for key, use in sorted(stage.use.items(), key=lambda item: device_order(item[0])):
+        for key, use in sorted(stage.use.items(), key=lambda item: device_rank(item[0])):
             cap = capacity.get(key)
             rows.append([
                 _device_label(key), size(use.weights), size(use.reserve) if use.reserve else "-",
@@ -81,7 +77,7 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
         out.print(bar_legend())
     pipe_rows = []
     for name, comp in plan.components.items():
-        devices = ", ".join(_device_label(str(d)) for d in sorted(comp.devices, key=device_order))
+        devices = ", ".join(_device_label(str(d)) for d in sorted(comp.devices, key=device_rank))
         pipe_rows.append([name, comp.cls, comp.stage, size(comp.weights_bytes), devices,
                           size(comp.offloaded_bytes) if comp.offloaded_bytes else "-", str(comp.hops)])
     print_table(out, "hf_device_map (pipeline level)",

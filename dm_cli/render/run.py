@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..units import format_size
 from . import Col, console, print_table
-from .plan import device_order
+from ..devices import device_rank
 
 
 class RunView:
@@ -38,16 +38,15 @@ class RunView:
             self._status = self.err.status(message, spinner="dots")
             self._status.start()
 
-    def show_plan(self, plan: dict) -> None:
+    def show_plan(self, plan) -> None:
         if self.quiet:
             return
-        from ..plan import Plan
         from .plan import render_plan
 
         try:
-            render_plan(Plan.from_json(plan), binary=self.binary)
-        except (KeyError, ValueError, TypeError):  # a hand-written plan without the planner's extras
-            self.console.print(f"Plan: {plan.get('mode', 'staged')} mode, devices {', '.join(plan.get('devices', {}))}")
+            render_plan(plan, binary=self.binary)
+        except (KeyError, ValueError, TypeError, AttributeError):  # a hand-written plan without the planner's extras
+            self.console.print(f"Plan: {plan.mode} mode, devices {', '.join(d.name for d in plan.devices)}")
 
     def step(self, done: int, total: int) -> None:
         if self.quiet or not self.err.is_terminal:
@@ -82,11 +81,11 @@ class RunView:
         print_table(self.console, "Stages", [Col("stage"), Col("components", drop=2), Col("load s", number=True),
                                              Col("run s", number=True), Col("wall s", number=True),
                                              Col("host RAM during load", number=True, drop=3)], stage_rows)
-        overheads = {k: v.get("overhead_bytes", 0) for k, v in result.plan.get("devices", {}).items()}
+        overheads = {d.name: d.overhead for d in result.plan.devices}
         device_rows = []
         # disk holds weights, it is not memory: no peak for it
         peaks = [(dev, mp) for dev, mp in result.device_peaks().items() if dev != "disk"]
-        for dev, (measured, planned) in sorted(peaks, key=lambda item: device_order(item[0])):
+        for dev, (measured, planned) in sorted(peaks, key=lambda item: device_rank(item[0])):
             base = planned - overheads.get(dev, 0)
             ratio = f"{measured / base:.0%}" if base > 0 and measured else "-"
             label = f"GPU {dev}" if dev.isdigit() else dev
