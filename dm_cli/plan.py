@@ -15,7 +15,7 @@ from pathlib import Path
 from .atomic import atomic_write
 from .devices import device_key
 from .errors import DoesNotFitError, UsageError
-from .families import family_for, pipeline_stages, unknown_family_warning
+from .families import default_image_size, family_for, pipeline_stages, unknown_family_warning
 from .inputs import InputSpec
 from .planner import (
     MODES, STRATEGIES, ComponentInput, ComponentPlacement, Device, DeviceUse, NoFit, Placement, StagePlacement,
@@ -307,14 +307,20 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         raise UsageError(f"Unknown strategy '{options.strategy}': use {', '.join(STRATEGIES)}.")
     if options.mode not in MODES:
         raise UsageError(f"Unknown mode '{options.mode}': use {', '.join(MODES)}.")
+    source = resolve_source(source_spec)
+    comps = [source.component(options.component)] if options.component else list(source.components)
+    inputs = options.inputs
+    if inputs.height is None or inputs.width is None:  # the pipeline's own default, the one dmap run uses
+        size = default_image_size(source.pipeline_class, source.components if source.pipeline_class else comps)
+        height = size if inputs.height is None else inputs.height
+        width = inputs.width if inputs.width is not None else height  # --width defaults to --height
+        options = replace(options, inputs=replace(inputs, height=height, width=width))
     _check_inputs(options.inputs)
     if options.dtype:
         options = replace(options, dtype=parse_dtype(options.dtype))
     budgets = parse_device_spec(options.max_memory) if options.max_memory else local_devices()
     overhead = parse_overhead(options.overhead, budgets, options.inputs.weights_only)
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
-    source = resolve_source(source_spec)
-    comps = [source.component(options.component)] if options.component else list(source.components)
     prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache)
                 for c in comps]
     specs = [p.spec for p in prepared]

@@ -11,8 +11,8 @@ def plan(
                                           help="Target devices, e.g. 0=16GB,1=16GB,cpu=64GB,disk (default: this machine)."),
     strategy: str = typer.Option("auto", "--strategy", help="auto | sequential | balanced | balanced_low_0."),
     mode: str = typer.Option("auto", "--mode", help="auto | resident (all loaded at once) | staged (per stage)."),
-    height: int = typer.Option(1024, "--height", help="Image height in pixels; 0 = weights only (no activations, no GPU overhead unless --overhead)."),
-    width: int | None = typer.Option(None, "--width", help="Image width (default: --height)."),
+    height: int | None = typer.Option(None, "--height", help="Image height in pixels (default: the pipeline's, as dmap run); 0 = weights only (no activations, no GPU overhead unless --overhead)."),
+    width: int | None = typer.Option(None, "--width", help="Image width (default: --height, else the pipeline's)."),
     batch_size: int = typer.Option(1, "--batch-size", help="Prompts per call."),
     num_images: int = typer.Option(1, "--num-images", help="Images per prompt."),
     guidance_scale: float | None = typer.Option(None, "--guidance-scale", help="CFG scale (default: the pipeline's)."),
@@ -37,8 +37,7 @@ def plan(
 
     if output:
         refuse_existing([output], overwrite)
-    inputs = InputSpec(height, height if width is None else width, batch_size, num_images, guidance_scale,
-                       max_sequence_length)
+    inputs = InputSpec(height, width, batch_size, num_images, guidance_scale, max_sequence_length)
     options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
                           component, not no_check, not no_cache)
     with status(f"Planning {source}: sizing, tracing on the meta device and checking the split…", enabled=not quiet):

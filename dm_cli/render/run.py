@@ -52,6 +52,7 @@ class RunView:
         if self.quiet or not self.err.is_terminal:
             return
         if self._progress is None:
+            self.status(None)  # one live display at a time
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                        TimeRemainingColumn)
 
@@ -108,13 +109,16 @@ class RunView:
 
 
 def tracking_note(result) -> str:
-    """Say what the measured peaks cover: the activation tracker runs on the first denoising step only."""
+    """Say what the measured peaks cover and how they were measured."""
     parts = []
     first = next((s.tracked for s in result.stages if s.tracked.startswith("first")), None)
     if first:
         parts.append(f"Activations on CPU and simulated devices are tracked during encode, decode and the {first} "
                      "of denoise: later steps repeat the second one's graph on the same shapes, so its peak is the "
                      "stage's, and tracking each op costs time.")
+    if any(s.tracked == "process peak RSS" for s in result.stages):
+        parts.append("cpu row: the loaded weights plus the growth of this process's peak resident memory during "
+                     "each stage (the kernel's high-water mark); --track-activations counts tensors op by op instead.")
     if not result.simulate and any(dev.isdigit() for dev in result.device_peaks()):
         parts.append("GPU rows: torch.cuda.max_memory_allocated over each whole stage.")
     return " ".join(parts)
