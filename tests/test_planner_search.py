@@ -250,19 +250,6 @@ def test_auto_mode_stages_when_loading_everything_would_offload():
     assert maps(placement) == {"text_encoder": {"": 0}, "transformer": {"": 0}, "vae": {"": 0}}
 
 
-def test_cpu_is_filled_before_disk():
-    """Kills `disk-not-scored`. A 1 GB GPU, 3 GB of cpu, a disk; a (2 GB) and b (3 GB), not splittable.
-
-    Neither fits the GPU; both cannot fit the cpu. b on the cpu and a on disk puts 2 GB on disk, the
-    other way round 3 GB.
-    """
-    comps = [whole("a", 2, splittable=False), whole("b", 3, splittable=False)]
-    devs = [Device(0, 1 * GB), Device("cpu", 3 * GB), Device("disk", None)]
-    placement = resident(comps, devs)
-    assert maps(placement) == {"a": {"": "disk"}, "b": {"": "cpu"}}
-    assert placement.disk_bytes == 2 * GB
-
-
 # --- properties: cases built around a placement known to fit, and cases that cannot fit ---------------
 
 
