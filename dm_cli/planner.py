@@ -536,34 +536,59 @@ def _place_residency(comps: list[ComponentInput], devices: list[Device], strateg
     full = {d.name: d.capacity for d in gpus}
 
     def run(order_comps, gpu_order, limits, prefer_whole, skip=False):
-        """Fill, then re-fill with offload reserves until they settle; None when it does not fit."""
+        """Fill, then re-fill with offload reserves until they settle; None when it does not fit.
+
+        A refill charges what the fill could not see (the streaming reserve, activations of offloaded
+        blocks run on their execution GPU, the excess over capacity) as a reserve. When that leaves the
+        fill unchanged (the excess is smaller than the block that must move), the excess is charged
+        the smallest whole number of times that changes the fill (doubling, then bisecting): a tiny
+        excess takes few fills, and no more blocks move than charging it repeatedly would move.
+        """
+        def fill(res):
+            return _fill(order_comps, gpu_order, limits, offload, res, prefer_whole, skip)
+
+        def grown(res, use, times):
+            out = dict(res)
+            for key, entry in use.items():
+                device = by_name[key]
+                if device not in gpus:
+                    continue
+                want = max(res.get(key, 0), entry.reserve)
+                if device.capacity is not None and entry.peak > device.capacity:
+                    want = max(want, res.get(key, 0) + (entry.peak - device.capacity) * times)
+                out[key] = want
+            return out
+
+        def moves(trial, cand):
+            return trial.unplaced or trial.maps != cand.maps
+
         reserves: dict[str, int] = {}
-        previous, boost = None, 1
+        cand = fill(reserves)
         for _ in range(16):
-            cand = _fill(order_comps, gpu_order, limits, offload, reserves, prefer_whole, skip)
             if cand.unplaced:
                 return cand, None
             use = _evaluate(comps, cand.maps, by_name)
             if _fits(use, by_name):
                 return cand, use
-            # an unchanged fill means the excess is smaller than the block that must move: grow faster
-            boost = boost * 2 if cand.maps == previous else 1
-            previous = cand.maps
-            # charge what the fill could not see (the streaming reserve, activations of offloaded
-            # blocks run on their execution GPU) as a reserve, and fill again
-            changed = False
-            for key, entry in use.items():
-                device = by_name[key]
-                if device not in gpus:
-                    continue
-                want = max(reserves.get(key, 0), entry.reserve)
-                if device.capacity is not None and entry.peak > device.capacity:
-                    want = max(want, reserves.get(key, 0) + (entry.peak - device.capacity) * boost)
-                if want > reserves.get(key, 0):
-                    reserves[key] = want
-                    changed = True
-            if not changed:
+            step = grown(reserves, use, 1)
+            if step == reserves:
                 return cand, None
+            following = fill(step)
+            if not moves(following, cand):
+                low, high = 1, 2
+                while not moves(fill(grown(reserves, use, high)), cand):
+                    if high > 1 << 40:
+                        return cand, None
+                    low, high = high, high * 2
+                while high - low > 1:
+                    middle = (low + high) // 2
+                    if moves(fill(grown(reserves, use, middle)), cand):
+                        high = middle
+                    else:
+                        low = middle
+                step = grown(reserves, use, high)
+                following = fill(step)
+            reserves, cand = step, following
         return cand, None
 
     def score(maps, use):

@@ -192,6 +192,22 @@ def test_a_whole_component_is_packed_with_its_forward_activation():
     assert placement.stages[0].use["0"].peak == 6 * GB
 
 
+def test_a_split_that_fits_is_found_when_the_whole_component_does_not():
+    """Kills `no-whole-peak-in-fill` (a bug the `room-ignores-overhead` mutant exposed). GPU 0 of 9 GB,
+    GPU 1 of 2 GB, no cpu; blocks of 7 and 2 GB, no block activations, forward peak 4 GB.
+
+    Whole on GPU 0 the component needs 9 + 4 = 13 GB. Split, each GPU holds only its blocks'
+    activations (none): 7 on GPU 0 and 2 on GPU 1 fit exactly. A fill that lets the last block join
+    the others on GPU 0 sees 9 GB of weights, the plan then fails by the 4 GB peak, and the refill
+    charges it everywhere: no fit.
+    """
+    comp = ComponentInput("t", "Model", [Block("blocks.0", 7 * GB), Block("blocks.1", 2 * GB)],
+                          activation_peak=4 * GB)
+    placement = resident([comp], devices(9, 2))
+    assert maps(placement) == {"t": {"blocks.0": 0, "blocks.1": 1}}
+    assert placement.stages[0].peak_bytes == {"0": 7 * GB, "1": 2 * GB}
+
+
 def test_components_loaded_together_take_turns_for_activations():
     """Kills `activations-add-up`. GPU 0 of 10 GB; a (4 GB) and b (3 GB) each need 3 GB of activations.
 
