@@ -162,6 +162,35 @@ def test_a_whole_component_goes_where_it_fits_best():
     assert placement.stages[0].peak_bytes == {"0": 9 * GB, "1": 5 * GB}
 
 
+def test_a_refill_moves_no_more_than_it_must():
+    """Kills `refill-overshoots`. GPU 0 of 9 GB, a cpu; a (blocks of 4 and 3 GB, activations 0 and
+    3 GB) and b (1 GB, activation 2 GB) loaded together.
+
+    Everything on the GPU needs 8 + 3 = 11. a cannot stay in part: keeping 4 GB reserves 3 and runs
+    the 3 GB activation there (4 + 3 + 3 = 10), keeping 3 GB reserves 4 (3 + 4 + 3 = 10). So a goes
+    whole to the cpu (runs there) and b stays: 1 + 2 = 3 GB on the GPU, 7 GB offloaded. A reserve
+    grown past what the first excess needs pushes b off too.
+    """
+    a = ComponentInput("a", "Model", [Block("blocks.0", 4 * GB), Block("blocks.1", 3 * GB, 3 * GB)])
+    b = ComponentInput("b", "Model", [Block("b", 1 * GB, 2 * GB)])
+    placement = resident([a, b], devices(9, cpu=100))
+    assert maps(placement) == {"a": {"": "cpu"}, "b": {"": 0}}
+    assert placement.offloaded_bytes == 7 * GB
+
+
+def test_an_overshooting_refill_does_not_turn_a_fit_into_no_fit():
+    """GPU 0 of 3 GB, 2 GB of cpu; three 1 GB blocks, the last with 1 GB of activations (charged on
+    GPU 0 wherever that block lives). All three on the GPU need 4; two need 2 + 1 reserve + 1 = 4; one
+    needs 1 + 1 + 1 = 3: one block stays, two (2 GB) fill the cpu exactly.
+    """
+    comp = ComponentInput("t", "Model", [Block("blocks.0", 1 * GB), Block("blocks.1", 1 * GB),
+                                         Block("blocks.2", 1 * GB, 1 * GB)])
+    placement = resident([comp], devices(3, cpu=2))
+    assert placement.offloaded_bytes == 2 * GB
+    assert list(maps(placement)["t"].values()).count(0) == 1
+    assert placement.stages[0].peak_bytes == {"0": 3 * GB, "cpu": 2 * GB}
+
+
 def test_components_loaded_together_fill_the_gpus_in_turn():
     """Kills `cursor-per-component`. GPU 0 of 4 GB, GPU 1 of 5 GB, a cpu; a (blocks of 2 and 5 GB) and
     b (1 and 5 GB) loaded together, in that order.
