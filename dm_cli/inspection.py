@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .skeleton import ModuleSize, Skeleton, skeleton_for_component
+from .skeleton import ModuleSize, Skeleton, default_tie_note, skeleton_for_component
 from .sources import Source, resolve_source
 
 
@@ -101,8 +101,12 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
     source: Source = resolve_source(spec)
     comps = [source.component(component)] if component else source.components
     reports = []
+    notes = list(source.notes)
     for comp in comps:
         skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+        tie = default_tie_note(skeleton, comp)
+        if tie is not None:
+            notes.append(tie[1].replace("that is what dmap plans for", "dmap plan counts that"))
         effective = dtype if dtype is not None else skeleton.default_dtype()
         block = skeleton.largest_block(effective)
         reports.append(
@@ -122,5 +126,5 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
                 problems=[str(p) for p in checkpoint.problems] if checkpoint else [],
             )
         )
-    return InspectReport(spec, source.kind, source.pipeline_class, dtype, reports, source.notes)
+    return InspectReport(spec, source.kind, source.pipeline_class, dtype, reports, notes)
 

@@ -160,6 +160,21 @@ class Skeleton:
             stored=bool(data.get("stored")),
         )
 
+    def untied(self, aliases: set[str]) -> "Skeleton":
+        """Same skeleton with these tied aliases counted as tensors of their own (loaded untied)."""
+        kept = {t.name: t for t in self.tensors}
+        tensors, groups = list(self.tensors), []
+        for group in self.tie_groups:
+            for alias in group[1:]:
+                if alias in aliases:
+                    source = kept[group[0]]
+                    tensors.append(TensorInfo(alias, source.shape, source.dtype, source.kind, source.fp32_when))
+            rest = [group[0]] + [a for a in group[1:] if a not in aliases]
+            if len(rest) > 1:
+                groups.append(rest)
+        return Skeleton(self.name, self.library, self.cls, self.no_split_modules, self.modules, tensors, groups,
+                        stored=self.stored)
+
     def with_checkpoint_dtypes(self, stored: dict[str, str]) -> "Skeleton":
         """Same skeleton, dtypes as a checkpoint stores them (names it lacks keep the built dtype)."""
         tensors = [
@@ -320,6 +335,37 @@ def load_skeleton(name: str, library: str | None, class_name: str, config: dict,
     return skeleton
 
 
+OUTPUT_EMBEDDINGS = "lm_head.weight"  # transformers ties it to the input embeddings when tie_word_embeddings
+
+
+def _output_aliases(skeleton: Skeleton) -> set[str]:
+    return {a for g in skeleton.tie_groups for a in g[1:] if a == OUTPUT_EMBEDDINGS or a.endswith("." + OUTPUT_EMBEDDINGS)}
+
+
+def loaded_ties(skeleton: Skeleton, comp, checkpoint) -> Skeleton:
+    """What from_pretrained keeps: transformers 5 leaves the output embeddings untied when the
+    checkpoint stores them beside the input embeddings (with other values), so count them apart."""
+    if checkpoint is None:
+        return skeleton
+    stored = _output_aliases(skeleton) & set(checkpoint.tensors)
+    return skeleton.untied(stored) if stored else skeleton
+
+
+def default_tie_note(skeleton: Skeleton, comp) -> tuple[set[str], str] | None:
+    """Output embeddings tied only by transformers' default (config.json does not set
+    tie_word_embeddings): the aliases and a sentence for the user, or None."""
+    aliases = _output_aliases(skeleton)
+    if not aliases or comp.weights is not None or "tie_word_embeddings" in (comp.config or {}):
+        return None
+    extra = sum(t.numel for t in skeleton.tensors for g in skeleton.tie_groups if g[0] == t.name and set(g[1:]) & aliases)
+    return aliases, (
+        f"{comp.name} ({skeleton.cls}): config.json does not set tie_word_embeddings, so transformers ties "
+        f"{', '.join(sorted(aliases))} to the input embeddings when it builds the model ({skeleton.params:,} params); "
+        f"a checkpoint that stores it separately loads untied, {skeleton.params + extra:,} "
+        "params, and that is what dmap plans for."
+    )
+
+
 def skeleton_for_component(comp, use_cache: bool = True):
     """(skeleton, checkpoint or None) for a ComponentSource: config on meta, dtypes from headers.
 
@@ -332,6 +378,7 @@ def skeleton_for_component(comp, use_cache: bool = True):
         skeleton = load_skeleton(comp.name, comp.library, comp.cls, comp.config, use_cache=use_cache)
         if checkpoint is not None:
             skeleton = skeleton.with_checkpoint_dtypes({n: e.dtype for n, e in checkpoint.tensors.items()})
+            skeleton = loaded_ties(skeleton, comp, checkpoint)
     elif checkpoint is not None:
         skeleton = skeleton_from_header(comp.name, checkpoint.tensors)
     else:

@@ -74,3 +74,39 @@ def test_offline_qwen_tokenizer_as_flux2_klein_uses_it(tmp_path):
     ids = tokenizer(text, padding="max_length", max_length=40, truncation=True)["input_ids"]
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") and ids[-1] == tokenizer.pad_token_id
     assert tokenizer.decode([i for i in ids if i != tokenizer.pad_token_id]) == text
+
+
+def test_mistral3_default_tie_is_noted_and_planned_untied():
+    """FLUX.2 [dev]'s text encoder config leaves tie_word_embeddings unset: built tied, loaded untied."""
+    report = inspect_source("flux2")
+    encoder = next(c for c in report.components if c.name == "text_encoder")
+    assert encoder.params == 23_340_272_640  # as built (sizes.json)
+    [note] = [n for n in report.notes if n.startswith("text_encoder")]
+    assert "24,011,361,280" in note and "dmap plan counts that" in note
+
+
+def test_checkpoint_storing_lm_head_is_counted_as_transformers_loads_it(tmp_path):
+    """A checkpoint with lm_head beside the embeddings: transformers keeps both, and so does dmap's count."""
+    import transformers
+    from safetensors.torch import save_file
+
+    from dm_cli.skeleton import skeleton_for_component
+    from dm_cli.sources import resolve_source
+
+    config = json.loads((PRESETS_DIR / "tiny-flux2" / "text_encoder" / "config.json").read_text())
+    del config["tie_word_embeddings"]  # as FLUX.2 [dev]'s config.json
+    config["architectures"] = ["Mistral3ForConditionalGeneration"]
+    cls = transformers.Mistral3ForConditionalGeneration
+    model = cls(cls.config_class.from_dict({k: v for k, v in config.items() if k != "transformers_version"}))
+    tied = sum(p.numel() for p in model.parameters())
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = torch.randn_like(state["lm_head.weight"])
+    folder = tmp_path / "text_encoder"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
+    skeleton, _ = skeleton_for_component(resolve_source(str(folder)).components[0])
+    loaded = cls.from_pretrained(folder)
+    assert loaded.lm_head.weight.data_ptr() != loaded.model.language_model.embed_tokens.weight.data_ptr()
+    assert skeleton.params == sum(p.numel() for p in loaded.parameters()) == tied + state["lm_head.weight"].numel()
