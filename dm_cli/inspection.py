@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .skeleton import ModuleSize, Skeleton, default_tie_note, skeleton_for_component
+from .skeleton import ModuleSize, Skeleton, as_loaded, skeleton_for_component
 from .sources import Source, resolve_source
 
 
@@ -103,10 +103,11 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
     reports = []
     notes = list(source.notes)
     for comp in comps:
+        loaded, tie_note = as_loaded(comp, use_cache=use_cache)
+        if tie_note is not None:  # with weights, what loads; config only, as built (and say what plan counts)
+            notes.append(tie_note)
+            comp = loaded if comp.weights is not None else comp
         skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
-        tie = default_tie_note(skeleton, comp)
-        if tie is not None:
-            notes.append(tie[1].replace("that is what dmap plans for", "dmap plan counts that"))
         effective = dtype if dtype is not None else skeleton.default_dtype()
         block = skeleton.largest_block(effective)
         reports.append(

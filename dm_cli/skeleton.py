@@ -342,27 +342,37 @@ def _output_aliases(skeleton: Skeleton) -> set[str]:
     return {a for g in skeleton.tie_groups for a in g[1:] if a == OUTPUT_EMBEDDINGS or a.endswith("." + OUTPUT_EMBEDDINGS)}
 
 
-def loaded_ties(skeleton: Skeleton, comp, checkpoint) -> Skeleton:
-    """What from_pretrained keeps: transformers 5 leaves the output embeddings untied when the
-    checkpoint stores them beside the input embeddings (with other values), so count them apart."""
-    if checkpoint is None:
-        return skeleton
-    stored = _output_aliases(skeleton) & set(checkpoint.tensors)
-    return skeleton.untied(stored) if stored else skeleton
+def as_loaded(comp, use_cache: bool = True) -> tuple[object, str | None]:
+    """The component as from_pretrained keeps it, and a sentence when that differs from its config.
 
+    transformers ties the output embeddings (lm_head) to the input embeddings when
+    `tie_word_embeddings` is true, which Mistral-3's config class assumes when config.json does not
+    say; but when the checkpoint stores lm_head beside the embeddings with other values, transformers 5
+    keeps both. So: a checkpoint that stores lm_head, or a config-only source whose config.json leaves
+    the key unset (the published checkpoints of such models store lm_head), is planned untied
+    (`tie_word_embeddings: false`), the count a loader really holds.
+    """
+    import dataclasses
 
-def default_tie_note(skeleton: Skeleton, comp) -> tuple[set[str], str] | None:
-    """Output embeddings tied only by transformers' default (config.json does not set
-    tie_word_embeddings): the aliases and a sentence for the user, or None."""
+    config = comp.config or {}
+    if comp.library != "transformers" or config.get("tie_word_embeddings") is False:
+        return comp, None
+    skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
     aliases = _output_aliases(skeleton)
-    if not aliases or comp.weights is not None or "tie_word_embeddings" in (comp.config or {}):
-        return None
-    extra = sum(t.numel for t in skeleton.tensors for g in skeleton.tie_groups if g[0] == t.name and set(g[1:]) & aliases)
-    return aliases, (
-        f"{comp.name} ({skeleton.cls}): config.json does not set tie_word_embeddings, so transformers ties "
-        f"{', '.join(sorted(aliases))} to the input embeddings when it builds the model ({skeleton.params:,} params); "
-        f"a checkpoint that stores it separately loads untied, {skeleton.params + extra:,} "
-        "params, and that is what dmap plans for."
+    if checkpoint is not None:
+        aliases &= set(checkpoint.tensors)
+    elif "tie_word_embeddings" in config:
+        aliases = set()
+    if not aliases:
+        return comp, None
+    untied = dataclasses.replace(comp, config={**config, "tie_word_embeddings": False})
+    loaded, _ = skeleton_for_component(untied, use_cache=use_cache)
+    why = ("its checkpoint stores " + ", ".join(sorted(aliases)) if checkpoint is not None
+           else "config.json does not set tie_word_embeddings")
+    return untied, (
+        f"{comp.name} ({skeleton.cls}): {why}; transformers ties {', '.join(sorted(aliases))} to the input "
+        f"embeddings when it builds the model from config ({skeleton.params:,} params), but keeps a separately "
+        f"stored one untied: planned as loaded untied, {loaded.params:,} params."
     )
 
 
@@ -378,7 +388,6 @@ def skeleton_for_component(comp, use_cache: bool = True):
         skeleton = load_skeleton(comp.name, comp.library, comp.cls, comp.config, use_cache=use_cache)
         if checkpoint is not None:
             skeleton = skeleton.with_checkpoint_dtypes({n: e.dtype for n, e in checkpoint.tensors.items()})
-            skeleton = loaded_ties(skeleton, comp, checkpoint)
     elif checkpoint is not None:
         skeleton = skeleton_from_header(comp.name, checkpoint.tensors)
     else:

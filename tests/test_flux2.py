@@ -82,16 +82,13 @@ def test_mistral3_default_tie_is_noted_and_planned_untied():
     encoder = next(c for c in report.components if c.name == "text_encoder")
     assert encoder.params == 23_340_272_640  # as built (sizes.json)
     [note] = [n for n in report.notes if n.startswith("text_encoder")]
-    assert "24,011,361,280" in note and "dmap plan counts that" in note
+    assert "24,011,361,280" in note and "planned as loaded untied" in note
 
 
 def test_checkpoint_storing_lm_head_is_counted_as_transformers_loads_it(tmp_path):
     """A checkpoint with lm_head beside the embeddings: transformers keeps both, and so does dmap's count."""
     import transformers
     from safetensors.torch import save_file
-
-    from dm_cli.skeleton import skeleton_for_component
-    from dm_cli.sources import resolve_source
 
     config = json.loads((PRESETS_DIR / "tiny-flux2" / "text_encoder" / "config.json").read_text())
     del config["tie_word_embeddings"]  # as FLUX.2 [dev]'s config.json
@@ -106,7 +103,9 @@ def test_checkpoint_storing_lm_head_is_counted_as_transformers_loads_it(tmp_path
     (folder / "config.json").write_text(json.dumps(config))
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
 
-    skeleton, _ = skeleton_for_component(resolve_source(str(folder)).components[0])
+    report = inspect_source(str(folder))
     loaded = cls.from_pretrained(folder)
     assert loaded.lm_head.weight.data_ptr() != loaded.model.language_model.embed_tokens.weight.data_ptr()
-    assert skeleton.params == sum(p.numel() for p in loaded.parameters()) == tied + state["lm_head.weight"].numel()
+    assert report.components[0].params == sum(p.numel() for p in loaded.parameters())
+    assert report.components[0].params == tied + state["lm_head.weight"].numel()
+    assert "its checkpoint stores lm_head.weight" in report.notes[0]
