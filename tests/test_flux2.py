@@ -109,3 +109,204 @@ def test_checkpoint_storing_lm_head_is_counted_as_transformers_loads_it(tmp_path
     assert report.components[0].params == sum(p.numel() for p in loaded.parameters())
     assert report.components[0].params == tied + state["lm_head.weight"].numel()
     assert "its checkpoint stores lm_head.weight" in report.notes[0]
+
+
+# --- meta traces and plans ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["flux2", "flux2-klein"])
+def test_plan_traces_every_component_at_1024(preset):
+    from dm_cli.plan import PlanOptions, make_plan
+
+    plan = make_plan(preset, PlanOptions("0=40GB,1=40GB,2=40GB,3=40GB,cpu=200GB"))
+    assert not [w for w in plan.warnings if "meta device" in w], plan.warnings
+    assert plan.check["ran"] and not plan.check["problems"]
+    assert {s.name for s in plan.stages} == {"encode", "denoise", "decode"}
+
+
+def test_flux2_transformer_call_is_what_flux2pipeline_feeds_it():
+    from dm_cli.families import family_for
+    from dm_cli.inputs import InputSpec
+    from dm_cli.sources import resolve_source
+
+    source = resolve_source("flux2")
+    family = family_for(source.pipeline_class)
+    spec = family.call_spec(source.component("transformer"), InputSpec(1024, 1024))
+    shapes = spec.shapes()["kwargs"]
+    assert shapes["hidden_states"]["shape"] == [1, 4096, 128]  # (1024/16)^2 packed latent tokens
+    assert shapes["encoder_hidden_states"]["shape"] == [1, 512, 15360]  # 3 stacked Mistral layers x 5120
+    assert shapes["img_ids"]["shape"] == [1, 4096, 4] and shapes["txt_ids"]["shape"] == [1, 512, 4]
+    assert shapes["guidance"]["shape"] == [1]  # guidance-distilled: batch never doubled
+    encoder = family.call_spec(source.component("text_encoder"), InputSpec(1024, 1024))
+    assert encoder.kwargs["output_hidden_states"] is True and encoder.kwargs["input_ids"].shape == (1, 512)
+
+
+@pytest.mark.parametrize("budget, mode", [
+    ("0=40GB,1=40GB,2=40GB,3=40GB,cpu=200GB", None),
+    (",".join(f"{i}=24GB" for i in range(8)), None),
+    ("0=48GB,1=48GB,2=48GB", "staged"),
+])
+def test_flux2_dev_fits_and_checks(budget, mode):
+    from dm_cli.cli import app
+    from typer.testing import CliRunner
+
+    args = ["plan", "flux2", "--max-memory", budget, "--json"] + (["--mode", mode] if mode else [])
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["check"]["ran"] and plan["check"]["problems"] == []
+    assert not [w for w in plan["warnings"] if "meta device" in w]
+    if mode:
+        assert plan["mode"] == mode
+    # planned untied, as transformers loads the published checkpoint: lm_head (131072 x 5120) counted apart
+    assert plan["components"]["text_encoder"]["weights_bytes"] == 46_680_545_664 + 2 * 131072 * 5120
+    for stage in plan["stages"]:
+        for device, peak in stage["peak_bytes"].items():
+            assert peak <= plan["devices"][device]["capacity_bytes"]
+
+
+def test_tied_lm_head_away_from_embeddings_is_caught_by_the_split_check():
+    """Mistral-3 built tied (tiny twin): lm_head on another GPU than the embeddings it shares fails."""
+    from dm_cli.inputs import InputSpec
+    from dm_cli.sources import resolve_source
+    from dm_cli.trace import check_device_map
+
+    source = resolve_source("tiny-flux2")
+    comp = source.component("text_encoder")
+    lm = "model.language_model"
+    good = {"model.vision_tower": 0, "model.multi_modal_projector": 0, f"{lm}.embed_tokens": 0, "lm_head": 0,
+            f"{lm}.layers.0": 1, f"{lm}.norm": 1, f"{lm}.rotary_emb": 1}
+    inputs = InputSpec(64, 64, max_sequence_length=32)
+    assert check_device_map(comp, source.pipeline_class, inputs, "float32", good) == []
+    problems = check_device_map(comp, source.pipeline_class, inputs, "float32", good | {"lm_head": 1})
+    assert problems and "lm_head" in problems[0] and "devices 0 and 1" in problems[0]
+
+
+# --- dmap run against diffusers' own pipelines -------------------------------------------------------
+
+PROMPT, SIZE, STEPS, SEED = "a red fox in the snow", 32, 2, 7
+PIPELINES = {"tiny-flux2": "Flux2Pipeline", "tiny-flux2-klein": "Flux2KleinPipeline"}
+
+
+@pytest.fixture(scope="module")
+def flux2_folders(tmp_path_factory):
+    from dm_cli.demo import write_random_pipeline
+
+    root = tmp_path_factory.mktemp("flux2")
+    return {preset: write_random_pipeline(PRESETS_DIR / preset, root / preset, seed=0) for preset in PIPELINES}
+
+
+def diffusers_pipeline(folder):
+    """diffusers' own pipeline from the folder. PixtralProcessor needs torchvision (not a dmap
+    dependency); without it, each component is loaded by its own class and the processor's tokenizer
+    alone, which is all the pipeline uses for text."""
+    import diffusers
+    import transformers
+
+    index = json.loads((folder / "model_index.json").read_text())
+    cls = getattr(diffusers, index["_class_name"])
+    try:
+        return cls.from_pretrained(folder)
+    except (ImportError, TypeError, ValueError):
+        pass
+    parts = {}
+    for name, value in index.items():
+        if not isinstance(value, list):
+            continue
+        library, class_name = value
+        if class_name.endswith("Processor"):
+            parts[name] = transformers.AutoTokenizer.from_pretrained(folder / name)
+        else:
+            module = diffusers if library == "diffusers" else transformers
+            parts[name] = getattr(module, class_name).from_pretrained(folder, subfolder=name)
+    settings = {k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)}
+    return cls(**parts, **settings)
+
+
+def oracle(folder):
+    import numpy as np
+
+    pipe = diffusers_pipeline(folder)
+    pipe.set_progress_bar_config(disable=True)
+    # the tiny encoders have 1-2 layers: diffusers' own tests pass text_encoder_out_layers=(1,), as dmap picks
+    image = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(SEED), num_inference_steps=STEPS,
+                 height=SIZE, width=SIZE, text_encoder_out_layers=(1,)).images[0]
+    return np.array(image)
+
+
+def _units(module, prefix=""):
+    """Leaf-most blocks in registration order: ModuleLists expanded, wrappers (model, language_model) opened."""
+    units = []
+    for name, child in module.named_children():
+        full = f"{prefix}{name}"
+        if isinstance(child, torch.nn.ModuleList):
+            units += [f"{full}.{i}" for i in range(len(child))]
+        elif name in ("model", "language_model"):
+            units += _units(child, full + ".")
+        elif any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
+            units.append(full)
+    return units
+
+
+def split_plan(folder, n_devices):
+    """A dmap-plan document with the transformer and the text encoder each split over n devices."""
+    from dm_cli.skeleton import build_on_meta
+    from dm_cli.sources import resolve_source
+
+    source = resolve_source(str(folder))
+    comps = {c.name: c for c in source.components}
+    maps = {name: {"": "cpu"} for name in comps}
+    devices = list(range(n_devices))
+    for name in ("transformer", "text_encoder"):
+        comp = comps[name]
+        model = build_on_meta(comp.library, comp.cls, comp.config)
+        units = [u for u in _units(model) if u != "lm_head"]
+        per = -(-len(units) // n_devices)
+        order = devices if name == "transformer" else devices[::-1]
+        maps[name] = {u: order[i // per] for i, u in enumerate(units)}
+        if "lm_head" in dict(model.named_children()):  # tied to the embeddings in tiny-flux2: kept with them
+            embed = next(u for u in units if u.endswith("embed_tokens"))
+            maps[name]["lm_head"] = maps[name][embed]
+        assert len(set(maps[name].values())) == n_devices
+    maps["vae"] = {"": devices[-1]}
+    return {
+        "format": "dmap-plan", "version": 1, "source": str(folder), "dtype": "float32", "strategy": "auto",
+        "mode": "staged", "devices": {str(d): {"capacity_bytes": 10**9} for d in devices} | {"cpu": {"capacity_bytes": 10**10}},
+        "inputs": {"height": SIZE, "width": SIZE, "batch_size": 1},
+        "components": {n: {"class": comps[n].cls, "weights_bytes": 0, "device_map": maps[n]} for n in comps},
+        "stages": [{"name": "encode", "components": ["text_encoder"], "peak_bytes": {}},
+                   {"name": "denoise", "components": ["transformer"], "peak_bytes": {}},
+                   {"name": "decode", "components": ["vae"], "peak_bytes": {}}],
+    }
+
+
+def dmap_image(folder, tmp_path, plan=None, simulate=False, name="out.png"):
+    import numpy as np
+    from PIL import Image
+
+    from dm_cli.runner import RunRequest, run
+
+    device_map = "auto"
+    if plan is not None:
+        device_map = str(tmp_path / f"plan-{name}.json")
+        (tmp_path / f"plan-{name}.json").write_text(json.dumps(plan))
+    result = run(RunRequest(source=str(folder), prompt=PROMPT, device_map=device_map, steps=STEPS, height=SIZE,
+                            width=SIZE, seed=SEED, output=str(tmp_path / name), simulate=simulate,
+                            max_memory=None if plan is not None else "cpu=8GB"))
+    with Image.open(tmp_path / name) as image:
+        return np.array(image), result
+
+
+@pytest.mark.parametrize("preset", list(PIPELINES))
+def test_run_is_pixel_identical_to_diffusers_unsplit_and_split(preset, flux2_folders, tmp_path):
+    import numpy as np
+
+    folder = flux2_folders[preset]
+    expected = oracle(folder)
+    image, result = dmap_image(folder, tmp_path)
+    assert np.array_equal(image, expected), preset
+    assert result.pipeline_class == PIPELINES[preset]
+    for n_devices in (2, 3):
+        image, result = dmap_image(folder, tmp_path, split_plan(folder, n_devices), simulate=True, name=f"{n_devices}.png")
+        assert result.split_check and result.split_problems == [], result.split_problems
+        assert np.array_equal(image, expected), (preset, n_devices)
