@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from dm_cli.inputs import InputSpec
 from dm_cli.inspection import inspect_source
 from dm_cli.sources import PRESETS_DIR
 
@@ -111,6 +112,43 @@ def test_checkpoint_storing_lm_head_is_counted_as_transformers_loads_it(tmp_path
     assert "its checkpoint stores lm_head.weight" in report.notes[0]
 
 
+# --- the family ------------------------------------------------------------------------------------
+
+
+def test_flux2_family_matches_before_flux_and_knows_its_defaults():
+    from dm_cli.families import family_for
+    from dm_cli.families.flux2 import out_layers
+
+    for cls in ("Flux2Pipeline", "Flux2KleinPipeline"):
+        family = family_for(cls)
+        assert family.name == "flux2" and family.runs(cls)
+    assert family_for("FluxPipeline").name == "flux"
+    assert family_for(None, "Flux2Transformer2DModel", {}).name == "flux2"
+    family = family_for("Flux2Pipeline")
+    assert (family.default_steps, family.default_guidance, family.default_max_sequence_length) == (50, 4.0, 512)
+    assert family.default_image_size({}, {"block_out_channels": [128, 256, 512, 512]}) == 1024
+    assert family.size_multiple({}, {"block_out_channels": [128, 256, 512, 512]}) == 16
+    assert family.refuse("blurry", None)  # no negative prompt: guidance is distilled
+    # the hidden states the pipelines stack: their defaults, and diffusers' tests' choice for the tiny twins
+    configs = {p: json.loads((PRESETS_DIR / p / "text_encoder" / "config.json").read_text())
+               for p in ("flux.2-dev", "flux.2-klein-4b", "tiny-flux2", "tiny-flux2-klein")}
+    assert out_layers("Flux2Pipeline", configs["flux.2-dev"], 15360) == (10, 20, 30)
+    assert out_layers("Flux2KleinPipeline", configs["flux.2-klein-4b"], 7680) == (9, 18, 27)
+    assert out_layers("Flux2Pipeline", configs["tiny-flux2"], 16) == (1,)
+    assert out_layers("Flux2KleinPipeline", configs["tiny-flux2-klein"], 16) == (1,)
+
+
+def test_klein_true_cfg_is_separate_calls_only_when_not_distilled():
+    from dm_cli.families import family_for
+
+    family = family_for("Flux2KleinPipeline")
+    assert family.true_cfg({"_class_name": "Flux2KleinPipeline", "is_distilled": False}, 4.0)
+    assert not family.true_cfg({"_class_name": "Flux2KleinPipeline", "is_distilled": True}, 4.0)  # klein 4B
+    assert not family.true_cfg({"_class_name": "Flux2KleinPipeline", "is_distilled": False}, 1.0)
+    assert not family.true_cfg({"_class_name": "Flux2Pipeline"}, 4.0)
+    assert family.cfg_batch(InputSpec(64, 64, guidance_scale=4.0)) == 1  # never a doubled batch
+
+
 # --- meta traces and plans ------------------------------------------------------------------------
 
 
@@ -126,7 +164,6 @@ def test_plan_traces_every_component_at_1024(preset):
 
 def test_flux2_transformer_call_is_what_flux2pipeline_feeds_it():
     from dm_cli.families import family_for
-    from dm_cli.inputs import InputSpec
     from dm_cli.sources import resolve_source
 
     source = resolve_source("flux2")
@@ -167,7 +204,6 @@ def test_flux2_dev_fits_and_checks(budget, mode):
 
 def test_tied_lm_head_away_from_embeddings_is_caught_by_the_split_check():
     """Mistral-3 built tied (tiny twin): lm_head on another GPU than the embeddings it shares fails."""
-    from dm_cli.inputs import InputSpec
     from dm_cli.sources import resolve_source
     from dm_cli.trace import check_device_map
 

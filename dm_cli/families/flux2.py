@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from ..inputs import InputSpec
-from ..pipelines import CallSpec, TensorSpec, component_call, sibling_config, vae_config
+from ..pipelines import CallSpec, TensorSpec, component_call, vae_config
 from . import GUIDANCE_DISTILLED, Embeds, Family, Job
 
 # text_encoder_out_layers defaults of the pipelines' __call__
@@ -68,6 +68,7 @@ class Flux2Family(Family):
     default_max_sequence_length = 512
     default_sample_size = 128
     negative_prompt = False  # [dev] takes none; [klein]'s CFG uses an empty prompt of its own
+    placeholder_tensors = {"vae": ("bn.running_mean", "bn.running_var")}  # [klein]'s latent output un-normalises
 
     def title(self) -> str:
         return "FLUX.2"
