@@ -108,6 +108,8 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
             notes.append(tie_note)
             comp = loaded if comp.weights is not None else comp
         skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+        if skeleton.note:
+            notes.append(skeleton.note)
         effective = dtype if dtype is not None else skeleton.default_dtype()
         block = skeleton.largest_block(effective)
         reports.append(
