@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dm_cli.planner import Block, ComponentInput, Device, NoFit, Stage, plan_pipeline
+from test_planner import assert_within_capacity
 
 GB = 10**9
 
@@ -37,13 +38,6 @@ def resident(comps, devs, **kw):
 
 def maps(placement):
     return {name: comp.device_map for name, comp in placement.components.items()}
-
-
-def assert_within_capacity(placement, devs):
-    capacity = {d.name: d.capacity for d in devs}
-    for stage in placement.stages:
-        for key, peak in stage.peak_bytes.items():
-            assert capacity[key] is None or peak <= capacity[key], (stage.name, key, peak)
 
 
 # --- hand-made cases ---------------------------------------------------------------------------------
