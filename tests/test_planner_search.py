@@ -257,7 +257,7 @@ def test_a_split_components_inputs_and_outputs_are_held_where_it_starts_and_ends
 
 
 def test_a_component_whose_forward_fits_no_gpu_runs_on_the_cpu():
-    """Kills `no-cpu-last-resort`. GPU 0 of 10 GB, a cpu; blocks of 5 and 1 GB, forward peak 5 GB.
+    """GPU 0 of 10 GB, a cpu; blocks of 5 and 1 GB, forward peak 5 GB.
 
     On GPU 0, whole or with one block offloaded (which still runs there), the component needs its
     6 GB of weights or weights plus reserve, and its 5 GB forward peak: 11 > 10. Only the cpu runs it.
