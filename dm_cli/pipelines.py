@@ -14,7 +14,7 @@ from pathlib import Path
 from .inputs import InputSpec
 
 # family -> default guidance_scale of the pipeline's __call__
-DEFAULT_GUIDANCE = {"flux": 3.5, "sdxl": 5.0, "sd15": 7.5, "sd3": 7.0}
+DEFAULT_GUIDANCE = {"flux": 3.5, "sdxl": 5.0, "sd15": 7.5, "sd3": 7.0, "wan": 5.0}
 CFG_FAMILIES = ("sdxl", "sd15", "sd3")  # classifier-free guidance runs the denoiser on 2B samples
 CLIP_TOKENS = 77
 
@@ -56,6 +56,8 @@ def pipeline_family(pipeline_class: str | None, component_cls: str, config: dict
         return "flux"
     if "StableDiffusion3" in name:
         return "sd3"
+    if name == "WanPipeline":
+        return "wan"
     if "StableDiffusionXL" in name:
         return "sdxl"
     if "StableDiffusion" in name:
@@ -67,6 +69,8 @@ def pipeline_family(pipeline_class: str | None, component_cls: str, config: dict
         return "flux"
     if component_cls == "SD3Transformer2DModel":
         return "sd3"
+    if component_cls in ("WanTransformer3DModel", "AutoencoderKLWan"):
+        return "wan"
     if component_cls == "UNet2DConditionModel":
         return "sdxl" if config.get("addition_embed_type") == "text_time" else "sd15"
     return None
@@ -131,6 +135,10 @@ def call_spec(comp, pipeline_class: str | None, inputs: InputSpec) -> CallSpec |
     factor = vae_scale_factor(comp, config)
     latent_h, latent_w = _latent_hw(family, inputs, factor)
     seq = max_sequence_length(family, comp, inputs)
+    if family == "wan":
+        from .wan import call_spec as wan_call_spec
+
+        return wan_call_spec(comp, inputs)
 
     if cls == "FluxTransformer2DModel":
         tokens = (latent_h // 2) * (latent_w // 2)

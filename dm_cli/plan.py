@@ -33,6 +33,7 @@ OFFLOAD_SEQ = {
     "StableDiffusionXLPipeline": "text_encoder->text_encoder_2->image_encoder->unet->vae",
     "StableDiffusionPipeline": "text_encoder->image_encoder->unet->vae",
     "StableDiffusion3Pipeline": "text_encoder->text_encoder_2->text_encoder_3->image_encoder->transformer->vae",
+    "WanPipeline": "text_encoder->transformer->transformer_2->vae",
 }
 
 
@@ -114,6 +115,7 @@ class Plan:
                     "peak_bytes": s.peak_bytes,
                     "breakdown": {k: {"weights": u.weights, "reserve": u.reserve, "activations": u.activations,
                                       "overhead": u.overhead} for k, u in s.use.items()},
+                    "note": s.note,
                 }
                 for s in self.stages
             ],
@@ -143,7 +145,7 @@ class Plan:
             breakdown = s.get("breakdown") or {k: {"weights": v} for k, v in s["peak_bytes"].items()}
             use = {k: DeviceUse(v.get("weights", 0), v.get("reserve", 0), v.get("activations", 0), v.get("overhead", 0))
                    for k, v in breakdown.items()}
-            stages.append(StagePlacement(s["name"], list(s["components"]), use))
+            stages.append(StagePlacement(s["name"], list(s["components"]), use, str(s.get("note") or "")))
         return cls(
             data.get("source", "?"), data.get("dtype", "?"), data.get("strategy", "auto"), data.get("mode", "staged"),
             devices, InputSpec.from_json(data.get("inputs", {})), components, stages, data.get("pipeline_class"),
@@ -328,13 +330,15 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         raise UsageError(f"Unknown strategy '{options.strategy}': use {', '.join(STRATEGIES)}.")
     if options.mode not in MODES:
         raise UsageError(f"Unknown mode '{options.mode}': use {', '.join(MODES)}.")
-    _check_inputs(options.inputs)
     if options.dtype:
         options = replace(options, dtype=parse_dtype(options.dtype))
     budgets = parse_device_spec(options.max_memory) if options.max_memory else local_devices()
     overhead = parse_overhead(options.overhead, budgets, options.inputs.weights_only)
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
     source = resolve_source(source_spec)
+    options = replace(options, inputs=default_inputs(source, options.inputs))
+    _check_inputs(options.inputs)
+    _check_video_inputs(source, options.inputs)
     comps = [source.component(options.component)] if options.component else list(source.components)
     prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache)
                 for c in comps]
@@ -366,6 +370,37 @@ def _check_inputs(inputs: InputSpec) -> None:
         raise UsageError("--batch-size and --num-images must be at least 1.")
     if inputs.max_sequence_length is not None and inputs.max_sequence_length < 1:
         raise UsageError("--max-sequence-length must be at least 1.")
+    if inputs.fps is not None and inputs.fps < 1:
+        raise UsageError(f"--fps must be at least 1 (got {inputs.fps}).")
+
+
+def default_inputs(source, inputs: InputSpec) -> InputSpec:
+    """The pipeline's defaults where the user gave none: size (1024, Wan 832x480) and Wan's 81 frames."""
+    from . import wan
+
+    video = any(wan.is_wan(source.pipeline_class, c.cls) for c in source.components)
+    height, width = inputs.height, inputs.width
+    if height is None and width is None:
+        height, width = (wan.DEFAULTS["height"], wan.DEFAULTS["width"]) if video else (1024, 1024)
+    elif height is None or width is None:
+        height = width = height if height is not None else width
+    frames = inputs.num_frames
+    if video and frames is None:
+        frames = wan.DEFAULTS["num_frames"]
+    return replace(inputs, height=height, width=width, num_frames=frames)
+
+
+def _check_video_inputs(source, inputs: InputSpec) -> None:
+    """--frames is for video pipelines, with their own rules (Wan: 4k+1 frames, sizes multiple of 16)."""
+    from . import wan
+
+    classes = [c.cls for c in source.components]
+    if any(wan.is_wan(source.pipeline_class, cls) for cls in classes):
+        vae = next((c.config for c in source.components if c.cls == wan.VAE), None)
+        wan.check_inputs(inputs, vae)
+    elif inputs.num_frames is not None or inputs.fps is not None:
+        what = source.pipeline_class or classes[0]
+        raise UsageError(f"{what} makes images, not videos: drop --frames and --fps.")
 
 
 def run_split_check(plan: Plan, prepared: list[PreparedComponent], pipeline_class: str | None,

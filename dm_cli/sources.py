@@ -30,6 +30,9 @@ PRESETS = {
     "tiny-sdxl": "tiny-sdxl",
     "tiny-sd15": "tiny-sd15",
     "tiny-sd3": "tiny-sd3",
+    "wan2.2": "wan2.2-t2v-a14b",
+    "wan2.2-t2v-a14b": "wan2.2-t2v-a14b",
+    "tiny-wan": "tiny-wan",
 }
 
 # Components that hold no weights: copied, never planned.

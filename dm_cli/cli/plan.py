@@ -11,12 +11,14 @@ def plan(
                                           help="Target devices, e.g. 0=16GB,1=16GB,cpu=64GB,disk (default: this machine)."),
     strategy: str = typer.Option("auto", "--strategy", help="auto | sequential | balanced | balanced_low_0."),
     mode: str = typer.Option("auto", "--mode", help="auto | resident (all loaded at once) | staged (per stage)."),
-    height: int = typer.Option(1024, "--height", help="Image height in pixels; 0 = weights only (no activations, no GPU overhead unless --overhead)."),
-    width: int | None = typer.Option(None, "--width", help="Image width (default: --height)."),
+    height: int | None = typer.Option(None, "--height", help="Height in pixels (default: the pipeline's, 1024 for images, 480 for Wan); 0 = weights only (no activations, no GPU overhead unless --overhead)."),
+    width: int | None = typer.Option(None, "--width", help="Width in pixels (default: --height, or the pipeline's)."),
     batch_size: int = typer.Option(1, "--batch-size", help="Prompts per call."),
     num_images: int = typer.Option(1, "--num-images", help="Images per prompt."),
     guidance_scale: float | None = typer.Option(None, "--guidance-scale", help="CFG scale (default: the pipeline's)."),
     max_sequence_length: int | None = typer.Option(None, "--max-sequence-length", help="T5 tokens (default: the pipeline's)."),
+    frames: int | None = typer.Option(None, "--frames", help="Video pipelines: frames to generate, 4k+1 for Wan (default: the pipeline's, 81)."),
+    fps: int | None = typer.Option(None, "--fps", help="Video pipelines: frames per second of the video (default: the pipeline's)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: as stored, bf16 for configs)."),
     overhead: str | None = typer.Option(None, "--overhead",
                                         help="Per-device overhead, e.g. 0=600MB,1=600MB (default 600MB per GPU, 0 for cpu)."),
@@ -32,7 +34,7 @@ def plan(
     from ..units import parse_dtype
 
     inputs = InputSpec(height, height if width is None else width, batch_size, num_images, guidance_scale,
-                       max_sequence_length)
+                       max_sequence_length, frames, fps)
     options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
                           component, not no_check, not no_cache)
     result = make_plan(source, options)

@@ -33,11 +33,13 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
     size = lambda n: format_size(n, binary)  # noqa: E731
     capacity = {d.name: d.capacity for d in plan.devices}
     inputs = plan.inputs
+    frames = f", {inputs.num_frames} frames" if inputs.num_frames else ""
     what = "weights only" if inputs.weights_only else (
-        f"{inputs.height}x{inputs.width}, batch {inputs.batch_size}x{inputs.num_images}")
+        f"{inputs.height}x{inputs.width}{frames}, batch {inputs.batch_size}x{inputs.num_images}")
     out.print(f"[bold]{plan.source}[/] — {plan.mode} plan, strategy {plan.strategy}, {plan.dtype}, {what}")
     for stage in plan.stages:
-        table = Table(title=f"stage {stage.name}: {', '.join(stage.components)}", title_justify="left")
+        note = f" ({stage.note})" if stage.note else ""
+        table = Table(title=f"stage {stage.name}: {', '.join(stage.components)}{note}", title_justify="left")
         for column, justify in (("device", "left"), ("weights", "right"), ("reserve", "right"),
                                 ("activations", "right"), ("overhead", "right"), ("peak", "right"),
                                 ("capacity", "right"), ("free", "right"), ("", "left")):
