@@ -661,20 +661,23 @@ def _expand(comp: ComponentInput, comp_map: dict[str, int | str]) -> dict[str, i
     return out
 
 
-def default_stages(components: list[str], offload_seq: list[str] | None) -> list[Stage]:
+def default_stages(components: list[str], offload_seq: list[str] | None,
+                   denoisers: tuple[str, ...] = ("transformer", "unet")) -> list[Stage]:
     """encode (everything before the denoiser), denoise, decode (after it), from model_cpu_offload_seq.
 
+    `denoisers`: component names that denoise (the family's; see dm_cli.families.pipeline_stages).
     Denoisers that follow each other in the sequence (Wan 2.2's `transformer`, `transformer_2`) form one
     denoise stage whose components run one at a time (`exclusive`).
     """
     order = [c for c in (offload_seq or []) if c in components]
     order += [c for c in components if c not in order]
-    denoisers = [c for c in order if _is_denoiser(c)]
+    denoiser_names = denoisers
+    denoisers = [c for c in order if c in denoiser_names]
     if not denoisers:
         return [Stage("run", tuple(order))] if order else []
     pivot = order.index(denoisers[0])
     end = pivot + 1
-    while end < len(order) and _is_denoiser(order[end]):
+    while end < len(order) and order[end] in denoiser_names:
         end += 1
     extra = [c for c in components if c not in (offload_seq or []) and "controlnet" in c]
     encode = tuple(c for c in order[:pivot] if c not in extra)
@@ -687,12 +690,6 @@ def default_stages(components: list[str], offload_seq: list[str] | None) -> list
     if decode:
         stages.append(Stage("decode", decode))
     return stages
-
-
-def _is_denoiser(name: str) -> bool:
-    """transformer, unet, prior, decoder, and numbered experts of them (transformer_2)."""
-    base, _, number = name.partition("_")
-    return base in ("transformer", "unet", "prior", "decoder") and (not number or number.isdigit())
 
 
 def plan_pipeline(components: list[ComponentInput], stages: list[Stage], devices: list[Device],

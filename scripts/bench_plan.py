@@ -12,7 +12,7 @@ the GPU-resident weights on one GPU, whether weights + activations (dmap's meta 
 inputs) + 600 MB per GPU fit every device, and whether the split check passes (`--check-anchors` also
 checks accelerate's maps: slow). Prints a markdown table; exits 1 if dmap ever offloads more than either.
 
-    .venv/bin/python scripts/bench_plan.py [--check-anchors] [--only N]
+    .venv/bin/python scripts/bench_plan.py [--check-anchors] [--only N[,M...]]
 """
 
 from __future__ import annotations
@@ -222,9 +222,9 @@ def main() -> int:
     logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Device 0 is not available": planning for absent GPUs
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check-anchors", action="store_true", help="Also run the split check on accelerate's maps.")
-    parser.add_argument("--only", type=int, default=None, help="Run only case N (1-based).")
+    parser.add_argument("--only", default=None, help="Run only these cases (1-based, comma-separated: 16,17).")
     args = parser.parse_args()
-    cases = CASES if args.only is None else [CASES[args.only - 1]]
+    cases = CASES if args.only is None else [CASES[int(n) - 1] for n in args.only.split(",")]
     rows, violations = [], []
     for index, case in enumerate(cases, 1):
         print(f"[{index}/{len(cases)}] {case.preset} {case.dtype} {case.budget} {case.label}", file=sys.stderr)

@@ -198,6 +198,7 @@ def wan_main(args) -> int:
             start = time.perf_counter()
             estimate = wan_estimated_peak(config, frames, size)
             rows.append((frames, size, measured, estimate, estimate / measured, measure_s, time.perf_counter() - start))
+            print(f"  {frames} frames {size}²: measured {measured}, estimated {estimate}", file=sys.stderr, flush=True)
     what = ("WanTransformer3DModel, 1536 wide (12x128), 2 blocks, 512 text tokens, one call, batch 1"
             if args.model == "wan-transformer" else "AutoencoderKLWan (Wan 2.2 VAE, full width), decode, batch 1")
     print(f"{what}, fp32, CPU")

@@ -269,7 +269,7 @@ def test_any_plan_stays_within_capacity_covers_every_block_and_is_contiguous(siz
 
 def test_consecutive_denoisers_form_one_exclusive_denoise_stage():
     stages = default_stages(["text_encoder", "transformer", "transformer_2", "vae"],
-                            ["text_encoder", "transformer", "transformer_2", "vae"])
+                            ["text_encoder", "transformer", "transformer_2", "vae"], ("transformer", "transformer_2"))
     assert [(s.name, s.components, s.exclusive) for s in stages] == [
         ("encode", ("text_encoder",), False), ("denoise", ("transformer", "transformer_2"), True),
         ("decode", ("vae",), False)]
@@ -280,7 +280,7 @@ def test_consecutive_denoisers_form_one_exclusive_denoise_stage():
 def _experts(devices, mode="auto"):
     comps = [chain("text_encoder", [3]), chain("transformer", [1] * 10, [0.5] * 10),
              chain("transformer_2", [1] * 10, [0.5] * 10), chain("vae", [0.2], [0.3], splittable=False)]
-    stages = default_stages([c.name for c in comps], [c.name for c in comps])
+    stages = default_stages([c.name for c in comps], [c.name for c in comps], ("transformer", "transformer_2"))
     return plan_pipeline(comps, stages, devices, mode=mode)
 
 

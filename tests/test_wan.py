@@ -11,6 +11,8 @@ from dm_cli.inputs import InputSpec
 from dm_cli.plan import PlanOptions, make_plan
 from dm_cli.sources import resolve_source
 
+pytest.importorskip("torch")
+
 REAL = {"transformer": 14_288_491_584, "transformer_2": 14_288_491_584, "text_encoder": 5_680_910_336,
         "vae": 126_892_531}  # sizes.json, wan2.2-t2v-a14b
 
@@ -41,7 +43,7 @@ def test_bad_video_inputs_are_one_sentence_and_exit_2(args, message):
 
 
 def test_frames_on_an_image_pipeline_is_refused():
-    with pytest.raises(UsageError, match="makes images, not videos"):
+    with pytest.raises(UsageError, match="make images, not videos"):
         make_plan("tiny-sd15", PlanOptions("0=1GB", inputs=InputSpec(64, 64, num_frames=9)))
 
 
@@ -163,3 +165,122 @@ def test_mp4_through_export_to_video_with_metadata(tmp_path):
     save_video(frames, str(tmp_path / "v.mp4"), 16, {"prompt": "a fox", "steps": "2"})
     assert iio.imread(tmp_path / "v.mp4").shape == (9, 32, 48, 3)
     assert read_metadata(str(tmp_path / "v.mp4")) == {"prompt": "a fox", "steps": "2"}
+
+
+# --- dmap run tiny-wan: pixel-identical to WanPipeline, experts switched mid-run --------------------
+
+PROMPT, SIZE, FRAMES, STEPS, SEED = "a red fox in the snow", 32, 9, 4, 7  # 4 steps: t = 999, 900 | 750, 500
+
+
+@pytest.fixture(scope="module")
+def tiny_wan(tmp_path_factory):
+    """tiny-wan with random weights (fixed seed), offline T5 tokenizer; boundary_ratio 0.875 from the preset."""
+    from dm_cli.demo import write_random_pipeline
+    from dm_cli.sources import PRESETS_DIR
+
+    return write_random_pipeline(PRESETS_DIR / "tiny-wan", tmp_path_factory.mktemp("wan") / "tiny-wan", seed=0)
+
+
+@pytest.fixture(scope="module")
+def oracle_frames(tiny_wan):
+    torch = pytest.importorskip("torch")
+    import diffusers
+
+    from dm_cli.video import to_uint8
+
+    pipe = diffusers.WanPipeline.from_pretrained(tiny_wan)
+    pipe.set_progress_bar_config(disable=True)
+    frames = pipe(PROMPT, num_frames=FRAMES, height=SIZE, width=SIZE, num_inference_steps=STEPS,
+                  generator=torch.Generator().manual_seed(SEED), output_type="np").frames
+    return to_uint8(frames[0])
+
+
+def _run(folder, tmp_path, name, steps=STEPS, **extra):
+    from dm_cli.runner import RunRequest, run
+
+    calls = []
+    request = RunRequest(source=str(folder), prompt=PROMPT, steps=steps, height=SIZE, width=SIZE, seed=SEED,
+                         num_frames=FRAMES, output=str(tmp_path / name), **extra)
+    return run(request, on_step=lambda *args: calls.append(args)), calls
+
+
+def _frames(folder):
+    import numpy as np
+    from PIL import Image
+
+    return np.stack([np.array(Image.open(p)) for p in sorted(folder.glob("frame-*.png"))])
+
+
+def test_run_unsplit_is_pixel_identical_and_switches_experts_mid_run(tiny_wan, oracle_frames, tmp_path):
+    import numpy as np
+
+    from dm_cli.video import read_metadata
+
+    result, calls = _run(tiny_wan, tmp_path, "frames/", max_memory="cpu=8GB")
+    assert result.plan.mode == "resident" and not result.simulate
+    assert np.array_equal(_frames(tmp_path / "frames"), oracle_frames)
+    # the progress callback names the expert of every step: the switch happens mid-run
+    assert [c[2] for c in calls] == ["transformer", "transformer", "transformer_2", "transformer_2"]
+    meta = read_metadata(str(tmp_path / "frames"))
+    assert meta["num_frames"] == str(FRAMES) and meta["fps"] == "16" and meta["plan_digest"] == result.plan_digest
+    assert json.loads((tmp_path / "frames" / "metadata.json").read_text()) == meta
+
+
+def test_run_staged_experts_split_on_two_simulated_gpus_never_holds_both(tiny_wan, oracle_frames, tmp_path,
+                                                                       monkeypatch):
+    import numpy as np
+
+    from dm_cli.stages import StageLoop
+
+    held = []
+    load_stage = StageLoop.load_stage
+
+    def recording(self, names, stage=None):
+        load_stage(self, names, stage)
+        held.append(set(self.loaded))
+
+    monkeypatch.setattr(StageLoop, "load_stage", recording)
+    result, calls = _run(tiny_wan, tmp_path, "v.webp", max_memory="0=400KB,1=400KB,cpu=1GB", overhead="0=0,1=0",
+                         simulate=True)
+    denoise = [s for s in result.plan.stages if s.name == "denoise"]
+    assert [s.components for s in denoise] == [["transformer"], ["transformer_2"]]
+    assert result.plan.components["transformer"].is_split and result.plan.components["transformer_2"].is_split
+    assert result.split_check and result.split_problems == []
+    assert not any({"transformer", "transformer_2"} <= names for names in held)
+    stages = [s for s in result.stages if s.name == "denoise"]
+    assert [s.components for s in stages] == [["transformer"], ["transformer_2"]]
+    # nothing of the high-noise expert is alive when the low-noise expert loads, on any device
+    assert sum(stages[0].resident_after_load.values()) > 0 and all(v == 0 for v in stages[1].resident_before.values())
+    assert [c[2] for c in calls] == ["transformer", "transformer", "transformer_2", "transformer_2"]
+    from PIL import Image
+
+    with Image.open(tmp_path / "v.webp") as image:  # lossless WebP: the generated pixels
+        got = []
+        for index in range(image.n_frames):
+            image.seek(index)
+            got.append(np.array(image.convert("RGB")))
+    assert np.array_equal(np.stack(got), oracle_frames)
+
+
+def test_an_expert_that_runs_no_step_is_never_loaded(tiny_wan, tmp_path, monkeypatch):
+    """Two steps (t = 999, 750 with boundary 875): one each; one step: only the high-noise expert loads."""
+    from dm_cli.stages import StageLoop
+
+    loaded = []
+    load_stage = StageLoop.load_stage
+    monkeypatch.setattr(StageLoop, "load_stage", lambda self, names, stage=None: (loaded.extend(names),
+                                                                                  load_stage(self, names, stage)))
+    result, calls = _run(tiny_wan, tmp_path, "one.gif", steps=1, max_memory="0=400KB,1=400KB,cpu=1GB",
+                         overhead="0=0,1=0", simulate=True)
+    assert [c[2] for c in calls] == ["transformer"] and "transformer_2" not in loaded
+    assert (tmp_path / "one.gif").is_file() and (tmp_path / "one.gif.json").is_file()
+
+
+def test_run_refuses_bad_frames_and_image_outputs_before_any_work(tiny_wan, tmp_path):
+    from dm_cli.runner import RunRequest, run
+
+    with pytest.raises(UsageError, match="--frames 8 is not 4k\\+1"):
+        run(RunRequest(source=str(tiny_wan), prompt=PROMPT, num_frames=8, output=str(tmp_path / "a.mp4")))
+    with pytest.raises(UsageError, match="out.mp4, out.webp"):
+        run(RunRequest(source=str(tiny_wan), prompt=PROMPT, num_frames=9, output=str(tmp_path / "a.png")))
+    assert not list(tmp_path.iterdir())

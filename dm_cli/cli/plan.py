@@ -11,7 +11,7 @@ def plan(
                                           help="Target devices, e.g. 0=16GB,1=16GB,cpu=64GB,disk (default: this machine)."),
     strategy: str = typer.Option("auto", "--strategy", help="auto | sequential | balanced | balanced_low_0."),
     mode: str = typer.Option("auto", "--mode", help="auto | resident (all loaded at once) | staged (per stage)."),
-    height: int | None = typer.Option(None, "--height", help="Height in pixels (default: the pipeline's, 1024 for images, 480 for Wan); 0 = weights only (no activations, no GPU overhead unless --overhead)."),
+    height: int | None = typer.Option(None, "--height", help="Height in pixels (default: the pipeline's, e.g. 1024 for FLUX, 480 for Wan); 0 = weights only (no activations, no GPU overhead unless --overhead)."),
     width: int | None = typer.Option(None, "--width", help="Width in pixels (default: --height, or the pipeline's)."),
     batch_size: int = typer.Option(1, "--batch-size", help="Prompts per call."),
     num_images: int = typer.Option(1, "--num-images", help="Images per prompt."),

@@ -15,6 +15,7 @@ class RunView:
         self.console = console()
         self._progress = None
         self._task = None
+        self._component = None
 
     def __enter__(self):
         return self
@@ -25,28 +26,32 @@ class RunView:
             self._progress = None
         return False
 
-    def show_plan(self, plan: dict) -> None:
+    def show_plan(self, plan) -> None:
         if self.quiet:
             return
-        from ..plan import Plan
         from .plan import render_plan
 
         try:
-            render_plan(Plan.from_json(plan), binary=self.binary)
-        except (KeyError, ValueError, TypeError):  # a hand-written plan without the planner's extras
-            self.console.print(f"Plan: {plan.get('mode', 'staged')} mode, devices {', '.join(plan.get('devices', {}))}")
+            render_plan(plan, binary=self.binary)
+        except (KeyError, ValueError, TypeError, AttributeError):  # a hand-written plan without the planner's extras
+            self.console.print(f"Plan: {plan.mode} mode, devices {', '.join(d.name for d in plan.devices)}")
 
-    def step(self, done: int, total: int) -> None:
+    def step(self, done: int, total: int, component: str | None = None) -> None:
+        """One denoising step done; `component` is the denoiser that ran it (the expert, for Wan 2.2)."""
         if self.quiet or not self.console.is_terminal:
             return
         if self._progress is None:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(TextColumn("denoise"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                      console=self.console, transient=True)
+            self._progress = Progress(TextColumn("denoise {task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), console=self.console, transient=True)
             self._progress.start()
-            self._task = self._progress.add_task("denoise", total=total)
-        self._progress.update(self._task, completed=done)
+            self._task = self._progress.add_task(component or "", total=total)
+            self._component = component
+        if component != self._component:  # the expert switch: said once, the bar goes on across both
+            self._progress.console.print(f"denoise: {component} takes over from {self._component} at step {done} of {total}")
+            self._component = component
+        self._progress.update(self._task, completed=done, description=component or "")
         if done >= total:
             self._progress.stop()
             self._progress = None
@@ -62,7 +67,8 @@ class RunView:
             where = "simulated on this CPU (every planned device)" + (
                 ", split check on" if result.split_check else ", split check unavailable in this build")
         self.console.print(
-            f"{result.pipeline_class} from {result.source}: {result.width}x{result.height}, {result.steps} steps, "
+            f"{result.pipeline_class} from {result.source}: {result.width}x{result.height}"
+            f"{f', {result.num_frames} frames at {result.fps} fps' if result.num_frames else ''}, {result.steps} steps, "
             f"guidance {result.guidance_scale}, seed {result.seed}, {where}; plan {result.plan_digest}"
         )
         stages = Table(title="Stages", title_justify="left")
@@ -73,7 +79,7 @@ class RunView:
                            size(s.load_rss_delta))
         self.console.print(stages)
         devices = Table(title="Peak memory per device (measured vs planned)", title_justify="left")
-        overheads = {k: v.get("overhead_bytes", 0) for k, v in result.plan.get("devices", {}).items()}
+        overheads = {d.name: d.overhead for d in result.plan.devices}
         for column in ("device", "measured peak", "planned peak", "planned overhead", "measured / planned w/o overhead"):
             devices.add_column(column, justify="left" if column == "device" else "right")
         for dev, (measured, planned) in sorted(result.device_peaks().items()):
