@@ -1,6 +1,6 @@
 """`dmap plan`: resolve a SOURCE, size and trace its components, place them, check the split.
 
-The Plan (and its `dmap-plan` JSON, DESIGN.md v1) lives here, with the orchestration around the
+The Plan (and its `dmap-plan` JSON v1, docs/CONTRACTS.md) lives here, with the orchestration around the
 pure planner (`planner.py`): skeletons, meta traces (`trace.py`), local devices, suggestions when a
 plan does not fit, and the split check.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from .atomic import atomic_write
 from .devices import device_key
 from .errors import DoesNotFitError, UsageError
-from .families import family_for, pipeline_stages, unknown_family_warning
+from .families import default_size, family_for, pipeline_stages, source_family, unknown_family_warning
 from .inputs import InputSpec
 from .planner import (
     MODES, STRATEGIES, ComponentInput, ComponentPlacement, Device, DeviceUse, NoFit, Placement, StagePlacement,
@@ -267,10 +267,15 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
     """Skeleton + trace -> the planner's ComponentInput (blocks in execution order with activations)."""
     from .skeleton import skeleton_for_component
 
-    skeleton, _checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+    skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+    if checkpoint is not None and checkpoint.problems:  # a plan for a broken checkpoint would be wrong
+        from .errors import CheckpointError
+
+        listed = "; ".join(str(p) for p in checkpoint.problems)
+        raise CheckpointError(f"Component '{comp.name}' has {len(checkpoint.problems)} checkpoint problem(s): {listed}.")
     effective = dtype if dtype is not None else skeleton.default_dtype()
     trace_dtype = effective or skeleton.dominant_dtype(None)
-    warnings: list[str] = []
+    warnings: list[str] = [skeleton.note] if skeleton.note and not skeleton.stored else []
     if comp.config is None:
         facts = TraceFacts(None, {}, 0, [], {}, "no config: registration order, no activation estimate")
     else:
@@ -303,16 +308,16 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         raise UsageError(f"Unknown strategy '{options.strategy}': use {', '.join(STRATEGIES)}.")
     if options.mode not in MODES:
         raise UsageError(f"Unknown mode '{options.mode}': use {', '.join(MODES)}.")
+    source = resolve_source(source_spec)
+    comps = [source.component(options.component)] if options.component else list(source.components)
+    options = replace(options, inputs=default_inputs(source, comps, options.inputs))
+    _check_inputs(options.inputs)
+    _check_family_inputs(source, comps, options.inputs)
     if options.dtype:
         options = replace(options, dtype=parse_dtype(options.dtype))
     budgets = parse_device_spec(options.max_memory) if options.max_memory else local_devices()
     overhead = parse_overhead(options.overhead, budgets, options.inputs.weights_only)
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
-    source = resolve_source(source_spec)
-    options = replace(options, inputs=default_inputs(source, options.inputs))
-    _check_inputs(options.inputs)
-    _check_family_inputs(source, options.inputs)
-    comps = [source.component(options.component)] if options.component else list(source.components)
     prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache)
                 for c in comps]
     specs = [p.spec for p in prepared]
@@ -349,35 +354,25 @@ def _check_inputs(inputs: InputSpec) -> None:
         raise UsageError(f"--fps must be at least 1 (got {inputs.fps}).")
 
 
-def source_family(source):
-    """The family of a pipeline SOURCE (by its class) or of a lone component (by its class)."""
-    if source.pipeline_class:
-        return family_for(source.pipeline_class)
-    comp = source.components[0]
-    return family_for(None, comp.cls, comp.config)
-
-
-def default_inputs(source, inputs: InputSpec) -> InputSpec:
-    """The pipeline's defaults where the user gave none: its size (1024 without a family), its frames (video)."""
-    family = source_family(source)
+def default_inputs(source, comps, inputs: InputSpec) -> InputSpec:
+    """The pipeline's own defaults where the user gave none, the ones dmap run uses: its size (--width
+    defaults to --height), and for video families its frames."""
+    components = source.components if source.pipeline_class else comps
     height, width = inputs.height, inputs.width
-    if height is None and width is None:
-        height = width = 1024
-        if family is not None:
-            denoiser = next((c for c in source.components if c.name == family.denoiser), None)
-            vae = next((c for c in source.components if c.name == "vae"), None)
-            height, width = family.default_size((denoiser.config if denoiser else None) or {}, vae.config if vae else None)
-    elif height is None or width is None:
-        height = width = height if height is not None else width
+    if height is None or width is None:
+        default_height, default_width = default_size(source.pipeline_class, components)
+        width = width if width is not None else (height if height is not None else default_width)
+        height = height if height is not None else default_height
+    family = source_family(source.pipeline_class, components)
     frames = inputs.num_frames
-    if family is not None and family.default_num_frames is not None and frames is None:
+    if frames is None and family is not None and family.default_num_frames is not None:
         frames = family.default_num_frames
     return replace(inputs, height=height, width=width, num_frames=frames)
 
 
-def _check_family_inputs(source, inputs: InputSpec) -> None:
+def _check_family_inputs(source, comps, inputs: InputSpec) -> None:
     """The family's own rules (Wan: 4k+1 frames, sizes multiple of 16); images take no --frames."""
-    family = source_family(source)
+    family = source_family(source.pipeline_class, source.components if source.pipeline_class else comps)
     if family is not None:
         vae = next((c.config for c in source.components if c.name == "vae"), None)
         family.check_inputs(inputs, vae)

@@ -51,8 +51,11 @@ def to_uint8(frames):
     return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
 
-def save_video(frames, output: str, fps: int, metadata: dict[str, str]) -> list[str]:
-    """Write uint8 frames (F, H, W, 3) to `output`; returns the written paths (the video, then the sidecar)."""
+def save_video(frames, output: str, fps: int, metadata: dict[str, str], overwrite: bool = False) -> list[str]:
+    """Write uint8 frames (F, H, W, 3) to `output`; returns the written paths (the video, then the sidecar).
+
+    A frames folder that exists and is not empty is replaced only with `overwrite` (after the new one is complete).
+    """
     kind = video_kind(output)
     path = Path(output.rstrip("/" + os.sep)) if kind == "frames" else Path(output)
     parent = path.parent if str(path.parent) else Path(".")
@@ -65,7 +68,7 @@ def save_video(frames, output: str, fps: int, metadata: dict[str, str]) -> list[
     images = [Image.fromarray(frame) for frame in frames]
     text = json.dumps(metadata, sort_keys=True)
     if kind == "frames":
-        _write_frames(images, path, metadata, text)
+        _write_frames(images, path, metadata, text, overwrite)
         return [str(path), str(path / "metadata.json")]
     if kind == "mp4":
         atomic_write(path, lambda tmp: _write_mp4(images, tmp, fps, text))
@@ -88,11 +91,13 @@ def _duration_ms(fps: int) -> int:
     return max(1, round(1000 / fps))
 
 
-def _write_frames(images, folder: Path, metadata: dict[str, str], text: str) -> None:
+def _write_frames(images, folder: Path, metadata: dict[str, str], text: str, overwrite: bool) -> None:
     from PIL.PngImagePlugin import PngInfo
 
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise UsageError(f"{folder} exists and is not an empty folder: give a new folder for the frames.")
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{folder} exists and is not a folder: give a folder for the frames.")
+    if folder.exists() and any(folder.iterdir()) and not overwrite:
+        raise UsageError(f"{folder} exists and is not an empty folder: give a new folder or add --overwrite.")
     info = PngInfo()
     for key, value in metadata.items():
         info.add_text(key, value)
@@ -102,9 +107,13 @@ def _write_frames(images, folder: Path, metadata: dict[str, str], text: str) -> 
             image.save(staging / f"frame-{index:05d}.png", format="PNG", pnginfo=info)
         (staging / "metadata.json").write_text(text + "\n", encoding="utf-8")
         os.chmod(staging, 0o777 & ~_umask())
-        if folder.exists():
-            folder.rmdir()  # empty (checked above)
+        old = None
+        if folder.exists():  # empty, or replaced with --overwrite: moved aside, removed once the new one is in place
+            old = Path(tempfile.mkdtemp(dir=staging.parent, prefix=f".{folder.name}.old."))
+            os.replace(folder, old / folder.name)
         os.replace(staging, folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -148,7 +148,7 @@ def test_video_outputs_round_trip_with_metadata(tmp_path):
     pngs = sorted((tmp_path / "frames").glob("frame-*.png"))
     assert len(pngs) == 5 and np.array_equal(np.array(Image.open(pngs[2])), frames[2])
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary leftovers
-    with pytest.raises(UsageError, match="not an empty folder"):
+    with pytest.raises(UsageError, match="not an empty folder: give a new folder or add --overwrite"):
         save_video(frames, str(tmp_path / "frames"), 8, meta)
     with pytest.raises(UsageError, match="out.mp4, out.webp"):
         save_video(frames, str(tmp_path / "v.avi"), 8, meta)

@@ -188,6 +188,36 @@ def family_for(pipeline_class: str | None, component_cls: str | None = None, con
     return next((f for f in all_families() if f.matches(pipeline_class, component_cls, config)), None)
 
 
+FALLBACK_IMAGE_SIZE = 1024  # a pipeline or lone component no family knows
+
+
+def default_size(pipeline_class: str | None, components) -> tuple[int, int]:
+    """(height, width) a pipeline makes when neither is given: its family's rule on the denoiser and VAE
+    configs, as its __call__ computes it (Wan: 480x832). The one default `dmap plan` and `dmap run`
+    share; 1024x1024 for what no family knows."""
+    family, denoiser, vae = _family_parts(pipeline_class, components)
+    if family is None or denoiser is None:
+        return FALLBACK_IMAGE_SIZE, FALLBACK_IMAGE_SIZE
+    return family.default_size(denoiser.config or {}, vae.config if vae is not None else None)
+
+
+def source_family(pipeline_class: str | None, components) -> Family | None:
+    """The family of a pipeline class, or of a lone component folder (by its denoiser or VAE class)."""
+    return _family_parts(pipeline_class, components)[0]
+
+
+def _family_parts(pipeline_class: str | None, components):
+    """(family, denoiser component, vae component) of a pipeline or of a lone component folder."""
+    by_name = {c.name: c for c in components}
+    if pipeline_class:
+        family = family_for(pipeline_class)
+        denoiser = by_name.get(family.denoiser) if family is not None else None
+    else:  # a lone component folder: its own family when it is a denoiser
+        denoiser = next((c for c in components if family_for(None, c.cls, c.config) is not None), None)
+        family = family_for(None, denoiser.cls, denoiser.config) if denoiser is not None else None
+    return family, denoiser, by_name.get("vae")
+
+
 def supported_pipelines() -> list[str]:
     return [p for f in all_families() for p in f.pipelines]
 
