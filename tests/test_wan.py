@@ -284,3 +284,22 @@ def test_run_refuses_bad_frames_and_image_outputs_before_any_work(tiny_wan, tmp_
     with pytest.raises(UsageError, match="out.mp4, out.webp"):
         run(RunRequest(source=str(tiny_wan), prompt=PROMPT, num_frames=9, output=str(tmp_path / "a.png")))
     assert not list(tmp_path.iterdir())
+
+
+def test_cli_run_writes_an_mp4_with_its_sidecar_and_refuses_to_overwrite(tiny_wan, tmp_path):
+    pytest.importorskip("imageio_ffmpeg")
+
+    from dm_cli.video import read_metadata
+
+    out = tmp_path / "fox.mp4"
+    args = ["run", tiny_wan, "--prompt", PROMPT, "--frames", FRAMES, "--height", SIZE, "--width", SIZE, "--steps", 2,
+            "--fps", 8, "--max-memory", "cpu=8GB", "--output", out, "--json"]
+    code, stdout, stderr = run_dmap(*args)
+    assert code == 0, stderr
+    summary = json.loads(stdout)
+    assert summary["images"] == [str(out), str(out) + ".json"] and summary["num_frames"] == FRAMES
+    meta = read_metadata(str(out))
+    assert meta["fps"] == "8" and meta["num_frames"] == str(FRAMES) and meta["prompt"] == PROMPT
+    assert json.loads((tmp_path / "fox.mp4.json").read_text()) == meta
+    code, _, stderr = run_dmap(*args)
+    assert code == 2 and "--overwrite" in stderr
