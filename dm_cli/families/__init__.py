@@ -24,7 +24,7 @@ from ..pipelines import CallSpec
 
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
 # `related` prefix is a prefix of another's (Flux of Flux2, StableDiffusion of StableDiffusion3) comes after it.
-FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux", "wan")
+FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux2", "flux", "wan")
 
 # How guidance multiplies the denoiser's work per step.
 GUIDANCE_BATCH = "batch"  # classifier-free guidance: one call on a doubled batch (SD, SDXL, SD3)
@@ -85,6 +85,9 @@ class Family:
     negative_prompt: bool = True  # False: a negative prompt is refused (guidance-distilled)
     default_num_frames: int | None = None  # video families: frames when none are asked for; None: images
     default_fps: int | None = None  # video families: frames per second of the written video
+    # component -> tensors the pipeline's __call__ reads while that component is not loaded (for
+    # `dmap run`'s meta placeholders; e.g. FLUX.2 [klein] un-normalises latents with the VAE's batch norm)
+    placeholder_tensors: dict[str, tuple[str, ...]] = {}
 
     # --- matching -------------------------------------------------------------------------------
 
