@@ -331,9 +331,12 @@ def check_component_files(comp) -> int:
 
 
 def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
-        on_step: Callable[[int, int], None] | None = None,
+        on_step: Callable[[int, int, str | None], None] | None = None,
         on_status: Callable[[str | None], None] | None = None) -> RunResult:
     """Plan (or read and check a plan), then encode -> denoise -> decode following it.
+
+    `on_step(done, total, component)`: after each denoising step; `component` names the denoiser that
+    ran it for families with experts (Wan 2.2), else None.
 
     With torch, diffusers and transformers imported, a full garbage collection walks ~400k objects
     (~0.2 s on a laptop core), and allocations trigger them anywhere: an import, a load, a step.

@@ -285,7 +285,7 @@ class StageLoop:
             for i in range(torch.cuda.device_count()):
                 torch.cuda.reset_peak_memory_stats(i)
 
-    def run_job(self, job: Job, on_step: Callable[[int, int], None] | None = None) -> tuple[Carry, list[StageResult]]:
+    def run_job(self, job: Job, on_step: Callable[..., None] | None = None) -> tuple[Carry, list[StageResult]]:
         """All the plan's stages for one job: staged mode loads and frees each stage, resident loads all first."""
         staged = self.plan.mode != "resident"
         results: list[StageResult] = []
