@@ -89,8 +89,8 @@ def cut_maps(comp, pipeline_class):
     """(target block, bad map, good map), from the model's own no-split classes.
 
     The target is the first block, in execution order, of a class the model declares no-split with at
-    least two leaves (modules holding tensors). Bad, at leaf granularity: the target's first leaf on
-    device 0, its other leaves on device 1, everything else on 0. Good, at the granularity of the
+    least two leaves (modules holding tensors, or a module's own tensors). Bad, at leaf granularity:
+    the target's first leaf on device 0, its other leaves on device 1, everything else on 0. Good, at the granularity of the
     model's top-level parts (its root children, with ModuleLists opened into their items): the parts
     up to the one holding the target on 0, the parts after it on 1.
     """
@@ -102,13 +102,20 @@ def cut_maps(comp, pipeline_class):
                                  order)
     classes = dict(skeleton.modules)
 
-    def inside(prefix):
-        return [b.name for b in leaves if b.name.startswith(prefix + ".")]
+    # finest keys: a module's own tensors by name when it also has children with tensors (Wan's
+    # blocks hold a scale_shift_table beside their layers), else the module holding them
+    names = [t.name for t in skeleton.tensors]
+    owners = [n.rpartition(".")[0] for n in names]
+    mixed = {o for o in owners if any(other.startswith(o + ".") for other in owners)}
+    keys = list(dict.fromkeys(n if o in mixed else o for n, o in zip(names, owners)))
 
-    ancestors = [".".join(b.name.split(".")[:n]) for b in leaves for n in range(1, b.name.count(".") + 1)]
+    def inside(prefix):
+        return [k for k in keys if k.startswith(prefix + ".")]
+
+    ancestors = [".".join(b.name.split(".")[:n]) for b in leaves for n in range(1, b.name.count(".") + 2)]
     target = next(p for p in ancestors if classes.get(p) in skeleton.no_split_modules and len(inside(p)) >= 2)
     first, *rest = inside(target)
-    bad = {b.name: (1 if b.name in rest else 0) for b in leaves}
+    bad = {k: (1 if k in rest else 0) for k in keys}
 
     def part(name):
         head, _, tail = name.partition(".")
