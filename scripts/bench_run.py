@@ -11,7 +11,9 @@ Rows:
 - the diffusers "distributed inference" recipe written by hand (encode, free, denoise from embeddings,
   free, decode);
 - `dmap run --device-map plan.json` with a plan made beforehand by `dmap plan ... --output`;
-- `dmap run` planning inline (warm cache), what a user types.
+- `dmap run` planning inline (warm cache), what a user types;
+- the same with `--track-activations`: the op-by-op activation tracker that plain CPU runs used before
+  (it runs during encode, decode and the first 2 denoising steps).
 
 Columns: "in-process" wall starts after the same imports on every side (torch, diffusers,
 transformers; dmap's own modules too for dmap) and ends when the PNG is written: loading, planning or
@@ -206,6 +208,9 @@ def main() -> None:
             lambda steps, out: _once(DMAP, folder, steps, out, threads, _run_args(folder, steps, out, plan_path)),
         "dmap run (plans inline, warm cache)":
             lambda steps, out: _once(DMAP, folder, steps, out, threads, _run_args(folder, steps, out, None)),
+        "dmap run --track-activations (per-op tracker, the old CPU default)":
+            lambda steps, out: _once(DMAP, folder, steps, out, threads,
+                                     _run_args(folder, steps, out, None) + ["--track-activations"]),
     }
     warm = str(tmp / "warm.png")  # warms dmap's cache and the OS page cache
     _once(DMAP, folder, 1, warm, threads, _run_args(folder, 1, warm, None))
