@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import shutil
 import threading
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from .checkpoint import WEIGHT_STEMS, find_component_weights, open_checkpoint, read_index, read_safetensors_header
 from .errors import CheckpointError, DmapError, SourceError, UsageError
+from .swap import OLD_MARK, SWAP_MARK, TEMP_MARK, SwapFolder, fsync_dir, hidden_name, publish, recover, swap_in_place
 from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
 
 MIN_SHARD_SIZE = 10**6  # below 1 MB a "shard" is a mistake, not a choice
@@ -42,8 +42,6 @@ VERIFY_THREADS = 2  # compare threads beside the copying thread (compares releas
 LEGACY_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf", ".onnx", ".onnx_data")
 CONVERTIBLE = {"float64", "float32", "float16", "bfloat16"}  # fp8 and integer tensors keep their dtype
-TEMP_MARK = ".dmap-tmp-"
-OLD_MARK = ".dmap-old-"
 
 
 # --- plan -----------------------------------------------------------------------------------------
@@ -595,8 +593,13 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
         if output is not None:
             raise UsageError("Give either --output or --in-place, not both.")
         out_path = source.root.resolve()
+        _check_in_place(components)
     else:
+        if output is None and source.hub_snapshot is not None:
+            raise UsageError(f"'{source_spec}' was read from the Hugging Face cache, which dmap never writes into: "
+                             "give --output.")
         out_path = Path(output).expanduser().resolve() if output is not None else _default_output(source).resolve()
+        _check_output_parent(out_path)
         root = source.root.resolve()
         if out_path == root or (source.kind != "weights" and _is_within(out_path, root)):
             raise UsageError(f"The output {out_path} is the source or inside it: choose another --output, or use --in-place.")
@@ -610,6 +613,37 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
     return result, source, legacy
 
 
+def _check_output_parent(out_path: Path) -> None:
+    """The output's folder exists, is writable and is not the Hugging Face cache."""
+    from .sources import hub_cache_root
+
+    parent = out_path.parent
+    if not parent.is_dir():
+        raise UsageError(f"The folder of the output, {parent}, does not exist: create it first.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"Cannot write into {parent}: permission denied.")
+    cache = hub_cache_root()
+    if cache.is_dir() and _is_within(out_path, cache.resolve()):
+        raise UsageError(f"The output {out_path} is inside the Hugging Face cache ({cache}), which dmap never "
+                         "writes into: choose another --output.")
+
+
+def _check_in_place(components: list[ComponentPlan]) -> None:
+    """New file names must not hit files that are not being replaced; every old file is in its folder."""
+    for comp in components:
+        folder = comp.source_folder.resolve()
+        old = {p.name for p in comp.source_files}
+        for path in comp.source_files:
+            if path.parent.resolve() != folder:
+                raise UsageError(f"--in-place: {path} is not in {folder}; write the result elsewhere with --output.")
+        for name in comp.output_files():
+            if name not in old and (folder / name).exists():
+                raise UsageError(f"--in-place would write {folder / name}, which exists and is not one of the files "
+                                 "being replaced; move it away or use --output.")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise UsageError(f"--in-place: cannot write into {folder}: permission denied.")
+
+
 def _copy_plan(source, result: ShardResult) -> list[tuple[Path, str]]:
     """Files carried over unchanged (configs, tokenizer, scheduler...): (source path, relative path)."""
     if source.kind == "weights" or result.in_place:
@@ -619,7 +653,8 @@ def _copy_plan(source, result: ShardResult) -> list[tuple[Path, str]]:
     read = {f.resolve() for c in result.components for f in c.source_files}
     copies: list[tuple[Path, str]] = []
     for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if TEMP_MARK not in d and OLD_MARK not in d and d not in (".git", ".cache"))
+        dirs[:] = sorted(d for d in dirs if not any(m in d for m in (TEMP_MARK, OLD_MARK, SWAP_MARK))
+                         and d not in (".git", ".cache"))
         here = Path(folder)
         for name in sorted(files):
             path = here / name
@@ -641,8 +676,10 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
     """Plan, write into a temporary folder, verify, then move into place (or replace the source)."""
     started = time.perf_counter()
     progress = progress or Progress()
+    finished = [] if dry_run else _finish_interrupted_swaps(source_spec)
     result, source, legacy = plan_shard(source_spec, max_shard_size, output, dtype, variant, in_place, overwrite,
                                         min_shard_size)
+    result.removed_stale = finished
     copies = _copy_plan(source, result)
     result.copied_files = [rel for _, rel in copies]
     if dry_run:
@@ -652,7 +689,7 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
 
     out_path = result.output
     parent = out_path.parent
-    result.removed_stale = _remove_stale_temps(parent, out_path.name)
+    result.removed_stale += recover(out_path)
     copy_bytes = sum(p.stat().st_size for p, _ in copies)
     needed = sum(s.file_bytes for c in result.components for s in c.shards) + copy_bytes
     free = shutil.disk_usage(parent).free
@@ -660,7 +697,7 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
         raise DmapError(f"Not enough disk space in {parent}: the new files need {format_size(needed)} and "
                         f"{format_size(free)} is free.")
 
-    temp = parent / f".{out_path.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    temp = hidden_name(out_path, TEMP_MARK)
     temp.mkdir()
     try:
         progress.phase("write", needed)
@@ -688,16 +725,25 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
         _fsync_tree(temp)
         result.verified = verify
         if in_place:
-            _replace_in_place(temp, result)
+            swap_in_place(temp, out_path, _swap_folders(temp, result))
         else:
-            _move_into_place(temp, out_path)
+            publish(temp, out_path, overwrite)
     except BaseException as error:
-        shutil.rmtree(temp, ignore_errors=True)
+        shutil.rmtree(temp, ignore_errors=True)  # gone already once the swap is committed
         if isinstance(error, OSError):
             raise _os_error(error, out_path) from error
         raise
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _finish_interrupted_swaps(source_spec: str) -> list[str]:
+    """An `--in-place` run killed mid-swap is finished before the source is read again."""
+    path = Path(source_spec).expanduser()
+    if not path.exists():
+        return []
+    folder = path.resolve() if path.is_dir() else path.resolve().parent
+    return recover(folder)
 
 
 def _os_error(error: OSError, out_path: Path) -> DmapError:
@@ -709,39 +755,6 @@ def _os_error(error: OSError, out_path: Path) -> DmapError:
 
 
 # --- writing --------------------------------------------------------------------------------------
-
-
-def _remove_stale_temps(parent: Path, name: str) -> list[str]:
-    """Temp folders of earlier runs that were killed (their process is gone) are removed."""
-    removed = []
-    if not parent.is_dir():
-        return removed
-    for mark in (TEMP_MARK, OLD_MARK):
-        for candidate in parent.glob(f".{glob_escape(name)}{mark}*"):
-            match = re.search(rf"{re.escape(mark)}(\d+)-", candidate.name)
-            if not match or not candidate.is_dir() or _pid_alive(int(match.group(1))):
-                continue
-            if mark == OLD_MARK:
-                continue  # an interrupted --in-place swap: the old weights are kept for the user to restore
-            shutil.rmtree(candidate, ignore_errors=True)
-            removed.append(str(candidate))
-    return removed
-
-
-def glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", text)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _copy_files(copies: list[tuple[Path, str]], temp: Path, progress: Progress) -> None:
@@ -948,68 +961,13 @@ def _write_shard(path: Path, shard_file: ShardFile, legacy: dict[Path, dict], pr
 
 def _fsync_tree(root: Path) -> None:
     for folder, _, _ in os.walk(root):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(Path(folder))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _move_into_place(temp: Path, out_path: Path) -> None:
-    """Rename the verified folder into place; an existing output (--overwrite) is swapped out first."""
-    if out_path.exists():
-        old = out_path.parent / f".{out_path.name}{OLD_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-        os.rename(out_path, old)
-        try:
-            os.rename(temp, out_path)
-        except BaseException:
-            os.rename(old, out_path)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(temp, out_path)
-    _fsync_dir(out_path.parent)
-
-
-def _replace_in_place(temp: Path, result: ShardResult) -> None:
-    """Swap the verified new files in: old weight files go to a side folder first, removed at the end."""
-    root = result.output
-    old = root.parent / f".{root.name}{OLD_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-    moved: list[tuple[Path, Path]] = []  # (original place, backup place)
-    placed: list[Path] = []
-    try:
-        for comp in result.components:
-            for path in comp.source_files:
-                backup = old / comp.folder / path.name
-                backup.parent.mkdir(parents=True, exist_ok=True)
-                os.rename(path, backup)
-                moved.append((path, backup))
-        for comp in result.components:
-            target_folder = comp.source_folder
-            for name in comp.output_files():
-                target = target_folder / name
-                if target.exists():
-                    raise DmapError(f"{target} exists and is not one of the files being replaced; nothing was changed.")
-                os.rename(temp / comp.folder / name, target)
-                placed.append(target)
-            _fsync_dir(target_folder)
-    except BaseException:
-        for target in placed:
-            target.unlink(missing_ok=True)
-        for original, backup in reversed(moved):
-            os.rename(backup, original)
-        shutil.rmtree(old, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(temp, ignore_errors=True)
+def _swap_folders(temp: Path, result: ShardResult) -> list[SwapFolder]:
+    """What `--in-place` replaces: per component folder, the old weight files and the new ones."""
+    return [SwapFolder(comp.source_folder.resolve(), comp.folder, [p.name for p in comp.source_files],
+                       comp.output_files()) for comp in result.components]
 
 
 # --- verification ---------------------------------------------------------------------------------

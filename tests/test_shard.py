@@ -449,7 +449,7 @@ def test_sigkill_mid_write_leaves_nothing_and_next_run_cleans_up(tmp_path):
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".out.dmap-tmp-")]
     assert len(leftovers) == 1  # hidden, beside the output, never at the output's name
     result = shard(str(tmp_path / "src"), 25_000, output=tmp_path / "out", **SMALL)
-    assert result.removed_stale == [str(leftovers[0])]
+    assert result.removed_stale == [f"Removed a leftover temporary folder of an interrupted run: {leftovers[0]}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 

@@ -34,6 +34,8 @@ def inspect(
         if as_json:  # the table renderer already listed them
             import sys
 
-            print(f"Error: {len(report.problems)} checkpoint problem(s), first: {report.problems[0]}", file=sys.stderr)
+            from ..render import plain
+
+            print(f"Error: {len(report.problems)} checkpoint problem(s), first: {plain(report.problems[0])}", file=sys.stderr)
         return EXIT_USAGE  # a corrupt checkpoint is bad input: scripts can tell
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..planner import clean_device_map
 from ..units import format_size
-from . import console
+from . import console, plain, safe
 
 BAR_WIDTH = 24
 
@@ -22,8 +22,9 @@ def _bar(parts: list[tuple[int, str]], capacity: int | None) -> str:
     return text + "[dim]" + "░" * (BAR_WIDTH - cells) + "[/]"
 
 
-def _device_label(key: str) -> str:
-    return f"GPU {key}" if key.isdigit() else key
+def _device_label(key) -> str:
+    key = str(key)
+    return f"GPU {key}" if key.isdigit() else safe(key)
 
 
 def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
@@ -35,9 +36,9 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
     inputs = plan.inputs
     what = "weights only" if inputs.weights_only else (
         f"{inputs.height}x{inputs.width}, batch {inputs.batch_size}x{inputs.num_images}")
-    out.print(f"[bold]{plan.source}[/] — {plan.mode} plan, strategy {plan.strategy}, {plan.dtype}, {what}")
+    out.print(f"[bold]{safe(plan.source)}[/] — {safe(plan.mode)} plan, strategy {safe(plan.strategy)}, {safe(plan.dtype)}, {what}")
     for stage in plan.stages:
-        table = Table(title=f"stage {stage.name}: {', '.join(stage.components)}", title_justify="left")
+        table = Table(title=safe(f"stage {stage.name}: {', '.join(map(str, stage.components))}"), title_justify="left")
         for column, justify in (("device", "left"), ("weights", "right"), ("reserve", "right"),
                                 ("activations", "right"), ("overhead", "right"), ("peak", "right"),
                                 ("capacity", "right"), ("free", "right"), ("", "left")):
@@ -59,7 +60,7 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
         pipe.add_column(column, justify="right" if column in ("weights", "offloaded", "hops") else "left")
     for name, comp in plan.components.items():
         devices = ", ".join(_device_label(str(d)) for d in comp.devices)
-        pipe.add_row(name, comp.cls, comp.stage, size(comp.weights_bytes), devices,
+        pipe.add_row(safe(name), safe(comp.cls), safe(comp.stage), size(comp.weights_bytes), devices,
                      size(comp.offloaded_bytes) if comp.offloaded_bytes else "-", str(comp.hops))
     out.print(pipe)
     for name, comp in plan.components.items():
@@ -72,11 +73,11 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
                 key = key.rpartition(".")[0]
                 parents.add(key)
         collapsed = clean_device_map(comp.device_map, sorted(set(modules) | parents))
-        split = Table(title=f"{name} device_map ({len(comp.device_map)} blocks, collapsed)", title_justify="left")
+        split = Table(title=f"{safe(name)} device_map ({len(comp.device_map)} blocks, collapsed)", title_justify="left")
         split.add_column("modules")
         split.add_column("device")
         for module, device in _runs(collapsed):
-            split.add_row(module, _device_label(str(device)))
+            split.add_row(safe(module), _device_label(str(device)))
         out.print(split)
     check = plan.check or {}
     if check.get("ran"):
@@ -84,9 +85,9 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
             err = console(stderr=True)
             err.print(f"[bold red]Split check failed ({len(check['problems'])} problem(s)):[/]")
             for problem in check["problems"]:
-                err.print(f"  - {problem}", markup=False)
+                err.print(f"  - {plain(problem)}", markup=False)
         elif check.get("components"):
-            out.print(f"[green]Split check passed[/] on the meta device: {', '.join(check['components'])}.")
+            out.print(f"[green]Split check passed[/] on the meta device: {safe(', '.join(map(str, check['components'])))}.")
     if not any(d.is_gpu for d in plan.devices):
         out.print("No GPU in the device list: every component runs on the CPU.")
     elif plan.offloaded_bytes:
@@ -94,9 +95,9 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
     else:
         out.print("Nothing offloaded to cpu or disk.")
     for warning in plan.warnings:
-        out.print(f"[yellow]warning:[/] {warning}", markup=True)
+        out.print(f"[yellow]warning:[/] {safe(warning)}", markup=True)
     if output:
-        out.print(f"Plan written to {output}.")
+        out.print(f"Plan written to {safe(output)}.")
 
 
 def _runs(device_map: dict) -> list[tuple[str, object]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import console
+from . import console, safe
 from ..units import format_size
 
 
@@ -34,7 +34,7 @@ class RunView:
         try:
             render_plan(Plan.from_json(plan), binary=self.binary)
         except (KeyError, ValueError, TypeError):  # a hand-written plan without the planner's extras
-            self.console.print(f"Plan: {plan.get('mode', 'staged')} mode, devices {', '.join(plan.get('devices', {}))}")
+            self.console.print(safe(f"Plan: {plan.get('mode', 'staged')} mode, devices {', '.join(map(str, plan.get('devices', {})))}"))
 
     def step(self, done: int, total: int) -> None:
         if self.quiet or not self.console.is_terminal:
@@ -56,20 +56,20 @@ class RunView:
 
         size = lambda n: format_size(n, binary=self.binary) if n else "-"  # noqa: E731
         for notice in result.notices:
-            self.console.print(f"[bold yellow]{notice}[/]")
+            self.console.print(f"[bold yellow]{safe(notice)}[/]")
         where = "on this machine"
         if result.simulate:
             where = "simulated on this CPU (every planned device)" + (
                 ", split check on" if result.split_check else ", split check unavailable in this build")
         self.console.print(
-            f"{result.pipeline_class} from {result.source}: {result.width}x{result.height}, {result.steps} steps, "
+            f"{safe(result.pipeline_class)} from {safe(result.source)}: {result.width}x{result.height}, {result.steps} steps, "
             f"guidance {result.guidance_scale}, seed {result.seed}, {where}; plan {result.plan_digest}"
         )
         stages = Table(title="Stages", title_justify="left")
         for column in ("stage", "components", "load s", "run s", "wall s", "host RAM during load"):
             stages.add_column(column, justify="left" if column in ("stage", "components") else "right")
         for s in result.stages:
-            stages.add_row(s.name, ", ".join(s.components), f"{s.load_s:.2f}", f"{s.run_s:.2f}", f"{s.wall_s:.2f}",
+            stages.add_row(safe(s.name), safe(", ".join(s.components)), f"{s.load_s:.2f}", f"{s.run_s:.2f}", f"{s.wall_s:.2f}",
                            size(s.load_rss_delta))
         self.console.print(stages)
         devices = Table(title="Peak memory per device (measured vs planned)", title_justify="left")
@@ -79,7 +79,7 @@ class RunView:
         for dev, (measured, planned) in sorted(result.device_peaks().items()):
             base = planned - overheads.get(dev, 0)
             ratio = f"{measured / base:.0%}" if base > 0 else "-"
-            label = f"GPU {dev}" if dev.isdigit() else dev
+            label = f"GPU {dev}" if dev.isdigit() else safe(dev)
             devices.add_row(label, size(measured), size(planned), size(overheads.get(dev, 0)), ratio)
         self.console.print(devices)
         note = tracking_note(result)
@@ -88,11 +88,11 @@ class RunView:
         if result.split_problems:
             self.console.print("[bold red]Split check problems (this plan would fail on real devices):[/]")
             for problem in result.split_problems:
-                self.console.print(f"  {problem}")
+                self.console.print(f"  {safe(problem)}")
         for path in result.images:
-            self.console.print(f"Wrote {path}")
+            self.console.print(f"Wrote {safe(path)}")
         if result.latents_path:
-            self.console.print(f"Wrote latents to {result.latents_path}")
+            self.console.print(f"Wrote latents to {safe(result.latents_path)}")
 
 
 def tracking_note(result) -> str:
