@@ -8,12 +8,15 @@ name the broken file and tensor, and because this path must not import torch.
 from __future__ import annotations
 
 import json
+import math
+import operator
 import os
 import re
 import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import CheckpointError
 from .units import DTYPE_BYTES, SAFETENSORS_DTYPES, SUBBYTE_DTYPES, numel
@@ -24,11 +27,15 @@ U64_MAX = 2**64 - 1
 MAX_INDEX_BYTES = 100_000_000  # an index JSON larger than a safetensors header is not an index
 _BITS = {code: DTYPE_BYTES[name] * 8 for code, name in SAFETENSORS_DTYPES.items()} | SUBBYTE_DTYPES
 _FIELDS = ("dtype", "shape", "data_offsets")
+_DTYPE_NAMES = {**SAFETENSORS_DTYPES, **{code: code for code in SUBBYTE_DTYPES}}  # header code -> dmap's name
+_NAME_BITS = {_DTYPE_NAMES[code]: bits for code, bits in _BITS.items()}
+_MINUS_ZERO = re.compile(r"-0(?![0-9.eE])")  # `-0` parses as 0 in Python but is a float to serde_json
 
 
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    """One tensor as a safetensors header describes it; offsets are absolute in the file."""
+class TensorEntry(NamedTuple):
+    """One tensor as a safetensors header describes it; offsets are absolute in the file.
+
+    A named tuple, not a dataclass: a header may hold a million of them."""
 
     name: str
     dtype: str  # torch spelling, e.g. "bfloat16"
@@ -98,15 +105,21 @@ def _is_u64(value) -> bool:
     return type(value) is int and 0 <= value <= U64_MAX  # bool and _Negative are not `int` exactly
 
 
+_INT_ONLY = {int}
+
+
 def _object_hook(pairs):
-    """Called for every JSON object, innermost first: tensor entries become compact tuples at once,
-    so a million-tensor header never holds a million dicts."""
+    """Called for every JSON object, innermost first: tensor entries in the usual field order become
+    compact tuples at once (a million-tensor header never holds a million dicts); anything else is
+    kept as pairs for the slow path. Only C-level calls on the fast path: it runs once per tensor."""
     if len(pairs) == 3:
         (k1, dtype), (k2, shape), (k3, offsets) = pairs
-        if (k1, k2, k3) == _FIELDS and type(dtype) is str and dtype in _BITS and type(shape) is list \
-                and type(offsets) is list and len(offsets) == 2 and _is_u64(offsets[0]) and _is_u64(offsets[1]) \
-                and all(_is_u64(d) for d in shape):
-            return _Info((dtype, tuple(shape), offsets[0], offsets[1]))
+        if k1 == "dtype" and k2 == "shape" and k3 == "data_offsets" and type(dtype) is str and dtype in _BITS \
+                and type(shape) is list and type(offsets) is list and len(offsets) == 2:
+            begin, end = offsets
+            if type(begin) is int and type(end) is int and 0 <= begin <= U64_MAX and 0 <= end <= U64_MAX and (
+                    not shape or (set(map(type, shape)) <= _INT_ONLY and min(shape) >= 0 and max(shape) <= U64_MAX)):
+                return _Info((_DTYPE_NAMES[dtype], tuple(shape), begin, end))
     return _Object(pairs)
 
 
@@ -173,7 +186,7 @@ def _checked_bytes(dtype: str, shape: tuple[int, ...]) -> int | None:
         count *= dim
         if count > U64_MAX:
             return None
-    bits = count * _BITS[dtype]
+    bits = count * _NAME_BITS[dtype]
     if bits > U64_MAX or bits % 8:
         return None
     return bits // 8
@@ -209,7 +222,9 @@ def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
     try:
         text = raw.decode("utf-8")
         del raw
-        root = json.loads(text, object_pairs_hook=_object_hook, parse_int=_parse_int, parse_constant=_no_constant)
+        # A Python hook per integer is slow on a million tensors: only when `-0` may be there
+        root = json.loads(text, object_pairs_hook=_object_hook, parse_constant=_no_constant,
+                          parse_int=_parse_int if _MINUS_ZERO.search(text) else None)
     except UnicodeDecodeError as error:
         raise CheckpointError(f"{path}: corrupt safetensors header: it is not UTF-8 ({error.reason}).") from error
     except RecursionError:
@@ -238,20 +253,21 @@ def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
             if problem:
                 raise CheckpointError(f"{path}: tensor '{name}' {problem}.")
             fields = dict(value)
-            value = _Info((fields["dtype"], tuple(fields["shape"]), *fields["data_offsets"]))
+            value = _Info((_DTYPE_NAMES[fields["dtype"]], tuple(fields["shape"]), *fields["data_offsets"]))
         entries[name] = value
     del root
-    tensors = sorted((TensorEntry(name, code, shape, begin, end) for name, (code, shape, begin, end) in entries.items()),
-                     key=lambda t: (t.begin, t.end))
+    tensors = sorted((TensorEntry(name, dtype, shape, data_start + begin, data_start + end)
+                      for name, (dtype, shape, begin, end) in entries.items()), key=_by_offsets)
     del entries
-    _validate_layout(path, tensors, file_size - data_start)
+    _validate_layout(path, tensors, data_start, file_size)
     subbyte = next((t for t in tensors if t.dtype in SUBBYTE_DTYPES), None)
     if subbyte is not None:
         raise CheckpointError(f"{path}: tensor '{subbyte.name}' has dtype {subbyte.dtype} ({SUBBYTE_DTYPES[subbyte.dtype]} "
                               "bits per element), which dmap cannot size or shard yet.")
-    tensors = [TensorEntry(t.name, SAFETENSORS_DTYPES[t.dtype], t.shape, data_start + t.begin, data_start + t.end)
-               for t in tensors]
     return SafetensorsHeader(path, header_size, {t.name: t for t in tensors}, metadata)
+
+
+_by_offsets = operator.itemgetter(3, 4)
 
 
 def _read_metadata(path: Path, value) -> dict[str, str]:
@@ -263,30 +279,37 @@ def _read_metadata(path: Path, value) -> dict[str, str]:
     return dict(value)
 
 
-def _validate_layout(path: Path, tensors: list[TensorEntry], data_bytes: int) -> None:
-    """safetensors' rules on offsets relative to the data: contiguous from 0, each the exact size of
-    its dtype and shape, and the last one ending at the end of the file."""
+def _validate_layout(path: Path, tensors: list[TensorEntry], data_start: int, file_size: int) -> None:
+    """safetensors' rules on offsets, in data bytes: contiguous from 0, each the exact size of its dtype
+    and shape (u64 arithmetic), and the last one ending at the end of the file."""
+    data_bytes = file_size - data_start
     start = 0
     for tensor in tensors:
-        if tensor.begin != start or tensor.end < tensor.begin:
-            if tensor.begin > start:
-                why = f"leaves a gap: it starts at data byte {tensor.begin} but the previous tensor ends at {start}"
-            elif tensor.end < tensor.begin:
+        begin, end = tensor.begin - data_start, tensor.end - data_start
+        if begin != start or end < begin:
+            if begin > start:
+                why = f"leaves a gap: it starts at data byte {begin} but the previous tensor ends at {start}"
+            elif end < begin:
                 why = "has data_offsets that end before they begin"
             else:
-                why = f"overlaps the tensor before it (it starts at data byte {tensor.begin}, before {start})"
+                why = f"overlaps the tensor before it (it starts at data byte {begin}, before {start})"
             raise CheckpointError(f"{path}: tensor '{tensor.name}' {why}.")
-        start = tensor.end
-        if tensor.end > data_bytes:
-            raise CheckpointError(f"{path}: tensor '{tensor.name}' ends at data byte {tensor.end} but the file holds "
+        start = end
+        if end > data_bytes:
+            raise CheckpointError(f"{path}: tensor '{tensor.name}' ends at data byte {end} but the file holds "
                                   f"{data_bytes} data bytes: truncated or corrupt.")
-        expected = _checked_bytes(tensor.dtype, tensor.shape)
+        count = math.prod(tensor.shape)
+        if 0 < count <= U64_MAX and count * _NAME_BITS[tensor.dtype] <= U64_MAX:  # no zero dim: no partial overflow
+            bits = count * _NAME_BITS[tensor.dtype]
+            expected = None if bits % 8 else bits // 8
+        else:
+            expected = _checked_bytes(tensor.dtype, tensor.shape)
         if expected is None:
             raise CheckpointError(f"{path}: tensor '{tensor.name}' has shape {list(tensor.shape)} whose size in "
                                   f"{tensor.dtype} overflows 64 bits or is not a whole number of bytes.")
-        if tensor.nbytes != expected:
+        if end - begin != expected:
             raise CheckpointError(
-                f"{path}: tensor '{tensor.name}' holds {tensor.nbytes} bytes but {tensor.dtype}{list(tensor.shape)} needs {expected}."
+                f"{path}: tensor '{tensor.name}' holds {end - begin} bytes but {tensor.dtype}{list(tensor.shape)} needs {expected}."
             )
     if start != data_bytes:
         raise CheckpointError(f"{path}: the tensors cover {start} data bytes but the file holds {data_bytes}: "

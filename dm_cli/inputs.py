@@ -5,7 +5,10 @@ Shared by the tracer (activation estimates), the planner and the runner. No torc
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+
+from .errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,19 @@ class InputSpec:
     num_images: int = 1  # images per prompt: the models see batch_size * num_images
     guidance_scale: float | None = None  # None: the pipeline's default
     max_sequence_length: int | None = None  # None: the pipeline's default (T5 tokens)
+
+    def __post_init__(self) -> None:
+        """Refuse what no pipeline can take (and what would write invalid JSON, such as NaN)."""
+        for name, low in (("height", 0), ("width", 0), ("batch_size", 1), ("num_images", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise UsageError(f"--{name.replace('_', '-')} must be a whole number >= {low}, not {value!r}.")
+        if self.guidance_scale is not None and (isinstance(self.guidance_scale, bool) or not isinstance(
+                self.guidance_scale, (int, float)) or not math.isfinite(self.guidance_scale)):
+            raise UsageError(f"--guidance-scale must be a finite number, not {self.guidance_scale!r}.")
+        if self.max_sequence_length is not None and (isinstance(self.max_sequence_length, bool) or not isinstance(
+                self.max_sequence_length, int) or self.max_sequence_length < 1):
+            raise UsageError(f"--max-sequence-length must be a whole number >= 1, not {self.max_sequence_length!r}.")
 
     @property
     def weights_only(self) -> bool:

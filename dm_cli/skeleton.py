@@ -8,10 +8,11 @@ and activation peaks depend on the inputs, so they live beside it in the trace c
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from .cache import cache_key, read_cached, write_cached
-from .errors import SourceError
+from .errors import DmapError, SourceError
 from .units import DTYPE_BYTES, FLOATING_DTYPES, numel
 
 SKELETON_FORMAT_VERSION = 2
@@ -253,8 +254,33 @@ def skeleton_from_model(name: str, library: str | None, model) -> Skeleton:
     return Skeleton(name, library, type(model).__name__, _no_split_modules(model), modules, tensors, tie_groups)
 
 
+MAX_LAYERS = 1000  # the largest diffusion models have < 100 blocks; 1e5 would take hours on meta
+
+
+def _check_layer_counts(class_name: str, config: dict) -> None:
+    """A config asking for an absurd number of layers is refused before building anything."""
+    for key, value in config.items():
+        if re.search(r"(layers|blocks|depth)(_per_block)?$", key) and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and value > MAX_LAYERS:
+            raise SourceError(f"The config of {class_name} asks for {key}={value!r}, above the {MAX_LAYERS} dmap "
+                              "accepts: the config is corrupt or not a diffusion model's.")
+
+
 def build_on_meta(library: str, class_name: str, config: dict):
-    """Instantiate a diffusers/transformers class on the meta device from its config dict."""
+    """Instantiate a diffusers/transformers class on the meta device from its config dict.
+
+    A config is input like any other: whatever the class raises on it becomes one sentence."""
+    _check_layer_counts(class_name, config)
+    try:
+        return _build_on_meta(library, class_name, config)
+    except DmapError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a bad value in a config is bad input, not a bug
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise SourceError(f"Cannot build {class_name} from its config ({type(error).__name__}: {first}).") from error
+
+
+def _build_on_meta(library: str, class_name: str, config: dict):
     import torch
 
     if library == "diffusers":
@@ -263,6 +289,7 @@ def build_on_meta(library: str, class_name: str, config: dict):
         model_cls = getattr(diffusers, class_name, None)
         if model_cls is None:
             raise SourceError(f"Class '{class_name}' is not in diffusers {diffusers.__version__}: cannot build it.")
+        _require_model_class(model_cls, diffusers.ModelMixin, class_name, "diffusers")
         with torch.device("meta"):
             model = model_cls.from_config(config)
         return model
@@ -272,6 +299,7 @@ def build_on_meta(library: str, class_name: str, config: dict):
         model_cls = getattr(transformers, class_name, None)
         if model_cls is None:
             raise SourceError(f"Class '{class_name}' is not in transformers {transformers.__version__}: cannot build it.")
+        _require_model_class(model_cls, transformers.PreTrainedModel, class_name, "transformers")
         config_cls = model_cls.config_class
         clean = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
         model_config = config_cls.from_dict(clean)
@@ -281,6 +309,13 @@ def build_on_meta(library: str, class_name: str, config: dict):
         model.tie_weights()
         return model
     raise SourceError(f"Component class '{class_name}' comes from library '{library}', which dmap cannot build: only diffusers and transformers.")
+
+
+def _require_model_class(model_cls, base, class_name: str, library: str) -> None:
+    """Only concrete model classes are built: never a pipeline, a config class or an Auto* factory."""
+    if not (isinstance(model_cls, type) and issubclass(model_cls, base)):
+        raise SourceError(f"'{class_name}' is not a {library} model class ({base.__name__} subclass): dmap builds "
+                          "only models such as UNet2DConditionModel or CLIPTextModel.")
 
 
 def guess_library(class_name: str) -> str | None:
@@ -307,7 +342,7 @@ def load_skeleton(name: str, library: str | None, class_name: str, config: dict,
             skeleton = Skeleton.from_json(cached)
             skeleton.name = name
             return skeleton
-        except (ValueError, KeyError, TypeError, IndexError):
+        except Exception:  # noqa: BLE001 - a damaged entry of any shape is rebuilt, never an error
             pass  # stale or damaged cache entry: rebuild
     if library is None:
         library = guess_library(class_name)
