@@ -33,10 +33,12 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
         if resolved in seen:
             raise UsageError(f"{option} {path} is also the {seen[resolved]} file: give different names.")
         seen[resolved] = option
-    if device_map not in STRATEGY_NAMES and (device_map.endswith(".json") or Path(device_map).is_file()):
+    if device_map not in STRATEGY_NAMES:
+        if not device_map.endswith(".json") and not os.path.lexists(device_map):
+            raise UsageError(f"--device-map must be {', '.join(STRATEGY_NAMES)} or a plan JSON file, not '{device_map}'.")
         from .plan import load_plan
 
-        load_plan(device_map)
+        load_plan(device_map)  # a FIFO, /dev/zero or a broken plan: refused here, read boundedly
 
 
 def _check_writable_file(path: Path, option: str) -> None:

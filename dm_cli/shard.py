@@ -665,8 +665,18 @@ def _copy_plan(source, result: ShardResult) -> list[tuple[Path, str]]:
                 if path.resolve() not in read:
                     result.skipped_files.append(rel)
             else:
+                _check_copyable(path)
                 copies.append((path, rel))
     return copies
+
+
+def _check_copyable(path: Path) -> None:
+    if path.is_symlink() and not path.exists():
+        raise SourceError(f"{path} is a dangling symbolic link: fix or remove it, then shard again.")
+    if not path.is_file():
+        raise SourceError(f"{path} is not a regular file (a FIFO or a device?): remove it, then shard again.")
+    if not os.access(path, os.R_OK):
+        raise SourceError(f"{path} cannot be read: permission denied.")
 
 
 def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike | None = None,

@@ -349,3 +349,232 @@ def test_8_repo_paths_stay_inside_their_snapshot(tmp_path, monkeypatch, capsys, 
     code, out, err = cli(capsys, "inspect", spec)
     assert code == 2, (out, err)
     assert "secret" not in out
+
+
+# --- 5. names from files never reach the terminal raw ----------------------------------------------
+
+EVIL = ["\x1b]0;pwned\x07", "\x1b[2J", "[/oops]", "[bold red]x[/]", "a\u202eb", "\x9b31m"]
+
+
+def test_5_tensor_names_with_escapes_and_markup_are_shown_inert(tmp_path, capsys):
+    """A .safetensors whose tensor names hold an OSC title-set, a clear-screen, C1 CSI, a bidi override
+    and Rich markup: `dmap inspect FILE --depth 3` and `dmap shard` print them escaped, exit 0."""
+    state = {f"{name}.weight": np.ones((2, 3), np.float32) for name in EVIL}
+    save_file(state, str(tmp_path / "evil.safetensors"))
+    code, out, err = cli(capsys, "inspect", tmp_path / "evil.safetensors", "--depth", "3")
+    assert code == 0, err
+    for raw in ("\x1b", "\x07", "\x9b", "\u202e"):
+        assert raw not in out + err
+    assert "\\x1b]0;pwned\\x07" in out and "\\x1b[2J" in out and "[/oops]" in out and "[bold red]x[/]" in out
+    code, out, err = cli(capsys, "shard", tmp_path / "evil.safetensors", "-s", "0", "-o", tmp_path / "out")
+    assert code == 0 and "\x1b" not in out + err, err
+
+
+def test_5_escapes_in_error_messages_are_shown_inert(tmp_path, capsys):
+    """A config class name with escapes, and an index naming tensors with escapes: exit 2, no raw escape."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "config.json").write_text(json.dumps({"_class_name": "\x1b]0;pwned\x07[/oops]"}))
+    code, out, err = cli(capsys, "inspect", tmp_path / "c")
+    assert code == 2 and "\x1b" not in err and "\x07" not in err and "not a class name" in err, err
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "m-00001-of-00001.safetensors"))
+    (tmp_path / "m.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"w": "m-00001-of-00001.safetensors", "\x1b[2J[/oops]": "m-00001-of-00001.safetensors"}}))
+    code, out, err = cli(capsys, "inspect", tmp_path / "m.safetensors.index.json")
+    assert code == 2 and "\x1b" not in out + err and "\\x1b[2J[/oops]" in err, err
+
+
+def test_5_plan_file_names_are_rendered_inert(capsys):
+    """A plan file (read by `dmap run -d`) is input too: its component, class and module names are shown inert."""
+    from dm_cli.plan import Plan
+    from dm_cli.render.plan import render_plan
+
+    plan = _plan_document()
+    plan["components"]["\x1b[2Jvae"] = plan["components"].pop("vae")
+    plan["components"]["\x1b[2Jvae"]["class"] = "[/oops]\x1b]0;t\x07"
+    plan["components"]["\x1b[2Jvae"]["device_map"] = {"[/b]\x1b[1m": 0, "up": 1}
+    plan["stages"][0]["components"] = ["\x1b[2Jvae"]
+    plan["warnings"] = ["[/oops] \x1b[2J"]
+    render_plan(Plan.from_json(plan))
+    out, err = capsys.readouterr()
+    assert "\x1b" not in out + err and "[/oops]" in out and "\\x1b[2J" in out
+
+
+# --- 6. bad input is exit 2 with one sentence, never exit 1 -----------------------------------------
+
+
+def _plan_document() -> dict:
+    return {
+        "format": "dmap-plan", "version": 1, "source": "x", "dtype": "float32", "strategy": "auto", "mode": "staged",
+        "devices": {"0": {"capacity_bytes": 10**9}, "1": {"capacity_bytes": 10**9}, "cpu": {"capacity_bytes": 10**10}},
+        "inputs": {"height": 64, "width": 64, "batch_size": 1},
+        "components": {"vae": {"class": "AutoencoderKL", "weights_bytes": 100, "device_map": {"": 0}}},
+        "stages": [{"name": "decode", "components": ["vae"], "peak_bytes": {"0": 100}}],
+    }
+
+
+def _set(document: dict, path: tuple, value) -> dict:
+    target = document
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return document
+
+
+PLAN_ATTACKS = {
+    "a list": ([], "must be a JSON object"),
+    "a number": (5, "must be a JSON object"),
+    "devices a list": (("devices",), [], "'devices' must be a JSON object"),
+    "device evil": (("components", "vae", "device_map", ""), "evil", "'evil' is not a device"),
+    "device null": (("components", "vae", "device_map", ""), None, "None is not a device"),
+    "device [1]": (("components", "vae", "device_map", ""), [1], "[1] is not a device"),
+    "device -1": (("components", "vae", "device_map", ""), -1, "-1 is not a device"),
+    "device true": (("components", "vae", "device_map", ""), True, "True is not a device"),
+    "device key evil": (("devices", "evil"), {"capacity_bytes": 1}, "'evil' is not a device"),
+    "capacity a string": (("devices", "0", "capacity_bytes"), "16GB", "capacity_bytes must be a whole number"),
+    "capacity negative": (("devices", "0", "capacity_bytes"), -5, "capacity_bytes must be a whole number"),
+    "component a list": (("components", "vae"), [], "must be a JSON object"),
+    "device_map a list": (("components", "vae", "device_map"), [0], "device_map must be a JSON object"),
+    "unknown stage component": (("stages", 0, "components"), ["unet"], "names component 'unet'"),
+    "stage a number": (("stages", 0), 5, "a stage must be a JSON object"),
+    "stages empty": (("stages",), [], "non-empty list"),
+    "inputs a list": (("inputs",), [64], "'inputs' must be a JSON object"),
+    "inputs height a string": (("inputs", "height"), "64", "--height must be a whole number"),
+    "peak_bytes a list": (("stages", 0, "peak_bytes"), [1], "peak_bytes must be a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLAN_ATTACKS))
+def test_6_plan_file_of_the_wrong_shape_is_exit_2_before_loading(tmp_path, monkeypatch, capsys, case):
+    """`dmap run -p x -d plan.json` with a damaged plan: exit 2 naming the problem, before any loading."""
+    attack = PLAN_ATTACKS[case]
+    document = attack[0] if len(attack) == 2 else _set(_plan_document(), *attack[:2])
+    (tmp_path / "plan.json").write_text(json.dumps(document))
+    _runner_must_not_start(monkeypatch)
+    code, out, err = cli(capsys, "run", "-p", "x", "-d", tmp_path / "plan.json", "-o", tmp_path / "x.png")
+    assert code == 2 and attack[-1] in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("where", ["dev-zero", "fifo", "folder", "nan", "huge"])
+def test_6_plan_file_that_is_not_a_file_is_read_boundedly(tmp_path, monkeypatch, capsys, where):
+    path = tmp_path / "plan.json"
+    if where == "dev-zero":
+        path = Path("/dev/zero")
+    elif where == "fifo":
+        os.mkfifo(path)  # opening it would block forever
+    elif where == "folder":
+        path.mkdir()
+    elif where == "nan":
+        path.write_text(json.dumps(_plan_document()).replace('"height": 64', '"height": NaN'))
+    else:
+        path.write_bytes(b" " * (65 << 20))
+    _runner_must_not_start(monkeypatch)
+    code, out, err = cli(capsys, "run", "-p", "x", "-d", path, "-o", tmp_path / "x.png")
+    assert code == 2, err
+    assert {"dev-zero": "not a regular file", "fifo": "not a regular file", "folder": "not a regular file",
+            "nan": "not JSON", "huge": "larger than"}[where] in err, err
+
+
+def _runner_must_not_start(monkeypatch):
+    import dm_cli.runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the run started: the bad input should have been caught before")
+
+    monkeypatch.setattr(dm_cli.runner, "run", refuse)
+
+
+@pytest.mark.parametrize("library, cls", [("diffusers", "AutoModel"), ("diffusers", "DiffusionPipeline"),
+                                          ("diffusers", "ConfigMixin"), ("transformers", "AutoModel"),
+                                          ("transformers", "PretrainedConfig"), ("diffusers", "ModelMixin"),
+                                          ("diffusers", "NoSuchModel")])
+def test_6_non_model_classes_are_exit_2(tmp_path, capsys, library, cls):
+    pipeline(tmp_path / "pipe", {"unet": [library, cls]})
+    (tmp_path / "pipe" / "unet").mkdir()
+    (tmp_path / "pipe" / "unet" / "config.json").write_text(json.dumps({"_class_name": cls}))
+    code, out, err = cli(capsys, "inspect", tmp_path / "pipe", "--no-cache")
+    assert code == 2 and cls in err, err
+
+
+def test_6_absurd_layer_count_is_refused_at_once(tmp_path, capsys):
+    (tmp_path / "t").mkdir()
+    config = json.loads((REPO / "dm_cli" / "presets" / "tiny-flux" / "transformer" / "config.json").read_text())
+    (tmp_path / "t" / "config.json").write_text(json.dumps({**config, "num_layers": 1e5}))
+    code, out, err = cli(capsys, "inspect", tmp_path / "t", "--no-cache")
+    assert code == 2 and "num_layers=100000.0" in err and "above the 1000" in err, err
+
+
+def test_6_a_config_value_the_class_rejects_is_exit_2(tmp_path, capsys):
+    (tmp_path / "t").mkdir()
+    config = json.loads((REPO / "dm_cli" / "presets" / "tiny-flux" / "transformer" / "config.json").read_text())
+    (tmp_path / "t" / "config.json").write_text(json.dumps({**config, "num_attention_heads": "many"}))
+    code, out, err = cli(capsys, "inspect", tmp_path / "t", "--no-cache")
+    assert code == 2 and "Cannot build FluxTransformer2DModel from its config" in err, err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--guidance-scale", "nan"], "--guidance-scale must be a finite number"),
+    (["--guidance-scale", "inf"], "--guidance-scale must be a finite number"),
+    (["--max-memory", ""], "--max-memory is empty"),
+    (["--max-memory", "0=1GB", "--overhead", ""], "needs a size"),
+    (["--height", "-8"], "--height must be a whole number >= 0"),
+    (["--batch-size", "0"], "--batch-size must be a whole number >= 1"),
+])
+def test_6_bad_plan_options_are_exit_2(capsys, args, words):
+    code, out, err = cli(capsys, "plan", "tiny-sd15", *args)
+    assert code == 2 and words in err, err
+
+
+def test_6_dangling_symlink_in_a_pipeline_is_exit_2(tmp_path, capsys):
+    component(tmp_path / "pipe" / "unet")
+    pipeline(tmp_path / "pipe", {"unet": ["diffusers", "UNet2DConditionModel"], "tokenizer": ["transformers", "CLIPTokenizer"]})
+    (tmp_path / "pipe" / "tokenizer").mkdir()
+    (tmp_path / "pipe" / "tokenizer" / "vocab.json").symlink_to(tmp_path / "nowhere")
+    code, out, err = cli(capsys, "shard", tmp_path / "pipe", "-s", "0", "-o", tmp_path / "out")
+    assert code == 2 and "vocab.json" in err and "dangling" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+    (tmp_path / "pipe" / "unet" / "config.json").unlink()
+    (tmp_path / "pipe" / "unet" / "config.json").symlink_to(tmp_path / "nowhere")
+    code, out, err = cli(capsys, "inspect", tmp_path / "pipe")
+    assert code == 2 and "config.json" in err, err
+
+
+def test_6_corrupt_cache_entries_are_rebuilt(tmp_path, monkeypatch, capsys):
+    """A JSON list, a number, a truncated object or wrong fields in a cache entry: rebuilt, exit 0."""
+    monkeypatch.setenv("DMAP_CACHE_DIR", str(tmp_path / "cache"))
+    code, out, err = cli(capsys, "inspect", "tiny-sd15", "--component", "vae", "--json")
+    assert code == 0, err
+    expected = json.loads(out)
+    entries = sorted((tmp_path / "cache").rglob("*.json"))
+    assert entries
+    for damage in ("[]", "5", '{"format": "dmap-skeleton"', '{"format": "dmap-skeleton", "version": 1, "tensors": 5}'):
+        for entry in entries:
+            entry.write_text(damage)
+        code, out, err = cli(capsys, "inspect", "tiny-sd15", "--component", "vae", "--json")
+        assert code == 0, (damage, err)
+        assert json.loads(out) == expected
+        assert all(isinstance(json.loads(e.read_text()), dict) for e in entries)
+
+
+# --- 7. `dmap run` checks its outputs before loading anything ----------------------------------------
+
+
+@pytest.mark.parametrize("case", ["output is a folder", "output folder missing", "latents is a folder",
+                                  "seed too large", "seed too small", "second image is a folder",
+                                  "latents over the image"])
+def test_7_run_outputs_are_checked_before_anything_loads(tmp_path, monkeypatch, capsys, case):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "out-1.png").mkdir()
+    args, words = {
+        "output is a folder": (["-o", tmp_path / "dir"], "is a folder"),
+        "output folder missing": (["-o", tmp_path / "no" / "x.png"], "does not exist"),
+        "latents is a folder": (["--save-latents", tmp_path / "dir"], "is a folder"),
+        "seed too large": (["--seed", str(2**64)], "out of range"),
+        "seed too small": (["--seed", str(-(2**63) - 1)], "out of range"),
+        "second image is a folder": (["-o", tmp_path / "out.png", "--num-images", "2"], "out-1.png is a folder"),
+        "latents over the image": (["-o", tmp_path / "x.png", "--save-latents", tmp_path / "x.png"], "give different names"),
+    }[case]
+    _runner_must_not_start(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(capsys, "run", "-p", "x", *args)
+    assert code == 2 and words in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "out-1.png"]
