@@ -24,6 +24,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from json.encoder import encode_basestring as _encode_json_string
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,8 @@ VERIFY_WINDOW = 16 << 20  # bytes of each file mapped at once when comparing: bo
 COMPARE_CHUNK = 1 << 20  # numpy compares in 1 MiB pieces so its temporary stays in cache
 HASH_CHUNK = 1 << 20  # read size when hashing converted tensors back
 VERIFY_THREADS = 2  # compare threads beside the copying thread (compares release the GIL)
+VERIFY_BATCH_BYTES = 16 << 20  # tensors per verification job: a few MB, or
+VERIFY_BATCH_RUNS = 4096  # this many separate ranges (a million tiny tensors: a few hundred jobs)
 LEGACY_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf", ".onnx", ".onnx_data")
 CONVERTIBLE = {"float64", "float32", "float16", "bfloat16"}  # fp8 and integer tensors keep their dtype
@@ -47,7 +50,7 @@ CONVERTIBLE = {"float64", "float32", "float16", "bfloat16"}  # fp8 and integer t
 # --- plan -----------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class SourceTensor:
     """Where one tensor's bytes come from: a byte range of a safetensors file, or a legacy file."""
 
@@ -64,7 +67,7 @@ class SourceTensor:
         return numel(self.shape)
 
 
-@dataclass
+@dataclass(slots=True)
 class PlannedTensor:
     source: SourceTensor
     dtype: str  # written dtype
@@ -431,13 +434,18 @@ def _component_weights(comp, variant: str | None) -> tuple[_Weights, Path]:
 
 
 def _entry_json(t: PlannedTensor, begin: int, end: int) -> str:
-    return json.dumps({"dtype": TORCH_TO_SAFETENSORS[t.dtype], "shape": list(t.shape), "data_offsets": [begin, end]},
-                      separators=(",", ":"))
+    """What json.dumps(..., separators=(",", ":")) writes, built directly: it runs once per tensor."""
+    shape = ",".join(map(str, t.shape))
+    return f'{{"dtype":"{TORCH_TO_SAFETENSORS[t.dtype]}","shape":[{shape}],"data_offsets":[{begin},{end}]}}'
+
+
+def _name_json(name: str) -> str:
+    return _encode_json_string(name)  # json.dumps(name, ensure_ascii=False), without its Python wrapper
 
 
 def _entry_bound(t: PlannedTensor, limit: int) -> int:
     """Header bytes this tensor can add at most: offsets inside a shard never exceed the limit."""
-    return len(json.dumps(t.name, ensure_ascii=False).encode("utf-8")) + 2 + len(_entry_json(t, limit, limit))
+    return len(_name_json(t.name).encode("utf-8")) + 2 + len(_entry_json(t, limit, limit))
 
 
 def _metadata_bound(metadata: dict[str, str]) -> int:
@@ -461,7 +469,7 @@ def build_header(tensors: list[PlannedTensor], metadata: dict[str, str]) -> tupl
     offset = 0
     for t in ordered:
         t.offset = offset
-        parts.append(json.dumps(t.name, ensure_ascii=False) + ":" + _entry_json(t, offset, offset + t.nbytes))
+        parts.append(_name_json(t.name) + ":" + _entry_json(t, offset, offset + t.nbytes))
         offset += t.nbytes
     raw = ("{" + ",".join(parts) + "}").encode("utf-8")
     raw += b" " * (-len(raw) % 8)
@@ -878,7 +886,10 @@ class _ShardFinisher:
         self._progress = progress
         self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmap-fsync")
         self._checker = ThreadPoolExecutor(max_workers=VERIFY_THREADS, thread_name_prefix="dmap-verify") if verify else None
-        self._futures = []
+        self._futures = []  # fsync jobs (one per shard)
+        self._checks = []  # verification jobs still running
+        self._batch: list[tuple[Path, int, list[PlannedTensor]]] = []
+        self._batch_bytes = 0
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
         self._checked = 0  # bytes verified so far
@@ -888,28 +899,46 @@ class _ShardFinisher:
         if self._failure is not None:
             raise self._failure
 
-    def check_tensor(self, path: Path, begin: int, t: PlannedTensor) -> None:
-        """Queue the comparison of one tensor just written at `begin` in `path`."""
-        self.raise_if_failed()
-        if self._checker is not None:
-            self._futures.append(self._checker.submit(self._check, path, begin, t))
+    def check_run(self, path: Path, begin: int, run: list[PlannedTensor]) -> None:
+        """Queue the comparison of tensors just written back to back at `begin` in `path`.
 
-    def _check(self, path: Path, begin: int, t: PlannedTensor) -> None:
-        if self._failure is not None:
+        Runs are batched (`VERIFY_BATCH_BYTES`, `VERIFY_BATCH_RUNS`) so that a million tiny tensors
+        make a few hundred jobs, not a million futures."""
+        self.raise_if_failed()
+        if self._checker is None:
             return
-        try:
-            _check_tensor(path, begin, t, self.expected)
-        except BaseException as error:
-            self._failure = self._failure or error
-            raise
-        with self._lock:
-            self._checked += t.nbytes
-            reporting = self._reporting
-        if reporting:
-            self._progress.advance(t.nbytes)
+        self._batch.append((path, begin, run))
+        self._batch_bytes += sum(t.nbytes for t in run)
+        if self._batch_bytes >= VERIFY_BATCH_BYTES or len(self._batch) >= VERIFY_BATCH_RUNS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Submit the pending batch (at the end of each shard, and when it is full)."""
+        if self._checker is None or not self._batch:
+            return
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        self._checks = [f for f in self._checks if not f.done()]  # failures are kept in `_failure`
+        self._checks.append(self._checker.submit(self._check, batch))
+
+    def _check(self, batch: list[tuple[Path, int, list[PlannedTensor]]]) -> None:
+        for path, begin, run in batch:
+            if self._failure is not None:
+                return
+            try:
+                _check_run(path, begin, run, self.expected)
+            except BaseException as error:
+                self._failure = self._failure or error
+                raise
+            nbytes = sum(t.nbytes for t in run)
+            with self._lock:
+                self._checked += nbytes
+                reporting = self._reporting
+            if reporting:
+                self._progress.advance(nbytes)
 
     def shard_written(self, fd: int, path: Path, shard_file: ShardFile) -> None:
         """Check the header that was written (cheap, here), then fsync and close `fd` in the background."""
+        self.flush()
         try:
             if self.verify:
                 _check_header(path, shard_file)
@@ -927,14 +956,32 @@ class _ShardFinisher:
     def wait(self, raise_errors: bool = True) -> None:
         """Every file is durable and verified (or the first error raised) when this returns."""
         if self._checker is not None:
+            if raise_errors:
+                self.flush()
             self._checker.shutdown(cancel_futures=not raise_errors)
         self._syncer.shutdown()  # never cancelled: each fsync job also closes its file
-        errors = [f.exception() for f in self._futures if not f.cancelled() and f.exception() is not None]
+        jobs = self._futures + self._checks
+        errors = [f.exception() for f in jobs if not f.cancelled() and f.exception() is not None]
         self._futures.clear()
+        self._checks.clear()
         if raise_errors:
             self.raise_if_failed()
             if errors:
                 raise errors[0]
+
+
+def _runs(tensors: list[PlannedTensor]) -> list[list[PlannedTensor]]:
+    """Consecutive byte copies that are also consecutive in the same source file: one copy and one
+    comparison each, instead of one system call and one job per (possibly tiny) tensor."""
+    runs: list[list[PlannedTensor]] = []
+    for t in tensors:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and t.byte_copy and last.byte_copy and t.source.file == last.source.file
+                and t.source.begin == last.source.end):
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs
 
 
 def _write_shard(path: Path, shard_file: ShardFile, legacy: dict[Path, dict], progress: Progress,
@@ -944,22 +991,26 @@ def _write_shard(path: Path, shard_file: ShardFile, legacy: dict[Path, dict], pr
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         _write_all(fd, shard_file.header)
-        for t in shard_file.tensors:
+        at = len(shard_file.header)
+        for run in _runs(shard_file.tensors):
             finisher.raise_if_failed()
-            if t.byte_copy:
-                src = sources.get(t.source.file)
+            first = run[0]
+            count = sum(t.nbytes for t in run)
+            if first.byte_copy:
+                src = sources.get(first.source.file)
                 if src is None:
-                    src = sources[t.source.file] = os.open(t.source.file, os.O_RDONLY)
-                _copy_range(src, fd, t.source.begin, t.nbytes, buffer, progress)
+                    src = sources[first.source.file] = os.open(first.source.file, os.O_RDONLY)
+                _copy_range(src, fd, first.source.begin, count, buffer, progress)
             else:
-                data = _tensor_bytes(t, legacy)
-                if len(data) != t.nbytes:
-                    raise CheckpointError(f"Tensor '{t.name}' converted to {len(data)} bytes, expected {t.nbytes}.")
+                data = _tensor_bytes(first, legacy)
+                if len(data) != first.nbytes:
+                    raise CheckpointError(f"Tensor '{first.name}' converted to {len(data)} bytes, expected {first.nbytes}.")
                 if finisher.verify:
-                    finisher.expected[(path, t.name)] = hashlib.sha256(data).digest()
+                    finisher.expected[(path, first.name)] = hashlib.sha256(data).digest()
                 _write_all(fd, data)
-                progress.advance(t.nbytes)
-            finisher.check_tensor(path, len(shard_file.header) + t.offset, t)
+                progress.advance(first.nbytes)
+            finisher.check_run(path, at, run)
+            at += count
     except BaseException:
         os.close(fd)
         raise
@@ -1045,14 +1096,25 @@ def _same_bytes(source: Path, source_begin: int, path: Path, begin: int, count: 
     return True
 
 
-def _check_tensor(path: Path, begin: int, t: PlannedTensor, expected: dict) -> None:
-    """Compare one written tensor with its source: copies byte for byte (exact), conversions by sha256."""
-    if t.byte_copy:
-        same = _same_bytes(t.source.file, t.source.begin, path, begin, t.nbytes)
+def _check_run(path: Path, begin: int, run: list[PlannedTensor], expected: dict) -> None:
+    """Compare tensors written back to back with their source: copies byte for byte (exact, the
+    whole run at once), conversions by sha256. A failing run is searched for the tensor to name."""
+    first = run[0]
+    if first.byte_copy:
+        count = sum(t.nbytes for t in run)
+        if _same_bytes(first.source.file, first.source.begin, path, begin, count):
+            return
+        for t in run:
+            if not _same_bytes(t.source.file, t.source.begin, path, begin, t.nbytes):
+                break
+            begin += t.nbytes
+        else:
+            t = first
     else:
-        same = _hash_range(path, begin, t.nbytes) == expected[(path, t.name)]
-    if not same:
-        raise CheckpointError(f"Verification failed: tensor '{t.name}' in {path.name} differs from the source.")
+        t = first
+        if _hash_range(path, begin, t.nbytes) == expected[(path, t.name)]:
+            return
+    raise CheckpointError(f"Verification failed: tensor '{t.name}' in {path.name} differs from the source.")
 
 
 def _check_header(path: Path, shard_file: ShardFile) -> None:

@@ -236,7 +236,7 @@ def _resolve_hub(spec: str) -> Source:
 
     configs_only = ["*.json", "*/*.json", "*.txt", "*/*.txt"]
     try:
-        folder = Path(snapshot_download(repo_id, local_files_only=True))
+        folder = Path(snapshot_download(repo_id, local_files_only=True, cache_dir=_cache_path()))
     except LocalEntryNotFoundError:
         if _offline():
             raise SourceError(
@@ -244,7 +244,7 @@ def _resolve_hub(spec: str) -> Source:
                 "download it first or unset HF_HUB_OFFLINE."
             ) from None
         try:
-            folder = Path(snapshot_download(repo_id, allow_patterns=configs_only))
+            folder = Path(snapshot_download(repo_id, allow_patterns=configs_only, cache_dir=_cache_path()))
         except Exception as error:  # network, auth, not found: one sentence, not a traceback
             raise SourceError(f"Cannot fetch the configs of '{repo_id}' from the Hub: {error}.") from error
     except Exception as error:
