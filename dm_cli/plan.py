@@ -14,11 +14,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .atomic import atomic_write
+from .devices import device_key
 from .errors import DoesNotFitError, UsageError
+from .families import family_for, pipeline_stages, unknown_family_warning
 from .inputs import InputSpec
 from .planner import (
     MODES, STRATEGIES, ComponentInput, ComponentPlacement, Device, DeviceUse, NoFit, Placement, StagePlacement,
-    component_blocks, coverage_problems, default_stages, plan_pipeline,
+    component_blocks, coverage_problems, plan_pipeline,
 )
 from .units import DeviceBudget, format_size, parse_device_spec, parse_dtype, parse_size
 
@@ -27,15 +29,6 @@ PLAN_VERSION = 1
 
 # CUDA context (~300-600 MB) plus cuBLAS workspaces and caching-allocator slack, per GPU.
 DEFAULT_GPU_OVERHEAD = 600 * 10**6
-
-# Pipeline class -> model_cpu_offload_seq (diffusers 0.42): stage order without importing diffusers.
-OFFLOAD_SEQ = {
-    "FluxPipeline": "text_encoder->text_encoder_2->image_encoder->transformer->vae",
-    "StableDiffusionXLPipeline": "text_encoder->text_encoder_2->image_encoder->unet->vae",
-    "StableDiffusionPipeline": "text_encoder->image_encoder->unet->vae",
-    "StableDiffusion3Pipeline": "text_encoder->text_encoder_2->text_encoder_3->image_encoder->transformer->vae",
-}
-
 
 @dataclass
 class PlanOptions:
@@ -134,7 +127,7 @@ class Plan:
         for key, value in _object(data.get("devices"), "'devices'").items():
             value = _object(value, f"device {key!r}")
             capacity = value.get("capacity_bytes")
-            devices.append(Device(_device_key(key),
+            devices.append(Device(device_key(key),
                                   None if capacity is None else _count(capacity, f"device {key!r} capacity_bytes"),
                                   _count(value.get("overhead_bytes", 0), f"device {key!r} overhead_bytes")))
         if not devices:
@@ -144,14 +137,14 @@ class Plan:
         for name, c in raw_components.items():
             where = f"component {name!r}"
             c = _object(c, where)
-            device_map = {_text(k, f"{where} device_map key"): _device_key(v)
+            device_map = {_text(k, f"{where} device_map key"): device_key(v)
                           for k, v in _object(c.get("device_map"), f"{where} device_map").items()}
             if not device_map:
                 raise ValueError(f"{where} has an empty device_map")
             execution = c.get("execution_device", next(iter(device_map.values())))
             components[name] = ComponentPlacement(
                 name, _text(c.get("class", "?"), f"{where} class"),
-                _count(c.get("weights_bytes", 0), f"{where} weights_bytes"), device_map, _device_key(execution),
+                _count(c.get("weights_bytes", 0), f"{where} weights_bytes"), device_map, device_key(execution),
                 {k: _count(v, f"{where} activation_bytes")
                  for k, v in _object(c.get("activation_bytes", {}), f"{where} activation_bytes").items()},
                 _count(c.get("offloaded_bytes", 0), f"{where} offloaded_bytes"), _count(c.get("hops", 0), f"{where} hops"),
@@ -191,7 +184,7 @@ def _stage(data, components: dict) -> StagePlacement:
     use = {}
     for key, value in _object(breakdown, f"stage {name!r} breakdown").items():
         value = _object(value, f"stage {name!r} device {key!r}")
-        use[str(_device_key(key))] = DeviceUse(*(_count(value.get(part, 0), f"stage {name!r} {part}")
+        use[str(device_key(key))] = DeviceUse(*(_count(value.get(part, 0), f"stage {name!r} {part}")
                                                 for part in ("weights", "reserve", "activations", "overhead")))
     return StagePlacement(name, list(members), use)
 
@@ -220,19 +213,6 @@ def _json_type(value) -> str:
     names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
              int: "a number", float: "a number"}
     return names.get(type(value), type(value).__name__)
-
-
-def _device_key(value):
-    """A device in a plan: a GPU index (1, "1" or "cuda:1"), "cpu", "mps" or "disk"; ValueError otherwise."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        text = value.strip().lower().removeprefix("cuda:")
-        if text.isascii() and text.isdigit():
-            return int(text)
-        if text in ("cpu", "mps", "disk"):
-            return text
-    raise ValueError(f"{value!r} is not a device: use a GPU index, 'cpu', 'mps' or 'disk'")
 
 
 MAX_PLAN_BYTES = 64 << 20  # a plan of a huge model is a few MB
@@ -311,7 +291,10 @@ def parse_overhead(spec: str | None, budgets: list[DeviceBudget], weights_only: 
             name, sep, size = item.strip().partition("=")
             if not sep or not size.strip():
                 raise UsageError(f"--overhead entry '{item.strip()}' needs a size, like 0=600MB.")
-            key = name.strip().lower().removeprefix("cuda:")
+            try:
+                key = str(device_key(name))
+            except ValueError:
+                key = None
             if key not in overhead:
                 raise UsageError(f"--overhead names device '{name.strip()}', which is not in --max-memory.")
             overhead[key] = parse_size(size.strip())
@@ -319,21 +302,6 @@ def parse_overhead(spec: str | None, budgets: list[DeviceBudget], weights_only: 
 
 
 # --- components -----------------------------------------------------------------------------------
-
-
-def offload_sequence(pipeline_class: str | None) -> list[str] | None:
-    """model_cpu_offload_seq: from the bundled table, else from the diffusers pipeline class."""
-    if not pipeline_class:
-        return None
-    seq = OFFLOAD_SEQ.get(pipeline_class)
-    if seq is None:
-        try:
-            import diffusers
-
-            seq = getattr(getattr(diffusers, pipeline_class, None), "model_cpu_offload_seq", None)
-        except Exception:
-            seq = None
-    return seq.split("->") if seq else None
 
 
 def _splittable(comp) -> bool:
@@ -427,7 +395,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache)
                 for c in comps]
     specs = [p.spec for p in prepared]
-    stages = default_stages([c.name for c in comps], offload_sequence(source.pipeline_class))
+    stages = pipeline_stages(source.pipeline_class, [c.name for c in comps])
     try:
         placement = plan_pipeline(specs, stages, devices, options.strategy, options.mode)
     except NoFit:
@@ -437,6 +405,8 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
                 placement.stages, source.pipeline_class, [w for p in prepared for w in p.warnings] + placement.warnings,
                 activation_peaks={p.spec.name: p.spec.activation_peak for p in prepared},
                 config_digest=config_digest(source))
+    if source.pipeline_class and family_for(source.pipeline_class) is None:
+        plan.warnings.insert(0, unknown_family_warning(source.pipeline_class))
     _explain_offload(plan, prepared, stages, options)
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
@@ -485,9 +455,9 @@ def _cached_check(prep, pipeline_class, inputs, device_map, use_cache: bool, che
 
     here = Path(__file__).parent
     code = hashlib.sha256()
-    for name in ("trace.py", "pipelines.py"):
+    for path in [here / "trace.py", here / "pipelines.py", *sorted((here / "families").glob("*.py"))]:
         try:
-            code.update((here / name).read_bytes())
+            code.update(path.read_bytes())
         except OSError:
             pass
     key = cache_key({"class": prep.source.cls, "config": prep.source.config, "pipeline": pipeline_class,

@@ -267,55 +267,20 @@ def _check_layer_counts(class_name: str, config: dict) -> None:
 
 
 def build_on_meta(library: str, class_name: str, config: dict):
-    """Instantiate a diffusers/transformers class on the meta device from its config dict.
+    """Instantiate a component class on the meta device from its config dict (dm_cli.models).
 
     A config is input like any other: whatever the class raises on it becomes one sentence."""
+    from .models import build_model
+
     _check_layer_counts(class_name, config)
     try:
-        return _build_on_meta(library, class_name, config)
+        return build_model(library, class_name, config, device="meta")
     except DmapError:
         raise
     except Exception as error:  # noqa: BLE001 - a bad value in a config is bad input, not a bug
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise SourceError(f"Cannot build {class_name} from its config ({type(error).__name__}: {first}).") from error
 
-
-def _build_on_meta(library: str, class_name: str, config: dict):
-    import torch
-
-    if library == "diffusers":
-        import diffusers
-
-        model_cls = getattr(diffusers, class_name, None)
-        if model_cls is None:
-            raise SourceError(f"Class '{class_name}' is not in diffusers {diffusers.__version__}: cannot build it.")
-        _require_model_class(model_cls, diffusers.ModelMixin, class_name, "diffusers")
-        with torch.device("meta"):
-            model = model_cls.from_config(config)
-        return model
-    if library == "transformers":
-        import transformers
-
-        model_cls = getattr(transformers, class_name, None)
-        if model_cls is None:
-            raise SourceError(f"Class '{class_name}' is not in transformers {transformers.__version__}: cannot build it.")
-        _require_model_class(model_cls, transformers.PreTrainedModel, class_name, "transformers")
-        config_cls = model_cls.config_class
-        clean = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
-        model_config = config_cls.from_dict(clean)
-        with torch.device("meta"):
-            model = model_cls(model_config)
-        # Built under init_empty_weights, T5 comes out untied; here tie explicitly (see reference README).
-        model.tie_weights()
-        return model
-    raise SourceError(f"Component class '{class_name}' comes from library '{library}', which dmap cannot build: only diffusers and transformers.")
-
-
-def _require_model_class(model_cls, base, class_name: str, library: str) -> None:
-    """Only concrete model classes are built: never a pipeline, a config class or an Auto* factory."""
-    if not (isinstance(model_cls, type) and issubclass(model_cls, base)):
-        raise SourceError(f"'{class_name}' is not a {library} model class ({base.__name__} subclass): dmap builds "
-                          "only models such as UNet2DConditionModel or CLIPTextModel.")
 
 
 def guess_library(class_name: str) -> str | None:
