@@ -72,6 +72,10 @@ class PlannedTensor:
     source: SourceTensor
     dtype: str  # written dtype
     offset: int = 0  # relative to the end of the header, as in the file
+    nbytes: int = field(init=False)  # computed once: planning and writing ask for it many times
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.source.numel * DTYPE_BYTES[self.dtype]
 
     @property
     def name(self) -> str:
@@ -80,10 +84,6 @@ class PlannedTensor:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.source.shape
-
-    @property
-    def nbytes(self) -> int:
-        return self.source.numel * DTYPE_BYTES[self.dtype]
 
     @property
     def byte_copy(self) -> bool:
@@ -299,10 +299,9 @@ class _Weights:
 
 def _read_safetensors(weights: Path) -> _Weights:
     checkpoint = open_checkpoint(weights, strict=True)
-    tensors = [
-        SourceTensor(name, e.dtype, e.shape, weights.parent / checkpoint.tensor_files[name], e.begin, e.end)
-        for name, e in checkpoint.tensors.items()
-    ]
+    files = {name: weights.parent / name for name in set(checkpoint.tensor_files.values())}
+    tensors = [SourceTensor(name, e.dtype, e.shape, files[checkpoint.tensor_files[name]], e.begin, e.end)
+               for name, e in checkpoint.tensors.items()]
     metadata: dict[str, str] = {}
     if checkpoint.index is not None:
         for key, value in checkpoint.index.metadata.items():
