@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .checkpoint import WEIGHT_STEMS, find_component_weights, open_checkpoint, read_index, read_safetensors_header
 from .errors import CheckpointError, DmapError, SourceError, UsageError
-from .swap import OLD_MARK, SWAP_MARK, TEMP_MARK, SwapFolder, fsync_dir, hidden_name, publish, recover, swap_in_place
+from .swap import MARKS, TEMP_MARK, SwapFolder, fsync_dir, hidden_name, publish, recover, swap_in_place
 from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
 
 MIN_SHARD_SIZE = 10**6  # below 1 MB a "shard" is a mistake, not a choice
@@ -659,9 +659,8 @@ def _copy_plan(source, result: ShardResult) -> list[tuple[Path, str]]:
     weighted = {c.source_folder.resolve() for c in result.components}
     read = {f.resolve() for c in result.components for f in c.source_files}
     copies: list[tuple[Path, str]] = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if not any(m in d for m in (TEMP_MARK, OLD_MARK, SWAP_MARK))
-                         and d not in (".git", ".cache"))
+    for folder, dirs, files in os.walk(root, onerror=_unreadable):
+        dirs[:] = sorted(d for d in dirs if not any(m in d for m in MARKS) and d not in (".git", ".cache"))
         here = Path(folder)
         for name in sorted(files):
             path = here / name
@@ -675,6 +674,10 @@ def _copy_plan(source, result: ShardResult) -> list[tuple[Path, str]]:
                 _check_copyable(path)
                 copies.append((path, rel))
     return copies
+
+
+def _unreadable(error: OSError) -> None:
+    raise SourceError(f"Cannot read {error.filename}: {error.strerror or error}; nothing was written.")
 
 
 def _check_copyable(path: Path) -> None:

@@ -122,6 +122,12 @@ def resolve_source(spec: str) -> Source:
 
 
 def _resolve_path(spec: str, path: Path) -> Source:
+    from .swap import pending_swap
+
+    swap = pending_swap((path if path.is_dir() else path.parent).resolve())
+    if swap is not None:
+        raise SourceError(f"An interrupted `dmap shard --in-place` of {spec} left its weights half-swapped; the verified "
+                          f"new files and the old ones are in {swap}: run the same dmap shard command again to finish.")
     if path.is_file():
         if path.name.endswith(".json") and "index" in path.name:
             return _weights_only(spec, path)

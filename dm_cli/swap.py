@@ -32,8 +32,10 @@ from pathlib import Path
 from .errors import DmapError
 
 TEMP_MARK = ".dmap-tmp-"
-OLD_MARK = ".dmap-old-"
+REPLACED_MARK = ".dmap-replaced-"  # the previous output during an --overwrite without RENAME_EXCHANGE
 SWAP_MARK = ".dmap-swap-"
+OLD_MARK = ".dmap-old-"  # left by dmap before 0.2's journaled swap: old weights, never removed by dmap
+MARKS = (TEMP_MARK, REPLACED_MARK, SWAP_MARK, OLD_MARK)
 JOURNAL = "dmap-swap.json"
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -89,7 +91,7 @@ def publish(temp: Path, out: Path, overwrite: bool) -> None:
     """Rename the finished folder `temp` to `out`; replace an existing `out` only with `overwrite`."""
     if overwrite and out.exists():
         if not _rename(temp, out, RENAME_EXCHANGE):
-            old = hidden_name(out, OLD_MARK)
+            old = hidden_name(out, REPLACED_MARK)
             _rename(out, old)  # a kill from here to the next rename is repaired by `recover`
             _rename(temp, out)
             temp = old
@@ -203,7 +205,7 @@ def _discard(folder: Path) -> None:
 
 # --- recovery -------------------------------------------------------------------------------------
 
-_PID_RE = re.compile(r"\.dmap-(?:tmp|old|swap)-(\d+)-")
+_PID_RE = re.compile(r"\.dmap-(?:tmp|replaced|swap|old)-(\d+)-")
 
 
 def recover(out: Path) -> list[str]:
@@ -222,6 +224,9 @@ def recover(out: Path) -> list[str]:
         if SWAP_MARK in candidate.name:
             done.append(_finish_swap(candidate, out))
         elif OLD_MARK in candidate.name:
+            done.append(f"Note: {candidate} holds weights an earlier dmap moved aside during an interrupted --in-place "
+                        "run; check them and remove the folder yourself.")
+        elif REPLACED_MARK in candidate.name:
             if out.exists():
                 shutil.rmtree(candidate, ignore_errors=True)
                 done.append(f"Removed the replaced output of an interrupted --overwrite run: {candidate}")
@@ -232,6 +237,18 @@ def recover(out: Path) -> list[str]:
             shutil.rmtree(candidate, ignore_errors=True)
             done.append(f"Removed a leftover temporary folder of an interrupted run: {candidate}")
     return done
+
+
+def pending_swap(root: Path) -> Path | None:
+    """A committed --in-place swap of `root` whose process is gone (the next `dmap shard` finishes it)."""
+    try:
+        for candidate in root.parent.iterdir():
+            match = _PID_RE.search(candidate.name)
+            if candidate.name.startswith(f".{root.name}{SWAP_MARK}") and match and not _pid_alive(int(match.group(1))):
+                return candidate
+    except OSError:
+        return None
+    return None
 
 
 def _finish_swap(swap: Path, root: Path) -> str:

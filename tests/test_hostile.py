@@ -152,7 +152,7 @@ def _run_killed(kill_at: int, renameat2: str, mode: str, out: Path, source: Path
                           capture_output=True, text=True, cwd=REPO)
 
 
-def test_2_in_place_killed_at_every_rename_loses_nothing(tmp_path):
+def test_2_in_place_killed_at_every_rename_loses_nothing(tmp_path, capsys):
     """`dmap shard SRC -s 1500 --in-place` (3 shards + index from one file), killed between any two renames of the swap: at that instant
     the source is untouched or a committed swap folder holds everything; the next run finishes the
     swap, and the result loads bit-identical, with no backup left behind."""
@@ -174,6 +174,8 @@ def test_2_in_place_killed_at_every_rename_loses_nothing(tmp_path):
             assert tree(src) == before, kill_at  # not committed yet: the source was never touched
         else:
             assert (swaps[0] / "dmap-swap.json").is_file()  # committed: the journal says how to finish
+            code, out, err = cli(capsys, "inspect", src)  # any other command says where everything is
+            assert code == 2 and "half-swapped" in err and str(swaps[0]) in err, err
         result = shard_module.shard(str(src), 1500, in_place=True, min_shard_size=1)
         if swaps:
             assert any("Finished an interrupted --in-place swap" in done for done in result.removed_stale)
@@ -207,6 +209,19 @@ def test_2_in_place_failure_mid_swap_names_the_backup(tmp_path, monkeypatch, cap
     assert "Finished an interrupted --in-place swap" in out
     assert_same_state(loaded(tmp_path / "src"), state)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_2_backup_left_by_an_older_dmap_is_never_removed(tmp_path):
+    """A `.src.dmap-old-PID-*` folder (the old design's --in-place backup) may hold the only copy of
+    the weights: later runs leave it alone and point at it."""
+    state = component(tmp_path / "src")
+    legacy = tmp_path / ".src.dmap-old-999999999-abcd"
+    component(legacy, seed=3)
+    before = tree(legacy)
+    result = shard_module.shard(str(tmp_path / "src"), 1500, in_place=True, min_shard_size=1)
+    assert any(str(legacy) in done and "remove the folder yourself" in done for done in result.removed_stale)
+    assert tree(legacy) == before
+    assert_same_state(loaded(tmp_path / "src"), state)
 
 
 def test_2_in_place_never_overwrites_a_file_it_does_not_replace(tmp_path):
