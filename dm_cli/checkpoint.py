@@ -30,6 +30,7 @@ _FIELDS = ("dtype", "shape", "data_offsets")
 _DTYPE_NAMES = {**SAFETENSORS_DTYPES, **{code: code for code in SUBBYTE_DTYPES}}  # header code -> dmap's name
 _NAME_BITS = {_DTYPE_NAMES[code]: bits for code, bits in _BITS.items()}
 _MINUS_ZERO = re.compile(r"-0(?![0-9.eE])")  # `-0` parses as 0 in Python but is a float to serde_json
+MAX_LISTED_PROBLEMS = 20  # in one error sentence; `dmap inspect` lists every problem
 
 
 class TensorEntry(NamedTuple):
@@ -192,7 +193,7 @@ def _checked_bytes(dtype: str, shape: tuple[int, ...]) -> int | None:
     return bits // 8
 
 
-def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
+def read_safetensors_header(path: str | os.PathLike, validate: bool = True) -> SafetensorsHeader:
     """Read and check one file's header exactly as strictly as the safetensors library does.
 
     Reads 8 + header bytes and nothing else. Everything `safetensors.safe_open` refuses is refused
@@ -200,6 +201,7 @@ def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
     integers, duplicate fields, lone surrogates, nesting deeper than serde_json allows), unknown
     dtypes, offsets that leave gaps, overlap or run past the end, a shape whose byte size
     overflows 64 bits or disagrees with its offsets, trailing bytes after the last tensor.
+    With validate=False the layout is not checked here: `layout_problems` lists every problem.
     """
     path = Path(path)
     handle, file_size = open_regular(path, "safetensors file")
@@ -259,7 +261,12 @@ def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
     tensors = sorted((TensorEntry(name, dtype, shape, data_start + begin, data_start + end)
                       for name, (dtype, shape, begin, end) in entries.items()), key=_by_offsets)
     del entries
-    _validate_layout(path, tensors, data_start, file_size)
+    if validate:
+        problems = layout_problems(tensors, data_start, file_size)
+        if problems:
+            tensor, message = problems[0]
+            more = f" (and {len(problems) - 1} more problem(s) in this file)" if len(problems) > 1 else ""
+            raise CheckpointError(f"{path}: " + (f"tensor '{tensor}' " if tensor else "") + f"{message}{more}.")
     subbyte = next((t for t in tensors if t.dtype in SUBBYTE_DTYPES), None)
     if subbyte is not None:
         raise CheckpointError(f"{path}: tensor '{subbyte.name}' has dtype {subbyte.dtype} ({SUBBYTE_DTYPES[subbyte.dtype]} "
@@ -279,25 +286,27 @@ def _read_metadata(path: Path, value) -> dict[str, str]:
     return dict(value)
 
 
-def _validate_layout(path: Path, tensors: list[TensorEntry], data_start: int, file_size: int) -> None:
-    """safetensors' rules on offsets, in data bytes: contiguous from 0, each the exact size of its dtype
-    and shape (u64 arithmetic), and the last one ending at the end of the file."""
+def layout_problems(tensors: list[TensorEntry], data_start: int, file_size: int) -> list[tuple[str | None, str]]:
+    """Every (tensor, problem) of a header's layout, by safetensors' rules on offsets in data bytes:
+    contiguous from 0 (no gap, no overlap), each the exact size of its dtype and shape (u64
+    arithmetic, whole bytes), the last one ending at the end of the file (no trailing bytes)."""
+    problems: list[tuple[str | None, str]] = []
     data_bytes = file_size - data_start
     start = 0
     for tensor in tensors:
         begin, end = tensor.begin - data_start, tensor.end - data_start
-        if begin != start or end < begin:
-            if begin > start:
-                why = f"leaves a gap: it starts at data byte {begin} but the previous tensor ends at {start}"
-            elif end < begin:
-                why = "has data_offsets that end before they begin"
-            else:
-                why = f"overlaps the tensor before it (it starts at data byte {begin}, before {start})"
-            raise CheckpointError(f"{path}: tensor '{tensor.name}' {why}.")
-        start = end
+        if end < begin:
+            problems.append((tensor.name, "has data_offsets that end before they begin"))
+            continue
+        if begin > start:
+            problems.append((tensor.name, f"leaves a gap: it starts at data byte {begin} but the tensor before it "
+                                          f"ends at {start}"))
+        elif begin < start:
+            problems.append((tensor.name, f"overlaps the tensor before it (it starts at data byte {begin}, before {start})"))
+        start = max(start, end)
         if end > data_bytes:
-            raise CheckpointError(f"{path}: tensor '{tensor.name}' ends at data byte {end} but the file holds "
-                                  f"{data_bytes} data bytes: truncated or corrupt.")
+            problems.append((tensor.name, f"ends at data byte {end} but the file holds {data_bytes} data bytes: "
+                                          "truncated or corrupt"))
         count = math.prod(tensor.shape)
         if 0 < count <= U64_MAX and count * _NAME_BITS[tensor.dtype] <= U64_MAX:  # no zero dim: no partial overflow
             bits = count * _NAME_BITS[tensor.dtype]
@@ -305,15 +314,13 @@ def _validate_layout(path: Path, tensors: list[TensorEntry], data_start: int, fi
         else:
             expected = _checked_bytes(tensor.dtype, tensor.shape)
         if expected is None:
-            raise CheckpointError(f"{path}: tensor '{tensor.name}' has shape {list(tensor.shape)} whose size in "
-                                  f"{tensor.dtype} overflows 64 bits or is not a whole number of bytes.")
-        if end - begin != expected:
-            raise CheckpointError(
-                f"{path}: tensor '{tensor.name}' holds {end - begin} bytes but {tensor.dtype}{list(tensor.shape)} needs {expected}."
-            )
-    if start != data_bytes:
-        raise CheckpointError(f"{path}: the tensors cover {start} data bytes but the file holds {data_bytes}: "
-                              + ("truncated or corrupt." if start > data_bytes else "it has trailing bytes."))
+            problems.append((tensor.name, f"has shape {list(tensor.shape)} whose size in {tensor.dtype} overflows "
+                                          "64 bits or is not a whole number of bytes"))
+        elif end - begin != expected:
+            problems.append((tensor.name, f"holds {end - begin} bytes but {tensor.dtype}{list(tensor.shape)} needs {expected}"))
+    if start < data_bytes:
+        problems.append((None, f"the tensors cover {start} data bytes but the file holds {data_bytes}: it has trailing bytes"))
+    return problems
 
 
 # --- index files -------------------------------------------------------------------------------
@@ -395,8 +402,9 @@ class Checkpoint:
 def open_checkpoint(path: str | os.PathLike, strict: bool = True) -> Checkpoint:
     """Read every header of a `.safetensors` file or an index's shards, and cross-check them.
 
-    With strict=True an inconsistency raises; otherwise it is listed in `problems` (for inspect).
-    A missing shard or a corrupt header always raises: there is nothing to inspect then.
+    Every problem is collected (missing or unreadable shards, truncated or overlapping tensors,
+    index/shard disagreements); with strict=True any problem raises, listing them all. A single
+    file whose header cannot be read, or an unreadable index, raises: there is nothing to inspect.
     """
     path = Path(path)
     problems: list[CheckpointProblem] = []
@@ -407,11 +415,23 @@ def open_checkpoint(path: str | os.PathLike, strict: bool = True) -> Checkpoint:
         for shard in index.shard_names:
             shard_path = folder / shard
             if not shard_path.is_file():
-                raise CheckpointError(f"{path}: names shard '{shard}', which does not exist in {folder}.")
-            headers[shard] = read_safetensors_header(shard_path)
+                listed = sum(1 for s in index.weight_map.values() if s == shard)
+                problems.append(CheckpointProblem(shard, None, f"does not exist, and the index lists {listed} tensor(s) in it"))
+                continue
+            try:
+                header = read_safetensors_header(shard_path, validate=False)
+            except CheckpointError as error:
+                problems.append(CheckpointProblem(shard, None, str(error).replace(f"{shard_path}: ", "", 1).rstrip(".")))
+                continue
+            headers[shard] = header
+            file_size = shard_path.stat().st_size
+            problems += [CheckpointProblem(shard, tensor, message)
+                         for tensor, message in layout_problems(list(header.tensors.values()), header.data_start, file_size)]
         tensors: dict[str, TensorEntry] = {}
         tensor_files: dict[str, str] = {}
         for name, shard in index.weight_map.items():
+            if shard not in headers:
+                continue  # the shard's own problem is listed once
             entry = headers[shard].tensors.get(name)
             if entry is None:
                 problems.append(CheckpointProblem(shard, name, "listed in the index but missing from the shard"))
@@ -425,22 +445,28 @@ def open_checkpoint(path: str | os.PathLike, strict: bool = True) -> Checkpoint:
                     problems.append(CheckpointProblem(shard, name, "in the shard but not listed in the index"))
                 elif owner != shard:
                     problems.append(CheckpointProblem(shard, name, f"also stored in this shard; the index says {owner}"))
-        if index.total_size is not None:
+        if index.total_size is not None and len(headers) == len(index.shard_names):
             actual = sum(t.nbytes for t in tensors.values())
             if actual != index.total_size:
                 problems.append(
                     CheckpointProblem(path.name, None, f"metadata.total_size is {index.total_size} but the shards hold {actual} tensor bytes")
                 )
-        files = [folder / s for s in index.shard_names]
+        files = [folder / s for s in index.shard_names if s in headers]
     else:
-        header = read_safetensors_header(path)
+        header = read_safetensors_header(path, validate=False)
+        problems += [CheckpointProblem(path.name, tensor, message)
+                     for tensor, message in layout_problems(list(header.tensors.values()), header.data_start,
+                                                            path.stat().st_size)]
         index = None
         headers = {path.name: header}
         tensors = dict(header.tensors)
         tensor_files = {name: path.name for name in tensors}
         files = [path]
     if strict and problems:
-        raise CheckpointError(f"{problems[0]}" + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "") + ".")
+        listed = "; ".join(str(p) for p in problems[:MAX_LISTED_PROBLEMS])
+        more = f"; and {len(problems) - MAX_LISTED_PROBLEMS} more" if len(problems) > MAX_LISTED_PROBLEMS else ""
+        raise CheckpointError(f"{len(problems)} checkpoint problem(s) in {path}: {listed}{more}. "
+                              f"dmap inspect {path.parent} lists them all.")
     return Checkpoint(files, index, headers, tensors, tensor_files, problems)
 
 

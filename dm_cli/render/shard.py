@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..units import format_size
-from . import console, num, safe
+from . import Col, console, num, print_table
 
 
 class ShardProgressBar:
@@ -47,48 +47,43 @@ class ShardProgressBar:
 
 
 def render_shard(result, binary: bool = False) -> None:
-    from rich.table import Table
-
     out = console()
     pipeline = len(result.components) > 1 or result.kind == "pipeline"
     verb = "Would write" if result.dry_run else "Wrote"
-    title = f"{safe(result.source)} → {safe(result.output)}" + ("  (dry run: nothing written)" if result.dry_run else "")
-    table = Table(title=title, title_justify="left")
-    if pipeline:
-        table.add_column("component")
-    for column, justify in (("file", "left"), ("size", "right"), ("tensors", "right"), ("note", "left")):
-        table.add_column(column, justify=justify)
+    title = f"{result.source} → {result.output}" + ("  (dry run: nothing written)" if result.dry_run else "")
+    columns = ([Col("component")] if pipeline else []) + [Col("file"), Col("size", number=True),
+                                                          Col("tensors", number=True), Col("note", drop=3)]
+    rows: list = []
     for comp in result.components:
         for shard in comp.shards:
             note = "one tensor larger than the limit" if shard.oversized else ""
-            row = [safe(shard.name), format_size(shard.file_bytes, binary), num(len(shard.tensors)), note]
-            table.add_row(*([safe(comp.name)] if pipeline else []), *row)
+            rows.append(([comp.name] if pipeline else []) + [shard.name, format_size(shard.file_bytes, binary),
+                                                             num(len(shard.tensors)), note])
         if comp.index_name:
-            row = [safe(comp.index_name), "", "", "index"]
-            table.add_row(*([safe(comp.name)] if pipeline else []), *row)
+            rows.append(([comp.name] if pipeline else []) + [comp.index_name, "", "", "index"])
         if pipeline:
-            table.add_section()
-    out.print(table)
+            rows.append(None)
+    print_table(out, title, columns, rows[:-1] if rows and rows[-1] is None else rows)
     limit = "one file per component" if result.max_shard_size == 0 else f"shards of at most {format_size(result.max_shard_size, binary)}"
     out.print(f"{verb} {num(result.file_count)} weight file(s), {format_size(result.total_size, binary)} of tensors, as {limit}.")
     for comp in result.components:
         for file_name, tensor, nbytes in comp.oversized:
-            out.print(f"[yellow]Note:[/] tensor {safe(tensor)} ({format_size(nbytes, binary)}) is larger than the limit: "
-                      f"it has a shard of its own ({safe(file_name)}).")
+            out.print(f"Note: tensor {tensor} ({format_size(nbytes, binary)}) is larger than the limit: "
+                      f"it has a shard of its own ({file_name}).")
         if comp.dropped:
-            out.print(f"{safe(comp.name)}: {len(comp.dropped)} shared tensor name(s) written once; the dropped names are "
+            out.print(f"{comp.name}: {len(comp.dropped)} shared tensor name(s) written once; the dropped names are "
                       "recorded in the metadata.")
         if comp.converted:
-            out.print(f"{safe(comp.name)}: {num(comp.converted)} tensor(s) converted to {result.dtype}.")
+            out.print(f"{comp.name}: {num(comp.converted)} tensor(s) converted to {result.dtype}.")
     if result.copied_files:
         out.print(f"{'Would copy' if result.dry_run else 'Copied'} {num(len(result.copied_files))} other file(s) unchanged "
                   "(configs, tokenizers, schedulers).")
     if result.skipped_files:
-        out.print("Not carried over (weights in another form or variant): " + safe(", ".join(result.skipped_files)))
+        out.print("Not carried over (weights in another form or variant): " + ", ".join(result.skipped_files))
     if not result.dry_run:
         speed = result.bytes_written / result.seconds if result.seconds > 0 else 0
         check = "every tensor verified against the source" if result.verified else "not verified (--no-verify)"
-        where = "replaced in place" if result.in_place else f"into {safe(result.output)}"
+        where = "replaced in place" if result.in_place else f"into {result.output}"
         out.print(f"Done in {result.seconds:.2f} s ({format_size(speed, binary)}/s), {check}; {where}.")
-    for done in result.removed_stale:
-        out.print(safe(done))
+    for done in result.removed_stale:  # sentences: what recovery did, or where a backup is
+        out.print(done)
