@@ -26,6 +26,8 @@ class InputSpec:
         """Refuse what no pipeline can take (and what would write invalid JSON, such as NaN)."""
         for name, low in (("height", 0), ("width", 0), ("batch_size", 1), ("num_images", 1)):
             value = getattr(self, name)
+            if value is None and name in ("height", "width"):
+                continue  # the pipeline's default size, settled by the planner
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise UsageError(f"--{name.replace('_', '-')} must be a whole number >= {low}, not {value!r}.")
         if self.guidance_scale is not None and (isinstance(self.guidance_scale, bool) or not isinstance(

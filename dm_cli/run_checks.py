@@ -15,7 +15,7 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 STRATEGY_NAMES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
-def check_run_request(output: str | None, save_latents: str | None, num_images: int, seed: int,
+def check_run_request(output: str | None, save_latents: str | None, num_images: int | None, seed: int,
                       device_map: str) -> None:
     """Raise UsageError for anything about the outputs, seed or plan file that would fail later."""
     from .runner import image_paths
@@ -23,7 +23,7 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
     low, high = SEED_RANGE
     if not low <= seed <= high:
         raise UsageError(f"--seed {seed} is out of range: use a whole number from {low} to {high}.")
-    targets = [(path, "--output") for path in (image_paths(output, num_images) if output else [])]
+    targets = [(path, "--output") for path in (image_paths(output, num_images or 1) if output else [])]
     if save_latents:
         targets.append((Path(save_latents), "--save-latents"))
     seen: dict[Path, str] = {}
