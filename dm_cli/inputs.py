@@ -38,10 +38,9 @@ class InputSpec:
         if self.guidance_scale is not None and (isinstance(self.guidance_scale, bool) or not isinstance(
                 self.guidance_scale, (int, float)) or not math.isfinite(self.guidance_scale)):
             raise UsageError(f"--guidance-scale must be a finite number, not {self.guidance_scale!r}.")
-        for name in ("max_sequence_length", "num_frames", "fps"):  # None: the pipeline's default
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise UsageError(f"--{name.replace('_', '-')} must be a whole number >= 1, not {value!r}.")
+        value = self.max_sequence_length  # None: the pipeline's default (frames and fps: the family checks them)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UsageError(f"--max-sequence-length must be a whole number >= 1, not {value!r}.")
 
     @property
     def weights_only(self) -> bool:
