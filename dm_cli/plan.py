@@ -20,6 +20,9 @@ from .planner import (
     component_blocks, coverage_problems, default_stages, plan_pipeline,
 )
 from .units import DeviceBudget, format_size, parse_device_spec, parse_dtype, parse_size
+from .weight_formats import (
+    component_format, format_of, layer_compute_bytes, parse_weights_spec, storage_dtype, transient_by_key,
+)
 
 PLAN_FORMAT = "dmap-plan"
 PLAN_VERSION = 1
@@ -47,6 +50,7 @@ class PlanOptions:
     component: str | None = None  # plan one component only
     check: bool = True
     use_cache: bool = True
+    weights: str | None = None  # --weights spec: fp8, int8, transformer=fp8,text_encoder=fp8
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Plan:
     check: dict = field(default_factory=lambda: {"ran": False, "problems": []})
     activation_peaks: dict[str, int] = field(default_factory=dict)  # component -> whole-forward estimate
     config_digest: str | None = None  # sources.config_digest: `dmap run` refuses a plan for another model
+    weights: dict[str, str | None] = field(default_factory=dict)  # component -> fp8/int8 storage (None: dtype)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -96,6 +101,7 @@ class Plan:
                 name: {
                     "class": c.cls,
                     "weights_bytes": c.weights_bytes,
+                    "storage_dtype": storage_dtype(self.weights.get(name), self.dtype),
                     "device_map": c.device_map,
                     "execution_device": c.execution_device,
                     "stage": c.stage,
@@ -150,6 +156,7 @@ class Plan:
             list(data.get("warnings", [])), dict(data.get("check", {"ran": False, "problems": []})),
             {n: int(c.get("activation_peak_bytes", 0)) for n, c in data["components"].items()},
             data.get("config_digest"),
+            {n: format_of(c.get("storage_dtype")) for n, c in data["components"].items()},
         )
 
 
@@ -285,15 +292,26 @@ class PreparedComponent:
     facts: TraceFacts
     spec: ComponentInput
     warnings: list[str]
+    weights: str | None = None  # fp8 / int8 storage (weight_formats.py); None: the run dtype
 
 
 def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str | None,
-                      use_cache: bool = True) -> PreparedComponent:
-    """Skeleton + trace -> the planner's ComponentInput (blocks in execution order with activations)."""
+                      use_cache: bool = True, weights: dict[str, str | None] | None = None) -> PreparedComponent:
+    """Skeleton + trace -> the planner's ComponentInput (blocks in execution order with activations).
+
+    `weights` (from `parse_weights_spec`) stores some tensors in fp8 or int8: they are counted at
+    those sizes, by the rule the runner applies, and the compute copy of the largest such layer
+    (upcast while it runs) is added to the activations of every block that holds it.
+    """
     from .skeleton import skeleton_for_component
 
     skeleton, _checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+    fmt = component_format(weights or {}, comp.name, skeleton)
+    if fmt and skeleton.cls == "?":
+        raise UsageError(f"--weights {fmt} needs the config of '{comp.name}' (which layers are cast): give a folder with config.json.")
     effective = dtype if dtype is not None else skeleton.default_dtype()
+    if fmt and effective is None:
+        effective = skeleton.compute_dtype()  # a checkpoint stored in fp8 runs in its other tensors' dtype
     trace_dtype = effective or skeleton.dominant_dtype(None)
     warnings: list[str] = []
     if comp.config is None:
@@ -303,18 +321,24 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
     if facts.warning:
         warnings.append(f"{comp.name}: {facts.warning}")
     peaks = {} if inputs.weights_only else facts.module_peaks
-    tensor_bytes = [(t.name, t.bytes_at(effective)) for t in skeleton.tensors]
+    tensor_bytes = [(t.name, t.bytes_at(effective, fmt)) for t in skeleton.tensors]
     blocks, block_warnings = component_blocks(skeleton.modules, tensor_bytes, skeleton.no_split_modules,
                                               facts.execution_order, facts.unsplittable, peaks,
                                               facts.same_device_groups, skeleton.tie_groups)
     warnings += [f"{comp.name}: {w}" for w in block_warnings]
+    activation_peak = 0 if inputs.weights_only else facts.activation_peak
+    layers = {} if inputs.weights_only else layer_compute_bytes(skeleton.tensors, fmt, trace_dtype)
+    if layers:
+        extra = transient_by_key([b.keys for b in blocks], layers)
+        blocks = [replace(b, activation=b.activation + e) for b, e in zip(blocks, extra)]
+        activation_peak += max(layers.values())
     spec = ComponentInput(comp.name, skeleton.cls if skeleton.cls != "?" else comp.cls, blocks, _splittable(comp),
-                          0 if inputs.weights_only else facts.activation_peak)
+                          activation_peak)
     names = [t.name for t in skeleton.tensors] + [alias for group in skeleton.tie_groups for alias in group[1:]]
     problems = coverage_problems({k: 0 for b in blocks for k in b.keys}, names)
     if problems:  # a bug in block cutting, never the user's fault
         raise AssertionError(f"blocks of {comp.name} do not cover its tensors: {problems[:3]}")
-    return PreparedComponent(comp, skeleton, trace_dtype, facts, spec, warnings)
+    return PreparedComponent(comp, skeleton, trace_dtype, facts, spec, warnings, fmt)
 
 
 # --- planning -------------------------------------------------------------------------------------
@@ -336,7 +360,8 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
     source = resolve_source(source_spec)
     comps = [source.component(options.component)] if options.component else list(source.components)
-    prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache)
+    formats = parse_weights_spec(options.weights, [c.name for c in comps])
+    prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache, formats)
                 for c in comps]
     specs = [p.spec for p in prepared]
     stages = default_stages([c.name for c in comps], offload_sequence(source.pipeline_class))
@@ -348,7 +373,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     plan = Plan(source_spec, dtype, options.strategy, placement.mode, devices, options.inputs, placement.components,
                 placement.stages, source.pipeline_class, [w for p in prepared for w in p.warnings] + placement.warnings,
                 activation_peaks={p.spec.name: p.spec.activation_peak for p in prepared},
-                config_digest=config_digest(source))
+                config_digest=config_digest(source), weights={p.spec.name: p.weights for p in prepared})
     _explain_offload(plan, prepared, stages, options)
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
@@ -485,8 +510,9 @@ def _does_not_fit(source_spec, source, comps, prepared, stages, devices, options
                 continue
             smaller = replace(options.inputs, height=size, width=size)
             try:
-                trial_specs = [prepare_component(c, source.pipeline_class, smaller, options.dtype, options.use_cache).spec
-                               for c in comps]
+                formats = parse_weights_spec(options.weights, [c.name for c in comps])
+                trial_specs = [prepare_component(c, source.pipeline_class, smaller, options.dtype, options.use_cache,
+                                                 formats).spec for c in comps]
             except Exception:  # a failed trace only loses a suggestion
                 break
             if fits(devices, trial_specs) is not None:

@@ -35,6 +35,7 @@ from .errors import CheckpointError, DoesNotFitError, SourceError, UsageError
 from .inputs import InputSpec
 from .sources import config_digest
 from .units import format_size, parse_dtype
+from .weight_formats import format_of
 
 SUPPORTED_PIPELINES = ("FluxPipeline", "StableDiffusionXLPipeline", "StableDiffusionPipeline", "StableDiffusion3Pipeline")
 DENOISERS = ("transformer", "unet")
@@ -74,6 +75,7 @@ class RunRequest:
     save_latents: str | None = None
     dtype: str | None = None
     simulate: bool = False
+    weights: str | None = None  # --weights spec (fp8, int8, transformer=fp8,...); None: the plan's
 
 
 @dataclass
@@ -171,7 +173,8 @@ def make_run_plan(source, request: RunRequest, inputs: InputSpec) -> dict:
 
     options = PlanOptions(max_memory=request.max_memory, strategy=request.device_map, mode=request.mode,
                           overhead=request.overhead,
-                          inputs=inputs, dtype=parse_dtype(request.dtype) if request.dtype else None)
+                          inputs=inputs, dtype=parse_dtype(request.dtype) if request.dtype else None,
+                          weights=request.weights)
     try:
         plan = make_plan(str(source.root), options).to_json()
     except DoesNotFitError as error:  # name the SOURCE as the user gave it (the demo is a cache path)
@@ -180,8 +183,9 @@ def make_run_plan(source, request: RunRequest, inputs: InputSpec) -> dict:
     return plan
 
 
-def check_plan_matches(plan: dict, source, inputs: InputSpec, dtype: str | None, where: str) -> None:
-    """A plan made for another model, other inputs or another dtype is refused, not run."""
+def check_plan_matches(plan: dict, source, inputs: InputSpec, dtype: str | None, where: str,
+                       weights: str | None = None) -> None:
+    """A plan made for another model, other inputs, another dtype or other weight storage is refused, not run."""
     digest = plan.get("config_digest") or plan.get("source_digest")
     ours = config_digest(source)
     names = {c.name for c in source.components}
@@ -210,6 +214,16 @@ def check_plan_matches(plan: dict, source, inputs: InputSpec, dtype: str | None,
             )
     if dtype and plan.get("dtype") and parse_dtype(dtype) != plan["dtype"]:
         raise UsageError(f"{where} was made for {plan['dtype']}, this run asks for {dtype}: drop --dtype or plan again.")
+    if weights is not None:
+        from .weight_formats import parse_weights_spec, storage_dtype
+
+        asked = parse_weights_spec(weights, sorted(names))
+        for name, fmt in asked.items():
+            planned = plan["components"][name].get("storage_dtype") or plan.get("dtype")
+            wanted = storage_dtype(fmt, plan.get("dtype"))
+            if planned != wanted:
+                raise UsageError(f"{where} stores '{name}' as {planned}, this run asks for {wanted}: "
+                                 f"drop --weights or plan again with --weights {weights}.")
 
 
 def plan_devices(plan: dict) -> set[str]:
@@ -269,20 +283,21 @@ class MemoryMeter:
         entries = sorted(((k, str(v)) for k, v in device_map.items()), key=lambda kv: -len(kv[0]))
         seen: set[int] = set()
         tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-        for name, tensor in tensors:
-            if tensor is None or tensor.device.type == "meta":
+        for name, outer in tensors:
+            if outer is None or outer.device.type == "meta":
                 continue
-            ptr = tensor.untyped_storage().data_ptr()
-            if ptr in seen or ptr == 0:
-                continue
-            seen.add(ptr)
-            self._weight_ptrs.add(ptr)
-            device = default_device
-            for prefix, dev in entries:
-                if prefix == "" or name == prefix or name.startswith(prefix + "."):
-                    device = dev
-                    break
-            self._weights[device].append((weakref.ref(tensor), tensor.untyped_storage().nbytes()))
+            for tensor in _plain_tensors(outer):
+                ptr = tensor.untyped_storage().data_ptr()
+                if ptr in seen or ptr == 0:
+                    continue
+                seen.add(ptr)
+                self._weight_ptrs.add(ptr)
+                device = default_device
+                for prefix, dev in entries:
+                    if prefix == "" or name == prefix or name.startswith(prefix + "."):
+                        device = dev
+                        break
+                self._weights[device].append((weakref.ref(tensor), tensor.untyped_storage().nbytes()))
 
     def resident(self) -> dict[str, int]:
         """Bytes of registered weights still alive (call after gc.collect() to see frees)."""
@@ -388,6 +403,14 @@ class MemoryMeter:
         return handles
 
 
+def _plain_tensors(tensor) -> list:
+    """The tensors holding memory: the inner ones of a tensor subclass (torchao's int8 data, scales...)."""
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None:
+        return [tensor]
+    return [t for name in flatten(tensor)[0] for t in _plain_tensors(getattr(tensor, name))]
+
+
 class _RssSampler:
     """Peak resident set size of this process while a block runs (sampled every 2 ms)."""
 
@@ -451,16 +474,29 @@ def check_component_files(comp) -> int:
     return max((p.stat().st_size for p in checkpoint.files), default=0)
 
 
-def load_component(comp, device_map: dict, dtype: str | None, simulate: bool):
-    """One component on its planned devices. Under simulate every virtual device is the CPU."""
+def load_component(comp, device_map: dict, dtype: str | None, simulate: bool, weights: str | None = None):
+    """One component on its planned devices. Under simulate every virtual device is the CPU.
+
+    `weights` (fp8, int8) stores the tensors `weight_formats` names in low precision: such a
+    component is always loaded tensor by tensor (`_load_streamed`), each tensor cast on its way to
+    its device, so the run dtype copy of the whole component never exists.
+    """
     import torch
 
     torch_dtype = getattr(torch, dtype) if dtype else None
     device_map = _normalise_map(device_map)
     offloaded = any(v in ("cpu", "disk") for v in device_map.values())
     on_accelerator = any(not isinstance(v, str) or v == "mps" for v in device_map.values())
+    cpu_only = simulate or not on_accelerator and set(device_map.values()) == {"cpu"}
+    if weights == "int8" and offloaded and not cpu_only:
+        raise UsageError(
+            f"The plan offloads blocks of '{comp.name}' to cpu/disk, which int8 weights cannot be streamed from: "
+            f"plan with more GPU memory or with --weights {comp.name}=fp8."
+        )
     try:
-        if simulate or not on_accelerator and set(device_map.values()) == {"cpu"}:
+        if weights is not None:
+            model = _load_streamed(comp, device_map, torch_dtype, weights, resident=cpu_only)
+        elif cpu_only:
             model = _from_pretrained(comp, {"": "cpu"}, torch_dtype)
         elif offloaded:
             model = _load_streamed(comp, device_map, torch_dtype)
@@ -497,11 +533,13 @@ def _from_pretrained(comp, device_map, torch_dtype):
     return cls.from_pretrained(comp.folder, dtype=torch_dtype if torch_dtype is not None else "auto", device_map=device_map)
 
 
-def _load_streamed(comp, device_map: dict, torch_dtype):
-    """Build empty, put GPU blocks on their GPUs, and stream cpu/disk blocks from the ORIGINAL safetensors.
+def _load_streamed(comp, device_map: dict, torch_dtype, weights: str | None = None, resident: bool = False):
+    """Build empty, put each tensor on its device, and stream cpu/disk blocks from the ORIGINAL safetensors.
 
-    accelerate's own disk offload re-saves every tensor as .dat; here the offload index points into
-    the checkpoint's shards, which accelerate's OffloadedWeightsLoader reads with safe_open (mmap).
+    accelerate's own disk offload re-saves every tensor as .dat; here offloaded blocks are read from
+    the checkpoint's shards (mmap) on each use. Each tensor goes stored dtype -> run dtype -> storage
+    dtype (fp8 for the tensors `weight_formats` casts), as from_pretrained + enable_layerwise_casting
+    would, one tensor at a time. `resident`: everything stays on the CPU (simulated or cpu-only plans).
     """
     import torch
     from accelerate import dispatch_model, init_empty_weights
@@ -510,6 +548,7 @@ def _load_streamed(comp, device_map: dict, torch_dtype):
 
     from .checkpoint import open_checkpoint
     from .skeleton import skeleton_for_component
+    from .weight_formats import CastingWeights, LoadedTensor, apply_fp8, quantize_int8, read_cast
 
     cls = _component_class(comp)
     clean = {k: v for k, v in comp.config.items() if k not in ("_name_or_path", "transformers_version")}
@@ -522,23 +561,28 @@ def _load_streamed(comp, device_map: dict, torch_dtype):
         model.tie_weights()
     skeleton, _ = skeleton_for_component(comp)
     dtype_name = str(torch_dtype).removeprefix("torch.") if torch_dtype is not None else None
-    target_dtype = {t.name: t.dtype_at(dtype_name) for t in skeleton.tensors}
+    fp8 = weights if weights == "fp8" else None
+    infos = {t.name: t for t in skeleton.tensors}
     aliases = {alias: group[0] for group in skeleton.tie_groups for alias in group[1:]}
     checkpoint = open_checkpoint(comp.weights, strict=True)
     folder = Path(comp.weights).parent
     where = {name: folder / shard for name, shard in checkpoint.tensor_files.items()}
     gpu_main = _execution_device(device_map, False)
     entries = sorted(device_map.items(), key=lambda kv: -len(kv[0]))
+    int8_layers = {t.name.rpartition(".")[0] for t in skeleton.tensors if weights == "int8" and "int8" in t.low_precision}
+    modules = dict(model.named_modules())
 
     def placed(name):
+        if resident:
+            return "cpu"
         for prefix, dev in entries:
             if prefix == "" or name == prefix or name.startswith(prefix + "."):
                 return dev
         return "cpu"
 
-    offload_index = {}
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + \
-        [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    streamed: dict[str, LoadedTensor] = {}
+    buffer_names = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + sorted(buffer_names)
     persistent = {t.name for t in skeleton.tensors if t.kind in ("param", "buffer")} | set(aliases)
     handles: dict[str, object] = {}
     for name in names:
@@ -549,21 +593,30 @@ def _load_streamed(comp, device_map: dict, torch_dtype):
             stored = next((a for g in skeleton.tie_groups if name in g for a in g if a in where), stored)
         if stored not in where:
             raise CheckpointError(f"Component '{comp.name}': tensor '{name}' is missing from {comp.weights}.")
-        file = str(where[stored])
+        info = infos.get(name) or infos[aliases.get(name, stored)]
+        entry = LoadedTensor(name, str(where[stored]), stored, info.dtype_at(dtype_name), info.dtype_at(dtype_name, fp8))
         dev = placed(name)
-        dtype = target_dtype.get(name) or target_dtype.get(stored) or "float32"
-        is_buffer = "." in name and name.rpartition(".")[2] in dict(model.named_buffers()) or name in dict(model.named_buffers())
-        if dev in ("cpu", "disk"):
-            if not is_buffer:
-                offload_index[name] = {"safetensors_file": file, "weight_name": stored, "dtype": dtype}
-                continue
-        handle = handles.get(file) or handles.setdefault(file, safe_open(file, framework="pt", device="cpu"))
-        value = handle.get_tensor(stored).to(getattr(torch, dtype))
-        set_module_tensor_to_device(model, name, "cpu" if dev in ("cpu", "disk") else dev, value=value)
+        if dev in ("cpu", "disk") and not resident and name not in buffer_names:
+            streamed[name] = entry
+            # the meta tensor takes the storage dtype: accelerate casts each streamed value to it
+            storage_dtype = getattr(torch, entry.storage)
+            set_module_tensor_to_device(model, name, "meta", value=torch.empty(info.shape, dtype=storage_dtype, device="meta"),
+                                        dtype=storage_dtype)
+            continue
+        handle = handles.get(entry.file) or handles.setdefault(entry.file, safe_open(entry.file, framework="pt", device="cpu"))
+        set_module_tensor_to_device(model, name, "cpu" if dev in ("cpu", "disk") else dev, value=read_cast(handle, entry),
+                                    dtype=getattr(torch, entry.storage))
+        layer, _, leaf = name.rpartition(".")
+        if leaf == "weight" and layer in int8_layers:
+            quantize_int8(modules[layer])  # this layer's weight only: the run dtype copy lives one tensor long
     handles.clear()
+    if fp8:
+        apply_fp8(model, torch_dtype)
+    if resident:
+        return model
     dispatch_map = {k: ("disk" if v in ("cpu", "disk") else v) for k, v in device_map.items()}
     main = gpu_main.index if gpu_main.type == "cuda" else gpu_main.type  # safetensors wants "cpu" or an index
-    model = dispatch_model(model, dispatch_map, main_device=main, state_dict={}, offload_index=offload_index,
+    model = dispatch_model(model, dispatch_map, main_device=main, state_dict=CastingWeights(streamed), offload_index={},
                            offload_buffers=False, force_hooks=True)
     model.hf_device_map = dict(device_map)
     return model
@@ -848,7 +901,7 @@ def _run(request: RunRequest, on_plan, on_step, freeze: bool) -> RunResult:
     is_file = request.device_map.endswith(".json") or Path(request.device_map).is_file()
     if is_file:
         plan = read_plan_file(request.device_map)
-        check_plan_matches(plan, source, inputs, request.dtype, request.device_map)
+        check_plan_matches(plan, source, inputs, request.dtype, request.device_map, request.weights)
     else:
         if request.device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
             raise UsageError(f"--device-map must be auto, balanced, balanced_low_0, sequential or a plan JSON file, not '{request.device_map}'.")
@@ -869,6 +922,7 @@ def _run(request: RunRequest, on_plan, on_step, freeze: bool) -> RunResult:
         num_images=request.num_images, images=[], latents_path=None, stages=[], notices=notices,
     )
     comps = {c.name: c for c in source.components}
+    weights = {n: format_of(c.get("storage_dtype")) for n, c in plan["components"].items()}
     placeholders = {name: _placeholder(comps[name], torch_dtype) for name in plan["components"]}
     pipe = build_pipeline(source, torch_dtype, placeholders)
     meter = MemoryMeter()
@@ -881,7 +935,7 @@ def _run(request: RunRequest, on_plan, on_step, freeze: bool) -> RunResult:
         with _RssSampler() as rss:
             for name in names:
                 cmap = plan["components"][name]["device_map"]
-                model = load_component(comps[name], cmap, dtype, request.simulate)
+                model = load_component(comps[name], cmap, dtype, request.simulate, weights.get(name))
                 default_dev = str(next(iter(cmap.values())))
                 meter.register_weights(model, cmap, default_dev)
                 hooks[name] = meter.attach(model, cmap, default_dev)

@@ -18,6 +18,8 @@ def plan(
     guidance_scale: float | None = typer.Option(None, "--guidance-scale", help="CFG scale (default: the pipeline's)."),
     max_sequence_length: int | None = typer.Option(None, "--max-sequence-length", help="T5 tokens (default: the pipeline's)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: as stored, bf16 for configs)."),
+    weights: str | None = typer.Option(None, "--weights", "-w",
+                                       help="Store weights as fp8 | int8 and compute in --dtype (every component but the VAE), or per component: transformer=fp8,text_encoder=fp8."),
     overhead: str | None = typer.Option(None, "--overhead",
                                         help="Per-device overhead, e.g. 0=600MB,1=600MB (default 600MB per GPU, 0 for cpu)."),
     component: str | None = typer.Option(None, "--component", "-c", help="Plan this component only."),
@@ -34,7 +36,7 @@ def plan(
     inputs = InputSpec(height, height if width is None else width, batch_size, num_images, guidance_scale,
                        max_sequence_length)
     options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
-                          component, not no_check, not no_cache)
+                          component, not no_check, not no_cache, weights)
     result = make_plan(source, options)
     if output:
         write_plan(result, output)

@@ -25,6 +25,8 @@ def run(
     output: str = typer.Option("dmap.png", "--output", "-o", help="PNG to write (with prompt, seed and plan in its metadata)."),
     save_latents: str | None = typer.Option(None, "--save-latents", help="Also write the final latents (safetensors)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: the plan's, as stored)."),
+    weights: str | None = typer.Option(None, "--weights", "-w",
+                                       help="Store weights as fp8 | int8, compute in --dtype (every component but the VAE), or per component: transformer=fp8 (default: the plan's)."),
     simulate: bool = typer.Option(False, "--simulate",
                                   help="Run every planned device on this CPU with the split check (plans for GPUs you lack)."),
     as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON."),
@@ -37,7 +39,7 @@ def run(
         source=source, prompt=prompt, negative_prompt=negative_prompt, device_map=device_map, max_memory=max_memory,
         overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, seed=seed, height=height, width=width,
         num_images=num_images, max_sequence_length=max_sequence_length, output=output, save_latents=save_latents,
-        dtype=dtype, simulate=simulate,
+        dtype=dtype, simulate=simulate, weights=weights,
     )
     if as_json:
         result = run_pipeline(request)

@@ -55,11 +55,12 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
         out.print(table)
     out.print("[dim]bar: [cyan]weights[/] [magenta]offload reserve[/] [yellow]activations[/] [red]overhead[/][/]")
     pipe = Table(title="hf_device_map (pipeline level)", title_justify="left")
-    for column in ("component", "class", "stage", "weights", "devices", "offloaded", "hops"):
+    for column in ("component", "class", "stage", "stored as", "weights", "devices", "offloaded", "hops"):
         pipe.add_column(column, justify="right" if column in ("weights", "offloaded", "hops") else "left")
     for name, comp in plan.components.items():
         devices = ", ".join(_device_label(str(d)) for d in comp.devices)
-        pipe.add_row(name, comp.cls, comp.stage, size(comp.weights_bytes), devices,
+        stored = plan.weights.get(name) or plan.dtype
+        pipe.add_row(name, comp.cls, comp.stage, stored, size(comp.weights_bytes), devices,
                      size(comp.offloaded_bytes) if comp.offloaded_bytes else "-", str(comp.hops))
     out.print(pipe)
     for name, comp in plan.components.items():
