@@ -375,6 +375,10 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
                 activation_peaks={p.spec.name: p.spec.activation_peak for p in prepared},
                 config_digest=config_digest(source), weights={p.spec.name: p.weights for p in prepared})
     _explain_offload(plan, prepared, stages, options)
+    for name, fmt in plan.weights.items():
+        if fmt == "int8" and plan.components[name].offloaded_bytes and any(d.is_gpu for d in devices):
+            plan.warnings.append(f"{name}: int8 weights cannot be streamed from cpu/disk, so dmap run refuses this plan: "
+                                 f"give the GPUs more memory or use --weights {name}=fp8.")
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
     return plan
