@@ -69,11 +69,11 @@ def _quantize_int8(model, name, source):
 
 def _real_bytes(model) -> int:
     """Bytes of every parameter and buffer once (the inner tensors of torchao's int8 weights)."""
-    from dm_cli.runner import _plain_tensors
+    from dm_cli.meter import plain_tensors
 
     seen, total = set(), 0
     for outer in list(model.parameters()) + list(model.buffers()):
-        for t in _plain_tensors(outer):
+        for t in plain_tensors(outer):
             key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
             if key not in seen:
                 seen.add(key)
@@ -180,7 +180,7 @@ def test_run_is_pixel_identical_to_diffusers_with_the_same_casting(preset, fmt, 
     # planned here by dmap (unsplit on the cpu), then a 2-device split under --simulate
     unsplit = run(RunRequest(source=str(folder), prompt=PROMPT, max_memory="cpu=4GB", steps=STEPS, height=SIZE,
                              width=SIZE, seed=SEED, output=str(tmp_path / "a.png"), dtype=dtype, weights=fmt))
-    assert {c["storage_dtype"] for n, c in unsplit.plan["components"].items() if n != "vae"} == {STORAGE[fmt]}
+    assert {c["storage_dtype"] for n, c in unsplit.plan.to_json()["components"].items() if n != "vae"} == {STORAGE[fmt]}
     split = dmap_run(folder, _with_storage(hand_plan(folder, 2), fmt, dtype), tmp_path, simulate=True, name="b.png")
     assert split.split_check and split.split_problems == []
     for name in ("a.png", "b.png"):
