@@ -107,12 +107,15 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
     comps = [source.component(component)] if component else source.components
     formats = parse_weights_spec(weights, [c.name for c in comps])
     reports = []
+    notes = list(source.notes)
     for comp in comps:
         skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
         fmt = component_format(formats, comp.name, skeleton)
         if fmt and skeleton.cls == "?":
             raise UsageError(f"--weights {fmt} needs the config of '{comp.name}' (which layers are cast): "
                              "inspect its folder with config.json.")
+        if skeleton.note:
+            notes.append(skeleton.note)
         effective = dtype if dtype is not None else skeleton.default_dtype()
         block = skeleton.largest_block(effective, fmt)
         reports.append(
@@ -133,5 +136,5 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
                 storage_dtype=STORAGE_DTYPES[fmt] if fmt else None,
             )
         )
-    return InspectReport(spec, source.kind, source.pipeline_class, dtype, reports, source.notes)
+    return InspectReport(spec, source.kind, source.pipeline_class, dtype, reports, notes)
 
