@@ -90,9 +90,10 @@ def _load_streamed(comp, device_map: dict, torch_dtype, weights: str | None = No
 
     from .checkpoint import open_checkpoint
     from .models import build_model
-    from .skeleton import skeleton_for_component
+    from .skeleton import as_loaded, skeleton_for_component
     from .weight_formats import CastingWeights, LoadedTensor, apply_fp8, quantize_int8, read_cast
 
+    comp, _ = as_loaded(comp)  # an lm_head the checkpoint stores is its own tensor, as from_pretrained keeps it
     model = build_model(comp.library, comp.cls, comp.config, device="empty")
     skeleton, _ = skeleton_for_component(comp)
     dtype_name = str(torch_dtype).removeprefix("torch.") if torch_dtype is not None else None
@@ -101,7 +102,8 @@ def _load_streamed(comp, device_map: dict, torch_dtype, weights: str | None = No
     aliases = {alias: group[0] for group in skeleton.tie_groups for alias in group[1:]}
     checkpoint = open_checkpoint(comp.weights, strict=True)
     folder = Path(comp.weights).parent
-    where = {name: folder / shard for name, shard in checkpoint.tensor_files.items()}
+    key_of = _checkpoint_keys(model, list(checkpoint.tensor_files), comp)  # model name -> checkpoint key
+    where = {name: folder / checkpoint.tensor_files[key] for name, key in key_of.items()}
     gpu_main = execution_device(device_map, False)
     int8_layers = {t.name.rpartition(".")[0] for t in skeleton.tensors if weights == "int8" and "int8" in t.low_precision}
     modules = dict(model.named_modules())
@@ -120,7 +122,8 @@ def _load_streamed(comp, device_map: dict, torch_dtype, weights: str | None = No
         if stored not in where:
             raise CheckpointError(f"Component '{comp.name}': tensor '{name}' is missing from {comp.weights}.")
         info = infos.get(name) or infos[aliases.get(name, stored)]
-        entry = LoadedTensor(name, str(where[stored]), stored, info.dtype_at(dtype_name), info.dtype_at(dtype_name, fp8))
+        entry = LoadedTensor(name, str(where[stored]), key_of[stored], info.dtype_at(dtype_name),
+                             info.dtype_at(dtype_name, fp8))
         storage_dtype = getattr(torch, entry.storage)
         dev = "cpu" if resident else device_of(name, device_map, "cpu")
         if dev in ("cpu", "disk") and not resident and name not in buffer_names:
@@ -145,6 +148,31 @@ def _load_streamed(comp, device_map: dict, torch_dtype, weights: str | None = No
                            offload_buffers=False, force_hooks=True)
     model.hf_device_map = dict(device_map)
     return model
+
+
+def _checkpoint_keys(model, keys: list[str], comp) -> dict[str, str]:
+    """Model tensor name -> checkpoint key. transformers 5 renames legacy checkpoint keys while loading
+    (Mistral-3 saves `language_model.model.*` for `model.language_model.*`): the same renamings, by
+    transformers' own `rename_source_key`. A key that needs a converter (merged or split tensors) is refused."""
+    from .models import is_transformers_model
+
+    if not is_transformers_model(type(model)):
+        return {key: key for key in keys}
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    present = {name: True for name in model.state_dict()}  # names only: the model is empty
+    out = {}
+    for key in keys:
+        name, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, present)
+        if converter is not None:
+            raise CheckpointError(f"Component '{comp.name}': checkpoint tensor '{key}' needs transformers' conversion "
+                                  f"({converter}), which dmap cannot stream; plan it onto GPUs whole, without --weights.")
+        out[name] = key
+    return out
 
 
 def free_components(models: list) -> None:
@@ -173,8 +201,12 @@ def free_components(models: list) -> None:
 # --- the pipeline object ---------------------------------------------------------------------
 
 
-def placeholder(comp, torch_dtype):
+def placeholder(comp, torch_dtype, real_tensors: tuple[str, ...] = ()):
     """The component on the meta device: its config and dtype for the pipeline, no memory.
+
+    `real_tensors` (the family's `placeholder_tensors`): small tensors the pipeline reads while the
+    component is not loaded (FLUX.2 [klein] un-normalises latents with the VAE's batch-norm
+    statistics at the end of denoising); they are read from the checkpoint, the rest stays on meta.
 
     Text encoders get None instead: the pipelines only read them while encoding (when the real one
     is loaded) and, given prompt embeddings, fall back to the denoiser's dtype exactly as the
@@ -188,7 +220,29 @@ def placeholder(comp, torch_dtype):
     model = build_on_meta(comp.library, comp.cls, comp.config)
     if torch_dtype is not None:
         model = model.to(torch_dtype)
+    if real_tensors and comp.weights is not None:
+        _read_tensors(model, comp, real_tensors)
     return model
+
+
+def _read_tensors(model, comp, names: tuple[str, ...]) -> None:
+    """Named tensors of a meta model replaced by their values in the checkpoint (cast as loading casts)."""
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+
+    from .checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(comp.weights, strict=True)
+    folder = Path(comp.weights).parent
+    current = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name in names:
+        shard = checkpoint.tensor_files.get(name)
+        if shard is None or name not in current:
+            raise CheckpointError(f"Component '{comp.name}': tensor '{name}' is missing from {comp.weights}.")
+        with safe_open(str(folder / shard), framework="pt", device="cpu") as handle:
+            value = handle.get_tensor(name)
+        dtype = current[name].dtype if value.is_floating_point() else value.dtype
+        set_module_tensor_to_device(model, name, "cpu", value=value.to(dtype))
 
 
 def build_pipeline(source, torch_dtype, placeholders: dict):
@@ -208,6 +262,8 @@ def build_pipeline(source, torch_dtype, placeholders: dict):
             kwargs[name] = _load_weightless(source, name, library, class_name)
         elif name == "requires_safety_checker":
             kwargs[name] = bool(source.model_index.get("requires_safety_checker", False))
+        elif name in source.model_index and not isinstance(source.model_index[name], list):
+            kwargs[name] = source.model_index[name]  # a pipeline setting, e.g. FLUX.2 [klein]'s is_distilled
         elif param.default is pyinspect.Parameter.empty:
             kwargs[name] = None
     staged = type(cls.__name__, (cls,), {"_execution_device": property(lambda self: self._dmap_device)})
@@ -234,7 +290,7 @@ def _load_weightless(source, name, library, class_name):
         if not (folder / "scheduler_config.json").is_file():
             raise SourceError(f"The scheduler config of {source.spec} is missing: {folder / 'scheduler_config.json'}.")
         return scheduler_cls.from_pretrained(source.root, subfolder=name)
-    if "Tokenizer" in class_name:
+    if "Tokenizer" in class_name or class_name.endswith("Processor"):
         import transformers
 
         if not folder.is_dir() or not any(folder.iterdir()):
@@ -242,7 +298,14 @@ def _load_weightless(source, name, library, class_name):
                 f"Tokenizer '{name}' of {source.spec} is missing ({folder}): copy the tokenizer folders with the weights."
             )
         try:
-            return getattr(transformers, class_name).from_pretrained(folder)
-        except (OSError, ValueError, TypeError) as error:
+            try:
+                return getattr(transformers, class_name).from_pretrained(folder)
+            except ImportError:
+                if not class_name.endswith("Processor"):
+                    raise
+                # a processor whose image half needs a missing backend (PixtralProcessor: torchvision):
+                # text-to-image only tokenizes, and its tokenizer loads without it
+                return transformers.AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError, TypeError, ImportError) as error:
             raise SourceError(f"Tokenizer '{name}' of {source.spec} cannot be loaded from {folder}: {error}") from error
     return None  # feature extractors, image encoders: not used for text-to-image

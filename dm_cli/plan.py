@@ -277,8 +277,9 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
     those sizes, by the rule the runner applies, and the compute copy of the largest such layer
     (upcast while it runs) is added to the activations of every block that holds it.
     """
-    from .skeleton import skeleton_for_component
+    from .skeleton import as_loaded, skeleton_for_component
 
+    comp, tie_note = as_loaded(comp, use_cache=use_cache)  # what from_pretrained keeps (untied lm_head)
     skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
     if checkpoint is not None and checkpoint.problems:  # a plan for a broken checkpoint would be wrong
         from .errors import CheckpointError
@@ -293,6 +294,8 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
         effective = skeleton.compute_dtype()  # a checkpoint stored in fp8 runs in its other tensors' dtype
     trace_dtype = effective or skeleton.dominant_dtype(None)
     warnings: list[str] = [skeleton.note] if skeleton.note and not skeleton.stored else []
+    if tie_note:
+        warnings.append(tie_note)
     if comp.config is None:
         facts = TraceFacts(None, {}, 0, [], {}, "no config: registration order, no activation estimate")
     else:

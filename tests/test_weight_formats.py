@@ -82,7 +82,7 @@ def _real_bytes(model) -> int:
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
-@pytest.mark.parametrize("preset", ["tiny-flux", "tiny-sd3"])
+@pytest.mark.parametrize("preset", ["tiny-flux", "tiny-sd3", "tiny-flux2"])
 def test_planned_bytes_are_the_bytes_after_casting(preset, fmt):
     from dm_cli.inputs import InputSpec
     from dm_cli.plan import PlanOptions, make_plan
@@ -267,3 +267,27 @@ def test_shard_fp8_writes_a_checkpoint_diffusers_loads_dmap_plans_from_and_runs(
     pixels = _png(tmp_path / "fp8.png")[0]
     assert np.array_equal(pixels, oracle(out, "fp8", "float32"))  # diffusers loads the fp8 checkpoint
     assert np.array_equal(pixels, oracle(folder, "fp8", "float32"))  # and it holds what --weights fp8 would cast
+
+
+def test_tiny_flux2_fp8_run_is_pixel_identical_unsplit_and_split(folders, tmp_path):
+    """FLUX.2 (Mistral-3 text encoder, Flux2 transformer): dmap run --weights fp8 vs diffusers' Flux2Pipeline
+    with enable_layerwise_casting on the transformer and the same hooks on the text encoder."""
+    from test_flux2 import diffusers_pipeline, split_plan
+
+    from dm_cli.runner import RunRequest, run
+    from dm_cli.weight_formats import apply_fp8
+
+    folder = folders("tiny-flux2")
+    pipe = diffusers_pipeline(folder)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    apply_fp8(pipe.text_encoder, torch.float32)
+    expected = np.array(pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(SEED), num_inference_steps=STEPS,
+                             height=SIZE, width=SIZE, text_encoder_out_layers=(1,)).images[0])
+    run(RunRequest(source=str(folder), prompt=PROMPT, max_memory="cpu=8GB", steps=STEPS, height=SIZE, width=SIZE,
+                   seed=SEED, output=str(tmp_path / "a.png"), weights="fp8"))
+    split = dmap_run(folder, _with_storage(split_plan(folder, 2), "fp8", "float32"), tmp_path, simulate=True,
+                     name="b.png")
+    assert split.split_check and split.split_problems == []
+    for name in ("a.png", "b.png"):
+        assert np.array_equal(_png(tmp_path / name)[0], expected), name
