@@ -197,7 +197,8 @@ def free_components(models: list) -> None:
             for tensors in (module._parameters, module._buffers):
                 for key, tensor in tensors.items():
                     if tensor is not None and tensor.device.type != "meta":
-                        empty = torch.empty_like(tensor, device="meta")
+                        # shape and dtype, not empty_like: tensor subclasses (torchao's int8) do not implement it
+                        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
                         tensors[key] = torch.nn.Parameter(empty, requires_grad=False) if isinstance(
                             tensor, torch.nn.Parameter) else empty
         del model
