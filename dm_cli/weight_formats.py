@@ -86,8 +86,9 @@ def storage_dtype(fmt: str | None, dtype: str) -> str:
     return STORAGE_DTYPES[fmt] if fmt else dtype
 
 
-def format_of(storage: str | None) -> str | None:
-    return FORMAT_OF_DTYPE.get(storage or "")
+def format_of(storage) -> str | None:
+    """fp8 / int8 from a plan's `storage_dtype` (anything else, a run-dtype or a damaged value: None)."""
+    return FORMAT_OF_DTYPE.get(storage) if isinstance(storage, str) else None
 
 
 def low_precision_bytes(fmt: str, shape: tuple[int, ...], numel: int) -> int:
