@@ -1,7 +1,8 @@
-"""Tiny CLIP and T5 tokenizers built in-process, so the demo and the tiny pipelines run offline.
+"""Tiny CLIP, T5 and Qwen2 tokenizers built in-process, so the demo and the tiny pipelines run offline.
 
 The real tokenizers come from the Hub; dmap never downloads. These are real tokenizer files
-(byte-level BPE for CLIP: vocab.json + merges.txt + tokenizer.json; Unigram for T5: tokenizer.json),
+(byte-level BPE for CLIP: vocab.json + merges.txt + tokenizer.json; Unigram for T5: tokenizer.json;
+byte-level BPE with Qwen's chat special tokens for Qwen2: tokenizer.json),
 deterministic, with ids below the tiny text encoders' vocabulary sizes, loadable with the plain
 `CLIPTokenizer.from_pretrained` / `T5TokenizerFast.from_pretrained` a pipeline uses.
 """
@@ -90,6 +91,44 @@ def write_t5_tokenizer(folder: str | Path, vocab_size: int, model_max_length: in
     return folder
 
 
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def _qwen2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """GPT-2 style byte-level BPE: every byte, the common words, and "Ġ" + word (the word after a space)."""
+    vocab = {c: i for i, c in enumerate(_bytes_to_unicode())}
+    merges: list[tuple[str, str]] = []
+    for word in _WORDS:  # merge each word left to right: "r e" -> "re", "re d" -> "red"
+        symbols = list(word)
+        while len(symbols) > 1:
+            pair = (symbols[0], symbols[1])
+            if pair not in merges:
+                merges.append(pair)
+            vocab.setdefault(pair[0] + pair[1], len(vocab))
+            symbols = [pair[0] + pair[1]] + symbols[2:]
+    for word in _WORDS:  # then a space before it: "Ġ red" -> "Ġred"
+        merges.append(("Ġ", word))
+        vocab.setdefault("Ġ" + word, len(vocab))
+    for special in QWEN_SPECIAL_TOKENS:
+        vocab[special] = len(vocab)
+    return vocab, merges
+
+
+def write_qwen2_tokenizer(folder: str | Path, vocab_size: int, model_max_length: int = 32768) -> Path:
+    """A byte-level BPE Qwen2 tokenizer (<|im_start|>/<|im_end|> special, pad = <|endoftext|>), < 400 ids."""
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = _qwen2_vocab_and_merges()
+    if len(vocab) > vocab_size:
+        raise ValueError(f"the offline Qwen2 tokenizer needs {len(vocab)} ids; the text encoder has {vocab_size}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
+                               model_max_length=model_max_length)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def write_tokenizer_for(tokenizer_class: str, folder: str | Path, encoder_config: dict) -> Path:
     """The tokenizer a pipeline pairs with a text encoder, sized to that encoder's vocabulary."""
     vocab_size = int(encoder_config.get("vocab_size", 1000))
@@ -98,4 +137,6 @@ def write_tokenizer_for(tokenizer_class: str, folder: str | Path, encoder_config
         return write_clip_tokenizer(folder, vocab_size, model_max_length=max_len)
     if "T5" in tokenizer_class:
         return write_t5_tokenizer(folder, vocab_size)
+    if tokenizer_class.startswith("Qwen2Tokenizer"):
+        return write_qwen2_tokenizer(folder, vocab_size)
     raise ValueError(f"no offline tokenizer for {tokenizer_class}")

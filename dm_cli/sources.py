@@ -30,6 +30,8 @@ PRESETS = {
     "tiny-sdxl": "tiny-sdxl",
     "tiny-sd15": "tiny-sd15",
     "tiny-sd3": "tiny-sd3",
+    "qwen-image": "qwen-image",
+    "tiny-qwenimage": "tiny-qwenimage",
 }
 
 # Components that hold no weights: copied, never planned.
