@@ -8,6 +8,11 @@ the running maximum is the measured activation peak (weights are allocated befor
 inputs inside it, as in the estimate). The estimate is `dm_cli.trace.trace_component` on meta.
 
     .venv/bin/python scripts/measure_activations.py [--sizes 256,512] [--widths 160,320,640,640]
+    .venv/bin/python scripts/measure_activations.py --model qwen-image [--sizes 256,512] [--heads 6 --layers 4]
+
+`--model qwen-image` does the same for a reduced-width Qwen-Image transformer (the real config with
+fewer heads and layers), fed exactly what dmap's Qwen-Image family says the pipeline feeds it (512
+text tokens, batch 1: true CFG calls it twice, one call at a time).
 """
 
 from __future__ import annotations
@@ -119,12 +124,93 @@ def naive_peak(config: dict, size: int, batch_size: int = 1) -> int:
     return session.peak
 
 
+# --- any denoiser a family knows: inputs from the family's call spec ------------------------------
+
+QWEN_IMAGE_TRANSFORMER = {
+    "_class_name": "QwenImageTransformer2DModel", "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56],
+    "guidance_embeds": False, "in_channels": 64, "joint_attention_dim": 3584, "num_attention_heads": 24,
+    "num_layers": 60, "out_channels": 16, "patch_size": 2,
+}
+
+
+def reduced_qwenimage_config(heads: int, layers: int) -> dict:
+    return dict(QWEN_IMAGE_TRANSFORMER, num_attention_heads=heads, num_layers=layers)
+
+
+def family_call_peaks(cls: str, config: dict, pipeline_class: str, size: int, threads: int | None = 1) -> tuple[int, int]:
+    """(measured, estimated) activation peak of one denoiser call with the inputs the family specifies."""
+    import torch
+
+    from dm_cli.inputs import InputSpec
+    from dm_cli.models import build_model
+    from dm_cli.pipelines import TensorSpec, call_spec
+    from dm_cli.sources import ComponentSource
+    from dm_cli.trace import trace_component
+    from torch.profiler import ProfilerActivity, profile
+
+    comp = ComponentSource("transformer", "diffusers", cls, config, None, None)
+    inputs = InputSpec(size, size)
+    spec = call_spec(comp, pipeline_class, inputs)
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = build_model("diffusers", cls, config).eval()
+
+    def make(value):
+        if isinstance(value, TensorSpec):
+            if value.kind == "long":
+                return torch.zeros(value.shape, dtype=torch.long)
+            return torch.rand(value.shape) if value.shape and len(value.shape) == 1 else torch.randn(value.shape)
+        if isinstance(value, dict):
+            return {k: make(v) for k, v in value.items()}
+        return value
+
+    try:
+        with torch.no_grad():
+            model(**make(spec.kwargs))  # warm-up outside the profiler
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                kwargs = make(spec.kwargs)
+                out = model(**kwargs)
+                del out, kwargs
+    finally:
+        torch.set_num_threads(previous_threads)
+    measured = profile_peak(prof)
+    del model, prof
+    estimated = trace_component(comp, pipeline_class, inputs, "float32", use_cache=False).activation_peak
+    return measured, estimated
+
+
+def main_family(args) -> int:
+    config = reduced_qwenimage_config(args.heads, args.layers)
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        start = time.perf_counter()
+        measured, estimate = family_call_peaks("QwenImageTransformer2DModel", config, "QwenImagePipeline", size,
+                                               args.threads)
+        rows.append((size, measured, estimate, estimate / measured, time.perf_counter() - start))
+    width = args.heads * QWEN_IMAGE_TRANSFORMER["attention_head_dim"]
+    print(f"Qwen-Image transformer, {args.layers} blocks, {width} wide ({args.heads} heads), fp32, batch 1, "
+          "512 text tokens, CPU")
+    print(f"{'resolution':>10} {'measured':>12} {'estimated':>12} {'ratio':>7} {'seconds':>8}")
+    for size, measured, estimate, ratio, seconds in rows:
+        print(f"{str(size) + '²':>10} {measured / 1e6:>9.2f} MB {estimate / 1e6:>9.2f} MB {ratio:>7.3f} {seconds:>8.1f}")
+    worst = max(abs(r[3] - 1) for r in rows)
+    print(f"worst deviation: {worst:.1%} ({'within' if worst <= 0.2 else 'OUTSIDE'} ±20%)")
+    return 0 if worst <= 0.2 else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="sd15-unet", choices=("sd15-unet", "qwen-image"))
     parser.add_argument("--sizes", default="256,512")
-    parser.add_argument("--widths", default="160,320,640,640")
+    parser.add_argument("--widths", default="160,320,640,640", help="UNet block widths (sd15-unet)")
+    parser.add_argument("--heads", type=int, default=6, help="attention heads of 128 (qwen-image)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (qwen-image)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for the measured run")
     args = parser.parse_args(argv)
+    if args.model != "sd15-unet":
+        return main_family(args)
     widths = tuple(int(w) for w in args.widths.split(","))
     config = reduced_unet_config(widths)
     rows = []

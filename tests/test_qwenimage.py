@@ -138,7 +138,7 @@ def test_a_split_inside_a_qwen2_5_vl_layer_is_caught_and_layer_splits_pass(folde
 def test_refusals_name_the_family(folder, tmp_path, capsys):
     code, _, err = dmap_main(capsys, "run", PRESETS_DIR / "tiny-sd15", "--prompt", PROMPT, "--true-cfg-scale", "4",
                              "--output", tmp_path / "no.png")
-    assert code == 2 and "--true-cfg-scale" in err and "Qwen-Image" in err
+    assert code == 2 and "--true-cfg-scale" in err and "Qwen-Image" in err, err
     code, _, err = dmap_main(capsys, "run", folder, "--prompt", PROMPT, "--height", 36, "--width", SIZE,
                              "--output", tmp_path / "no.png")
     assert code == 2 and "--height 36 is not a multiple of 8" in err and not (tmp_path / "no.png").exists()
@@ -153,3 +153,18 @@ def test_plan_qwen_image_traces_every_component_at_1024_and_fits_two_24gb_gpus(c
     assert plan["check"]["ran"] and plan["check"]["problems"] == [] and "transformer" in plan["check"]["components"]
     assert plan["inputs"]["height"] == 1024 and plan["dtype"] == "bfloat16"
     assert plan["offloaded_bytes"] == 0
+
+
+def test_activation_estimate_of_a_reduced_qwen_image_transformer_matches_a_cpu_measurement():
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import measure_activations
+
+    config = measure_activations.reduced_qwenimage_config(heads=2, layers=2)
+    measured, estimated = measure_activations.family_call_peaks("QwenImageTransformer2DModel", config,
+                                                                "QwenImagePipeline", 256)
+    assert measured > 1_000_000
+    assert 0.8 <= estimated / measured <= 1.2, (estimated, measured)

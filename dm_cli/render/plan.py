@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..devices import device_label
 from ..planner import clean_device_map
 from ..units import format_size
 from . import console
@@ -20,10 +21,6 @@ def _bar(parts: list[tuple[int, str]], capacity: int | None) -> str:
             text += f"[{style}]" + "█" * n + "[/]"
             cells += n
     return text + "[dim]" + "░" * (BAR_WIDTH - cells) + "[/]"
-
-
-def _device_label(key: str) -> str:
-    return f"GPU {key}" if key.isdigit() else key
 
 
 def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
@@ -45,7 +42,7 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
         for key, use in stage.use.items():
             cap = capacity.get(key)
             table.add_row(
-                _device_label(key), size(use.weights), size(use.reserve) if use.reserve else "-",
+                device_label(key), size(use.weights), size(use.reserve) if use.reserve else "-",
                 size(use.activations) if use.activations else "-", size(use.overhead) if use.overhead else "-",
                 size(use.peak), size(cap) if cap is not None else "unlimited",
                 size(cap - use.peak) if cap is not None else "-",
@@ -58,7 +55,7 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
     for column in ("component", "class", "stage", "weights", "devices", "offloaded", "hops"):
         pipe.add_column(column, justify="right" if column in ("weights", "offloaded", "hops") else "left")
     for name, comp in plan.components.items():
-        devices = ", ".join(_device_label(str(d)) for d in comp.devices)
+        devices = ", ".join(device_label(str(d)) for d in comp.devices)
         pipe.add_row(name, comp.cls, comp.stage, size(comp.weights_bytes), devices,
                      size(comp.offloaded_bytes) if comp.offloaded_bytes else "-", str(comp.hops))
     out.print(pipe)
@@ -76,7 +73,7 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
         split.add_column("modules")
         split.add_column("device")
         for module, device in _runs(collapsed):
-            split.add_row(module, _device_label(str(device)))
+            split.add_row(module, device_label(str(device)))
         out.print(split)
     check = plan.check or {}
     if check.get("ran"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import console
+from ..devices import device_label, is_cuda
 from ..units import format_size
 
 
@@ -78,7 +79,7 @@ class RunView:
         for dev, (measured, planned) in sorted(result.device_peaks().items()):
             base = planned - overheads.get(dev, 0)
             ratio = f"{measured / base:.0%}" if base > 0 else "-"
-            label = f"GPU {dev}" if dev.isdigit() else dev
+            label = device_label(dev)
             devices.add_row(label, size(measured), size(planned), size(overheads.get(dev, 0)), ratio)
         self.console.print(devices)
         note = tracking_note(result)
@@ -102,6 +103,6 @@ def tracking_note(result) -> str:
         parts.append(f"Activations on CPU and simulated devices are tracked during encode, decode and the {first} "
                      "of denoise: later steps repeat the second one's graph on the same shapes, so its peak is the "
                      "stage's, and tracking each op costs time.")
-    if not result.simulate and any(dev.isdigit() for dev in result.device_peaks()):
+    if not result.simulate and any(is_cuda(dev) for dev in result.device_peaks()):
         parts.append("GPU rows: torch.cuda.max_memory_allocated over each whole stage.")
     return " ".join(parts)
