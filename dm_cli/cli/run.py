@@ -6,7 +6,7 @@ import typer
 
 
 def run(
-    source: str | None = typer.Argument(None, help="Pipeline folder, preset or Hub repo id (default: the bundled random-weight FLUX demo)."),
+    source: str | None = typer.Argument(None, metavar="SOURCE", help="Pipeline folder, preset or Hub repo id (default: the bundled random-weight FLUX demo)."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="What to draw."),
     negative_prompt: str | None = typer.Option(None, "--negative-prompt", help="What to avoid (CFG and true-CFG pipelines)."),
     device_map: str = typer.Option("auto", "--device-map", "-d",
@@ -22,13 +22,16 @@ def run(
     seed: int = typer.Option(0, "--seed", help="Random seed: same seed, same image."),
     height: int | None = typer.Option(None, "--height", help="Image height in pixels (default: the pipeline's)."),
     width: int | None = typer.Option(None, "--width", help="Image width in pixels (default: the pipeline's)."),
-    num_images: int = typer.Option(1, "--num-images", min=1, help="Images for the prompt (out-0.png, out-1.png, ...)."),
+    num_images: int | None = typer.Option(None, "--num-images", min=1, help="Images for the prompt (out-0.png, out-1.png, ...; default 1, or the plan's)."),
     max_sequence_length: int | None = typer.Option(None, "--max-sequence-length", help="T5 tokens (FLUX, SD3)."),
     output: str = typer.Option("dmap.png", "--output", "-o", help="PNG to write (with prompt, seed and plan in its metadata)."),
     save_latents: str | None = typer.Option(None, "--save-latents", help="Also write the final latents (safetensors)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: the plan's, as stored)."),
     simulate: bool = typer.Option(False, "--simulate",
                                   help="Run every planned device on this CPU with the split check (plans for GPUs you lack)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace --output (and --save-latents) if they exist."),
+    track_activations: bool = typer.Option(False, "--track-activations",
+                                           help="Measure activations op by op on CPU (slower; default: the process's peak RSS)."),
     as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No plan, no progress bar."),
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
@@ -39,7 +42,7 @@ def run(
         source=source, prompt=prompt, negative_prompt=negative_prompt, device_map=device_map, max_memory=max_memory,
         overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale, seed=seed, height=height, width=width,
         num_images=num_images, max_sequence_length=max_sequence_length, output=output, save_latents=save_latents,
-        dtype=dtype, simulate=simulate,
+        dtype=dtype, simulate=simulate, overwrite=overwrite, track_activations=track_activations,
     )
     if as_json:
         result = run_pipeline(request)
@@ -50,6 +53,6 @@ def run(
     from ..render.run import RunView
 
     with RunView(quiet=quiet, binary=binary) as view:
-        result = run_pipeline(request, on_plan=view.show_plan, on_step=view.step)
+        result = run_pipeline(request, on_plan=view.show_plan, on_step=view.step, on_status=view.status)
     view.summary(result)
     return 0
