@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import dmap_main
+from conftest import run_dmap
 from dm_cli.sources import PRESETS_DIR
 
 torch = pytest.importorskip("torch")
@@ -135,17 +135,17 @@ def test_a_split_inside_a_qwen2_5_vl_layer_is_caught_and_layer_splits_pass(folde
     assert problems and any("devices 0 and 1" in p for p in problems), problems
 
 
-def test_refusals_name_the_family(folder, tmp_path, capsys):
-    code, _, err = dmap_main(capsys, "run", PRESETS_DIR / "tiny-sd15", "--prompt", PROMPT, "--true-cfg-scale", "4",
+def test_refusals_name_the_family(folder, tmp_path):
+    code, _, err = run_dmap("run", PRESETS_DIR / "tiny-sd15", "--prompt", PROMPT, "--true-cfg-scale", "4",
                              "--output", tmp_path / "no.png")
     assert code == 2 and "--true-cfg-scale" in err and "Qwen-Image" in err, err
-    code, _, err = dmap_main(capsys, "run", folder, "--prompt", PROMPT, "--height", 36, "--width", SIZE,
+    code, _, err = run_dmap("run", folder, "--prompt", PROMPT, "--height", 36, "--width", SIZE,
                              "--output", tmp_path / "no.png")
     assert code == 2 and "--height 36 is not a multiple of 8" in err and not (tmp_path / "no.png").exists()
 
 
-def test_plan_qwen_image_traces_every_component_at_1024_and_fits_two_24gb_gpus(capsys):
-    code, out, err = dmap_main(capsys, "plan", "qwen-image", "--max-memory", "0=24GB,1=24GB,cpu=64GB", "--json")
+def test_plan_qwen_image_traces_every_component_at_1024_and_fits_two_24gb_gpus():
+    code, out, err = run_dmap("plan", "qwen-image", "--max-memory", "0=24GB,1=24GB,cpu=64GB", "--json")
     assert code == 0, err
     plan = json.loads(out)
     assert not [w for w in plan["warnings"] if "meta device" in w or "registration order" in w], plan["warnings"]
