@@ -67,10 +67,6 @@ CASES = [
     Case("sd3", "fp16", "0=8GB,1=8GB,2=8GB,3=8GB,cpu=64GB", 1024),
     Case("sd3", "fp16", "0=24GB,1=8GB,cpu=64GB", 1024),
     Case("sd15", "fp32", "0=8GB,1=8GB,cpu=32GB", 512),
-    Case("qwen-image", "bf16", "0=24GB,1=24GB,cpu=64GB", 1024),
-    Case("qwen-image", "bf16", "0=24GB,1=24GB,2=24GB,cpu=64GB", 1024),
-    Case("qwen-image", "bf16", "0=16GB,1=16GB,2=16GB,3=16GB,cpu=64GB", 1024),
-    Case("qwen-image", "bf16", "0=48GB,1=24GB,cpu=64GB", 1024),
     Case("flux2", "bf16", "0=40GB,1=40GB,2=40GB,3=40GB,cpu=200GB", 1024),
     Case("flux2", "bf16", ",".join(f"{i}=24GB" for i in range(8)), 1024),
     Case("flux2", "bf16", "0=48GB,1=48GB,2=48GB", 1024),
@@ -82,6 +78,10 @@ CASES = [
     Case("wan2.2", "bf16", "0=80GB,cpu=128GB", 480, 832, 81),
     Case("wan2.2", "bf16", "0=16GB,1=16GB,2=16GB,3=16GB,cpu=128GB", 480, 832, 81),
     Case("wan2.2", "bf16", "0=48GB,1=48GB,cpu=128GB", 720, 1280, 81),
+    Case("qwen-image", "bf16", "0=24GB,1=24GB,cpu=64GB", 1024),
+    Case("qwen-image", "bf16", "0=24GB,1=24GB,2=24GB,cpu=64GB", 1024),
+    Case("qwen-image", "bf16", "0=16GB,1=16GB,2=16GB,3=16GB,cpu=64GB", 1024),
+    Case("qwen-image", "bf16", "0=48GB,1=24GB,cpu=64GB", 1024),
 ]
 
 _META_MODELS: dict = {}
