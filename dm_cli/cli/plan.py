@@ -20,6 +20,8 @@ def plan(
     frames: int | None = typer.Option(None, "--frames", help="Video pipelines: frames to generate, 4k+1 for Wan (default: the pipeline's, 81)."),
     fps: int | None = typer.Option(None, "--fps", help="Video pipelines: frames per second of the video (default: the pipeline's)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: as stored, bf16 for configs)."),
+    weights: str | None = typer.Option(None, "--weights", "-w",
+                                       help="Store weights as fp8 | int8 and compute in --dtype (every component but the VAE), or per component: transformer=fp8,text_encoder=fp8."),
     overhead: str | None = typer.Option(None, "--overhead",
                                         help="Per-device overhead, e.g. 0=600MB,1=600MB (default 600MB per GPU, 0 for cpu)."),
     component: str | None = typer.Option(None, "--component", "-c", help="Plan this component only."),
@@ -41,7 +43,7 @@ def plan(
         refuse_existing([output], overwrite)
     inputs = InputSpec(height, width, batch_size, num_images, guidance_scale, max_sequence_length, frames, fps)
     options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
-                          component, not no_check, not no_cache)
+                          component, not no_check, not no_cache, weights)
     with status(f"Planning {source}: sizing, tracing on the meta device and checking the split…", enabled=not quiet):
         result = make_plan(source, options)
     if output:
