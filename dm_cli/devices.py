@@ -37,6 +37,21 @@ def is_gpu(key) -> bool:
     return isinstance(key, int) or key == "mps"
 
 
+def is_cuda(key) -> bool:
+    """A CUDA GPU index (int, or its string form as plans and reports key devices)."""
+    return isinstance(key, int) or str(key).isdigit()
+
+
+def device_label(key) -> str:
+    """How reports name a device: "GPU 0", "cpu", "mps", "disk"."""
+    return f"GPU {key}" if is_cuda(key) else str(key)
+
+
+def covers(entry: str, name: str) -> bool:
+    """Whether the device_map entry `entry` places `name` (itself, anything under it, or everything for "")."""
+    return entry == "" or name == entry or name.startswith(entry + ".")
+
+
 def normalise_map(device_map: dict) -> dict:
     """A device_map with every device as `device_key` gives it (ints for GPUs)."""
     return {str(k): device_key(v) for k, v in device_map.items()}

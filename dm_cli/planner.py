@@ -15,6 +15,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from .devices import covers
+
 STRATEGIES = ("auto", "sequential", "balanced", "balanced_low_0")
 MODES = ("auto", "resident", "staged")
 
@@ -267,7 +269,7 @@ def component_blocks(
 def _covering(blocks: list[Block], tensor: str) -> int | None:
     for index, block in enumerate(blocks):
         for key in block.keys:
-            if not key or tensor == key or tensor.startswith(key + "."):
+            if covers(key, tensor):
                 return index
     return None
 
@@ -865,7 +867,7 @@ def coverage_problems(device_map: dict[str, int | str], tensor_names: list[str])
     keys = list(device_map)
     used = set()
     for name in tensor_names:
-        matches = [k for k in keys if k == "" or name == k or name.startswith(k + ".")]
+        matches = [k for k in keys if covers(k, name)]
         if len(matches) != 1:
             problems.append(f"{name} is covered by {len(matches)} entries" + (f" ({', '.join(matches)})" if matches else ""))
         used.update(matches)

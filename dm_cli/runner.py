@@ -84,6 +84,7 @@ class RunResult:
     seed: int
     steps: int
     guidance_scale: float
+    true_cfg_scale: float | None
     height: int
     width: int
     num_images: int
@@ -113,8 +114,8 @@ class RunResult:
             "source": self.source, "pipeline": self.pipeline_class, "demo_random_weights": self.demo,
             "plan_digest": self.plan_digest, "planned_here": self.planned_here, "mode": self.plan.mode,
             "simulate": self.simulate, "seed": self.seed, "steps": self.steps, "guidance_scale": self.guidance_scale,
-            "height": self.height, "width": self.width, "num_images": self.num_images, "images": self.images,
-            "num_frames": self.num_frames, "fps": self.fps,
+            "true_cfg_scale": self.true_cfg_scale, "height": self.height, "width": self.width,
+            "num_images": self.num_images, "images": self.images, "num_frames": self.num_frames, "fps": self.fps,
             "latents": self.latents_path,
             "stages": [asdict(s) for s in self.stages],
             "devices": {d: {"measured_peak_bytes": m, "planned_peak_bytes": p} for d, (m, p) in self.device_peaks().items()},
@@ -314,7 +315,8 @@ def settle_job(request: RunRequest, source, family: Family, defaults: dict) -> J
         height=height, width=width, num_images=request.num_images or defaults.get("num_images") or 1,
         max_sequence_length=(request.max_sequence_length or defaults.get("max_sequence_length")
                              or family.default_max_sequence_length),
-        true_cfg_scale=request.true_cfg_scale, num_frames=frames,
+        true_cfg_scale=request.true_cfg_scale if request.true_cfg_scale is not None else family.default_true_cfg_scale,
+        num_frames=frames,
     )
 
 
@@ -405,8 +407,8 @@ def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunR
     result = RunResult(
         source=source.spec, pipeline_class=source.pipeline_class, demo=demo, plan=plan, plan_digest=plan_digest(plan),
         planned_here=not is_file, simulate=request.simulate, seed=job.seed, steps=job.steps,
-        guidance_scale=job.guidance_scale, height=job.height, width=job.width, num_images=job.num_images, images=[],
-        latents_path=None, stages=[], notices=notices, num_frames=job.num_frames,
+        guidance_scale=job.guidance_scale, true_cfg_scale=job.true_cfg_scale, height=job.height, width=job.width,
+        num_images=job.num_images, images=[], latents_path=None, stages=[], notices=notices, num_frames=job.num_frames,
         fps=(request.fps or family.default_fps) if job.num_frames else None,
     )
     loop = StageLoop(source, plan, family, simulate=request.simulate, tracked_steps=TRACKED_STEPS, largest_shard=largest,
@@ -444,8 +446,10 @@ def _metadata(result: RunResult, request: RunRequest) -> dict[str, str]:
     }
     if result.num_frames:
         meta.update(num_frames=str(result.num_frames), fps=str(result.fps))
-    if request.negative_prompt:
+    if request.negative_prompt is not None:
         meta["negative_prompt"] = request.negative_prompt
+    if result.true_cfg_scale is not None:
+        meta["true_cfg_scale"] = str(result.true_cfg_scale)
     if result.demo:
         meta["weights"] = "random (dmap demo pipeline)"
     return meta

@@ -39,6 +39,8 @@ PRESETS = {
     "wan2.2": "wan2.2-t2v-a14b",
     "wan2.2-t2v-a14b": "wan2.2-t2v-a14b",
     "tiny-wan": "tiny-wan",
+    "qwen-image": "qwen-image",
+    "tiny-qwenimage": "tiny-qwenimage",
 }
 
 # Components that hold no weights: copied, never planned.

@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dm_cli.families import family_for  # noqa: E402
 from dm_cli.inputs import InputSpec  # noqa: E402
 from dm_cli.plan import DEFAULT_GPU_OVERHEAD, PlanOptions, make_plan, prepare_component  # noqa: E402
 from dm_cli.sources import resolve_source  # noqa: E402
@@ -91,6 +92,10 @@ CASES = [
     Case("flux2", "bf16", "0=24GB,1=24GB,cpu=128GB", 1024),
     Case("flux2", "bf16", "0=24GB,1=24GB,cpu=128GB", 1024, weights="fp8"),
     Case("wan2.2", "bf16", "0=16GB,1=16GB,cpu=128GB", 480, 832, 81, weights="fp8"),
+    Case("qwen-image", "bf16", "0=24GB,1=24GB,cpu=64GB", 1024),
+    Case("qwen-image", "bf16", "0=24GB,1=24GB,2=24GB,cpu=64GB", 1024),
+    Case("qwen-image", "bf16", "0=16GB,1=16GB,2=16GB,3=16GB,cpu=64GB", 1024),
+    Case("qwen-image", "bf16", "0=48GB,1=24GB,cpu=64GB", 1024),
 ]
 
 _META_MODELS: dict = {}
@@ -109,12 +114,9 @@ def meta_model(comp, dtype):
 
 
 def device_of(device_map: dict, tensor: str):
-    best = None
-    for key, device in device_map.items():
-        if key == "" or tensor == key or tensor.startswith(key + "."):
-            if best is None or len(key) > len(best[0]):
-                best = (key, device)
-    return best[1] if best else None
+    from dm_cli.devices import device_of as placed
+
+    return placed(tensor.rstrip("."), device_map)
 
 
 def evaluate_map(prepared, device_map: dict, budgets) -> dict:
@@ -203,7 +205,7 @@ def run_case(case: Case, check_anchors: bool) -> dict:
     plan = make_plan(case.preset, PlanOptions(case.budget, inputs=inputs, dtype=case.dtype, weights=case.weights))
     elapsed = time.perf_counter() - started
     source = resolve_source(case.preset)
-    denoiser = "transformer" if any(c.name == "transformer" for c in source.components) else "unet"
+    denoiser = family_for(source.pipeline_class).denoiser
     formats = parse_weights_spec(case.weights, [c.name for c in source.components])
     prepared_all = [prepare_component(c, source.pipeline_class, inputs, plan.dtype, weights=formats)
                     for c in source.components]
@@ -248,8 +250,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check-anchors", action="store_true", help="Also run the split check on accelerate's maps.")
     parser.add_argument("--only", default=None, help="Run only these cases (1-based, comma-separated: 16,17).")
+    parser.add_argument("--preset", default=None, help="Run only the cases of this preset (e.g. qwen-image).")
     args = parser.parse_args()
     cases = CASES if args.only is None else [CASES[int(n) - 1] for n in args.only.split(",")]
+    cases = [c for c in cases if args.preset in (None, c.preset)]
     rows, violations = [], []
     for index, case in enumerate(cases, 1):
         print(f"[{index}/{len(cases)}] {case.model} {case.budget} {case.label}", file=sys.stderr)

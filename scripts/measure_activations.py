@@ -9,12 +9,17 @@ inputs inside it, as in the estimate). The estimate is `dm_cli.trace.trace_compo
 
     .venv/bin/python scripts/measure_activations.py [--sizes 256,512] [--widths 160,320,640,640]
     .venv/bin/python scripts/measure_activations.py --model flux2 [--heads 8]
+    .venv/bin/python scripts/measure_activations.py --model qwen-image [--sizes 256,512] [--heads 6 --layers 4]
     .venv/bin/python scripts/measure_activations.py --model wan-transformer --sizes 128,256 --frames 9,17
     .venv/bin/python scripts/measure_activations.py --model wan-vae --sizes 128 --frames 9,17
 
 `--model flux2` does the same for a reduced-width FLUX.2 transformer (FLUX.2 [dev]'s block layout
 and 128-wide heads, fewer heads and blocks), called as Flux2Pipeline calls it: packed latents of
 (H/16)*(W/16) tokens, 512 text tokens, guidance embedded, batch 1 (guidance-distilled: no CFG).
+
+`--model qwen-image` does the same for a reduced-width Qwen-Image transformer (the real config with
+fewer heads and layers), fed exactly what dmap's Qwen-Image family says the pipeline feeds it (512
+text tokens, batch 1: true CFG calls it twice, one call at a time).
 
 Wan: a reduced-width WanTransformer3DModel (Wan 2.1 1.3B width, 1536 = 12 heads x 128, 2 blocks,
 512 text tokens of 4096, one call of batch 1 as each of the pipeline's two CFG calls is) and the
@@ -141,6 +146,82 @@ def naive_peak(config: dict, size: int, batch_size: int = 1) -> int:
     session = trace._Session(model, track_memory=True, replace_sdpa=False)
     trace._run(model, spec, "float32", session)
     return session.peak
+
+
+# --- any denoiser a family knows: inputs from the family's call spec ------------------------------
+
+QWEN_IMAGE_TRANSFORMER = {
+    "_class_name": "QwenImageTransformer2DModel", "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56],
+    "guidance_embeds": False, "in_channels": 64, "joint_attention_dim": 3584, "num_attention_heads": 24,
+    "num_layers": 60, "out_channels": 16, "patch_size": 2,
+}
+
+
+def reduced_qwenimage_config(heads: int, layers: int) -> dict:
+    return dict(QWEN_IMAGE_TRANSFORMER, num_attention_heads=heads, num_layers=layers)
+
+
+def family_call_peaks(cls: str, config: dict, pipeline_class: str, size: int, threads: int | None = 1) -> tuple[int, int]:
+    """(measured, estimated) activation peak of one denoiser call with the inputs the family specifies."""
+    import torch
+
+    from dm_cli.inputs import InputSpec
+    from dm_cli.models import build_model
+    from dm_cli.pipelines import TensorSpec, call_spec
+    from dm_cli.sources import ComponentSource
+    from dm_cli.trace import trace_component
+    from torch.profiler import ProfilerActivity, profile
+
+    comp = ComponentSource("transformer", "diffusers", cls, config, None, None)
+    inputs = InputSpec(size, size)
+    spec = call_spec(comp, pipeline_class, inputs)
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = build_model("diffusers", cls, config).eval()
+
+    def make(value):
+        if isinstance(value, TensorSpec):
+            if value.kind == "long":
+                return torch.zeros(value.shape, dtype=torch.long)
+            return torch.rand(value.shape) if value.shape and len(value.shape) == 1 else torch.randn(value.shape)
+        if isinstance(value, dict):
+            return {k: make(v) for k, v in value.items()}
+        return value
+
+    try:
+        with torch.no_grad():
+            model(**make(spec.kwargs))  # warm-up outside the profiler
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                kwargs = make(spec.kwargs)
+                out = model(**kwargs)
+                del out, kwargs
+    finally:
+        torch.set_num_threads(previous_threads)
+    measured = profile_peak(prof)
+    del model, prof
+    estimated = trace_component(comp, pipeline_class, inputs, "float32", use_cache=False).activation_peak
+    return measured, estimated
+
+
+def main_qwenimage(args) -> int:
+    config = reduced_qwenimage_config(args.heads, args.layers)
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        start = time.perf_counter()
+        measured, estimate = family_call_peaks("QwenImageTransformer2DModel", config, "QwenImagePipeline", size,
+                                               args.threads)
+        rows.append((size, measured, estimate, estimate / measured, time.perf_counter() - start))
+    width = args.heads * QWEN_IMAGE_TRANSFORMER["attention_head_dim"]
+    print(f"Qwen-Image transformer, {args.layers} blocks, {width} wide ({args.heads} heads), fp32, batch 1, "
+          "512 text tokens, CPU")
+    print(f"{'resolution':>10} {'measured':>12} {'estimated':>12} {'ratio':>7} {'seconds':>8}")
+    for size, measured, estimate, ratio, seconds in rows:
+        print(f"{str(size) + '²':>10} {measured / 1e6:>9.2f} MB {estimate / 1e6:>9.2f} MB {ratio:>7.3f} {seconds:>8.1f}")
+    worst = max(abs(r[3] - 1) for r in rows)
+    print(f"worst deviation: {worst:.1%} ({'within' if worst <= 0.2 else 'OUTSIDE'} ±20%)")
+    return 0 if worst <= 0.2 else 1
 
 
 FLUX2_TRANSFORMER = {  # FLUX.2 [dev]'s transformer config with fewer heads and blocks
@@ -288,15 +369,21 @@ def wan_main(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("sd15", "flux2", "qwen-image", "wan-transformer", "wan-vae"), default="sd15")
     parser.add_argument("--sizes", default="256,512")
-    parser.add_argument("--widths", default="160,320,640,640")
+    parser.add_argument("--widths", default="160,320,640,640", help="UNet block widths (sd15)")
+    parser.add_argument("--heads", type=int, default=None,
+                        help="attention heads of 128 (flux2: default 8, [dev] has 48; qwen-image: default 6, of 24)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (qwen-image)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for the measured run")
-    parser.add_argument("--model", choices=("sd15", "flux2", "wan-transformer", "wan-vae"), default="sd15")
     parser.add_argument("--frames", default="9,17", help="Wan: frames (4k+1)")
-    parser.add_argument("--heads", type=int, default=8, help="FLUX.2 attention heads (128 wide each; [dev] has 48)")
     args = parser.parse_args(argv)
+    if args.heads is None:
+        args.heads = {"flux2": 8, "qwen-image": 6}.get(args.model)
     if args.model == "flux2":
         return main_flux2(args)
+    if args.model == "qwen-image":
+        return main_qwenimage(args)
     if args.model.startswith("wan"):
         return wan_main(args)
     widths = tuple(int(w) for w in args.widths.split(","))

@@ -8,7 +8,7 @@ import typer
 def run(
     source: str | None = typer.Argument(None, metavar="SOURCE", help="Pipeline folder, preset or Hub repo id (default: the bundled random-weight FLUX demo)."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="What to draw."),
-    negative_prompt: str | None = typer.Option(None, "--negative-prompt", help="What to avoid (CFG pipelines)."),
+    negative_prompt: str | None = typer.Option(None, "--negative-prompt", help="What to avoid (CFG and true-CFG pipelines)."),
     device_map: str = typer.Option("auto", "--device-map", "-d",
                                    help="auto | balanced | balanced_low_0 | sequential (plan now), or a plan JSON from dmap plan."),
     max_memory: str | None = typer.Option(None, "--max-memory", "-m",
@@ -17,6 +17,8 @@ def run(
     overhead: str | None = typer.Option(None, "--overhead", help="Per-device overhead when planning, e.g. 0=600MB."),
     steps: int | None = typer.Option(None, "--steps", min=1, help="Denoising steps (default: the pipeline's)."),
     guidance_scale: float | None = typer.Option(None, "--guidance-scale", help="Guidance (default: the pipeline's)."),
+    true_cfg_scale: float | None = typer.Option(
+        None, "--true-cfg-scale", help="True CFG with --negative-prompt: a second denoiser call per step (Qwen-Image; default 4.0)."),
     seed: int = typer.Option(0, "--seed", help="Random seed: same seed, same image."),
     height: int | None = typer.Option(None, "--height", help="Image height in pixels (default: the pipeline's)."),
     width: int | None = typer.Option(None, "--width", help="Image width in pixels (default: the pipeline's)."),
@@ -45,10 +47,10 @@ def run(
 
     request = RunRequest(
         source=source, prompt=prompt, negative_prompt=negative_prompt, device_map=device_map, max_memory=max_memory,
-        overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, seed=seed, height=height, width=width,
-        num_images=num_images, max_sequence_length=max_sequence_length, num_frames=frames, fps=fps, output=output,
-        save_latents=save_latents, dtype=dtype, simulate=simulate, overwrite=overwrite, track_activations=track_activations,
-        weights=weights,
+        overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale, seed=seed,
+        height=height, width=width, num_images=num_images, max_sequence_length=max_sequence_length, num_frames=frames,
+        fps=fps, output=output, save_latents=save_latents, dtype=dtype, simulate=simulate, overwrite=overwrite,
+        track_activations=track_activations, weights=weights,
     )
     if as_json:
         result = run_pipeline(request)

@@ -24,7 +24,7 @@ from ..pipelines import CallSpec
 
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
 # `related` prefix is a prefix of another's (Flux of Flux2, StableDiffusion of StableDiffusion3) comes after it.
-FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux2", "flux", "wan")
+FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux2", "flux", "qwenimage", "wan")
 
 # How guidance multiplies the denoiser's work per step.
 GUIDANCE_BATCH = "batch"  # classifier-free guidance: one call on a doubled batch (SD, SDXL, SD3)
@@ -80,6 +80,7 @@ class Family:
     guidance: str = GUIDANCE_BATCH
     default_steps: int = 50
     default_guidance: float = 7.5
+    default_true_cfg_scale: float | None = None  # GUIDANCE_SEPARATE families: the pipeline's true_cfg_scale
     default_max_sequence_length: int | None = None  # T5/LLM tokens; None: the family has no such knob
     default_sample_size: int | None = None  # latent size of the default image; None: denoiser config sample_size
     negative_prompt: bool = True  # False: a negative prompt is refused (guidance-distilled)

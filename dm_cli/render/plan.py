@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..devices import device_rank
+from ..devices import device_label, device_rank
 from ..planner import clean_device_map
 from ..units import format_size
 from . import Col, console, print_table
@@ -41,10 +41,6 @@ def bar_legend():
     return legend
 
 
-def _device_label(key: str) -> str:
-    return f"GPU {key}" if key.isdigit() else key
-
-
 
 def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
     from rich.text import Text
@@ -66,7 +62,7 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
         for key, use in sorted(stage.use.items(), key=lambda item: device_rank(item[0])):
             cap = capacity.get(key)
             rows.append([
-                _device_label(key), size(use.weights), size(use.reserve) if use.reserve else "-",
+                device_label(key), size(use.weights), size(use.reserve) if use.reserve else "-",
                 size(use.activations) if use.activations else "-", size(use.overhead) if use.overhead else "-",
                 size(use.peak) if key != "disk" else "-", size(cap) if cap is not None else "unlimited",
                 size(cap - use.peak) if cap is not None else "-",
@@ -79,7 +75,7 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
         out.print(bar_legend())
     pipe_rows = []
     for name, comp in plan.components.items():
-        devices = ", ".join(_device_label(str(d)) for d in sorted(comp.devices, key=device_rank))
+        devices = ", ".join(device_label(str(d)) for d in sorted(comp.devices, key=device_rank))
         pipe_rows.append([name, comp.cls, comp.stage, plan.weights.get(name) or plan.dtype, size(comp.weights_bytes), devices,
                           size(comp.offloaded_bytes) if comp.offloaded_bytes else "-", str(comp.hops)])
     print_table(out, "hf_device_map (pipeline level)",
@@ -97,7 +93,7 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
         collapsed = clean_device_map(comp.device_map, sorted(set(modules) | parents))
         print_table(out, f"{name} device_map ({len(comp.device_map)} blocks, collapsed)",
                     [Col("modules"), Col("device")],
-                    [[module, _device_label(str(device))] for module, device in _runs(collapsed)])
+                    [[module, device_label(str(device))] for module, device in _runs(collapsed)])
     check = plan.check or {}
     if check.get("ran"):
         if check.get("problems"):

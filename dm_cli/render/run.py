@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from ..devices import device_label, device_rank, is_cuda
 from ..units import format_size
 from . import Col, console, print_table
-from ..devices import device_rank
 
 
 class RunView:
@@ -97,7 +97,7 @@ class RunView:
         for dev, (measured, planned) in sorted(peaks, key=lambda item: device_rank(item[0])):
             base = planned - overheads.get(dev, 0)
             ratio = f"{measured / base:.0%}" if base > 0 and measured else "-"
-            label = f"GPU {dev}" if dev.isdigit() else dev
+            label = device_label(dev)
             device_rows.append([label, size(measured), size(planned), size(overheads.get(dev, 0)), ratio])
         print_table(self.console, "Peak memory per device (measured vs planned)",
                     [Col("device"), Col("measured peak", number=True), Col("planned peak", number=True),
@@ -127,6 +127,6 @@ def tracking_note(result) -> str:
     if any(s.tracked == "process peak RSS" for s in result.stages):
         parts.append("cpu row: the loaded weights plus the growth of this process's peak resident memory during "
                      "each stage (the kernel's high-water mark); --track-activations counts tensors op by op instead.")
-    if not result.simulate and any(dev.isdigit() for dev in result.device_peaks()):
+    if not result.simulate and any(is_cuda(dev) for dev in result.device_peaks()):
         parts.append("GPU rows: torch.cuda.max_memory_allocated over each whole stage.")
     return " ".join(parts)
