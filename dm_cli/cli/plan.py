@@ -11,12 +11,14 @@ def plan(
                                           help="Target devices, e.g. 0=16GB,1=16GB,cpu=64GB,disk (default: this machine)."),
     strategy: str = typer.Option("auto", "--strategy", help="auto | sequential | balanced | balanced_low_0."),
     mode: str = typer.Option("auto", "--mode", help="auto | resident (all loaded at once) | staged (per stage)."),
-    height: int | None = typer.Option(None, "--height", help="Image height in pixels (default: the pipeline's, as dmap run); 0 = weights only (no activations, no GPU overhead unless --overhead)."),
-    width: int | None = typer.Option(None, "--width", help="Image width (default: --height, else the pipeline's)."),
+    height: int | None = typer.Option(None, "--height", help="Height in pixels (default: the pipeline's, as dmap run: e.g. 1024 for FLUX, 480 for Wan); 0 = weights only (no activations, no GPU overhead unless --overhead)."),
+    width: int | None = typer.Option(None, "--width", help="Width in pixels (default: --height, else the pipeline's)."),
     batch_size: int = typer.Option(1, "--batch-size", help="Prompts per call."),
     num_images: int = typer.Option(1, "--num-images", help="Images per prompt."),
     guidance_scale: float | None = typer.Option(None, "--guidance-scale", help="CFG scale (default: the pipeline's)."),
     max_sequence_length: int | None = typer.Option(None, "--max-sequence-length", help="T5 tokens (default: the pipeline's)."),
+    frames: int | None = typer.Option(None, "--frames", help="Video pipelines: frames to generate, 4k+1 for Wan (default: the pipeline's, 81)."),
+    fps: int | None = typer.Option(None, "--fps", help="Video pipelines: frames per second of the video (default: the pipeline's)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: as stored, bf16 for configs)."),
     overhead: str | None = typer.Option(None, "--overhead",
                                         help="Per-device overhead, e.g. 0=600MB,1=600MB (default 600MB per GPU, 0 for cpu)."),
@@ -37,7 +39,7 @@ def plan(
 
     if output:
         refuse_existing([output], overwrite)
-    inputs = InputSpec(height, width, batch_size, num_images, guidance_scale, max_sequence_length)
+    inputs = InputSpec(height, width, batch_size, num_images, guidance_scale, max_sequence_length, frames, fps)
     options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
                           component, not no_check, not no_cache)
     with status(f"Planning {source}: sizing, tracing on the meta device and checking the split…", enabled=not quiet):

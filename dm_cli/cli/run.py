@@ -22,7 +22,9 @@ def run(
     width: int | None = typer.Option(None, "--width", help="Image width in pixels (default: the pipeline's)."),
     num_images: int | None = typer.Option(None, "--num-images", min=1, help="Images for the prompt (out-0.png, out-1.png, ...; default 1, or the plan's)."),
     max_sequence_length: int | None = typer.Option(None, "--max-sequence-length", help="T5 tokens (FLUX, SD3)."),
-    output: str = typer.Option("dmap.png", "--output", "-o", help="PNG to write (with prompt, seed and plan in its metadata)."),
+    frames: int | None = typer.Option(None, "--frames", help="Video pipelines: frames to generate, 4k+1 for Wan (default: the pipeline's, 81)."),
+    fps: int | None = typer.Option(None, "--fps", help="Video pipelines: frames per second of the video (default: the pipeline's, 16 for Wan)."),
+    output: str = typer.Option("dmap.png", "--output", "-o", help="PNG to write (prompt, seed and plan in its metadata); videos: out.mp4 (the default dmap.mp4), out.webp, out.gif or a folder out/ of PNG frames, each with a JSON sidecar."),
     save_latents: str | None = typer.Option(None, "--save-latents", help="Also write the final latents (safetensors)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: the plan's, as stored)."),
     simulate: bool = typer.Option(False, "--simulate",
@@ -39,8 +41,8 @@ def run(
     request = RunRequest(
         source=source, prompt=prompt, negative_prompt=negative_prompt, device_map=device_map, max_memory=max_memory,
         overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, seed=seed, height=height, width=width,
-        num_images=num_images, max_sequence_length=max_sequence_length, output=output, save_latents=save_latents,
-        dtype=dtype, simulate=simulate, overwrite=overwrite, track_activations=track_activations,
+        num_images=num_images, max_sequence_length=max_sequence_length, num_frames=frames, fps=fps, output=output,
+        save_latents=save_latents, dtype=dtype, simulate=simulate, overwrite=overwrite, track_activations=track_activations,
     )
     if as_json:
         result = run_pipeline(request)
