@@ -36,6 +36,9 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No plan, no progress bar."),
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
 ) -> int:
+    from ..run_checks import check_run_request
+
+    check_run_request(output, save_latents, num_images, seed, device_map)  # before anything is loaded
     from ..runner import RunRequest, run as run_pipeline
 
     request = RunRequest(
