@@ -220,7 +220,7 @@ def test_tied_lm_head_away_from_embeddings_is_caught_by_the_split_check():
 
 # --- dmap run against diffusers' own pipelines -------------------------------------------------------
 
-PROMPT, SIZE, STEPS, SEED = "a red fox in the snow", 32, 2, 7
+PROMPT, SIZE, STEPS, SEED, TOKENS = "a red fox in the snow", 32, 2, 7, 64
 PIPELINES = {"tiny-flux2": "Flux2Pipeline", "tiny-flux2-klein": "Flux2KleinPipeline"}
 
 
@@ -266,7 +266,7 @@ def oracle(folder):
     pipe.set_progress_bar_config(disable=True)
     # the tiny encoders have 1-2 layers: diffusers' own tests pass text_encoder_out_layers=(1,), as dmap picks
     image = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(SEED), num_inference_steps=STEPS,
-                 height=SIZE, width=SIZE, text_encoder_out_layers=(1,)).images[0]
+                 height=SIZE, width=SIZE, max_sequence_length=TOKENS, text_encoder_out_layers=(1,)).images[0]
     return np.array(image)
 
 
@@ -308,7 +308,7 @@ def split_plan(folder, n_devices):
     return {
         "format": "dmap-plan", "version": 1, "source": str(folder), "dtype": "float32", "strategy": "auto",
         "mode": "staged", "devices": {str(d): {"capacity_bytes": 10**9} for d in devices} | {"cpu": {"capacity_bytes": 10**10}},
-        "inputs": {"height": SIZE, "width": SIZE, "batch_size": 1},
+        "inputs": {"height": SIZE, "width": SIZE, "batch_size": 1, "max_sequence_length": TOKENS},
         "components": {n: {"class": comps[n].cls, "weights_bytes": 0, "device_map": maps[n]} for n in comps},
         "stages": [{"name": "encode", "components": ["text_encoder"], "peak_bytes": {}},
                    {"name": "denoise", "components": ["transformer"], "peak_bytes": {}},
@@ -328,6 +328,7 @@ def dmap_image(folder, tmp_path, plan=None, simulate=False, name="out.png"):
         (tmp_path / f"plan-{name}.json").write_text(json.dumps(plan))
     result = run(RunRequest(source=str(folder), prompt=PROMPT, device_map=device_map, steps=STEPS, height=SIZE,
                             width=SIZE, seed=SEED, output=str(tmp_path / name), simulate=simulate,
+                            max_sequence_length=TOKENS,
                             max_memory=None if plan is not None else "cpu=8GB"))
     with Image.open(tmp_path / name) as image:
         return np.array(image), result
