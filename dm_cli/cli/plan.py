@@ -27,15 +27,13 @@ def plan(
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Rebuild skeletons and traces instead of using the cache."),
 ) -> int:
-    from ..inputs import InputSpec
-    from ..plan import PlanOptions, make_plan, write_plan
-    from ..units import parse_dtype
+    from ..api import plan as make_plan
+    from ..plan import write_plan
 
-    inputs = InputSpec(height, height if width is None else width, batch_size, num_images, guidance_scale,
-                       max_sequence_length)
-    options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
-                          component, not no_check, not no_cache)
-    result = make_plan(source, options)
+    result = make_plan(source, max_memory=max_memory, height=height, width=width, batch_size=batch_size,
+                       num_images=num_images, guidance_scale=guidance_scale, max_sequence_length=max_sequence_length,
+                       strategy=strategy, mode=mode, dtype=dtype, overhead=overhead, component=component,
+                       check=not no_check, use_cache=not no_cache)
     if output:
         write_plan(result, output)
     if as_json:
