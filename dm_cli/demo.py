@@ -158,12 +158,6 @@ def write_random_pipeline(
 
 def _build_random(library: str, cls: str, config: dict):
     """The class with its own (random) initialisation, on the CPU."""
-    if library == "diffusers":
-        import diffusers
+    from .models import build_model
 
-        return getattr(diffusers, cls).from_config(config)
-    import transformers
-
-    model_cls = getattr(transformers, cls)
-    clean = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
-    return model_cls(model_cls.config_class.from_dict(clean))
+    return build_model(library, cls, config)

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .atomic import atomic_write
+from .devices import device_key
 from .errors import DoesNotFitError, UsageError
+from .families import family_for, pipeline_stages, unknown_family_warning
 from .inputs import InputSpec
 from .planner import (
     MODES, STRATEGIES, ComponentInput, ComponentPlacement, Device, DeviceUse, NoFit, Placement, StagePlacement,
-    component_blocks, coverage_problems, default_stages, plan_pipeline,
+    component_blocks, coverage_problems, plan_pipeline,
 )
 from .units import DeviceBudget, format_size, parse_device_spec, parse_dtype, parse_size
 
@@ -28,15 +30,6 @@ PLAN_VERSION = 1
 
 # CUDA context (~300-600 MB) plus cuBLAS workspaces and caching-allocator slack, per GPU.
 DEFAULT_GPU_OVERHEAD = 600 * 10**6
-
-# Pipeline class -> model_cpu_offload_seq (diffusers 0.42): stage order without importing diffusers.
-OFFLOAD_SEQ = {
-    "FluxPipeline": "text_encoder->text_encoder_2->image_encoder->transformer->vae",
-    "StableDiffusionXLPipeline": "text_encoder->text_encoder_2->image_encoder->unet->vae",
-    "StableDiffusionPipeline": "text_encoder->image_encoder->unet->vae",
-    "StableDiffusion3Pipeline": "text_encoder->text_encoder_2->text_encoder_3->image_encoder->transformer->vae",
-}
-
 
 @dataclass
 class PlanOptions:
@@ -129,14 +122,14 @@ class Plan:
     def from_json(cls, data: dict) -> "Plan":
         if data.get("format") != PLAN_FORMAT or data.get("version") != PLAN_VERSION:
             raise ValueError(f"not a {PLAN_FORMAT} v{PLAN_VERSION} document")
-        devices = [Device(_device_key(k), v.get("capacity_bytes"), v.get("overhead_bytes", 0))
+        devices = [Device(device_key(k), v.get("capacity_bytes"), v.get("overhead_bytes", 0))
                    for k, v in data["devices"].items()]
         components = {}
         for name, c in data["components"].items():
-            device_map = {k: _device_key(v) for k, v in c["device_map"].items()}
+            device_map = {k: device_key(v) for k, v in c["device_map"].items()}
             components[name] = ComponentPlacement(
                 name, c.get("class", "?"), int(c.get("weights_bytes", 0)), device_map,
-                _device_key(c.get("execution_device", next(iter(device_map.values())) if device_map else "cpu")),
+                device_key(c.get("execution_device", next(iter(device_map.values())) if device_map else "cpu")),
                 dict(c.get("activation_bytes", {})), int(c.get("offloaded_bytes", 0)), int(c.get("hops", 0)),
                 c.get("stage", ""), int(c.get("disk_bytes", 0)),
             )
@@ -153,13 +146,6 @@ class Plan:
             {n: int(c.get("activation_peak_bytes", 0)) for n, c in data["components"].items()},
             data.get("config_digest"),
         )
-
-
-def _device_key(value):
-    if isinstance(value, int):
-        return value
-    text = str(value)
-    return int(text) if text.isdigit() else text
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -225,7 +211,10 @@ def parse_overhead(spec: str | None, budgets: list[DeviceBudget], weights_only: 
             name, sep, size = item.strip().partition("=")
             if not sep or not size.strip():
                 raise UsageError(f"--overhead entry '{item.strip()}' needs a size, like 0=600MB.")
-            key = name.strip().lower().removeprefix("cuda:")
+            try:
+                key = str(device_key(name))
+            except ValueError:
+                key = None
             if key not in overhead:
                 raise UsageError(f"--overhead names device '{name.strip()}', which is not in --max-memory.")
             overhead[key] = parse_size(size.strip())
@@ -233,21 +222,6 @@ def parse_overhead(spec: str | None, budgets: list[DeviceBudget], weights_only: 
 
 
 # --- components -----------------------------------------------------------------------------------
-
-
-def offload_sequence(pipeline_class: str | None) -> list[str] | None:
-    """model_cpu_offload_seq: from the bundled table, else from the diffusers pipeline class."""
-    if not pipeline_class:
-        return None
-    seq = OFFLOAD_SEQ.get(pipeline_class)
-    if seq is None:
-        try:
-            import diffusers
-
-            seq = getattr(getattr(diffusers, pipeline_class, None), "model_cpu_offload_seq", None)
-        except Exception:
-            seq = None
-    return seq.split("->") if seq else None
 
 
 def _splittable(comp) -> bool:
@@ -341,7 +315,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache)
                 for c in comps]
     specs = [p.spec for p in prepared]
-    stages = default_stages([c.name for c in comps], offload_sequence(source.pipeline_class))
+    stages = pipeline_stages(source.pipeline_class, [c.name for c in comps])
     try:
         placement = plan_pipeline(specs, stages, devices, options.strategy, options.mode)
     except NoFit:
@@ -351,6 +325,8 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
                 placement.stages, source.pipeline_class, [w for p in prepared for w in p.warnings] + placement.warnings,
                 activation_peaks={p.spec.name: p.spec.activation_peak for p in prepared},
                 config_digest=config_digest(source))
+    if source.pipeline_class and family_for(source.pipeline_class) is None:
+        plan.warnings.insert(0, unknown_family_warning(source.pipeline_class))
     _explain_offload(plan, prepared, stages, options)
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
@@ -399,9 +375,9 @@ def _cached_check(prep, pipeline_class, inputs, device_map, use_cache: bool, che
 
     here = Path(__file__).parent
     code = hashlib.sha256()
-    for name in ("trace.py", "pipelines.py"):
+    for path in [here / "trace.py", here / "pipelines.py", *sorted((here / "families").glob("*.py"))]:
         try:
-            code.update((here / name).read_bytes())
+            code.update(path.read_bytes())
         except OSError:
             pass
     key = cache_key({"class": prep.source.cls, "config": prep.source.config, "pipeline": pipeline_class,

@@ -657,11 +657,15 @@ def _expand(comp: ComponentInput, comp_map: dict[str, int | str]) -> dict[str, i
     return out
 
 
-def default_stages(components: list[str], offload_seq: list[str] | None) -> list[Stage]:
-    """encode (everything before the denoiser), denoise, decode (after it), from model_cpu_offload_seq."""
+def default_stages(components: list[str], offload_seq: list[str] | None,
+                   denoisers: tuple[str, ...] = ("transformer", "unet")) -> list[Stage]:
+    """encode (everything before the denoiser), denoise, decode (after it), from model_cpu_offload_seq.
+
+    `denoisers`: component names that denoise (the family's; see dm_cli.families.pipeline_stages).
+    """
     order = [c for c in (offload_seq or []) if c in components]
     order += [c for c in components if c not in order]
-    denoisers = [c for c in order if c in ("transformer", "unet", "prior", "decoder")]
+    denoisers = [c for c in order if c in denoisers]
     if not denoisers:
         return [Stage("run", tuple(order))] if order else []
     pivot = order.index(denoisers[0])

@@ -1,30 +1,20 @@
 """`dmap run`: staged encode -> denoise -> decode across devices, following a dmap plan.
 
 The diffusers "distributed inference" recipe (load the text encoders, encode, free them; load the
-denoiser, denoise to latents, free it; load the VAE, decode) done by one function for any
-supported pipeline, with each component loaded straight to the devices the plan gives it:
-
-- whole-device components and GPU-only splits go through `from_pretrained(device_map=...)`;
-- components with cpu/disk blocks are built empty and dispatched with accelerate hooks whose
-  weights map points INTO the original safetensors files (no re-saved `.dat` copies);
-- `simulate=True` runs every virtual device on the CPU with the tracer's split check active
-  (`dm_cli.trace.VirtualDevices`), so a two-GPU plan can be proven on a laptop.
-
-The runner is the only part of dmap that loads real weights. No Typer, no Rich here.
+denoiser, denoise to latents, free it; load the VAE, decode) for any pipeline a family in
+`dm_cli.families` knows: this module settles the request (SOURCE, defaults, plan) and writes the
+outputs; `dm_cli.stages` loads each stage's components to their planned devices and runs it;
+`dm_cli.loading` loads and frees components; `dm_cli.meter` measures. `simulate=True` runs every
+virtual device on the CPU with the tracer's split check active, so a two-GPU plan can be proven on
+a laptop. No Typer, no Rich here.
 """
 
 from __future__ import annotations
 
 import gc
 import hashlib
-import inspect as pyinspect
 import json
-import math
 import os
-import threading
-import time
-import weakref
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,12 +22,12 @@ from typing import Callable
 from . import __version__
 from .atomic import atomic_write
 from .errors import CheckpointError, DoesNotFitError, SourceError, UsageError
+from .families import Family, Job, family_for, supported_pipelines
 from .inputs import InputSpec
 from .sources import config_digest
-from .units import format_size, parse_dtype
+from .stages import StageLoop, StageResult
+from .units import parse_dtype
 
-SUPPORTED_PIPELINES = ("FluxPipeline", "StableDiffusionXLPipeline", "StableDiffusionPipeline", "StableDiffusion3Pipeline")
-DENOISERS = ("transformer", "unet")
 # Peak host RAM during a component's load may exceed the largest shard by this much: the Python
 # heap, safetensors' mmap bookkeeping and one tensor in flight during a dtype cast.
 LOAD_RSS_MARGIN_BYTES = 64 * 1024 * 1024
@@ -65,6 +55,7 @@ class RunRequest:
     mode: str = "auto"
     steps: int | None = None
     guidance_scale: float | None = None
+    true_cfg_scale: float | None = None  # true-CFG families (Qwen-Image)
     seed: int = 0
     height: int | None = None
     width: int | None = None
@@ -77,27 +68,11 @@ class RunRequest:
 
 
 @dataclass
-class StageResult:
-    name: str
-    components: list[str]
-    load_s: float = 0.0
-    run_s: float = 0.0
-    wall_s: float = 0.0
-    resident_before: dict[str, int] = field(default_factory=dict)  # tracked weight bytes per device before loading
-    resident_after_load: dict[str, int] = field(default_factory=dict)
-    measured_peak: dict[str, int] = field(default_factory=dict)
-    planned_peak: dict[str, int] = field(default_factory=dict)
-    load_rss_delta: int = 0  # peak host RSS during this stage's load minus RSS before it
-    tracked: str = "all"  # which part of the run the activation tracker saw ("first of N steps" in denoise)
-    largest_shard: int = 0  # largest safetensors file this stage read
-
-
-@dataclass
 class RunResult:
     source: str
     pipeline_class: str
     demo: bool
-    plan: dict
+    plan: object  # dm_cli.plan.Plan
     plan_digest: str
     planned_here: bool
     simulate: bool
@@ -129,7 +104,7 @@ class RunResult:
     def to_json(self) -> dict:
         return {
             "source": self.source, "pipeline": self.pipeline_class, "demo_random_weights": self.demo,
-            "plan_digest": self.plan_digest, "planned_here": self.planned_here, "mode": self.plan.get("mode"),
+            "plan_digest": self.plan_digest, "planned_here": self.planned_here, "mode": self.plan.mode,
             "simulate": self.simulate, "seed": self.seed, "steps": self.steps, "guidance_scale": self.guidance_scale,
             "height": self.height, "width": self.width, "num_images": self.num_images, "images": self.images,
             "latents": self.latents_path,
@@ -154,78 +129,63 @@ def _quiet_libraries() -> None:
     diffusers.utils.logging.disable_progress_bar()
 
 
-def plan_digest(plan: dict) -> str:
-    return hashlib.sha256(json.dumps(plan, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def plan_digest(plan) -> str:
+    return hashlib.sha256(json.dumps(plan.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def read_plan_file(path: str) -> dict:
-    from .plan import load_plan
-
-    return load_plan(path).to_json()
-
-
-def make_run_plan(source, request: RunRequest, inputs: InputSpec) -> dict:
+def make_run_plan(source, request: RunRequest, inputs: InputSpec):
     """Plan with dmap's planner (`dm_cli.plan.make_plan`) for these inputs and devices."""
     from .plan import PlanOptions, make_plan
-    from .units import parse_dtype
 
     options = PlanOptions(max_memory=request.max_memory, strategy=request.device_map, mode=request.mode,
                           overhead=request.overhead,
                           inputs=inputs, dtype=parse_dtype(request.dtype) if request.dtype else None)
     try:
-        plan = make_plan(str(source.root), options).to_json()
+        plan = make_plan(str(source.root), options)
     except DoesNotFitError as error:  # name the SOURCE as the user gave it (the demo is a cache path)
         raise DoesNotFitError(str(error).replace(str(source.root), source.spec), error.details) from None
-    plan["source"] = source.spec
+    plan.source = source.spec
     return plan
 
 
-def check_plan_matches(plan: dict, source, inputs: InputSpec, dtype: str | None, where: str) -> None:
+def check_plan_matches(plan, source, inputs: InputSpec, dtype: str | None, where: str) -> None:
     """A plan made for another model, other inputs or another dtype is refused, not run."""
-    digest = plan.get("config_digest") or plan.get("source_digest")
     ours = config_digest(source)
     names = {c.name for c in source.components}
-    planned = set(plan.get("components", {}))
-    if digest is not None and digest != ours:
+    planned = set(plan.components)
+    if plan.config_digest is not None and plan.config_digest != ours:
         raise UsageError(
-            f"{where} was made for another model (config digest {digest}, this SOURCE has {ours}): "
+            f"{where} was made for another model (config digest {plan.config_digest}, this SOURCE has {ours}): "
             f"plan again with dmap plan {source.spec} --output PLAN.json."
         )
     if planned != names:
         raise UsageError(
             f"{where} places components {sorted(planned)} but {source.spec} has {sorted(names)}: it is a plan for another model."
         )
-    for name, comp in plan["components"].items():
-        cls = comp.get("class")
+    for name, comp in plan.components.items():
         actual = next(c.cls for c in source.components if c.name == name)
-        if cls and cls != "?" and cls != actual:
-            raise UsageError(f"{where} plans '{name}' as {cls} but {source.spec} has {actual}: it is a plan for another model.")
-    planned_inputs = plan.get("inputs") or {}
+        if comp.cls and comp.cls != "?" and comp.cls != actual:
+            raise UsageError(f"{where} plans '{name}' as {comp.cls} but {source.spec} has {actual}: it is a plan for another model.")
+    planned_inputs = plan.inputs
     for key, value in (("height", inputs.height), ("width", inputs.width),
                        ("batch_size", inputs.batch_size), ("num_images", inputs.num_images)):
-        if key in planned_inputs and planned_inputs[key] not in (None, value) and planned_inputs[key] != 0:
+        wanted = getattr(planned_inputs, key)
+        if wanted not in (None, value, 0):
             raise UsageError(
-                f"{where} was made for {key}={planned_inputs[key]}, this run asks for {value}: "
-                f"pass --{key.replace('_', '-')} {planned_inputs[key]} or plan again for these inputs."
+                f"{where} was made for {key}={wanted}, this run asks for {value}: "
+                f"pass --{key.replace('_', '-')} {wanted} or plan again for these inputs."
             )
-    if dtype and plan.get("dtype") and parse_dtype(dtype) != plan["dtype"]:
-        raise UsageError(f"{where} was made for {plan['dtype']}, this run asks for {dtype}: drop --dtype or plan again.")
+    if dtype and plan.dtype and parse_dtype(dtype) != plan.dtype:
+        raise UsageError(f"{where} was made for {plan.dtype}, this run asks for {dtype}: drop --dtype or plan again.")
 
 
-def plan_devices(plan: dict) -> set[str]:
-    devices = set()
-    for comp in plan["components"].values():
-        for dev in comp["device_map"].values():
-            devices.add(str(dev))
-    return devices
-
-
-def check_devices_present(plan: dict) -> None:
+def check_devices_present(plan) -> None:
     """Without --simulate, every device the plan names must exist here."""
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    for dev in sorted(plan_devices(plan)):
+    devices = {dev for comp in plan.components.values() for dev in comp.device_map.values()}
+    for dev in sorted(devices, key=str):
         if dev in ("cpu", "disk"):
             continue
         if dev == "mps":
@@ -239,525 +199,12 @@ def check_devices_present(plan: dict) -> None:
             )
 
 
-# --- memory measurement --------------------------------------------------------------------
+# --- settling the request ------------------------------------------------------------------
 
 
-class MemoryMeter:
-    """Tracked bytes per (virtual) device: weights by the plan's map, activations by the module running.
-
-    Weights are registered as weak references when a component loads, so `resident()` shows what is
-    really still alive (a freed component drops to zero only if nothing holds it). Activations are
-    counted by a dispatch mode between `start()` and `stop()`: a storage's bytes when an op creates
-    it, charged to the device of the innermost mapped module running, returned when the storage
-    dies (a weak reference on the storage itself, so views cost one dict lookup). The mode costs
-    Python work on every op, so the runner keeps it on for encode, decode and only the FIRST
-    denoising step: every step runs the same graph on the same shapes, so its peak is the stage's.
-    CUDA devices in a real run report `torch.cuda.max_memory_allocated` instead.
-    """
-
-    def __init__(self):
-        self._weights: dict[str, list[tuple[weakref.ref, int]]] = defaultdict(list)
-        self._weight_ptrs: set[int] = set()
-        self.live: dict[str, int] = defaultdict(int)
-        self.peak: dict[str, int] = defaultdict(int)
-        self._storages: dict[tuple, tuple] = {}  # (device type, index, data_ptr) -> (bytes, device, weakref)
-        self.current: list[str] = ["cpu"]
-        self._mode = None
-        self.tracking = False
-
-    def register_weights(self, model, device_map: dict, default_device: str) -> None:
-        entries = sorted(((k, str(v)) for k, v in device_map.items()), key=lambda kv: -len(kv[0]))
-        seen: set[int] = set()
-        tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-        for name, tensor in tensors:
-            if tensor is None or tensor.device.type == "meta":
-                continue
-            ptr = tensor.untyped_storage().data_ptr()
-            if ptr in seen or ptr == 0:
-                continue
-            seen.add(ptr)
-            self._weight_ptrs.add(ptr)
-            device = default_device
-            for prefix, dev in entries:
-                if prefix == "" or name == prefix or name.startswith(prefix + "."):
-                    device = dev
-                    break
-            self._weights[device].append((weakref.ref(tensor), tensor.untyped_storage().nbytes()))
-
-    def resident(self) -> dict[str, int]:
-        """Bytes of registered weights still alive (call after gc.collect() to see frees)."""
-        out = {}
-        for device, refs in self._weights.items():
-            alive = [(r, n) for r, n in refs if r() is not None]
-            self._weights[device] = alive
-            out[device] = sum(n for _, n in alive)
-        self._weight_ptrs = {r().untyped_storage().data_ptr() for refs in self._weights.values() for r, _ in refs}
-        return out
-
-    def reset_peaks(self) -> None:
-        self.peak = defaultdict(int, {d: v for d, v in self.live.items()})
-
-    def start(self) -> None:
-        """Count the storages that ops create from now on (until `stop`)."""
-        if self._mode is not None:
-            self.tracking = True
-            return
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
-
-        tensor_type = torch.Tensor
-        meter = self
-
-        class _Track(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if meter.tracking:
-                    if isinstance(out, tensor_type):
-                        meter._track(out)
-                    elif isinstance(out, (tuple, list)):
-                        for t in tree_flatten(out)[0]:
-                            if isinstance(t, tensor_type):
-                                meter._track(t)
-                return out
-
-        self._mode = _Track()
-        self._mode.__enter__()
-        self.tracking = True
-
-    def stop(self) -> None:
-        """No more counting (storages already counted are still returned when they die).
-
-        The dispatch mode leaves the mode stack only when it is on top (a stop from inside a
-        pipeline callback could otherwise pop someone else's mode); else it passes ops through
-        untouched until `stop` is called again at the end of the stage.
-        """
-        self.tracking = False
-        if self._mode is None:
-            return
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-        if _get_current_dispatch_mode() is self._mode:
-            mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
-
-    def _track(self, tensor) -> None:
-        if tensor.device.type == "meta":
-            return
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return
-        ptr = storage.data_ptr()
-        if ptr == 0 or ptr in self._weight_ptrs:
-            return
-        key = (tensor.device.type, tensor.device.index, ptr)
-        if key in self._storages:
-            return
-        device = self.current[-1]
-        size = storage.nbytes()
-        self._storages[key] = (size, device, weakref.ref(storage, lambda _ref, key=key: self._release(key)))
-        live = self.live[device] = self.live[device] + size
-        if live > self.peak[device]:
-            self.peak[device] = live
-
-    def _release(self, key) -> None:
-        record = self._storages.pop(key, None)
-        if record is not None:
-            self.live[record[1]] -= record[0]
-
-    def attach(self, model, device_map: dict, default_device: str) -> list:
-        """Hooks that make activations count against the device of the module that makes them."""
-        handles = []
-        modules = dict(model.named_modules())
-        for prefix, dev in device_map.items():
-            module = modules.get(prefix)
-            if module is None:
-                continue
-            key = str(dev)
-
-            def pre(_module, _args, key=key):
-                self.current.append(key)
-
-            def post(_module, _args, _out):
-                if len(self.current) > 1:
-                    self.current.pop()
-
-            handles.append(module.register_forward_pre_hook(pre))
-            handles.append(module.register_forward_hook(post))
-        return handles
-
-
-class _RssSampler:
-    """Peak resident set size of this process while a block runs (sampled every 2 ms)."""
-
-    def __init__(self):
-        import psutil
-
-        self._process = psutil.Process()
-        self.start = self.peak = self._process.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            rss = self._process.memory_info().rss
-            if rss > self.peak:
-                self.peak = rss
-            self._stop.wait(0.002)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        rss = self._process.memory_info().rss
-        self.peak = max(self.peak, rss)
-
-
-# --- loading -------------------------------------------------------------------------------
-
-
-def _execution_device(device_map: dict, simulate: bool):
-    """Where a component computes: its first GPU in map order, else the CPU."""
-    import torch
-
-    if simulate:
-        return torch.device("cpu")
-    for dev in device_map.values():
-        if isinstance(dev, int) or (isinstance(dev, str) and dev.isdigit()):
-            return torch.device("cuda", int(dev))
-        if dev == "mps":
-            return torch.device("mps")
-    return torch.device("cpu")
-
-
-def _normalise_map(device_map: dict) -> dict:
-    return {k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in device_map.items()}
-
-
-def check_component_files(comp) -> int:
-    """Headers of a component's safetensors validated; returns the largest shard's size."""
-    from .checkpoint import open_checkpoint
-
-    if comp.weights is None:
-        raise CheckpointError(
-            f"Component '{comp.name}' has no safetensors weights in {comp.folder}: add them (dmap shard converts .bin files) "
-            "or pick the folder that has them."
-        )
-    checkpoint = open_checkpoint(comp.weights, strict=True)
-    return max((p.stat().st_size for p in checkpoint.files), default=0)
-
-
-def load_component(comp, device_map: dict, dtype: str | None, simulate: bool):
-    """One component on its planned devices. Under simulate every virtual device is the CPU."""
-    import torch
-
-    torch_dtype = getattr(torch, dtype) if dtype else None
-    device_map = _normalise_map(device_map)
-    offloaded = any(v in ("cpu", "disk") for v in device_map.values())
-    on_accelerator = any(not isinstance(v, str) or v == "mps" for v in device_map.values())
-    try:
-        if simulate or not on_accelerator and set(device_map.values()) == {"cpu"}:
-            model = _from_pretrained(comp, {"": "cpu"}, torch_dtype)
-        elif offloaded:
-            model = _load_streamed(comp, device_map, torch_dtype)
-        else:
-            model = _from_pretrained(comp, device_map, torch_dtype)
-            if len(set(device_map.values())) == 1:
-                from accelerate.hooks import AlignDevicesHook, add_hook_to_module
-
-                # Inputs made on another device (embeddings, latents) follow the component.
-                add_hook_to_module(model, AlignDevicesHook(execution_device=_execution_device(device_map, False), io_same_device=True))
-    except (OSError, ValueError, RuntimeError, KeyError) as error:
-        if isinstance(error, torch.OutOfMemoryError):
-            raise
-        raise CheckpointError(f"Cannot load component '{comp.name}' from {comp.folder}: {error}".rstrip(".") + ".") from error
-    model.eval()
-    return model
-
-
-def _component_class(comp):
-    import diffusers
-    import transformers
-
-    module = diffusers if comp.library == "diffusers" else transformers
-    cls = getattr(module, comp.cls, None)
-    if cls is None:
-        raise SourceError(f"Component '{comp.name}' is a {comp.cls}, which {module.__name__} {module.__version__} lacks.")
-    return cls
-
-
-def _from_pretrained(comp, device_map, torch_dtype):
-    cls = _component_class(comp)
-    if comp.library == "diffusers":
-        return cls.from_pretrained(comp.folder, torch_dtype=torch_dtype, device_map=device_map)
-    return cls.from_pretrained(comp.folder, dtype=torch_dtype if torch_dtype is not None else "auto", device_map=device_map)
-
-
-def _load_streamed(comp, device_map: dict, torch_dtype):
-    """Build empty, put GPU blocks on their GPUs, and stream cpu/disk blocks from the ORIGINAL safetensors.
-
-    accelerate's own disk offload re-saves every tensor as .dat; here the offload index points into
-    the checkpoint's shards, which accelerate's OffloadedWeightsLoader reads with safe_open (mmap).
-    """
-    import torch
-    from accelerate import dispatch_model, init_empty_weights
-    from accelerate.utils import set_module_tensor_to_device
-    from safetensors import safe_open
-
-    from .checkpoint import open_checkpoint
-    from .skeleton import skeleton_for_component
-
-    cls = _component_class(comp)
-    clean = {k: v for k, v in comp.config.items() if k not in ("_name_or_path", "transformers_version")}
-    with init_empty_weights(include_buffers=False):
-        if comp.library == "diffusers":
-            model = cls.from_config(clean)
-        else:
-            model = cls(cls.config_class.from_dict(clean))
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    skeleton, _ = skeleton_for_component(comp)
-    dtype_name = str(torch_dtype).removeprefix("torch.") if torch_dtype is not None else None
-    target_dtype = {t.name: t.dtype_at(dtype_name) for t in skeleton.tensors}
-    aliases = {alias: group[0] for group in skeleton.tie_groups for alias in group[1:]}
-    checkpoint = open_checkpoint(comp.weights, strict=True)
-    folder = Path(comp.weights).parent
-    where = {name: folder / shard for name, shard in checkpoint.tensor_files.items()}
-    gpu_main = _execution_device(device_map, False)
-    entries = sorted(device_map.items(), key=lambda kv: -len(kv[0]))
-
-    def placed(name):
-        for prefix, dev in entries:
-            if prefix == "" or name == prefix or name.startswith(prefix + "."):
-                return dev
-        return "cpu"
-
-    offload_index = {}
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + \
-        [n for n, _ in model.named_buffers(remove_duplicate=False)]
-    persistent = {t.name for t in skeleton.tensors if t.kind in ("param", "buffer")} | set(aliases)
-    handles: dict[str, object] = {}
-    for name in names:
-        if name not in persistent:
-            continue  # non-persistent buffers were built for real by init_empty_weights(include_buffers=False)
-        stored = name if name in where else aliases.get(name, name)
-        if stored not in where:
-            stored = next((a for g in skeleton.tie_groups if name in g for a in g if a in where), stored)
-        if stored not in where:
-            raise CheckpointError(f"Component '{comp.name}': tensor '{name}' is missing from {comp.weights}.")
-        file = str(where[stored])
-        dev = placed(name)
-        dtype = target_dtype.get(name) or target_dtype.get(stored) or "float32"
-        is_buffer = "." in name and name.rpartition(".")[2] in dict(model.named_buffers()) or name in dict(model.named_buffers())
-        if dev in ("cpu", "disk"):
-            if not is_buffer:
-                offload_index[name] = {"safetensors_file": file, "weight_name": stored, "dtype": dtype}
-                continue
-        handle = handles.get(file) or handles.setdefault(file, safe_open(file, framework="pt", device="cpu"))
-        value = handle.get_tensor(stored).to(getattr(torch, dtype))
-        set_module_tensor_to_device(model, name, "cpu" if dev in ("cpu", "disk") else dev, value=value)
-    handles.clear()
-    dispatch_map = {k: ("disk" if v in ("cpu", "disk") else v) for k, v in device_map.items()}
-    main = gpu_main.index if gpu_main.type == "cuda" else gpu_main.type  # safetensors wants "cpu" or an index
-    model = dispatch_model(model, dispatch_map, main_device=main, state_dict={}, offload_index=offload_index,
-                           offload_buffers=False, force_hooks=True)
-    model.hf_device_map = dict(device_map)
-    return model
-
-
-def free_components(models: list) -> None:
-    """Hooks off, references dropped, allocator caches emptied: the memory goes back to the device.
-
-    One gc.collect() for all of them. The list is emptied: the caller must hold no other reference.
-    """
-    import torch
-
-    from accelerate.hooks import remove_hook_from_module
-
-    while models:
-        model = models.pop()
-        try:
-            remove_hook_from_module(model, recurse=True)
-        except Exception:  # noqa: BLE001 - a model without hooks
-            pass
-        for module in model.modules():  # diffusers' hook registries keep the model reachable otherwise
-            module.__dict__.pop("_diffusers_hook", None)
-        del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-# --- pipelines -----------------------------------------------------------------------------
-
-
-def _placeholder(comp, torch_dtype):
-    """The component on the meta device: its config and dtype for the pipeline, no memory.
-
-    Text encoders get None instead: the pipelines only read them while encoding (when the real one
-    is loaded) and, given prompt embeddings, fall back to the denoiser's dtype exactly as the
-    diffusers staged recipe (which passes text_encoder=None) does. Building a T5 on meta costs a
-    quarter of a second even for the demo, for nothing.
-    """
-    if comp.name.startswith("text_encoder"):
-        return None
-    from .skeleton import build_on_meta
-
-    model = build_on_meta(comp.library, comp.cls, comp.config)
-    if torch_dtype is not None:
-        model = model.to(torch_dtype)
-    return model
-
-
-def build_pipeline(source, torch_dtype, placeholders: dict):
-    """The pipeline object with tokenizers and scheduler loaded and every model a meta placeholder."""
-    import diffusers
-
-    cls = getattr(diffusers, source.pipeline_class)
-    params = pyinspect.signature(cls.__init__).parameters
-    kwargs = {}
-    for name, param in params.items():
-        if name == "self" or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
-            continue
-        if name in placeholders:
-            kwargs[name] = placeholders[name]
-        elif name in source.other_components:
-            library, class_name = source.other_components[name]
-            kwargs[name] = _load_weightless(source, name, library, class_name)
-        elif name == "requires_safety_checker":
-            kwargs[name] = bool(source.model_index.get("requires_safety_checker", False))
-        elif param.default is pyinspect.Parameter.empty:
-            kwargs[name] = None
-    staged = type(cls.__name__, (cls,), {"_execution_device": property(lambda self: self._dmap_device)})
-    pipe = staged(**kwargs)
-    pipe._dmap_device = "cpu"
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _load_weightless(source, name, library, class_name):
-    if library is None or class_name is None:
-        return None
-    folder = source.root / name
-    if "Scheduler" in class_name:
-        import diffusers
-
-        scheduler_cls = getattr(diffusers, class_name, None)
-        if scheduler_cls is None:
-            raise SourceError(f"Scheduler {class_name} is not in this diffusers.")
-        if not (folder / "scheduler_config.json").is_file():
-            raise SourceError(f"The scheduler config of {source.spec} is missing: {folder / 'scheduler_config.json'}.")
-        return scheduler_cls.from_pretrained(source.root, subfolder=name)
-    if "Tokenizer" in class_name:
-        import transformers
-
-        if not folder.is_dir() or not any(folder.iterdir()):
-            raise SourceError(
-                f"Tokenizer '{name}' of {source.spec} is missing ({folder}): copy the tokenizer folders with the weights."
-            )
-        try:
-            return getattr(transformers, class_name).from_pretrained(folder)
-        except (OSError, ValueError, TypeError) as error:
-            raise SourceError(f"Tokenizer '{name}' of {source.spec} cannot be loaded from {folder}: {error}") from error
-    return None  # feature extractors, image encoders: not used for text-to-image
-
-
-@dataclass
-class Embeds:
-    tensors: dict  # kwargs for the pipeline call
-    do_cfg: bool
-
-
-def encode(pipe, pipeline_class: str, prompt: str, negative: str | None, device, num_images: int,
-           guidance: float, max_sequence_length: int | None) -> Embeds:
-    """The pipeline's own encode_prompt, called as its __call__ would call it."""
-    if pipeline_class == "FluxPipeline":
-        pe, ppe, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=device, num_images_per_prompt=num_images,
-                                        max_sequence_length=max_sequence_length or 512)
-        return Embeds({"prompt_embeds": pe, "pooled_prompt_embeds": ppe}, False)
-    if pipeline_class == "StableDiffusionPipeline":
-        do_cfg = guidance > 1 and pipe.unet.config.time_cond_proj_dim is None
-        pe, npe = pipe.encode_prompt(prompt, device, num_images, do_cfg, negative)
-        out = {"prompt_embeds": pe}
-        if do_cfg:
-            out["negative_prompt_embeds"] = npe
-        return Embeds(out, do_cfg)
-    if pipeline_class == "StableDiffusionXLPipeline":
-        do_cfg = guidance > 1 and pipe.unet.config.time_cond_proj_dim is None
-        pe, npe, ppe, nppe = pipe.encode_prompt(prompt=prompt, device=device, num_images_per_prompt=num_images,
-                                                do_classifier_free_guidance=do_cfg, negative_prompt=negative)
-        out = {"prompt_embeds": pe, "pooled_prompt_embeds": ppe}
-        if do_cfg:
-            out.update(negative_prompt_embeds=npe, negative_pooled_prompt_embeds=nppe)
-        return Embeds(out, do_cfg)
-    if pipeline_class == "StableDiffusion3Pipeline":
-        do_cfg = guidance > 1
-        pe, npe, ppe, nppe = pipe.encode_prompt(prompt=prompt, prompt_2=None, prompt_3=None, device=device,
-                                                num_images_per_prompt=num_images, do_classifier_free_guidance=do_cfg,
-                                                negative_prompt=negative, max_sequence_length=max_sequence_length or 256)
-        out = {"prompt_embeds": pe, "pooled_prompt_embeds": ppe}
-        if do_cfg:
-            out.update(negative_prompt_embeds=npe, negative_pooled_prompt_embeds=nppe)
-        return Embeds(out, do_cfg)
-    raise UsageError(f"dmap run does not support {pipeline_class}.")
-
-
-def decode(pipe, pipeline_class: str, latents, height: int, width: int, device):
-    """The pipeline's own decode tail (unpack, unscale, VAE decode, postprocess to PIL)."""
-    import torch
-
-    vae = pipe.vae
-    if pipeline_class == "FluxPipeline":
-        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
-        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
-    elif pipeline_class == "StableDiffusion3Pipeline":
-        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
-    elif pipeline_class == "StableDiffusionXLPipeline":
-        needs_upcasting = vae.dtype == torch.float16 and vae.config.force_upcast
-        if needs_upcasting:
-            pipe.upcast_vae()
-            latents = latents.to(next(iter(vae.post_quant_conv.parameters())).dtype)
-        mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
-        if mean is not None and std is not None:
-            mean = torch.tensor(mean).view(1, 4, 1, 1).to(latents.device, latents.dtype)
-            std = torch.tensor(std).view(1, 4, 1, 1).to(latents.device, latents.dtype)
-            latents = latents * std / vae.config.scaling_factor + mean
-        else:
-            latents = latents / vae.config.scaling_factor
-    else:
-        latents = latents / vae.config.scaling_factor
-    image = vae.decode(latents.to(device), return_dict=False)[0]
-    if pipeline_class == "StableDiffusionXLPipeline" and getattr(pipe, "watermark", None) is not None:
-        image = pipe.watermark.apply_watermark(image)
-    kwargs = {"do_denormalize": [True] * image.shape[0]} if pipeline_class == "StableDiffusionPipeline" else {}
-    return pipe.image_processor.postprocess(image, output_type="pil", **kwargs)
-
-
-def _call_default(pipeline_class: str, name: str):
-    import diffusers
-
-    param = pyinspect.signature(getattr(diffusers, pipeline_class).__call__).parameters.get(name)
-    return None if param is None or param.default is pyinspect.Parameter.empty else param.default
-
-
-# --- the run -------------------------------------------------------------------------------
-
-
-def size_multiple(pipeline_class: str, vae_scale: int, denoiser_config: dict) -> int:
-    """What height and width must be multiples of, as the pipeline's own check_inputs demands."""
-    if pipeline_class == "FluxPipeline":
-        return vae_scale * 2  # latents are packed 2x2
-    if pipeline_class == "StableDiffusion3Pipeline":
-        return vae_scale * int((denoiser_config or {}).get("patch_size", 2))
-    return math.lcm(8, vae_scale)  # StableDiffusion(XL)Pipeline.check_inputs: divisible by 8
-
-
-def check_image_size(pipeline_class: str, height: int, width: int, vae_scale: int, denoiser_config: dict) -> None:
-    multiple = size_multiple(pipeline_class, vae_scale, denoiser_config)
+def check_image_size(family: Family, pipeline_class: str, height: int, width: int, denoiser_config: dict,
+                     vae_config: dict | None) -> None:
+    multiple = family.size_multiple(denoiser_config, vae_config)
     for flag, value in (("--height", height), ("--width", width)):
         if value < multiple or value % multiple:
             lower = max(multiple, value - value % multiple)
@@ -768,7 +215,7 @@ def check_image_size(pipeline_class: str, height: int, width: int, vae_scale: in
 
 
 def prepare(request: RunRequest):
-    """Resolve SOURCE (the demo when None), refuse what cannot run, and settle every default."""
+    """Resolve SOURCE (the demo when None), refuse what cannot run; (source, family, demo, defaults, notices)."""
     from .sources import resolve_source
 
     demo = request.source is None
@@ -785,18 +232,56 @@ def prepare(request: RunRequest):
         defaults = {}
     if source.kind != "pipeline":
         raise UsageError(f"dmap run needs a pipeline folder (model_index.json); {request.source} is a single {source.kind}.")
-    if source.pipeline_class not in SUPPORTED_PIPELINES:
-        raise UsageError(
-            f"dmap run does not support {source.pipeline_class}: it runs {', '.join(SUPPORTED_PIPELINES)}."
-        )
-    if request.negative_prompt and source.pipeline_class == "FluxPipeline":
-        raise UsageError("FLUX pipelines ignore negative prompts (guidance is distilled): drop --negative-prompt.")
+    family = family_for(source.pipeline_class)
+    if family is None or not family.runs(source.pipeline_class):
+        raise UsageError(f"dmap run does not support {source.pipeline_class}: it runs {', '.join(supported_pipelines())}.")
+    refusal = family.refuse(request.negative_prompt, request.true_cfg_scale)
+    if refusal:
+        raise UsageError(refusal)
     if request.num_images < 1:
         raise UsageError("--num-images must be at least 1.")
-    return source, demo, defaults, notices
+    return source, family, demo, defaults, notices
 
 
-def run(request: RunRequest, on_plan: Callable[[dict], None] | None = None,
+def settle_job(request: RunRequest, source, family: Family, defaults: dict) -> Job:
+    """Every default filled in (the demo's, else the family's), sizes checked: the Job the stages run."""
+    comps = {c.name: c for c in source.components}
+    denoiser, vae = comps.get(family.denoiser), comps.get("vae")
+    if denoiser is None or vae is None:
+        raise SourceError(f"{source.spec} has no {family.denoiser} or no vae: dmap run needs both.")
+    default_size = family.default_image_size(denoiser.config or {}, vae.config)
+    height = request.height or defaults.get("height") or default_size
+    width = request.width or defaults.get("width") or default_size
+    check_image_size(family, source.pipeline_class, height, width, denoiser.config or {}, vae.config)
+    guidance = request.guidance_scale if request.guidance_scale is not None else (
+        defaults.get("guidance_scale") or family.default_guidance)
+    return Job(
+        prompt=request.prompt, negative_prompt=request.negative_prompt, seed=request.seed,
+        steps=request.steps or defaults.get("steps") or family.default_steps, guidance_scale=guidance,
+        height=height, width=width, num_images=request.num_images,
+        max_sequence_length=(request.max_sequence_length or defaults.get("max_sequence_length")
+                             or family.default_max_sequence_length),
+        true_cfg_scale=request.true_cfg_scale,
+    )
+
+
+def check_component_files(comp) -> int:
+    """Headers of a component's safetensors validated; returns the largest shard's size."""
+    from .checkpoint import open_checkpoint
+
+    if comp.weights is None:
+        raise CheckpointError(
+            f"Component '{comp.name}' has no safetensors weights in {comp.folder}: add them (dmap shard converts .bin files) "
+            "or pick the folder that has them."
+        )
+    checkpoint = open_checkpoint(comp.weights, strict=True)
+    return max((p.stat().st_size for p in checkpoint.files), default=0)
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
         on_step: Callable[[int, int], None] | None = None) -> RunResult:
     """Plan (or read and check a plan), then encode -> denoise -> decode following it.
 
@@ -820,34 +305,20 @@ def run(request: RunRequest, on_plan: Callable[[dict], None] | None = None,
 
 
 def _run(request: RunRequest, on_plan, on_step, freeze: bool) -> RunResult:
-    source, demo, defaults, notices = prepare(request)
-    cls_name = source.pipeline_class
+    from .plan import load_plan
 
+    source, family, demo, defaults, notices = prepare(request)
     # Settle the inputs first: the plan is made for (and checked against) them.
-    denoiser = next((c for c in source.components if c.name in DENOISERS), None)
-    vae = next((c for c in source.components if c.name == "vae"), None)
-    if denoiser is None or vae is None:
-        raise SourceError(f"{source.spec} has no denoiser (transformer/unet) or no vae: dmap run needs both.")
-    scale = 2 ** (len(vae.config.get("block_out_channels", [0, 0, 0, 0])) - 1)
-    default_size = int(denoiser.config.get("sample_size", 64)) * scale
-    if cls_name == "FluxPipeline":
-        default_size = 128 * scale
-    height = request.height or defaults.get("height") or default_size
-    width = request.width or defaults.get("width") or default_size
-    check_image_size(cls_name, height, width, scale, denoiser.config)  # before any heavy import: a quick exit 2
-    steps = request.steps or defaults.get("steps") or _call_default(cls_name, "num_inference_steps") or 28
-    guidance = request.guidance_scale if request.guidance_scale is not None else (
-        defaults.get("guidance_scale") or _call_default(cls_name, "guidance_scale") or 1.0)
-    max_seq = request.max_sequence_length or defaults.get("max_sequence_length") or _call_default(cls_name, "max_sequence_length")
-    inputs = InputSpec(height=height, width=width, batch_size=1, num_images=request.num_images,
-                       guidance_scale=guidance, max_sequence_length=max_seq)
+    job = settle_job(request, source, family, defaults)
+    inputs = InputSpec(height=job.height, width=job.width, batch_size=1, num_images=job.num_images,
+                       guidance_scale=job.guidance_scale, max_sequence_length=job.max_sequence_length)
 
     _quiet_libraries()
     # missing or corrupt weights are bad input: say so before spending time on a plan
     largest = {c.name: check_component_files(c) for c in source.components}
     is_file = request.device_map.endswith(".json") or Path(request.device_map).is_file()
     if is_file:
-        plan = read_plan_file(request.device_map)
+        plan = load_plan(request.device_map)
         check_plan_matches(plan, source, inputs, request.dtype, request.device_map)
     else:
         if request.device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
@@ -858,220 +329,29 @@ def _run(request: RunRequest, on_plan, on_step, freeze: bool) -> RunResult:
     if not request.simulate:
         check_devices_present(plan)
 
-    import torch
-
-    dtype = plan.get("dtype")
-    torch_dtype = getattr(torch, dtype) if dtype else None
-    digest = plan_digest(plan)
     result = RunResult(
-        source=source.spec, pipeline_class=cls_name, demo=demo, plan=plan, plan_digest=digest, planned_here=not is_file,
-        simulate=request.simulate, seed=request.seed, steps=steps, guidance_scale=guidance, height=height, width=width,
-        num_images=request.num_images, images=[], latents_path=None, stages=[], notices=notices,
+        source=source.spec, pipeline_class=source.pipeline_class, demo=demo, plan=plan, plan_digest=plan_digest(plan),
+        planned_here=not is_file, simulate=request.simulate, seed=job.seed, steps=job.steps,
+        guidance_scale=job.guidance_scale, height=job.height, width=job.width, num_images=job.num_images, images=[],
+        latents_path=None, stages=[], notices=notices,
     )
-    comps = {c.name: c for c in source.components}
-    placeholders = {name: _placeholder(comps[name], torch_dtype) for name in plan["components"]}
-    pipe = build_pipeline(source, torch_dtype, placeholders)
-    meter = MemoryMeter()
-    loaded: dict[str, object] = {}
-    hooks: dict[str, list] = {}
-    checkers: dict[str, object] = {}
-    cuda_used = not request.simulate and torch.cuda.is_available()
-
-    def load(names: list[str], stage: StageResult) -> None:
-        with _RssSampler() as rss:
-            for name in names:
-                cmap = plan["components"][name]["device_map"]
-                model = load_component(comps[name], cmap, dtype, request.simulate)
-                default_dev = str(next(iter(cmap.values())))
-                meter.register_weights(model, cmap, default_dev)
-                hooks[name] = meter.attach(model, cmap, default_dev)
-                if request.simulate:
-                    checkers[name] = _virtual_devices(model, cmap)
-                    result.split_check = result.split_check or checkers[name] is not None
-                    hooks[name] += _check_each_forward(model, checkers[name], name, result.split_problems)
-                loaded[name] = model
-                setattr(pipe, name, model)
-        stage.load_rss_delta = rss.peak - rss.start
-        stage.largest_shard = max([largest.get(n, 0) for n in names] + [stage.largest_shard])
-
-    def unload(names: list[str]) -> None:
-        models = []
-        for name in names:
-            for handle in hooks.pop(name, []):
-                handle.remove()
-            checkers.pop(name, None)
-            setattr(pipe, name, placeholders[name])
-            models.append(loaded.pop(name))
-        free_components(models)
-        del models
-
-    staged = plan.get("mode", "staged") != "resident"
-    stages = plan["stages"]
-    latents = None
-    embeds = None
-    images = []
+    loop = StageLoop(source, plan, family, simulate=request.simulate, tracked_steps=TRACKED_STEPS, largest_shard=largest)
     if freeze:  # what the stages free is collected without walking the libraries (see run())
         gc.freeze()
     try:
-        if not staged:
-            first = StageResult("load", sorted(plan["components"]))
-            t0 = time.perf_counter()
-            first.resident_before = meter.resident()
-            load(list(plan["components"]), first)
-            first.load_s = first.wall_s = time.perf_counter() - t0
-            first.resident_after_load = meter.resident()
-            result.stages.append(first)
-        for stage_plan in stages:
-            name = stage_plan["name"]
-            stage = StageResult(name, list(stage_plan["components"]), planned_peak={
-                str(k): int(v) for k, v in stage_plan.get("peak_bytes", {}).items()})
-            t0 = time.perf_counter()
-            stage.resident_before = meter.resident()
-            if staged:
-                load(stage.components, stage)
-            stage.load_s = time.perf_counter() - t0
-            stage.resident_after_load = meter.resident()
-            meter.reset_peaks()
-            if cuda_used:
-                for i in range(torch.cuda.device_count()):
-                    torch.cuda.reset_peak_memory_stats(i)
-            t1 = time.perf_counter()
-            first_map = plan["components"][stage.components[0]]["device_map"] if stage.components else {"": "cpu"}
-            meter.current[:] = [str(next(iter(first_map.values())))]
-            track = not cuda_used or any(
-                _execution_device(plan["components"][c]["device_map"], False).type == "cpu" for c in stage.components)
-            stage.tracked = "all" if track else "none (CUDA: max_memory_allocated)"
-            try:
-                with torch.inference_mode(False), torch.no_grad():
-                    if track:
-                        meter.start()
-                    if name == "encode":
-                        embeds = _run_encode(pipe, plan, stage.components, cls_name, request, inputs, guidance, max_seq, meter)
-                    elif name == "denoise":
-                        latents = _run_denoise(pipe, plan, stage.components, embeds, steps, guidance, height, width,
-                                               request, max_seq, on_step, meter)
-                        embeds = None
-                        if track and TRACKED_STEPS is not None and steps > TRACKED_STEPS:
-                            stage.tracked = f"first {TRACKED_STEPS} of {steps} steps"
-                    elif name == "decode":
-                        device = _execution_device(plan["components"]["vae"]["device_map"], request.simulate)
-                        meter.current.append(str(next(iter(plan["components"]["vae"]["device_map"].values()))))
-                        images = decode(pipe, cls_name, latents, height, width, device)
-                        meter.current.pop()
-                    else:
-                        raise UsageError(f"The plan has a stage '{name}' that dmap run does not know (encode, denoise, decode).")
-                    meter.stop()
-            except torch.OutOfMemoryError as error:
-                raise _oom(error, name, stage.planned_peak, request) from None
-            except MemoryError:
-                raise DoesNotFitError(
-                    f"Out of host memory during {name} (planned cpu peak {format_size(stage.planned_peak.get('cpu', 0))}): "
-                    "lower cpu= in --max-memory to what is really free and plan again."
-                ) from None
-            stage.run_s = time.perf_counter() - t1
-            resident = stage.resident_after_load
-            stage.measured_peak = {d: resident.get(d, 0) + meter.peak.get(d, 0)
-                                   for d in set(resident) | set(meter.peak) if resident.get(d, 0) + meter.peak.get(d, 0)}
-            if cuda_used:
-                for i in range(torch.cuda.device_count()):
-                    stage.measured_peak[str(i)] = torch.cuda.max_memory_allocated(i)
-            if staged:
-                unload(stage.components)
-            stage.wall_s = time.perf_counter() - t0
-            result.stages.append(stage)
+        carry, result.stages = loop.run_job(job, on_step)
     finally:
-        meter.stop()  # an interrupted stage may have left the tracker on
-        if loaded:
-            unload(list(loaded))
-    if latents is None or not images:
+        loop.close()
+    result.split_check, result.split_problems = loop.split_check, loop.split_problems
+    if carry.latents is None or not carry.images:
         raise UsageError("The plan has no denoise or decode stage: nothing was generated.")
-    result.images_data = images
-    result.latents = latents.detach().to("cpu")
+    result.images_data = carry.images
+    result.latents = carry.latents.detach().to("cpu")
     if request.save_latents:
         result.latents_path = save_latents(result.latents, request.save_latents, _metadata(result, request))
     if request.output:
-        result.images = save_images(images, request.output, _metadata(result, request))
+        result.images = save_images(carry.images, request.output, _metadata(result, request))
     return result
-
-
-def _run_encode(pipe, plan, names, cls_name, request, inputs, guidance, max_seq, meter):
-    enc_map = plan["components"][names[0]]["device_map"] if names else {"": "cpu"}
-    device = _execution_device(enc_map, request.simulate)
-    pipe._dmap_device = device
-    return encode(pipe, cls_name, request.prompt, request.negative_prompt, device, inputs.num_images, guidance, max_seq)
-
-
-def _run_denoise(pipe, plan, names, embeds, steps, guidance, height, width, request, max_seq, on_step, meter):
-    import torch
-
-    if embeds is None:
-        raise UsageError("The plan runs denoise before encode: the stages are out of order.")
-    den_map = plan["components"][names[0]]["device_map"]
-    device = _execution_device(den_map, request.simulate)
-    pipe._dmap_device = device
-    kwargs = {k: v.to(device) for k, v in embeds.tensors.items()}
-    call_params = pyinspect.signature(type(pipe).__call__).parameters
-    if "max_sequence_length" in call_params and max_seq:
-        kwargs["max_sequence_length"] = max_seq
-
-    def step_end(_pipe, step, _t, callback_kwargs):
-        if TRACKED_STEPS is not None and step + 1 == TRACKED_STEPS:
-            meter.stop()  # later steps repeat this one's graph on the same shapes: its peak is the stage's
-        if on_step is not None:
-            on_step(step + 1, steps)
-        return callback_kwargs
-
-    out = pipe(
-        prompt=None, height=height, width=width, num_inference_steps=steps, guidance_scale=guidance,
-        num_images_per_prompt=1, generator=torch.Generator().manual_seed(request.seed), output_type="latent",
-        callback_on_step_end=step_end, **kwargs,
-    )
-    return out.images
-
-
-def _virtual_devices(model, device_map):
-    """The tracer's split check on a component (dm_cli.trace.VirtualDevices), when it exists."""
-    try:
-        from .trace import VirtualDevices
-    except ImportError:
-        return None
-    return VirtualDevices(model, device_map)
-
-
-def _check_each_forward(model, checker, name: str, problems: list[str]) -> list:
-    """The split check is active during each forward of the component (not the pipeline's glue around it)."""
-    if checker is None:
-        return []
-
-    def pre(_module, _args):
-        checker.__enter__()
-
-    def post(_module, _args, _out):
-        checker.__exit__(None, None, None)
-        for problem in checker.problems:
-            entry = f"{name}: {problem}"
-            if entry not in problems:
-                problems.append(entry)
-
-    return [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
-
-
-def _oom(error, stage: str, planned: dict, request: RunRequest) -> DoesNotFitError:
-    import re
-
-    import torch
-
-    match = re.search(r"GPU (\d+)", str(error))
-    gpu = match.group(1) if match else "0"
-    actual = torch.cuda.max_memory_allocated(int(gpu)) if torch.cuda.is_available() else 0
-    plan_peak = planned.get(gpu, 0)
-    smaller = int(plan_peak * 0.9) if plan_peak else 0
-    hint = f"plan again with {gpu}={format_size(smaller)} in --max-memory" if smaller else "plan again with a smaller --max-memory for it"
-    return DoesNotFitError(
-        f"Out of memory on GPU {gpu} during {stage}: planned {format_size(plan_peak)}, reached {format_size(actual)} before "
-        f"failing; {hint} so the plan keeps more room free.",
-        {"stage": stage, "device": gpu, "planned_bytes": plan_peak, "actual_bytes": actual},
-    )
 
 
 # --- outputs -------------------------------------------------------------------------------

@@ -254,33 +254,10 @@ def skeleton_from_model(name: str, library: str | None, model) -> Skeleton:
 
 
 def build_on_meta(library: str, class_name: str, config: dict):
-    """Instantiate a diffusers/transformers class on the meta device from its config dict."""
-    import torch
+    """Instantiate a component class on the meta device from its config dict (dm_cli.models)."""
+    from .models import build_model
 
-    if library == "diffusers":
-        import diffusers
-
-        model_cls = getattr(diffusers, class_name, None)
-        if model_cls is None:
-            raise SourceError(f"Class '{class_name}' is not in diffusers {diffusers.__version__}: cannot build it.")
-        with torch.device("meta"):
-            model = model_cls.from_config(config)
-        return model
-    if library == "transformers":
-        import transformers
-
-        model_cls = getattr(transformers, class_name, None)
-        if model_cls is None:
-            raise SourceError(f"Class '{class_name}' is not in transformers {transformers.__version__}: cannot build it.")
-        config_cls = model_cls.config_class
-        clean = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
-        model_config = config_cls.from_dict(clean)
-        with torch.device("meta"):
-            model = model_cls(model_config)
-        # Built under init_empty_weights, T5 comes out untied; here tie explicitly (see reference README).
-        model.tie_weights()
-        return model
-    raise SourceError(f"Component class '{class_name}' comes from library '{library}', which dmap cannot build: only diffusers and transformers.")
+    return build_model(library, class_name, config, device="meta")
 
 
 def guess_library(class_name: str) -> str | None:

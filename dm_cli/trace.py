@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .cache import cache_key, read_cached, write_cached
+from .devices import device_key, map_entry
 from .inputs import InputSpec
 from .pipelines import CallSpec, TensorSpec, call_spec, generic_argument
 
@@ -220,13 +221,13 @@ class _Session:
                     yield (f"{prefix}.{name}" if prefix else name), tensor
 
     def _setup_devices(self, device_map: dict) -> None:
-        placed = {str(k): _normalise_device(v) for k, v in device_map.items()}
+        placed = {str(k): device_key(v) for k, v in device_map.items()}
         gpus = sorted({d for d in placed.values() if d not in ("cpu", "disk")}, key=str)
         main = gpus[0] if gpus else "cpu"
         execution = {k: (main if d in ("cpu", "disk") else d) for k, d in placed.items()}
         uncovered: dict[str, int] = {}
         for name, tensor in self._named_tensors():
-            key = _longest_prefix(name, execution)
+            key = map_entry(name, execution)
             if key is None:
                 owner = name.rpartition(".")[0]
                 uncovered[owner] = uncovered.get(owner, 0) + 1
@@ -241,7 +242,7 @@ class _Session:
         if len(set(execution.values())) > 1 or "disk" in placed.values():
             # accelerate hooks: every mapped module and, below one, every module holding tensors
             for prefix in self.classes:
-                key = _longest_prefix(prefix, execution)
+                key = map_entry(prefix, execution)
                 if key is None:
                     continue
                 if prefix == key or prefix in self.holds_tensors:
@@ -498,30 +499,6 @@ def _op_name(func) -> str:
     name = getattr(packet, "__name__", None) or str(func).split(".")[0]
     namespace = getattr(func, "namespace", "aten")
     return f"{namespace}.{name}"
-
-
-def _normalise_device(value):
-    if isinstance(value, bool):
-        raise ValueError(f"not a device: {value!r}")
-    if isinstance(value, int):
-        return value
-    text = str(value).strip().lower()
-    if text.isdigit():
-        return int(text)
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return int(text[5:])
-    return text
-
-
-def _longest_prefix(name: str, mapping: dict):
-    """The device_map key that places `name` (a tensor or module name), as accelerate matches them."""
-    candidate = name
-    while True:
-        if candidate in mapping:
-            return candidate
-        if not candidate:
-            return None
-        candidate = candidate.rpartition(".")[0]
 
 
 # --- building the model and its inputs ---------------------------------------------------------

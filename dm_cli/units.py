@@ -143,14 +143,13 @@ class DeviceBudget:
 
 
 def _parse_device_name(name: str) -> int | str:
-    name = name.strip().lower()
-    if name.isdigit():
-        return int(name)
-    if name.startswith("cuda:") and name[5:].isdigit():
-        return int(name[5:])
-    if name in ("cpu", "mps", "disk"):
-        return name
-    raise UsageError(f"Unknown device '{name}' in --max-memory: use a GPU index (0), cuda:N, cpu, mps or disk.")
+    from .devices import device_key
+
+    try:
+        return device_key(name)
+    except ValueError:
+        raise UsageError(f"Unknown device '{name.strip().lower()}' in --max-memory: use a GPU index (0), cuda:N, cpu, "
+                         "mps or disk.") from None
 
 
 def parse_device_spec(spec: str) -> list[DeviceBudget]:

@@ -29,3 +29,18 @@ def run_dmap(*args, env=None, cwd=None):
 
 def load_json(path):
     return json.loads(Path(path).read_text())
+
+
+def dmap_main(capsys, *args):
+    """Run the CLI in this process (fast): exit code, stdout, stderr."""
+    from dm_cli.cli import main
+
+    capsys.readouterr()
+    try:
+        main([str(a) for a in args])
+    except SystemExit as done:
+        code = done.code or 0
+    else:
+        code = 0
+    out = capsys.readouterr()
+    return code, out.out, out.err

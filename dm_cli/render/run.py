@@ -25,16 +25,15 @@ class RunView:
             self._progress = None
         return False
 
-    def show_plan(self, plan: dict) -> None:
+    def show_plan(self, plan) -> None:
         if self.quiet:
             return
-        from ..plan import Plan
         from .plan import render_plan
 
         try:
-            render_plan(Plan.from_json(plan), binary=self.binary)
-        except (KeyError, ValueError, TypeError):  # a hand-written plan without the planner's extras
-            self.console.print(f"Plan: {plan.get('mode', 'staged')} mode, devices {', '.join(plan.get('devices', {}))}")
+            render_plan(plan, binary=self.binary)
+        except (KeyError, ValueError, TypeError, AttributeError):  # a hand-written plan without the planner's extras
+            self.console.print(f"Plan: {plan.mode} mode, devices {', '.join(d.name for d in plan.devices)}")
 
     def step(self, done: int, total: int) -> None:
         if self.quiet or not self.console.is_terminal:
@@ -73,7 +72,7 @@ class RunView:
                            size(s.load_rss_delta))
         self.console.print(stages)
         devices = Table(title="Peak memory per device (measured vs planned)", title_justify="left")
-        overheads = {k: v.get("overhead_bytes", 0) for k, v in result.plan.get("devices", {}).items()}
+        overheads = {d.name: d.overhead for d in result.plan.devices}
         for column in ("device", "measured peak", "planned peak", "planned overhead", "measured / planned w/o overhead"):
             devices.add_column(column, justify="left" if column == "device" else "right")
         for dev, (measured, planned) in sorted(result.device_peaks().items()):

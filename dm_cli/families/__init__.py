@@ -1,0 +1,208 @@
+"""Pipeline families: everything dmap knows about one kind of diffusers pipeline, in one module each.
+
+A family (a `Family` subclass, one instance `FAMILY` per module listed in `FAMILY_MODULES`) owns:
+which pipeline and denoiser classes it matches; what the pipeline feeds each component for given
+inputs (the tracer's `CallSpec`s, including how guidance multiplies denoiser calls); its defaults
+(steps, guidance, sequence length, image size and multiple); its stages (diffusers'
+`model_cpu_offload_seq`); and, for `dmap run`, how to encode a prompt to embeddings, which extra
+arguments the pipeline's own `__call__` needs to denoise from them, and how to decode latents.
+
+The tracer, planner and runner ask `family_for(...)` and never name a pipeline themselves. A
+pipeline no family matches still gets inspect and a weights-only (or generic-trace) plan.
+No torch at import: families are read by warm `inspect`/`plan` runs, which must not import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..inputs import InputSpec
+from ..pipelines import CallSpec
+
+# One module per family, in the order they are asked: the first that matches wins, so a family whose
+# `related` prefix is a prefix of another's (Flux of Flux2, StableDiffusion of StableDiffusion3) comes after it.
+FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux")
+
+# How guidance multiplies the denoiser's work per step.
+GUIDANCE_BATCH = "batch"  # classifier-free guidance: one call on a doubled batch (SD, SDXL, SD3)
+GUIDANCE_SEPARATE = "separate"  # true CFG: a second call per step with the negative prompt (Qwen-Image)
+GUIDANCE_DISTILLED = "distilled"  # guidance is an input of the model: one call, batch unchanged (FLUX)
+
+DENOISER_NAMES = ("transformer", "unet", "prior", "decoder")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One generation, with every default settled: what a stage needs to encode, denoise or decode."""
+
+    prompt: str
+    negative_prompt: str | None
+    seed: int
+    steps: int
+    guidance_scale: float
+    height: int
+    width: int
+    num_images: int = 1
+    max_sequence_length: int | None = None
+    true_cfg_scale: float | None = None  # families with GUIDANCE_SEPARATE only
+
+
+@dataclass
+class Embeds:
+    """What encode hands to denoise: keyword arguments of the pipeline's __call__ (prompt_embeds, ...)."""
+
+    tensors: dict
+
+
+def pooled_embeds(do_cfg: bool, pe, npe, ppe, nppe) -> Embeds:
+    """__call__ arguments from an encode_prompt that returns pooled embeddings (SDXL, SD3), negatives under CFG."""
+    out = {"prompt_embeds": pe, "pooled_prompt_embeds": ppe}
+    if do_cfg:
+        out.update(negative_prompt_embeds=npe, negative_pooled_prompt_embeds=nppe)
+    return Embeds(out)
+
+
+class Family:
+    """What dmap knows about one pipeline family. Subclasses set the attributes and implement
+    `call_spec`, `encode` and `decode`; the rest has defaults that fit most diffusers pipelines."""
+
+    name: str = ""
+    denoiser: str = "transformer"  # the component that denoises (the denoise stage)
+    pipelines: tuple[str, ...] = ()  # pipeline classes (model_index.json _class_name) that dmap run runs
+    related: tuple[str, ...] = ()  # class-name prefixes traced like them (img2img, inpaint variants)
+    denoiser_classes: tuple[str, ...] = ()  # denoiser classes, to recognise a lone component folder
+    offload_seq: str = ""  # diffusers' model_cpu_offload_seq: the stage order without importing diffusers
+    guidance: str = GUIDANCE_BATCH
+    default_steps: int = 50
+    default_guidance: float = 7.5
+    default_max_sequence_length: int | None = None  # T5/LLM tokens; None: the family has no such knob
+    default_sample_size: int | None = None  # latent size of the default image; None: denoiser config sample_size
+    negative_prompt: bool = True  # False: a negative prompt is refused (guidance-distilled)
+
+    # --- matching -------------------------------------------------------------------------------
+
+    def matches(self, pipeline_class: str | None, component_cls: str | None, config: dict | None) -> bool:
+        """By pipeline class; for a lone component (no pipeline), by its denoiser class."""
+        if pipeline_class:
+            return pipeline_class in self.pipelines or bool(self.related) and pipeline_class.startswith(self.related)
+        return component_cls in self.denoiser_classes
+
+    def runs(self, pipeline_class: str | None) -> bool:
+        """`dmap run` knows how to encode, denoise and decode for this pipeline class."""
+        return pipeline_class in self.pipelines
+
+    # --- what the pipeline feeds its models (the tracer's view) ----------------------------------
+
+    def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
+        """The call the pipeline makes to `comp` for `inputs`; None when the family does not know it."""
+        raise NotImplementedError
+
+    def guidance_scale(self, inputs: InputSpec) -> float:
+        return float(inputs.guidance_scale) if inputs.guidance_scale is not None else self.default_guidance
+
+    def cfg_batch(self, inputs: InputSpec) -> int:
+        """2 when classifier-free guidance doubles the denoiser's batch, else 1."""
+        return 2 if self.guidance == GUIDANCE_BATCH and self.guidance_scale(inputs) > 1.0 else 1
+
+    def denoiser_calls(self, inputs: InputSpec) -> int:
+        """Denoiser calls per step: 2 under true CFG (separate conditional and unconditional calls)."""
+        return 1
+
+    def max_sequence_length(self, comp, inputs: InputSpec) -> int | None:
+        if inputs.max_sequence_length:
+            return int(inputs.max_sequence_length)
+        return self.default_max_sequence_length
+
+    # --- sizes ----------------------------------------------------------------------------------
+
+    def vae_scale(self, vae_config: dict | None) -> int:
+        """2 ** (len(vae.block_out_channels) - 1), as the pipelines compute it; 8 without a VAE config."""
+        blocks = (vae_config or {}).get("block_out_channels")
+        return 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8
+
+    def default_image_size(self, denoiser_config: dict, vae_config: dict | None) -> int:
+        sample = self.default_sample_size or int((denoiser_config or {}).get("sample_size", 64))
+        return sample * self.vae_scale(vae_config)
+
+    def size_multiple(self, denoiser_config: dict, vae_config: dict | None) -> int:
+        """What height and width must be multiples of, as the pipeline's own check_inputs demands."""
+        return math.lcm(8, self.vae_scale(vae_config))
+
+    # --- run ------------------------------------------------------------------------------------
+
+    def refuse(self, negative_prompt: str | None, true_cfg_scale: float | None) -> str | None:
+        """A sentence when the request asks for something this family cannot do, else None."""
+        if negative_prompt and not self.negative_prompt:
+            return f"{self.title()} pipelines ignore negative prompts (guidance is distilled): drop --negative-prompt."
+        if true_cfg_scale is not None and self.guidance != GUIDANCE_SEPARATE:
+            return f"--true-cfg-scale is for true-CFG pipelines such as Qwen-Image, not {self.title()}: use --guidance-scale."
+        return None
+
+    def title(self) -> str:
+        return self.name.upper() if len(self.name) <= 4 else self.name
+
+    def encode(self, pipe, job: Job, device) -> Embeds:
+        """The pipeline's own encode_prompt, called as its __call__ would call it."""
+        raise NotImplementedError
+
+    def call_kwargs(self, pipe, job: Job) -> dict:
+        """Guidance arguments of the pipeline's __call__ when it denoises from embeddings."""
+        return {"guidance_scale": job.guidance_scale}
+
+    def decode(self, pipe, latents, job: Job, device) -> list:
+        """The pipeline's own decode tail (unpack, unscale, VAE decode, postprocess to PIL)."""
+        raise NotImplementedError
+
+
+@lru_cache(maxsize=None)
+def all_families() -> tuple[Family, ...]:
+    return tuple(importlib.import_module(f"{__name__}.{module}").FAMILY for module in FAMILY_MODULES)
+
+
+def family_for(pipeline_class: str | None, component_cls: str | None = None, config: dict | None = None) -> Family | None:
+    """The family of a pipeline class (or, without one, of a lone denoiser component); None if unknown."""
+    return next((f for f in all_families() if f.matches(pipeline_class, component_cls, config)), None)
+
+
+def supported_pipelines() -> list[str]:
+    return [p for f in all_families() for p in f.pipelines]
+
+
+def offload_sequence(pipeline_class: str | None) -> list[str] | None:
+    """model_cpu_offload_seq: the family's, else the diffusers pipeline class attribute (unknown families)."""
+    if not pipeline_class:
+        return None
+    family = family_for(pipeline_class)
+    seq = family.offload_seq if family is not None else None
+    if not seq:
+        try:
+            import diffusers
+
+            seq = getattr(getattr(diffusers, pipeline_class, None), "model_cpu_offload_seq", None)
+        except Exception:
+            seq = None
+    return seq.split("->") if seq else None
+
+
+def pipeline_stages(pipeline_class: str | None, components: list[str]):
+    """encode / denoise / decode of a pipeline's components (planner Stages), in offload order.
+
+    The denoiser is the family's; for an unknown family, the first component with a name diffusers
+    gives denoisers (transformer, unet, prior, decoder).
+    """
+    from ..planner import default_stages
+
+    family = family_for(pipeline_class)
+    denoisers = (family.denoiser,) if family is not None else DENOISER_NAMES
+    return default_stages(components, offload_sequence(pipeline_class), denoisers)
+
+
+def unknown_family_warning(pipeline_class: str) -> str:
+    """What dmap lacks for a pipeline no family matches (plans still place its weights)."""
+    return (f"dmap has no family for {pipeline_class}: it does not know what the pipeline feeds its components (activations "
+            "are estimated only where a forward can be called with generic inputs), takes the stage order from "
+            "diffusers' model_cpu_offload_seq, and dmap run cannot run it; a family module in dm_cli/families adds all "
+            "three (README: Adding a pipeline family).")

@@ -1,0 +1,70 @@
+"""FLUX.1 [dev] and [schnell]: CLIP + T5 encoders, a guidance-distilled transformer on packed 2x2 latents."""
+
+from __future__ import annotations
+
+from ..inputs import InputSpec
+from ..pipelines import CallSpec, TensorSpec, component_call, sibling_config, vae_config
+from . import GUIDANCE_DISTILLED, Embeds, Family, Job
+
+
+class FluxFamily(Family):
+    name = "flux"
+    pipelines = ("FluxPipeline",)
+    related = ("Flux",)
+    denoiser_classes = ("FluxTransformer2DModel",)
+    offload_seq = "text_encoder->text_encoder_2->image_encoder->transformer->vae"
+    guidance = GUIDANCE_DISTILLED
+    default_steps = 28
+    default_guidance = 3.5
+    default_max_sequence_length = 512  # FluxPipeline.__call__'s default, schnell included
+    default_sample_size = 128
+    negative_prompt = False
+
+    def max_sequence_length(self, comp, inputs: InputSpec) -> int:
+        """T5 tokens: the user's value, else 512 for dev and 256 for schnell (no guidance embedding)."""
+        if inputs.max_sequence_length:
+            return int(inputs.max_sequence_length)
+        config = comp.config if comp.cls in self.denoiser_classes else sibling_config(comp, "transformer")
+        return 256 if config is not None and not config.get("guidance_embeds", False) else 512
+
+    def size_multiple(self, denoiser_config: dict, vae_config_: dict | None) -> int:
+        return self.vae_scale(vae_config_) * 2  # latents are packed 2x2
+
+    def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
+        config = comp.config or {}
+        factor = self.vae_scale(vae_config(comp))
+        # packed 2x2 latents: height = 2 * (H // (factor * 2))
+        latent_h, latent_w = 2 * (inputs.height // (factor * 2)), 2 * (inputs.width // (factor * 2))
+        seq = self.max_sequence_length(comp, inputs)
+        images = inputs.effective_batch
+        if comp.cls in self.denoiser_classes:
+            tokens = (latent_h // 2) * (latent_w // 2)
+            kwargs = {
+                "hidden_states": TensorSpec((images, tokens, config.get("in_channels", 64))),
+                "encoder_hidden_states": TensorSpec((images, seq, config.get("joint_attention_dim", 4096))),
+                "pooled_projections": TensorSpec((images, config.get("pooled_projection_dim", 768))),
+                "timestep": TensorSpec((images,)),
+                "img_ids": TensorSpec((tokens, 3)),
+                "txt_ids": TensorSpec((seq, 3)),
+                "return_dict": False,
+            }
+            if config.get("guidance_embeds", False):
+                kwargs["guidance"] = TensorSpec((images,))
+            return CallSpec("forward", kwargs, description=f"{tokens} image tokens, {seq} text tokens, batch {images}")
+        return component_call(comp, inputs, latent_hw=(latent_h, latent_w), seq=seq)
+
+    def encode(self, pipe, job: Job, device) -> Embeds:
+        pe, ppe, _ = pipe.encode_prompt(prompt=job.prompt, prompt_2=None, device=device,
+                                        num_images_per_prompt=job.num_images,
+                                        max_sequence_length=job.max_sequence_length or 512)
+        return Embeds({"prompt_embeds": pe, "pooled_prompt_embeds": ppe})
+
+    def decode(self, pipe, latents, job: Job, device) -> list:
+        vae = pipe.vae
+        latents = pipe._unpack_latents(latents, job.height, job.width, pipe.vae_scale_factor)
+        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        image = vae.decode(latents.to(device), return_dict=False)[0]
+        return pipe.image_processor.postprocess(image, output_type="pil")
+
+
+FAMILY = FluxFamily()

@@ -1,0 +1,216 @@
+"""Loading components to their planned devices, freeing them, and the pipeline object around them.
+
+- whole-device components and GPU-only splits go through `from_pretrained(device_map=...)`;
+- components with cpu/disk blocks are built empty and dispatched with accelerate hooks whose
+  weights map points INTO the original safetensors files (no re-saved `.dat` copies);
+- the pipeline is built once with tokenizers and scheduler loaded and every model a meta
+  placeholder; the stage loop (`dm_cli.stages`) swaps real components in and out.
+
+The only part of dmap that loads real weights. No Typer, no Rich.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect as pyinspect
+from pathlib import Path
+
+from .devices import device_of, execution_device_key, normalise_map, torch_device
+from .errors import CheckpointError, SourceError
+
+
+def execution_device(device_map: dict, simulate: bool):
+    """The torch.device a component computes on: its first GPU in map order, else the CPU."""
+    return torch_device(execution_device_key(device_map), simulate)
+
+
+def load_component(comp, device_map: dict, dtype: str | None, simulate: bool):
+    """One component on its planned devices. Under simulate every virtual device is the CPU."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    device_map = normalise_map(device_map)
+    offloaded = any(v in ("cpu", "disk") for v in device_map.values())
+    on_accelerator = any(not isinstance(v, str) or v == "mps" for v in device_map.values())
+    try:
+        if simulate or not on_accelerator and set(device_map.values()) == {"cpu"}:
+            model = _from_pretrained(comp, {"": "cpu"}, torch_dtype)
+        elif offloaded:
+            model = _load_streamed(comp, device_map, torch_dtype)
+        else:
+            model = _from_pretrained(comp, device_map, torch_dtype)
+            if len(set(device_map.values())) == 1:
+                from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+                # Inputs made on another device (embeddings, latents) follow the component.
+                add_hook_to_module(model, AlignDevicesHook(execution_device=execution_device(device_map, False), io_same_device=True))
+    except (OSError, ValueError, RuntimeError, KeyError) as error:
+        if isinstance(error, torch.OutOfMemoryError):
+            raise
+        raise CheckpointError(f"Cannot load component '{comp.name}' from {comp.folder}: {error}".rstrip(".") + ".") from error
+    model.eval()
+    return model
+
+
+def _from_pretrained(comp, device_map, torch_dtype):
+    from .models import component_class, is_transformers_model
+
+    cls = component_class(comp.library, comp.cls)
+    if not is_transformers_model(cls):
+        return cls.from_pretrained(comp.folder, torch_dtype=torch_dtype, device_map=device_map)
+    return cls.from_pretrained(comp.folder, dtype=torch_dtype if torch_dtype is not None else "auto", device_map=device_map)
+
+
+def _load_streamed(comp, device_map: dict, torch_dtype):
+    """Build empty, put GPU blocks on their GPUs, and stream cpu/disk blocks from the ORIGINAL safetensors.
+
+    accelerate's own disk offload re-saves every tensor as .dat; here the offload index points into
+    the checkpoint's shards, which accelerate's OffloadedWeightsLoader reads with safe_open (mmap).
+    """
+    import torch
+    from accelerate import dispatch_model
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+
+    from .checkpoint import open_checkpoint
+    from .models import build_model
+    from .skeleton import skeleton_for_component
+
+    model = build_model(comp.library, comp.cls, comp.config, device="empty")
+    skeleton, _ = skeleton_for_component(comp)
+    dtype_name = str(torch_dtype).removeprefix("torch.") if torch_dtype is not None else None
+    target_dtype = {t.name: t.dtype_at(dtype_name) for t in skeleton.tensors}
+    aliases = {alias: group[0] for group in skeleton.tie_groups for alias in group[1:]}
+    checkpoint = open_checkpoint(comp.weights, strict=True)
+    folder = Path(comp.weights).parent
+    where = {name: folder / shard for name, shard in checkpoint.tensor_files.items()}
+    gpu_main = execution_device(device_map, False)
+
+    offload_index = {}
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + \
+        [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    persistent = {t.name for t in skeleton.tensors if t.kind in ("param", "buffer")} | set(aliases)
+    handles: dict[str, object] = {}
+    for name in names:
+        if name not in persistent:
+            continue  # non-persistent buffers were built for real by init_empty_weights(include_buffers=False)
+        stored = name if name in where else aliases.get(name, name)
+        if stored not in where:
+            stored = next((a for g in skeleton.tie_groups if name in g for a in g if a in where), stored)
+        if stored not in where:
+            raise CheckpointError(f"Component '{comp.name}': tensor '{name}' is missing from {comp.weights}.")
+        file = str(where[stored])
+        dev = device_of(name, device_map, "cpu")
+        dtype = target_dtype.get(name) or target_dtype.get(stored) or "float32"
+        is_buffer = "." in name and name.rpartition(".")[2] in dict(model.named_buffers()) or name in dict(model.named_buffers())
+        if dev in ("cpu", "disk"):
+            if not is_buffer:
+                offload_index[name] = {"safetensors_file": file, "weight_name": stored, "dtype": dtype}
+                continue
+        handle = handles.get(file) or handles.setdefault(file, safe_open(file, framework="pt", device="cpu"))
+        value = handle.get_tensor(stored).to(getattr(torch, dtype))
+        set_module_tensor_to_device(model, name, "cpu" if dev in ("cpu", "disk") else dev, value=value)
+    handles.clear()
+    dispatch_map = {k: ("disk" if v in ("cpu", "disk") else v) for k, v in device_map.items()}
+    main = gpu_main.index if gpu_main.type == "cuda" else gpu_main.type  # safetensors wants "cpu" or an index
+    model = dispatch_model(model, dispatch_map, main_device=main, state_dict={}, offload_index=offload_index,
+                           offload_buffers=False, force_hooks=True)
+    model.hf_device_map = dict(device_map)
+    return model
+
+
+def free_components(models: list) -> None:
+    """Hooks off, references dropped, allocator caches emptied: the memory goes back to the device.
+
+    One gc.collect() for all of them. The list is emptied: the caller must hold no other reference.
+    """
+    import torch
+
+    from accelerate.hooks import remove_hook_from_module
+
+    while models:
+        model = models.pop()
+        try:
+            remove_hook_from_module(model, recurse=True)
+        except Exception:  # noqa: BLE001 - a model without hooks
+            pass
+        for module in model.modules():  # diffusers' hook registries keep the model reachable otherwise
+            module.__dict__.pop("_diffusers_hook", None)
+        del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --- the pipeline object ---------------------------------------------------------------------
+
+
+def placeholder(comp, torch_dtype):
+    """The component on the meta device: its config and dtype for the pipeline, no memory.
+
+    Text encoders get None instead: the pipelines only read them while encoding (when the real one
+    is loaded) and, given prompt embeddings, fall back to the denoiser's dtype exactly as the
+    diffusers staged recipe (which passes text_encoder=None) does. Building a T5 on meta costs a
+    quarter of a second even for the demo, for nothing.
+    """
+    if comp.name.startswith("text_encoder"):
+        return None
+    from .skeleton import build_on_meta
+
+    model = build_on_meta(comp.library, comp.cls, comp.config)
+    if torch_dtype is not None:
+        model = model.to(torch_dtype)
+    return model
+
+
+def build_pipeline(source, torch_dtype, placeholders: dict):
+    """The pipeline object with tokenizers and scheduler loaded and every model a meta placeholder."""
+    import diffusers
+
+    cls = getattr(diffusers, source.pipeline_class)
+    params = pyinspect.signature(cls.__init__).parameters
+    kwargs = {}
+    for name, param in params.items():
+        if name == "self" or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+            continue
+        if name in placeholders:
+            kwargs[name] = placeholders[name]
+        elif name in source.other_components:
+            library, class_name = source.other_components[name]
+            kwargs[name] = _load_weightless(source, name, library, class_name)
+        elif name == "requires_safety_checker":
+            kwargs[name] = bool(source.model_index.get("requires_safety_checker", False))
+        elif param.default is pyinspect.Parameter.empty:
+            kwargs[name] = None
+    staged = type(cls.__name__, (cls,), {"_execution_device": property(lambda self: self._dmap_device)})
+    pipe = staged(**kwargs)
+    pipe._dmap_device = "cpu"
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _load_weightless(source, name, library, class_name):
+    if library is None or class_name is None:
+        return None
+    folder = source.root / name
+    if "Scheduler" in class_name:
+        import diffusers
+
+        scheduler_cls = getattr(diffusers, class_name, None)
+        if scheduler_cls is None:
+            raise SourceError(f"Scheduler {class_name} is not in this diffusers.")
+        if not (folder / "scheduler_config.json").is_file():
+            raise SourceError(f"The scheduler config of {source.spec} is missing: {folder / 'scheduler_config.json'}.")
+        return scheduler_cls.from_pretrained(source.root, subfolder=name)
+    if "Tokenizer" in class_name:
+        import transformers
+
+        if not folder.is_dir() or not any(folder.iterdir()):
+            raise SourceError(
+                f"Tokenizer '{name}' of {source.spec} is missing ({folder}): copy the tokenizer folders with the weights."
+            )
+        try:
+            return getattr(transformers, class_name).from_pretrained(folder)
+        except (OSError, ValueError, TypeError) as error:
+            raise SourceError(f"Tokenizer '{name}' of {source.spec} cannot be loaded from {folder}: {error}") from error
+    return None  # feature extractors, image encoders: not used for text-to-image

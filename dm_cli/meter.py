@@ -1,0 +1,182 @@
+"""Measured memory during a run: bytes per (virtual) device, and the process's peak RSS while loading.
+
+Used by the stage loop (`dm_cli.stages`); no Typer, no Rich.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import defaultdict
+
+from .devices import device_of
+
+
+class MemoryMeter:
+    """Tracked bytes per (virtual) device: weights by the plan's map, activations by the module running.
+
+    Weights are registered as weak references when a component loads, so `resident()` shows what is
+    really still alive (a freed component drops to zero only if nothing holds it). Activations are
+    counted by a dispatch mode between `start()` and `stop()`: a storage's bytes when an op creates
+    it, charged to the device of the innermost mapped module running, returned when the storage
+    dies (a weak reference on the storage itself, so views cost one dict lookup). The mode costs
+    Python work on every op, so the runner keeps it on for encode, decode and only the FIRST
+    denoising step: every step runs the same graph on the same shapes, so its peak is the stage's.
+    CUDA devices in a real run report `torch.cuda.max_memory_allocated` instead.
+    """
+
+    def __init__(self):
+        self._weights: dict[str, list[tuple[weakref.ref, int]]] = defaultdict(list)
+        self._weight_ptrs: set[int] = set()
+        self.live: dict[str, int] = defaultdict(int)
+        self.peak: dict[str, int] = defaultdict(int)
+        self._storages: dict[tuple, tuple] = {}  # (device type, index, data_ptr) -> (bytes, device, weakref)
+        self.current: list[str] = ["cpu"]
+        self._mode = None
+        self.tracking = False
+
+    def register_weights(self, model, device_map: dict, default_device: str) -> None:
+        seen: set[int] = set()
+        tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+        for name, tensor in tensors:
+            if tensor is None or tensor.device.type == "meta":
+                continue
+            ptr = tensor.untyped_storage().data_ptr()
+            if ptr in seen or ptr == 0:
+                continue
+            seen.add(ptr)
+            self._weight_ptrs.add(ptr)
+            device = str(device_of(name, device_map, default_device))
+            self._weights[device].append((weakref.ref(tensor), tensor.untyped_storage().nbytes()))
+
+    def resident(self) -> dict[str, int]:
+        """Bytes of registered weights still alive (call after gc.collect() to see frees)."""
+        out = {}
+        for device, refs in self._weights.items():
+            alive = [(r, n) for r, n in refs if r() is not None]
+            self._weights[device] = alive
+            out[device] = sum(n for _, n in alive)
+        self._weight_ptrs = {r().untyped_storage().data_ptr() for refs in self._weights.values() for r, _ in refs}
+        return out
+
+    def reset_peaks(self) -> None:
+        self.peak = defaultdict(int, {d: v for d, v in self.live.items()})
+
+    def start(self) -> None:
+        """Count the storages that ops create from now on (until `stop`)."""
+        if self._mode is not None:
+            self.tracking = True
+            return
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tensor_type = torch.Tensor
+        meter = self
+
+        class _Track(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if meter.tracking:
+                    if isinstance(out, tensor_type):
+                        meter._track(out)
+                    elif isinstance(out, (tuple, list)):
+                        for t in tree_flatten(out)[0]:
+                            if isinstance(t, tensor_type):
+                                meter._track(t)
+                return out
+
+        self._mode = _Track()
+        self._mode.__enter__()
+        self.tracking = True
+
+    def stop(self) -> None:
+        """No more counting (storages already counted are still returned when they die).
+
+        The dispatch mode leaves the mode stack only when it is on top (a stop from inside a
+        pipeline callback could otherwise pop someone else's mode); else it passes ops through
+        untouched until `stop` is called again at the end of the stage.
+        """
+        self.tracking = False
+        if self._mode is None:
+            return
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if _get_current_dispatch_mode() is self._mode:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def _track(self, tensor) -> None:
+        if tensor.device.type == "meta":
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in self._weight_ptrs:
+            return
+        key = (tensor.device.type, tensor.device.index, ptr)
+        if key in self._storages:
+            return
+        device = self.current[-1]
+        size = storage.nbytes()
+        self._storages[key] = (size, device, weakref.ref(storage, lambda _ref, key=key: self._release(key)))
+        live = self.live[device] = self.live[device] + size
+        if live > self.peak[device]:
+            self.peak[device] = live
+
+    def _release(self, key) -> None:
+        record = self._storages.pop(key, None)
+        if record is not None:
+            self.live[record[1]] -= record[0]
+
+    def attach(self, model, device_map: dict, default_device: str) -> list:
+        """Hooks that make activations count against the device of the module that makes them."""
+        handles = []
+        modules = dict(model.named_modules())
+        for prefix, dev in device_map.items():
+            module = modules.get(prefix)
+            if module is None:
+                continue
+            key = str(dev)
+
+            def pre(_module, _args, key=key):
+                self.current.append(key)
+
+            def post(_module, _args, _out):
+                if len(self.current) > 1:
+                    self.current.pop()
+
+            handles.append(module.register_forward_pre_hook(pre))
+            handles.append(module.register_forward_hook(post))
+        return handles
+
+
+class RssSampler:
+    """Peak resident set size of this process while a block runs (sampled every 2 ms)."""
+
+    def __init__(self):
+        import psutil
+
+        self._process = psutil.Process()
+        self.start = self.peak = self._process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            rss = self._process.memory_info().rss
+            if rss > self.peak:
+                self.peak = rss
+            self._stop.wait(0.002)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        rss = self._process.memory_info().rss
+        self.peak = max(self.peak, rss)

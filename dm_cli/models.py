@@ -1,0 +1,83 @@
+"""Component classes and models built from their configs: one place for diffusers, transformers and
+classes that live in a diffusers pipeline module (model_index.json `["ltx2", "LTX2TextConnectors"]`).
+
+A library name that is neither diffusers nor transformers is looked up inside `diffusers.pipelines`
+only, and only when it is a plain identifier naming a module there: a config file never makes dmap
+import an arbitrary module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+from .errors import SourceError
+
+# Keys of a transformers config.json that are bookkeeping, not architecture.
+_VOLATILE_KEYS = ("_name_or_path", "transformers_version")
+
+
+def _library_module(library: str | None, class_name: str):
+    if library in ("diffusers", "transformers"):
+        return importlib.import_module(library)
+    if isinstance(library, str) and library.isidentifier() and not library.startswith("_"):
+        name = f"diffusers.pipelines.{library}"
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if found:
+            return importlib.import_module(name)
+    raise SourceError(
+        f"Component class '{class_name}' comes from library '{library}', which is neither diffusers, transformers nor "
+        "a diffusers pipeline module: dmap cannot build it."
+    )
+
+
+def component_class(library: str | None, class_name: str):
+    """The class a model_index.json entry (library, class) names."""
+    module = _library_module(library, class_name)
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        version = getattr(importlib.import_module(module.__name__.split(".")[0]), "__version__", "")
+        raise SourceError(f"Class '{class_name}' is not in {module.__name__} {version}: cannot build it.")
+    return cls
+
+
+def is_transformers_model(cls) -> bool:
+    import transformers
+
+    return issubclass(cls, transformers.PreTrainedModel)
+
+
+def build_model(library: str | None, class_name: str, config: dict, device: str | None = None):
+    """The model a config describes. device "meta": no memory; "empty": accelerate's empty weights
+    (buffers real); None: the class's own random initialisation on the CPU.
+
+    Transformers models are tied explicitly: built on meta or empty, T5 comes out untied (see the
+    reference README).
+    """
+    import torch
+
+    cls = component_class(library, class_name)
+    transformers_style = is_transformers_model(cls)
+
+    def construct():
+        if transformers_style:
+            clean = {k: v for k, v in config.items() if k not in _VOLATILE_KEYS}
+            return cls(cls.config_class.from_dict(clean))
+        return cls.from_config(config)
+
+    if device == "meta":
+        with torch.device("meta"):
+            model = construct()
+    elif device == "empty":
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            model = construct()
+    else:
+        model = construct()
+    if device is not None and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model

@@ -1,0 +1,283 @@
+"""The stage loop: load a stage's components to their planned devices, run it, free them.
+
+One family-agnostic piece for every run mode. `dmap run` runs one Job through all the plan's
+stages (`StageLoop.run_job`); a queue runner can hold a stage loaded and run many jobs through it
+(`load_stage`, `run_stage` per job, `unload_stage`). What a stage does is the family's
+(`Family.encode`, the pipeline's own `__call__` from embeddings with `output_type="latent"`,
+`Family.decode`); which components it loads and where is the plan's.
+"""
+
+from __future__ import annotations
+
+import inspect as pyinspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import DoesNotFitError, UsageError
+from .families import Embeds, Family, Job
+from .loading import build_pipeline, execution_device, free_components, load_component, placeholder
+from .meter import MemoryMeter, RssSampler
+from .units import format_size
+
+
+@dataclass
+class StageResult:
+    name: str
+    components: list[str]
+    load_s: float = 0.0
+    run_s: float = 0.0
+    wall_s: float = 0.0
+    resident_before: dict[str, int] = field(default_factory=dict)  # tracked weight bytes per device before loading
+    resident_after_load: dict[str, int] = field(default_factory=dict)
+    measured_peak: dict[str, int] = field(default_factory=dict)
+    planned_peak: dict[str, int] = field(default_factory=dict)
+    load_rss_delta: int = 0  # peak host RSS during this stage's load minus RSS before it
+    tracked: str = "all"  # which part of the run the activation tracker saw ("first of N steps" in denoise)
+    largest_shard: int = 0  # largest safetensors file this stage read
+
+
+@dataclass
+class Carry:
+    """What one job hands from stage to stage."""
+
+    embeds: Embeds | None = None
+    latents: object = None
+    images: list = field(default_factory=list)
+
+
+class StageLoop:
+    """A pipeline (tokenizers, scheduler, meta placeholders) plus the components loaded right now.
+
+    `simulate`: every planned device is the CPU, with the tracer's split check active during each
+    forward of a split component (`split_problems`). `tracked_steps`: the activation tracker
+    (MemoryMeter, Python work on every op) stops after this many denoising steps; None: all.
+    """
+
+    def __init__(self, source, plan, family: Family, *, simulate: bool, tracked_steps: int | None,
+                 largest_shard: dict[str, int] | None = None):
+        import torch
+
+        self.source = source
+        self.plan = plan
+        self.family = family
+        self.simulate = simulate
+        self.tracked_steps = tracked_steps
+        self.largest_shard = largest_shard or {}
+        self.components = {c.name: c for c in source.components}
+        torch_dtype = getattr(torch, plan.dtype) if plan.dtype else None
+        self.placeholders = {name: placeholder(self.components[name], torch_dtype) for name in plan.components}
+        self.pipe = build_pipeline(source, torch_dtype, self.placeholders)
+        self.meter = MemoryMeter()
+        self.loaded: dict[str, object] = {}
+        self._hooks: dict[str, list] = {}
+        self.split_check = False
+        self.split_problems: list[str] = []
+        self.cuda = not simulate and torch.cuda.is_available()
+
+    # --- loading ---------------------------------------------------------------------------------
+
+    def device_map(self, name: str) -> dict:
+        return self.plan.components[name].device_map
+
+    def load_stage(self, names: list[str], stage: StageResult | None = None) -> None:
+        """Load `names` straight to their planned devices and put them into the pipeline."""
+        with RssSampler() as rss:
+            for name in names:
+                if name in self.loaded:
+                    continue
+                cmap = self.device_map(name)
+                model = load_component(self.components[name], cmap, self.plan.dtype, self.simulate)
+                default_dev = str(next(iter(cmap.values())))
+                self.meter.register_weights(model, cmap, default_dev)
+                self._hooks[name] = self.meter.attach(model, cmap, default_dev)
+                if self.simulate:
+                    self._hooks[name] += self._split_check(model, cmap, name)
+                self.loaded[name] = model
+                setattr(self.pipe, name, model)
+        if stage is not None:
+            stage.load_rss_delta = rss.peak - rss.start
+            stage.largest_shard = max([self.largest_shard.get(n, 0) for n in names] + [stage.largest_shard])
+
+    def unload_stage(self, names: list[str]) -> None:
+        """Hooks off, placeholders back, memory returned to the devices."""
+        models = []
+        for name in names:
+            if name not in self.loaded:
+                continue
+            for handle in self._hooks.pop(name, []):
+                handle.remove()
+            setattr(self.pipe, name, self.placeholders[name])
+            models.append(self.loaded.pop(name))
+        free_components(models)
+        del models
+
+    def close(self) -> None:
+        self.meter.stop()  # an interrupted stage may have left the tracker on
+        if self.loaded:
+            self.unload_stage(list(self.loaded))
+
+    def _split_check(self, model, device_map: dict, name: str) -> list:
+        """The split check is active during each forward of the component (not the pipeline's glue around it)."""
+        try:
+            from .trace import VirtualDevices
+        except ImportError:
+            return []
+        checker = VirtualDevices(model, device_map)
+        self.split_check = True
+        problems = self.split_problems
+
+        def pre(_module, _args):
+            checker.__enter__()
+
+        def post(_module, _args, _out):
+            checker.__exit__(None, None, None)
+            for problem in checker.problems:
+                entry = f"{name}: {problem}"
+                if entry not in problems:
+                    problems.append(entry)
+
+        return [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+
+    # --- running ---------------------------------------------------------------------------------
+
+    def _device(self, names: list[str]):
+        return execution_device(self.device_map(names[0]) if names else {"": "cpu"}, self.simulate)
+
+    def encode(self, names: list[str], job: Job) -> Embeds:
+        device = self._device(names)
+        self.pipe._dmap_device = device
+        return self.family.encode(self.pipe, job, device)
+
+    def denoise(self, names: list[str], job: Job, embeds: Embeds, on_step: Callable[[int, int], None] | None):
+        """The pipeline's own __call__ from embeddings, to latents (diffusers' math stays diffusers')."""
+        import torch
+
+        if embeds is None:
+            raise UsageError("The plan runs denoise before encode: the stages are out of order.")
+        device = self._device(names)
+        self.pipe._dmap_device = device
+        kwargs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in embeds.tensors.items()}
+        kwargs.update(self.family.call_kwargs(self.pipe, job))
+        if "max_sequence_length" in pyinspect.signature(type(self.pipe).__call__).parameters and job.max_sequence_length:
+            kwargs["max_sequence_length"] = job.max_sequence_length
+        meter, tracked = self.meter, self.tracked_steps
+
+        def step_end(_pipe, step, _t, callback_kwargs):
+            if tracked is not None and step + 1 == tracked:
+                meter.stop()  # later steps repeat this one's graph on the same shapes: its peak is the stage's
+            if on_step is not None:
+                on_step(step + 1, job.steps)
+            return callback_kwargs
+
+        out = self.pipe(
+            prompt=None, height=job.height, width=job.width, num_inference_steps=job.steps, num_images_per_prompt=1,
+            generator=torch.Generator().manual_seed(job.seed), output_type="latent", callback_on_step_end=step_end,
+            **kwargs,
+        )
+        return out.images
+
+    def decode(self, names: list[str], job: Job, latents) -> list:
+        if latents is None:
+            raise UsageError("The plan runs decode before denoise: the stages are out of order.")
+        device = self._device(names)
+        self.meter.current.append(str(next(iter(self.device_map(names[0]).values()))))
+        try:
+            return self.family.decode(self.pipe, latents, job, device)
+        finally:
+            self.meter.current.pop()
+
+    def run_stage(self, stage_plan, job: Job, carry: Carry, on_step=None, result: StageResult | None = None) -> StageResult:
+        """Run one planned stage of `job` (its components must be loaded), measuring its peaks."""
+        import torch
+
+        name = stage_plan.name
+        names = list(stage_plan.components)
+        stage = result or StageResult(name, names, planned_peak={str(k): int(v) for k, v in stage_plan.peak_bytes.items()})
+        meter = self.meter
+        meter.reset_peaks()
+        if self.cuda:
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(i)
+        start = time.perf_counter()
+        meter.current[:] = [str(next(iter(self.device_map(names[0]).values())))] if names else ["cpu"]
+        track = not self.cuda or any(self._device([c]).type == "cpu" for c in names)
+        stage.tracked = "all" if track else "none (CUDA: max_memory_allocated)"
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                if track:
+                    meter.start()
+                if name == "encode":
+                    carry.embeds = self.encode(names, job)
+                elif name == "denoise":
+                    carry.latents = self.denoise(names, job, carry.embeds, on_step)
+                    carry.embeds = None
+                    if track and self.tracked_steps is not None and job.steps > self.tracked_steps:
+                        stage.tracked = f"first {self.tracked_steps} of {job.steps} steps"
+                elif name == "decode":
+                    carry.images = self.decode(names, job, carry.latents)
+                else:
+                    raise UsageError(f"The plan has a stage '{name}' that dmap run does not know (encode, denoise, decode).")
+                meter.stop()
+        except torch.OutOfMemoryError as error:
+            raise _oom(error, name, stage.planned_peak) from None
+        except MemoryError:
+            raise DoesNotFitError(
+                f"Out of host memory during {name} (planned cpu peak {format_size(stage.planned_peak.get('cpu', 0))}): "
+                "lower cpu= in --max-memory to what is really free and plan again."
+            ) from None
+        stage.run_s = time.perf_counter() - start
+        resident = stage.resident_after_load
+        stage.measured_peak = {d: resident.get(d, 0) + meter.peak.get(d, 0)
+                               for d in set(resident) | set(meter.peak) if resident.get(d, 0) + meter.peak.get(d, 0)}
+        if self.cuda:
+            for i in range(torch.cuda.device_count()):
+                stage.measured_peak[str(i)] = torch.cuda.max_memory_allocated(i)
+        return stage
+
+    def run_job(self, job: Job, on_step: Callable[[int, int], None] | None = None) -> tuple[Carry, list[StageResult]]:
+        """All the plan's stages for one job: staged mode loads and frees each stage, resident loads all first."""
+        staged = self.plan.mode != "resident"
+        results: list[StageResult] = []
+        carry = Carry()
+        if not staged:
+            first = StageResult("load", sorted(self.plan.components))
+            start = time.perf_counter()
+            first.resident_before = self.meter.resident()
+            self.load_stage(list(self.plan.components), first)
+            first.load_s = first.wall_s = time.perf_counter() - start
+            first.resident_after_load = self.meter.resident()
+            results.append(first)
+        for stage_plan in self.plan.stages:
+            stage = StageResult(stage_plan.name, list(stage_plan.components),
+                                planned_peak={str(k): int(v) for k, v in stage_plan.peak_bytes.items()})
+            start = time.perf_counter()
+            stage.resident_before = self.meter.resident()
+            if staged:
+                self.load_stage(stage.components, stage)
+            stage.load_s = time.perf_counter() - start
+            stage.resident_after_load = self.meter.resident()
+            self.run_stage(stage_plan, job, carry, on_step, stage)
+            if staged:
+                self.unload_stage(stage.components)
+            stage.wall_s = time.perf_counter() - start
+            results.append(stage)
+        return carry, results
+
+
+def _oom(error, stage: str, planned: dict) -> DoesNotFitError:
+    import re
+
+    import torch
+
+    match = re.search(r"GPU (\d+)", str(error))
+    gpu = match.group(1) if match else "0"
+    actual = torch.cuda.max_memory_allocated(int(gpu)) if torch.cuda.is_available() else 0
+    plan_peak = planned.get(gpu, 0)
+    smaller = int(plan_peak * 0.9) if plan_peak else 0
+    hint = f"plan again with {gpu}={format_size(smaller)} in --max-memory" if smaller else "plan again with a smaller --max-memory for it"
+    return DoesNotFitError(
+        f"Out of memory on GPU {gpu} during {stage}: planned {format_size(plan_peak)}, reached {format_size(actual)} before "
+        f"failing; {hint} so the plan keeps more room free.",
+        {"stage": stage, "device": gpu, "planned_bytes": plan_peak, "actual_bytes": actual},
+    )
