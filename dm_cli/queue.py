@@ -155,17 +155,13 @@ def items_for_rank(items: list[QueueItem], rank: int, world_size: int) -> list[Q
 # --- resume -------------------------------------------------------------------------------------
 
 
-def expected_metadata(item: QueueItem, steps: int, guidance_scale: float, height: int, width: int, source: str) -> dict:
-    """The PNG text metadata an item's finished output carries (as the runner writes it)."""
-    meta = {"prompt": item.prompt, "seed": str(item.seed), "steps": str(steps), "guidance_scale": str(guidance_scale),
-            "height": str(height), "width": str(width), "source": source}
-    if item.negative_prompt:
-        meta["negative_prompt"] = item.negative_prompt
-    return meta
-
-
 def is_complete(path: Path, expected: dict[str, str]) -> tuple[bool, str]:
-    """(done, why): the PNG exists, decodes whole, and its metadata says it was made for `expected`."""
+    """(done, why): the PNG exists, decodes whole, and its metadata says it was made for `expected`.
+
+    `expected` is the metadata the runner writes for the item (`dm_cli.runner.job_metadata`); the
+    keys in MATCHED_METADATA must agree (not the plan digest or dmap version: another plan or
+    release makes the same image), and the image must have the expected size.
+    """
     from PIL import Image
 
     if not path.is_file():

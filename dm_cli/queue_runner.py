@@ -16,7 +16,7 @@ from typing import Callable
 from .distributed import Ranks, select_gpus
 from .errors import UsageError
 from .queue import (
-    MANIFEST, QueueItem, append_record, expected_metadata, is_complete, items_for_rank, merge_records,
+    MANIFEST, QueueItem, append_record, is_complete, items_for_rank, merge_records,
     previous_records, rank_manifest_name, read_prompts, remove_stale_temporaries, write_manifest,
 )
 
@@ -127,8 +127,7 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
     records: dict[int, dict] = {}
     for item in mine:
         job = pipeline.job_for(item)
-        expected = expected_metadata(item, job.steps, job.guidance_scale, job.height, job.width, pipeline.source.spec)
-        done, why = is_complete(folder / item.output, expected) if request.resume else (False, "--no-resume")
+        done, why = is_complete(folder / item.output, pipeline.metadata(job)) if request.resume else (False, "--no-resume")
         if done:
             result.skipped.append(item.index)
             records[item.index] = _record(item, job, pipeline.plan_digest, None, ranks.rank, resumed=True)

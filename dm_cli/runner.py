@@ -25,7 +25,7 @@ from .errors import CheckpointError, DoesNotFitError, SourceError, UsageError
 from .families import Family, Job, family_for, supported_pipelines
 from .inputs import InputSpec
 from .sources import config_digest
-from .stages import StageLoop, StageResult
+from .stages import StageResult
 from .units import parse_dtype
 
 # Peak host RAM during a component's load may exceed the largest shard by this much: the Python
@@ -305,68 +305,49 @@ def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
 
 
 def _run(request: RunRequest, on_plan, on_step, freeze: bool) -> RunResult:
-    from .plan import load_plan
+    """One prompt through the API's pipeline (`dm_cli.api.Pipeline`), every stage measured."""
+    from .api import Pipeline
 
-    source, family, demo, defaults, notices = prepare(request)
-    # Settle the inputs first: the plan is made for (and checked against) them.
-    job = settle_job(request, source, family, defaults)
-    inputs = InputSpec(height=job.height, width=job.width, batch_size=1, num_images=job.num_images,
-                       guidance_scale=job.guidance_scale, max_sequence_length=job.max_sequence_length)
-
-    _quiet_libraries()
-    # missing or corrupt weights are bad input: say so before spending time on a plan
-    largest = {c.name: check_component_files(c) for c in source.components}
-    is_file = request.device_map.endswith(".json") or Path(request.device_map).is_file()
-    if is_file:
-        plan = load_plan(request.device_map)
-        check_plan_matches(plan, source, inputs, request.dtype, request.device_map)
-    else:
-        if request.device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
-            raise UsageError(f"--device-map must be auto, balanced, balanced_low_0, sequential or a plan JSON file, not '{request.device_map}'.")
-        plan = make_run_plan(source, request, inputs)
-    if on_plan is not None:
-        on_plan(plan)
-    if not request.simulate:
-        check_devices_present(plan)
-
+    pipeline = Pipeline(request, on_plan=on_plan, measure=True)
+    job = pipeline.defaults
     result = RunResult(
-        source=source.spec, pipeline_class=source.pipeline_class, demo=demo, plan=plan, plan_digest=plan_digest(plan),
-        planned_here=not is_file, simulate=request.simulate, seed=job.seed, steps=job.steps,
-        guidance_scale=job.guidance_scale, height=job.height, width=job.width, num_images=job.num_images, images=[],
-        latents_path=None, stages=[], notices=notices,
+        source=pipeline.source.spec, pipeline_class=pipeline.source.pipeline_class, demo=pipeline.demo,
+        plan=pipeline.plan, plan_digest=pipeline.plan_digest, planned_here=pipeline.planned_here,
+        simulate=request.simulate, seed=job.seed, steps=job.steps, guidance_scale=job.guidance_scale, height=job.height,
+        width=job.width, num_images=job.num_images, images=[], latents_path=None, stages=[], notices=pipeline.notices,
     )
-    loop = StageLoop(source, plan, family, simulate=request.simulate, tracked_steps=TRACKED_STEPS, largest_shard=largest)
     if freeze:  # what the stages free is collected without walking the libraries (see run())
         gc.freeze()
     try:
-        carry, result.stages = loop.run_job(job, on_step)
+        carry, result.stages = pipeline.run_job(job, on_step)
     finally:
-        loop.close()
-    result.split_check, result.split_problems = loop.split_check, loop.split_problems
+        pipeline.close()
+    result.split_check, result.split_problems = pipeline.split_check, pipeline.split_problems
     if carry.latents is None or not carry.images:
         raise UsageError("The plan has no denoise or decode stage: nothing was generated.")
     result.images_data = carry.images
     result.latents = carry.latents.detach().to("cpu")
+    metadata = pipeline.metadata(job)
     if request.save_latents:
-        result.latents_path = save_latents(result.latents, request.save_latents, _metadata(result, request))
+        result.latents_path = save_latents(result.latents, request.save_latents, metadata)
     if request.output:
-        result.images = save_images(carry.images, request.output, _metadata(result, request))
+        result.images = save_images(carry.images, request.output, metadata)
     return result
 
 
 # --- outputs -------------------------------------------------------------------------------
 
 
-def _metadata(result: RunResult, request: RunRequest) -> dict[str, str]:
+def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, demo: bool) -> dict[str, str]:
+    """The PNG text metadata of one generated job (what a queue's resume compares, see dm_cli.queue)."""
     meta = {
-        "prompt": request.prompt, "seed": str(result.seed), "steps": str(result.steps),
-        "guidance_scale": str(result.guidance_scale), "source": result.source, "pipeline": result.pipeline_class,
-        "height": str(result.height), "width": str(result.width), "plan_digest": result.plan_digest,
-        "dmap_version": __version__,
+        "prompt": job.prompt, "seed": str(job.seed), "steps": str(job.steps), "guidance_scale": str(job.guidance_scale),
+        "source": source_spec, "pipeline": pipeline_class, "height": str(job.height), "width": str(job.width),
+        "plan_digest": digest, "dmap_version": __version__,
     }
-    if request.negative_prompt:
-        meta["negative_prompt"] = request.negative_prompt
-    if result.demo:
+    if job.negative_prompt:
+        meta["negative_prompt"] = job.negative_prompt
+    if demo:
         meta["weights"] = "random (dmap demo pipeline)"
     return meta
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect as pyinspect
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -55,7 +56,7 @@ class StageLoop:
     """
 
     def __init__(self, source, plan, family: Family, *, simulate: bool, tracked_steps: int | None,
-                 largest_shard: dict[str, int] | None = None):
+                 largest_shard: dict[str, int] | None = None, measure: bool = True):
         import torch
 
         self.source = source
@@ -63,6 +64,7 @@ class StageLoop:
         self.family = family
         self.simulate = simulate
         self.tracked_steps = tracked_steps
+        self.measure = measure  # False: no activation tracker, no RSS sampling (a queue needs only the images)
         self.largest_shard = largest_shard or {}
         self.components = {c.name: c for c in source.components}
         torch_dtype = getattr(torch, plan.dtype) if plan.dtype else None
@@ -82,7 +84,7 @@ class StageLoop:
 
     def load_stage(self, names: list[str], stage: StageResult | None = None) -> None:
         """Load `names` straight to their planned devices and put them into the pipeline."""
-        with RssSampler() as rss:
+        with RssSampler() if self.measure else nullcontext() as rss:
             for name in names:
                 if name in self.loaded:
                     continue
@@ -95,7 +97,7 @@ class StageLoop:
                     self._hooks[name] += self._split_check(model, cmap, name)
                 self.loaded[name] = model
                 setattr(self.pipe, name, model)
-        if stage is not None:
+        if stage is not None and rss is not None:
             stage.load_rss_delta = rss.peak - rss.start
             stage.largest_shard = max([self.largest_shard.get(n, 0) for n in names] + [stage.largest_shard])
 
@@ -201,7 +203,7 @@ class StageLoop:
                 torch.cuda.reset_peak_memory_stats(i)
         start = time.perf_counter()
         meter.current[:] = [str(next(iter(self.device_map(names[0]).values())))] if names else ["cpu"]
-        track = not self.cuda or any(self._device([c]).type == "cpu" for c in names)
+        track = self.measure and (not self.cuda or any(self._device([c]).type == "cpu" for c in names))
         stage.tracked = "all" if track else "none (CUDA: max_memory_allocated)"
         try:
             with torch.inference_mode(False), torch.no_grad():

@@ -8,7 +8,7 @@ import pytest
 from dm_cli.distributed import Ranks, select_gpus
 from dm_cli.errors import UsageError
 from dm_cli.queue import (
-    MANIFEST, QueueItem, append_record, chunk_size_for, chunks, expected_metadata, is_complete, items_for_rank,
+    MANIFEST, QueueItem, append_record, chunk_size_for, chunks, is_complete, items_for_rank,
     merge_records, previous_records, read_prompts, read_records, remove_stale_temporaries, write_manifest,
 )
 
@@ -90,16 +90,22 @@ def _png(path, meta, size=(8, 8)):
     Image.new("RGB", size, (10, 20, 30)).save(path, format="PNG", pnginfo=info)
 
 
+def _meta(**changes):
+    meta = {"prompt": "a fox", "seed": "3", "steps": "2", "guidance_scale": "3.5", "height": "8", "width": "8",
+            "source": "demo", "plan_digest": "0123456789abcdef", "dmap_version": "0.1.0"}
+    return {**meta, **changes}
+
+
 def test_is_complete_checks_pixels_and_metadata(tmp_path):
-    item = QueueItem(0, "a fox", 3, "00000.png")
-    expected = expected_metadata(item, steps=2, guidance_scale=3.5, height=8, width=8, source="demo")
-    path = tmp_path / item.output
+    expected = _meta()
+    path = tmp_path / "00000.png"
     assert is_complete(path, expected) == (False, "missing")
     _png(path, expected)
     assert is_complete(path, expected) == (True, "complete")
-    other = expected_metadata(QueueItem(0, "a fox", 4, "00000.png"), 2, 3.5, 8, 8, "demo")
-    assert is_complete(path, other) == (False, "made for another seed")
-    assert is_complete(path, expected_metadata(item, 3, 3.5, 8, 8, "demo")) == (False, "made for another steps")
+    assert is_complete(path, _meta(plan_digest="another plan", dmap_version="9")) == (True, "complete")
+    assert is_complete(path, _meta(seed="4")) == (False, "made for another seed")
+    assert is_complete(path, _meta(steps="3")) == (False, "made for another steps")
+    assert is_complete(path, _meta(negative_prompt="blur")) == (False, "made for another negative prompt")
     _png(path, expected, size=(8, 16))
     assert is_complete(path, expected) == (False, "made for another size")
     _png(path, expected)
