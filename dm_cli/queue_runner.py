@@ -144,10 +144,11 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
     manifest = folder / (MANIFEST if not ranks.distributed else rank_manifest_name(ranks.rank))
     from .runner import save_images
 
+    by_index = {item.index: item for item in todo}
     try:
         for generated in pipeline.generate(todo, chunk_size=result.chunk_size, on_step=events.on_step,
                                            on_chunk=events.on_chunk):
-            item = next(i for i in todo if i.index == generated.index)
+            item = by_index[generated.index]
             path = folder / item.output
             save_images(generated.images[:1], str(path), generated.metadata)
             record = _record(item, pipeline.job_for(item), pipeline.plan_digest, generated.seconds, ranks.rank)
