@@ -55,22 +55,17 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
-    None: the pipeline's default size (as `dmap run` uses), 1024 when dmap does not know it; 0
-    plans weights only. Raises `DoesNotFitError` (with the nearest change that fits) when nothing fits.
+    None: the pipeline's default size (the one `dmap run` uses); 0 plans weights only. Raises
+    `DoesNotFitError` (with the nearest change that fits) when nothing fits.
     """
     from .inputs import InputSpec
     from .plan import PlanOptions, make_plan
     from .units import parse_dtype
 
     spec, root, defaults = _source_root(source)
-    if height is None or source is None:  # what `dmap run` would use (the demo has its own defaults)
-        settled = _default_inputs(root, defaults)
-        height = settled.get("height", 1024) if height is None else height
-        width = settled.get("width", height) if width is None else width
-        guidance_scale = settled.get("guidance_scale") if guidance_scale is None else guidance_scale
-        max_sequence_length = settled.get("max_sequence_length") if max_sequence_length is None else max_sequence_length
-    inputs = InputSpec(height, height if width is None else width, batch_size, num_images, guidance_scale,
-                       max_sequence_length)
+    pick = lambda given, key: defaults.get(key) if given is None else given  # noqa: E731 - the demo's defaults
+    inputs = InputSpec(pick(height, "height"), pick(width, "width"), batch_size, num_images,
+                       pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"))
     options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
                           component, check, use_cache)
     return _named(lambda: make_plan(root, options), spec, root)
@@ -97,27 +92,14 @@ def _named(make, spec: str, root: str):
     return result
 
 
-def _default_inputs(root: str, defaults: dict) -> dict:
-    """height, width, guidance and sequence length `dmap run` would use for this SOURCE ({} if unknown)."""
-    from .errors import DmapError
-    from .runner import RunRequest, prepare, settle_job
-
-    try:
-        source, family, _demo, _defaults, _notices = prepare(RunRequest(source=root, prompt=""))
-        job = settle_job(RunRequest(source=root, prompt=""), source, family, defaults)
-    except DmapError:
-        return {}
-    return {"height": job.height, "width": job.width, "guidance_scale": job.guidance_scale,
-            "max_sequence_length": job.max_sequence_length}
-
-
 # --- load ---------------------------------------------------------------------------------------
 
 
 def load(source: str | None = None, plan=None, *, simulate: bool = False, max_memory: str | None = None,
          mode: str = "auto", strategy: str = "auto", dtype: str | None = None, overhead: str | None = None,
          height: int | None = None, width: int | None = None, guidance_scale: float | None = None,
-         max_sequence_length: int | None = None, on_plan: Callable | None = None) -> "Pipeline":
+         max_sequence_length: int | None = None, on_plan: Callable | None = None,
+         on_status: Callable[[str | None], None] | None = None) -> "Pipeline":
     """A pipeline placed per `plan` (a Plan, a plan JSON path, or None: plan here with the options).
 
     SOURCE None is the bundled random-weight demo. A plan made for another model, size or dtype is
@@ -131,7 +113,7 @@ def load(source: str | None = None, plan=None, *, simulate: bool = False, max_me
     request = RunRequest(source=source, prompt="", device_map=str(device_map), max_memory=max_memory, mode=mode,
                          dtype=dtype, overhead=overhead, height=height, width=width, guidance_scale=guidance_scale,
                          max_sequence_length=max_sequence_length, simulate=simulate, output=None)
-    return Pipeline(request, None if isinstance(plan, (str, Path)) else plan, on_plan)
+    return Pipeline(request, None if isinstance(plan, (str, Path)) else plan, on_plan, on_status)
 
 
 class Pipeline:
@@ -141,7 +123,8 @@ class Pipeline:
     starts from. Use as a context manager, or call `close()`, to free resident components.
     """
 
-    def __init__(self, request, plan=None, on_plan: Callable | None = None, measure: bool = False):
+    def __init__(self, request, plan=None, on_plan: Callable | None = None,
+                 on_status: Callable[[str | None], None] | None = None, measure: bool = False):
         import os
 
         # before the libraries' first import: some of them warn while importing (torchvision fallbacks)
@@ -151,34 +134,37 @@ class Pipeline:
         from .plan import load_plan
         from .runner import (
             TRACKED_STEPS, _quiet_libraries, check_component_files, check_devices_present, check_plan_matches,
-            make_run_plan, plan_digest, prepare, settle_job,
+            inputs_from_plan, make_run_plan, plan_digest, prepare, settle_job,
         )
         from .stages import StageLoop
 
-        source, family, demo, defaults, notices = prepare(request)
+        status = on_status or (lambda message: None)
+        is_file = plan is None and (request.device_map.endswith(".json") or Path(request.device_map).is_file())
+        if plan is None and not is_file and request.device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+            raise UsageError(f"--device-map must be auto, balanced, balanced_low_0, sequential or a plan JSON file, "
+                             f"not '{request.device_map}'.")
+        source, family, demo, defaults, notices = prepare(request, status)
         self.source, self.family, self.demo, self.notices = source, family, demo, notices
-        self.defaults = settle_job(request, source, family, defaults)
-        job = self.defaults
+        if is_file:
+            plan = load_plan(request.device_map)
+        if plan is not None:  # a plan's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
+            defaults = {**defaults, **inputs_from_plan(plan)}
+        # Settle the inputs first: the plan is made for (and checked against) them.
+        self.defaults = job = settle_job(request, source, family, defaults)
         inputs = InputSpec(height=job.height, width=job.width, batch_size=1, num_images=job.num_images,
                            guidance_scale=job.guidance_scale, max_sequence_length=job.max_sequence_length)
-        _quiet_libraries()
+        if plan is not None:
+            check_plan_matches(plan, source, inputs, request.dtype, request.device_map if is_file else "The plan")
+        # missing or corrupt weights are bad input: say so before importing the libraries or planning
         largest = {c.name: check_component_files(c) for c in source.components}
-        is_file = plan is None and (request.device_map.endswith(".json") or Path(request.device_map).is_file())
-        if plan is not None or is_file:
-            where = request.device_map if is_file else "The plan"
-            plan = load_plan(request.device_map) if is_file else plan
-            if not request.height and plan.inputs.height:  # a plan fixes the size it was made for
-                self.defaults = job = _replace(job, height=plan.inputs.height, width=plan.inputs.width or plan.inputs.height)
-                inputs = InputSpec(height=job.height, width=job.width, batch_size=1, num_images=job.num_images,
-                                   guidance_scale=job.guidance_scale, max_sequence_length=job.max_sequence_length)
-            check_plan_matches(plan, source, inputs, request.dtype, where)
-        else:
-            if request.device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
-                raise UsageError(f"--device-map must be auto, balanced, balanced_low_0, sequential or a plan JSON file, "
-                                 f"not '{request.device_map}'.")
+        status("Importing torch, diffusers and transformers…")
+        _quiet_libraries()
+        self.planned_here = plan is None
+        if plan is None:
+            status(f"Planning {source.spec} (meta-device traces are cached after the first run)…")
             plan = make_run_plan(source, request, inputs)
+        status(None)
         self.plan = plan
-        self.planned_here = plan is not None and not is_file
         if on_plan is not None:
             on_plan(plan)
         if not request.simulate:
@@ -189,7 +175,8 @@ class Pipeline:
         # measure=False: no activation tracker (Python work on every op) nor RSS sampling; `dmap run --prompt`
         # measures each stage, a queue only wants its images
         self._loop = StageLoop(source, plan, family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
-                               largest_shard=largest, measure=measure)
+                               largest_shard=largest, track_activations=request.simulate or request.track_activations,
+                               on_status=on_status, measure=measure)
 
     # --- what a queue needs to know before it starts -------------------------------------------
 

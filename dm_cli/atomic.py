@@ -33,3 +33,17 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         except OSError:
             pass
         raise
+
+
+def refuse_existing(paths, overwrite: bool) -> None:
+    """dmap's one overwrite policy (run, shard and plan): an existing output is replaced only with --overwrite.
+
+    Checked before any work starts, so a refusal costs nothing.
+    """
+    from .errors import UsageError
+
+    if overwrite:
+        return
+    for path in paths:
+        if Path(path).exists():
+            raise UsageError(f"The output {path} already exists: choose another --output or add --overwrite.")

@@ -12,6 +12,7 @@ import json
 import os
 import tempfile
 from importlib import metadata as importlib_metadata
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -62,3 +63,59 @@ def write_cached(kind: str, key: str, data: dict) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+CACHE_KINDS = {
+    "skeletons": "per-component sizes and module trees (inspect, plan)",
+    "traces": "meta-device traces: execution order and activation peaks (plan)",
+    "checks": "split-check verdicts per device map (plan)",
+    "demo": "the random-weight demo pipeline (run without SOURCE)",
+}
+
+
+@dataclass
+class CacheEntry:
+    kind: str
+    files: int
+    bytes: int
+    what: str
+
+
+def cache_usage() -> list[CacheEntry]:
+    """Files and bytes per kind of entry (folders the cache holds that dmap does not know are listed too)."""
+    root = cache_dir()
+    kinds = dict(CACHE_KINDS)
+    if root.is_dir():
+        for child in sorted(root.iterdir()):
+            if child.is_dir() and not child.is_symlink():
+                kinds.setdefault(child.name, "")
+    entries = []
+    for kind, what in kinds.items():
+        files = size = 0
+        folder = root / kind
+        if folder.is_dir() and not folder.is_symlink():
+            for dirpath, _dirs, names in os.walk(folder):
+                for name in names:
+                    try:
+                        size += os.lstat(os.path.join(dirpath, name)).st_size
+                        files += 1
+                    except OSError:
+                        pass
+        entries.append(CacheEntry(kind, files, size, what))
+    return entries
+
+
+def clear_cache(kinds: list[str] | None = None) -> int:
+    """Delete the cache's entries (every kind, or these): they are rebuilt when needed. Returns bytes freed."""
+    import shutil
+
+    root = cache_dir()
+    freed = 0
+    for entry in cache_usage():
+        if kinds and entry.kind not in kinds:
+            continue
+        folder = root / entry.kind
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)
+            freed += entry.bytes
+    return freed

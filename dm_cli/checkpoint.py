@@ -18,6 +18,7 @@ from .errors import CheckpointError
 from .units import DTYPE_BYTES, SAFETENSORS_DTYPES, numel
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+MAX_LISTED_PROBLEMS = 20  # in one error sentence; `dmap inspect` lists every problem
 
 
 @dataclass(frozen=True)
@@ -95,28 +96,33 @@ def read_safetensors_header(path: str | os.PathLike, validate: bool = True) -> S
         tensors.append(TensorEntry(name, dtype, shape, data_start + begin, data_start + end))
     tensors.sort(key=lambda t: (t.begin, t.end))
     if validate:
-        _validate_layout(path, tensors, data_start, file_size)
+        problems = layout_problems(tensors, data_start, file_size)
+        if problems:
+            tensor, message = problems[0]
+            more = f" (and {len(problems) - 1} more problem(s) in this file)" if len(problems) > 1 else ""
+            raise CheckpointError(f"{path}: tensor '{tensor}' {message}{more}.")
     return SafetensorsHeader(path, header_size, {t.name: t for t in tensors}, dict(metadata))
 
 
-def _validate_layout(path: Path, tensors: list[TensorEntry], data_start: int, file_size: int) -> None:
+def layout_problems(tensors: list[TensorEntry], data_start: int, file_size: int) -> list[tuple[str, str]]:
+    """Every (tensor, problem) of a header's layout: bad offsets, past the end, overlaps, wrong byte counts."""
+    problems: list[tuple[str, str]] = []
     previous_end = data_start
     previous_name = None
     for tensor in tensors:
         if tensor.begin < data_start or tensor.end < tensor.begin:
-            raise CheckpointError(f"{path}: tensor '{tensor.name}' has invalid data offsets.")
+            problems.append((tensor.name, "has invalid data offsets"))
+            continue
         if tensor.end > file_size:
-            raise CheckpointError(
-                f"{path}: tensor '{tensor.name}' ends at byte {tensor.end} but the file has {file_size}: truncated or corrupt."
-            )
+            problems.append((tensor.name, f"ends at byte {tensor.end} but the file has {file_size}: truncated or corrupt"))
         if tensor.begin < previous_end:
-            raise CheckpointError(f"{path}: tensors '{previous_name}' and '{tensor.name}' overlap.")
+            problems.append((tensor.name, f"overlaps tensor '{previous_name}'"))
         expected = tensor.numel * DTYPE_BYTES[tensor.dtype]
         if tensor.nbytes != expected:
-            raise CheckpointError(
-                f"{path}: tensor '{tensor.name}' holds {tensor.nbytes} bytes but {tensor.dtype}{list(tensor.shape)} needs {expected}."
-            )
-        previous_end, previous_name = tensor.end, tensor.name
+            problems.append((tensor.name, f"holds {tensor.nbytes} bytes but {tensor.dtype}{list(tensor.shape)} needs {expected}"))
+        if tensor.end > previous_end:
+            previous_end, previous_name = tensor.end, tensor.name
+    return problems
 
 
 # --- index files -------------------------------------------------------------------------------
@@ -187,8 +193,9 @@ class Checkpoint:
 def open_checkpoint(path: str | os.PathLike, strict: bool = True) -> Checkpoint:
     """Read every header of a `.safetensors` file or an index's shards, and cross-check them.
 
-    With strict=True an inconsistency raises; otherwise it is listed in `problems` (for inspect).
-    A missing shard or a corrupt header always raises: there is nothing to inspect then.
+    Every problem is collected (missing or unreadable shards, truncated or overlapping tensors,
+    index/shard disagreements); with strict=True any problem raises, listing them all. A single
+    file whose header cannot be read, or an unreadable index, raises: there is nothing to inspect.
     """
     path = Path(path)
     problems: list[CheckpointProblem] = []
@@ -199,11 +206,23 @@ def open_checkpoint(path: str | os.PathLike, strict: bool = True) -> Checkpoint:
         for shard in index.shard_names:
             shard_path = folder / shard
             if not shard_path.is_file():
-                raise CheckpointError(f"{path}: names shard '{shard}', which does not exist in {folder}.")
-            headers[shard] = read_safetensors_header(shard_path)
+                listed = sum(1 for s in index.weight_map.values() if s == shard)
+                problems.append(CheckpointProblem(shard, None, f"does not exist, and the index lists {listed} tensor(s) in it"))
+                continue
+            try:
+                header = read_safetensors_header(shard_path, validate=False)
+            except CheckpointError as error:
+                problems.append(CheckpointProblem(shard, None, str(error).replace(f"{shard_path}: ", "", 1).rstrip(".")))
+                continue
+            headers[shard] = header
+            file_size = shard_path.stat().st_size
+            problems += [CheckpointProblem(shard, tensor, message)
+                         for tensor, message in layout_problems(list(header.tensors.values()), header.data_start, file_size)]
         tensors: dict[str, TensorEntry] = {}
         tensor_files: dict[str, str] = {}
         for name, shard in index.weight_map.items():
+            if shard not in headers:
+                continue  # the shard's own problem is listed once
             entry = headers[shard].tensors.get(name)
             if entry is None:
                 problems.append(CheckpointProblem(shard, name, "listed in the index but missing from the shard"))
@@ -217,22 +236,28 @@ def open_checkpoint(path: str | os.PathLike, strict: bool = True) -> Checkpoint:
                     problems.append(CheckpointProblem(shard, name, "in the shard but not listed in the index"))
                 elif owner != shard:
                     problems.append(CheckpointProblem(shard, name, f"also stored in this shard; the index says {owner}"))
-        if index.total_size is not None:
+        if index.total_size is not None and len(headers) == len(index.shard_names):
             actual = sum(t.nbytes for t in tensors.values())
             if actual != index.total_size:
                 problems.append(
                     CheckpointProblem(path.name, None, f"metadata.total_size is {index.total_size} but the shards hold {actual} tensor bytes")
                 )
-        files = [folder / s for s in index.shard_names]
+        files = [folder / s for s in index.shard_names if s in headers]
     else:
-        header = read_safetensors_header(path)
+        header = read_safetensors_header(path, validate=False)
+        problems += [CheckpointProblem(path.name, tensor, message)
+                     for tensor, message in layout_problems(list(header.tensors.values()), header.data_start,
+                                                            path.stat().st_size)]
         index = None
         headers = {path.name: header}
         tensors = dict(header.tensors)
         tensor_files = {name: path.name for name in tensors}
         files = [path]
     if strict and problems:
-        raise CheckpointError(f"{problems[0]}" + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "") + ".")
+        listed = "; ".join(str(p) for p in problems[:MAX_LISTED_PROBLEMS])
+        more = f"; and {len(problems) - MAX_LISTED_PROBLEMS} more" if len(problems) > MAX_LISTED_PROBLEMS else ""
+        raise CheckpointError(f"{len(problems)} checkpoint problem(s) in {path}: {listed}{more}. "
+                              f"dmap inspect {path.parent} lists them all.")
     return Checkpoint(files, index, headers, tensors, tensor_files, problems)
 
 

@@ -27,6 +27,12 @@ def device_key(value) -> int | str:
     raise ValueError(f"not a device: {value!r}")
 
 
+def device_rank(value) -> tuple[int, int]:
+    """GPUs by index, then mps, cpu, disk: the order plans and tables list devices in."""
+    key = device_key(value)
+    return (0, key) if isinstance(key, int) else ({"mps": 1, "cpu": 2, "disk": 3}[key], 0)
+
+
 def is_gpu(key) -> bool:
     return isinstance(key, int) or key == "mps"
 

@@ -1,4 +1,4 @@
-"""The errors a user can cause, each with the exit code DESIGN.md gives it.
+"""The errors a user can cause, each with the exit code docs/CONTRACTS.md gives it.
 
 The CLI turns a DmapError into one sentence on stderr; anything else is a bug (exit 1).
 """

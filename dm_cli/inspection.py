@@ -101,8 +101,11 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
     source: Source = resolve_source(spec)
     comps = [source.component(component)] if component else source.components
     reports = []
+    notes = list(source.notes)
     for comp in comps:
         skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+        if skeleton.note:
+            notes.append(skeleton.note)
         effective = dtype if dtype is not None else skeleton.default_dtype()
         block = skeleton.largest_block(effective)
         reports.append(
@@ -122,5 +125,5 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
                 problems=[str(p) for p in checkpoint.problems] if checkpoint else [],
             )
         )
-    return InspectReport(spec, source.kind, source.pipeline_class, dtype, reports, source.notes)
+    return InspectReport(spec, source.kind, source.pipeline_class, dtype, reports, notes)
 

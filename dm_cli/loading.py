@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import inspect as pyinspect
+import warnings
 from pathlib import Path
 
 from .devices import device_of, execution_device_key, normalise_map, torch_device
@@ -183,7 +184,11 @@ def build_pipeline(source, torch_dtype, placeholders: dict):
         elif param.default is pyinspect.Parameter.empty:
             kwargs[name] = None
     staged = type(cls.__name__, (cls,), {"_execution_device": property(lambda self: self._dmap_device)})
-    pipe = staged(**kwargs)
+    with warnings.catch_warnings():
+        # diffusers' config advice (a 21-line steps_offset FutureWarning for older SD schedulers) is not
+        # the user's to act on in the middle of a run; the pipeline behaves exactly as diffusers' own
+        warnings.simplefilter("ignore", FutureWarning)
+        pipe = staged(**kwargs)
     pipe._dmap_device = "cpu"
     pipe.set_progress_bar_config(disable=True)
     return pipe

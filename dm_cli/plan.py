@@ -1,6 +1,6 @@
 """`dmap plan`: resolve a SOURCE, size and trace its components, place them, check the split.
 
-The Plan (and its `dmap-plan` JSON, DESIGN.md v1) lives here, with the orchestration around the
+The Plan (and its `dmap-plan` JSON v1, docs/CONTRACTS.md) lives here, with the orchestration around the
 pure planner (`planner.py`): skeletons, meta traces (`trace.py`), local devices, suggestions when a
 plan does not fit, and the split check.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 from .atomic import atomic_write
 from .devices import device_key
 from .errors import DoesNotFitError, UsageError
-from .families import family_for, pipeline_stages, unknown_family_warning
+from .families import default_image_size, family_for, pipeline_stages, unknown_family_warning
 from .inputs import InputSpec
 from .planner import (
     MODES, STRATEGIES, ComponentInput, ComponentPlacement, Device, DeviceUse, NoFit, Placement, StagePlacement,
@@ -268,10 +268,15 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
     """Skeleton + trace -> the planner's ComponentInput (blocks in execution order with activations)."""
     from .skeleton import skeleton_for_component
 
-    skeleton, _checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+    skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+    if checkpoint is not None and checkpoint.problems:  # a plan for a broken checkpoint would be wrong
+        from .errors import CheckpointError
+
+        listed = "; ".join(str(p) for p in checkpoint.problems)
+        raise CheckpointError(f"Component '{comp.name}' has {len(checkpoint.problems)} checkpoint problem(s): {listed}.")
     effective = dtype if dtype is not None else skeleton.default_dtype()
     trace_dtype = effective or skeleton.dominant_dtype(None)
-    warnings: list[str] = []
+    warnings: list[str] = [skeleton.note] if skeleton.note and not skeleton.stored else []
     if comp.config is None:
         facts = TraceFacts(None, {}, 0, [], {}, "no config: registration order, no activation estimate")
     else:
@@ -304,14 +309,20 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         raise UsageError(f"Unknown strategy '{options.strategy}': use {', '.join(STRATEGIES)}.")
     if options.mode not in MODES:
         raise UsageError(f"Unknown mode '{options.mode}': use {', '.join(MODES)}.")
+    source = resolve_source(source_spec)
+    comps = [source.component(options.component)] if options.component else list(source.components)
+    inputs = options.inputs
+    if inputs.height is None or inputs.width is None:  # the pipeline's own default, the one dmap run uses
+        size = default_image_size(source.pipeline_class, source.components if source.pipeline_class else comps)
+        height = size if inputs.height is None else inputs.height
+        width = inputs.width if inputs.width is not None else height  # --width defaults to --height
+        options = replace(options, inputs=replace(inputs, height=height, width=width))
     _check_inputs(options.inputs)
     if options.dtype:
         options = replace(options, dtype=parse_dtype(options.dtype))
     budgets = parse_device_spec(options.max_memory) if options.max_memory else local_devices()
     overhead = parse_overhead(options.overhead, budgets, options.inputs.weights_only)
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
-    source = resolve_source(source_spec)
-    comps = [source.component(options.component)] if options.component else list(source.components)
     prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache)
                 for c in comps]
     specs = [p.spec for p in prepared]

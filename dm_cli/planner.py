@@ -357,7 +357,10 @@ def _evaluate(comps: list[ComponentInput], maps: dict[str, dict[str, int | str]]
             device = comp_map[block.name] if block.name in comp_map else comp_map[""]
             key = str(device)
             use.setdefault(key, DeviceUse()).weights += block.bytes
-            runs_on = key if devices[key].is_gpu or str(main) == "cpu" else str(main)
+            if devices[key].is_gpu or str(main) not in devices:
+                runs_on = key
+            else:  # cpu/disk blocks run on the execution device (a GPU, or the cpu of a GPU-less list)
+                runs_on = str(main)
             if not devices[key].is_gpu and runs_on != key:
                 offloaded = max(offloaded, block.bytes)
             comp_acts[runs_on] = max(comp_acts.get(runs_on, 0), block.activation)
@@ -495,18 +498,24 @@ def _hops(comp: ComponentInput, comp_map: dict[str, int | str], devices: dict[st
 
 
 def _offloaded(comp: ComponentInput, comp_map: dict[str, int | str], devices: dict[str, Device]) -> tuple[int, int]:
-    """(bytes on cpu or disk, bytes on disk)."""
+    """(bytes offloaded, bytes on disk): on cpu or disk when the devices include a GPU; on a GPU-less
+    list the cpu computes, so only disk bytes are offloaded."""
+    has_gpu = any(d.is_gpu for d in devices.values())
+
+    def offloaded(key: str) -> bool:
+        return not devices[key].is_gpu and (has_gpu or key == "disk")
+
     if "" in comp_map and len(comp_map) == 1:
-        device = devices[str(comp_map[""])]
+        key = str(comp_map[""])
         total = comp.weights_bytes
-        return (0, 0) if device.is_gpu else (total, total if device.key == "disk" else 0)
+        return (total if offloaded(key) else 0, total if key == "disk" else 0)
     off = disk = 0
     for block in comp.blocks:
         key = str(comp_map[block.name])
-        if not devices[key].is_gpu:
+        if offloaded(key):
             off += block.bytes
-            if key == "disk":
-                disk += block.bytes
+        if key == "disk":
+            disk += block.bytes
     return off, disk
 
 
@@ -515,28 +524,35 @@ def _place_residency(comps: list[ComponentInput], devices: list[Device], strateg
     by_name = {d.name: d for d in devices}
     gpus = [d for d in devices if d.is_gpu]
     offload = [d for d in devices if not d.is_gpu]
+    if not gpus and "cpu" in by_name:
+        # no GPU: the cpu computes (weights, activations, the reserve for streaming) and disk holds the rest
+        gpus, offload = [by_name["cpu"]], [d for d in offload if d.key == "disk"]
     full = {d.name: d.capacity for d in gpus}
 
     def run(order_comps, gpu_order, limits, prefer_whole, skip=False):
         """Fill, then re-fill with offload reserves until they settle; None when it does not fit."""
         reserves: dict[str, int] = {}
-        for _ in range(6):
+        previous, boost = None, 1
+        for _ in range(16):
             cand = _fill(order_comps, gpu_order, limits, offload, reserves, prefer_whole, skip)
             if cand.unplaced:
                 return cand, None
             use = _evaluate(comps, cand.maps, by_name)
             if _fits(use, by_name):
                 return cand, use
+            # an unchanged fill means the excess is smaller than the block that must move: grow faster
+            boost = boost * 2 if cand.maps == previous else 1
+            previous = cand.maps
             # charge what the fill could not see (the streaming reserve, activations of offloaded
             # blocks run on their execution GPU) as a reserve, and fill again
             changed = False
             for key, entry in use.items():
                 device = by_name[key]
-                if not device.is_gpu:
+                if device not in gpus:
                     continue
                 want = max(reserves.get(key, 0), entry.reserve)
                 if device.capacity is not None and entry.peak > device.capacity:
-                    want = max(want, reserves.get(key, 0) + entry.peak - device.capacity)
+                    want = max(want, reserves.get(key, 0) + (entry.peak - device.capacity) * boost)
                 if want > reserves.get(key, 0):
                     reserves[key] = want
                     changed = True

@@ -82,6 +82,7 @@ class QueueEvents:
     on_item: Callable[[QueueItem, str, float], None] | None = None  # item, file written, seconds
     on_step: Callable[[int, int], None] | None = None
     on_chunk: Callable[[int, int], None] | None = None
+    on_status: Callable[[str | None], None] | None = None  # what is happening now (importing, planning, loading)
 
 
 def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> QueueResult:
@@ -120,7 +121,8 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
                     simulate=request.simulate, max_memory=request.max_memory, mode=request.mode,
                     strategy=request.device_map, dtype=request.dtype, overhead=request.overhead,
                     height=request.height, width=request.width, guidance_scale=request.guidance_scale,
-                    max_sequence_length=request.max_sequence_length, on_plan=events.on_plan)
+                    max_sequence_length=request.max_sequence_length, on_plan=events.on_plan,
+                    on_status=events.on_status)
     result.notices = list(pipeline.notices)
     result.mode, result.plan_digest = pipeline.plan.mode, pipeline.plan_digest
     todo: list[QueueItem] = []

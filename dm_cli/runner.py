@@ -22,7 +22,7 @@ from typing import Callable
 from . import __version__
 from .atomic import atomic_write
 from .errors import CheckpointError, DoesNotFitError, SourceError, UsageError
-from .families import Family, Job, family_for, supported_pipelines
+from .families import Family, Job, default_image_size, family_for, supported_pipelines
 from .inputs import InputSpec
 from .sources import config_digest
 from .stages import StageResult
@@ -59,12 +59,14 @@ class RunRequest:
     seed: int = 0
     height: int | None = None
     width: int | None = None
-    num_images: int = 1
+    num_images: int | None = None
     max_sequence_length: int | None = None
     output: str | None = "dmap.png"
     save_latents: str | None = None
     dtype: str | None = None
     simulate: bool = False
+    overwrite: bool = False  # replace an existing --output / --save-latents
+    track_activations: bool = False  # per-op activation tracking on CPU (always on under simulate)
 
 
 @dataclass
@@ -130,7 +132,13 @@ def _quiet_libraries() -> None:
 
 
 def plan_digest(plan) -> str:
-    return hashlib.sha256(json.dumps(plan.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """A hash of what decides the placement (model, dtype, mode, inputs, device maps, stages): the same plan
+    made twice on this machine has the same digest, whatever memory happened to be free."""
+    data = plan.to_json()
+    decisive = {key: data.get(key) for key in ("format", "version", "config_digest", "dtype", "mode", "inputs")}
+    decisive["components"] = {name: [c.get("class"), c.get("device_map")] for name, c in data["components"].items()}
+    decisive["stages"] = [[s["name"], s["components"]] for s in data["stages"]]
+    return hashlib.sha256(json.dumps(decisive, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def make_run_plan(source, request: RunRequest, inputs: InputSpec):
@@ -149,34 +157,41 @@ def make_run_plan(source, request: RunRequest, inputs: InputSpec):
 
 
 def check_plan_matches(plan, source, inputs: InputSpec, dtype: str | None, where: str) -> None:
-    """A plan made for another model, other inputs or another dtype is refused, not run."""
+    """A plan made for another model, other inputs or another dtype is refused, with every mismatch at once."""
+    problems: list[str] = []
     ours = config_digest(source)
     names = {c.name for c in source.components}
     planned = set(plan.components)
     if plan.config_digest is not None and plan.config_digest != ours:
-        raise UsageError(
-            f"{where} was made for another model (config digest {plan.config_digest}, this SOURCE has {ours}): "
-            f"plan again with dmap plan {source.spec} --output PLAN.json."
-        )
+        problems.append(f"it was made for another model (config digest {plan.config_digest}, {source.spec} has {ours})")
     if planned != names:
-        raise UsageError(
-            f"{where} places components {sorted(planned)} but {source.spec} has {sorted(names)}: it is a plan for another model."
-        )
+        problems.append(f"it places components {sorted(planned)} but {source.spec} has {sorted(names)} "
+                        "(a plan for another model)")
     for name, comp in plan.components.items():
-        actual = next(c.cls for c in source.components if c.name == name)
-        if comp.cls and comp.cls != "?" and comp.cls != actual:
-            raise UsageError(f"{where} plans '{name}' as {comp.cls} but {source.spec} has {actual}: it is a plan for another model.")
-    planned_inputs = plan.inputs
+        actual = next((c.cls for c in source.components if c.name == name), None)
+        if actual is not None and comp.cls and comp.cls != "?" and comp.cls != actual:
+            problems.append(f"it plans '{name}' as {comp.cls} but {source.spec} has {actual}")
     for key, value in (("height", inputs.height), ("width", inputs.width),
                        ("batch_size", inputs.batch_size), ("num_images", inputs.num_images)):
-        wanted = getattr(planned_inputs, key)
+        wanted = getattr(plan.inputs, key)
         if wanted not in (None, value, 0):
-            raise UsageError(
-                f"{where} was made for {key}={wanted}, this run asks for {value}: "
-                f"pass --{key.replace('_', '-')} {wanted} or plan again for these inputs."
-            )
+            flag = "--num-images" if key == "num_images" else f"--{key.replace('_', '-')}"
+            problems.append(f"it was made for {key}={wanted}, this run asks for {value}"
+                            + (f" (drop {flag} or give {wanted})" if key != "batch_size" else " (dmap run makes batch 1)"))
     if dtype and plan.dtype and parse_dtype(dtype) != plan.dtype:
-        raise UsageError(f"{where} was made for {plan.dtype}, this run asks for {dtype}: drop --dtype or plan again.")
+        problems.append(f"it was made for {plan.dtype}, this run asks for {dtype} (drop --dtype)")
+    if problems:
+        raise UsageError(f"{where} does not match this run: " + "; ".join(problems)
+                         + f". Plan again with dmap plan {source.spec} --output PLAN.json, or run without --device-map.")
+
+
+def inputs_from_plan(plan) -> dict:
+    """What a plan file says about the run's inputs: the defaults `dmap run -d PLAN.json` takes from it."""
+    given = {"height": plan.inputs.height, "width": plan.inputs.width, "num_images": plan.inputs.num_images,
+             "guidance_scale": plan.inputs.guidance_scale, "max_sequence_length": plan.inputs.max_sequence_length}
+    if plan.inputs.weights_only:  # a weights-only plan says nothing about the image size
+        given.pop("height"), given.pop("width")
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def check_devices_present(plan) -> None:
@@ -214,7 +229,7 @@ def check_image_size(family: Family, pipeline_class: str, height: int, width: in
             )
 
 
-def prepare(request: RunRequest):
+def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda message: None):
     """Resolve SOURCE (the demo when None), refuse what cannot run; (source, family, demo, defaults, notices)."""
     from .sources import resolve_source
 
@@ -223,6 +238,11 @@ def prepare(request: RunRequest):
     if demo:
         from .demo import DEMO_DEFAULTS, DEMO_NOTICE, ensure_demo
 
+        from .demo import demo_folder
+
+        if not (demo_folder() / "model_index.json").is_file():
+            status("Generating the demo pipeline's random weights (first run only)…")
+            _quiet_libraries()
         source = resolve_source(str(ensure_demo()))
         source.spec = "demo"
         notices.append(DEMO_NOTICE)
@@ -232,13 +252,19 @@ def prepare(request: RunRequest):
         defaults = {}
     if source.kind != "pipeline":
         raise UsageError(f"dmap run needs a pipeline folder (model_index.json); {request.source} is a single {source.kind}.")
+    if source.preset and all(c.weights is None for c in source.components):
+        raise UsageError(
+            f"'{request.source}' is a preset: dmap bundles its configs for inspect and plan, never weights. Give dmap run "
+            "a pipeline folder with weights (or a Hub repo id in the local cache); without SOURCE it runs the "
+            "random-weight demo."
+        )
     family = family_for(source.pipeline_class)
     if family is None or not family.runs(source.pipeline_class):
         raise UsageError(f"dmap run does not support {source.pipeline_class}: it runs {', '.join(supported_pipelines())}.")
     refusal = family.refuse(request.negative_prompt, request.true_cfg_scale)
     if refusal:
         raise UsageError(refusal)
-    if request.num_images < 1:
+    if request.num_images is not None and request.num_images < 1:
         raise UsageError("--num-images must be at least 1.")
     return source, family, demo, defaults, notices
 
@@ -249,7 +275,7 @@ def settle_job(request: RunRequest, source, family: Family, defaults: dict) -> J
     denoiser, vae = comps.get(family.denoiser), comps.get("vae")
     if denoiser is None or vae is None:
         raise SourceError(f"{source.spec} has no {family.denoiser} or no vae: dmap run needs both.")
-    default_size = family.default_image_size(denoiser.config or {}, vae.config)
+    default_size = default_image_size(source.pipeline_class, source.components)  # the one dmap plan uses
     height = request.height or defaults.get("height") or default_size
     width = request.width or defaults.get("width") or default_size
     check_image_size(family, source.pipeline_class, height, width, denoiser.config or {}, vae.config)
@@ -258,7 +284,7 @@ def settle_job(request: RunRequest, source, family: Family, defaults: dict) -> J
     return Job(
         prompt=request.prompt, negative_prompt=request.negative_prompt, seed=request.seed,
         steps=request.steps or defaults.get("steps") or family.default_steps, guidance_scale=guidance,
-        height=height, width=width, num_images=request.num_images,
+        height=height, width=width, num_images=request.num_images or defaults.get("num_images") or 1,
         max_sequence_length=(request.max_sequence_length or defaults.get("max_sequence_length")
                              or family.default_max_sequence_length),
         true_cfg_scale=request.true_cfg_scale,
@@ -282,7 +308,8 @@ def check_component_files(comp) -> int:
 
 
 def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
-        on_step: Callable[[int, int], None] | None = None) -> RunResult:
+        on_step: Callable[[int, int], None] | None = None,
+        on_status: Callable[[str | None], None] | None = None) -> RunResult:
     """Plan (or read and check a plan), then encode -> denoise -> decode following it.
 
     With torch, diffusers and transformers imported, a full garbage collection walks ~400k objects
@@ -298,17 +325,20 @@ def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
     if owner:
         gc.freeze()
     try:
-        return _run(request, on_plan, on_step, owner)
+        return _run(request, on_plan, on_step, on_status, owner)
     finally:
         if owner:
             gc.unfreeze()
 
 
-def _run(request: RunRequest, on_plan, on_step, freeze: bool) -> RunResult:
+def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunResult:
     """One prompt through the API's pipeline (`dm_cli.api.Pipeline`), every stage measured."""
     from .api import Pipeline
+    from .atomic import refuse_existing
 
-    pipeline = Pipeline(request, on_plan=on_plan, measure=True)
+    outputs = image_paths(request.output, request.num_images or 1) if request.output else []
+    refuse_existing(outputs + ([Path(request.save_latents)] if request.save_latents else []), request.overwrite)
+    pipeline = Pipeline(request, on_plan=on_plan, on_status=on_status, measure=True)
     job = pipeline.defaults
     result = RunResult(
         source=pipeline.source.spec, pipeline_class=pipeline.source.pipeline_class, demo=pipeline.demo,

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .atomic import refuse_existing
 from .checkpoint import WEIGHT_STEMS, find_component_weights, open_checkpoint, read_index, read_safetensors_header
 from .errors import CheckpointError, DmapError, SourceError, UsageError
 from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
@@ -602,8 +603,7 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
             raise UsageError(f"The output {out_path} is the source or inside it: choose another --output, or use --in-place.")
         if _is_within(root, out_path) or (source.kind == "weights" and _is_within(source_path, out_path)):
             raise UsageError(f"The output {out_path} contains the source: choose another --output.")
-        if out_path.exists() and not overwrite:
-            raise UsageError(f"The output {out_path} already exists: choose another --output or add --overwrite.")
+        refuse_existing([out_path], overwrite)
         if out_path.exists() and not out_path.is_dir():
             raise UsageError(f"The output {out_path} exists and is not a folder.")
     result = ShardResult(source_spec, source.kind, out_path, limit, target_dtype, variant, False, in_place, components)

@@ -59,6 +59,7 @@ class Skeleton:
     tensors: list[TensorInfo]  # tied aliases excluded (listed in tie_groups)
     tie_groups: list[list[str]] = field(default_factory=list)  # [kept name, alias, ...]
     stored: bool = False  # True when tensor dtypes come from a checkpoint header
+    note: str | None = None  # where the dtypes came from when that is worth saying (legacy weights)
 
     # --- sizes -----------------------------------------------------------------------------
 
@@ -309,8 +310,36 @@ def skeleton_for_component(comp, use_cache: bool = True):
         skeleton = load_skeleton(comp.name, comp.library, comp.cls, comp.config, use_cache=use_cache)
         if checkpoint is not None:
             skeleton = skeleton.with_checkpoint_dtypes({n: e.dtype for n, e in checkpoint.tensors.items()})
+        elif getattr(comp, "legacy_weights", None) and comp.folder is not None:
+            dtypes, note = legacy_dtypes(comp)
+            if dtypes is not None:
+                skeleton = skeleton.with_checkpoint_dtypes(dtypes)
+            skeleton.note = note
     elif checkpoint is not None:
         skeleton = skeleton_from_header(comp.name, checkpoint.tensors)
     else:
         raise SourceError(f"Component '{comp.name}' has neither a config nor weights.")
     return skeleton, checkpoint
+
+
+def legacy_dtypes(comp) -> tuple[dict[str, str] | None, str]:
+    """Stored dtypes of a component's `.bin`/`.pt` weights, and a note saying how (or why not) they were read.
+
+    `torch.load(weights_only=True, mmap=True)`: no code runs, and tensor data stays on disk.
+    """
+    from .errors import DmapError
+    from .shard import _legacy_files, _torch_load
+
+    try:
+        files = [f for f in _legacy_files(comp.folder, None, list(comp.legacy_weights)) or []
+                 if not f.name.endswith(".json")]
+        if not files:
+            return None, f"{comp.name}: no weight file a loader would read: sizes are at the config's default dtype (bf16)."
+        dtypes = {}
+        for path in files:
+            for name, tensor in _torch_load(path).items():
+                dtypes[name] = str(tensor.dtype).removeprefix("torch.")
+    except DmapError as error:
+        return None, f"{comp.name}: dtypes of its legacy weights were not read ({error}) — sizes assume bf16."
+    names = ", ".join(f.name for f in files)
+    return dtypes, f"{comp.name}: dtypes read from legacy weights {names} (torch.load, weights only, memory-mapped)."

@@ -5,6 +5,7 @@ No torch here: resolution reads JSON files only, so cached skeletons keep `inspe
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -97,7 +98,7 @@ def read_json(path: Path, what: str) -> dict:
 
 
 def resolve_source(spec: str) -> Source:
-    """SOURCE forms tried in DESIGN.md order: path, preset, Hub repo id."""
+    """SOURCE forms tried in the documented order (docs/CONTRACTS.md): path, preset, Hub repo id."""
     path = Path(spec).expanduser()
     if path.exists():
         return _resolve_path(spec, path)
@@ -105,9 +106,20 @@ def resolve_source(spec: str) -> Source:
         source = _resolve_path(spec, PRESETS_DIR / PRESETS[spec])
         source.preset = spec
         return source
-    if _REPO_ID_RE.match(spec) and not spec.startswith((".", "/")):
+    if _looks_like_path(spec):
+        raise SourceError(f"No such path: {spec} (SOURCE looks like a file or folder, and nothing is there).")
+    if _REPO_ID_RE.match(spec):
         return _resolve_hub(spec)
+    close = difflib.get_close_matches(spec.lower(), list(PRESETS), n=1, cutoff=0.6)
+    if close:
+        raise SourceError(f"Unknown SOURCE '{spec}': did you mean '{close[0]}'? Presets: {', '.join(PRESETS)}.")
     raise SourceError(f"Unknown SOURCE '{spec}': give {accepted_forms()}.")
+
+
+def _looks_like_path(spec: str) -> bool:
+    """./x, ../x, /x, ~/x, or a name ending like a weight or config file: a path, never a preset or repo id."""
+    return spec.startswith((".", "/", "~", os.sep)) or spec.endswith(
+        (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt")) or spec.count("/") > 2
 
 
 def _resolve_path(spec: str, path: Path) -> Source:
@@ -209,7 +221,7 @@ def _resolve_hub(spec: str) -> Source:
 
     configs_only = ["*.json", "*/*.json", "*.txt", "*/*.txt"]
     try:
-        folder = Path(snapshot_download(repo_id, local_files_only=True))
+        folder = Path(snapshot_download(repo_id, local_files_only=True, cache_dir=_cache_path()))
     except LocalEntryNotFoundError:
         if _offline():
             raise SourceError(
@@ -217,7 +229,7 @@ def _resolve_hub(spec: str) -> Source:
                 "download it first or unset HF_HUB_OFFLINE."
             ) from None
         try:
-            folder = Path(snapshot_download(repo_id, allow_patterns=configs_only))
+            folder = Path(snapshot_download(repo_id, allow_patterns=configs_only, cache_dir=_cache_path()))
         except Exception as error:  # network, auth, not found: one sentence, not a traceback
             raise SourceError(f"Cannot fetch the configs of '{repo_id}' from the Hub: {error}.") from error
     except Exception as error:

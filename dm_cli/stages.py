@@ -9,9 +9,9 @@ stages (`StageLoop.run_job`); a queue runner can hold a stage loaded and run man
 
 from __future__ import annotations
 
+import contextlib
 import inspect as pyinspect
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -56,7 +56,8 @@ class StageLoop:
     """
 
     def __init__(self, source, plan, family: Family, *, simulate: bool, tracked_steps: int | None,
-                 largest_shard: dict[str, int] | None = None, measure: bool = True):
+                 largest_shard: dict[str, int] | None = None, track_activations: bool | None = None,
+                 on_status: Callable[[str | None], None] | None = None, measure: bool = True):
         import torch
 
         self.source = source
@@ -64,7 +65,6 @@ class StageLoop:
         self.family = family
         self.simulate = simulate
         self.tracked_steps = tracked_steps
-        self.measure = measure  # False: no activation tracker, no RSS sampling (a queue needs only the images)
         self.largest_shard = largest_shard or {}
         self.components = {c.name: c for c in source.components}
         torch_dtype = getattr(torch, plan.dtype) if plan.dtype else None
@@ -76,6 +76,13 @@ class StageLoop:
         self.split_check = False
         self.split_problems: list[str] = []
         self.cuda = not simulate and torch.cuda.is_available()
+        # Per-op tracking (MemoryMeter) is what splits a CPU's memory between virtual devices, so
+        # --simulate needs it; a plain CPU run measures the process's peak RSS instead, which costs
+        # nothing per op (the tracker makes a tracked step ~3x slower).
+        self.track_activations = simulate if track_activations is None else track_activations
+        self.status = on_status or (lambda message: None)
+        # False: no tracker, no RSS sampling at all (a queue wants its images, not per-stage peaks)
+        self.measure = measure
 
     # --- loading ---------------------------------------------------------------------------------
 
@@ -84,11 +91,13 @@ class StageLoop:
 
     def load_stage(self, names: list[str], stage: StageResult | None = None) -> None:
         """Load `names` straight to their planned devices and put them into the pipeline."""
-        with RssSampler() if self.measure else nullcontext() as rss:
+        with RssSampler() if self.measure else contextlib.nullcontext() as rss:
             for name in names:
                 if name in self.loaded:
                     continue
                 cmap = self.device_map(name)
+                where = ", ".join(sorted({str(d) for d in cmap.values()}))
+                self.status(f"Loading {name} ({where})…")
                 model = load_component(self.components[name], cmap, self.plan.dtype, self.simulate)
                 default_dev = str(next(iter(cmap.values())))
                 self.meter.register_weights(model, cmap, default_dev)
@@ -97,6 +106,7 @@ class StageLoop:
                     self._hooks[name] += self._split_check(model, cmap, name)
                 self.loaded[name] = model
                 setattr(self.pipe, name, model)
+        self.status(None)
         if stage is not None and rss is not None:
             stage.load_rss_delta = rss.peak - rss.start
             stage.largest_shard = max([self.largest_shard.get(n, 0) for n in names] + [stage.largest_shard])
@@ -203,24 +213,32 @@ class StageLoop:
                 torch.cuda.reset_peak_memory_stats(i)
         start = time.perf_counter()
         meter.current[:] = [str(next(iter(self.device_map(names[0]).values())))] if names else ["cpu"]
-        track = self.measure and (not self.cuda or any(self._device([c]).type == "cpu" for c in names))
-        stage.tracked = "all" if track else "none (CUDA: max_memory_allocated)"
+        on_cpu = self.measure and (not self.cuda or any(self._device([c]).type == "cpu" for c in names))
+        track = on_cpu and self.track_activations
+        sampled = on_cpu and not track
+        stage.tracked = "all" if track else ("process peak RSS" if sampled else "none (CUDA: max_memory_allocated)"
+                                             if self.measure else "not measured")
+        rss = RssSampler() if sampled else None
         try:
-            with torch.inference_mode(False), torch.no_grad():
+            with torch.inference_mode(False), torch.no_grad(), (rss or contextlib.nullcontext()):
                 if track:
                     meter.start()
                 if name == "encode":
+                    self.status("Encoding the prompt…")
                     carry.embeds = self.encode(names, job)
                 elif name == "denoise":
+                    self.status(None)  # the denoise progress bar takes over
                     carry.latents = self.denoise(names, job, carry.embeds, on_step)
                     carry.embeds = None
                     if track and self.tracked_steps is not None and job.steps > self.tracked_steps:
                         stage.tracked = f"first {self.tracked_steps} of {job.steps} steps"
                 elif name == "decode":
+                    self.status("Decoding the latents…")
                     carry.images = self.decode(names, job, carry.latents)
                 else:
                     raise UsageError(f"The plan has a stage '{name}' that dmap run does not know (encode, denoise, decode).")
                 meter.stop()
+            self.status(None)
         except torch.OutOfMemoryError as error:
             raise _oom(error, name, stage.planned_peak) from None
         except MemoryError:
@@ -230,8 +248,11 @@ class StageLoop:
             ) from None
         stage.run_s = time.perf_counter() - start
         resident = stage.resident_after_load
-        stage.measured_peak = {d: resident.get(d, 0) + meter.peak.get(d, 0)
-                               for d in set(resident) | set(meter.peak) if resident.get(d, 0) + meter.peak.get(d, 0)}
+        grown = dict(meter.peak)
+        if rss is not None:  # what the run added on top of the loaded weights, charged to the cpu
+            grown["cpu"] = max(0, rss.peak - rss.start)
+        stage.measured_peak = {d: resident.get(d, 0) + grown.get(d, 0)
+                               for d in set(resident) | set(grown) if d != "disk" and resident.get(d, 0) + grown.get(d, 0)}
         if self.cuda:
             for i in range(torch.cuda.device_count()):
                 stage.measured_peak[str(i)] = torch.cuda.max_memory_allocated(i)

@@ -126,6 +126,10 @@ def parse_dtype(text: str) -> str:
     return name
 
 
+# A plain number below this in --max-memory is almost surely a forgotten unit (0=16 meaning 16GB).
+MIN_PLAIN_DEVICE_BYTES = 10**6
+
+
 @dataclass(frozen=True)
 class DeviceBudget:
     """One device of the target machine and the bytes dmap may use on it."""
@@ -161,7 +165,12 @@ def parse_device_spec(spec: str) -> list[DeviceBudget]:
         item = item.strip()
         if not item:
             raise UsageError(f"Empty entry in --max-memory '{spec}'.")
-        name, _, size_text = item.partition("=")
+        name, equals, size_text = item.partition("=")
+        if not equals and name.strip().lower() != "disk" and _SIZE_RE.match(name):
+            raise UsageError(
+                f"--max-memory entry '{name.strip()}' names no device: write 0={name.strip()} for GPU 0 "
+                f"(0={name.strip()},1={name.strip()} for two) or cpu={name.strip()}."
+            )
         device = _parse_device_name(name)
         if device in budgets:
             raise UsageError(f"Device '{name.strip()}' appears twice in --max-memory '{spec}'.")
@@ -171,6 +180,11 @@ def parse_device_spec(spec: str) -> list[DeviceBudget]:
             capacity = None
         else:
             capacity = parse_size(size_text)
+            if size_text.strip().isdigit() and device != "disk" and 0 < capacity < MIN_PLAIN_DEVICE_BYTES:
+                raise UsageError(
+                    f"'{item}' in --max-memory is {capacity} bytes: give a unit, e.g. {name.strip()}={size_text.strip()}GB "
+                    f"(plain numbers are bytes; write {name.strip()}={size_text.strip()}B if you really mean bytes)."
+                )
             if device == "disk" and capacity == 0:
                 raise UsageError("disk=0 in --max-memory: leave the size out (disk) for unlimited, or drop disk.")
         budgets[device] = DeviceBudget(device, capacity)
@@ -178,7 +192,6 @@ def parse_device_spec(spec: str) -> list[DeviceBudget]:
 
 
 def _device_rank(budget: DeviceBudget) -> tuple[int, int]:
-    device = budget.device
-    if isinstance(device, int):
-        return (0, device)
-    return ({"mps": 1, "cpu": 2, "disk": 3}[device], 0)
+    from .devices import device_rank
+
+    return device_rank(budget.device)

@@ -1,34 +1,28 @@
-"""Benchmark: `dmap run` vs the hand-written diffusers staged recipe, same pipeline, seed, steps and dtype.
+"""Benchmark: `dmap run` vs diffusers' own pipeline call vs the hand-written staged recipe.
 
-Every run is a fresh subprocess; the kinds alternate, REPEATS times each, in one invocation. The
-pipeline is the bundled FLUX-architecture demo (random weights, fp32 as stored, CPU), 256x256,
-4 steps, seed 0, guidance 3.5, 64 T5 tokens: the same call on both sides.
+A mid-size Stable Diffusion 1.5-architecture pipeline with random weights (UNet at 3/10 of SD 1.5's
+widths, ~77M parameters, fp32; a 4-layer CLIP text encoder; a small VAE), 128x128, classifier-free
+guidance 7.5, seed 0, on the CPU, at 8 and at 50 denoising steps: the denoiser dominates (each step
+runs the UNet on a batch of 2). Every run is a fresh subprocess; kinds alternate, REPEATS times each,
+all in one invocation; the PNGs are compared pixel for pixel with diffusers' own call.
 
 Rows:
-- the diffusers "distributed inference" recipe written by hand (encode, free, denoise, free, decode);
-- the same recipe tuned with gc.freeze() before it starts: its two gc.collect() calls (the docs'
-  flush()) each walk the ~400k objects torch, diffusers and transformers leave alive (~0.2 s each),
-  which dmap avoids the same way; this row is the fairest baseline for dmap's own overhead;
+- diffusers' own pipeline call: `StableDiffusionPipeline.from_pretrained(folder)(prompt, ...)`;
+- the diffusers "distributed inference" recipe written by hand (encode, free, denoise from embeddings,
+  free, decode);
 - `dmap run --device-map plan.json` with a plan made beforehand by `dmap plan ... --output`;
-- the same with a `--mode staged` plan (stage by stage, as the recipe does);
-- `dmap run` planning inline with a warm cache (skeletons and meta traces cached on disk);
-- `dmap run` planning inline with a cold cache (a fresh DMAP_CACHE_DIR holding only the demo weights).
+- `dmap run` planning inline (warm cache), what a user types.
 
-Columns: "in-process" wall starts after the imports (torch, diffusers, transformers and the
-pipeline's classes, the same list on both sides, plus dmap's own modules for dmap: ~0.1 s of typer,
-rich and dm_cli) and ends when the PNG is written; dmap is called through its CLI entry point
-(`dm_cli.cli.main`), so option parsing, planning or reading the plan, the plan rendering and the
-summary table are inside the clock. "process" wall is the whole subprocess (interpreter start, every import,
-exit), what a user waits for. Ratios are against the recipe's number in the same column; "best" is
-the fastest of the runs (on a shared machine noise only adds time, so it is the steadiest estimate of
-the work itself). Peak RSS is the subprocess's ru_maxrss (max over runs). The last column says whether
-the PNG's pixels equal the recipe's (first repeat).
+Columns: "in-process" wall starts after the same imports on every side (torch, diffusers,
+transformers; dmap's own modules too for dmap) and ends when the PNG is written: loading, planning or
+reading the plan, encode, every denoising step, decode, rendering the summary. "process" is the whole
+subprocess (interpreter start, imports, exit). Ratios are against diffusers' own call in the same
+column and step count; "best" is the fastest run (noise on a shared machine only adds time).
 
-The machine this was written on has 2 cores shared with other jobs: torch runs on ONE intra-op thread
-by default here (--threads N to change; 0 = torch's default) so that another process on the second
-core does not turn thread barriers into noise.
+torch runs on ONE intra-op thread by default (--threads N to change; 0 = torch's default), so a
+neighbour on another core does not turn thread barriers into noise.
 
-Usage: .venv/bin/python scripts/bench_run.py [--repeats N] [--threads N]
+Usage: .venv/bin/python scripts/bench_run.py [--repeats N] [--threads N] [--steps 8,50]
 """
 
 from __future__ import annotations
@@ -43,18 +37,61 @@ import tempfile
 import time
 from pathlib import Path
 
-PROMPT, SEED, STEPS, SIZE, GUIDANCE, MAX_SEQ = "a red fox in the snow", 0, 4, 256, 3.5, 64
+PROMPT, SEED, SIZE, GUIDANCE = "a red fox in the snow", 0, 128, 7.5
+UNET_WIDTHS = [96, 192, 384, 384]
+CROSS_DIM = 384
 
-# The same imports on both sides before the clock starts.
+CONFIGS = {
+    "model_index": {
+        "_class_name": "StableDiffusionPipeline", "feature_extractor": [None, None], "safety_checker": [None, None],
+        "image_encoder": [None, None], "requires_safety_checker": False, "scheduler": ["diffusers", "PNDMScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
+        "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"],
+    },
+    "scheduler": {
+        "_class_name": "PNDMScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
+        "num_train_timesteps": 1000, "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1,
+        "trained_betas": None,
+    },
+    "text_encoder": {
+        "architectures": ["CLIPTextModel"], "model_type": "clip_text_model", "bos_token_id": 0, "eos_token_id": 2,
+        "pad_token_id": 1, "hidden_act": "quick_gelu", "hidden_size": CROSS_DIM, "intermediate_size": 4 * CROSS_DIM,
+        "layer_norm_eps": 1e-05, "max_position_embeddings": 77, "num_attention_heads": 6, "num_hidden_layers": 4,
+        "projection_dim": CROSS_DIM, "vocab_size": 1000,
+    },
+    "unet": {
+        "_class_name": "UNet2DConditionModel", "act_fn": "silu", "attention_head_dim": 8, "block_out_channels": UNET_WIDTHS,
+        "center_input_sample": False, "cross_attention_dim": CROSS_DIM,
+        "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+        "downsample_padding": 1, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4, "layers_per_block": 2,
+        "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4, "sample_size": 16,
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+    },
+    "vae": {
+        "_class_name": "AutoencoderKL", "act_fn": "silu", "block_out_channels": [32, 64, 64, 64],
+        "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4, "in_channels": 3,
+        "out_channels": 3, "latent_channels": 4, "layers_per_block": 1, "norm_num_groups": 32, "sample_size": SIZE,
+        "scaling_factor": 0.18215,
+    },
+}
+
+# The same imports on every side before the in-process clock starts.
 PRELUDE = r"""
-import json, os, resource, sys, time
+import json, os, resource, sys, time, warnings
+warnings.simplefilter("ignore")
 import torch
 if THREADS:
     torch.set_num_threads(THREADS)
 import diffusers, transformers
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-from diffusers.image_processor import VaeImageProcessor
+transformers.utils.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()
+diffusers.utils.logging.set_verbosity_error(); diffusers.utils.logging.disable_progress_bar()
+from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
+from transformers import CLIPTextModel, CLIPTokenizer
+"""
+
+DONE = r"""
+wall = time.perf_counter() - t
+print(json.dumps({"wall": wall, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
 DMAP = r"""
@@ -66,74 +103,74 @@ try:
 except SystemExit as done:
     if done.code:
         sys.exit(done.code)
-wall = time.perf_counter() - t
-print(json.dumps({"wall": wall, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
-"""
+""" + DONE
 
-# The recipe of diffusers' "distributed inference" docs, written by hand for this pipeline.
+DIFFUSERS_CALL = r"""
+t = time.perf_counter()
+pipe = StableDiffusionPipeline.from_pretrained(FOLDER)
+pipe.set_progress_bar_config(disable=True)
+image = pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE,
+             generator=torch.Generator().manual_seed(SEED)).images[0]
+image.save(OUT)
+""" + DONE
+
+# diffusers' "distributed inference" recipe, written by hand for this pipeline.
 RECIPE = r"""
 import gc
-from dm_cli.demo import ensure_demo
-folder = str(ensure_demo())
 t = time.perf_counter()
-pipe = FluxPipeline.from_pretrained(folder, transformer=None, vae=None)
+pipe = StableDiffusionPipeline.from_pretrained(FOLDER, unet=None, vae=None)
 with torch.no_grad():
-    pe, ppe, _ = pipe.encode_prompt(prompt=PROMPT, prompt_2=None, max_sequence_length=MAX_SEQ)
+    pe, npe = pipe.encode_prompt(PROMPT, "cpu", 1, GUIDANCE > 1, None)
 del pipe; gc.collect()
-transformer = FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer", device_map={"": "cpu"})
-vae_config = AutoencoderKL.load_config(folder, subfolder="vae")
-pipe = FluxPipeline.from_pretrained(folder, text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None,
-                                    vae=None, transformer=transformer)
-pipe.vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
+unet = UNet2DConditionModel.from_pretrained(FOLDER, subfolder="unet")
+pipe = StableDiffusionPipeline.from_pretrained(FOLDER, text_encoder=None, tokenizer=None, vae=None, unet=unet)
+pipe.vae_scale_factor = 2 ** (len(AutoencoderKL.load_config(FOLDER, subfolder="vae")["block_out_channels"]) - 1)
 pipe.set_progress_bar_config(disable=True)
-latents = pipe(prompt_embeds=pe, pooled_prompt_embeds=ppe, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
-               height=SIZE, width=SIZE, max_sequence_length=MAX_SEQ, output_type="latent",
-               generator=torch.Generator().manual_seed(SEED)).images
-scale = pipe.vae_scale_factor
-del pipe, transformer; gc.collect()
-vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")
+latents = pipe(prompt_embeds=pe, negative_prompt_embeds=npe, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+               height=SIZE, width=SIZE, output_type="latent", generator=torch.Generator().manual_seed(SEED)).images
+del pipe, unet; gc.collect()
+vae = AutoencoderKL.from_pretrained(FOLDER, subfolder="vae")
 with torch.no_grad():
-    latents = FluxPipeline._unpack_latents(latents, SIZE, SIZE, scale)
-    latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-    image = vae.decode(latents, return_dict=False)[0]
-VaeImageProcessor(vae_scale_factor=scale * 2).postprocess(image, output_type="pil")[0].save(OUT)
-wall = time.perf_counter() - t
-print(json.dumps({"wall": wall, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
-"""
+    image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+from diffusers.image_processor import VaeImageProcessor
+VaeImageProcessor(vae_scale_factor=8).postprocess(image, output_type="pil", do_denormalize=[True])[0].save(OUT)
+""" + DONE
 
-RECIPE_ROW = "diffusers staged recipe (hand-written)"
-# The same recipe with the one trick dmap uses that the docs' recipe lacks: with torch, diffusers and
-# transformers loaded, each gc.collect() walks ~400k objects (~0.2 s); gc.freeze() first makes them cheap.
-TUNED_RECIPE = RECIPE.replace("t = time.perf_counter()", "gc.freeze()\nt = time.perf_counter()", 1)
+BASE_ROW = "diffusers pipeline call (from_pretrained + __call__)"
 
 
-def _run_args(out: str, device_map: str | None) -> list[str]:
-    args = ["run", "--prompt", PROMPT, "--seed", str(SEED), "--steps", str(STEPS), "--height", str(SIZE),
-            "--width", str(SIZE), "--guidance-scale", str(GUIDANCE), "--max-sequence-length", str(MAX_SEQ),
-            "--output", out]
+def build_pipeline(folder: Path) -> Path:
+    """The bench pipeline with random weights (fixed seed), built once."""
+    if (folder / "model_index.json").is_file():
+        return folder
+    from dm_cli.demo import _write_configs, write_random_pipeline
+
+    staging = folder.with_name(folder.name + ".tmp")
+    staging.mkdir(parents=True, exist_ok=True)
+    _write_configs(CONFIGS, staging)
+    write_random_pipeline(staging, staging, seed=0)
+    os.replace(staging, folder)
+    return folder
+
+
+def _run_args(folder: Path, steps: int, out: str, device_map: str | None) -> list[str]:
+    args = ["run", str(folder), "--prompt", PROMPT, "--seed", str(SEED), "--steps", str(steps), "--height", str(SIZE),
+            "--width", str(SIZE), "--guidance-scale", str(GUIDANCE), "--output", out, "--overwrite"]
     return args + (["--device-map", device_map] if device_map else [])
 
 
-def _once(code: str, out: str, threads: int, args: list[str] | None = None, env: dict | None = None) -> dict:
-    header = (f"PROMPT, SEED, STEPS, SIZE, GUIDANCE, MAX_SEQ, OUT, THREADS, ARGS = {PROMPT!r}, {SEED}, {STEPS}, "
-              f"{SIZE}, {GUIDANCE}, {MAX_SEQ}, {out!r}, {threads}, {args!r}\n")
+def _once(code: str, folder: Path, steps: int, out: str, threads: int, args: list[str] | None = None) -> dict:
+    header = (f"PROMPT, SEED, STEPS, SIZE, GUIDANCE, FOLDER, OUT, THREADS, ARGS = {PROMPT!r}, {SEED}, {steps}, "
+              f"{SIZE}, {GUIDANCE}, {str(folder)!r}, {out!r}, {threads}, {args!r}\n")
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", header + PRELUDE + code], capture_output=True, text=True, check=False,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, "COLUMNS": "120"})
     process_wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"benchmark run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["process"] = process_wall
     return result
-
-
-def _cold_cache(tmp: Path, demo_root: Path, i: int) -> dict:
-    """A fresh cache dir that holds only the demo weights: skeletons and traces are rebuilt."""
-    cache = tmp / f"cold-cache-{i}"
-    cache.mkdir()
-    (cache / "demo").symlink_to(demo_root)
-    return {"DMAP_CACHE_DIR": str(cache)}
 
 
 def _pixels(path: str):
@@ -148,60 +185,58 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every run (0: torch default)")
+    parser.add_argument("--steps", default="8,50", help="comma-separated step counts")
+    parser.add_argument("--model-dir", default=None, help="where to build (or find) the bench pipeline")
     options = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-run-"))
     threads = options.threads
-
-    from dm_cli.demo import ensure_demo
-
-    demo = ensure_demo()  # generated once, outside any timing
-    plans = {}
-    for mode in ("auto", "staged"):
-        plans[mode] = str(tmp / f"plan-{mode}.json")
-        proc = subprocess.run([sys.executable, "-m", "dm_cli", "plan", str(demo), "--height", str(SIZE), "--width",
-                               str(SIZE), "--guidance-scale", str(GUIDANCE), "--max-sequence-length", str(MAX_SEQ),
-                               "--mode", mode, "--output", plans[mode]], capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise SystemExit(f"dmap plan failed:\n{proc.stderr[-3000:]}")
-    planned_mode = json.loads(Path(plans["auto"]).read_text())["mode"]
+    step_counts = [int(s) for s in options.steps.split(",")]
+    folder = build_pipeline(Path(options.model_dir or tmp / "sd15-mid"))  # outside any timing
+    plan_path = str(tmp / "plan.json")
+    proc = subprocess.run([sys.executable, "-m", "dm_cli", "plan", str(folder), "--height", str(SIZE), "--width",
+                           str(SIZE), "--guidance-scale", str(GUIDANCE), "--output", plan_path, "--overwrite", "-q"],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"dmap plan failed:\n{proc.stderr[-3000:]}")
+    mode = json.loads(Path(plan_path).read_text())["mode"]
     kinds = {
-        RECIPE_ROW: lambda out, i: _once(RECIPE, out, threads),
-        "same recipe + gc.freeze() (hand-tuned)": lambda out, i: _once(TUNED_RECIPE, out, threads),
-        f"dmap run --device-map plan.json ({planned_mode}, planned by dmap plan)":
-            lambda out, i: _once(DMAP, out, threads, _run_args(out, plans["auto"])),
-        "dmap run --device-map plan.json (staged plan)":
-            lambda out, i: _once(DMAP, out, threads, _run_args(out, plans["staged"])),
-        "dmap run, plans inline, warm cache": lambda out, i: _once(DMAP, out, threads, _run_args(out, None)),
-        "dmap run, plans inline, cold cache":
-            lambda out, i: _once(DMAP, out, threads, _run_args(out, None), env=_cold_cache(tmp, demo.parent, i)),
+        BASE_ROW: lambda steps, out: _once(DIFFUSERS_CALL, folder, steps, out, threads),
+        "diffusers staged recipe (hand-written)": lambda steps, out: _once(RECIPE, folder, steps, out, threads),
+        f"dmap run --device-map plan.json ({mode})":
+            lambda steps, out: _once(DMAP, folder, steps, out, threads, _run_args(folder, steps, out, plan_path)),
+        "dmap run (plans inline, warm cache)":
+            lambda steps, out: _once(DMAP, folder, steps, out, threads, _run_args(folder, steps, out, None)),
     }
-    _once(DMAP, str(tmp / "warm.png"), threads, _run_args(str(tmp / "warm.png"), None))  # warms the cache and the OS page cache
-    _once(RECIPE, str(tmp / "warm-recipe.png"), threads)
-    runs: dict[str, list[dict]] = {k: [] for k in kinds}
-    outputs: dict[str, str] = {}
+    warm = str(tmp / "warm.png")  # warms dmap's cache and the OS page cache
+    _once(DMAP, folder, 1, warm, threads, _run_args(folder, 1, warm, None))
+    _once(DIFFUSERS_CALL, folder, 1, warm, threads)
+    runs = {(steps, k): [] for steps in step_counts for k in kinds}
+    outputs: dict[tuple, str] = {}
     for i in range(options.repeats):
-        for n, (kind, call) in enumerate(kinds.items()):
-            out = str(tmp / f"{n}-{i}.png")
-            runs[kind].append(call(out, i))
-            outputs.setdefault(kind, out)
+        for steps in step_counts:
+            for n, (kind, call) in enumerate(kinds.items()):
+                out = str(tmp / f"{steps}-{n}-{i}.png")
+                runs[(steps, kind)].append(call(steps, out))
+                outputs.setdefault((steps, kind), out)
     import numpy as np
 
-    reference = _pixels(outputs[RECIPE_ROW])
-    med = {k: statistics.median(r["wall"] for r in v) for k, v in runs.items()}
-    best = {k: min(r["wall"] for r in v) for k, v in runs.items()}
-    proc_med = {k: statistics.median(r["process"] for r in v) for k, v in runs.items()}
-    rss = {k: max(r["rss"] for r in v) for k, v in runs.items()}
-    base, best_base, proc_base = med[RECIPE_ROW], best[RECIPE_ROW], proc_med[RECIPE_ROW]
-    print(f"FLUX-architecture demo pipeline (random weights), {SIZE}x{SIZE}, {STEPS} steps, seed {SEED}, fp32, CPU, "
-          f"torch threads {threads or 'default'}, {options.repeats} runs of each (subprocesses, alternating); "
-          "best = fastest run (noise on a shared machine only adds time)\n")
-    print("| runner | in-process s, median | ratio | in-process s, best | ratio | process s, median | ratio "
+    print(f"SD 1.5-architecture pipeline, random weights: UNet widths {UNET_WIDTHS} (fp32), {SIZE}x{SIZE}, CFG "
+          f"{GUIDANCE}, seed {SEED}, CPU, torch threads {threads or 'default'}; {options.repeats} runs of each "
+          "(subprocesses, alternating); best = fastest run\n")
+    print("| steps | runner | in-process s, median | ratio | in-process s, best | ratio | process s, median | ratio "
           "| peak RSS | same pixels |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|:---:|")
-    for k in runs:
-        same = "yes" if np.array_equal(_pixels(outputs[k]), reference) else "NO"
-        print(f"| {k} | {med[k]:.2f} | {med[k] / base:.2f} | {best[k]:.2f} | {best[k] / best_base:.2f} | "
-              f"{proc_med[k]:.2f} | {proc_med[k] / proc_base:.2f} | {rss[k] / 1e6:.0f} MB | {same} |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|:---:|")
+    for steps in step_counts:
+        reference = _pixels(outputs[(steps, BASE_ROW)])
+        med = {k: statistics.median(r["wall"] for r in runs[(steps, k)]) for k in kinds}
+        best = {k: min(r["wall"] for r in runs[(steps, k)]) for k in kinds}
+        proc_med = {k: statistics.median(r["process"] for r in runs[(steps, k)]) for k in kinds}
+        rss = {k: max(r["rss"] for r in runs[(steps, k)]) for k in kinds}
+        for k in kinds:
+            same = "yes" if np.array_equal(_pixels(outputs[(steps, k)]), reference) else "NO"
+            print(f"| {steps} | {k} | {med[k]:.2f} | {med[k] / med[BASE_ROW]:.3f} | {best[k]:.2f} | "
+                  f"{best[k] / best[BASE_ROW]:.3f} | {proc_med[k]:.2f} | {proc_med[k] / proc_med[BASE_ROW]:.3f} | "
+                  f"{rss[k] / 1e6:.0f} MB | {same} |")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,36 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 
 def run_dmap(*args, env=None, cwd=None):
+    """Run the CLI in this process (`dm_cli.cli.main`, the console entry point): exit code, stdout, stderr.
+
+    In-process keeps the suite fast (a subprocess pays ~3-8 s of imports per call); tests about the
+    process itself (imports, signals, kills) use `run_dmap_process`.
+    """
+    import contextlib
+    import io
+
+    from dm_cli.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    os.environ.update({k: str(v) for k, v in (env or {}).items()})
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main([str(a) for a in args])
+                code = 0
+            except SystemExit as done:
+                code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return code, out.getvalue(), err.getvalue()
+
+
+def run_dmap_process(*args, env=None, cwd=None):
     """Run the real CLI in a subprocess: exit code, stdout, stderr."""
     full_env = dict(os.environ)
     full_env.update(env or {})
@@ -30,17 +60,3 @@ def run_dmap(*args, env=None, cwd=None):
 def load_json(path):
     return json.loads(Path(path).read_text())
 
-
-def dmap_main(capsys, *args):
-    """Run the CLI in this process (fast): exit code, stdout, stderr."""
-    from dm_cli.cli import main
-
-    capsys.readouterr()
-    try:
-        main([str(a) for a in args])
-    except SystemExit as done:
-        code = done.code or 0
-    else:
-        code = 0
-    out = capsys.readouterr()
-    return code, out.out, out.err

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import PRESETS, dmap_main
+from conftest import PRESETS, run_dmap
 from dm_cli.families import FAMILY_MODULES, all_families, family_for, pipeline_stages, supported_pipelines
 from dm_cli.inputs import InputSpec
 
@@ -64,19 +64,19 @@ def _ltx2_folder(root, library="ltx2"):
     return root
 
 
-def test_components_from_a_diffusers_pipeline_module_are_inspected_and_planned(tmp_path, capsys):
+def test_components_from_a_diffusers_pipeline_module_are_inspected_and_planned(tmp_path):
     """LTX-2 names its connectors and vocoder as ["ltx2", ...]: diffusers resolves them in diffusers.pipelines.ltx2."""
     from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
 
     folder = _ltx2_folder(tmp_path / "ltx2")
-    code, out, err = dmap_main(capsys, "inspect", folder, "--json")
+    code, out, err = run_dmap("inspect", folder, "--json")
     assert code == 0, err
     report = {c["name"]: c for c in json.loads(out)["components"]}
     for name, cls, config in (("connectors", LTX2TextConnectors, CONNECTORS), ("vocoder", LTX2Vocoder, VOCODER)):
         model = cls.from_config(config)
         assert report[name]["params"] == sum(p.numel() for p in model.parameters()), name
     # an unknown family still gets a weights-only plan, with a warning that names what is missing
-    code, out, err = dmap_main(capsys, "plan", folder, "--max-memory", "0=1GB,cpu=4GB", "--json")
+    code, out, err = run_dmap("plan", folder, "--max-memory", "0=1GB,cpu=4GB", "--json")
     assert code == 0, err
     plan = json.loads(out)
     assert set(plan["components"]) == {"connectors", "vocoder"}
@@ -84,11 +84,11 @@ def test_components_from_a_diffusers_pipeline_module_are_inspected_and_planned(t
 
 
 @pytest.mark.parametrize("library", ["os", "../ltx2", "ltx2.connectors", "_ltx2", "subprocess"])
-def test_a_library_outside_diffusers_pipelines_is_refused_never_imported(tmp_path, capsys, library):
+def test_a_library_outside_diffusers_pipelines_is_refused_never_imported(tmp_path, library):
     import sys
 
     folder = _ltx2_folder(tmp_path / "bad", library)
     before = set(sys.modules)
-    code, _, err = dmap_main(capsys, "inspect", folder)
+    code, _, err = run_dmap("inspect", folder)
     assert code == 2 and library in err and "diffusers pipeline module" in err
     assert not {m for m in set(sys.modules) - before if library.strip("./_") in m.split(".")[0]}

@@ -252,8 +252,6 @@ BAD_INPUTS = {
         "NoSuchNet2D"),
     "truncated header": (_truncated, "truncated"),
     "corrupt header json": (_bad_json_header, "cannot be parsed"),
-    "offsets past end": (_offsets_past_end, "truncated or corrupt"),
-    "index names missing shard": (lambda p: _index(p, "missing.safetensors"), "does not exist"),
     "shard path with slash": (lambda p: _index(p, "../evil.safetensors"), "is a path"),
     "shard path with dotdot": (lambda p: _index(p, ".."), "is a path"),
 }
@@ -270,3 +268,45 @@ def test_bad_input_is_one_sentence_exit_2(case, tmp_path):
     assert len(err.strip().splitlines()) == 1
     code, out, err = run_dmap("inspect", target, "--no-cache", "--debug")
     assert code == 2 and "Traceback" in err
+
+
+CHECKPOINT_PROBLEMS = {  # listed (every one, by file and tensor) rather than raised: exit 2, no traceback
+    "offsets past end": (_offsets_past_end, "truncated or corrupt"),
+    "index names missing shard": (lambda p: _index(p, "missing.safetensors"), "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHECKPOINT_PROBLEMS))
+def test_checkpoint_problems_are_listed_exit_2(case, tmp_path):
+    make, expected = CHECKPOINT_PROBLEMS[case]
+    code, out, err = run_dmap("inspect", make(tmp_path), "--no-cache")
+    assert code == 2, (out, err)
+    assert "1 checkpoint problem(s)" in err and expected in err and "Traceback" not in err
+
+
+def test_every_checkpoint_problem_is_listed(tmp_path):
+    """Two missing shards, a truncated one and index disagreements: all of them, not the first."""
+    _save_tiny_unet(tmp_path / "unet", shards=True)
+    folder = tmp_path / "unet"
+    index_path = folder / "diffusion_pytorch_model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 4
+    (folder / shards[0]).unlink()
+    (folder / shards[1]).unlink()
+    with open(folder / shards[2], "r+b") as handle:  # cut the last tensor short
+        handle.truncate((folder / shards[2]).stat().st_size - 4)
+    kept = [n for n, s in index["weight_map"].items() if s == shards[3]][0]
+    index["weight_map"]["ghost.weight"] = shards[3]
+    del index["weight_map"][kept]
+    index_path.write_text(json.dumps(index))
+    report = inspect_source(str(folder))
+    text = "\n".join(report.problems)
+    assert f"{shards[0]}: does not exist" in text and f"{shards[1]}: does not exist" in text
+    assert f"{shards[2]} [" in text and "truncated" in text
+    assert "[ghost.weight]: listed in the index but missing" in text and f"[{kept}]: in the shard but not listed" in text
+    code, out, err = run_dmap("inspect", folder, "--json")
+    assert code == 2 and json.loads(out)["problems"] == report.problems
+    assert all(problem in err for problem in report.problems)
+    code, out, err = run_dmap("plan", folder, "-m", "cpu=1GB", "--height", "0")
+    assert code == 2 and f"{len(report.problems)} checkpoint problem(s)" in err and shards[1] in err

@@ -155,9 +155,10 @@ def test_streamed_disk_offload_on_cpu_is_identical(folders, tmp_path):
     unet_units = _units(diffusers.UNet2DConditionModel.from_config(
         diffusers.UNet2DConditionModel.load_config(folder / "unet")))
     plan["components"]["unet"]["device_map"] = {u: ("disk" if i % 2 else "cpu") for i, u in enumerate(unet_units)}
-    dmap_run(folder, plan, tmp_path)
+    result = dmap_run(folder, plan, tmp_path)
     assert np.array_equal(_png(tmp_path / "out.png")[0], oracle(folder))
     assert not list(folder.rglob("*.dat"))  # nothing re-saved
+    assert "disk" not in result.device_peaks()  # disk holds weights: it has no memory peak
 
 
 def test_refusals(folders, tmp_path):
@@ -241,7 +242,7 @@ def _run_steps(folder, plan, tmp_path, steps, simulate, name):
     plan_path = tmp_path / f"plan-{name}.json"
     plan_path.write_text(json.dumps(plan))
     return run(RunRequest(source=str(folder), prompt=PROMPT, device_map=str(plan_path), steps=steps, height=SIZE,
-                          width=SIZE, seed=SEED, output=str(tmp_path / name), simulate=simulate))
+                          width=SIZE, seed=SEED, output=str(tmp_path / name), simulate=simulate, track_activations=True))
 
 
 def test_height_and_width_must_be_multiples_the_pipeline_accepts(folders, tmp_path):
@@ -254,3 +255,74 @@ def test_height_and_width_must_be_multiples_the_pipeline_accepts(folders, tmp_pa
     code, _, stderr = run_dmap("run", folders("tiny-flux"), "--prompt", PROMPT, "--height", 32, "--width", 33,
                                "--output", tmp_path / "no.png")
     assert code == 2 and "--width 33 is not a multiple of 2" in stderr and not (tmp_path / "no.png").exists()
+
+
+def test_plan_then_run_takes_the_plans_inputs_and_lists_every_mismatch(folders, tmp_path):
+    from conftest import run_dmap
+
+    folder = folders("tiny-sd15")
+    plan = tmp_path / "p.json"
+    # no sizes anywhere: plan and run share one default (the pipeline's)
+    assert run_dmap("plan", folder, "-m", "cpu=2GB", "-o", plan, "-q")[0] == 0
+    code, out, err = run_dmap("run", folder, "-p", PROMPT, "-d", plan, "--steps", 1, "-o", tmp_path / "a.png", "-q")
+    assert code == 0, err
+    # a plan for other inputs: the run takes them from it
+    assert run_dmap("plan", folder, "-m", "cpu=2GB", "--height", 48, "--width", 32, "--num-images", 2,
+                    "--dtype", "fp32", "-o", plan, "-q", "--overwrite")[0] == 0
+    code, out, err = run_dmap("run", folder, "-p", PROMPT, "-d", plan, "--steps", 1, "-o", tmp_path / "b.png", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert (result["height"], result["width"], result["num_images"]) == (48, 32, 2)
+    assert _png(tmp_path / "b-1.png")[0].shape[:2] == (48, 32)
+    # told otherwise: every mismatch in one message
+    code, out, err = run_dmap("run", folder, "-p", PROMPT, "-d", plan, "--height", 64, "--width", 64,
+                              "--num-images", 1, "--dtype", "fp16", "-o", tmp_path / "c.png")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    for mismatch in ("height=48", "width=32", "num_images=2", "float32"):
+        assert mismatch in err, err
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_run_refuses_an_existing_output_unless_overwrite(folders, tmp_path):
+    from conftest import run_dmap
+
+    folder = folders("tiny-sd15")
+    out = tmp_path / "o.png"
+    out.write_bytes(b"mine")
+    args = ("run", folder, "-p", PROMPT, "--steps", 1, "--height", SIZE, "--width", SIZE, "-o", out, "-q")
+    code, _, err = run_dmap(*args)
+    assert code == 2 and "already exists" in err and "--overwrite" in err and out.read_bytes() == b"mine"
+    assert run_dmap(*args, "--overwrite")[0] == 0 and out.read_bytes() != b"mine"
+
+
+def test_a_preset_has_no_weights_and_run_says_so_before_importing_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom dm_cli.cli import main\ntry:\n    main(['run', 'flux', '-p', 'a fox'])\n"
+            "except SystemExit as done:\n    print(done.code, 'torch' in sys.modules, 'diffusers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.split() == ["2", "False", "False"], proc.stderr
+    assert "preset" in proc.stderr and "never weights" in proc.stderr
+
+
+def test_plan_digest_depends_only_on_the_placement(monkeypatch):
+    import dm_cli.plan as plan_module
+    from dm_cli.inputs import InputSpec
+    from dm_cli.runner import plan_digest
+
+    plans = []
+    for ram in (30 * 10**9, 31 * 10**9):
+        monkeypatch.setattr(plan_module, "available_ram", lambda ram=ram: ram)
+        plans.append(plan_module.make_plan("tiny-sd15", plan_module.PlanOptions(inputs=InputSpec(32, 32))))
+    assert plans[0].to_json()["devices"] != plans[1].to_json()["devices"]
+    assert plan_digest(plans[0]) == plan_digest(plans[1])
+
+
+def test_no_steps_offset_warning_from_a_bundled_tiny_pipeline(folders, tmp_path):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dmap_run(folders("tiny-sd15"), hand_plan(folders("tiny-sd15")), tmp_path)
+    assert not [w for w in caught if "steps_offset" in str(w.message)]

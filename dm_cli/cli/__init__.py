@@ -12,6 +12,7 @@ import sys
 import typer
 
 from .. import __version__
+from . import cache as cache_command
 from . import inspect as inspect_command
 from . import plan as plan_command
 from . import run as run_command
@@ -48,26 +49,31 @@ app.command("inspect", help=inspect_command.__doc__)(inspect_command.inspect)
 app.command("shard", help=shard_command.__doc__)(shard_command.shard)
 app.command("plan", help=plan_command.__doc__)(plan_command.plan)
 app.command("run", help=run_command.__doc__)(run_command.run)
+app.command("cache", help=cache_command.__doc__)(cache_command.cache)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: errors become one sentence and an exit code (tracebacks with --debug)."""
-    from ._errors import report_error
+    from ._errors import EXIT_INTERRUPTED, click_exception_types, report_error
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
+    click_error, no_args_is_help = click_exception_types()
     try:
         result = app(args=args, prog_name="dmap", standalone_mode=False)
     except typer.Exit as done:
         sys.exit(done.exit_code)
     except (typer.Abort, KeyboardInterrupt) as error:
         sys.exit(report_error(KeyboardInterrupt() if isinstance(error, typer.Abort) else error, debug))
+    except no_args_is_help as error:  # `dmap` alone (or a group without a command): the help, exit 0
+        print(error.ctx.get_help())
+        sys.exit(0)
+    except click_error as error:  # usage errors: click's usage line, its message and hints, exit 2
+        error.show()
+        sys.exit(error.exit_code)
     except Exception as error:  # noqa: BLE001 - every error ends in one sentence and an exit code
-        import click
-
-        if isinstance(error, click.ClickException):
-            error.show()
-            sys.exit(error.exit_code)
         sys.exit(report_error(error, debug))
+    if result == EXIT_INTERRUPTED:  # typer turns Ctrl-C into a silent return of 130; no command returns it
+        sys.exit(report_error(KeyboardInterrupt(), debug))
     sys.exit(result if isinstance(result, int) else 0)

@@ -1,4 +1,4 @@
-"""Turn exceptions into one sentence on stderr and the exit code DESIGN.md gives them."""
+"""Turn exceptions into one sentence on stderr and the exit code the README's contracts give them."""
 
 from __future__ import annotations
 
@@ -6,6 +6,23 @@ import sys
 import traceback
 
 from ..errors import EXIT_INTERNAL, DmapError
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+
+def click_exception_types() -> tuple[type, type]:
+    """(ClickException, NoArgsIsHelpError) as the click that typer really uses defines them.
+
+    typer 0.29 vendors its own copy of click (`typer._click`), so `click.ClickException` from the
+    separately installed click never matches what typer raises. typer's public BadParameter is
+    a subclass of the right ClickException: take the classes from its module.
+    """
+    import typer
+
+    click_exception = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+    module = sys.modules[click_exception.__module__]
+    no_args = getattr(module, "NoArgsIsHelpError", None) or type("NoArgsIsHelpError", (Exception,), {})
+    return click_exception, no_args
 
 
 def report_error(error: BaseException, debug: bool) -> int:
@@ -16,8 +33,9 @@ def report_error(error: BaseException, debug: bool) -> int:
         print(f"Error: {error}", file=sys.stderr)
         return error.exit_code
     if isinstance(error, KeyboardInterrupt):
-        print("Interrupted: nothing was left half-written.", file=sys.stderr)
-        return 130
+        print("Interrupted: stopped before finishing; nothing was left half-written (outputs are only renamed "
+              "into place when complete).", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if isinstance(error, MemoryError):
         print("Error: out of host memory.", file=sys.stderr)
         return EXIT_INTERNAL

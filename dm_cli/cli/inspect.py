@@ -6,7 +6,7 @@ import typer
 
 
 def inspect(
-    source: str = typer.Argument(..., help="Pipeline/component folder, .safetensors, index JSON, preset or Hub repo id."),
+    source: str = typer.Argument(..., metavar="SOURCE", help="Pipeline/component folder, .safetensors, index JSON, preset or Hub repo id."),
     dtype: str | None = typer.Option(None, "--dtype", help="Size at bf16|fp16|fp32 (default: as stored, bf16 for configs)."),
     component: str | None = typer.Option(None, "--component", "-c", help="Only this component."),
     depth: int = typer.Option(0, "--depth", min=0, help="Also show the module tree to this depth."),
@@ -17,9 +17,12 @@ def inspect(
     from ..inspection import inspect_source
     from ..units import parse_dtype
 
-    report = inspect_source(
-        source, dtype=parse_dtype(dtype) if dtype else None, component=component, depth=depth, use_cache=not no_cache
-    )
+    from ..render import status
+
+    with status(f"Inspecting {source}: reading configs and headers…"):
+        report = inspect_source(
+            source, dtype=parse_dtype(dtype) if dtype else None, component=component, depth=depth, use_cache=not no_cache
+        )
     if as_json:
         from ._output import print_json
 
@@ -34,6 +37,8 @@ def inspect(
         if as_json:  # the table renderer already listed them
             import sys
 
-            print(f"Error: {len(report.problems)} checkpoint problem(s), first: {report.problems[0]}", file=sys.stderr)
+            print(f"Error: {len(report.problems)} checkpoint problem(s):", file=sys.stderr)
+            for problem in report.problems:
+                print(f"  - {problem}", file=sys.stderr)
         return EXIT_USAGE  # a corrupt checkpoint is bad input: scripts can tell
     return 0

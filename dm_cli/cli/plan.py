@@ -6,13 +6,13 @@ import typer
 
 
 def plan(
-    source: str = typer.Argument(..., help="Pipeline/component folder, .safetensors, index JSON, preset or Hub repo id."),
+    source: str = typer.Argument(..., metavar="SOURCE", help="Pipeline/component folder, .safetensors, index JSON, preset or Hub repo id."),
     max_memory: str | None = typer.Option(None, "--max-memory", "-m",
                                           help="Target devices, e.g. 0=16GB,1=16GB,cpu=64GB,disk (default: this machine)."),
     strategy: str = typer.Option("auto", "--strategy", help="auto | sequential | balanced | balanced_low_0."),
     mode: str = typer.Option("auto", "--mode", help="auto | resident (all loaded at once) | staged (per stage)."),
-    height: int = typer.Option(1024, "--height", help="Image height in pixels; 0 = weights only (no activations, no GPU overhead unless --overhead)."),
-    width: int | None = typer.Option(None, "--width", help="Image width (default: --height)."),
+    height: int | None = typer.Option(None, "--height", help="Image height in pixels (default: the pipeline's, as dmap run); 0 = weights only (no activations, no GPU overhead unless --overhead)."),
+    width: int | None = typer.Option(None, "--width", help="Image width (default: --height, else the pipeline's)."),
     batch_size: int = typer.Option(1, "--batch-size", help="Prompts per call."),
     num_images: int = typer.Option(1, "--num-images", help="Images per prompt."),
     guidance_scale: float | None = typer.Option(None, "--guidance-scale", help="CFG scale (default: the pipeline's)."),
@@ -22,24 +22,38 @@ def plan(
                                         help="Per-device overhead, e.g. 0=600MB,1=600MB (default 600MB per GPU, 0 for cpu)."),
     component: str | None = typer.Option(None, "--component", "-c", help="Plan this component only."),
     output: str | None = typer.Option(None, "--output", "-o", help="Write the plan JSON (dmap-plan v1) here."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace --output if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan JSON instead of tables."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No tables: only errors (and where the plan was written)."),
     no_check: bool = typer.Option(False, "--no-check", help="Skip the split check on the meta device."),
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Rebuild skeletons and traces instead of using the cache."),
 ) -> int:
     from ..api import plan as make_plan
+    from ..atomic import refuse_existing
     from ..plan import write_plan
+    from ..render import status
 
-    result = make_plan(source, max_memory=max_memory, height=height, width=width, batch_size=batch_size,
-                       num_images=num_images, guidance_scale=guidance_scale, max_sequence_length=max_sequence_length,
-                       strategy=strategy, mode=mode, dtype=dtype, overhead=overhead, component=component,
-                       check=not no_check, use_cache=not no_cache)
+    if output:
+        refuse_existing([output], overwrite)
+    with status(f"Planning {source}: sizing, tracing on the meta device and checking the split…", enabled=not quiet):
+        result = make_plan(source, max_memory=max_memory, height=height, width=width, batch_size=batch_size,
+                           num_images=num_images, guidance_scale=guidance_scale,
+                           max_sequence_length=max_sequence_length, strategy=strategy, mode=mode, dtype=dtype,
+                           overhead=overhead, component=component, check=not no_check, use_cache=not no_cache)
     if output:
         write_plan(result, output)
     if as_json:
         from ._output import print_json
 
         print_json(result.to_json())
+    elif quiet:
+        import sys
+
+        for problem in result.check.get("problems", []):
+            print(f"Split check: {problem}", file=sys.stderr)
+        if output:
+            print(f"Plan written to {output}.")
     else:
         from ..render.plan import render_plan
 

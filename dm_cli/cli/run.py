@@ -8,7 +8,7 @@ import typer
 
 
 def run(
-    source: str | None = typer.Argument(None, help="Pipeline folder, preset or Hub repo id (default: the bundled random-weight FLUX demo)."),
+    source: str | None = typer.Argument(None, metavar="SOURCE", help="Pipeline folder, preset or Hub repo id (default: the bundled random-weight FLUX demo)."),
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="What to draw."),
     prompts: str | None = typer.Option(None, "--prompts",
                                        help="A queue: a text file (one prompt a line) or JSONL (prompt, negative_prompt, "
@@ -25,7 +25,7 @@ def run(
     seed: int = typer.Option(0, "--seed", help="Random seed: same seed, same image."),
     height: int | None = typer.Option(None, "--height", help="Image height in pixels (default: the pipeline's)."),
     width: int | None = typer.Option(None, "--width", help="Image width in pixels (default: the pipeline's)."),
-    num_images: int = typer.Option(1, "--num-images", min=1, help="Images for the prompt (out-0.png, out-1.png, ...)."),
+    num_images: int | None = typer.Option(None, "--num-images", min=1, help="Images for the prompt (out-0.png, out-1.png, ...; default 1, or the plan's)."),
     max_sequence_length: int | None = typer.Option(None, "--max-sequence-length", help="T5 tokens (FLUX, SD3)."),
     output: str | None = typer.Option(None, "--output", "-o",
                                       help="PNG to write (default dmap.png), or with --prompts the folder (default dmap-out)."),
@@ -33,6 +33,10 @@ def run(
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: the plan's, as stored)."),
     simulate: bool = typer.Option(False, "--simulate",
                                   help="Run every planned device on this CPU with the split check (plans for GPUs you lack)."),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="Replace --output (and --save-latents) if they exist; with --prompts: --no-resume."),
+    track_activations: bool = typer.Option(False, "--track-activations",
+                                           help="Measure activations op by op on CPU (slower; default: the process's peak RSS)."),
     resume: bool = typer.Option(True, "--resume/--no-resume",
                                 help="--prompts: skip items whose PNG is complete and made for them (default), or redo all."),
     chunk_size: int | None = typer.Option(None, "--chunk-size", min=1,
@@ -53,7 +57,7 @@ def run(
     if prompts is not None:
         from ..queue_runner import QueueRequest
 
-        if num_images != 1:
+        if num_images not in (None, 1):
             raise UsageError("--num-images is for one prompt: with --prompts, repeat a line with another seed instead.")
         if save_latents:
             raise UsageError("--save-latents is for one prompt, not --prompts.")
@@ -61,8 +65,8 @@ def run(
             prompts=prompts, output_dir=output or "dmap-out", source=source, device_map=device_map,
             max_memory=max_memory, overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, seed=seed,
             height=height, width=width, max_sequence_length=max_sequence_length, negative_prompt=negative_prompt,
-            dtype=dtype, simulate=simulate, resume=resume, chunk_size=chunk_size, chunk_memory=chunk_memory,
-            gpus_per_rank=gpus_per_rank,
+            dtype=dtype, simulate=simulate, resume=resume and not overwrite, chunk_size=chunk_size,
+            chunk_memory=chunk_memory, gpus_per_rank=gpus_per_rank,
         )
         return _run_queue(queue, as_json, quiet, binary)
     if gpus_per_rank is not None:
@@ -75,7 +79,7 @@ def run(
         source=source, prompt=prompt, negative_prompt=negative_prompt, device_map=device_map, max_memory=max_memory,
         overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, seed=seed, height=height, width=width,
         num_images=num_images, max_sequence_length=max_sequence_length, output=output or "dmap.png", save_latents=save_latents,
-        dtype=dtype, simulate=simulate,
+        dtype=dtype, simulate=simulate, overwrite=overwrite, track_activations=track_activations,
     )
     if as_json:
         result = run_pipeline(request)
@@ -86,7 +90,7 @@ def run(
     from ..render.run import RunView
 
     with RunView(quiet=quiet, binary=binary) as view:
-        result = run_pipeline(request, on_plan=view.show_plan, on_step=view.step)
+        result = run_pipeline(request, on_plan=view.show_plan, on_step=view.step, on_status=view.status)
     view.summary(result)
     return 0
 
@@ -103,6 +107,6 @@ def _run_queue(request, as_json: bool, quiet: bool, binary: bool) -> int:
 
     with QueueView(quiet=quiet, binary=binary) as view:
         result = run_queue(request, QueueEvents(on_plan=view.show_plan, on_start=view.start, on_item=view.item,
-                                                on_step=view.step, on_chunk=view.chunk))
+                                                on_step=view.step, on_chunk=view.chunk, on_status=view.status))
     view.summary(result)
     return 0

@@ -6,7 +6,7 @@ import typer
 
 
 def shard(
-    source: str = typer.Argument(..., help="Pipeline/component folder, .safetensors or .bin file, or index JSON."),
+    source: str = typer.Argument(..., metavar="SOURCE", help="Pipeline/component folder, .safetensors or .bin file, or index JSON."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", "-s",
                                        help="Largest file: 5GB = 5e9 bytes, 5GiB = 5*2^30; 0 = one file per component."),
     output: str | None = typer.Option(None, "--output", "-o", help="Folder to create (default: SOURCE-sharded beside it)."),

@@ -167,6 +167,26 @@ def family_for(pipeline_class: str | None, component_cls: str | None = None, con
     return next((f for f in all_families() if f.matches(pipeline_class, component_cls, config)), None)
 
 
+FALLBACK_IMAGE_SIZE = 1024  # a pipeline or lone component no family knows
+
+
+def default_image_size(pipeline_class: str | None, components) -> int:
+    """The image size a pipeline makes when height and width are not given: its family's rule on the
+    denoiser and VAE configs, as its __call__ computes it. The one default `dmap plan` and `dmap run`
+    share; 1024 for what no family knows."""
+    by_name = {c.name: c for c in components}
+    if pipeline_class:
+        family = family_for(pipeline_class)
+        denoiser = by_name.get(family.denoiser) if family is not None else None
+    else:  # a lone component folder: its own family when it is a denoiser
+        denoiser = next((c for c in components if family_for(None, c.cls, c.config) is not None), None)
+        family = family_for(None, denoiser.cls, denoiser.config) if denoiser is not None else None
+    if family is None or denoiser is None:
+        return FALLBACK_IMAGE_SIZE
+    vae = by_name.get("vae")
+    return family.default_image_size(denoiser.config or {}, vae.config if vae is not None else None)
+
+
 def supported_pipelines() -> list[str]:
     return [p for f in all_families() for p in f.pipelines]
 

@@ -3,49 +3,43 @@
 from __future__ import annotations
 
 from ..units import format_size
-from . import console, num as _num
+from . import Col, console, num, print_table
+
+
+def _dtype(name: str) -> str:
+    return name.replace("bfloat16", "bf16").replace("float", "fp")
+
 
 def render_inspect(report, binary: bool = False) -> None:
-    from rich.table import Table
-
     out = console()
-    title = f"{report.source}"
-    if report.pipeline_class:
-        title += f" — {report.pipeline_class}"
-    table = Table(title=title, title_justify="left")
-    for column, justify in (("component", "left"), ("class", "left"), ("dtype", "left"), ("params", "right"),
-                            ("size", "right"), ("blocks", "right"), ("largest block", "left"), ("block size", "right")):
-        table.add_column(column, justify=justify)
+    title = f"{report.source}" + (f" — {report.pipeline_class}" if report.pipeline_class else "")
+    columns = [Col("component"), Col("class", drop=2), Col("dtype", drop=1), Col("params", number=True),
+               Col("size", number=True), Col("blocks", number=True, drop=3), Col("largest block", drop=4),
+               Col("block size", number=True, drop=3)]
+    rows: list = []
     for comp in report.components:
         block = comp.largest_block
-        table.add_row(
-            comp.name, comp.cls, comp.dtype.replace("bfloat16", "bf16").replace("float", "fp"),
-            _num(comp.params), format_size(comp.bytes, binary), str(comp.num_blocks),
-            f"{block.name} ({block.cls})" if block else "-", format_size(block.bytes, binary) if block else "-",
-        )
+        rows.append([comp.name, comp.cls, _dtype(comp.dtype), num(comp.params), format_size(comp.bytes, binary),
+                     str(comp.num_blocks), f"{block.name} ({block.cls})" if block else "-",
+                     format_size(block.bytes, binary) if block else "-"])
     if len(report.components) > 1:
-        table.add_section()
-        table.add_row("total", "", "", _num(report.total_params), format_size(report.total_bytes, binary), "", "", "")
-    out.print(table)
+        rows += [None, ["total", "", "", num(report.total_params), format_size(report.total_bytes, binary), "", "", ""]]
+    print_table(out, title, columns, rows)
     for comp in report.components:
         if comp.tree:
-            tree_table = Table(title=f"{comp.name} modules", title_justify="left")
-            tree_table.add_column("module")
-            tree_table.add_column("class")
-            tree_table.add_column("params", justify="right")
-            tree_table.add_column("size", justify="right")
-            for row in comp.tree:
-                marker = " [no-split]" if row["no_split"] else ""
-                tree_table.add_row("  " * (row["depth"] - 1) + row["name"].rpartition(".")[2], row["class"] + marker,
-                                   _num(row["params"]), format_size(row["bytes"], binary))
-            out.print(tree_table)
+            tree_rows = [["  " * (row["depth"] - 1) + row["name"].rpartition(".")[2],
+                          row["class"] + (" [no-split]" if row["no_split"] else ""),
+                          num(row["params"]), format_size(row["bytes"], binary)] for row in comp.tree]
+            print_table(out, f"{comp.name} modules",
+                        [Col("module"), Col("class"), Col("params", number=True, drop=1), Col("size", number=True)],
+                        tree_rows)
     for note in report.notes:
-        out.print(f"note: {note}", markup=False)
+        out.print(f"note: {note}")
     problems = report.problems
     if problems:
         err = console(stderr=True)
-        err.print(f"[bold red]{len(problems)} checkpoint problem(s):[/]")
+        err.print(f"{len(problems)} checkpoint problem(s):", style="bold red")
         for problem in problems:
-            err.print(f"  - {problem}", markup=False)
+            err.print(f"  - {problem}")
     elif any(c.weights for c in report.components):
         out.print("Checkpoint checked: index, shards and headers agree.")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from . import console
 from ..units import format_size
+from . import Col, console, print_table
+from ..devices import device_rank
 
 
 class RunView:
@@ -13,17 +14,29 @@ class RunView:
         self.quiet = quiet
         self.binary = binary
         self.console = console()
+        self.err = console(stderr=True)  # progress and status: stdout keeps only the results
         self._progress = None
+        self._status = None
         self._task = None
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
+        self.status(None)
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
         return False
+
+    def status(self, message: str | None) -> None:
+        """A spinner on stderr saying what the run is doing now (loading, planning); None clears it."""
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+        if message and not self.quiet and self.err.is_terminal:
+            self._status = self.err.status(message, spinner="dots")
+            self._status.start()
 
     def show_plan(self, plan) -> None:
         if self.quiet:
@@ -36,13 +49,15 @@ class RunView:
             self.console.print(f"Plan: {plan.mode} mode, devices {', '.join(d.name for d in plan.devices)}")
 
     def step(self, done: int, total: int) -> None:
-        if self.quiet or not self.console.is_terminal:
+        if self.quiet or not self.err.is_terminal:
             return
         if self._progress is None:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            self.status(None)  # one live display at a time
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
 
             self._progress = Progress(TextColumn("denoise"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                      console=self.console, transient=True)
+                                      TextColumn("ETA"), TimeRemainingColumn(), console=self.err, transient=True)
             self._progress.start()
             self._task = self._progress.add_task("denoise", total=total)
         self._progress.update(self._task, completed=done)
@@ -51,11 +66,9 @@ class RunView:
             self._progress = None
 
     def summary(self, result) -> None:
-        from rich.table import Table
-
         size = lambda n: format_size(n, binary=self.binary) if n else "-"  # noqa: E731
         for notice in result.notices:
-            self.console.print(f"[bold yellow]{notice}[/]")
+            self.console.print(notice, style="bold yellow")
         where = "on this machine"
         if result.simulate:
             where = "simulated on this CPU (every planned device)" + (
@@ -64,28 +77,29 @@ class RunView:
             f"{result.pipeline_class} from {result.source}: {result.width}x{result.height}, {result.steps} steps, "
             f"guidance {result.guidance_scale}, seed {result.seed}, {where}; plan {result.plan_digest}"
         )
-        stages = Table(title="Stages", title_justify="left")
-        for column in ("stage", "components", "load s", "run s", "wall s", "host RAM during load"):
-            stages.add_column(column, justify="left" if column in ("stage", "components") else "right")
-        for s in result.stages:
-            stages.add_row(s.name, ", ".join(s.components), f"{s.load_s:.2f}", f"{s.run_s:.2f}", f"{s.wall_s:.2f}",
-                           size(s.load_rss_delta))
-        self.console.print(stages)
-        devices = Table(title="Peak memory per device (measured vs planned)", title_justify="left")
+        stage_rows = [[s.name, ", ".join(s.components), f"{s.load_s:.2f}", f"{s.run_s:.2f}", f"{s.wall_s:.2f}",
+                       size(s.load_rss_delta)] for s in result.stages]
+        print_table(self.console, "Stages", [Col("stage"), Col("components", drop=2), Col("load s", number=True),
+                                             Col("run s", number=True), Col("wall s", number=True),
+                                             Col("host RAM during load", number=True, drop=3)], stage_rows)
         overheads = {d.name: d.overhead for d in result.plan.devices}
-        for column in ("device", "measured peak", "planned peak", "planned overhead", "measured / planned w/o overhead"):
-            devices.add_column(column, justify="left" if column == "device" else "right")
-        for dev, (measured, planned) in sorted(result.device_peaks().items()):
+        device_rows = []
+        # disk holds weights, it is not memory: no peak for it
+        peaks = [(dev, mp) for dev, mp in result.device_peaks().items() if dev != "disk"]
+        for dev, (measured, planned) in sorted(peaks, key=lambda item: device_rank(item[0])):
             base = planned - overheads.get(dev, 0)
-            ratio = f"{measured / base:.0%}" if base > 0 else "-"
+            ratio = f"{measured / base:.0%}" if base > 0 and measured else "-"
             label = f"GPU {dev}" if dev.isdigit() else dev
-            devices.add_row(label, size(measured), size(planned), size(overheads.get(dev, 0)), ratio)
-        self.console.print(devices)
+            device_rows.append([label, size(measured), size(planned), size(overheads.get(dev, 0)), ratio])
+        print_table(self.console, "Peak memory per device (measured vs planned)",
+                    [Col("device"), Col("measured peak", number=True), Col("planned peak", number=True),
+                     Col("planned overhead", number=True, drop=3), Col("measured / planned (w/o overhead)", number=True)],
+                    device_rows)
         note = tracking_note(result)
         if note:
-            self.console.print(f"[dim]{note}[/]")
+            self.console.print(note, style="dim")
         if result.split_problems:
-            self.console.print("[bold red]Split check problems (this plan would fail on real devices):[/]")
+            self.console.print("Split check problems (this plan would fail on real devices):", style="bold red")
             for problem in result.split_problems:
                 self.console.print(f"  {problem}")
         for path in result.images:
@@ -95,13 +109,16 @@ class RunView:
 
 
 def tracking_note(result) -> str:
-    """Say what the measured peaks cover: the activation tracker runs on the first denoising step only."""
+    """Say what the measured peaks cover and how they were measured."""
     parts = []
     first = next((s.tracked for s in result.stages if s.tracked.startswith("first")), None)
     if first:
         parts.append(f"Activations on CPU and simulated devices are tracked during encode, decode and the {first} "
                      "of denoise: later steps repeat the second one's graph on the same shapes, so its peak is the "
                      "stage's, and tracking each op costs time.")
+    if any(s.tracked == "process peak RSS" for s in result.stages):
+        parts.append("cpu row: the loaded weights plus the growth of this process's peak resident memory during "
+                     "each stage (the kernel's high-water mark); --track-activations counts tensors op by op instead.")
     if not result.simulate and any(dev.isdigit() for dev in result.device_peaks()):
         parts.append("GPU rows: torch.cuda.max_memory_allocated over each whole stage.")
     return " ".join(parts)

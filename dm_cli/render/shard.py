@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..units import format_size
-from . import console, num
+from . import Col, console, num, print_table
 
 
 class ShardProgressBar:
@@ -47,33 +47,28 @@ class ShardProgressBar:
 
 
 def render_shard(result, binary: bool = False) -> None:
-    from rich.table import Table
-
     out = console()
     pipeline = len(result.components) > 1 or result.kind == "pipeline"
     verb = "Would write" if result.dry_run else "Wrote"
     title = f"{result.source} → {result.output}" + ("  (dry run: nothing written)" if result.dry_run else "")
-    table = Table(title=title, title_justify="left")
-    if pipeline:
-        table.add_column("component")
-    for column, justify in (("file", "left"), ("size", "right"), ("tensors", "right"), ("note", "left")):
-        table.add_column(column, justify=justify)
+    columns = ([Col("component")] if pipeline else []) + [Col("file"), Col("size", number=True),
+                                                          Col("tensors", number=True), Col("note", drop=3)]
+    rows: list = []
     for comp in result.components:
         for shard in comp.shards:
             note = "one tensor larger than the limit" if shard.oversized else ""
-            row = [shard.name, format_size(shard.file_bytes, binary), num(len(shard.tensors)), note]
-            table.add_row(*([comp.name] if pipeline else []), *row)
+            rows.append(([comp.name] if pipeline else []) + [shard.name, format_size(shard.file_bytes, binary),
+                                                             num(len(shard.tensors)), note])
         if comp.index_name:
-            row = [comp.index_name, "", "", "index"]
-            table.add_row(*([comp.name] if pipeline else []), *row)
+            rows.append(([comp.name] if pipeline else []) + [comp.index_name, "", "", "index"])
         if pipeline:
-            table.add_section()
-    out.print(table)
+            rows.append(None)
+    print_table(out, title, columns, rows[:-1] if rows and rows[-1] is None else rows)
     limit = "one file per component" if result.max_shard_size == 0 else f"shards of at most {format_size(result.max_shard_size, binary)}"
     out.print(f"{verb} {num(result.file_count)} weight file(s), {format_size(result.total_size, binary)} of tensors, as {limit}.")
     for comp in result.components:
         for file_name, tensor, nbytes in comp.oversized:
-            out.print(f"[yellow]Note:[/] tensor {tensor} ({format_size(nbytes, binary)}) is larger than the limit: "
+            out.print(f"Note: tensor {tensor} ({format_size(nbytes, binary)}) is larger than the limit: "
                       f"it has a shard of its own ({file_name}).")
         if comp.dropped:
             out.print(f"{comp.name}: {len(comp.dropped)} shared tensor name(s) written once; the dropped names are "

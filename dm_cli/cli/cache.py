@@ -1,0 +1,31 @@
+"""Show or clear dmap's cache (skeletons, traces, split checks, the demo pipeline): it is rebuilt when needed."""
+
+from __future__ import annotations
+
+import typer
+
+
+def cache(
+    clear: bool = typer.Option(False, "--clear", help="Delete the cached entries (all, or the --kind ones)."),
+    kind: list[str] = typer.Option([], "--kind", help="Only this kind: skeletons, traces, checks, demo (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
+) -> int:
+    from ..cache import CACHE_KINDS, cache_dir, cache_usage, clear_cache
+    from ..errors import UsageError
+
+    unknown = [k for k in kind if k not in CACHE_KINDS]
+    if unknown:
+        raise UsageError(f"Unknown cache kind '{unknown[0]}': use {', '.join(CACHE_KINDS)}.")
+    freed = clear_cache(kind or None) if clear else None
+    entries = cache_usage()
+    if as_json:
+        from ._output import print_json
+
+        print_json({"folder": str(cache_dir()), "freed_bytes": freed,
+                    "kinds": {e.kind: {"files": e.files, "bytes": e.bytes} for e in entries}})
+    else:
+        from ..render.cache import render_cache
+
+        render_cache(str(cache_dir()), entries, freed, binary=binary)
+    return 0
