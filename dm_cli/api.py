@@ -8,8 +8,10 @@
 - `dispatch(pipe, plan)`: places an existing diffusers pipeline's components per the plan, for
   users who call `pipe(...)` themselves.
 
-`dmap run` is a thin layer over `load` and `Pipeline.generate` (`dm_cli.queue_runner`), so the CLI
-and a script get the same images for the same seeds. Everything else in dm_cli may change.
+`dmap run` is a thin layer over the same `Pipeline`: `--prompts` goes through `load` and
+`generate` (`dm_cli.queue_runner`), `--prompt` through `Pipeline.run_job` with every stage
+measured (`dm_cli.runner`), so the CLI and a script get the same images for the same seeds.
+Everything else in dm_cli may change.
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ def test_jsonl_items_and_bad_queues(references, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "line 1: 'seed' must be an integer" in err and "Traceback" not in err
     assert _cli("run", "--prompts", path, "--prompt", "a fox") == 2
-    assert "one of them" in capsys.readouterr().err
+    assert "Both --prompt and --prompts given" in capsys.readouterr().err
 
 
 def test_readme_api_example_runs(references, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import typer
 
 
 def run(
+    ctx: typer.Context,
     source: str | None = typer.Argument(None, metavar="SOURCE", help="Pipeline folder, preset or Hub repo id (default: the bundled random-weight FLUX demo)."),
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="What to draw."),
     prompts: str | None = typer.Option(None, "--prompts",
@@ -53,7 +54,10 @@ def run(
     from ..errors import UsageError
 
     if (prompt is None) == (prompts is None):
-        raise UsageError("Give --prompt TEXT for one image or --prompts FILE for a queue (one of them).")
+        from ._errors import usage_error
+
+        which = "Missing option '--prompt'" if prompt is None else "Both --prompt and --prompts given"
+        raise usage_error(f"{which}: give --prompt TEXT for one image or --prompts FILE for a queue.", ctx)
     if prompts is not None:
         from ..queue_runner import QueueRequest
 
