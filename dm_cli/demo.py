@@ -140,7 +140,7 @@ def write_random_pipeline(
             if src.resolve() != (target / name / "scheduler_config.json").resolve():
                 shutil.copyfile(src, target / name / "scheduler_config.json")
             continue
-        if "Tokenizer" in cls:
+        if "Tokenizer" in cls or cls.endswith("Processor"):
             encoder = "text_encoder" + name.removeprefix("tokenizer")
             encoder_config = json.loads((config_root / encoder / "config.json").read_text())
             write_tokenizer_for(cls, target / name, encoder_config)

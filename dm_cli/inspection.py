@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .skeleton import ModuleSize, Skeleton, skeleton_for_component
+from .skeleton import ModuleSize, Skeleton, as_loaded, skeleton_for_component
 from .sources import Source, resolve_source
 
 
@@ -103,6 +103,10 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
     reports = []
     notes = list(source.notes)
     for comp in comps:
+        loaded, tie_note = as_loaded(comp, use_cache=use_cache)
+        if tie_note is not None:  # with weights, what loads; config only, as built (and say what plan counts)
+            notes.append(tie_note)
+            comp = loaded if comp.weights is not None else comp
         skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
         if skeleton.note:
             notes.append(skeleton.note)

@@ -146,8 +146,12 @@ def free_components(models: list) -> None:
 # --- the pipeline object ---------------------------------------------------------------------
 
 
-def placeholder(comp, torch_dtype):
+def placeholder(comp, torch_dtype, real_tensors: tuple[str, ...] = ()):
     """The component on the meta device: its config and dtype for the pipeline, no memory.
+
+    `real_tensors` (the family's `placeholder_tensors`): small tensors the pipeline reads while the
+    component is not loaded (FLUX.2 [klein] un-normalises latents with the VAE's batch-norm
+    statistics at the end of denoising); they are read from the checkpoint, the rest stays on meta.
 
     Text encoders get None instead: the pipelines only read them while encoding (when the real one
     is loaded) and, given prompt embeddings, fall back to the denoiser's dtype exactly as the
@@ -161,7 +165,29 @@ def placeholder(comp, torch_dtype):
     model = build_on_meta(comp.library, comp.cls, comp.config)
     if torch_dtype is not None:
         model = model.to(torch_dtype)
+    if real_tensors and comp.weights is not None:
+        _read_tensors(model, comp, real_tensors)
     return model
+
+
+def _read_tensors(model, comp, names: tuple[str, ...]) -> None:
+    """Named tensors of a meta model replaced by their values in the checkpoint (cast as loading casts)."""
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+
+    from .checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(comp.weights, strict=True)
+    folder = Path(comp.weights).parent
+    current = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name in names:
+        shard = checkpoint.tensor_files.get(name)
+        if shard is None or name not in current:
+            raise CheckpointError(f"Component '{comp.name}': tensor '{name}' is missing from {comp.weights}.")
+        with safe_open(str(folder / shard), framework="pt", device="cpu") as handle:
+            value = handle.get_tensor(name)
+        dtype = current[name].dtype if value.is_floating_point() else value.dtype
+        set_module_tensor_to_device(model, name, "cpu", value=value.to(dtype))
 
 
 def build_pipeline(source, torch_dtype, placeholders: dict):
@@ -181,6 +207,8 @@ def build_pipeline(source, torch_dtype, placeholders: dict):
             kwargs[name] = _load_weightless(source, name, library, class_name)
         elif name == "requires_safety_checker":
             kwargs[name] = bool(source.model_index.get("requires_safety_checker", False))
+        elif name in source.model_index and not isinstance(source.model_index[name], list):
+            kwargs[name] = source.model_index[name]  # a pipeline setting, e.g. FLUX.2 [klein]'s is_distilled
         elif param.default is pyinspect.Parameter.empty:
             kwargs[name] = None
     staged = type(cls.__name__, (cls,), {"_execution_device": property(lambda self: self._dmap_device)})
@@ -207,7 +235,7 @@ def _load_weightless(source, name, library, class_name):
         if not (folder / "scheduler_config.json").is_file():
             raise SourceError(f"The scheduler config of {source.spec} is missing: {folder / 'scheduler_config.json'}.")
         return scheduler_cls.from_pretrained(source.root, subfolder=name)
-    if "Tokenizer" in class_name:
+    if "Tokenizer" in class_name or class_name.endswith("Processor"):
         import transformers
 
         if not folder.is_dir() or not any(folder.iterdir()):
@@ -215,7 +243,14 @@ def _load_weightless(source, name, library, class_name):
                 f"Tokenizer '{name}' of {source.spec} is missing ({folder}): copy the tokenizer folders with the weights."
             )
         try:
-            return getattr(transformers, class_name).from_pretrained(folder)
-        except (OSError, ValueError, TypeError) as error:
+            try:
+                return getattr(transformers, class_name).from_pretrained(folder)
+            except ImportError:
+                if not class_name.endswith("Processor"):
+                    raise
+                # a processor whose image half needs a missing backend (PixtralProcessor: torchvision):
+                # text-to-image only tokenizes, and its tokenizer loads without it
+                return transformers.AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError, TypeError, ImportError) as error:
             raise SourceError(f"Tokenizer '{name}' of {source.spec} cannot be loaded from {folder}: {error}") from error
     return None  # feature extractors, image encoders: not used for text-to-image

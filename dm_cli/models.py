@@ -66,7 +66,15 @@ def build_model(library: str | None, class_name: str, config: dict, device: str 
         if transformers_style:
             clean = {k: v for k, v in config.items() if k not in _VOLATILE_KEYS}
             return cls(cls.config_class.from_dict(clean))
-        return cls.from_config(config)
+        from diffusers.utils import logging as diffusers_logging
+
+        # config keys diffusers itself ignores (FLUX.2's vae force_upcast) are not the user's business
+        previous = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()
+        try:
+            return cls.from_config(config)
+        finally:
+            diffusers_logging.set_verbosity(previous)
 
     if device == "meta":
         with torch.device("meta"):

@@ -1,9 +1,10 @@
-"""Tiny CLIP and T5 tokenizers built in-process, so the demo and the tiny pipelines run offline.
+"""Tiny tokenizers built in-process, so the demo and the tiny pipelines run offline.
 
 The real tokenizers come from the Hub; dmap never downloads. These are real tokenizer files
-(byte-level BPE for CLIP: vocab.json + merges.txt + tokenizer.json; Unigram for T5: tokenizer.json),
-deterministic, with ids below the tiny text encoders' vocabulary sizes, loadable with the plain
-`CLIPTokenizer.from_pretrained` / `T5TokenizerFast.from_pretrained` a pipeline uses.
+(byte-level BPE for CLIP: vocab.json + merges.txt + tokenizer.json; Unigram for T5: tokenizer.json;
+byte-level BPE with chat templates for Qwen2/Qwen3 and for the Mistral tokenizer inside a Pixtral
+processor), deterministic, with ids below the tiny text encoders' vocabulary sizes, loadable with
+the plain `<Class>.from_pretrained` a pipeline uses.
 """
 
 from __future__ import annotations
@@ -90,6 +91,133 @@ def write_t5_tokenizer(folder: str | Path, vocab_size: int, model_max_length: in
     return folder
 
 
+def _byte_level_vocab_and_merges(specials: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """GPT-2 style byte-level BPE (as Qwen2 and Mistral's tekken are): the 256 byte symbols, then each
+    word of _WORDS merged left to right, bare and with the leading-space marker "Ġ"."""
+    vocab = {token: i for i, token in enumerate(specials)}
+    for c in _bytes_to_unicode():
+        vocab.setdefault(c, len(vocab))
+    merges: list[tuple[str, str]] = []
+    for word in _WORDS + ["Ġ" + w for w in _WORDS]:
+        symbols = ["Ġ", *word[1:]] if word.startswith("Ġ") else list(word)
+        while len(symbols) > 1:
+            pair = (symbols[0], symbols[1])
+            if pair not in merges:
+                merges.append(pair)
+            vocab.setdefault(pair[0] + pair[1], len(vocab))
+            symbols = [pair[0] + pair[1]] + symbols[2:]
+    return vocab, merges
+
+
+def _check_vocab(name: str, vocab: dict, vocab_size: int) -> None:
+    if len(vocab) > vocab_size:
+        raise ValueError(f"the offline {name} tokenizer needs {len(vocab)} ids; the text encoder has {vocab_size}")
+
+
+# Qwen3's chat template, reduced to what text-to-image pipelines use: plain-text messages, the
+# generation prompt, and `enable_thinking=False` (an empty think block, as Qwen3's own template writes).
+_QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{%- set text = message['content'] -%}"
+    "{%- else -%}{%- set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + text + '<|im_end|>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+_QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+def write_qwen2_tokenizer(folder: str | Path, vocab_size: int, model_max_length: int = 32768) -> Path:
+    """A byte-level BPE Qwen2 tokenizer (Qwen2.5 and Qwen3 use this class) with Qwen's chat template."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = _byte_level_vocab_and_merges(_QWEN_SPECIALS)
+    _check_vocab("Qwen2", vocab, vocab_size)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, eos_token="<|im_end|>",
+                               pad_token="<|endoftext|>", unk_token=None, model_max_length=model_max_length)
+    tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in _QWEN_SPECIALS])
+    tokenizer.chat_template = _QWEN_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+# Mistral's instruct format as Mistral Small 3.x writes it: system prompt, then [INST] user [/INST].
+_MISTRAL_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{%- set text = message['content'] -%}"
+    "{%- else -%}{%- set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'system' -%}{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' -}}"
+    "{%- elif message['role'] == 'user' -%}{{- '[INST]' + text + '[/INST]' -}}"
+    "{%- else -%}{{- text + eos_token -}}{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+def write_pixtral_processor(folder: str | Path, encoder_config: dict) -> Path:
+    """A PixtralProcessor folder (Mistral-3's): a byte-level BPE Mistral tokenizer with its instruct
+    chat template, plus the processor and image-processor configs sized to the encoder's vision tower.
+
+    Written as files, not through `PixtralProcessor` (whose class needs torchvision): with
+    torchvision, `PixtralProcessor.from_pretrained` loads the folder; without it, the tokenizer alone
+    loads with `AutoTokenizer.from_pretrained`, which is all a text-to-image pipeline uses. Special
+    tokens sit at the ids the text encoder's config names (bos/eos/pad, `image_token_index`).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    text = encoder_config.get("text_config") or {}
+    vision = encoder_config.get("vision_config") or {}
+    vocab_size = int(text.get("vocab_size", 32000))
+    wanted = {  # token -> id the config gives it (None: next free id)
+        "<unk>": 0,
+        "<s>": encoder_config.get("bos_token_id", text.get("bos_token_id")),
+        "</s>": encoder_config.get("eos_token_id", text.get("eos_token_id")),
+        "<pad>": encoder_config.get("pad_token_id", text.get("pad_token_id")),
+        "[IMG]": encoder_config.get("image_token_index"),
+    }
+    order = ["<unk>", "<s>", "</s>", "<pad>", "[IMG]", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+             "[IMG_BREAK]", "[IMG_END]"]
+    slots = {i: t for t, i in wanted.items() if isinstance(i, int)}  # id -> token
+    free = iter(i for i in range(2 * len(order)) if i not in slots)
+    for token in order:
+        if token not in slots.values():
+            slots[next(free)] = token
+    if sorted(slots) != list(range(len(slots))):
+        raise ValueError(f"the text encoder's special token ids {sorted(slots)} leave gaps the offline tokenizer cannot fill")
+    specials = [slots[i] for i in sorted(slots)]
+    vocab, merges = _byte_level_vocab_and_merges(specials)
+    _check_vocab("Mistral", vocab, vocab_size)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(specials)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                        pad_token="<pad>", model_max_length=int(text.get("max_position_embeddings", 512)))
+    tokenizer.chat_template = _MISTRAL_CHAT_TEMPLATE
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    patch = int(vision.get("patch_size", 14))
+    merge = int(encoder_config.get("spatial_merge_size", 1))
+    processor = {"image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]", "image_token": "[IMG]",
+                 "patch_size": patch, "processor_class": "PixtralProcessor", "spatial_merge_size": merge}
+    image = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+             "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+             "image_processor_type": "PixtralImageProcessor", "patch_size": patch, "processor_class": "PixtralProcessor",
+             "resample": 3, "rescale_factor": 1 / 255, "size": {"longest_edge": int(vision.get("image_size", 1540))}}
+    (folder / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n", encoding="utf-8")
+    (folder / "preprocessor_config.json").write_text(json.dumps(image, indent=2) + "\n", encoding="utf-8")
+    return folder
+
+
 def write_tokenizer_for(tokenizer_class: str, folder: str | Path, encoder_config: dict) -> Path:
     """The tokenizer a pipeline pairs with a text encoder, sized to that encoder's vocabulary."""
     vocab_size = int(encoder_config.get("vocab_size", 1000))
@@ -98,4 +226,8 @@ def write_tokenizer_for(tokenizer_class: str, folder: str | Path, encoder_config
         return write_clip_tokenizer(folder, vocab_size, model_max_length=max_len)
     if "T5" in tokenizer_class:
         return write_t5_tokenizer(folder, vocab_size)
+    if "Qwen2Tokenizer" in tokenizer_class:
+        return write_qwen2_tokenizer(folder, vocab_size)
+    if tokenizer_class == "PixtralProcessor":
+        return write_pixtral_processor(folder, encoder_config)
     raise ValueError(f"no offline tokenizer for {tokenizer_class}")

@@ -18,7 +18,8 @@ CLIP_TOKENS = 77
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One input tensor: shape and kind ("float": the model's dtype, "long": token ids)."""
+    """One input tensor: shape and kind ("float": the model's dtype, "long": token ids, "bool": masks,
+    "float32": float32 whatever the model's dtype)."""
 
     shape: tuple[int, ...]
     kind: str = "float"

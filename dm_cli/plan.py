@@ -266,8 +266,9 @@ class PreparedComponent:
 def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str | None,
                       use_cache: bool = True) -> PreparedComponent:
     """Skeleton + trace -> the planner's ComponentInput (blocks in execution order with activations)."""
-    from .skeleton import skeleton_for_component
+    from .skeleton import as_loaded, skeleton_for_component
 
+    comp, tie_note = as_loaded(comp, use_cache=use_cache)  # what from_pretrained keeps (untied lm_head)
     skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
     if checkpoint is not None and checkpoint.problems:  # a plan for a broken checkpoint would be wrong
         from .errors import CheckpointError
@@ -277,6 +278,8 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
     effective = dtype if dtype is not None else skeleton.default_dtype()
     trace_dtype = effective or skeleton.dominant_dtype(None)
     warnings: list[str] = [skeleton.note] if skeleton.note and not skeleton.stored else []
+    if tie_note:
+        warnings.append(tie_note)
     if comp.config is None:
         facts = TraceFacts(None, {}, 0, [], {}, "no config: registration order, no activation estimate")
     else:

@@ -161,6 +161,21 @@ class Skeleton:
             stored=bool(data.get("stored")),
         )
 
+    def untied(self, aliases: set[str]) -> "Skeleton":
+        """Same skeleton with these tied aliases counted as tensors of their own (loaded untied)."""
+        kept = {t.name: t for t in self.tensors}
+        tensors, groups = list(self.tensors), []
+        for group in self.tie_groups:
+            for alias in group[1:]:
+                if alias in aliases:
+                    source = kept[group[0]]
+                    tensors.append(TensorInfo(alias, source.shape, source.dtype, source.kind, source.fp32_when))
+            rest = [group[0]] + [a for a in group[1:] if a not in aliases]
+            if len(rest) > 1:
+                groups.append(rest)
+        return Skeleton(self.name, self.library, self.cls, self.no_split_modules, self.modules, tensors, groups,
+                        stored=self.stored)
+
     def with_checkpoint_dtypes(self, stored: dict[str, str]) -> "Skeleton":
         """Same skeleton, dtypes as a checkpoint stores them (names it lacks keep the built dtype)."""
         tensors = [
@@ -296,6 +311,47 @@ def load_skeleton(name: str, library: str | None, class_name: str, config: dict,
     if use_cache:
         write_cached("skeletons", key, skeleton.to_json())
     return skeleton
+
+
+OUTPUT_EMBEDDINGS = "lm_head.weight"  # transformers ties it to the input embeddings when tie_word_embeddings
+
+
+def _output_aliases(skeleton: Skeleton) -> set[str]:
+    return {a for g in skeleton.tie_groups for a in g[1:] if a == OUTPUT_EMBEDDINGS or a.endswith("." + OUTPUT_EMBEDDINGS)}
+
+
+def as_loaded(comp, use_cache: bool = True) -> tuple[object, str | None]:
+    """The component as from_pretrained keeps it, and a sentence when that differs from its config.
+
+    transformers ties the output embeddings (lm_head) to the input embeddings when
+    `tie_word_embeddings` is true, which Mistral-3's config class assumes when config.json does not
+    say; but when the checkpoint stores lm_head beside the embeddings with other values, transformers 5
+    keeps both. So: a checkpoint that stores lm_head, or a config-only source whose config.json leaves
+    the key unset (the published checkpoints of such models store lm_head), is planned untied
+    (`tie_word_embeddings: false`), the count a loader really holds.
+    """
+    import dataclasses
+
+    config = comp.config or {}
+    if comp.library != "transformers" or config.get("tie_word_embeddings") is False:
+        return comp, None
+    skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+    aliases = _output_aliases(skeleton)
+    if checkpoint is not None:
+        aliases &= set(checkpoint.tensors)
+    elif "tie_word_embeddings" in config:
+        aliases = set()
+    if not aliases:
+        return comp, None
+    untied = dataclasses.replace(comp, config={**config, "tie_word_embeddings": False})
+    loaded, _ = skeleton_for_component(untied, use_cache=use_cache)
+    why = ("its checkpoint stores " + ", ".join(sorted(aliases)) if checkpoint is not None
+           else "config.json does not set tie_word_embeddings")
+    return untied, (
+        f"{comp.name} ({skeleton.cls}): {why}; transformers ties {', '.join(sorted(aliases))} to the input "
+        f"embeddings when it builds the model from config ({skeleton.params:,} params), but keeps a separately "
+        f"stored one untied: planned as loaded untied, {loaded.params:,} params."
+    )
 
 
 def skeleton_for_component(comp, use_cache: bool = True):

@@ -31,6 +31,11 @@ PRESETS = {
     "tiny-sdxl": "tiny-sdxl",
     "tiny-sd15": "tiny-sd15",
     "tiny-sd3": "tiny-sd3",
+    "flux2": "flux.2-dev",
+    "flux2-dev": "flux.2-dev",
+    "flux2-klein": "flux.2-klein-4b",
+    "tiny-flux2": "tiny-flux2",
+    "tiny-flux2-klein": "tiny-flux2-klein",
 }
 
 # Components that hold no weights: copied, never planned.

@@ -68,7 +68,8 @@ class StageLoop:
         self.largest_shard = largest_shard or {}
         self.components = {c.name: c for c in source.components}
         torch_dtype = getattr(torch, plan.dtype) if plan.dtype else None
-        self.placeholders = {name: placeholder(self.components[name], torch_dtype) for name in plan.components}
+        self.placeholders = {name: placeholder(self.components[name], torch_dtype, family.placeholder_tensors.get(name, ()))
+                             for name in plan.components}
         self.pipe = build_pipeline(source, torch_dtype, self.placeholders)
         self.meter = MemoryMeter()
         self.loaded: dict[str, object] = {}

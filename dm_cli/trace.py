@@ -551,9 +551,8 @@ def _materialise(value, dtype, device):
     import torch
 
     if isinstance(value, TensorSpec):
-        if value.kind == "long":
-            return torch.zeros(value.shape, dtype=torch.long, device=device)
-        return torch.zeros(value.shape, dtype=dtype, device=device)
+        fixed = {"long": torch.long, "bool": torch.bool, "float32": torch.float32}.get(value.kind)
+        return torch.zeros(value.shape, dtype=fixed or dtype, device=device)
     if isinstance(value, dict):
         return {k: _materialise(v, dtype, device) for k, v in value.items()}
     return value

@@ -55,6 +55,13 @@ CASES = [
     Case("sd3", "fp16", "0=8GB,1=8GB,2=8GB,3=8GB,cpu=64GB", 1024),
     Case("sd3", "fp16", "0=24GB,1=8GB,cpu=64GB", 1024),
     Case("sd15", "fp32", "0=8GB,1=8GB,cpu=32GB", 512),
+    Case("flux2", "bf16", "0=40GB,1=40GB,2=40GB,3=40GB,cpu=200GB", 1024),
+    Case("flux2", "bf16", ",".join(f"{i}=24GB" for i in range(8)), 1024),
+    Case("flux2", "bf16", "0=48GB,1=48GB,2=48GB", 1024),
+    Case("flux2", "bf16", ",".join(f"{i}=40GB" for i in range(8)), 1024),
+    Case("flux2", "bf16", "0=80GB,1=80GB", 1024),
+    Case("flux2-klein", "bf16", "0=12GB,1=12GB,cpu=32GB", 1024),
+    Case("flux2-klein", "bf16", "0=8GB,1=8GB,2=8GB,cpu=32GB", 1024),
 ]
 
 _META_MODELS: dict = {}

@@ -8,6 +8,11 @@ the running maximum is the measured activation peak (weights are allocated befor
 inputs inside it, as in the estimate). The estimate is `dm_cli.trace.trace_component` on meta.
 
     .venv/bin/python scripts/measure_activations.py [--sizes 256,512] [--widths 160,320,640,640]
+    .venv/bin/python scripts/measure_activations.py --model flux2 [--heads 8]
+
+`--model flux2` does the same for a reduced-width FLUX.2 transformer (FLUX.2 [dev]'s block layout
+and 128-wide heads, fewer heads and blocks), called as Flux2Pipeline calls it: packed latents of
+(H/16)*(W/16) tokens, 512 text tokens, guidance embedded, batch 1 (guidance-distilled: no CFG).
 """
 
 from __future__ import annotations
@@ -119,12 +124,86 @@ def naive_peak(config: dict, size: int, batch_size: int = 1) -> int:
     return session.peak
 
 
+FLUX2_TRANSFORMER = {  # FLUX.2 [dev]'s transformer config with fewer heads and blocks
+    "_class_name": "Flux2Transformer2DModel", "attention_head_dim": 128, "axes_dims_rope": [32, 32, 32, 32],
+    "eps": 1e-06, "in_channels": 128, "mlp_ratio": 3.0, "num_layers": 2, "num_single_layers": 4,
+    "patch_size": 1, "rope_theta": 2000, "timestep_guidance_channels": 256, "guidance_embeds": True,
+}
+FLUX2_TEXT_TOKENS = 512
+
+
+def reduced_flux2_config(heads: int) -> dict:
+    return dict(FLUX2_TRANSFORMER, num_attention_heads=heads, joint_attention_dim=3 * heads * 128)
+
+
+def flux2_measured_peak(config: dict, size: int, threads: int | None = 1) -> int:
+    """Peak live bytes the CPU allocator sees during one FLUX.2 transformer call, inputs included."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    from torch.profiler import ProfilerActivity, profile
+
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    tokens, text = (size // 16) ** 2, FLUX2_TEXT_TOKENS
+
+    def inputs():
+        return {"hidden_states": torch.randn(1, tokens, config["in_channels"]),
+                "encoder_hidden_states": torch.randn(1, text, config["joint_attention_dim"]),
+                "timestep": torch.tensor([0.5]), "guidance": torch.tensor([4.0]),
+                "img_ids": torch.zeros(1, tokens, 4, dtype=torch.long), "txt_ids": torch.zeros(1, text, 4, dtype=torch.long),
+                "return_dict": False}
+
+    try:
+        torch.manual_seed(0)
+        model = Flux2Transformer2DModel.from_config(config).eval()
+        with torch.no_grad():
+            model(**inputs())  # warm-up outside the profiler
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                out = model(**inputs())
+                del out
+        return profile_peak(prof)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def flux2_estimated_peak(config: dict, size: int) -> int:
+    from dm_cli.inputs import InputSpec
+    from dm_cli.sources import ComponentSource
+    from dm_cli.trace import trace_component
+
+    comp = ComponentSource("transformer", "diffusers", "Flux2Transformer2DModel", config, None, None)
+    inputs = InputSpec(size, size, max_sequence_length=FLUX2_TEXT_TOKENS)
+    return trace_component(comp, "Flux2Pipeline", inputs, "float32", use_cache=False).activation_peak
+
+
+def main_flux2(args) -> int:
+    config = reduced_flux2_config(args.heads)
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        measured = flux2_measured_peak(config, size, threads=args.threads)
+        estimate = flux2_estimated_peak(config, size)
+        rows.append((size, measured, estimate, estimate / measured))
+    print(f"FLUX.2 transformer, {args.heads} heads x 128 ({args.heads * 128} wide), 2 double + 4 single blocks, "
+          f"fp32, batch 1, {FLUX2_TEXT_TOKENS} text tokens, CPU")
+    print(f"{'resolution':>10} {'image tokens':>12} {'measured':>12} {'estimated':>12} {'ratio':>7}")
+    for size, measured, estimate, ratio in rows:
+        print(f"{str(size) + '²':>10} {(size // 16) ** 2:>12} {measured / 1e6:>9.2f} MB {estimate / 1e6:>9.2f} MB {ratio:>7.3f}")
+    worst = max(abs(r[3] - 1) for r in rows)
+    print(f"worst deviation: {worst:.1%} ({'within' if worst <= 0.2 else 'OUTSIDE'} ±20%)")
+    return 0 if worst <= 0.2 else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="256,512")
     parser.add_argument("--widths", default="160,320,640,640")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for the measured run")
+    parser.add_argument("--model", choices=("sd15", "flux2"), default="sd15")
+    parser.add_argument("--heads", type=int, default=8, help="FLUX.2 attention heads (128 wide each; [dev] has 48)")
     args = parser.parse_args(argv)
+    if args.model == "flux2":
+        return main_flux2(args)
     widths = tuple(int(w) for w in args.widths.split(","))
     config = reduced_unet_config(widths)
     rows = []

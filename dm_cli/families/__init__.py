@@ -24,7 +24,7 @@ from ..pipelines import CallSpec
 
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
 # `related` prefix is a prefix of another's (Flux of Flux2, StableDiffusion of StableDiffusion3) comes after it.
-FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux")
+FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux2", "flux")
 
 # How guidance multiplies the denoiser's work per step.
 GUIDANCE_BATCH = "batch"  # classifier-free guidance: one call on a doubled batch (SD, SDXL, SD3)
@@ -81,6 +81,9 @@ class Family:
     default_max_sequence_length: int | None = None  # T5/LLM tokens; None: the family has no such knob
     default_sample_size: int | None = None  # latent size of the default image; None: denoiser config sample_size
     negative_prompt: bool = True  # False: a negative prompt is refused (guidance-distilled)
+    # component -> tensors the pipeline's __call__ reads while that component is not loaded (for
+    # `dmap run`'s meta placeholders; e.g. FLUX.2 [klein] un-normalises latents with the VAE's batch norm)
+    placeholder_tensors: dict[str, tuple[str, ...]] = {}
 
     # --- matching -------------------------------------------------------------------------------
 
