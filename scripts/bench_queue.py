@@ -93,6 +93,7 @@ def write_midsize(target: Path) -> Path:
     configs = json.loads(json.dumps(DEMO_CONFIGS))
     for name, changes in MIDSIZE.items():
         configs[name].update(changes)
+    target.mkdir(parents=True, exist_ok=True)
     write_configs(configs, target)
     write_random_pipeline(target, target, seed=0, max_shard_size="200MB")
     return target
