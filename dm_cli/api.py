@@ -53,7 +53,8 @@ class Generated:
 def plan(source: str | None = None, *, max_memory: str | None = None, height: int | None = None,
          width: int | None = None, batch_size: int = 1, num_images: int = 1, guidance_scale: float | None = None,
          max_sequence_length: int | None = None, strategy: str = "auto", mode: str = "auto", dtype: str | None = None,
-         overhead: str | None = None, component: str | None = None, check: bool = True, use_cache: bool = True):
+         overhead: str | None = None, component: str | None = None, check: bool = True, use_cache: bool = True,
+         num_frames: int | None = None, fps: int | None = None):
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -67,7 +68,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     spec, root, defaults = _source_root(source)
     pick = lambda given, key: defaults.get(key) if given is None else given  # noqa: E731 - the demo's defaults
     inputs = InputSpec(pick(height, "height"), pick(width, "width"), batch_size, num_images,
-                       pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"))
+                       pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"),
+                       num_frames=num_frames, fps=fps)
     options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
                           component, check, use_cache)
     return _named(lambda: make_plan(root, options), spec, root)
@@ -154,7 +156,9 @@ class Pipeline:
         # Settle the inputs first: the plan is made for (and checked against) them.
         self.defaults = job = settle_job(request, source, family, defaults)
         inputs = InputSpec(height=job.height, width=job.width, batch_size=1, num_images=job.num_images,
-                           guidance_scale=job.guidance_scale, max_sequence_length=job.max_sequence_length)
+                           guidance_scale=job.guidance_scale, max_sequence_length=job.max_sequence_length,
+                           num_frames=job.num_frames)
+        self.fps = (request.fps or family.default_fps) if job.num_frames else None  # video families
         if plan is not None:
             check_plan_matches(plan, source, inputs, request.dtype, request.device_map if is_file else "The plan")
         # missing or corrupt weights are bad input: say so before importing the libraries or planning
@@ -195,7 +199,7 @@ class Pipeline:
     def metadata(self, job) -> dict[str, str]:
         from .runner import job_metadata
 
-        return job_metadata(job, self.source.spec, self.source.pipeline_class, self.plan_digest, self.demo)
+        return job_metadata(job, self.source.spec, self.source.pipeline_class, self.plan_digest, self.demo, self.fps)
 
     def bytes_per_item(self) -> int:
         """Embeddings and latents one prompt holds between stages: what the pipeline feeds the denoiser per step."""

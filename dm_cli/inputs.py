@@ -1,4 +1,4 @@
-"""What the user asks a pipeline for (resolution, batch, CFG, sequence length), as plain data.
+"""What the user asks a pipeline for (resolution, frames, batch, CFG, sequence length), as plain data.
 
 Shared by the tracer (activation estimates), the planner and the runner. No torch.
 """
@@ -10,14 +10,19 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class InputSpec:
-    """The inputs a plan is made for. height == width == 0 means weights only (no activations)."""
+    """The inputs a plan is made for. height == width == 0 means weights only (no activations).
 
-    height: int = 1024
-    width: int = 1024
+    height/width None (only between the command line and `plan.make_plan`): the pipeline's default size.
+    """
+
+    height: int | None = 1024
+    width: int | None = 1024
     batch_size: int = 1
     num_images: int = 1  # images per prompt: the models see batch_size * num_images
     guidance_scale: float | None = None  # None: the pipeline's default
     max_sequence_length: int | None = None  # None: the pipeline's default (T5 tokens)
+    num_frames: int | None = None  # video pipelines: frames to generate (None: the pipeline's default; images: unused)
+    fps: int | None = None  # video pipelines: frames per second of the written video (no effect on memory)
 
     @property
     def weights_only(self) -> bool:
@@ -33,5 +38,5 @@ class InputSpec:
     @classmethod
     def from_json(cls, data: dict) -> "InputSpec":
         fields = {k: data[k] for k in ("height", "width", "batch_size", "num_images", "guidance_scale",
-                                        "max_sequence_length") if k in data}
+                                        "max_sequence_length", "num_frames", "fps") if k in data}
         return cls(**fields)

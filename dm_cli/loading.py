@@ -123,7 +123,9 @@ def _load_streamed(comp, device_map: dict, torch_dtype):
 def free_components(models: list) -> None:
     """Hooks off, references dropped, allocator caches emptied: the memory goes back to the device.
 
-    One gc.collect() for all of them. The list is emptied: the caller must hold no other reference.
+    One gc.collect() for all of them. The list is emptied. Every parameter and buffer is swapped for
+    an empty meta tensor first, so a reference the caller cannot drop (WanPipeline's loop keeps the
+    high-noise expert in a local variable until the next step) does not keep the weights alive.
     """
     import torch
 
@@ -137,6 +139,12 @@ def free_components(models: list) -> None:
             pass
         for module in model.modules():  # diffusers' hook registries keep the model reachable otherwise
             module.__dict__.pop("_diffusers_hook", None)
+            for tensors in (module._parameters, module._buffers):
+                for key, tensor in tensors.items():
+                    if tensor is not None and tensor.device.type != "meta":
+                        empty = torch.empty_like(tensor, device="meta")
+                        tensors[key] = torch.nn.Parameter(empty, requires_grad=False) if isinstance(
+                            tensor, torch.nn.Parameter) else empty
         del model
     gc.collect()
     if torch.cuda.is_available():
@@ -208,7 +216,7 @@ def build_pipeline(source, torch_dtype, placeholders: dict):
         elif name == "requires_safety_checker":
             kwargs[name] = bool(source.model_index.get("requires_safety_checker", False))
         elif name in source.model_index and not isinstance(source.model_index[name], list):
-            kwargs[name] = source.model_index[name]  # a pipeline setting, e.g. FLUX.2 [klein]'s is_distilled
+            kwargs[name] = source.model_index[name]  # a pipeline setting: FLUX.2 [klein]'s is_distilled, Wan 2.2's boundary_ratio
         elif param.default is pyinspect.Parameter.empty:
             kwargs[name] = None
     staged = type(cls.__name__, (cls,), {"_execution_device": property(lambda self: self._dmap_device)})

@@ -17,7 +17,7 @@ from pathlib import Path
 from .atomic import atomic_write
 from .devices import device_key
 from .errors import DoesNotFitError, UsageError
-from .families import default_image_size, family_for, pipeline_stages, unknown_family_warning
+from .families import default_size, family_for, pipeline_stages, source_family, unknown_family_warning
 from .inputs import InputSpec
 from .planner import (
     MODES, STRATEGIES, ComponentInput, ComponentPlacement, Device, DeviceUse, NoFit, Placement, StagePlacement,
@@ -109,6 +109,7 @@ class Plan:
                     "peak_bytes": s.peak_bytes,
                     "breakdown": {k: {"weights": u.weights, "reserve": u.reserve, "activations": u.activations,
                                       "overhead": u.overhead} for k, u in s.use.items()},
+                    "note": s.note,
                 }
                 for s in self.stages
             ],
@@ -138,7 +139,7 @@ class Plan:
             breakdown = s.get("breakdown") or {k: {"weights": v} for k, v in s["peak_bytes"].items()}
             use = {k: DeviceUse(v.get("weights", 0), v.get("reserve", 0), v.get("activations", 0), v.get("overhead", 0))
                    for k, v in breakdown.items()}
-            stages.append(StagePlacement(s["name"], list(s["components"]), use))
+            stages.append(StagePlacement(s["name"], list(s["components"]), use, str(s.get("note") or "")))
         return cls(
             data.get("source", "?"), data.get("dtype", "?"), data.get("strategy", "auto"), data.get("mode", "staged"),
             devices, InputSpec.from_json(data.get("inputs", {})), components, stages, data.get("pipeline_class"),
@@ -314,13 +315,9 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         raise UsageError(f"Unknown mode '{options.mode}': use {', '.join(MODES)}.")
     source = resolve_source(source_spec)
     comps = [source.component(options.component)] if options.component else list(source.components)
-    inputs = options.inputs
-    if inputs.height is None or inputs.width is None:  # the pipeline's own default, the one dmap run uses
-        size = default_image_size(source.pipeline_class, source.components if source.pipeline_class else comps)
-        height = size if inputs.height is None else inputs.height
-        width = inputs.width if inputs.width is not None else height  # --width defaults to --height
-        options = replace(options, inputs=replace(inputs, height=height, width=width))
+    options = replace(options, inputs=default_inputs(source, comps, options.inputs))
     _check_inputs(options.inputs)
+    _check_family_inputs(source, comps, options.inputs)
     if options.dtype:
         options = replace(options, dtype=parse_dtype(options.dtype))
     budgets = parse_device_spec(options.max_memory) if options.max_memory else local_devices()
@@ -358,6 +355,34 @@ def _check_inputs(inputs: InputSpec) -> None:
         raise UsageError("--batch-size and --num-images must be at least 1.")
     if inputs.max_sequence_length is not None and inputs.max_sequence_length < 1:
         raise UsageError("--max-sequence-length must be at least 1.")
+    if inputs.fps is not None and inputs.fps < 1:
+        raise UsageError(f"--fps must be at least 1 (got {inputs.fps}).")
+
+
+def default_inputs(source, comps, inputs: InputSpec) -> InputSpec:
+    """The pipeline's own defaults where the user gave none, the ones dmap run uses: its size (--width
+    defaults to --height), and for video families its frames."""
+    components = source.components if source.pipeline_class else comps
+    height, width = inputs.height, inputs.width
+    if height is None or width is None:
+        default_height, default_width = default_size(source.pipeline_class, components)
+        width = width if width is not None else (height if height is not None else default_width)
+        height = height if height is not None else default_height
+    family = source_family(source.pipeline_class, components)
+    frames = inputs.num_frames
+    if frames is None and family is not None and family.default_num_frames is not None:
+        frames = family.default_num_frames
+    return replace(inputs, height=height, width=width, num_frames=frames)
+
+
+def _check_family_inputs(source, comps, inputs: InputSpec) -> None:
+    """The family's own rules (Wan: 4k+1 frames, sizes multiple of 16); images take no --frames."""
+    family = source_family(source.pipeline_class, source.components if source.pipeline_class else comps)
+    if family is not None:
+        vae = next((c.config for c in source.components if c.name == "vae"), None)
+        family.check_inputs(inputs, vae)
+    elif inputs.num_frames is not None or inputs.fps is not None:
+        raise UsageError(f"dmap knows no video pipeline in {source.spec}: drop --frames and --fps.")
 
 
 def run_split_check(plan: Plan, prepared: list[PreparedComponent], pipeline_class: str | None,

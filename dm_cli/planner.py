@@ -69,6 +69,9 @@ class Device:
 class Stage:
     name: str
     components: tuple[str, ...]
+    # The components run one after another and never together (Wan 2.2's two experts, switched at a
+    # boundary step): the planner may load them one at a time, as consecutive sub-stages of this stage.
+    exclusive: bool = False
 
 
 # --- outputs --------------------------------------------------------------------------------------
@@ -117,6 +120,7 @@ class StagePlacement:
     name: str
     components: list[str]
     use: dict[str, DeviceUse]  # device name -> breakdown (only devices used in this stage)
+    note: str = ""  # how this stage's components are loaded, when that is not obvious (experts)
 
     @property
     def peak_bytes(self) -> dict[str, int]:
@@ -678,21 +682,27 @@ def default_stages(components: list[str], offload_seq: list[str] | None,
     """encode (everything before the denoiser), denoise, decode (after it), from model_cpu_offload_seq.
 
     `denoisers`: component names that denoise (the family's; see dm_cli.families.pipeline_stages).
+    Denoisers that follow each other in the sequence (Wan 2.2's `transformer`, `transformer_2`) form one
+    denoise stage whose components run one at a time (`exclusive`).
     """
     order = [c for c in (offload_seq or []) if c in components]
     order += [c for c in components if c not in order]
-    denoisers = [c for c in order if c in denoisers]
+    denoiser_names = denoisers
+    denoisers = [c for c in order if c in denoiser_names]
     if not denoisers:
         return [Stage("run", tuple(order))] if order else []
     pivot = order.index(denoisers[0])
+    end = pivot + 1
+    while end < len(order) and order[end] in denoiser_names:
+        end += 1
     extra = [c for c in components if c not in (offload_seq or []) and "controlnet" in c]
     encode = tuple(c for c in order[:pivot] if c not in extra)
-    denoise = tuple([order[pivot], *extra])
-    decode = tuple(c for c in order[pivot + 1:] if c not in extra)
+    denoise = tuple([*order[pivot:end], *extra])
+    decode = tuple(c for c in order[end:] if c not in extra)
     stages = []
     if encode:
         stages.append(Stage("encode", encode))
-    stages.append(Stage("denoise", denoise))
+    stages.append(Stage("denoise", denoise, exclusive=end - pivot > 1))
     if decode:
         stages.append(Stage("decode", decode))
     return stages
@@ -708,14 +718,15 @@ def plan_pipeline(components: list[ComponentInput], stages: list[Stage], devices
     by_comp = {c.name: c for c in components}
     by_dev = {d.name: d for d in devices}
 
-    def finish(kind: str, residencies: list[tuple[list[ComponentInput], dict]], notes: list[str]) -> Placement:
+    def finish(kind: str, residencies: list[tuple[Stage, dict, str]], notes: list[str]) -> Placement:
+        """`residencies`: (stage or sub-stage, its maps, note), in run order."""
         placements: dict[str, ComponentPlacement] = {}
         stage_of = {name: stage.name for stage in stages for name in stage.components}
         maps: dict[str, dict] = {}
-        for comps, comp_maps in residencies:
+        for _, comp_maps, _ in residencies:
             maps.update(comp_maps)
         stage_out = []
-        for stage in stages:
+        for stage, _, note in residencies:
             comps = [by_comp[n] for n in stage.components]
             if kind == "resident":
                 loaded = components
@@ -727,7 +738,7 @@ def plan_pipeline(components: list[ComponentInput], stages: list[Stage], devices
                     entry.reserve = acts[key].reserve if key in acts else 0
             else:
                 use = _evaluate(comps, maps, by_dev)
-            stage_out.append(StagePlacement(stage.name, list(stage.components), use))
+            stage_out.append(StagePlacement(stage.name, list(stage.components), use, note))
         for comp in components:
             comp_map = _expand(comp, maps[comp.name])
             alone = _evaluate([comp], maps, by_dev)
@@ -743,18 +754,54 @@ def plan_pipeline(components: list[ComponentInput], stages: list[Stage], devices
                 notes.append(f"{name} fits no GPU with its activations: it runs on the cpu (slow).")
         return Placement(kind, strategy, placements, stage_out, list(notes))
 
+    def together_note(stage: Stage) -> str:
+        return f"{' and '.join(stage.components)} resident together" if stage.exclusive else ""
+
     def resident():
         ordered = [by_comp[n] for stage in stages for n in stage.components]
-        notes: list[str] = []
         maps, _ = _place_residency(ordered, devices, strategy)
-        return finish("resident", [(ordered, maps)], notes)
+        return finish("resident", [(stage, maps, together_note(stage)) for stage in stages], [])
+
+    def one_at_a_time(stage: Stage) -> list[tuple[Stage, dict, str]]:
+        """An exclusive stage as consecutive sub-stages: each loads after the previous one is freed."""
+        parts = []
+        for index, name in enumerate(stage.components):
+            maps, _ = _place_residency([by_comp[name]], devices, strategy)
+            note = (f"loads after {stage.components[index - 1]} is freed at the switch" if index
+                    else f"freed at the switch, before {stage.components[1]} loads")
+            parts.append((Stage(stage.name, (name,)), maps, note))
+        return parts
+
+    def offloaded(parts) -> int:
+        return sum(_offloaded(by_comp[n], maps[n], by_dev)[0] for stage, maps, _ in parts for n in stage.components)
 
     def staged():
         residencies, notes = [], []
         for stage in stages:
             comps = [by_comp[n] for n in stage.components]
-            maps, _ = _place_residency(comps, devices, strategy)
-            residencies.append((comps, maps))
+            if not stage.exclusive:
+                maps, _ = _place_residency(comps, devices, strategy)
+                residencies.append((stage, maps, ""))
+                continue
+            try:  # both loaded at once when that offloads nothing: no reload at the switch
+                together = [(stage, _place_residency(comps, devices, strategy)[0], together_note(stage))]
+            except NoFit:
+                together = None
+            if together is not None and offloaded(together) == 0:
+                residencies.extend(together)
+                continue
+            try:
+                parts = one_at_a_time(stage)
+            except NoFit:
+                if together is None:
+                    raise
+                parts = None
+            chosen = parts if parts is not None and (together is None or offloaded(parts) < offloaded(together)) \
+                else together
+            residencies.extend(chosen)
+            if chosen is parts:
+                notes.append(f"{' and '.join(stage.components)} do not fit together: they are loaded one at a time, "
+                             f"{stage.components[0]} freed before {stage.components[1]} loads.")
         return finish("staged", residencies, notes)
 
     if mode == "resident":

@@ -123,6 +123,9 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
                     height=request.height, width=request.width, guidance_scale=request.guidance_scale,
                     max_sequence_length=request.max_sequence_length, on_plan=events.on_plan,
                     on_status=events.on_status)
+    if pipeline.defaults.num_frames:
+        pipeline.close()
+        raise UsageError(f"--prompts writes images; {pipeline.source.pipeline_class} makes videos: run one prompt at a time.")
     result.notices = list(pipeline.notices)
     result.mode, result.plan_digest = pipeline.plan.mode, pipeline.plan_digest
     todo: list[QueueItem] = []

@@ -22,7 +22,7 @@ from typing import Callable
 from . import __version__
 from .atomic import atomic_write
 from .errors import CheckpointError, DoesNotFitError, SourceError, UsageError
-from .families import Family, Job, default_image_size, family_for, supported_pipelines
+from .families import Family, Job, default_size, family_for, supported_pipelines
 from .inputs import InputSpec
 from .sources import config_digest
 from .stages import StageResult
@@ -61,7 +61,9 @@ class RunRequest:
     width: int | None = None
     num_images: int | None = None
     max_sequence_length: int | None = None
-    output: str | None = "dmap.png"
+    num_frames: int | None = None  # video families
+    fps: int | None = None  # video families: frames per second of the written video
+    output: str | None = "dmap.png"  # video families: "dmap.png" is read as the default, dmap.mp4
     save_latents: str | None = None
     dtype: str | None = None
     simulate: bool = False
@@ -84,14 +86,16 @@ class RunResult:
     height: int
     width: int
     num_images: int
-    images: list[str]
+    images: list[str]  # written files (a video and its JSON sidecar for video families)
     latents_path: str | None
     stages: list[StageResult]
     split_problems: list[str] = field(default_factory=list)
     split_check: bool = False  # True when the tracer's VirtualDevices check ran during the run
     notices: list[str] = field(default_factory=list)
-    images_data: list = field(default_factory=list, repr=False)  # PIL images (not in JSON)
+    images_data: list = field(default_factory=list, repr=False)  # PIL images, or uint8 frame arrays (not in JSON)
     latents: object = field(default=None, repr=False)
+    num_frames: int | None = None  # video families
+    fps: int | None = None
 
     def device_peaks(self) -> dict[str, tuple[int, int]]:
         """device -> (measured peak over all stages, planned peak over all stages)."""
@@ -109,6 +113,7 @@ class RunResult:
             "plan_digest": self.plan_digest, "planned_here": self.planned_here, "mode": self.plan.mode,
             "simulate": self.simulate, "seed": self.seed, "steps": self.steps, "guidance_scale": self.guidance_scale,
             "height": self.height, "width": self.width, "num_images": self.num_images, "images": self.images,
+            "num_frames": self.num_frames, "fps": self.fps,
             "latents": self.latents_path,
             "stages": [asdict(s) for s in self.stages],
             "devices": {d: {"measured_peak_bytes": m, "planned_peak_bytes": p} for d, (m, p) in self.device_peaks().items()},
@@ -172,10 +177,11 @@ def check_plan_matches(plan, source, inputs: InputSpec, dtype: str | None, where
         if actual is not None and comp.cls and comp.cls != "?" and comp.cls != actual:
             problems.append(f"it plans '{name}' as {comp.cls} but {source.spec} has {actual}")
     for key, value in (("height", inputs.height), ("width", inputs.width),
-                       ("batch_size", inputs.batch_size), ("num_images", inputs.num_images)):
+                       ("batch_size", inputs.batch_size), ("num_images", inputs.num_images),
+                       ("num_frames", inputs.num_frames)):
         wanted = getattr(plan.inputs, key)
         if wanted not in (None, value, 0):
-            flag = "--num-images" if key == "num_images" else f"--{key.replace('_', '-')}"
+            flag = {"num_images": "--num-images", "num_frames": "--frames"}.get(key, f"--{key.replace('_', '-')}")
             problems.append(f"it was made for {key}={wanted}, this run asks for {value}"
                             + (f" (drop {flag} or give {wanted})" if key != "batch_size" else " (dmap run makes batch 1)"))
     if dtype and plan.dtype and parse_dtype(dtype) != plan.dtype:
@@ -188,7 +194,8 @@ def check_plan_matches(plan, source, inputs: InputSpec, dtype: str | None, where
 def inputs_from_plan(plan) -> dict:
     """What a plan file says about the run's inputs: the defaults `dmap run -d PLAN.json` takes from it."""
     given = {"height": plan.inputs.height, "width": plan.inputs.width, "num_images": plan.inputs.num_images,
-             "guidance_scale": plan.inputs.guidance_scale, "max_sequence_length": plan.inputs.max_sequence_length}
+             "guidance_scale": plan.inputs.guidance_scale, "max_sequence_length": plan.inputs.max_sequence_length,
+             "num_frames": plan.inputs.num_frames}
     if plan.inputs.weights_only:  # a weights-only plan says nothing about the image size
         given.pop("height"), given.pop("width")
     return {k: v for k, v in given.items() if v is not None}
@@ -275,10 +282,19 @@ def settle_job(request: RunRequest, source, family: Family, defaults: dict) -> J
     denoiser, vae = comps.get(family.denoiser), comps.get("vae")
     if denoiser is None or vae is None:
         raise SourceError(f"{source.spec} has no {family.denoiser} or no vae: dmap run needs both.")
-    default_size = default_image_size(source.pipeline_class, source.components)  # the one dmap plan uses
-    height = request.height or defaults.get("height") or default_size
-    width = request.width or defaults.get("width") or default_size
+    default_height, default_width = default_size(source.pipeline_class, source.components)  # the one dmap plan uses
+    height = request.height or defaults.get("height") or default_height
+    width = request.width or defaults.get("width") or default_width
     check_image_size(family, source.pipeline_class, height, width, denoiser.config or {}, vae.config)
+    frames = request.num_frames or defaults.get("num_frames") or family.default_num_frames
+    family.check_inputs(InputSpec(height, width, num_frames=frames if family.default_num_frames else request.num_frames,
+                                  fps=request.fps), vae.config)
+    if family.default_num_frames is not None and request.output:
+        from .atomic import refuse_existing
+        from .video import sidecar_path
+
+        output = output_path(request, family)  # a .png for a video is refused here, before any work
+        refuse_existing([output.rstrip("/"), sidecar_path(output)], request.overwrite)
     guidance = request.guidance_scale if request.guidance_scale is not None else (
         defaults.get("guidance_scale") or family.default_guidance)
     return Job(
@@ -287,8 +303,15 @@ def settle_job(request: RunRequest, source, family: Family, defaults: dict) -> J
         height=height, width=width, num_images=request.num_images or defaults.get("num_images") or 1,
         max_sequence_length=(request.max_sequence_length or defaults.get("max_sequence_length")
                              or family.default_max_sequence_length),
-        true_cfg_scale=request.true_cfg_scale,
+        true_cfg_scale=request.true_cfg_scale, num_frames=frames,
     )
+
+
+def output_path(request: RunRequest, family: Family) -> str:
+    """The output the user asked for; for a video family the default dmap.png becomes dmap.mp4."""
+    if family.default_num_frames is not None and request.output == RunRequest.output:
+        return "dmap.mp4"
+    return request.output
 
 
 def check_component_files(comp) -> int:
@@ -308,9 +331,12 @@ def check_component_files(comp) -> int:
 
 
 def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
-        on_step: Callable[[int, int], None] | None = None,
+        on_step: Callable[[int, int, str | None], None] | None = None,
         on_status: Callable[[str | None], None] | None = None) -> RunResult:
     """Plan (or read and check a plan), then encode -> denoise -> decode following it.
+
+    `on_step(done, total, component)`: after each denoising step; `component` names the denoiser that
+    ran it for families with experts (Wan 2.2), else None.
 
     With torch, diffusers and transformers imported, a full garbage collection walks ~400k objects
     (~0.2 s on a laptop core), and allocations trigger them anywhere: an import, a load, a step.
@@ -345,6 +371,7 @@ def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunR
         plan=pipeline.plan, plan_digest=pipeline.plan_digest, planned_here=pipeline.planned_here,
         simulate=request.simulate, seed=job.seed, steps=job.steps, guidance_scale=job.guidance_scale, height=job.height,
         width=job.width, num_images=job.num_images, images=[], latents_path=None, stages=[], notices=pipeline.notices,
+        num_frames=job.num_frames, fps=pipeline.fps,
     )
     if freeze:  # what the stages free is collected without walking the libraries (see run())
         gc.freeze()
@@ -360,7 +387,10 @@ def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunR
     metadata = pipeline.metadata(job)
     if request.save_latents:
         result.latents_path = save_latents(result.latents, request.save_latents, metadata)
-    if request.output:
+    if request.output and job.num_frames:
+        result.images = save_videos(carry.images, output_path(request, pipeline.family), result.fps, metadata,
+                                    request.overwrite)
+    elif request.output:
         result.images = save_images(carry.images, request.output, metadata)
     return result
 
@@ -368,13 +398,16 @@ def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunR
 # --- outputs -------------------------------------------------------------------------------
 
 
-def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, demo: bool) -> dict[str, str]:
+def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, demo: bool,
+                 fps: float | None = None) -> dict[str, str]:
     """The PNG text metadata of one generated job (what a queue's resume compares, see dm_cli.queue)."""
     meta = {
         "prompt": job.prompt, "seed": str(job.seed), "steps": str(job.steps), "guidance_scale": str(job.guidance_scale),
         "source": source_spec, "pipeline": pipeline_class, "height": str(job.height), "width": str(job.width),
         "plan_digest": digest, "dmap_version": __version__,
     }
+    if job.num_frames:
+        meta.update(num_frames=str(job.num_frames), fps=str(fps))
     if job.negative_prompt:
         meta["negative_prompt"] = job.negative_prompt
     if demo:
@@ -400,6 +433,18 @@ def save_images(images: list, output: str, metadata: dict[str, str]) -> list[str
     for image, path in zip(images, image_paths(output, len(images))):
         _atomic_write(path, lambda tmp, image=image: image.save(tmp, format="PNG", pnginfo=info))
         written.append(str(path))
+    return written
+
+
+def save_videos(videos: list, output: str, fps: int, metadata: dict[str, str], overwrite: bool = False) -> list[str]:
+    """Each video (uint8 frames) to `output` (out-1.mp4, ... when several), with its JSON sidecar."""
+    from .video import save_video
+
+    written = []
+    path = Path(output.rstrip("/"))
+    for index, frames in enumerate(videos):
+        target = output if len(videos) == 1 else str(path.with_name(f"{path.stem}-{index}{path.suffix}"))
+        written += save_video(frames, target, fps, metadata, overwrite)
     return written
 
 

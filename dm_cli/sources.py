@@ -36,6 +36,9 @@ PRESETS = {
     "flux2-klein": "flux.2-klein-4b",
     "tiny-flux2": "tiny-flux2",
     "tiny-flux2-klein": "tiny-flux2-klein",
+    "wan2.2": "wan2.2-t2v-a14b",
+    "wan2.2-t2v-a14b": "wan2.2-t2v-a14b",
+    "tiny-wan": "tiny-wan",
 }
 
 # Components that hold no weights: copied, never planned.

@@ -77,6 +77,7 @@ class StageLoop:
         self.split_check = False
         self.split_problems: list[str] = []
         self.cuda = not simulate and torch.cuda.is_available()
+        self._tracking_from = 0  # denoising step at which the activation tracker last started
         # Per-op tracking (MemoryMeter) is what splits a CPU's memory between virtual devices, so
         # --simulate needs it; a plain CPU run measures the process's peak RSS instead, which costs
         # nothing per op (the tracker makes a tracked step ~3x slower).
@@ -162,8 +163,13 @@ class StageLoop:
         self.pipe._dmap_device = device
         return self.family.encode(self.pipe, job, device)
 
-    def denoise(self, names: list[str], job: Job, embeds: Embeds, on_step: Callable[[int, int], None] | None):
-        """The pipeline's own __call__ from embeddings, to latents (diffusers' math stays diffusers')."""
+    def denoise(self, names: list[str], job: Job, embeds: Embeds, on_step: Callable[..., None] | None,
+                switch: Callable[[int], None] | None = None):
+        """The pipeline's own __call__ from embeddings, to latents (diffusers' math stays diffusers').
+
+        `switch(step)` runs at the end of every step (the expert switch of `_run_experts`); the
+        activation tracker stops `tracked_steps` steps after it last started (`_tracking_from`).
+        """
         import torch
 
         if embeds is None:
@@ -172,23 +178,34 @@ class StageLoop:
         self.pipe._dmap_device = device
         kwargs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in embeds.tensors.items()}
         kwargs.update(self.family.call_kwargs(self.pipe, job))
-        if "max_sequence_length" in pyinspect.signature(type(self.pipe).__call__).parameters and job.max_sequence_length:
+        params = pyinspect.signature(type(self.pipe).__call__).parameters
+        if "max_sequence_length" in params and job.max_sequence_length:
             kwargs["max_sequence_length"] = job.max_sequence_length
+        # embeddings are already repeated per image (or video): one per prompt embedding
+        kwargs["num_images_per_prompt" if "num_images_per_prompt" in params else "num_videos_per_prompt"] = 1
         meter, tracked = self.meter, self.tracked_steps
+        self._tracking_from = 0
+        running = self._step_components(job)
 
         def step_end(_pipe, step, _t, callback_kwargs):
-            if tracked is not None and step + 1 == tracked:
+            if tracked is not None and step + 1 - self._tracking_from == tracked:
                 meter.stop()  # later steps repeat this one's graph on the same shapes: its peak is the stage's
             if on_step is not None:
-                on_step(step + 1, job.steps)
+                on_step(step + 1, job.steps, running[step] if running else None)
+            if switch is not None:
+                switch(step)
             return callback_kwargs
 
         out = self.pipe(
-            prompt=None, height=job.height, width=job.width, num_inference_steps=job.steps, num_images_per_prompt=1,
+            prompt=None, height=job.height, width=job.width, num_inference_steps=job.steps,
             generator=torch.Generator().manual_seed(job.seed), output_type="latent", callback_on_step_end=step_end,
-            **kwargs,
+            return_dict=False, **kwargs,
         )
-        return out.images
+        return out[0]
+
+    def _step_components(self, job: Job) -> list[str] | None:
+        """The denoiser of each step for families with experts (Wan 2.2), else None."""
+        return self.family.step_components(self.pipe, job) if self.family.experts else None
 
     def decode(self, names: list[str], job: Job, latents) -> list:
         if latents is None:
@@ -208,10 +225,7 @@ class StageLoop:
         names = list(stage_plan.components)
         stage = result or StageResult(name, names, planned_peak={str(k): int(v) for k, v in stage_plan.peak_bytes.items()})
         meter = self.meter
-        meter.reset_peaks()
-        if self.cuda:
-            for i in range(torch.cuda.device_count()):
-                torch.cuda.reset_peak_memory_stats(i)
+        self._reset_peaks()
         start = time.perf_counter()
         meter.current[:] = [str(next(iter(self.device_map(names[0]).values())))] if names else ["cpu"]
         on_cpu = self.measure and (not self.cuda or any(self._device([c]).type == "cpu" for c in names))
@@ -248,8 +262,16 @@ class StageLoop:
                 "lower cpu= in --max-memory to what is really free and plan again."
             ) from None
         stage.run_s = time.perf_counter() - start
+        self._measured(stage, rss)
+        return stage
+
+    def _measured(self, stage: StageResult, rss=None) -> None:
+        """Peak per device since the last reset: weights resident after the load + tracked activations
+        (without the tracker, `rss`: what the process's resident set grew by, charged to the cpu)."""
+        import torch
+
         resident = stage.resident_after_load
-        grown = dict(meter.peak)
+        grown = dict(self.meter.peak)
         if rss is not None:  # what the run added on top of the loaded weights, charged to the cpu
             grown["cpu"] = max(0, rss.peak - rss.start)
         stage.measured_peak = {d: resident.get(d, 0) + grown.get(d, 0)
@@ -257,9 +279,16 @@ class StageLoop:
         if self.cuda:
             for i in range(torch.cuda.device_count()):
                 stage.measured_peak[str(i)] = torch.cuda.max_memory_allocated(i)
-        return stage
 
-    def run_job(self, job: Job, on_step: Callable[[int, int], None] | None = None) -> tuple[Carry, list[StageResult]]:
+    def _reset_peaks(self) -> None:
+        import torch
+
+        self.meter.reset_peaks()
+        if self.cuda:
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(i)
+
+    def run_job(self, job: Job, on_step: Callable[..., None] | None = None) -> tuple[Carry, list[StageResult]]:
         """All the plan's stages for one job: staged mode loads and frees each stage, resident loads all first."""
         staged = self.plan.mode != "resident"
         results: list[StageResult] = []
@@ -272,9 +301,19 @@ class StageLoop:
             first.load_s = first.wall_s = time.perf_counter() - start
             first.resident_after_load = self.meter.resident()
             results.append(first)
-        for stage_plan in self.plan.stages:
-            stage = StageResult(stage_plan.name, list(stage_plan.components),
-                                planned_peak={str(k): int(v) for k, v in stage_plan.peak_bytes.items()})
+        stages = list(self.plan.stages)
+        index = 0
+        while index < len(stages):
+            group = [stages[index]]
+            while (staged and index + len(group) < len(stages) and group[0].name == "denoise"
+                   and stages[index + len(group)].name == "denoise"):
+                group.append(stages[index + len(group)])  # sub-stages: experts loaded one at a time
+            index += len(group)
+            if len(group) > 1:
+                results += self._run_experts(group, job, carry, on_step)
+                continue
+            stage_plan = group[0]
+            stage = _stage_result(stage_plan)
             start = time.perf_counter()
             stage.resident_before = self.meter.resident()
             if staged:
@@ -287,6 +326,74 @@ class StageLoop:
             stage.wall_s = time.perf_counter() - start
             results.append(stage)
         return carry, results
+
+    def _run_experts(self, parts: list, job: Job, carry: Carry, on_step) -> list[StageResult]:
+        """One denoise call over consecutive sub-stages (Wan 2.2's experts): only the sub-stage whose
+        expert runs the first step is loaded; at the step where the next expert takes over, the current
+        one is freed and only then the next one loaded (an expert that never runs is never loaded)."""
+        import torch
+
+        owner = {name: i for i, part in enumerate(parts) for name in part.components}
+        running = self._step_components(job) or [self.family.denoiser] * job.steps
+        order = [owner[name] for name in running]
+        results = [_stage_result(part) for part in parts]
+        state = {"part": order[0], "start": time.perf_counter()}
+
+        def load(part: int) -> None:
+            stage = results[part]
+            start = time.perf_counter()
+            stage.resident_before = self.meter.resident()
+            self.load_stage(stage.components, stage)
+            stage.load_s = time.perf_counter() - start
+            stage.resident_after_load = self.meter.resident()
+            self.meter.current[:] = [str(next(iter(self.device_map(stage.components[0]).values())))]
+            self._reset_peaks()
+            rss = RssSampler().__enter__() if sampled else None  # after the load: it resets the high-water mark
+            state.update(part=part, start=start, run=time.perf_counter(), rss=rss)
+
+        def finish(part: int) -> None:
+            stage = results[part]
+            stage.run_s = time.perf_counter() - state["run"]
+            if state["rss"] is not None:
+                state["rss"].__exit__(None, None, None)
+            self._measured(stage, state["rss"])
+            self.unload_stage(stage.components)
+            stage.wall_s = time.perf_counter() - state["start"]
+
+        on_cpu = not self.cuda or any(self._device([c]).type == "cpu" for part in parts for c in part.components)
+        track = on_cpu and self.track_activations
+        sampled = on_cpu and not track
+
+        def switch(step: int) -> None:
+            if step + 1 < len(order) and order[step + 1] != state["part"]:
+                self.meter.stop()  # loading is not an activation
+                finish(state["part"])
+                load(order[step + 1])
+                self._tracking_from = step + 1  # the new expert's first steps are tracked again
+                if track:
+                    self.meter.start()
+
+        load(order[0])
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                if track:
+                    self.meter.start()
+                carry.latents = self.denoise(results[order[0]].components, job, carry.embeds, on_step, switch)
+                carry.embeds = None
+                self.meter.stop()
+        except torch.OutOfMemoryError as error:
+            raise _oom(error, "denoise", results[state["part"]].planned_peak) from None
+        finish(state["part"])
+        how = "tracked" if track else ("process peak RSS" if sampled else "CUDA: max_memory_allocated")
+        for part, stage in enumerate(results):
+            used = order.count(part)
+            stage.tracked = f"{how}, {used} of {job.steps} steps" if used else "not run (its expert has no step)"
+        return results
+
+
+def _stage_result(stage_plan) -> StageResult:
+    return StageResult(stage_plan.name, list(stage_plan.components),
+                       planned_peak={str(k): int(v) for k, v in stage_plan.peak_bytes.items()})
 
 
 def _oom(error, stage: str, planned: dict) -> DoesNotFitError:

@@ -31,7 +31,7 @@ from .devices import device_key, map_entry
 from .inputs import InputSpec
 from .pipelines import CallSpec, TensorSpec, call_spec, generic_argument
 
-TRACE_FORMAT_VERSION = 1
+TRACE_FORMAT_VERSION = 2  # 2: lists given to modules are no longer copied (the Wan VAE cache)
 WEIGHTS_ONLY_SIZE = 64  # pixels: order and split checks do not depend on size; small fits every model (tiny SD3 pos_embed too)
 _TAG = "_dmap_tag"
 
@@ -329,7 +329,11 @@ class _Session:
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
             return tuple(self._move(v, target) for v in value)
         if isinstance(value, list):
-            return [self._move(v, target) for v in value]
+            # in place: models mutate lists they are given (the Wan VAE's feature cache, `feat_cache`),
+            # and a copy would lose what they write into it (accelerate skips those keys: `_skip_keys`)
+            for index, item in enumerate(value):
+                value[index] = self._move(item, target)
+            return value
         if type(value) is dict:
             return {k: self._move(v, target) for k, v in value.items()}
         return value
@@ -626,6 +630,12 @@ def _trace_key(comp, pipeline_class, spec_shapes, dtype, weights_only) -> str:
                       "call": spec_shapes, "dtype": dtype, "weights_only": weights_only, "format": TRACE_FORMAT_VERSION})
 
 
+def _weights_only_shape(inputs: InputSpec) -> InputSpec:
+    """Small inputs for a weights-only trace (order and split checks do not depend on size); 5 frames for video."""
+    return InputSpec(WEIGHTS_ONLY_SIZE, WEIGHTS_ONLY_SIZE, 1, 1, inputs.guidance_scale, inputs.max_sequence_length,
+                     5 if inputs.num_frames else None)
+
+
 def compute_dtype(spec: CallSpec | None, dtype: str) -> str:
     """The dtype the component runs in (an fp16 SDXL VAE decodes in fp32)."""
     if spec is not None and spec.upcast_fp16 and dtype == "float16":
@@ -641,8 +651,7 @@ def trace_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: 
     """
     dtype = _torch_dtype_name(dtype, comp)
     weights_only = inputs.weights_only
-    shape_inputs = InputSpec(WEIGHTS_ONLY_SIZE, WEIGHTS_ONLY_SIZE, 1, 1, inputs.guidance_scale,
-                             inputs.max_sequence_length) if weights_only else inputs
+    shape_inputs = _weights_only_shape(inputs) if weights_only else inputs
     spec = call_spec(comp, pipeline_class, shape_inputs)
     run_dtype = compute_dtype(spec, dtype)
     key = _trace_key(comp, pipeline_class, spec.shapes() if spec else "generic:" + json.dumps(shape_inputs.to_json()),
@@ -725,8 +734,7 @@ def check_device_map(comp, pipeline_class: str | None, inputs: InputSpec, dtype:
                      device_map: dict) -> list[str]:
     """Simulate `device_map` on the meta device; one message per op that mixes two devices ([] = it runs)."""
     dtype = _torch_dtype_name(dtype, comp)
-    shape_inputs = InputSpec(WEIGHTS_ONLY_SIZE, WEIGHTS_ONLY_SIZE, 1, 1, inputs.guidance_scale,
-                             inputs.max_sequence_length) if inputs.weights_only else inputs
+    shape_inputs = _weights_only_shape(inputs) if inputs.weights_only else inputs
     spec0 = call_spec(comp, pipeline_class, shape_inputs)
     run_dtype = compute_dtype(spec0, dtype)
     if comp.config is None:

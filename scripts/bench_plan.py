@@ -12,7 +12,7 @@ the GPU-resident weights on one GPU, whether weights + activations (dmap's meta 
 inputs) + 600 MB per GPU fit every device, and whether the split check passes (`--check-anchors` also
 checks accelerate's maps: slow). Prints a markdown table; exits 1 if dmap ever offloads more than either.
 
-    .venv/bin/python scripts/bench_plan.py [--check-anchors] [--only N]
+    .venv/bin/python scripts/bench_plan.py [--check-anchors] [--only N[,M...]]
 """
 
 from __future__ import annotations
@@ -36,7 +36,18 @@ class Case:
     preset: str
     dtype: str
     budget: str
-    size: int
+    size: int  # height (and width unless given)
+    width: int | None = None
+    frames: int | None = None  # video pipelines (Wan)
+
+    @property
+    def inputs(self) -> InputSpec:
+        return InputSpec(self.size, self.width or self.size, num_frames=self.frames)
+
+    @property
+    def label(self) -> str:
+        size = f"{self.size}²" if not self.width else f"{self.size}x{self.width}"
+        return size + (f"x{self.frames}f" if self.frames else "")
 
 
 CASES = [
@@ -62,6 +73,10 @@ CASES = [
     Case("flux2", "bf16", "0=80GB,1=80GB", 1024),
     Case("flux2-klein", "bf16", "0=12GB,1=12GB,cpu=32GB", 1024),
     Case("flux2-klein", "bf16", "0=8GB,1=8GB,2=8GB,cpu=32GB", 1024),
+    Case("wan2.2", "bf16", "0=24GB,1=24GB,cpu=128GB", 480, 832, 81),
+    Case("wan2.2", "bf16", "0=80GB,cpu=128GB", 480, 832, 81),
+    Case("wan2.2", "bf16", "0=16GB,1=16GB,2=16GB,3=16GB,cpu=128GB", 480, 832, 81),
+    Case("wan2.2", "bf16", "0=48GB,1=48GB,cpu=128GB", 720, 1280, 81),
 ]
 
 _META_MODELS: dict = {}
@@ -168,7 +183,7 @@ def gb(n: int) -> str:
 
 
 def run_case(case: Case, check_anchors: bool) -> dict:
-    inputs = InputSpec(case.size, case.size)
+    inputs = case.inputs
     budgets = parse_device_spec(case.budget)
     started = time.perf_counter()
     plan = make_plan(case.preset, PlanOptions(case.budget, inputs=inputs, dtype=case.dtype))
@@ -181,7 +196,7 @@ def run_case(case: Case, check_anchors: bool) -> dict:
     dmap_alone = evaluate_map(prepared, alone.components[denoiser].device_map, budgets)
     dmap_alone["check"] = not alone.check.get("problems")
     # the same accounting as accelerate: weights only, no activations, no GPU overhead
-    bare = make_plan(case.preset, PlanOptions(case.budget, inputs=InputSpec(0, 0), dtype=case.dtype,
+    bare = make_plan(case.preset, PlanOptions(case.budget, inputs=InputSpec(0, 0, num_frames=case.frames), dtype=case.dtype,
                                               component=denoiser))
     dmap_bare = evaluate_map(prepared, bare.components[denoiser].device_map, budgets)
     dmap_bare["check"] = not bare.check.get("problems")
@@ -214,12 +229,12 @@ def main() -> int:
     logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Device 0 is not available": planning for absent GPUs
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check-anchors", action="store_true", help="Also run the split check on accelerate's maps.")
-    parser.add_argument("--only", type=int, default=None, help="Run only case N (1-based).")
+    parser.add_argument("--only", default=None, help="Run only these cases (1-based, comma-separated: 16,17).")
     args = parser.parse_args()
-    cases = CASES if args.only is None else [CASES[args.only - 1]]
+    cases = CASES if args.only is None else [CASES[int(n) - 1] for n in args.only.split(",")]
     rows, violations = [], []
     for index, case in enumerate(cases, 1):
-        print(f"[{index}/{len(cases)}] {case.preset} {case.dtype} {case.budget} {case.size}²", file=sys.stderr)
+        print(f"[{index}/{len(cases)}] {case.preset} {case.dtype} {case.budget} {case.label}", file=sys.stderr)
         rows.append(run_case(case, args.check_anchors))
     print("\n### Pipeline level: dmap plan vs diffusers \"balanced\" (GB offloaded to cpu; fits = weights + activations + 600 MB/GPU)\n")
     print("| # | model | devices | input | dmap mode | dmap offload | dmap hops | dmap max share | dmap fits | dmap check | diffusers offload | diffusers fits | diffusers map | plan s |")
@@ -228,7 +243,7 @@ def main() -> int:
         case, plan, diff = row["case"], row["plan"], row["diffusers"]
         share = plan_share(plan)
         check = plan.check
-        print(f"| {index} | {case.preset} {case.dtype} | {case.budget} | {case.size}² | {plan.mode} | "
+        print(f"| {index} | {case.preset} {case.dtype} | {case.budget} | {case.label} | {plan.mode} | "
               f"{gb(plan.offloaded_bytes)} | {plan.hops} | {share:.2f} | {yes(row['peaks_ok'])} | "
               f"{yes(not check.get('problems')) if check.get('ran') else '—'} | {gb(diff['offloaded'])} | "
               f"{yes(diff['fits'])} | {fmt_map(diff['map'])} | {row['seconds']:.2f} |")
@@ -244,7 +259,7 @@ def main() -> int:
         case = row["case"]
         cells = [cell(row["dmap_alone"]), cell(row["dmap_bare"])] + [
             cell(row["accelerate"][k]) for k in ("sequential", "balanced", "balanced_low_0")]
-        print(f"| {index} | {case.preset} {case.dtype} {case.size}² | {row['denoiser']} | {case.budget} | "
+        print(f"| {index} | {case.preset} {case.dtype} {case.label} | {row['denoiser']} | {case.budget} | "
               + " | ".join(cells) + " |")
         least = min(r["offloaded"] for r in row["accelerate"].values())
         if row["dmap_bare"]["offloaded"] > least:
@@ -278,8 +293,8 @@ def plan_share(plan) -> float:
 
 
 def fmt_map(mapping: dict) -> str:
-    short = {"text_encoder": "te", "text_encoder_2": "te2", "text_encoder_3": "te3", "transformer": "tr", "unet": "unet",
-             "vae": "vae"}
+    short = {"text_encoder": "te", "text_encoder_2": "te2", "text_encoder_3": "te3", "transformer": "tr",
+             "transformer_2": "tr2", "unet": "unet", "vae": "vae"}
     return " ".join(f"{short.get(c, c)}:{d}" for c, d in mapping.items())
 
 

@@ -9,10 +9,16 @@ inputs inside it, as in the estimate). The estimate is `dm_cli.trace.trace_compo
 
     .venv/bin/python scripts/measure_activations.py [--sizes 256,512] [--widths 160,320,640,640]
     .venv/bin/python scripts/measure_activations.py --model flux2 [--heads 8]
+    .venv/bin/python scripts/measure_activations.py --model wan-transformer --sizes 128,256 --frames 9,17
+    .venv/bin/python scripts/measure_activations.py --model wan-vae --sizes 128 --frames 9,17
 
 `--model flux2` does the same for a reduced-width FLUX.2 transformer (FLUX.2 [dev]'s block layout
 and 128-wide heads, fewer heads and blocks), called as Flux2Pipeline calls it: packed latents of
 (H/16)*(W/16) tokens, 512 text tokens, guidance embedded, batch 1 (guidance-distilled: no CFG).
+
+Wan: a reduced-width WanTransformer3DModel (Wan 2.1 1.3B width, 1536 = 12 heads x 128, 2 blocks,
+512 text tokens of 4096, one call of batch 1 as each of the pipeline's two CFG calls is) and the
+Wan 2.2 VAE at full width decoding (B, 16, (F-1)/4+1, H/8, W/8) latents, both fp32.
 """
 
 from __future__ import annotations
@@ -43,6 +49,19 @@ SD15_UNET = {
     "sample_size": 64,
     "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
 }
+
+
+WAN_TRANSFORMER = {
+    "_class_name": "WanTransformer3DModel", "added_kv_proj_dim": None, "attention_head_dim": 128,
+    "cross_attn_norm": True, "eps": 1e-06, "ffn_dim": 8960, "freq_dim": 256, "image_dim": None, "in_channels": 16,
+    "num_attention_heads": 12, "num_layers": 2, "out_channels": 16, "patch_size": [1, 2, 2],
+    "pos_embed_seq_len": None, "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 1024, "text_dim": 4096,
+}
+WAN_VAE = {  # wan2.2-t2v-a14b/vae/config.json (scale factors are the class defaults, 4 and 8)
+    "_class_name": "AutoencoderKLWan", "attn_scales": [], "base_dim": 96, "dim_mult": [1, 2, 4, 4], "dropout": 0.0,
+    "num_res_blocks": 2, "temperal_downsample": [False, True, True], "z_dim": 16,
+}
+WAN_TOKENS = 512
 
 
 def reduced_unet_config(widths: tuple[int, ...], cross_attention_dim: int = 768) -> dict:
@@ -194,16 +213,92 @@ def main_flux2(args) -> int:
     return 0 if worst <= 0.2 else 1
 
 
+def wan_component(config: dict):
+    from dm_cli.sources import ComponentSource
+
+    name = "vae" if config["_class_name"] == "AutoencoderKLWan" else "transformer"
+    return ComponentSource(name, "diffusers", config["_class_name"], config, None, None)
+
+
+def wan_measured_peak(config: dict, frames: int, size: int, threads: int | None = 1) -> int:
+    """Peak live bytes during one Wan transformer call or one VAE decode, as WanPipeline makes them."""
+    import diffusers
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        model = getattr(diffusers, config["_class_name"]).from_config(config).eval()
+        shape = (1, 16, (frames - 1) // 4 + 1, size // 8, size // 8)
+        vae = config["_class_name"] == "AutoencoderKLWan"
+
+        def call():
+            latents = torch.randn(shape)
+            if vae:
+                out = model.decode(latents, return_dict=False)
+            else:
+                text = torch.randn(1, WAN_TOKENS, config["text_dim"])
+                out = model(hidden_states=latents, timestep=torch.tensor([500.0]), encoder_hidden_states=text,
+                            return_dict=False)
+            del out, latents
+
+        with torch.no_grad():
+            call()  # warm-up outside the profiler
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                call()
+        return profile_peak(prof)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def wan_estimated_peak(config: dict, frames: int, size: int) -> int:
+    from dm_cli.inputs import InputSpec
+    from dm_cli.trace import trace_component
+
+    inputs = InputSpec(size, size, num_frames=frames, max_sequence_length=WAN_TOKENS)
+    return trace_component(wan_component(config), "WanPipeline", inputs, "float32", use_cache=False).activation_peak
+
+
+def wan_main(args) -> int:
+    config = WAN_TRANSFORMER if args.model == "wan-transformer" else WAN_VAE
+    rows = []
+    for frames in (int(f) for f in args.frames.split(",")):
+        for size in (int(s) for s in args.sizes.split(",")):
+            start = time.perf_counter()
+            measured = wan_measured_peak(config, frames, size, threads=args.threads)
+            measure_s = time.perf_counter() - start
+            start = time.perf_counter()
+            estimate = wan_estimated_peak(config, frames, size)
+            rows.append((frames, size, measured, estimate, estimate / measured, measure_s, time.perf_counter() - start))
+            print(f"  {frames} frames {size}²: measured {measured}, estimated {estimate}", file=sys.stderr, flush=True)
+    what = ("WanTransformer3DModel, 1536 wide (12x128), 2 blocks, 512 text tokens, one call, batch 1"
+            if args.model == "wan-transformer" else "AutoencoderKLWan (Wan 2.2 VAE, full width), decode, batch 1")
+    print(f"{what}, fp32, CPU")
+    print(f"{'frames':>6} {'size':>6} {'measured':>12} {'estimated':>12} {'ratio':>7} {'measure s':>10} {'trace s':>8}")
+    for frames, size, measured, estimate, ratio, measure_s, estimate_s in rows:
+        print(f"{frames:>6} {str(size) + '²':>6} {measured / 1e6:>9.2f} MB {estimate / 1e6:>9.2f} MB {ratio:>7.3f} "
+              f"{measure_s:>10.1f} {estimate_s:>8.1f}")
+    worst = max(abs(r[4] - 1) for r in rows)
+    print(f"worst deviation: {worst:.1%} ({'within' if worst <= 0.2 else 'OUTSIDE'} ±20%)")
+    return 0 if worst <= 0.2 else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="256,512")
     parser.add_argument("--widths", default="160,320,640,640")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for the measured run")
-    parser.add_argument("--model", choices=("sd15", "flux2"), default="sd15")
+    parser.add_argument("--model", choices=("sd15", "flux2", "wan-transformer", "wan-vae"), default="sd15")
+    parser.add_argument("--frames", default="9,17", help="Wan: frames (4k+1)")
     parser.add_argument("--heads", type=int, default=8, help="FLUX.2 attention heads (128 wide each; [dev] has 48)")
     args = parser.parse_args(argv)
     if args.model == "flux2":
         return main_flux2(args)
+    if args.model.startswith("wan"):
+        return wan_main(args)
     widths = tuple(int(w) for w in args.widths.split(","))
     config = reduced_unet_config(widths)
     rows = []

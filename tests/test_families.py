@@ -22,7 +22,8 @@ VOCODER = {"_class_name": "LTX2Vocoder", "in_channels": 8, "hidden_channels": 16
 
 def test_one_registry_matches_every_bundled_pipeline_and_lone_denoisers():
     assert len({f.name for f in all_families()}) == len(FAMILY_MODULES)
-    for preset in ("flux.1-dev", "sdxl-base-1.0", "sd-1.5", "sd3-medium", "tiny-flux", "tiny-sdxl", "tiny-sd15", "tiny-sd3"):
+    for preset in ("flux.1-dev", "sdxl-base-1.0", "sd-1.5", "sd3-medium", "tiny-flux", "tiny-sdxl", "tiny-sd15", "tiny-sd3",
+                   "wan2.2-t2v-a14b", "tiny-wan"):
         index = json.loads((PRESETS / preset / "model_index.json").read_text())
         family = family_for(index["_class_name"])
         assert family is not None and family.runs(index["_class_name"]), preset
@@ -48,6 +49,10 @@ def test_stages_come_from_the_family_and_unknown_pipelines_fall_back_to_diffuser
     stages = pipeline_stages("StableDiffusionXLPipeline", ["vae", "unet", "text_encoder_2", "text_encoder"])
     assert [(s.name, s.components) for s in stages] == [
         ("encode", ("text_encoder", "text_encoder_2")), ("denoise", ("unet",)), ("decode", ("vae",))]
+    wan = pipeline_stages("WanPipeline", ["vae", "transformer_2", "transformer", "text_encoder"])
+    assert [(s.name, s.components, s.exclusive) for s in wan] == [
+        ("encode", ("text_encoder",), False), ("denoise", ("transformer", "transformer_2"), True),
+        ("decode", ("vae",), False)]
     stages = pipeline_stages("PixArtAlphaPipeline", ["vae", "transformer", "text_encoder"])
     assert [s.name for s in stages] == ["encode", "denoise", "decode"]
 

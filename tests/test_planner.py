@@ -265,3 +265,43 @@ def test_any_plan_stays_within_capacity_covers_every_block_and_is_contiguous(siz
                 seen.append(device)
     offloaded = sum(b.bytes for b in comp.blocks if device_map.get(b.name, device_map.get("")) == "cpu")
     assert placement.offloaded_bytes == offloaded
+
+
+def test_consecutive_denoisers_form_one_exclusive_denoise_stage():
+    stages = default_stages(["text_encoder", "transformer", "transformer_2", "vae"],
+                            ["text_encoder", "transformer", "transformer_2", "vae"], ("transformer", "transformer_2"))
+    assert [(s.name, s.components, s.exclusive) for s in stages] == [
+        ("encode", ("text_encoder",), False), ("denoise", ("transformer", "transformer_2"), True),
+        ("decode", ("vae",), False)]
+    single = default_stages(["text_encoder", "transformer", "vae"], ["text_encoder", "transformer", "vae"])
+    assert not single[1].exclusive
+
+
+def _experts(devices, mode="auto"):
+    comps = [chain("text_encoder", [3]), chain("transformer", [1] * 10, [0.5] * 10),
+             chain("transformer_2", [1] * 10, [0.5] * 10), chain("vae", [0.2], [0.3], splittable=False)]
+    stages = default_stages([c.name for c in comps], [c.name for c in comps], ("transformer", "transformer_2"))
+    return plan_pipeline(comps, stages, devices, mode=mode)
+
+
+def test_experts_stay_resident_together_when_they_fit():
+    placement = _experts(gpus(12, 12))
+    denoise = [s for s in placement.stages if s.name == "denoise"]
+    assert len(denoise) == 1 and denoise[0].components == ["transformer", "transformer_2"]
+    assert "together" in denoise[0].note and placement.offloaded_bytes == 0
+
+
+def test_experts_that_do_not_fit_together_are_consecutive_stages_peaking_at_one_expert():
+    devices = gpus(6, 6)  # 20 GB of experts on 12 GB: one expert (10 GB) + activations at a time
+    placement = _experts(devices)
+    assert placement.mode == "staged" and placement.offloaded_bytes == 0
+    denoise = [s for s in placement.stages if s.name == "denoise"]
+    assert [s.components for s in denoise] == [["transformer"], ["transformer_2"]]
+    assert "before transformer_2 loads" in denoise[0].note and "after transformer is freed" in denoise[1].note
+    for stage in denoise:  # the larger expert plus its activations, never the sum of both
+        assert sum(u.weights for u in stage.use.values()) == 10 * GB
+        assert all(u.activations == int(0.5 * GB) for u in stage.use.values())
+    assert any("one at a time" in w for w in placement.warnings)
+    assert_within_capacity(placement, devices)
+    with pytest.raises(NoFit):
+        _experts(devices, mode="resident")

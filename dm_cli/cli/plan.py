@@ -11,12 +11,14 @@ def plan(
                                           help="Target devices, e.g. 0=16GB,1=16GB,cpu=64GB,disk (default: this machine)."),
     strategy: str = typer.Option("auto", "--strategy", help="auto | sequential | balanced | balanced_low_0."),
     mode: str = typer.Option("auto", "--mode", help="auto | resident (all loaded at once) | staged (per stage)."),
-    height: int | None = typer.Option(None, "--height", help="Image height in pixels (default: the pipeline's, as dmap run); 0 = weights only (no activations, no GPU overhead unless --overhead)."),
-    width: int | None = typer.Option(None, "--width", help="Image width (default: --height, else the pipeline's)."),
+    height: int | None = typer.Option(None, "--height", help="Height in pixels (default: the pipeline's, as dmap run: e.g. 1024 for FLUX, 480 for Wan); 0 = weights only (no activations, no GPU overhead unless --overhead)."),
+    width: int | None = typer.Option(None, "--width", help="Width in pixels (default: --height, else the pipeline's)."),
     batch_size: int = typer.Option(1, "--batch-size", help="Prompts per call."),
     num_images: int = typer.Option(1, "--num-images", help="Images per prompt."),
     guidance_scale: float | None = typer.Option(None, "--guidance-scale", help="CFG scale (default: the pipeline's)."),
     max_sequence_length: int | None = typer.Option(None, "--max-sequence-length", help="T5 tokens (default: the pipeline's)."),
+    frames: int | None = typer.Option(None, "--frames", help="Video pipelines: frames to generate, 4k+1 for Wan (default: the pipeline's, 81)."),
+    fps: int | None = typer.Option(None, "--fps", help="Video pipelines: frames per second of the video (default: the pipeline's)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: as stored, bf16 for configs)."),
     overhead: str | None = typer.Option(None, "--overhead",
                                         help="Per-device overhead, e.g. 0=600MB,1=600MB (default 600MB per GPU, 0 for cpu)."),
@@ -40,7 +42,8 @@ def plan(
         result = make_plan(source, max_memory=max_memory, height=height, width=width, batch_size=batch_size,
                            num_images=num_images, guidance_scale=guidance_scale,
                            max_sequence_length=max_sequence_length, strategy=strategy, mode=mode, dtype=dtype,
-                           overhead=overhead, component=component, check=not no_check, use_cache=not no_cache)
+                           overhead=overhead, component=component, check=not no_check, use_cache=not no_cache,
+                           num_frames=frames, fps=fps)
     if output:
         write_plan(result, output)
     if as_json:

@@ -28,8 +28,12 @@ def run(
     width: int | None = typer.Option(None, "--width", help="Image width in pixels (default: the pipeline's)."),
     num_images: int | None = typer.Option(None, "--num-images", min=1, help="Images for the prompt (out-0.png, out-1.png, ...; default 1, or the plan's)."),
     max_sequence_length: int | None = typer.Option(None, "--max-sequence-length", help="T5 tokens (FLUX, SD3)."),
+    frames: int | None = typer.Option(None, "--frames", help="Video pipelines: frames to generate, 4k+1 for Wan (default: the pipeline's, 81)."),
+    fps: int | None = typer.Option(None, "--fps", help="Video pipelines: frames per second of the video (default: the pipeline's, 16 for Wan)."),
     output: str | None = typer.Option(None, "--output", "-o",
-                                      help="PNG to write (default dmap.png), or with --prompts the folder (default dmap-out)."),
+                                      help="PNG to write (prompt, seed and plan in its metadata; default dmap.png); videos: "
+                                           "out.mp4 (the default dmap.mp4), out.webp, out.gif or a folder out/ of PNG frames, "
+                                           "each with a JSON sidecar; with --prompts the folder (default dmap-out)."),
     save_latents: str | None = typer.Option(None, "--save-latents", help="Also write the final latents (safetensors)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: the plan's, as stored)."),
     simulate: bool = typer.Option(False, "--simulate",
@@ -63,8 +67,8 @@ def run(
 
         if num_images not in (None, 1):
             raise UsageError("--num-images is for one prompt: with --prompts, repeat a line with another seed instead.")
-        if save_latents:
-            raise UsageError("--save-latents is for one prompt, not --prompts.")
+        if save_latents or frames or fps:
+            raise UsageError("--save-latents, --frames and --fps are for one prompt, not --prompts.")
         queue = QueueRequest(
             prompts=prompts, output_dir=output or "dmap-out", source=source, device_map=device_map,
             max_memory=max_memory, overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, seed=seed,
@@ -82,8 +86,9 @@ def run(
     request = RunRequest(
         source=source, prompt=prompt, negative_prompt=negative_prompt, device_map=device_map, max_memory=max_memory,
         overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, seed=seed, height=height, width=width,
-        num_images=num_images, max_sequence_length=max_sequence_length, output=output or "dmap.png", save_latents=save_latents,
-        dtype=dtype, simulate=simulate, overwrite=overwrite, track_activations=track_activations,
+        num_images=num_images, max_sequence_length=max_sequence_length, num_frames=frames, fps=fps,
+        output=output or "dmap.png", save_latents=save_latents, dtype=dtype, simulate=simulate, overwrite=overwrite,
+        track_activations=track_activations,
     )
     if as_json:
         result = run_pipeline(request)

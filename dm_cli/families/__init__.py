@@ -24,7 +24,7 @@ from ..pipelines import CallSpec
 
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
 # `related` prefix is a prefix of another's (Flux of Flux2, StableDiffusion of StableDiffusion3) comes after it.
-FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux2", "flux")
+FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux2", "flux", "wan")
 
 # How guidance multiplies the denoiser's work per step.
 GUIDANCE_BATCH = "batch"  # classifier-free guidance: one call on a doubled batch (SD, SDXL, SD3)
@@ -48,6 +48,7 @@ class Job:
     num_images: int = 1
     max_sequence_length: int | None = None
     true_cfg_scale: float | None = None  # families with GUIDANCE_SEPARATE only
+    num_frames: int | None = None  # video families only
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Family:
 
     name: str = ""
     denoiser: str = "transformer"  # the component that denoises (the denoise stage)
+    experts: tuple[str, ...] = ()  # more denoisers taking turns with `denoiser` at switch steps (Wan 2.2's transformer_2)
     pipelines: tuple[str, ...] = ()  # pipeline classes (model_index.json _class_name) that dmap run runs
     related: tuple[str, ...] = ()  # class-name prefixes traced like them (img2img, inpaint variants)
     denoiser_classes: tuple[str, ...] = ()  # denoiser classes, to recognise a lone component folder
@@ -81,6 +83,8 @@ class Family:
     default_max_sequence_length: int | None = None  # T5/LLM tokens; None: the family has no such knob
     default_sample_size: int | None = None  # latent size of the default image; None: denoiser config sample_size
     negative_prompt: bool = True  # False: a negative prompt is refused (guidance-distilled)
+    default_num_frames: int | None = None  # video families: frames when none are asked for; None: images
+    default_fps: int | None = None  # video families: frames per second of the written video
     # component -> tensors the pipeline's __call__ reads while that component is not loaded (for
     # `dmap run`'s meta placeholders; e.g. FLUX.2 [klein] un-normalises latents with the VAE's batch norm)
     placeholder_tensors: dict[str, tuple[str, ...]] = {}
@@ -130,9 +134,21 @@ class Family:
         sample = self.default_sample_size or int((denoiser_config or {}).get("sample_size", 64))
         return sample * self.vae_scale(vae_config)
 
+    def default_size(self, denoiser_config: dict, vae_config: dict | None) -> tuple[int, int]:
+        """(height, width) when the user gives neither: square images by default."""
+        size = self.default_image_size(denoiser_config, vae_config)
+        return size, size
+
     def size_multiple(self, denoiser_config: dict, vae_config: dict | None) -> int:
         """What height and width must be multiples of, as the pipeline's own check_inputs demands."""
         return math.lcm(8, self.vae_scale(vae_config))
+
+    def check_inputs(self, inputs: InputSpec, vae_config: dict | None) -> None:
+        """Raise UsageError (one sentence) for inputs the pipeline refuses; images take no --frames."""
+        if self.default_num_frames is None and (inputs.num_frames is not None or inputs.fps is not None):
+            from ..errors import UsageError
+
+            raise UsageError(f"{self.title()} pipelines make images, not videos: drop --frames and --fps.")
 
     # --- run ------------------------------------------------------------------------------------
 
@@ -156,8 +172,13 @@ class Family:
         return {"guidance_scale": job.guidance_scale}
 
     def decode(self, pipe, latents, job: Job, device) -> list:
-        """The pipeline's own decode tail (unpack, unscale, VAE decode, postprocess to PIL)."""
+        """The pipeline's own decode tail (unpack, unscale, VAE decode, postprocess to PIL; video
+        families: one uint8 array (frames, height, width, 3) per video)."""
         raise NotImplementedError
+
+    def step_components(self, pipe, job: Job) -> list[str] | None:
+        """Families with `experts`: the denoiser component that runs at each step (None: `denoiser` always)."""
+        return None
 
 
 @lru_cache(maxsize=None)
@@ -173,10 +194,23 @@ def family_for(pipeline_class: str | None, component_cls: str | None = None, con
 FALLBACK_IMAGE_SIZE = 1024  # a pipeline or lone component no family knows
 
 
-def default_image_size(pipeline_class: str | None, components) -> int:
-    """The image size a pipeline makes when height and width are not given: its family's rule on the
-    denoiser and VAE configs, as its __call__ computes it. The one default `dmap plan` and `dmap run`
-    share; 1024 for what no family knows."""
+def default_size(pipeline_class: str | None, components) -> tuple[int, int]:
+    """(height, width) a pipeline makes when neither is given: its family's rule on the denoiser and VAE
+    configs, as its __call__ computes it (Wan: 480x832). The one default `dmap plan` and `dmap run`
+    share; 1024x1024 for what no family knows."""
+    family, denoiser, vae = _family_parts(pipeline_class, components)
+    if family is None or denoiser is None:
+        return FALLBACK_IMAGE_SIZE, FALLBACK_IMAGE_SIZE
+    return family.default_size(denoiser.config or {}, vae.config if vae is not None else None)
+
+
+def source_family(pipeline_class: str | None, components) -> Family | None:
+    """The family of a pipeline class, or of a lone component folder (by its denoiser or VAE class)."""
+    return _family_parts(pipeline_class, components)[0]
+
+
+def _family_parts(pipeline_class: str | None, components):
+    """(family, denoiser component, vae component) of a pipeline or of a lone component folder."""
     by_name = {c.name: c for c in components}
     if pipeline_class:
         family = family_for(pipeline_class)
@@ -184,10 +218,7 @@ def default_image_size(pipeline_class: str | None, components) -> int:
     else:  # a lone component folder: its own family when it is a denoiser
         denoiser = next((c for c in components if family_for(None, c.cls, c.config) is not None), None)
         family = family_for(None, denoiser.cls, denoiser.config) if denoiser is not None else None
-    if family is None or denoiser is None:
-        return FALLBACK_IMAGE_SIZE
-    vae = by_name.get("vae")
-    return family.default_image_size(denoiser.config or {}, vae.config if vae is not None else None)
+    return family, denoiser, by_name.get("vae")
 
 
 def supported_pipelines() -> list[str]:
@@ -219,7 +250,7 @@ def pipeline_stages(pipeline_class: str | None, components: list[str]):
     from ..planner import default_stages
 
     family = family_for(pipeline_class)
-    denoisers = (family.denoiser,) if family is not None else DENOISER_NAMES
+    denoisers = (family.denoiser, *family.experts) if family is not None else DENOISER_NAMES
     return default_stages(components, offload_sequence(pipeline_class), denoisers)
 
 

@@ -53,8 +53,9 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
     size = lambda n: format_size(n, binary)  # noqa: E731
     capacity = {d.name: d.capacity for d in plan.devices}
     inputs = plan.inputs
+    frames = f", {inputs.num_frames} frames" if inputs.num_frames else ""
     what = "weights only" if inputs.weights_only else (
-        f"{inputs.height}x{inputs.width}, batch {inputs.batch_size}x{inputs.num_images}")
+        f"{inputs.height}x{inputs.width}{frames}, batch {inputs.batch_size}x{inputs.num_images}")
     out.print(Text.assemble((str(plan.source), "bold"), f" — {plan.mode} plan, strategy {plan.strategy}, {plan.dtype}, {what}"))
     columns = [Col("device"), Col("weights", number=True), Col("reserve", number=True, drop=2),
                Col("activations", number=True), Col("overhead", number=True, drop=2), Col("peak", number=True),
@@ -71,7 +72,8 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
                 size(cap - use.peak) if cap is not None else "-",
                 _bar([use.weights, use.reserve, use.activations, use.overhead], cap),
             ])
-        dropped = print_table(out, f"stage {stage.name}: {', '.join(stage.components)}", columns, rows)
+        note = f" ({stage.note})" if stage.note else ""
+        dropped = print_table(out, f"stage {stage.name}: {', '.join(stage.components)}{note}", columns, rows)
         bar_shown = bar_shown or "bar" not in dropped
     if bar_shown:
         out.print(bar_legend())

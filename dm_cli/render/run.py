@@ -18,6 +18,7 @@ class RunView:
         self._progress = None
         self._status = None
         self._task = None
+        self._component = None
 
     def __enter__(self):
         return self
@@ -48,7 +49,8 @@ class RunView:
         except (KeyError, ValueError, TypeError, AttributeError):  # a hand-written plan without the planner's extras
             self.console.print(f"Plan: {plan.mode} mode, devices {', '.join(d.name for d in plan.devices)}")
 
-    def step(self, done: int, total: int) -> None:
+    def step(self, done: int, total: int, component: str | None = None) -> None:
+        """One denoising step done; `component` is the denoiser that ran it (the expert, for Wan 2.2)."""
         if self.quiet or not self.err.is_terminal:
             return
         if self._progress is None:
@@ -56,11 +58,16 @@ class RunView:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                        TimeRemainingColumn)
 
-            self._progress = Progress(TextColumn("denoise"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                      TextColumn("ETA"), TimeRemainingColumn(), console=self.err, transient=True)
+            self._progress = Progress(TextColumn("denoise {task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.err,
+                                      transient=True)
             self._progress.start()
-            self._task = self._progress.add_task("denoise", total=total)
-        self._progress.update(self._task, completed=done)
+            self._task = self._progress.add_task(component or "", total=total)
+            self._component = component
+        if component != self._component:  # the expert switch: said once, the bar goes on across both
+            self._progress.console.print(f"denoise: {component} takes over from {self._component} at step {done} of {total}")
+            self._component = component
+        self._progress.update(self._task, completed=done, description=component or "")
         if done >= total:
             self._progress.stop()
             self._progress = None
@@ -74,7 +81,8 @@ class RunView:
             where = "simulated on this CPU (every planned device)" + (
                 ", split check on" if result.split_check else ", split check unavailable in this build")
         self.console.print(
-            f"{result.pipeline_class} from {result.source}: {result.width}x{result.height}, {result.steps} steps, "
+            f"{result.pipeline_class} from {result.source}: {result.width}x{result.height}"
+            f"{f', {result.num_frames} frames at {result.fps} fps' if result.num_frames else ''}, {result.steps} steps, "
             f"guidance {result.guidance_scale}, seed {result.seed}, {where}; plan {result.plan_digest}"
         )
         stage_rows = [[s.name, ", ".join(s.components), f"{s.load_s:.2f}", f"{s.run_s:.2f}", f"{s.wall_s:.2f}",

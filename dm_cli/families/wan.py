@@ -1,0 +1,163 @@
+"""Wan 2.1 / 2.2 text-to-video (diffusers' WanPipeline): frames, 5-D latents, two experts, video out.
+
+Facts from diffusers 0.42's `pipeline_wan.py`:
+- latents are (B, z_dim, (F - 1) / t + 1, H / s, W / s), t and s the VAE's temporal and spatial
+  compression (`scale_factor_temporal` 4, `scale_factor_spatial` 8); F must be t*k + 1;
+- height and width must be multiples of 16 (the pipeline's check_inputs);
+- CFG calls the transformer twice per step with batch B (two calls, not a doubled batch);
+- Wan 2.2 A14B has two experts: `transformer` for the steps with t >= boundary_ratio * 1000 (high
+  noise), `transformer_2` for the rest (`guidance_scale_2`, default `guidance_scale`, for those);
+- the text encoder (UMT5) gets `input_ids` and a mask of max_sequence_length (512) tokens;
+- the VAE decodes the latent frames one by one with a feature cache and concatenates the output.
+"""
+
+from __future__ import annotations
+
+from ..errors import UsageError
+from ..inputs import InputSpec
+from ..pipelines import CallSpec, TensorSpec, vae_config
+from . import GUIDANCE_SEPARATE, Embeds, Family, Job
+
+TRANSFORMER = "WanTransformer3DModel"
+VAE = "AutoencoderKLWan"
+
+
+def vae_factors(vae: dict | None) -> tuple[int, int]:
+    """(temporal, spatial) compression of the Wan VAE, as the pipeline reads them (class defaults 4 and 8)."""
+    config = vae or {}
+    return int(config.get("scale_factor_temporal") or 4), int(config.get("scale_factor_spatial") or 8)
+
+
+class WanFamily(Family):
+    name = "wan"
+    pipelines = ("WanPipeline",)
+    denoiser_classes = (TRANSFORMER,)
+    experts = ("transformer_2",)
+    offload_seq = "text_encoder->transformer->transformer_2->vae"
+    guidance = GUIDANCE_SEPARATE  # CFG: a second transformer call per step
+    default_steps = 50
+    default_guidance = 5.0
+    default_max_sequence_length = 512
+    default_num_frames = 81
+    default_fps = 16
+    default_height, default_width = 480, 832
+
+    def title(self) -> str:
+        return "Wan"
+
+    def matches(self, pipeline_class, component_cls, config) -> bool:
+        if pipeline_class:
+            return pipeline_class in self.pipelines
+        return component_cls in (TRANSFORMER, VAE)
+
+    def refuse(self, negative_prompt, true_cfg_scale) -> str | None:
+        if true_cfg_scale is not None:
+            return "--true-cfg-scale is for Qwen-Image; Wan's CFG is --guidance-scale."
+        return None
+
+    def denoiser_calls(self, inputs: InputSpec) -> int:
+        return 2 if self.guidance_scale(inputs) > 1.0 else 1
+
+    def default_size(self, denoiser_config, vae_config_) -> tuple[int, int]:
+        return self.default_height, self.default_width
+
+    def size_multiple(self, denoiser_config, vae_config_) -> int:
+        return 16  # WanPipeline.check_inputs (8x spatial compression x 2x2 patches)
+
+    def check_inputs(self, inputs: InputSpec, vae_config_: dict | None) -> None:
+        """Frames t*k + 1 (t the VAE's temporal compression), height and width multiples of 16."""
+        temporal, _ = vae_factors(vae_config_)
+        frames = inputs.num_frames
+        if frames is not None and frames < 1:
+            raise UsageError(f"--frames must be at least 1 (got {frames}).")
+        if frames is not None and (frames - 1) % temporal:
+            lower = frames - (frames - 1) % temporal
+            raise UsageError(f"--frames {frames} is not {temporal}k+1, which Wan needs (its VAE compresses {temporal} "
+                             f"frames into one): use {max(lower, 1)} or {lower + temporal}.")
+        if inputs.fps is not None and inputs.fps < 1:
+            raise UsageError(f"--fps must be at least 1 (got {inputs.fps}).")
+        if inputs.weights_only:
+            return
+        multiple = self.size_multiple({}, vae_config_)
+        for flag, value in (("--height", inputs.height), ("--width", inputs.width)):
+            if value % multiple:
+                lower = max(multiple, value - value % multiple)
+                raise UsageError(f"{flag} {value} is not a multiple of {multiple}, which WanPipeline needs: "
+                                 f"use {lower} or {lower + multiple}.")
+
+    # --- the tracer's view ----------------------------------------------------------------------
+
+    def latent_shape(self, inputs: InputSpec, vae: dict | None, channels: int) -> tuple[int, ...]:
+        temporal, spatial = vae_factors(vae)
+        frames = (self.frames(inputs) - 1) // temporal + 1
+        return (inputs.effective_batch, channels, frames, inputs.height // spatial, inputs.width // spatial)
+
+    def frames(self, inputs: InputSpec) -> int:
+        return int(inputs.num_frames or self.default_num_frames)
+
+    def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
+        config = comp.config or {}
+        seq = self.max_sequence_length(comp, inputs)
+        if comp.cls == TRANSFORMER:
+            shape = self.latent_shape(inputs, vae_config(comp), int(config.get("in_channels", 16)))
+            kwargs = {
+                "hidden_states": TensorSpec(shape),
+                "timestep": TensorSpec((shape[0],)),
+                "encoder_hidden_states": TensorSpec((shape[0], seq, int(config.get("text_dim", 4096)))),
+                "return_dict": False,
+            }
+            calls = self.denoiser_calls(inputs)
+            return CallSpec("forward", kwargs, description=(
+                f"{self.frames(inputs)} frames -> latents {shape[2]}x{shape[3]}x{shape[4]}, {seq} text tokens, "
+                f"batch {shape[0]}, {calls} call{'s' if calls > 1 else ''} per step"))
+        if comp.cls == VAE:
+            shape = self.latent_shape(inputs, config, int(config.get("z_dim", 16)))
+            return CallSpec("decode", {"z": TensorSpec(shape), "return_dict": False}, description=(
+                f"decode {self.frames(inputs)} frames from latents {shape[2]}x{shape[3]}x{shape[4]}, batch {shape[0]}"))
+        if comp.cls in ("UMT5EncoderModel", "T5EncoderModel"):
+            # The pipeline passes an attention mask too; transformers inspects its values (`mask.all()`), which
+            # the meta device cannot do. Without it the trace is the same forward (a 512x512 mask is negligible).
+            kwargs = {"input_ids": TensorSpec((inputs.batch_size, seq), "long")}
+            return CallSpec("forward", kwargs, description=f"{seq} tokens, batch {inputs.batch_size}")
+        return None
+
+    # --- run ------------------------------------------------------------------------------------
+
+    def encode(self, pipe, job: Job, device) -> Embeds:
+        do_cfg = job.guidance_scale > 1.0
+        pe, npe = pipe.encode_prompt(prompt=job.prompt, negative_prompt=job.negative_prompt,
+                                     do_classifier_free_guidance=do_cfg, num_videos_per_prompt=job.num_images,
+                                     max_sequence_length=job.max_sequence_length or 512, device=device)
+        return Embeds({"prompt_embeds": pe, "negative_prompt_embeds": npe} if do_cfg else {"prompt_embeds": pe})
+
+    def call_kwargs(self, pipe, job: Job) -> dict:
+        return {"guidance_scale": job.guidance_scale, "num_frames": job.num_frames or self.default_num_frames}
+
+    def step_components(self, pipe, job: Job) -> list[str] | None:
+        """`transformer` while t >= boundary_ratio * num_train_timesteps, then `transformer_2` (as __call__ does)."""
+        ratio = pipe.config.get("boundary_ratio") if hasattr(pipe, "config") else None
+        if ratio is None or getattr(pipe, "transformer_2", None) is None:
+            return None
+        import copy
+
+        scheduler = copy.deepcopy(pipe.scheduler)
+        scheduler.set_timesteps(job.steps, device="cpu")
+        boundary = ratio * scheduler.config.num_train_timesteps
+        return ["transformer" if t >= boundary else "transformer_2" for t in scheduler.timesteps]
+
+    def decode(self, pipe, latents, job: Job, device) -> list:
+        import torch
+
+        from ..video import to_uint8
+
+        vae = pipe.vae
+        latents = latents.to(device, dtype=vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        video = vae.decode(latents / inverse_std + mean, return_dict=False)[0]
+        frames = pipe.video_processor.postprocess_video(video, output_type="np")
+        return [to_uint8(frames[i]) for i in range(frames.shape[0])]
+
+
+FAMILY = WanFamily()
