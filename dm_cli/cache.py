@@ -45,11 +45,13 @@ def cache_path(kind: str, key: str) -> Path:
 
 
 def read_cached(kind: str, key: str) -> dict | None:
+    """The entry, or None when it is missing or damaged (not JSON, not an object): it is then rebuilt."""
     path = cache_path(kind, key)
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 def write_cached(kind: str, key: str, data: dict) -> None:

@@ -8,22 +8,35 @@ name the broken file and tensor, and because this path must not import torch.
 from __future__ import annotations
 
 import json
+import math
+import operator
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import CheckpointError
-from .units import DTYPE_BYTES, SAFETENSORS_DTYPES, numel
+from .units import DTYPE_BYTES, SAFETENSORS_DTYPES, SUBBYTE_DTYPES, numel
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+MAX_JSON_DEPTH = 127  # serde_json's recursion limit, as safetensors meets it (root object = 1)
+U64_MAX = 2**64 - 1
+MAX_INDEX_BYTES = 100_000_000  # an index JSON larger than a safetensors header is not an index
+_BITS = {code: DTYPE_BYTES[name] * 8 for code, name in SAFETENSORS_DTYPES.items()} | SUBBYTE_DTYPES
+_FIELDS = ("dtype", "shape", "data_offsets")
+_DTYPE_NAMES = {**SAFETENSORS_DTYPES, **{code: code for code in SUBBYTE_DTYPES}}  # header code -> dmap's name
+_NAME_BITS = {_DTYPE_NAMES[code]: bits for code, bits in _BITS.items()}
+_MINUS_ZERO = re.compile(r"-0(?![0-9.eE])")  # `-0` parses as 0 in Python but is a float to serde_json
 MAX_LISTED_PROBLEMS = 20  # in one error sentence; `dmap inspect` lists every problem
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor as a safetensors header describes it; offsets are absolute in the file."""
+class TensorEntry(NamedTuple):
+    """One tensor as a safetensors header describes it; offsets are absolute in the file.
+
+    A named tuple, not a dataclass: a header may hold a million of them."""
 
     name: str
     dtype: str  # torch spelling, e.g. "bfloat16"
@@ -56,12 +69,144 @@ class SafetensorsHeader:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def read_safetensors_header(path: str | os.PathLike, validate: bool = True) -> SafetensorsHeader:
-    """Read and check one file's header; reads 8 + header bytes and nothing else."""
-    path = Path(path)
+def open_regular(path: Path, what: str, limit: int | None = None):
+    """Open a file dmap reads as input: a regular file (never a FIFO or a device), at most `limit` bytes."""
     try:
-        file_size = path.stat().st_size
-        with open(path, "rb") as handle:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path}: {what} is not a regular file.")
+        if limit is not None and info.st_size > limit:
+            raise CheckpointError(f"{path}: {what} is {info.st_size} bytes, more than the {limit} a {what} may have.")
+        return open(path, "rb"), info.st_size
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read: {error.strerror or error}.") from error
+
+
+class _Negative(int):
+    """A JSON integer written with a minus sign: never a usize for safetensors, not even `-0`."""
+
+
+def _parse_int(text: str) -> int:
+    return _Negative(int(text)) if text[0] == "-" else int(text)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+class _Info(tuple):
+    """A tensor entry that passed the type checks: (dtype code, shape, begin, end)."""
+
+
+class _Object(list):
+    """Any other JSON object, as its (key, value) pairs (duplicates kept, for the checks)."""
+
+
+def _is_u64(value) -> bool:
+    return type(value) is int and 0 <= value <= U64_MAX  # bool and _Negative are not `int` exactly
+
+
+_INT_ONLY = {int}
+
+
+def _object_hook(pairs):
+    """Called for every JSON object, innermost first: tensor entries in the usual field order become
+    compact tuples at once (a million-tensor header never holds a million dicts); anything else is
+    kept as pairs for the slow path. Only C-level calls on the fast path: it runs once per tensor."""
+    if len(pairs) == 3:
+        (k1, dtype), (k2, shape), (k3, offsets) = pairs
+        if k1 == "dtype" and k2 == "shape" and k3 == "data_offsets" and type(dtype) is str and dtype in _BITS \
+                and type(shape) is list and type(offsets) is list and len(offsets) == 2:
+            begin, end = offsets
+            if type(begin) is int and type(end) is int and 0 <= begin <= U64_MAX and 0 <= end <= U64_MAX and (
+                    not shape or (set(map(type, shape)) <= _INT_ONLY and min(shape) >= 0 and max(shape) <= U64_MAX)):
+                return _Info((_DTYPE_NAMES[dtype], tuple(shape), begin, end))
+    return _Object(pairs)
+
+
+def _depth(value) -> int:
+    """JSON nesting depth of a parsed value (scalars 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (list, tuple)) and not isinstance(item, _Info):
+            level += 1
+            deepest = max(deepest, level)
+            children = [v for _, v in item] if isinstance(item, _Object) else item
+            stack.extend((child, level) for child in children)
+    return deepest
+
+
+def _encodable(text: str) -> bool:
+    """No lone surrogate (`"\\ud800"` parses in Python, never in serde_json)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _entry_problem(pairs) -> str:
+    """Why a tensor entry that missed the fast path is not one safetensors accepts ("" if it is:
+    fields in another order, or extra fields, which safetensors ignores within serde_json's depth)."""
+    if not isinstance(pairs, _Object):
+        return f"is {'null' if pairs is None else type(pairs).__name__}, not an object with dtype, shape and data_offsets"
+    values: dict = {}
+    for key, value in pairs:
+        if key in _FIELDS and key in values:
+            return f"has the field '{key}' twice"
+        values[key] = value
+    for key in _FIELDS:
+        if key not in values:
+            return f"has no '{key}'"
+    extra = [v for k, v in pairs if k not in _FIELDS]
+    if any(_depth(v) + 2 > MAX_JSON_DEPTH for v in extra):
+        return f"nests JSON deeper than {MAX_JSON_DEPTH} levels"
+    dtype, shape, offsets = values["dtype"], values["shape"], values["data_offsets"]
+    if type(dtype) is not str or dtype not in _BITS:
+        return f"has unknown dtype {dtype!r}"
+    if type(shape) is not list or not all(_is_u64(d) for d in shape):
+        return f"has shape {_show(shape)}: it must be a list of integers from 0 to 2^64-1"
+    if type(offsets) is not list or len(offsets) != 2 or not all(_is_u64(o) for o in offsets):
+        return f"has data_offsets {_show(offsets)}: they must be two integers from 0 to 2^64-1"
+    return ""
+
+
+def _show(value) -> str:
+    if isinstance(value, _Object):
+        return "an object"
+    text = json.dumps(value) if not isinstance(value, float) or value == value else "NaN"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _checked_bytes(dtype: str, shape: tuple[int, ...]) -> int | None:
+    """Bytes of a tensor as safetensors computes them (u64 arithmetic): None on overflow or a
+    sub-byte tensor that does not end on a byte boundary."""
+    count = 1
+    for dim in shape:
+        count *= dim
+        if count > U64_MAX:
+            return None
+    bits = count * _NAME_BITS[dtype]
+    if bits > U64_MAX or bits % 8:
+        return None
+    return bits // 8
+
+
+def read_safetensors_header(path: str | os.PathLike, validate: bool = True) -> SafetensorsHeader:
+    """Read and check one file's header exactly as strictly as the safetensors library does.
+
+    Reads 8 + header bytes and nothing else. Everything `safetensors.safe_open` refuses is refused
+    here with one sentence naming the file and tensor: bad JSON (NaN, floats, negative or huge
+    integers, duplicate fields, lone surrogates, nesting deeper than serde_json allows), unknown
+    dtypes, offsets that leave gaps, overlap or run past the end, a shape whose byte size
+    overflows 64 bits or disagrees with its offsets, trailing bytes after the last tensor.
+    With validate=False the layout is not checked here: `layout_problems` lists every problem.
+    """
+    path = Path(path)
+    handle, file_size = open_regular(path, "safetensors file")
+    try:
+        with handle:
             prefix = handle.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(f"{path}: file is truncated: shorter than a safetensors header ({len(prefix)} bytes).")
@@ -74,54 +219,107 @@ def read_safetensors_header(path: str | os.PathLike, validate: bool = True) -> S
             raw = handle.read(header_size)
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read: {error.strerror or error}.") from error
+    if len(raw) != header_size:
+        raise CheckpointError(f"{path}: the file changed while dmap read its header.")
     try:
-        header = json.loads(raw.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("not an object")
-    except (UnicodeDecodeError, ValueError) as error:
+        text = raw.decode("utf-8")
+        del raw
+        # A Python hook per integer is slow on a million tensors: only when `-0` may be there
+        root = json.loads(text, object_pairs_hook=_object_hook, parse_constant=_no_constant,
+                          parse_int=_parse_int if _MINUS_ZERO.search(text) else None)
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{path}: corrupt safetensors header: it is not UTF-8 ({error.reason}).") from error
+    except RecursionError:
+        raise CheckpointError(f"{path}: corrupt safetensors header: its JSON nests deeper than "
+                              f"{MAX_JSON_DEPTH} levels.") from None
+    except ValueError as error:
         raise CheckpointError(f"{path}: corrupt safetensors header: its JSON cannot be parsed ({error}).") from error
-    metadata = header.pop("__metadata__", None) or {}
+    del text
+    if not isinstance(root, _Object):
+        raise CheckpointError(f"{path}: corrupt safetensors header: it is not a JSON object.")
     data_start = 8 + header_size
-    tensors: list[TensorEntry] = []
-    for name, info in header.items():
-        try:
-            dtype_code = info["dtype"]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise CheckpointError(f"{path}: corrupt header entry for tensor '{name}'.") from error
-        dtype = SAFETENSORS_DTYPES.get(dtype_code)
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype '{dtype_code}'.")
-        tensors.append(TensorEntry(name, dtype, shape, data_start + begin, data_start + end))
-    tensors.sort(key=lambda t: (t.begin, t.end))
+    metadata: dict[str, str] = {}
+    seen_metadata = False
+    entries: dict[str, _Info] = {}  # a repeated tensor name: the last entry wins, as in safetensors
+    for name, value in root:
+        if not _encodable(name):
+            raise CheckpointError(f"{path}: corrupt safetensors header: a name holds a lone UTF-16 surrogate.")
+        if name == "__metadata__":
+            if seen_metadata:
+                raise CheckpointError(f"{path}: corrupt safetensors header: '__metadata__' appears twice.")
+            seen_metadata = True
+            metadata = _read_metadata(path, value)
+            continue
+        if not isinstance(value, _Info):  # other field order, extra fields, or broken: the slow path decides
+            problem = _entry_problem(value)
+            if problem:
+                raise CheckpointError(f"{path}: tensor '{name}' {problem}.")
+            fields = dict(value)
+            value = _Info((_DTYPE_NAMES[fields["dtype"]], tuple(fields["shape"]), *fields["data_offsets"]))
+        entries[name] = value
+    del root
+    tensors = sorted((TensorEntry(name, dtype, shape, data_start + begin, data_start + end)
+                      for name, (dtype, shape, begin, end) in entries.items()), key=_by_offsets)
+    del entries
     if validate:
         problems = layout_problems(tensors, data_start, file_size)
         if problems:
             tensor, message = problems[0]
             more = f" (and {len(problems) - 1} more problem(s) in this file)" if len(problems) > 1 else ""
-            raise CheckpointError(f"{path}: tensor '{tensor}' {message}{more}.")
-    return SafetensorsHeader(path, header_size, {t.name: t for t in tensors}, dict(metadata))
+            raise CheckpointError(f"{path}: " + (f"tensor '{tensor}' " if tensor else "") + f"{message}{more}.")
+    subbyte = next((t for t in tensors if t.dtype in SUBBYTE_DTYPES), None)
+    if subbyte is not None:
+        raise CheckpointError(f"{path}: tensor '{subbyte.name}' has dtype {subbyte.dtype} ({SUBBYTE_DTYPES[subbyte.dtype]} "
+                              "bits per element), which dmap cannot size or shard yet.")
+    return SafetensorsHeader(path, header_size, {t.name: t for t in tensors}, metadata)
 
 
-def layout_problems(tensors: list[TensorEntry], data_start: int, file_size: int) -> list[tuple[str, str]]:
-    """Every (tensor, problem) of a header's layout: bad offsets, past the end, overlaps, wrong byte counts."""
-    problems: list[tuple[str, str]] = []
-    previous_end = data_start
-    previous_name = None
+_by_offsets = operator.itemgetter(3, 4)
+
+
+def _read_metadata(path: Path, value) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, _Object) or not all(type(k) is str and type(v) is str and _encodable(k) and _encodable(v)
+                                                 for k, v in value):
+        raise CheckpointError(f"{path}: corrupt safetensors header: '__metadata__' must map strings to strings.")
+    return dict(value)
+
+
+def layout_problems(tensors: list[TensorEntry], data_start: int, file_size: int) -> list[tuple[str | None, str]]:
+    """Every (tensor, problem) of a header's layout, by safetensors' rules on offsets in data bytes:
+    contiguous from 0 (no gap, no overlap), each the exact size of its dtype and shape (u64
+    arithmetic, whole bytes), the last one ending at the end of the file (no trailing bytes)."""
+    problems: list[tuple[str | None, str]] = []
+    data_bytes = file_size - data_start
+    start = 0
     for tensor in tensors:
-        if tensor.begin < data_start or tensor.end < tensor.begin:
-            problems.append((tensor.name, "has invalid data offsets"))
+        begin, end = tensor.begin - data_start, tensor.end - data_start
+        if end < begin:
+            problems.append((tensor.name, "has data_offsets that end before they begin"))
             continue
-        if tensor.end > file_size:
-            problems.append((tensor.name, f"ends at byte {tensor.end} but the file has {file_size}: truncated or corrupt"))
-        if tensor.begin < previous_end:
-            problems.append((tensor.name, f"overlaps tensor '{previous_name}'"))
-        expected = tensor.numel * DTYPE_BYTES[tensor.dtype]
-        if tensor.nbytes != expected:
-            problems.append((tensor.name, f"holds {tensor.nbytes} bytes but {tensor.dtype}{list(tensor.shape)} needs {expected}"))
-        if tensor.end > previous_end:
-            previous_end, previous_name = tensor.end, tensor.name
+        if begin > start:
+            problems.append((tensor.name, f"leaves a gap: it starts at data byte {begin} but the tensor before it "
+                                          f"ends at {start}"))
+        elif begin < start:
+            problems.append((tensor.name, f"overlaps the tensor before it (it starts at data byte {begin}, before {start})"))
+        start = max(start, end)
+        if end > data_bytes:
+            problems.append((tensor.name, f"ends at data byte {end} but the file holds {data_bytes} data bytes: "
+                                          "truncated or corrupt"))
+        count = math.prod(tensor.shape)
+        if 0 < count <= U64_MAX and count * _NAME_BITS[tensor.dtype] <= U64_MAX:  # no zero dim: no partial overflow
+            bits = count * _NAME_BITS[tensor.dtype]
+            expected = None if bits % 8 else bits // 8
+        else:
+            expected = _checked_bytes(tensor.dtype, tensor.shape)
+        if expected is None:
+            problems.append((tensor.name, f"has shape {list(tensor.shape)} whose size in {tensor.dtype} overflows "
+                                          "64 bits or is not a whole number of bytes"))
+        elif end - begin != expected:
+            problems.append((tensor.name, f"holds {end - begin} bytes but {tensor.dtype}{list(tensor.shape)} needs {expected}"))
+    if start < data_bytes:
+        problems.append((None, f"the tensors cover {start} data bytes but the file holds {data_bytes}: it has trailing bytes"))
     return problems
 
 
@@ -143,24 +341,35 @@ class ShardIndex:
 def read_index(path: str | os.PathLike) -> ShardIndex:
     """Parse an `*.index.json`; refuses shard names that are paths (the loaders do too)."""
     path = Path(path)
+    handle, _ = open_regular(path, "index file", MAX_INDEX_BYTES)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        with handle:
+            data = json.loads(handle.read(MAX_INDEX_BYTES + 1).decode("utf-8"), parse_constant=_no_constant)
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read: {error.strerror or error}.") from error
-    except ValueError as error:
+    except RecursionError:
+        raise CheckpointError(f"{path}: malformed index JSON (nested too deeply).") from None
+    except ValueError as error:  # UnicodeDecodeError included
         raise CheckpointError(f"{path}: malformed index JSON ({error}).") from error
     if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
-        raise CheckpointError(f"{path}: not a shard index: it has no 'weight_map'.")
+        raise CheckpointError(f"{path}: not a shard index: it has no 'weight_map' object.")
     for name, shard in data["weight_map"].items():
         if not isinstance(shard, str) or not is_plain_file_name(shard):
-            raise CheckpointError(f"{path}: tensor '{name}' names shard '{shard}', which is a path, not a file name in the folder.")
-    metadata = data.get("metadata") or {}
+            raise CheckpointError(f"{path}: tensor '{name}' names shard {shard!r}, which is a path, not a file name in the folder.")
+    metadata = data.get("metadata")
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: 'metadata' must be an object, found {type(metadata).__name__}.")
     total = metadata.get("total_size")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, (int, float)) or total < 0
+                              or total != int(total)):
+        raise CheckpointError(f"{path}: metadata.total_size must be a whole number of bytes, found {total!r}.")
     return ShardIndex(path, int(total) if total is not None else None, dict(data["weight_map"]), metadata)
 
 
 def is_plain_file_name(name: str) -> bool:
-    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..") and ".." not in name.split("/")
+    return bool(name) and not any(c in name for c in "/\\\0") and name not in (".", "..")
 
 
 @dataclass

@@ -83,7 +83,9 @@ def ensure_demo() -> Path:
     """The demo pipeline folder, generated (once, atomically) if the cache lacks it."""
     folder = demo_folder()
     if (folder / "model_index.json").is_file():
-        return folder
+        if _intact(folder):
+            return folder
+        shutil.rmtree(folder, ignore_errors=True)  # dmap's own cache, damaged: generated again below
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-demo-"))
     try:
@@ -98,6 +100,26 @@ def ensure_demo() -> Path:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def _intact(folder: Path) -> bool:
+    """Every JSON file parses as an object and every component's weights pass the header checks."""
+    from .checkpoint import open_checkpoint
+    from .errors import DmapError
+    from .sources import resolve_source
+
+    try:
+        for path in folder.rglob("*.json"):
+            if not isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
+                return False
+        source = resolve_source(str(folder))
+        for comp in source.components:
+            if comp.weights is None:
+                return False
+            open_checkpoint(comp.weights, strict=True)
+    except (OSError, ValueError, RecursionError, DmapError):
+        return False
+    return True
 
 
 def write_configs(configs: dict, root: Path) -> None:

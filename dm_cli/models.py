@@ -41,7 +41,16 @@ def component_class(library: str | None, class_name: str):
     if not isinstance(cls, type):
         version = getattr(importlib.import_module(module.__name__.split(".")[0]), "__version__", "")
         raise SourceError(f"Class '{class_name}' is not in {module.__name__} {version}: cannot build it.")
+    if not _is_model_class(cls):  # never a pipeline, a config class or an Auto* factory named by a file
+        raise SourceError(f"'{class_name}' is not a model class (a diffusers ModelMixin or transformers "
+                          "PreTrainedModel subclass): dmap builds only models such as UNet2DConditionModel or CLIPTextModel.")
     return cls
+
+
+def _is_model_class(cls) -> bool:
+    import diffusers
+
+    return issubclass(cls, diffusers.ModelMixin) or is_transformers_model(cls)
 
 
 def is_transformers_model(cls) -> bool:

@@ -8,6 +8,7 @@ plan does not fit, and the split check.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import types
@@ -121,43 +122,125 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
+        """Read a plan, checking every field's type: a plan file is input like any other (ValueError)."""
+        data = _object(data, "the document")
         if data.get("format") != PLAN_FORMAT or data.get("version") != PLAN_VERSION:
             raise ValueError(f"not a {PLAN_FORMAT} v{PLAN_VERSION} document")
-        devices = [Device(device_key(k), v.get("capacity_bytes"), v.get("overhead_bytes", 0))
-                   for k, v in data["devices"].items()]
+        devices = []
+        for key, value in _object(data.get("devices"), "'devices'").items():
+            value = _object(value, f"device {key!r}")
+            capacity = value.get("capacity_bytes")
+            devices.append(Device(device_key(key),
+                                  None if capacity is None else _count(capacity, f"device {key!r} capacity_bytes"),
+                                  _count(value.get("overhead_bytes", 0), f"device {key!r} overhead_bytes")))
+        if not devices:
+            raise ValueError("'devices' is empty")
         components = {}
-        for name, c in data["components"].items():
-            device_map = {k: device_key(v) for k, v in c["device_map"].items()}
+        raw_components = _object(data.get("components"), "'components'")
+        for name, c in raw_components.items():
+            where = f"component {name!r}"
+            c = _object(c, where)
+            device_map = {_text(k, f"{where} device_map key"): device_key(v)
+                          for k, v in _object(c.get("device_map"), f"{where} device_map").items()}
+            if not device_map:
+                raise ValueError(f"{where} has an empty device_map")
+            execution = c.get("execution_device", next(iter(device_map.values())))
             components[name] = ComponentPlacement(
-                name, c.get("class", "?"), int(c.get("weights_bytes", 0)), device_map,
-                device_key(c.get("execution_device", next(iter(device_map.values())) if device_map else "cpu")),
-                dict(c.get("activation_bytes", {})), int(c.get("offloaded_bytes", 0)), int(c.get("hops", 0)),
-                c.get("stage", ""), int(c.get("disk_bytes", 0)),
+                name, _text(c.get("class", "?"), f"{where} class"),
+                _count(c.get("weights_bytes", 0), f"{where} weights_bytes"), device_map, device_key(execution),
+                {k: _count(v, f"{where} activation_bytes")
+                 for k, v in _object(c.get("activation_bytes", {}), f"{where} activation_bytes").items()},
+                _count(c.get("offloaded_bytes", 0), f"{where} offloaded_bytes"), _count(c.get("hops", 0), f"{where} hops"),
+                _text(c.get("stage", ""), f"{where} stage"), _count(c.get("disk_bytes", 0), f"{where} disk_bytes"),
             )
-        stages = []
-        for s in data["stages"]:
-            breakdown = s.get("breakdown") or {k: {"weights": v} for k, v in s["peak_bytes"].items()}
-            use = {k: DeviceUse(v.get("weights", 0), v.get("reserve", 0), v.get("activations", 0), v.get("overhead", 0))
-                   for k, v in breakdown.items()}
-            stages.append(StagePlacement(s["name"], list(s["components"]), use, str(s.get("note") or "")))
+        raw_stages = data.get("stages")
+        if not isinstance(raw_stages, list) or not raw_stages:
+            raise ValueError("'stages' must be a non-empty list")
+        stages = [_stage(s, components) for s in raw_stages]
+        warnings = data.get("warnings", [])
+        if not isinstance(warnings, list):
+            raise ValueError("'warnings' must be a list")
         return cls(
-            data.get("source", "?"), data.get("dtype", "?"), data.get("strategy", "auto"), data.get("mode", "staged"),
-            devices, InputSpec.from_json(data.get("inputs", {})), components, stages, data.get("pipeline_class"),
-            list(data.get("warnings", [])), dict(data.get("check", {"ran": False, "problems": []})),
-            {n: int(c.get("activation_peak_bytes", 0)) for n, c in data["components"].items()},
-            data.get("config_digest"),
+            _text(data.get("source", "?"), "'source'"), _text(data.get("dtype", "?"), "'dtype'"),
+            _text(data.get("strategy", "auto"), "'strategy'"), _text(data.get("mode", "staged"), "'mode'"),
+            devices, InputSpec.from_json(_object(data.get("inputs", {}), "'inputs'")), components, stages,
+            data.get("pipeline_class") if isinstance(data.get("pipeline_class"), str) else None,
+            [str(w) for w in warnings], dict(_object(data.get("check", {"ran": False, "problems": []}), "'check'")),
+            {n: _count(c.get("activation_peak_bytes", 0), f"component {n!r} activation_peak_bytes")
+             for n, c in raw_components.items()},
+            data.get("config_digest") if isinstance(data.get("config_digest"), str) else None,
         )
+
+
+def _stage(data, components: dict) -> StagePlacement:
+    data = _object(data, "a stage")
+    name = _text(data.get("name"), "a stage name")
+    members = data.get("components")
+    if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+        raise ValueError(f"stage {name!r} components must be a list of names")
+    unknown = [m for m in members if m not in components]
+    if unknown:
+        raise ValueError(f"stage {name!r} names component {unknown[0]!r}, which the plan does not place")
+    breakdown = data.get("breakdown")
+    if breakdown is None:
+        breakdown = {k: {"weights": v} for k, v in _object(data.get("peak_bytes"), f"stage {name!r} peak_bytes").items()}
+    use = {}
+    for key, value in _object(breakdown, f"stage {name!r} breakdown").items():
+        value = _object(value, f"stage {name!r} device {key!r}")
+        use[str(device_key(key))] = DeviceUse(*(_count(value.get(part, 0), f"stage {name!r} {part}")
+                                                for part in ("weights", "reserve", "activations", "overhead")))
+    note = data.get("note") or ""
+    return StagePlacement(name, list(members), use, _text(note, f"stage {name!r} note"))
+
+
+def _object(value, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, found {_json_type(value)}")
+    return value
+
+
+def _text(value, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a string, found {_json_type(value)}")
+    return value
+
+
+def _count(value, what: str) -> int:
+    """A byte count or counter: a whole number >= 0 (1e9 is fine; 1.5, -1, true or NaN are not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+            or int(value) != value:
+        raise ValueError(f"{what} must be a whole number >= 0, found {value!r}")
+    return int(value)
+
+
+def _json_type(value) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+             int: "a number", float: "a number"}
+    return names.get(type(value), type(value).__name__)
+
+
+MAX_PLAN_BYTES = 64 << 20  # a plan of a huge model is a few MB
+
+
+def _no_json_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 def load_plan(path: str | Path) -> Plan:
     """Read a plan JSON written by `dmap plan --output` (exit 2 when it is not one)."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"Plan file {path} does not exist.") from None
-    except (OSError, ValueError) as error:
-        raise UsageError(f"Cannot read plan {path}: {error}.") from None
+        if not path.is_file():  # never a FIFO that blocks or a device that never ends (/dev/zero)
+            raise UsageError(f"Plan file {path} " + ("is not a regular file." if path.exists() else "does not exist."))
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_PLAN_BYTES + 1)
+        if len(raw) > MAX_PLAN_BYTES:
+            raise UsageError(f"Plan file {path} is larger than {MAX_PLAN_BYTES} bytes: it is not a dmap plan.")
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_json_constant)
+    except OSError as error:
+        raise UsageError(f"Cannot read plan {path}: {error.strerror or error}.") from None
+    except (ValueError, RecursionError) as error:
+        raise UsageError(f"Cannot read plan {path}: it is not JSON ({error}).") from None
     try:
         return Plan.from_json(data)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
@@ -207,7 +290,7 @@ def parse_overhead(spec: str | None, budgets: list[DeviceBudget], weights_only: 
     """Per-device overhead: 600 MB per GPU by default (0 for weights-only plans), 0 for cpu and disk."""
     default = 0 if weights_only and spec is None else DEFAULT_GPU_OVERHEAD
     overhead = {b.key: (default if b.is_gpu else 0) for b in budgets}
-    if spec:
+    if spec is not None:
         for item in spec.split(","):
             name, sep, size = item.strip().partition("=")
             if not sep or not size.strip():
@@ -320,7 +403,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     _check_family_inputs(source, comps, options.inputs)
     if options.dtype:
         options = replace(options, dtype=parse_dtype(options.dtype))
-    budgets = parse_device_spec(options.max_memory) if options.max_memory else local_devices()
+    budgets = parse_device_spec(options.max_memory) if options.max_memory is not None else local_devices()
     overhead = parse_overhead(options.overhead, budgets, options.inputs.weights_only)
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
     prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache)

@@ -20,17 +20,18 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from json.encoder import encode_basestring as _encode_json_string
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic import refuse_existing
 from .checkpoint import WEIGHT_STEMS, find_component_weights, open_checkpoint, read_index, read_safetensors_header
 from .errors import CheckpointError, DmapError, SourceError, UsageError
+from .swap import MARKS, TEMP_MARK, SwapFolder, fsync_dir, hidden_name, publish, recover, swap_in_place
 from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
 
 MIN_SHARD_SIZE = 10**6  # below 1 MB a "shard" is a mistake, not a choice
@@ -40,17 +41,17 @@ VERIFY_WINDOW = 16 << 20  # bytes of each file mapped at once when comparing: bo
 COMPARE_CHUNK = 1 << 20  # numpy compares in 1 MiB pieces so its temporary stays in cache
 HASH_CHUNK = 1 << 20  # read size when hashing converted tensors back
 VERIFY_THREADS = 2  # compare threads beside the copying thread (compares release the GIL)
+VERIFY_BATCH_BYTES = 16 << 20  # tensors per verification job: a few MB, or
+VERIFY_BATCH_RUNS = 4096  # this many separate ranges (a million tiny tensors: a few hundred jobs)
 LEGACY_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf", ".onnx", ".onnx_data")
 CONVERTIBLE = {"float64", "float32", "float16", "bfloat16"}  # fp8 and integer tensors keep their dtype
-TEMP_MARK = ".dmap-tmp-"
-OLD_MARK = ".dmap-old-"
 
 
 # --- plan -----------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class SourceTensor:
     """Where one tensor's bytes come from: a byte range of a safetensors file, or a legacy file."""
 
@@ -67,11 +68,15 @@ class SourceTensor:
         return numel(self.shape)
 
 
-@dataclass
+@dataclass(slots=True)
 class PlannedTensor:
     source: SourceTensor
     dtype: str  # written dtype
     offset: int = 0  # relative to the end of the header, as in the file
+    nbytes: int = field(init=False)  # computed once: planning and writing ask for it many times
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.source.numel * DTYPE_BYTES[self.dtype]
 
     @property
     def name(self) -> str:
@@ -80,10 +85,6 @@ class PlannedTensor:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.source.shape
-
-    @property
-    def nbytes(self) -> int:
-        return self.source.numel * DTYPE_BYTES[self.dtype]
 
     @property
     def byte_copy(self) -> bool:
@@ -299,10 +300,9 @@ class _Weights:
 
 def _read_safetensors(weights: Path) -> _Weights:
     checkpoint = open_checkpoint(weights, strict=True)
-    tensors = [
-        SourceTensor(name, e.dtype, e.shape, weights.parent / checkpoint.tensor_files[name], e.begin, e.end)
-        for name, e in checkpoint.tensors.items()
-    ]
+    files = {name: weights.parent / name for name in set(checkpoint.tensor_files.values())}
+    tensors = [SourceTensor(name, e.dtype, e.shape, files[checkpoint.tensor_files[name]], e.begin, e.end)
+               for name, e in checkpoint.tensors.items()]
     metadata: dict[str, str] = {}
     if checkpoint.index is not None:
         for key, value in checkpoint.index.metadata.items():
@@ -434,13 +434,18 @@ def _component_weights(comp, variant: str | None) -> tuple[_Weights, Path]:
 
 
 def _entry_json(t: PlannedTensor, begin: int, end: int) -> str:
-    return json.dumps({"dtype": TORCH_TO_SAFETENSORS[t.dtype], "shape": list(t.shape), "data_offsets": [begin, end]},
-                      separators=(",", ":"))
+    """What json.dumps(..., separators=(",", ":")) writes, built directly: it runs once per tensor."""
+    shape = ",".join(map(str, t.shape))
+    return f'{{"dtype":"{TORCH_TO_SAFETENSORS[t.dtype]}","shape":[{shape}],"data_offsets":[{begin},{end}]}}'
+
+
+def _name_json(name: str) -> str:
+    return _encode_json_string(name)  # json.dumps(name, ensure_ascii=False), without its Python wrapper
 
 
 def _entry_bound(t: PlannedTensor, limit: int) -> int:
     """Header bytes this tensor can add at most: offsets inside a shard never exceed the limit."""
-    return len(json.dumps(t.name, ensure_ascii=False).encode("utf-8")) + 2 + len(_entry_json(t, limit, limit))
+    return len(_name_json(t.name).encode("utf-8")) + 2 + len(_entry_json(t, limit, limit))
 
 
 def _metadata_bound(metadata: dict[str, str]) -> int:
@@ -464,7 +469,7 @@ def build_header(tensors: list[PlannedTensor], metadata: dict[str, str]) -> tupl
     offset = 0
     for t in ordered:
         t.offset = offset
-        parts.append(json.dumps(t.name, ensure_ascii=False) + ":" + _entry_json(t, offset, offset + t.nbytes))
+        parts.append(_name_json(t.name) + ":" + _entry_json(t, offset, offset + t.nbytes))
         offset += t.nbytes
     raw = ("{" + ",".join(parts) + "}").encode("utf-8")
     raw += b" " * (-len(raw) % 8)
@@ -596,8 +601,13 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
         if output is not None:
             raise UsageError("Give either --output or --in-place, not both.")
         out_path = source.root.resolve()
+        _check_in_place(components)
     else:
+        if output is None and source.hub_snapshot is not None:
+            raise UsageError(f"'{source_spec}' was read from the Hugging Face cache, which dmap never writes into: "
+                             "give --output.")
         out_path = Path(output).expanduser().resolve() if output is not None else _default_output(source).resolve()
+        _check_output_parent(out_path)
         root = source.root.resolve()
         if out_path == root or (source.kind != "weights" and _is_within(out_path, root)):
             raise UsageError(f"The output {out_path} is the source or inside it: choose another --output, or use --in-place.")
@@ -610,6 +620,37 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
     return result, source, legacy
 
 
+def _check_output_parent(out_path: Path) -> None:
+    """The output's folder exists, is writable and is not the Hugging Face cache."""
+    from .sources import hub_cache_root
+
+    parent = out_path.parent
+    if not parent.is_dir():
+        raise UsageError(f"The folder of the output, {parent}, does not exist: create it first.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"Cannot write into {parent}: permission denied.")
+    cache = hub_cache_root()
+    if cache.is_dir() and _is_within(out_path, cache.resolve()):
+        raise UsageError(f"The output {out_path} is inside the Hugging Face cache ({cache}), which dmap never "
+                         "writes into: choose another --output.")
+
+
+def _check_in_place(components: list[ComponentPlan]) -> None:
+    """New file names must not hit files that are not being replaced; every old file is in its folder."""
+    for comp in components:
+        folder = comp.source_folder.resolve()
+        old = {p.name for p in comp.source_files}
+        for path in comp.source_files:
+            if path.parent.resolve() != folder:
+                raise UsageError(f"--in-place: {path} is not in {folder}; write the result elsewhere with --output.")
+        for name in comp.output_files():
+            if name not in old and (folder / name).exists():
+                raise UsageError(f"--in-place would write {folder / name}, which exists and is not one of the files "
+                                 "being replaced; move it away or use --output.")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise UsageError(f"--in-place: cannot write into {folder}: permission denied.")
+
+
 def _copy_plan(source, result: ShardResult) -> list[tuple[Path, str]]:
     """Files carried over unchanged (configs, tokenizer, scheduler...): (source path, relative path)."""
     if source.kind == "weights" or result.in_place:
@@ -618,8 +659,8 @@ def _copy_plan(source, result: ShardResult) -> list[tuple[Path, str]]:
     weighted = {c.source_folder.resolve() for c in result.components}
     read = {f.resolve() for c in result.components for f in c.source_files}
     copies: list[tuple[Path, str]] = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if TEMP_MARK not in d and OLD_MARK not in d and d not in (".git", ".cache"))
+    for folder, dirs, files in os.walk(root, onerror=_unreadable):
+        dirs[:] = sorted(d for d in dirs if not any(m in d for m in MARKS) and d not in (".git", ".cache"))
         here = Path(folder)
         for name in sorted(files):
             path = here / name
@@ -630,8 +671,22 @@ def _copy_plan(source, result: ShardResult) -> list[tuple[Path, str]]:
                 if path.resolve() not in read:
                     result.skipped_files.append(rel)
             else:
+                _check_copyable(path)
                 copies.append((path, rel))
     return copies
+
+
+def _unreadable(error: OSError) -> None:
+    raise SourceError(f"Cannot read {error.filename}: {error.strerror or error}; nothing was written.")
+
+
+def _check_copyable(path: Path) -> None:
+    if path.is_symlink() and not path.exists():
+        raise SourceError(f"{path} is a dangling symbolic link: fix or remove it, then shard again.")
+    if not path.is_file():
+        raise SourceError(f"{path} is not a regular file (a FIFO or a device?): remove it, then shard again.")
+    if not os.access(path, os.R_OK):
+        raise SourceError(f"{path} cannot be read: permission denied.")
 
 
 def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike | None = None,
@@ -641,8 +696,10 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
     """Plan, write into a temporary folder, verify, then move into place (or replace the source)."""
     started = time.perf_counter()
     progress = progress or Progress()
+    finished = [] if dry_run else _finish_interrupted_swaps(source_spec)
     result, source, legacy = plan_shard(source_spec, max_shard_size, output, dtype, variant, in_place, overwrite,
                                         min_shard_size)
+    result.removed_stale = finished
     copies = _copy_plan(source, result)
     result.copied_files = [rel for _, rel in copies]
     if dry_run:
@@ -652,7 +709,7 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
 
     out_path = result.output
     parent = out_path.parent
-    result.removed_stale = _remove_stale_temps(parent, out_path.name)
+    result.removed_stale += recover(out_path)
     copy_bytes = sum(p.stat().st_size for p, _ in copies)
     needed = sum(s.file_bytes for c in result.components for s in c.shards) + copy_bytes
     free = shutil.disk_usage(parent).free
@@ -660,7 +717,7 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
         raise DmapError(f"Not enough disk space in {parent}: the new files need {format_size(needed)} and "
                         f"{format_size(free)} is free.")
 
-    temp = parent / f".{out_path.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    temp = hidden_name(out_path, TEMP_MARK)
     temp.mkdir()
     try:
         progress.phase("write", needed)
@@ -688,16 +745,25 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
         _fsync_tree(temp)
         result.verified = verify
         if in_place:
-            _replace_in_place(temp, result)
+            swap_in_place(temp, out_path, _swap_folders(temp, result))
         else:
-            _move_into_place(temp, out_path)
+            publish(temp, out_path, overwrite)
     except BaseException as error:
-        shutil.rmtree(temp, ignore_errors=True)
+        shutil.rmtree(temp, ignore_errors=True)  # gone already once the swap is committed
         if isinstance(error, OSError):
             raise _os_error(error, out_path) from error
         raise
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _finish_interrupted_swaps(source_spec: str) -> list[str]:
+    """An `--in-place` run killed mid-swap is finished before the source is read again."""
+    path = Path(source_spec).expanduser()
+    if not path.exists():
+        return []
+    folder = path.resolve() if path.is_dir() else path.resolve().parent
+    return recover(folder)
 
 
 def _os_error(error: OSError, out_path: Path) -> DmapError:
@@ -709,39 +775,6 @@ def _os_error(error: OSError, out_path: Path) -> DmapError:
 
 
 # --- writing --------------------------------------------------------------------------------------
-
-
-def _remove_stale_temps(parent: Path, name: str) -> list[str]:
-    """Temp folders of earlier runs that were killed (their process is gone) are removed."""
-    removed = []
-    if not parent.is_dir():
-        return removed
-    for mark in (TEMP_MARK, OLD_MARK):
-        for candidate in parent.glob(f".{glob_escape(name)}{mark}*"):
-            match = re.search(rf"{re.escape(mark)}(\d+)-", candidate.name)
-            if not match or not candidate.is_dir() or _pid_alive(int(match.group(1))):
-                continue
-            if mark == OLD_MARK:
-                continue  # an interrupted --in-place swap: the old weights are kept for the user to restore
-            shutil.rmtree(candidate, ignore_errors=True)
-            removed.append(str(candidate))
-    return removed
-
-
-def glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", text)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _copy_files(copies: list[tuple[Path, str]], temp: Path, progress: Progress) -> None:
@@ -855,7 +888,10 @@ class _ShardFinisher:
         self._progress = progress
         self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmap-fsync")
         self._checker = ThreadPoolExecutor(max_workers=VERIFY_THREADS, thread_name_prefix="dmap-verify") if verify else None
-        self._futures = []
+        self._futures = []  # fsync jobs (one per shard)
+        self._checks = []  # verification jobs still running
+        self._batch: list[tuple[Path, int, list[PlannedTensor]]] = []
+        self._batch_bytes = 0
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
         self._checked = 0  # bytes verified so far
@@ -865,28 +901,46 @@ class _ShardFinisher:
         if self._failure is not None:
             raise self._failure
 
-    def check_tensor(self, path: Path, begin: int, t: PlannedTensor) -> None:
-        """Queue the comparison of one tensor just written at `begin` in `path`."""
-        self.raise_if_failed()
-        if self._checker is not None:
-            self._futures.append(self._checker.submit(self._check, path, begin, t))
+    def check_run(self, path: Path, begin: int, run: list[PlannedTensor]) -> None:
+        """Queue the comparison of tensors just written back to back at `begin` in `path`.
 
-    def _check(self, path: Path, begin: int, t: PlannedTensor) -> None:
-        if self._failure is not None:
+        Runs are batched (`VERIFY_BATCH_BYTES`, `VERIFY_BATCH_RUNS`) so that a million tiny tensors
+        make a few hundred jobs, not a million futures."""
+        self.raise_if_failed()
+        if self._checker is None:
             return
-        try:
-            _check_tensor(path, begin, t, self.expected)
-        except BaseException as error:
-            self._failure = self._failure or error
-            raise
-        with self._lock:
-            self._checked += t.nbytes
-            reporting = self._reporting
-        if reporting:
-            self._progress.advance(t.nbytes)
+        self._batch.append((path, begin, run))
+        self._batch_bytes += sum(t.nbytes for t in run)
+        if self._batch_bytes >= VERIFY_BATCH_BYTES or len(self._batch) >= VERIFY_BATCH_RUNS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Submit the pending batch (at the end of each shard, and when it is full)."""
+        if self._checker is None or not self._batch:
+            return
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        self._checks = [f for f in self._checks if not f.done()]  # failures are kept in `_failure`
+        self._checks.append(self._checker.submit(self._check, batch))
+
+    def _check(self, batch: list[tuple[Path, int, list[PlannedTensor]]]) -> None:
+        for path, begin, run in batch:
+            if self._failure is not None:
+                return
+            try:
+                _check_run(path, begin, run, self.expected)
+            except BaseException as error:
+                self._failure = self._failure or error
+                raise
+            nbytes = sum(t.nbytes for t in run)
+            with self._lock:
+                self._checked += nbytes
+                reporting = self._reporting
+            if reporting:
+                self._progress.advance(nbytes)
 
     def shard_written(self, fd: int, path: Path, shard_file: ShardFile) -> None:
         """Check the header that was written (cheap, here), then fsync and close `fd` in the background."""
+        self.flush()
         try:
             if self.verify:
                 _check_header(path, shard_file)
@@ -904,14 +958,32 @@ class _ShardFinisher:
     def wait(self, raise_errors: bool = True) -> None:
         """Every file is durable and verified (or the first error raised) when this returns."""
         if self._checker is not None:
+            if raise_errors:
+                self.flush()
             self._checker.shutdown(cancel_futures=not raise_errors)
         self._syncer.shutdown()  # never cancelled: each fsync job also closes its file
-        errors = [f.exception() for f in self._futures if not f.cancelled() and f.exception() is not None]
+        jobs = self._futures + self._checks
+        errors = [f.exception() for f in jobs if not f.cancelled() and f.exception() is not None]
         self._futures.clear()
+        self._checks.clear()
         if raise_errors:
             self.raise_if_failed()
             if errors:
                 raise errors[0]
+
+
+def _runs(tensors: list[PlannedTensor]) -> list[list[PlannedTensor]]:
+    """Consecutive byte copies that are also consecutive in the same source file: one copy and one
+    comparison each, instead of one system call and one job per (possibly tiny) tensor."""
+    runs: list[list[PlannedTensor]] = []
+    for t in tensors:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and t.byte_copy and last.byte_copy and t.source.file == last.source.file
+                and t.source.begin == last.source.end):
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs
 
 
 def _write_shard(path: Path, shard_file: ShardFile, legacy: dict[Path, dict], progress: Progress,
@@ -921,22 +993,26 @@ def _write_shard(path: Path, shard_file: ShardFile, legacy: dict[Path, dict], pr
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         _write_all(fd, shard_file.header)
-        for t in shard_file.tensors:
+        at = len(shard_file.header)
+        for run in _runs(shard_file.tensors):
             finisher.raise_if_failed()
-            if t.byte_copy:
-                src = sources.get(t.source.file)
+            first = run[0]
+            count = sum(t.nbytes for t in run)
+            if first.byte_copy:
+                src = sources.get(first.source.file)
                 if src is None:
-                    src = sources[t.source.file] = os.open(t.source.file, os.O_RDONLY)
-                _copy_range(src, fd, t.source.begin, t.nbytes, buffer, progress)
+                    src = sources[first.source.file] = os.open(first.source.file, os.O_RDONLY)
+                _copy_range(src, fd, first.source.begin, count, buffer, progress)
             else:
-                data = _tensor_bytes(t, legacy)
-                if len(data) != t.nbytes:
-                    raise CheckpointError(f"Tensor '{t.name}' converted to {len(data)} bytes, expected {t.nbytes}.")
+                data = _tensor_bytes(first, legacy)
+                if len(data) != first.nbytes:
+                    raise CheckpointError(f"Tensor '{first.name}' converted to {len(data)} bytes, expected {first.nbytes}.")
                 if finisher.verify:
-                    finisher.expected[(path, t.name)] = hashlib.sha256(data).digest()
+                    finisher.expected[(path, first.name)] = hashlib.sha256(data).digest()
                 _write_all(fd, data)
-                progress.advance(t.nbytes)
-            finisher.check_tensor(path, len(shard_file.header) + t.offset, t)
+                progress.advance(first.nbytes)
+            finisher.check_run(path, at, run)
+            at += count
     except BaseException:
         os.close(fd)
         raise
@@ -948,68 +1024,13 @@ def _write_shard(path: Path, shard_file: ShardFile, legacy: dict[Path, dict], pr
 
 def _fsync_tree(root: Path) -> None:
     for folder, _, _ in os.walk(root):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(Path(folder))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _move_into_place(temp: Path, out_path: Path) -> None:
-    """Rename the verified folder into place; an existing output (--overwrite) is swapped out first."""
-    if out_path.exists():
-        old = out_path.parent / f".{out_path.name}{OLD_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-        os.rename(out_path, old)
-        try:
-            os.rename(temp, out_path)
-        except BaseException:
-            os.rename(old, out_path)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(temp, out_path)
-    _fsync_dir(out_path.parent)
-
-
-def _replace_in_place(temp: Path, result: ShardResult) -> None:
-    """Swap the verified new files in: old weight files go to a side folder first, removed at the end."""
-    root = result.output
-    old = root.parent / f".{root.name}{OLD_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-    moved: list[tuple[Path, Path]] = []  # (original place, backup place)
-    placed: list[Path] = []
-    try:
-        for comp in result.components:
-            for path in comp.source_files:
-                backup = old / comp.folder / path.name
-                backup.parent.mkdir(parents=True, exist_ok=True)
-                os.rename(path, backup)
-                moved.append((path, backup))
-        for comp in result.components:
-            target_folder = comp.source_folder
-            for name in comp.output_files():
-                target = target_folder / name
-                if target.exists():
-                    raise DmapError(f"{target} exists and is not one of the files being replaced; nothing was changed.")
-                os.rename(temp / comp.folder / name, target)
-                placed.append(target)
-            _fsync_dir(target_folder)
-    except BaseException:
-        for target in placed:
-            target.unlink(missing_ok=True)
-        for original, backup in reversed(moved):
-            os.rename(backup, original)
-        shutil.rmtree(old, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(temp, ignore_errors=True)
+def _swap_folders(temp: Path, result: ShardResult) -> list[SwapFolder]:
+    """What `--in-place` replaces: per component folder, the old weight files and the new ones."""
+    return [SwapFolder(comp.source_folder.resolve(), comp.folder, [p.name for p in comp.source_files],
+                       comp.output_files()) for comp in result.components]
 
 
 # --- verification ---------------------------------------------------------------------------------
@@ -1077,14 +1098,25 @@ def _same_bytes(source: Path, source_begin: int, path: Path, begin: int, count: 
     return True
 
 
-def _check_tensor(path: Path, begin: int, t: PlannedTensor, expected: dict) -> None:
-    """Compare one written tensor with its source: copies byte for byte (exact), conversions by sha256."""
-    if t.byte_copy:
-        same = _same_bytes(t.source.file, t.source.begin, path, begin, t.nbytes)
+def _check_run(path: Path, begin: int, run: list[PlannedTensor], expected: dict) -> None:
+    """Compare tensors written back to back with their source: copies byte for byte (exact, the
+    whole run at once), conversions by sha256. A failing run is searched for the tensor to name."""
+    first = run[0]
+    if first.byte_copy:
+        count = sum(t.nbytes for t in run)
+        if _same_bytes(first.source.file, first.source.begin, path, begin, count):
+            return
+        for t in run:
+            if not _same_bytes(t.source.file, t.source.begin, path, begin, t.nbytes):
+                break
+            begin += t.nbytes
+        else:
+            t = first
     else:
-        same = _hash_range(path, begin, t.nbytes) == expected[(path, t.name)]
-    if not same:
-        raise CheckpointError(f"Verification failed: tensor '{t.name}' in {path.name} differs from the source.")
+        t = first
+        if _hash_range(path, begin, t.nbytes) == expected[(path, t.name)]:
+            return
+    raise CheckpointError(f"Verification failed: tensor '{t.name}' in {path.name} differs from the source.")
 
 
 def _check_header(path: Path, shard_file: ShardFile) -> None:

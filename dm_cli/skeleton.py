@@ -8,10 +8,11 @@ and activation peaks depend on the inputs, so they live beside it in the trace c
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from .cache import cache_key, read_cached, write_cached
-from .errors import SourceError
+from .errors import DmapError, SourceError
 from .units import DTYPE_BYTES, FLOATING_DTYPES, numel
 
 SKELETON_FORMAT_VERSION = 2
@@ -269,11 +270,33 @@ def skeleton_from_model(name: str, library: str | None, model) -> Skeleton:
     return Skeleton(name, library, type(model).__name__, _no_split_modules(model), modules, tensors, tie_groups)
 
 
+MAX_LAYERS = 1000  # the largest diffusion models have < 100 blocks; 1e5 would take hours on meta
+
+
+def _check_layer_counts(class_name: str, config: dict) -> None:
+    """A config asking for an absurd number of layers is refused before building anything."""
+    for key, value in config.items():
+        if re.search(r"(layers|blocks|depth)(_per_block)?$", key) and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and value > MAX_LAYERS:
+            raise SourceError(f"The config of {class_name} asks for {key}={value!r}, above the {MAX_LAYERS} dmap "
+                              "accepts: the config is corrupt or not a diffusion model's.")
+
+
 def build_on_meta(library: str, class_name: str, config: dict):
-    """Instantiate a component class on the meta device from its config dict (dm_cli.models)."""
+    """Instantiate a component class on the meta device from its config dict (dm_cli.models).
+
+    A config is input like any other: whatever the class raises on it becomes one sentence."""
     from .models import build_model
 
-    return build_model(library, class_name, config, device="meta")
+    _check_layer_counts(class_name, config)
+    try:
+        return build_model(library, class_name, config, device="meta")
+    except DmapError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a bad value in a config is bad input, not a bug
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise SourceError(f"Cannot build {class_name} from its config ({type(error).__name__}: {first}).") from error
+
 
 
 def guess_library(class_name: str) -> str | None:
@@ -300,7 +323,7 @@ def load_skeleton(name: str, library: str | None, class_name: str, config: dict,
             skeleton = Skeleton.from_json(cached)
             skeleton.name = name
             return skeleton
-        except (ValueError, KeyError, TypeError, IndexError):
+        except Exception:  # noqa: BLE001 - a damaged entry of any shape is rebuilt, never an error
             pass  # stale or damaged cache entry: rebuild
     if library is None:
         library = guess_library(class_name)

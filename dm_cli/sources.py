@@ -48,6 +48,7 @@ WEIGHTLESS_HINTS = ("Tokenizer", "Scheduler", "FeatureExtractor", "ImageProcesso
 OPTIONAL_COMPONENTS = ("safety_checker", "feature_extractor", "image_encoder")
 
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(/[\w.-]+)?$")
+_HUB_PART_RE = re.compile(r"^(?!\.\.?$)[\w.-]+$")  # a plain name: never "." or ".."
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Source:
     components: list[ComponentSource] = field(default_factory=list)  # weighted components
     other_components: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    hub_snapshot: Path | None = None  # set when resolved from the Hugging Face cache: never written into
 
     def component(self, name: str) -> ComponentSource:
         for comp in self.components:
@@ -105,6 +107,15 @@ def read_json(path: Path, what: str) -> dict:
     return data
 
 
+def is_component_name(name: str) -> bool:
+    """A pipeline component is a plain folder of the pipeline: an identifier, as diffusers requires.
+
+    Anything else (`../../etc`, `/abs`, `a/b`, an empty name) would make dmap read or write outside
+    the source or the output, so it is refused.
+    """
+    return isinstance(name, str) and name.isascii() and name.isidentifier()
+
+
 def resolve_source(spec: str) -> Source:
     """SOURCE forms tried in the documented order (docs/CONTRACTS.md): path, preset, Hub repo id."""
     path = Path(spec).expanduser()
@@ -131,6 +142,12 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def _resolve_path(spec: str, path: Path) -> Source:
+    from .swap import pending_swap
+
+    swap = pending_swap((path if path.is_dir() else path.parent).resolve())
+    if swap is not None:
+        raise SourceError(f"An interrupted `dmap shard --in-place` of {spec} left its weights half-swapped; the verified "
+                          f"new files and the old ones are in {swap}: run the same dmap shard command again to finish.")
     if path.is_file():
         if path.name.endswith(".json") and "index" in path.name:
             return _weights_only(spec, path)
@@ -151,13 +168,20 @@ def _resolve_path(spec: str, path: Path) -> Source:
     raise SourceError(f"Folder '{spec}' has no model_index.json, config.json or safetensors weights: give {accepted_forms()}.")
 
 
+def is_class_name(name) -> bool:
+    return isinstance(name, str) and name.isascii() and name.isidentifier()
+
+
 def _class_from_config(config: dict, where: Path) -> tuple[str | None, str]:
     if "_class_name" in config:
-        return "diffusers", str(config["_class_name"])
-    architectures = config.get("architectures")
-    if isinstance(architectures, list) and architectures:
-        return "transformers", str(architectures[0])
-    raise SourceError(f"{where} names no model class ('_class_name' or 'architectures'): dmap cannot tell what it is.")
+        library, cls = "diffusers", config["_class_name"]
+    elif isinstance(config.get("architectures"), list) and config["architectures"]:
+        library, cls = "transformers", config["architectures"][0]
+    else:
+        raise SourceError(f"{where} names no model class ('_class_name' or 'architectures'): dmap cannot tell what it is.")
+    if not is_class_name(cls):
+        raise SourceError(f"{where}: the model class {cls!r} is not a class name.")
+    return library, cls
 
 
 def _component_folder(spec: str, folder: Path, name: str | None = None) -> Source:
@@ -176,14 +200,21 @@ def _pipeline(spec: str, root: Path) -> Source:
     source = Source(spec, "pipeline", root, pipeline_class=model_index.get("_class_name"), model_index=model_index)
     if not source.pipeline_class:
         raise SourceError(f"{index_path} has no '_class_name': it is not a diffusers pipeline index.")
+    if not is_class_name(source.pipeline_class):
+        raise SourceError(f"{index_path}: '_class_name' {source.pipeline_class!r} is not a class name.")
     for name, value in model_index.items():
         if name.startswith("_"):
             continue
         if not isinstance(value, list):
             continue  # pipeline flags such as requires_safety_checker
-        if len(value) != 2:
+        if not is_component_name(name):
+            raise SourceError(f"{index_path}: component {name!r} is not a plain folder name of the pipeline "
+                              "(letters, digits and _ only): dmap refuses to read or write outside the source.")
+        if len(value) != 2 or not all(v is None or isinstance(v, str) for v in value):
             raise SourceError(f"{index_path}: entry '{name}' should be [library, class], found {value!r}.")
         library, cls = value
+        if cls is not None and not is_class_name(cls):
+            raise SourceError(f"{index_path}: component '{name}' names class {cls!r}, which is not a class name.")
         if library is None or cls is None:
             source.other_components[name] = (library, cls)
             continue
@@ -224,6 +255,8 @@ def _resolve_hub(spec: str) -> Source:
     """A repo id: the local HF cache first; the Hub (configs and index files only) when not offline."""
     parts = spec.split("/")
     repo_id, component = "/".join(parts[:2]), (parts[2] if len(parts) == 3 else None)
+    if not all(_HUB_PART_RE.match(part) for part in parts):
+        raise SourceError(f"'{spec}' is not a Hub repo id (org/name or org/name/component, no '.' or '..' parts).")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -243,12 +276,28 @@ def _resolve_hub(spec: str) -> Source:
     except Exception as error:
         raise SourceError(f"Cannot resolve '{spec}' ({error}); give {accepted_forms()}.") from error
     if component:
-        if not (folder / component).is_dir():
+        target = folder / component
+        if not target.is_dir() or not _is_inside(target, folder):
             raise SourceError(f"'{repo_id}' has no folder '{component}'.")
-        source = _resolve_path(spec, folder / component)
+        source = _resolve_path(spec, target)
     else:
         source = _resolve_path(spec, folder)
+    source.hub_snapshot = folder
     return source
+
+
+def _is_inside(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or below it once symlinks and '..' are resolved."""
+    try:
+        Path(os.path.realpath(path)).relative_to(os.path.realpath(folder))
+        return True
+    except ValueError:
+        return False
+
+
+def hub_cache_root() -> Path:
+    """Where huggingface_hub keeps repos: dmap reads there and never writes."""
+    return Path(_cache_path()).expanduser()
 
 
 def _offline() -> bool:

@@ -83,6 +83,10 @@ DTYPE_BYTES = {
     "uint16": 2,
     "uint32": 4,
     "uint64": 8,
+    "float8_e8m0fnu": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "complex64": 8,
 }
 FLOATING_DTYPES = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
 
@@ -103,7 +107,13 @@ SAFETENSORS_DTYPES = {
     "U16": "uint16",
     "U32": "uint32",
     "U64": "uint64",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "C64": "complex64",
 }
+# Sub-byte dtypes safetensors knows (bits per element): valid in a header, but dmap cannot size them.
+SUBBYTE_DTYPES = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 TORCH_TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 _DTYPE_ALIASES = {

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .atomic import atomic_write
+from .atomic import _umask, atomic_write
 from .errors import UsageError
 
 VIDEO_SUFFIXES = (".mp4", ".webp", ".gif")
@@ -117,12 +117,6 @@ def _write_frames(images, folder: Path, metadata: dict[str, str], text: str, ove
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _write_mp4(images, tmp: str, fps: int, comment: str) -> None:

@@ -35,8 +35,10 @@ def report_error(error: BaseException, debug: bool) -> int:
     """Print the error the way a user should see it and return the exit code."""
     if debug:
         traceback.print_exception(error)
+    from ..render import plain  # messages quote names read from files: never raw escapes on a terminal
+
     if isinstance(error, DmapError):
-        print(f"Error: {error}", file=sys.stderr)
+        print(f"Error: {plain(error, keep_newlines=True)}", file=sys.stderr)
         return error.exit_code
     if isinstance(error, KeyboardInterrupt):
         print("Interrupted: stopped before finishing; nothing was left half-written (outputs are only renamed "
@@ -46,5 +48,5 @@ def report_error(error: BaseException, debug: bool) -> int:
         print("Error: out of host memory.", file=sys.stderr)
         return EXIT_INTERNAL
     name = type(error).__name__
-    print(f"Internal error ({name}: {error}). Rerun with --debug for the traceback and report it.", file=sys.stderr)
+    print(f"Internal error ({name}: {plain(error, keep_newlines=True)}). Rerun with --debug for the traceback and report it.", file=sys.stderr)
     return EXIT_INTERNAL

@@ -37,8 +37,10 @@ def inspect(
         if as_json:  # the table renderer already listed them
             import sys
 
+            from ..render import plain
+
             print(f"Error: {len(report.problems)} checkpoint problem(s):", file=sys.stderr)
             for problem in report.problems:
-                print(f"  - {problem}", file=sys.stderr)
+                print(f"  - {plain(problem)}", file=sys.stderr)
         return EXIT_USAGE  # a corrupt checkpoint is bad input: scripts can tell
     return 0

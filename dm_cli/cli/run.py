@@ -81,6 +81,9 @@ def run(
         from ..distributed import Ranks, select_gpus
 
         select_gpus(Ranks.from_env(), gpus_per_rank)
+    from ..run_checks import check_run_request
+
+    check_run_request(output or "dmap.png", save_latents, num_images, seed, device_map)  # before anything is loaded
     from ..runner import RunRequest, run as run_pipeline
 
     request = RunRequest(

@@ -1,7 +1,8 @@
 """Rich rendering: tables, trees, bars and progress for people. The only package that imports Rich.
 
 One module per command; shared helpers here. Every cell and title is plain text (never Rich
-markup): names from model files are shown as they are (`[no-split]`, brackets in tensor names).
+markup): names from model files are shown as they are (`[no-split]`, brackets in tensor names),
+except control characters, which `plain` shows as `\\x1b` (the console and tables apply it).
 Tables fit the console: numbers are never cut or wrapped; when the table is too wide, the least
 important columns are dropped (and the output says which), text columns wrap.
 """
@@ -9,21 +10,71 @@ important columns are dropped (and the output says which), text columns wrap.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 
 TEXT_MIN_WIDTH = 8  # a wrapping text column keeps at least this many characters per line
 OPTIONAL = 3  # columns with Col.drop >= OPTIONAL are dropped before any other column wraps
 
+# C0 and C1 control characters, DEL, and the Unicode bidi overrides that reorder what a terminal shows.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def plain(text, keep_newlines: bool = False) -> str:
+    """Text that came from a file, made inert for a terminal: control characters shown as `\\xNN`.
+
+    An escape sequence in a class or tensor name could otherwise set the window title, clear the
+    screen or hide what follows. Used for error messages too (`keep_newlines` for those).
+    """
+    text = str(text)
+
+    def show(match: re.Match) -> str:
+        char = match.group(0)
+        if keep_newlines and char in "\n\t":
+            return char
+        code = ord(char)
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+    return _CONTROL.sub(show, text)
+
+
+def _inert(renderable):
+    """A string or Text with control characters made visible (`plain`); other renderables as they are."""
+    from rich.text import Text
+
+    if isinstance(renderable, str):
+        return plain(renderable)
+    if isinstance(renderable, Text) and _CONTROL.search(renderable.plain):
+        return Text(plain(renderable.plain), style=renderable.style)
+    return renderable
+
+
+_CONSOLE_CLASS = None
+
+
+def _console_class():
+    """Rich's Console whose print() passes every string and Text through `_inert`: the one place
+    where file-borne text is made safe for the terminal, whatever the renderer prints."""
+    global _CONSOLE_CLASS
+    if _CONSOLE_CLASS is None:
+        from rich.console import Console
+
+        class InertConsole(Console):
+            def print(self, *objects, **kwargs):
+                super().print(*(_inert(o) for o in objects), **kwargs)
+
+        _CONSOLE_CLASS = InertConsole
+    return _CONSOLE_CLASS
+
 
 def console(stderr: bool = False):
     """Rich's console: the terminal's width (read from stdin/stdout/stderr or COLUMNS), else 80.
 
     Markup is off: text from model files and paths prints as it is; styles come from Text and style=.
+    Control characters in what is printed are shown escaped (`plain`), never sent to the terminal.
     """
-    from rich.console import Console
-
-    return Console(stderr=stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False)
+    return _console_class()(stderr=stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False)
 
 
 def status(message: str, enabled: bool = True):
@@ -59,6 +110,8 @@ def fitted_table(out, title: str | None, columns: list[Col], rows: list[list[str
     from rich.table import Table
     from rich.text import Text
 
+    rows = [None if r is None else [_inert(c) if isinstance(c, Text) else plain(c) for c in r] for r in rows]
+    title = plain(title) if title else title
     data = [r for r in rows if r is not None]
     keep = list(range(len(columns)))
 

@@ -85,5 +85,5 @@ def render_shard(result, binary: bool = False) -> None:
         check = "every tensor verified against the source" if result.verified else "not verified (--no-verify)"
         where = "replaced in place" if result.in_place else f"into {result.output}"
         out.print(f"Done in {result.seconds:.2f} s ({format_size(speed, binary)}/s), {check}; {where}.")
-    for stale in result.removed_stale:
-        out.print(f"Removed a leftover temporary folder of an interrupted run: {stale}")
+    for done in result.removed_stale:  # sentences: what recovery did, or where a backup is
+        out.print(done)

@@ -1,0 +1,282 @@
+"""Putting a finished, verified output where it belongs without ever losing data.
+
+Three moves, each recoverable at every instant (a kill between any two renames included):
+
+- `publish`: a temporary folder becomes the output. Without `overwrite` the name is claimed
+  atomically (`renameat2(RENAME_NOREPLACE)`, else an empty-folder claim), so a folder that appeared
+  at the output name meanwhile, or a concurrent run's result, is never removed. With `overwrite`
+  the two folders are exchanged atomically (`RENAME_EXCHANGE`) where the file system can.
+- `swap_in_place`: weight files of the source are replaced. A journal (the list of old and new
+  files per folder) is written into the temporary folder, which is then renamed to a
+  `.NAME.dmap-swap-PID-*` folder: from that instant the swap is committed. Old files are moved
+  into it first, then the new ones out of it (each index last), then it is removed.
+- `recover`: run before the next write beside the same output. It finishes a committed swap whose
+  process is gone (the new files were verified before the commit), restores an output whose
+  `--overwrite` exchange was cut in half, and removes temporary folders of killed runs.
+
+Every rename goes through `_rename`, which tests replace to kill the process at each step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import re
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import DmapError
+
+TEMP_MARK = ".dmap-tmp-"
+REPLACED_MARK = ".dmap-replaced-"  # the previous output during an --overwrite without RENAME_EXCHANGE
+SWAP_MARK = ".dmap-swap-"
+OLD_MARK = ".dmap-old-"  # left by dmap before 0.2's journaled swap: old weights, never removed by dmap
+MARKS = (TEMP_MARK, REPLACED_MARK, SWAP_MARK, OLD_MARK)
+JOURNAL = "dmap-swap.json"
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_renameat2_state = {"fn": None, "looked": False}
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux renameat2; False when the C library or the file system does not offer `flags`."""
+    if not _renameat2_state["looked"]:
+        _renameat2_state["looked"] = True
+        try:
+            _renameat2_state["fn"] = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+        except OSError:
+            _renameat2_state["fn"] = None
+    fn = _renameat2_state["fn"]
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(dst))
+
+
+def _rename(src: Path, dst: Path, flags: int = 0) -> bool:
+    """The one rename primitive (tests inject kills here). False: `flags` unsupported, nothing done."""
+    if flags:
+        return _renameat2(src, dst, flags)
+    os.rename(src, dst)
+    return True
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def hidden_name(out: Path, mark: str) -> Path:
+    """A hidden sibling of `out` tagged with this process: `.NAME<mark>PID-RANDOM`."""
+    return out.parent / f".{out.name}{mark}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+class OutputTakenError(DmapError):
+    """The output name was taken by something else while dmap worked: nothing was replaced."""
+
+
+def publish(temp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished folder `temp` to `out`; replace an existing `out` only with `overwrite`."""
+    if overwrite and out.exists():
+        if not _rename(temp, out, RENAME_EXCHANGE):
+            old = hidden_name(out, REPLACED_MARK)
+            _rename(out, old)  # a kill from here to the next rename is repaired by `recover`
+            _rename(temp, out)
+            temp = old
+        shutil.rmtree(temp, ignore_errors=True)  # after an exchange `temp` holds the old output
+    else:
+        _claim(temp, out)
+    fsync_dir(out.parent)
+
+
+def _claim(temp: Path, out: Path) -> None:
+    taken = OutputTakenError(f"{out} appeared while dmap was writing it (another run, or another program): "
+                             "it was left as it is and nothing was written there; choose another --output "
+                             "or add --overwrite to replace it.")
+    try:
+        if _rename(temp, out, RENAME_NOREPLACE):
+            return
+        os.mkdir(out)  # no renameat2 here: claim the name with an empty folder, then replace our own claim
+    except FileExistsError:
+        raise taken from None
+    try:
+        _rename(temp, out)
+    except OSError:
+        try:
+            os.rmdir(out)  # ours, still empty; something put files into it: leave it
+        except OSError:
+            pass
+        raise taken from None
+
+
+# --- in place -------------------------------------------------------------------------------------
+
+
+@dataclass
+class SwapFolder:
+    """One folder whose files `old` are replaced by `new` (found under `new_dir` in the swap folder)."""
+
+    folder: Path
+    new_dir: str  # relative to the swap folder
+    old: list[str]
+    new: list[str]  # in placing order: each index file last
+
+
+def swap_in_place(temp: Path, root: Path, folders: list[SwapFolder]) -> None:
+    """Replace files of `root`'s folders by the verified ones in `temp` (see the module docstring)."""
+    journal = {"format": "dmap-swap", "version": 1, "root": str(root),
+               "folders": [{"folder": str(f.folder), "new_dir": f.new_dir, "old": f.old, "new": f.new} for f in folders]}
+    path = temp / JOURNAL
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(journal, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    fsync_dir(temp)
+    swap = hidden_name(root, SWAP_MARK)
+    _rename(temp, swap)  # the commit point
+    fsync_dir(swap.parent)
+    try:
+        _roll_forward(swap, journal)
+    except BaseException as error:
+        if isinstance(error, OSError):
+            raise DmapError(
+                f"Replacing the weights of {root} stopped half-way ({error.strerror or error}). The new files are "
+                f"verified and the old ones are kept in {swap}; run the same dmap shard command again to finish."
+            ) from error
+        raise
+    _discard(swap)
+
+
+def _old_dir(swap: Path, index: int) -> Path:
+    return swap / f".old-{index}"
+
+
+def _roll_forward(swap: Path, journal: dict) -> None:
+    """Move old files aside, then new files in; every step is skipped if it was already done."""
+    folders = journal["folders"]
+    for index, entry in enumerate(folders):
+        folder, new_dir = Path(entry["folder"]), swap / entry["new_dir"]
+        aside = _old_dir(swap, index)
+        aside.mkdir(exist_ok=True)
+        for name in entry["old"]:
+            original, backup = folder / name, aside / name
+            # Before any new file is placed every old file is moved aside, so a name both old and
+            # new that is still in the folder is old exactly when its new file is not placed yet.
+            still_old = name not in entry["new"] or (new_dir / name).exists()
+            if not backup.exists() and original.exists() and still_old:
+                _rename(original, backup)
+        fsync_dir(folder)
+    for index, entry in enumerate(folders):
+        folder, new_dir = Path(entry["folder"]), swap / entry["new_dir"]
+        for name in entry["new"]:
+            source, target = new_dir / name, folder / name
+            if not source.exists():
+                continue  # placed already
+            if target.exists():
+                raise DmapError(f"{target} exists and is not one of the files being replaced; the new files are in "
+                                f"{new_dir} and the old ones in {_old_dir(swap, index)}: move {target} away and run "
+                                "the same dmap shard command again.")
+            _rename(source, target)
+        fsync_dir(folder)
+
+
+def _discard(folder: Path) -> None:
+    """Remove a finished swap or a dead temporary folder: renamed to a temp mark first, so that a
+    kill during the removal leaves a folder `recover` deletes, never a half-deleted journal."""
+    dead = folder.parent / (folder.name.split(".dmap-")[0] + TEMP_MARK + f"{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        _rename(folder, dead)
+    except OSError:
+        dead = folder
+    shutil.rmtree(dead, ignore_errors=True)
+
+
+# --- recovery -------------------------------------------------------------------------------------
+
+_PID_RE = re.compile(r"\.dmap-(?:tmp|replaced|swap|old)-(\d+)-")
+
+
+def recover(out: Path) -> list[str]:
+    """Repair what killed runs left beside `out`; returns one sentence per thing done."""
+    done: list[str] = []
+    parent = out.parent
+    if not parent.is_dir():
+        return done
+    prefix = f".{out.name}.dmap-"
+    for candidate in sorted(parent.iterdir()):
+        if not candidate.name.startswith(prefix) or not candidate.is_dir():
+            continue
+        match = _PID_RE.search(candidate.name[len(out.name) + 1:])
+        if not match or _pid_alive(int(match.group(1))):
+            continue
+        if SWAP_MARK in candidate.name:
+            done.append(_finish_swap(candidate, out))
+        elif OLD_MARK in candidate.name:
+            done.append(f"Note: {candidate} holds weights an earlier dmap moved aside during an interrupted --in-place "
+                        "run; check them and remove the folder yourself.")
+        elif REPLACED_MARK in candidate.name:
+            if out.exists():
+                shutil.rmtree(candidate, ignore_errors=True)
+                done.append(f"Removed the replaced output of an interrupted --overwrite run: {candidate}")
+            else:
+                _rename(candidate, out)
+                done.append(f"Restored {out} from an interrupted --overwrite run (it was in {candidate})")
+        else:
+            shutil.rmtree(candidate, ignore_errors=True)
+            done.append(f"Removed a leftover temporary folder of an interrupted run: {candidate}")
+    return done
+
+
+def pending_swap(root: Path) -> Path | None:
+    """A committed --in-place swap of `root` whose process is gone (the next `dmap shard` finishes it)."""
+    try:
+        for candidate in root.parent.iterdir():
+            match = _PID_RE.search(candidate.name)
+            if candidate.name.startswith(f".{root.name}{SWAP_MARK}") and match and not _pid_alive(int(match.group(1))):
+                return candidate
+    except OSError:
+        return None
+    return None
+
+
+def _finish_swap(swap: Path, root: Path) -> str:
+    try:
+        journal = json.loads((swap / JOURNAL).read_text(encoding="utf-8"))
+        folders = journal["folders"]
+        if journal.get("format") != "dmap-swap" or not isinstance(folders, list):
+            raise ValueError("not a dmap swap journal")
+        for entry in folders:
+            folder = Path(entry["folder"])
+            if not all(isinstance(n, str) and n and "/" not in n and n not in (".", "..")
+                       for n in [*entry["old"], *entry["new"]]) or not folder.is_absolute():
+                raise ValueError("bad file names")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DmapError(f"{swap} holds an interrupted in-place swap of {root} whose journal cannot be read ({error}): "
+                        "the old weights are in its .old-* folders; restore them by hand.") from None
+    _roll_forward(swap, journal)
+    _discard(swap)
+    return f"Finished an interrupted --in-place swap of {root} (its new files had been verified)"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
