@@ -54,7 +54,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          width: int | None = None, batch_size: int = 1, num_images: int = 1, guidance_scale: float | None = None,
          max_sequence_length: int | None = None, strategy: str = "auto", mode: str = "auto", dtype: str | None = None,
          overhead: str | None = None, component: str | None = None, check: bool = True, use_cache: bool = True,
-         num_frames: int | None = None, fps: int | None = None):
+         num_frames: int | None = None, fps: int | None = None, weights: str | None = None):
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -71,7 +71,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
                        pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"),
                        num_frames=num_frames, fps=fps)
     options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
-                          component, check, use_cache)
+                          component, check, use_cache, weights)
     return _named(lambda: make_plan(root, options), spec, root)
 
 
@@ -160,7 +160,8 @@ class Pipeline:
                            num_frames=job.num_frames)
         self.fps = (request.fps or family.default_fps) if job.num_frames else None  # video families
         if plan is not None:
-            check_plan_matches(plan, source, inputs, request.dtype, request.device_map if is_file else "The plan")
+            check_plan_matches(plan, source, inputs, request.dtype, request.device_map if is_file else "The plan",
+                               request.weights)
         # missing or corrupt weights are bad input: say so before importing the libraries or planning
         largest = {c.name: check_component_files(c) for c in source.components}
         status("Importing torch, diffusers and transformers…")

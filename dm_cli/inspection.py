@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .errors import UsageError
 from .skeleton import ModuleSize, Skeleton, as_loaded, skeleton_for_component
 from .sources import Source, resolve_source
+from .weight_formats import STORAGE_DTYPES, component_format, parse_weights_spec
 
 
 @dataclass
@@ -23,6 +25,7 @@ class ComponentReport:
     weights: str | None  # path of the index / file, None for config-only
     tree: list[dict] = field(default_factory=list)  # module rows to --depth
     problems: list[str] = field(default_factory=list)
+    storage_dtype: str | None = None  # float8_e4m3fn / int8 with --weights (None: as `dtype`)
 
     def to_json(self) -> dict:
         block = self.largest_block
@@ -38,6 +41,7 @@ class ComponentReport:
             "largest_block": None if block is None else {"name": block.name, "class": block.cls, "bytes": block.bytes},
             "no_split_modules": self.no_split_modules,
             "weights": self.weights,
+            "storage_dtype": self.storage_dtype,
             "tree": self.tree,
             "problems": self.problems,
         }
@@ -77,9 +81,9 @@ class InspectReport:
         }
 
 
-def module_tree(skeleton: Skeleton, dtype: str | None, depth: int) -> list[dict]:
+def module_tree(skeleton: Skeleton, dtype: str | None, depth: int, weights: str | None = None) -> list[dict]:
     """Rows of the module tree down to `depth` levels below the root, each with its subtree sizes."""
-    sizes = skeleton.module_sizes(dtype)
+    sizes = skeleton.module_sizes(dtype, weights)
     rows: list[dict] = []
 
     def walk(prefix: str, level: int) -> None:
@@ -97,9 +101,11 @@ def module_tree(skeleton: Skeleton, dtype: str | None, depth: int) -> list[dict]
 
 
 def inspect_source(spec: str, dtype: str | None = None, component: str | None = None, depth: int = 0,
-                   use_cache: bool = True) -> InspectReport:
+                   use_cache: bool = True, weights: str | None = None) -> InspectReport:
+    """`weights`: a --weights spec (fp8, int8, transformer=fp8,...): sizes with those tensors in low precision."""
     source: Source = resolve_source(spec)
     comps = [source.component(component)] if component else source.components
+    formats = parse_weights_spec(weights, [c.name for c in comps])
     reports = []
     notes = list(source.notes)
     for comp in comps:
@@ -108,25 +114,30 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
             notes.append(tie_note)
             comp = loaded if comp.weights is not None else comp
         skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+        fmt = component_format(formats, comp.name, skeleton)
+        if fmt and skeleton.cls == "?":
+            raise UsageError(f"--weights {fmt} needs the config of '{comp.name}' (which layers are cast): "
+                             "inspect its folder with config.json.")
         if skeleton.note:
             notes.append(skeleton.note)
         effective = dtype if dtype is not None else skeleton.default_dtype()
-        block = skeleton.largest_block(effective)
+        block = skeleton.largest_block(effective, fmt)
         reports.append(
             ComponentReport(
                 name=comp.name,
                 library=comp.library,
                 cls=skeleton.cls if skeleton.cls != "?" else comp.cls,
-                dtype=skeleton.dominant_dtype(effective),
+                dtype=skeleton.dominant_dtype(effective, fmt),
                 params=skeleton.params,
-                bytes=skeleton.bytes_at(effective),
-                buffers_bytes=sum(t.bytes_at(effective) for t in skeleton.tensors if t.kind != "param"),
-                num_blocks=len(skeleton.blocks(effective)),
+                bytes=skeleton.bytes_at(effective, fmt),
+                buffers_bytes=sum(t.bytes_at(effective, fmt) for t in skeleton.tensors if t.kind != "param"),
+                num_blocks=len(skeleton.blocks(effective, fmt)),
                 largest_block=block,
                 no_split_modules=skeleton.no_split_modules,
                 weights=str(comp.weights) if comp.weights else None,
-                tree=module_tree(skeleton, effective, depth) if depth > 0 else [],
+                tree=module_tree(skeleton, effective, depth, fmt) if depth > 0 else [],
                 problems=[str(p) for p in checkpoint.problems] if checkpoint else [],
+                storage_dtype=STORAGE_DTYPES[fmt] if fmt else None,
             )
         )
     return InspectReport(spec, source.kind, source.pipeline_class, dtype, reports, notes)

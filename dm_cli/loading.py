@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 
 from .devices import device_of, execution_device_key, normalise_map, torch_device
-from .errors import CheckpointError, SourceError
+from .errors import CheckpointError, SourceError, UsageError
 
 
 def execution_device(device_map: dict, simulate: bool):
@@ -25,16 +25,29 @@ def execution_device(device_map: dict, simulate: bool):
     return torch_device(execution_device_key(device_map), simulate)
 
 
-def load_component(comp, device_map: dict, dtype: str | None, simulate: bool):
-    """One component on its planned devices. Under simulate every virtual device is the CPU."""
+def load_component(comp, device_map: dict, dtype: str | None, simulate: bool, weights: str | None = None):
+    """One component on its planned devices. Under simulate every virtual device is the CPU.
+
+    `weights` (fp8, int8) stores the tensors `weight_formats` names in low precision: such a
+    component is always loaded tensor by tensor (`_load_streamed`), each tensor cast on its way to
+    its device, so the run dtype copy of the whole component never exists.
+    """
     import torch
 
     torch_dtype = getattr(torch, dtype) if dtype else None
     device_map = normalise_map(device_map)
     offloaded = any(v in ("cpu", "disk") for v in device_map.values())
     on_accelerator = any(not isinstance(v, str) or v == "mps" for v in device_map.values())
+    cpu_only = simulate or not on_accelerator and set(device_map.values()) == {"cpu"}
+    if weights == "int8" and offloaded and not cpu_only:
+        raise UsageError(
+            f"The plan offloads blocks of '{comp.name}' to cpu/disk, which int8 weights cannot be streamed from: "
+            f"plan with more GPU memory or with --weights {comp.name}=fp8."
+        )
     try:
-        if simulate or not on_accelerator and set(device_map.values()) == {"cpu"}:
+        if weights is not None:
+            model = _load_streamed(comp, device_map, torch_dtype, weights, resident=cpu_only)
+        elif cpu_only:
             model = _from_pretrained(comp, {"": "cpu"}, torch_dtype)
         elif offloaded:
             model = _load_streamed(comp, device_map, torch_dtype)
@@ -62,11 +75,13 @@ def _from_pretrained(comp, device_map, torch_dtype):
     return cls.from_pretrained(comp.folder, dtype=torch_dtype if torch_dtype is not None else "auto", device_map=device_map)
 
 
-def _load_streamed(comp, device_map: dict, torch_dtype):
-    """Build empty, put GPU blocks on their GPUs, and stream cpu/disk blocks from the ORIGINAL safetensors.
+def _load_streamed(comp, device_map: dict, torch_dtype, weights: str | None = None, resident: bool = False):
+    """Build empty, put each tensor on its device, and stream cpu/disk blocks from the ORIGINAL safetensors.
 
-    accelerate's own disk offload re-saves every tensor as .dat; here the offload index points into
-    the checkpoint's shards, which accelerate's OffloadedWeightsLoader reads with safe_open (mmap).
+    accelerate's own disk offload re-saves every tensor as .dat; here offloaded blocks are read from
+    the checkpoint's shards (mmap) on each use. Each tensor goes stored dtype -> run dtype -> storage
+    dtype (fp8 for the tensors `weight_formats` casts), as from_pretrained + enable_layerwise_casting
+    would, one tensor at a time. `resident`: everything stays on the CPU (simulated or cpu-only plans).
     """
     import torch
     from accelerate import dispatch_model
@@ -75,21 +90,27 @@ def _load_streamed(comp, device_map: dict, torch_dtype):
 
     from .checkpoint import open_checkpoint
     from .models import build_model
-    from .skeleton import skeleton_for_component
+    from .skeleton import as_loaded, skeleton_for_component
+    from .weight_formats import CastingWeights, LoadedTensor, apply_fp8, quantize_int8, read_cast
 
+    comp, _ = as_loaded(comp)  # an lm_head the checkpoint stores is its own tensor, as from_pretrained keeps it
     model = build_model(comp.library, comp.cls, comp.config, device="empty")
     skeleton, _ = skeleton_for_component(comp)
     dtype_name = str(torch_dtype).removeprefix("torch.") if torch_dtype is not None else None
-    target_dtype = {t.name: t.dtype_at(dtype_name) for t in skeleton.tensors}
+    fp8 = weights if weights == "fp8" else None
+    infos = {t.name: t for t in skeleton.tensors}
     aliases = {alias: group[0] for group in skeleton.tie_groups for alias in group[1:]}
     checkpoint = open_checkpoint(comp.weights, strict=True)
     folder = Path(comp.weights).parent
-    where = {name: folder / shard for name, shard in checkpoint.tensor_files.items()}
+    key_of = _checkpoint_keys(model, list(checkpoint.tensor_files), comp)  # model name -> checkpoint key
+    where = {name: folder / checkpoint.tensor_files[key] for name, key in key_of.items()}
     gpu_main = execution_device(device_map, False)
+    int8_layers = {t.name.rpartition(".")[0] for t in skeleton.tensors if weights == "int8" and "int8" in t.low_precision}
+    modules = dict(model.named_modules())
 
-    offload_index = {}
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + \
-        [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    streamed: dict[str, LoadedTensor] = {}
+    buffer_names = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + sorted(buffer_names)
     persistent = {t.name for t in skeleton.tensors if t.kind in ("param", "buffer")} | set(aliases)
     handles: dict[str, object] = {}
     for name in names:
@@ -100,24 +121,58 @@ def _load_streamed(comp, device_map: dict, torch_dtype):
             stored = next((a for g in skeleton.tie_groups if name in g for a in g if a in where), stored)
         if stored not in where:
             raise CheckpointError(f"Component '{comp.name}': tensor '{name}' is missing from {comp.weights}.")
-        file = str(where[stored])
-        dev = device_of(name, device_map, "cpu")
-        dtype = target_dtype.get(name) or target_dtype.get(stored) or "float32"
-        is_buffer = "." in name and name.rpartition(".")[2] in dict(model.named_buffers()) or name in dict(model.named_buffers())
-        if dev in ("cpu", "disk"):
-            if not is_buffer:
-                offload_index[name] = {"safetensors_file": file, "weight_name": stored, "dtype": dtype}
-                continue
-        handle = handles.get(file) or handles.setdefault(file, safe_open(file, framework="pt", device="cpu"))
-        value = handle.get_tensor(stored).to(getattr(torch, dtype))
-        set_module_tensor_to_device(model, name, "cpu" if dev in ("cpu", "disk") else dev, value=value)
+        info = infos.get(name) or infos[aliases.get(name, stored)]
+        entry = LoadedTensor(name, str(where[stored]), key_of[stored], info.dtype_at(dtype_name),
+                             info.dtype_at(dtype_name, fp8))
+        storage_dtype = getattr(torch, entry.storage)
+        dev = "cpu" if resident else device_of(name, device_map, "cpu")
+        if dev in ("cpu", "disk") and not resident and name not in buffer_names:
+            streamed[name] = entry  # the meta tensor takes the storage dtype: accelerate casts each streamed value to it
+            set_module_tensor_to_device(model, name, "meta", value=torch.empty(info.shape, dtype=storage_dtype, device="meta"),
+                                        dtype=storage_dtype)
+            continue
+        handle = handles.get(entry.file) or handles.setdefault(entry.file, safe_open(entry.file, framework="pt", device="cpu"))
+        set_module_tensor_to_device(model, name, "cpu" if dev in ("cpu", "disk") else dev, value=read_cast(handle, entry),
+                                    dtype=storage_dtype)
+        layer, _, leaf = name.rpartition(".")
+        if leaf == "weight" and layer in int8_layers:
+            quantize_int8(modules[layer])  # this layer's weight only: its run dtype copy lives one tensor long
     handles.clear()
+    if fp8:
+        apply_fp8(model, torch_dtype)
+    if resident:
+        return model
     dispatch_map = {k: ("disk" if v in ("cpu", "disk") else v) for k, v in device_map.items()}
     main = gpu_main.index if gpu_main.type == "cuda" else gpu_main.type  # safetensors wants "cpu" or an index
-    model = dispatch_model(model, dispatch_map, main_device=main, state_dict={}, offload_index=offload_index,
+    model = dispatch_model(model, dispatch_map, main_device=main, state_dict=CastingWeights(streamed), offload_index={},
                            offload_buffers=False, force_hooks=True)
     model.hf_device_map = dict(device_map)
     return model
+
+
+def _checkpoint_keys(model, keys: list[str], comp) -> dict[str, str]:
+    """Model tensor name -> checkpoint key. transformers 5 renames legacy checkpoint keys while loading
+    (Mistral-3 saves `language_model.model.*` for `model.language_model.*`): the same renamings, by
+    transformers' own `rename_source_key`. A key that needs a converter (merged or split tensors) is refused."""
+    from .models import is_transformers_model
+
+    if not is_transformers_model(type(model)):
+        return {key: key for key in keys}
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    present = {name: True for name in model.state_dict()}  # names only: the model is empty
+    out = {}
+    for key in keys:
+        name, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, present)
+        if converter is not None:
+            raise CheckpointError(f"Component '{comp.name}': checkpoint tensor '{key}' needs transformers' conversion "
+                                  f"({converter}), which dmap cannot stream; plan it onto GPUs whole, without --weights.")
+        out[name] = key
+    return out
 
 
 def free_components(models: list) -> None:
@@ -142,7 +197,8 @@ def free_components(models: list) -> None:
             for tensors in (module._parameters, module._buffers):
                 for key, tensor in tensors.items():
                     if tensor is not None and tensor.device.type != "meta":
-                        empty = torch.empty_like(tensor, device="meta")
+                        # shape and dtype, not empty_like: tensor subclasses (torchao's int8) do not implement it
+                        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
                         tensors[key] = torch.nn.Parameter(empty, requires_grad=False) if isinstance(
                             tensor, torch.nn.Parameter) else empty
         del model

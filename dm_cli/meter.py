@@ -12,6 +12,14 @@ from collections import defaultdict
 from .devices import device_of
 
 
+def plain_tensors(tensor) -> list:
+    """The tensors holding memory: the inner ones of a tensor subclass (torchao's int8 data, scales...)."""
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None:
+        return [tensor]
+    return [t for name in flatten(tensor)[0] for t in plain_tensors(getattr(tensor, name))]
+
+
 class MemoryMeter:
     """Tracked bytes per (virtual) device: weights by the plan's map, activations by the module running.
 
@@ -38,16 +46,17 @@ class MemoryMeter:
     def register_weights(self, model, device_map: dict, default_device: str) -> None:
         seen: set[int] = set()
         tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-        for name, tensor in tensors:
-            if tensor is None or tensor.device.type == "meta":
+        for name, outer in tensors:
+            if outer is None or outer.device.type == "meta":
                 continue
-            ptr = tensor.untyped_storage().data_ptr()
-            if ptr in seen or ptr == 0:
-                continue
-            seen.add(ptr)
-            self._weight_ptrs.add(ptr)
-            device = str(device_of(name, device_map, default_device))
-            self._weights[device].append((weakref.ref(tensor), tensor.untyped_storage().nbytes()))
+            for tensor in plain_tensors(outer):
+                ptr = tensor.untyped_storage().data_ptr()
+                if ptr in seen or ptr == 0:
+                    continue
+                seen.add(ptr)
+                self._weight_ptrs.add(ptr)
+                device = str(device_of(name, device_map, default_device))
+                self._weights[device].append((weakref.ref(tensor), tensor.untyped_storage().nbytes()))
 
     def resident(self) -> dict[str, int]:
         """Bytes of registered weights still alive (call after gc.collect() to see frees)."""

@@ -25,6 +25,9 @@ from .planner import (
     component_blocks, coverage_problems, plan_pipeline,
 )
 from .units import DeviceBudget, format_size, parse_device_spec, parse_dtype, parse_size
+from .weight_formats import (
+    component_format, format_of, layer_compute_bytes, parse_weights_spec, storage_dtype, transient_by_key,
+)
 
 PLAN_FORMAT = "dmap-plan"
 PLAN_VERSION = 1
@@ -43,6 +46,7 @@ class PlanOptions:
     component: str | None = None  # plan one component only
     check: bool = True
     use_cache: bool = True
+    weights: str | None = None  # --weights spec: fp8, int8, transformer=fp8,text_encoder=fp8
 
 
 @dataclass
@@ -60,6 +64,7 @@ class Plan:
     check: dict = field(default_factory=lambda: {"ran": False, "problems": []})
     activation_peaks: dict[str, int] = field(default_factory=dict)  # component -> whole-forward estimate
     config_digest: str | None = None  # sources.config_digest: `dmap run` refuses a plan for another model
+    weights: dict[str, str | None] = field(default_factory=dict)  # component -> fp8/int8 storage (None: dtype)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -92,6 +97,7 @@ class Plan:
                 name: {
                     "class": c.cls,
                     "weights_bytes": c.weights_bytes,
+                    "storage_dtype": storage_dtype(self.weights.get(name), self.dtype),
                     "device_map": c.device_map,
                     "execution_device": c.execution_device,
                     "stage": c.stage,
@@ -169,6 +175,7 @@ class Plan:
             {n: _count(c.get("activation_peak_bytes", 0), f"component {n!r} activation_peak_bytes")
              for n, c in raw_components.items()},
             data.get("config_digest") if isinstance(data.get("config_digest"), str) else None,
+            {n: format_of(c.get("storage_dtype")) for n, c in raw_components.items()},
         )
 
 
@@ -345,11 +352,17 @@ class PreparedComponent:
     facts: TraceFacts
     spec: ComponentInput
     warnings: list[str]
+    weights: str | None = None  # fp8 / int8 storage (weight_formats.py); None: the run dtype
 
 
 def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str | None,
-                      use_cache: bool = True) -> PreparedComponent:
-    """Skeleton + trace -> the planner's ComponentInput (blocks in execution order with activations)."""
+                      use_cache: bool = True, weights: dict[str, str | None] | None = None) -> PreparedComponent:
+    """Skeleton + trace -> the planner's ComponentInput (blocks in execution order with activations).
+
+    `weights` (from `parse_weights_spec`) stores some tensors in fp8 or int8: they are counted at
+    those sizes, by the rule the runner applies, and the compute copy of the largest such layer
+    (upcast while it runs) is added to the activations of every block that holds it.
+    """
     from .skeleton import as_loaded, skeleton_for_component
 
     comp, tie_note = as_loaded(comp, use_cache=use_cache)  # what from_pretrained keeps (untied lm_head)
@@ -359,7 +372,12 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
 
         listed = "; ".join(str(p) for p in checkpoint.problems)
         raise CheckpointError(f"Component '{comp.name}' has {len(checkpoint.problems)} checkpoint problem(s): {listed}.")
+    fmt = component_format(weights or {}, comp.name, skeleton)
+    if fmt and skeleton.cls == "?":
+        raise UsageError(f"--weights {fmt} needs the config of '{comp.name}' (which layers are cast): give a folder with config.json.")
     effective = dtype if dtype is not None else skeleton.default_dtype()
+    if fmt and effective is None:
+        effective = skeleton.compute_dtype()  # a checkpoint stored in fp8 runs in its other tensors' dtype
     trace_dtype = effective or skeleton.dominant_dtype(None)
     warnings: list[str] = [skeleton.note] if skeleton.note and not skeleton.stored else []
     if tie_note:
@@ -371,18 +389,24 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
     if facts.warning:
         warnings.append(f"{comp.name}: {facts.warning}")
     peaks = {} if inputs.weights_only else facts.module_peaks
-    tensor_bytes = [(t.name, t.bytes_at(effective)) for t in skeleton.tensors]
+    tensor_bytes = [(t.name, t.bytes_at(effective, fmt)) for t in skeleton.tensors]
     blocks, block_warnings = component_blocks(skeleton.modules, tensor_bytes, skeleton.no_split_modules,
                                               facts.execution_order, facts.unsplittable, peaks,
                                               facts.same_device_groups, skeleton.tie_groups)
     warnings += [f"{comp.name}: {w}" for w in block_warnings]
+    activation_peak = 0 if inputs.weights_only else facts.activation_peak
+    layers = {} if inputs.weights_only else layer_compute_bytes(skeleton.tensors, fmt, trace_dtype)
+    if layers:
+        extra = transient_by_key([b.keys for b in blocks], layers)
+        blocks = [replace(b, activation=b.activation + e) for b, e in zip(blocks, extra)]
+        activation_peak += max(layers.values())
     spec = ComponentInput(comp.name, skeleton.cls if skeleton.cls != "?" else comp.cls, blocks, _splittable(comp),
-                          0 if inputs.weights_only else facts.activation_peak)
+                          activation_peak)
     names = [t.name for t in skeleton.tensors] + [alias for group in skeleton.tie_groups for alias in group[1:]]
     problems = coverage_problems({k: 0 for b in blocks for k in b.keys}, names)
     if problems:  # a bug in block cutting, never the user's fault
         raise AssertionError(f"blocks of {comp.name} do not cover its tensors: {problems[:3]}")
-    return PreparedComponent(comp, skeleton, trace_dtype, facts, spec, warnings)
+    return PreparedComponent(comp, skeleton, trace_dtype, facts, spec, warnings, fmt)
 
 
 # --- planning -------------------------------------------------------------------------------------
@@ -406,7 +430,8 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     budgets = parse_device_spec(options.max_memory) if options.max_memory is not None else local_devices()
     overhead = parse_overhead(options.overhead, budgets, options.inputs.weights_only)
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
-    prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache)
+    formats = parse_weights_spec(options.weights, [c.name for c in comps])
+    prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache, formats)
                 for c in comps]
     specs = [p.spec for p in prepared]
     stages = pipeline_stages(source.pipeline_class, [c.name for c in comps])
@@ -418,10 +443,14 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     plan = Plan(source_spec, dtype, options.strategy, placement.mode, devices, options.inputs, placement.components,
                 placement.stages, source.pipeline_class, [w for p in prepared for w in p.warnings] + placement.warnings,
                 activation_peaks={p.spec.name: p.spec.activation_peak for p in prepared},
-                config_digest=config_digest(source))
+                config_digest=config_digest(source), weights={p.spec.name: p.weights for p in prepared})
     if source.pipeline_class and family_for(source.pipeline_class) is None:
         plan.warnings.insert(0, unknown_family_warning(source.pipeline_class))
     _explain_offload(plan, prepared, stages, options)
+    for name, fmt in plan.weights.items():
+        if fmt == "int8" and plan.components[name].offloaded_bytes and any(d.is_gpu for d in devices):
+            plan.warnings.append(f"{name}: int8 weights cannot be streamed from cpu/disk, so dmap run refuses this plan: "
+                                 f"give the GPUs more memory or use --weights {name}=fp8.")
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
     return plan
@@ -585,8 +614,9 @@ def _does_not_fit(source_spec, source, comps, prepared, stages, devices, options
                 continue
             smaller = replace(options.inputs, height=size, width=size)
             try:
-                trial_specs = [prepare_component(c, source.pipeline_class, smaller, options.dtype, options.use_cache).spec
-                               for c in comps]
+                formats = parse_weights_spec(options.weights, [c.name for c in comps])
+                trial_specs = [prepare_component(c, source.pipeline_class, smaller, options.dtype, options.use_cache,
+                                                 formats).spec for c in comps]
             except Exception:  # a failed trace only loses a suggestion
                 break
             if fits(devices, trial_specs) is not None:

@@ -67,6 +67,7 @@ class RunRequest:
     save_latents: str | None = None
     dtype: str | None = None
     simulate: bool = False
+    weights: str | None = None  # --weights spec (fp8, int8, transformer=fp8,...); None: the plan's
     overwrite: bool = False  # replace an existing --output / --save-latents
     track_activations: bool = False  # per-op activation tracking on CPU (always on under simulate)
 
@@ -152,7 +153,8 @@ def make_run_plan(source, request: RunRequest, inputs: InputSpec):
 
     options = PlanOptions(max_memory=request.max_memory, strategy=request.device_map, mode=request.mode,
                           overhead=request.overhead,
-                          inputs=inputs, dtype=parse_dtype(request.dtype) if request.dtype else None)
+                          inputs=inputs, dtype=parse_dtype(request.dtype) if request.dtype else None,
+                          weights=request.weights)
     try:
         plan = make_plan(str(source.root), options)
     except DoesNotFitError as error:  # name the SOURCE as the user gave it (the demo is a cache path)
@@ -161,8 +163,10 @@ def make_run_plan(source, request: RunRequest, inputs: InputSpec):
     return plan
 
 
-def check_plan_matches(plan, source, inputs: InputSpec, dtype: str | None, where: str) -> None:
-    """A plan made for another model, other inputs or another dtype is refused, with every mismatch at once."""
+def check_plan_matches(plan, source, inputs: InputSpec, dtype: str | None, where: str,
+                       weights: str | None = None) -> None:
+    """A plan made for another model, other inputs, another dtype or other weight storage is refused,
+    with every mismatch at once."""
     problems: list[str] = []
     ours = config_digest(source)
     names = {c.name for c in source.components}
@@ -186,6 +190,13 @@ def check_plan_matches(plan, source, inputs: InputSpec, dtype: str | None, where
                             + (f" (drop {flag} or give {wanted})" if key != "batch_size" else " (dmap run makes batch 1)"))
     if dtype and plan.dtype and parse_dtype(dtype) != plan.dtype:
         problems.append(f"it was made for {plan.dtype}, this run asks for {dtype} (drop --dtype)")
+    if weights is not None:
+        from .weight_formats import parse_weights_spec, storage_dtype
+
+        for name, fmt in parse_weights_spec(weights, sorted(names)).items():
+            stored, wanted = storage_dtype(plan.weights.get(name), plan.dtype), storage_dtype(fmt, plan.dtype)
+            if stored != wanted:
+                problems.append(f"it stores '{name}' as {stored}, this run asks for {wanted} (drop --weights)")
     if problems:
         raise UsageError(f"{where} does not match this run: " + "; ".join(problems)
                          + f". Plan again with dmap plan {source.spec} --output PLAN.json, or run without --device-map.")

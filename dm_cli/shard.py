@@ -33,6 +33,7 @@ from .checkpoint import WEIGHT_STEMS, find_component_weights, open_checkpoint, r
 from .errors import CheckpointError, DmapError, SourceError, UsageError
 from .swap import MARKS, TEMP_MARK, SwapFolder, fsync_dir, hidden_name, publish, recover, swap_in_place
 from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
+from .weight_formats import KEPT_BY_DEFAULT, STORAGE_DTYPES
 
 MIN_SHARD_SIZE = 10**6  # below 1 MB a "shard" is a mistake, not a choice
 COPY_CHUNK = 64 << 20  # bytes per copy_file_range call: keeps the progress bar moving
@@ -562,7 +563,8 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
             f"--max-shard-size {max_shard_size} is below the {format_size(min_shard_size)} minimum: use 0 for one file, "
             f"or a size such as 500MB or 5GB."
         )
-    target_dtype = parse_dtype(dtype) if dtype else None
+    fp8 = dtype is not None and dtype.strip().lower() in ("fp8", "float8", "float8_e4m3fn")
+    target_dtype = STORAGE_DTYPES["fp8"] if fp8 else parse_dtype(dtype) if dtype else None
     if variant is not None and not re.fullmatch(r"\w+", variant):
         raise UsageError(f"--variant '{variant}' must be a plain word such as fp16.")
     source = _resolve(source_spec)
@@ -586,8 +588,11 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
             folder = "" if source.kind == "component" else comp.name
         planned = []
         converted = 0
+        cast = None
+        if fp8:  # as --weights fp8: a pipeline's VAE keeps its dtype
+            cast = set() if source.kind == "pipeline" and comp.name in KEPT_BY_DEFAULT else _fp8_tensors(comp)
         for st in weights.tensors:
-            out = target_dtype if (target_dtype and st.dtype in CONVERTIBLE) else st.dtype
+            out = target_dtype if (target_dtype and st.dtype in CONVERTIBLE and (cast is None or st.name in cast)) else st.dtype
             converted += out != st.dtype
             planned.append(PlannedTensor(st, out))
         shards, index_name = plan_shards(planned, limit, stem, out_variant, weights.metadata)
@@ -618,6 +623,18 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
             raise UsageError(f"The output {out_path} exists and is not a folder.")
     result = ShardResult(source_spec, source.kind, out_path, limit, target_dtype, variant, False, in_place, components)
     return result, source, legacy
+
+
+def _fp8_tensors(comp) -> set[str]:
+    """Names (tied aliases included) that layerwise casting stores in fp8: the rest keeps its dtype."""
+    from .skeleton import skeleton_for_component
+
+    if comp.config is None:
+        raise UsageError(f"--dtype fp8 needs the config of '{comp.name}' to know which layers stay in high precision: "
+                         "shard its folder with config.json.")
+    skeleton, _ = skeleton_for_component(comp)
+    cast = {t.name for t in skeleton.tensors if "fp8" in t.low_precision}
+    return cast | {alias for group in skeleton.tie_groups if group[0] in cast for alias in group[1:]}
 
 
 def _check_output_parent(out_path: Path) -> None:

@@ -9,13 +9,14 @@ and activation peaks depend on the inputs, so they live beside it in the trace c
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .cache import cache_key, read_cached, write_cached
 from .errors import DmapError, SourceError
 from .units import DTYPE_BYTES, FLOATING_DTYPES, numel
+from .weight_formats import STORAGE_DTYPES, low_precision_bytes, low_precision_tags
 
-SKELETON_FORMAT_VERSION = 2
+SKELETON_FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -25,18 +26,26 @@ class TensorInfo:
     dtype: str  # as built (float32 on meta) or as stored in the checkpoint
     kind: str  # "param", "buffer" (persistent) or "buffer_np" (non-persistent: not in checkpoints)
     fp32_when: tuple[str, ...] = ()  # target dtypes for which this tensor stays float32
+    low_precision: tuple[str, ...] = ()  # weight formats that store it in low precision (weight_formats.py)
 
     @property
     def numel(self) -> int:
         return numel(self.shape)
 
-    def dtype_at(self, target: str | None) -> str:
-        """The dtype this tensor has once the component is loaded at `target` (None: as stored)."""
-        if target is None or self.dtype not in FLOATING_DTYPES:
+    def dtype_at(self, target: str | None, weights: str | None = None) -> str:
+        """The dtype this tensor has once the component is loaded at `target` (None: as stored),
+        with its weights stored as `weights` (fp8, int8; None: in the run dtype)."""
+        if self.dtype not in FLOATING_DTYPES:
             return self.dtype  # integer buffers are never cast
+        if weights is not None and weights in self.low_precision:
+            return STORAGE_DTYPES[weights]
+        if target is None:
+            return self.dtype
         return "float32" if target in self.fp32_when else target
 
-    def bytes_at(self, target: str | None) -> int:
+    def bytes_at(self, target: str | None, weights: str | None = None) -> int:
+        if weights is not None and weights in self.low_precision and self.dtype in FLOATING_DTYPES:
+            return low_precision_bytes(weights, self.shape, self.numel)
         return self.numel * DTYPE_BYTES[self.dtype_at(target)]
 
 
@@ -68,22 +77,30 @@ class Skeleton:
     def params(self) -> int:
         return sum(t.numel for t in self.tensors if t.kind == "param")
 
-    def bytes_at(self, dtype: str | None) -> int:
-        return sum(t.bytes_at(dtype) for t in self.tensors)
+    def bytes_at(self, dtype: str | None, weights: str | None = None) -> int:
+        return sum(t.bytes_at(dtype, weights) for t in self.tensors)
 
     def default_dtype(self) -> str | None:
         """Stored dtype for checkpoints (None: as stored), bfloat16 for config-only skeletons."""
         return None if self.stored else "bfloat16"
 
-    def dominant_dtype(self, dtype: str | None) -> str:
+    def dominant_dtype(self, dtype: str | None, weights: str | None = None) -> str:
         counts: dict[str, int] = {}
         for t in self.tensors:
             if t.kind == "param":
-                d = t.dtype_at(dtype)
+                d = t.dtype_at(dtype, weights)
                 counts[d] = counts.get(d, 0) + t.numel
         return max(counts, key=counts.get) if counts else (dtype or "float32")
 
-    def module_sizes(self, dtype: str | None) -> dict[str, ModuleSize]:
+    def compute_dtype(self) -> str:
+        """The dtype an as-stored component runs in: its dominant dtype, not counting fp8 storage."""
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            if t.kind == "param" and t.dtype in FLOATING_DTYPES and t.dtype not in STORAGE_DTYPES.values():
+                counts[t.dtype] = counts.get(t.dtype, 0) + t.numel
+        return max(counts, key=counts.get) if counts else "bfloat16"
+
+    def module_sizes(self, dtype: str | None, weights: str | None = None) -> dict[str, ModuleSize]:
         """Every module with the params/bytes of its whole subtree, in registration order."""
         sizes = {
             prefix: ModuleSize(prefix, cls, 0, 0, cls in self.no_split_modules, []) for prefix, cls in self.modules
@@ -97,7 +114,7 @@ class Skeleton:
                     parent = parent.rpartition(".")[0]
                 sizes[parent].children.append(prefix)
         for tensor in self.tensors:
-            nbytes = tensor.bytes_at(dtype)
+            nbytes = tensor.bytes_at(dtype, weights)
             numel = tensor.numel if tensor.kind == "param" else 0
             prefix = tensor.name.rpartition(".")[0]
             seen_root = False
@@ -111,9 +128,9 @@ class Skeleton:
                 prefix = prefix.rpartition(".")[0]
         return sizes
 
-    def blocks(self, dtype: str | None) -> list[ModuleSize]:
+    def blocks(self, dtype: str | None, weights: str | None = None) -> list[ModuleSize]:
         """Top-level no-split blocks: the units a split never cuts through."""
-        sizes = self.module_sizes(dtype)
+        sizes = self.module_sizes(dtype, weights)
         found: list[ModuleSize] = []
 
         def walk(prefix: str) -> None:
@@ -127,8 +144,8 @@ class Skeleton:
         walk("")
         return found
 
-    def largest_block(self, dtype: str | None) -> ModuleSize | None:
-        blocks = self.blocks(dtype)
+    def largest_block(self, dtype: str | None, weights: str | None = None) -> ModuleSize | None:
+        blocks = self.blocks(dtype, weights)
         return max(blocks, key=lambda b: b.bytes) if blocks else None
 
     # --- JSON ---------------------------------------------------------------------------------
@@ -142,7 +159,8 @@ class Skeleton:
             "class": self.cls,
             "no_split_modules": self.no_split_modules,
             "modules": [list(m) for m in self.modules],
-            "tensors": [[t.name, list(t.shape), t.dtype, t.kind, list(t.fp32_when)] for t in self.tensors],
+            "tensors": [[t.name, list(t.shape), t.dtype, t.kind, list(t.fp32_when), list(t.low_precision)]
+                        for t in self.tensors],
             "tie_groups": self.tie_groups,
             "stored": self.stored,
         }
@@ -157,7 +175,7 @@ class Skeleton:
             cls=data["class"],
             no_split_modules=list(data["no_split_modules"]),
             modules=[(m[0], m[1]) for m in data["modules"]],
-            tensors=[TensorInfo(t[0], tuple(t[1]), t[2], t[3], tuple(t[4])) for t in data["tensors"]],
+            tensors=[TensorInfo(t[0], tuple(t[1]), t[2], t[3], tuple(t[4]), tuple(t[5])) for t in data["tensors"]],
             tie_groups=[list(g) for g in data["tie_groups"]],
             stored=bool(data.get("stored")),
         )
@@ -170,7 +188,7 @@ class Skeleton:
             for alias in group[1:]:
                 if alias in aliases:
                     source = kept[group[0]]
-                    tensors.append(TensorInfo(alias, source.shape, source.dtype, source.kind, source.fp32_when))
+                    tensors.append(replace(source, name=alias))
             rest = [group[0]] + [a for a in group[1:] if a not in aliases]
             if len(rest) > 1:
                 groups.append(rest)
@@ -180,7 +198,8 @@ class Skeleton:
     def with_checkpoint_dtypes(self, stored: dict[str, str]) -> "Skeleton":
         """Same skeleton, dtypes as a checkpoint stores them (names it lacks keep the built dtype)."""
         tensors = [
-            TensorInfo(t.name, t.shape, stored.get(t.name, t.dtype), t.kind, t.fp32_when) for t in self.tensors
+            TensorInfo(t.name, t.shape, stored.get(t.name, t.dtype), t.kind, t.fp32_when, t.low_precision)
+            for t in self.tensors
         ]
         return Skeleton(
             self.name, self.library, self.cls, self.no_split_modules, self.modules, tensors, self.tie_groups, stored=True
@@ -267,6 +286,13 @@ def skeleton_from_model(name: str, library: str | None, model) -> Skeleton:
             dtype = str(buffer.dtype).removeprefix("torch.")
             tensors.append(TensorInfo(full, tuple(buffer.shape), dtype, kind, _fp32_when(full, rules)))
     tie_groups = [[kept, *names] for kept, names in aliases.items() if names]
+    tags = low_precision_tags(model)
+    for index, tensor in enumerate(tensors):
+        members = [tensor.name, *aliases[tensor.name]]
+        formats = {fmt for member in members for fmt in tags.get(member, ())}
+        if len(members) > 1:
+            formats.discard("int8")  # quantizing one user of a shared weight would untie it
+        tensors[index] = replace(tensor, low_precision=tuple(sorted(formats)))
     return Skeleton(name, library, type(model).__name__, _no_split_modules(model), modules, tensors, tie_groups)
 
 

@@ -100,7 +100,8 @@ class StageLoop:
                 cmap = self.device_map(name)
                 where = ", ".join(sorted({str(d) for d in cmap.values()}))
                 self.status(f"Loading {name} ({where})…")
-                model = load_component(self.components[name], cmap, self.plan.dtype, self.simulate)
+                model = load_component(self.components[name], cmap, self.plan.dtype, self.simulate,
+                                       self.plan.weights.get(name))
                 default_dev = str(next(iter(cmap.values())))
                 self.meter.register_weights(model, cmap, default_dev)
                 self._hooks[name] = self.meter.attach(model, cmap, default_dev)

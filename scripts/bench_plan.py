@@ -11,6 +11,9 @@ Reported: bytes offloaded to cpu/disk, device hops along the execution order, th
 the GPU-resident weights on one GPU, whether weights + activations (dmap's meta estimate for the
 inputs) + 600 MB per GPU fit every device, and whether the split check passes (`--check-anchors` also
 checks accelerate's maps: slow). Prints a markdown table; exits 1 if dmap ever offloads more than either.
+Cases with `--weights fp8`: dmap counts each tensor as layerwise casting stores it (norms, embeddings,
+modulation in bf16) plus the compute copy of the largest layer; accelerate knows no per-tensor rule
+and is given the model flat in float8 (`dtype=float8_e4m3fn`); every map is judged with the real bytes.
 
     .venv/bin/python scripts/bench_plan.py [--check-anchors] [--only N[,M...]]
 """
@@ -29,6 +32,7 @@ from dm_cli.inputs import InputSpec  # noqa: E402
 from dm_cli.plan import DEFAULT_GPU_OVERHEAD, PlanOptions, make_plan, prepare_component  # noqa: E402
 from dm_cli.sources import resolve_source  # noqa: E402
 from dm_cli.units import parse_device_spec  # noqa: E402
+from dm_cli.weight_formats import STORAGE_DTYPES, parse_weights_spec  # noqa: E402
 
 
 @dataclass
@@ -39,10 +43,15 @@ class Case:
     size: int  # height (and width unless given)
     width: int | None = None
     frames: int | None = None  # video pipelines (Wan)
+    weights: str | None = None  # --weights (fp8: accelerate is then given a flat fp8 size, its only way)
 
     @property
     def inputs(self) -> InputSpec:
         return InputSpec(self.size, self.width or self.size, num_frames=self.frames)
+
+    @property
+    def model(self) -> str:
+        return f"{self.preset} {self.dtype}" + (f" +{self.weights}" if self.weights else "")
 
     @property
     def label(self) -> str:
@@ -77,6 +86,11 @@ CASES = [
     Case("wan2.2", "bf16", "0=80GB,cpu=128GB", 480, 832, 81),
     Case("wan2.2", "bf16", "0=16GB,1=16GB,2=16GB,3=16GB,cpu=128GB", 480, 832, 81),
     Case("wan2.2", "bf16", "0=48GB,1=48GB,cpu=128GB", 720, 1280, 81),
+    Case("flux", "bf16", "0=12GB,1=12GB,cpu=64GB", 1024, weights="fp8"),
+    Case("flux", "bf16", "0=16GB,cpu=64GB", 1024, weights="fp8"),
+    Case("flux2", "bf16", "0=24GB,1=24GB,cpu=128GB", 1024),
+    Case("flux2", "bf16", "0=24GB,1=24GB,cpu=128GB", 1024, weights="fp8"),
+    Case("wan2.2", "bf16", "0=16GB,1=16GB,cpu=128GB", 480, 832, 81, weights="fp8"),
 ]
 
 _META_MODELS: dict = {}
@@ -110,7 +124,7 @@ def evaluate_map(prepared, device_map: dict, budgets) -> dict:
     weights: dict = {}
     for tensor in skeleton.tensors:
         device = device_of(device_map, tensor.name)
-        weights[device] = weights.get(device, 0) + tensor.bytes_at(prepared.dtype)
+        weights[device] = weights.get(device, 0) + tensor.bytes_at(prepared.dtype, prepared.weights)
     main = next((d for d in device_map.values() if d in gpu_keys), "cpu")
     offloaded = sum(v for k, v in weights.items() if k not in gpu_keys)
     hops, last, acts, reserve = 0, None, {}, 0
@@ -186,22 +200,26 @@ def run_case(case: Case, check_anchors: bool) -> dict:
     inputs = case.inputs
     budgets = parse_device_spec(case.budget)
     started = time.perf_counter()
-    plan = make_plan(case.preset, PlanOptions(case.budget, inputs=inputs, dtype=case.dtype))
+    plan = make_plan(case.preset, PlanOptions(case.budget, inputs=inputs, dtype=case.dtype, weights=case.weights))
     elapsed = time.perf_counter() - started
     source = resolve_source(case.preset)
     denoiser = "transformer" if any(c.name == "transformer" for c in source.components) else "unet"
-    prepared_all = [prepare_component(c, source.pipeline_class, inputs, plan.dtype) for c in source.components]
+    formats = parse_weights_spec(case.weights, [c.name for c in source.components])
+    prepared_all = [prepare_component(c, source.pipeline_class, inputs, plan.dtype, weights=formats)
+                    for c in source.components]
     prepared = next(p for p in prepared_all if p.spec.name == denoiser)
-    alone = make_plan(case.preset, PlanOptions(case.budget, inputs=inputs, dtype=case.dtype, component=denoiser))
+    alone = make_plan(case.preset, PlanOptions(case.budget, inputs=inputs, dtype=case.dtype, component=denoiser,
+                                               weights=case.weights))
     dmap_alone = evaluate_map(prepared, alone.components[denoiser].device_map, budgets)
     dmap_alone["check"] = not alone.check.get("problems")
     # the same accounting as accelerate: weights only, no activations, no GPU overhead
     bare = make_plan(case.preset, PlanOptions(case.budget, inputs=InputSpec(0, 0, num_frames=case.frames), dtype=case.dtype,
-                                              component=denoiser))
+                                              component=denoiser, weights=case.weights))
     dmap_bare = evaluate_map(prepared, bare.components[denoiser].device_map, budgets)
     dmap_bare["check"] = not bare.check.get("problems")
     anchors = {}
-    for name, device_map in accelerate_maps(prepared.source, plan.dtype, budgets).items():
+    flat = STORAGE_DTYPES[prepared.weights] if prepared.weights == "fp8" else plan.dtype
+    for name, device_map in accelerate_maps(prepared.source, flat, budgets).items():
         result = evaluate_map(prepared, device_map, budgets)
         result["check"] = None
         if check_anchors and len(set(device_map.values())) > 1:
@@ -234,7 +252,7 @@ def main() -> int:
     cases = CASES if args.only is None else [CASES[int(n) - 1] for n in args.only.split(",")]
     rows, violations = [], []
     for index, case in enumerate(cases, 1):
-        print(f"[{index}/{len(cases)}] {case.preset} {case.dtype} {case.budget} {case.label}", file=sys.stderr)
+        print(f"[{index}/{len(cases)}] {case.model} {case.budget} {case.label}", file=sys.stderr)
         rows.append(run_case(case, args.check_anchors))
     print("\n### Pipeline level: dmap plan vs diffusers \"balanced\" (GB offloaded to cpu; fits = weights + activations + 600 MB/GPU)\n")
     print("| # | model | devices | input | dmap mode | dmap offload | dmap hops | dmap max share | dmap fits | dmap check | diffusers offload | diffusers fits | diffusers map | plan s |")
@@ -243,7 +261,7 @@ def main() -> int:
         case, plan, diff = row["case"], row["plan"], row["diffusers"]
         share = plan_share(plan)
         check = plan.check
-        print(f"| {index} | {case.preset} {case.dtype} | {case.budget} | {case.label} | {plan.mode} | "
+        print(f"| {index} | {case.model} | {case.budget} | {case.label} | {plan.mode} | "
               f"{gb(plan.offloaded_bytes)} | {plan.hops} | {share:.2f} | {yes(row['peaks_ok'])} | "
               f"{yes(not check.get('problems')) if check.get('ran') else '—'} | {gb(diff['offloaded'])} | "
               f"{yes(diff['fits'])} | {fmt_map(diff['map'])} | {row['seconds']:.2f} |")
@@ -259,7 +277,7 @@ def main() -> int:
         case = row["case"]
         cells = [cell(row["dmap_alone"]), cell(row["dmap_bare"])] + [
             cell(row["accelerate"][k]) for k in ("sequential", "balanced", "balanced_low_0")]
-        print(f"| {index} | {case.preset} {case.dtype} {case.label} | {row['denoiser']} | {case.budget} | "
+        print(f"| {index} | {case.model} {case.label} | {row['denoiser']} | {case.budget} | "
               + " | ".join(cells) + " |")
         least = min(r["offloaded"] for r in row["accelerate"].values())
         if row["dmap_bare"]["offloaded"] > least:

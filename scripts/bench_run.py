@@ -10,14 +10,17 @@ Rows:
 - diffusers' own pipeline call: `StableDiffusionPipeline.from_pretrained(folder)(prompt, ...)`;
 - the diffusers "distributed inference" recipe written by hand (encode, free, denoise from embeddings,
   free, decode);
-- `dmap run --device-map plan.json` with a plan made beforehand by `dmap plan ... --output`;
-- `dmap run` planning inline (warm cache), what a user types.
+- `dmap run` planning inline (warm cache), what a user types;
+- the same with `--track-activations`: the op-by-op activation tracker that plain CPU runs used before
+  (it runs during encode, decode and the first 2 denoising steps).
 
-Columns: "in-process" wall starts after the same imports on every side (torch, diffusers,
-transformers; dmap's own modules too for dmap) and ends when the PNG is written: loading, planning or
-reading the plan, encode, every denoising step, decode, rendering the summary. "process" is the whole
-subprocess (interpreter start, imports, exit). Ratios are against diffusers' own call in the same
-column and step count; "best" is the fastest run (noise on a shared machine only adds time).
+Columns: "in-process" starts after the same imports on every side (torch, diffusers, transformers;
+dmap's own modules too for dmap) and ends when the PNG is written: loading, planning, encode, every
+denoising step, decode, rendering the summary. "CPU s" is the CPU time (user + system) of that part:
+with one torch thread it is the work itself, and it barely moves when other jobs share the machine,
+where wall time moves by tens of percent; "wall s" is the same part on the clock; "process s" is
+the whole subprocess (interpreter start, imports, exit). Ratios are against diffusers' own call in
+the same column and step count; medians over the runs.
 
 torch runs on ONE intra-op thread by default (--threads N to change; 0 = torch's default), so a
 neighbour on another core does not turn thread barriers into noise.
@@ -91,13 +94,14 @@ from transformers import CLIPTextModel, CLIPTokenizer
 
 DONE = r"""
 wall = time.perf_counter() - t
-print(json.dumps({"wall": wall, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+cpu = sum(os.times()[:2]) - cpu0
+print(json.dumps({"wall": wall, "cpu": cpu, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
 DMAP = r"""
 from dm_cli.cli import main  # dmap's own modules: outside the in-process clock, inside the process one
 import dm_cli.cli.run, dm_cli.plan, dm_cli.render.plan, dm_cli.render.run, dm_cli.runner
-t = time.perf_counter()
+t, cpu0 = time.perf_counter(), sum(os.times()[:2])
 try:
     main(ARGS)
 except SystemExit as done:
@@ -106,7 +110,7 @@ except SystemExit as done:
 """ + DONE
 
 DIFFUSERS_CALL = r"""
-t = time.perf_counter()
+t, cpu0 = time.perf_counter(), sum(os.times()[:2])
 pipe = StableDiffusionPipeline.from_pretrained(FOLDER)
 pipe.set_progress_bar_config(disable=True)
 image = pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE,
@@ -117,7 +121,7 @@ image.save(OUT)
 # diffusers' "distributed inference" recipe, written by hand for this pipeline.
 RECIPE = r"""
 import gc
-t = time.perf_counter()
+t, cpu0 = time.perf_counter(), sum(os.times()[:2])
 pipe = StableDiffusionPipeline.from_pretrained(FOLDER, unet=None, vae=None)
 with torch.no_grad():
     pe, npe = pipe.encode_prompt(PROMPT, "cpu", 1, GUIDANCE > 1, None)
@@ -192,20 +196,14 @@ def main() -> None:
     threads = options.threads
     step_counts = [int(s) for s in options.steps.split(",")]
     folder = build_pipeline(Path(options.model_dir or tmp / "sd15-mid"))  # outside any timing
-    plan_path = str(tmp / "plan.json")
-    proc = subprocess.run([sys.executable, "-m", "dm_cli", "plan", str(folder), "--height", str(SIZE), "--width",
-                           str(SIZE), "--guidance-scale", str(GUIDANCE), "--output", plan_path, "--overwrite", "-q"],
-                          capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"dmap plan failed:\n{proc.stderr[-3000:]}")
-    mode = json.loads(Path(plan_path).read_text())["mode"]
     kinds = {
         BASE_ROW: lambda steps, out: _once(DIFFUSERS_CALL, folder, steps, out, threads),
         "diffusers staged recipe (hand-written)": lambda steps, out: _once(RECIPE, folder, steps, out, threads),
-        f"dmap run --device-map plan.json ({mode})":
-            lambda steps, out: _once(DMAP, folder, steps, out, threads, _run_args(folder, steps, out, plan_path)),
         "dmap run (plans inline, warm cache)":
             lambda steps, out: _once(DMAP, folder, steps, out, threads, _run_args(folder, steps, out, None)),
+        "dmap run --track-activations (per-op tracker, the old CPU default)":
+            lambda steps, out: _once(DMAP, folder, steps, out, threads,
+                                     _run_args(folder, steps, out, None) + ["--track-activations"]),
     }
     warm = str(tmp / "warm.png")  # warms dmap's cache and the OS page cache
     _once(DMAP, folder, 1, warm, threads, _run_args(folder, 1, warm, None))
@@ -222,22 +220,20 @@ def main() -> None:
 
     print(f"SD 1.5-architecture pipeline, random weights: UNet widths {UNET_WIDTHS} (fp32), {SIZE}x{SIZE}, CFG "
           f"{GUIDANCE}, seed {SEED}, CPU, torch threads {threads or 'default'}; {options.repeats} runs of each "
-          "(subprocesses, alternating); best = fastest run\n")
-    print("| steps | runner | in-process s, median | ratio | in-process s, best | ratio | process s, median | ratio "
+          "(subprocesses, alternating)\n")
+    print("| steps | runner | in-process CPU s | ratio | in-process wall s | ratio | process wall s | ratio "
           "| peak RSS | same pixels |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|:---:|")
     for steps in step_counts:
         reference = _pixels(outputs[(steps, BASE_ROW)])
-        med = {k: statistics.median(r["wall"] for r in runs[(steps, k)]) for k in kinds}
-        best = {k: min(r["wall"] for r in runs[(steps, k)]) for k in kinds}
-        proc_med = {k: statistics.median(r["process"] for r in runs[(steps, k)]) for k in kinds}
+        med = {(k, col): statistics.median(r[col] for r in runs[(steps, k)]) for k in kinds
+               for col in ("cpu", "wall", "process")}
         rss = {k: max(r["rss"] for r in runs[(steps, k)]) for k in kinds}
         for k in kinds:
             same = "yes" if np.array_equal(_pixels(outputs[(steps, k)]), reference) else "NO"
-            print(f"| {steps} | {k} | {med[k]:.2f} | {med[k] / med[BASE_ROW]:.3f} | {best[k]:.2f} | "
-                  f"{best[k] / best[BASE_ROW]:.3f} | {proc_med[k]:.2f} | {proc_med[k] / proc_med[BASE_ROW]:.3f} | "
-                  f"{rss[k] / 1e6:.0f} MB | {same} |")
-
+            cells = " | ".join(f"{med[(k, col)]:.2f} | {med[(k, col)] / med[(BASE_ROW, col)]:.3f}"
+                               for col in ("cpu", "wall", "process"))
+            print(f"| {steps} | {k} | {cells} | {rss[k] / 1e6:.0f} MB | {same} |")
 
 if __name__ == "__main__":
     main()

@@ -46,7 +46,7 @@ def main() -> int:
         write_random_pipeline(root, root, seed=0, max_shard_size="200MB", dtype="bfloat16")
     request = RunRequest(source=str(root), prompt="a red fox in the snow", max_memory=f"0={args.gpu_budget},cpu=64GB",
                          mode="staged", steps=args.steps, height=args.size, width=args.size,
-                         output=str(root.parent / "gpu-check.png"))
+                         output=str(root.parent / "gpu-check.png"), overwrite=True)
     result = run(request, on_plan=lambda plan: print(json.dumps(
         {n: c["device_map"] for n, c in plan["components"].items()}, indent=1)))
     print("| stage | device | measured peak | planned peak_bytes | measured/planned |")

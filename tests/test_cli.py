@@ -216,3 +216,21 @@ def test_legacy_bin_weights_are_sized_at_their_stored_dtype(tmp_path):
     report = inspect_source(str(folder))
     assert report.components[0].dtype == "bfloat16"
     assert any("were not read" in note and "assume bf16" in note for note in report.notes)
+
+
+def test_the_contracts_are_in_the_repository_and_cover_the_plan_json():
+    from conftest import REPO
+
+    contracts = (REPO / "docs" / "CONTRACTS.md").read_text()
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        assert "DESIGN.md" not in doc.read_text(), doc
+    for code in ("| 0 |", "| 1 |", "| 2 |", "| 3 |", "| 130 |"):
+        assert code in contracts
+    code, out, err = run_dmap("plan", "tiny-sd15", "-m", "0=1GB,cpu=2GB,disk", "--height", "64", "--json")
+    plan = json.loads(out)
+    keys = set(plan) | {f"devices.*.{k}" for d in plan["devices"].values() for k in d}
+    keys |= {f"components.*.{k}" for c in plan["components"].values() for k in c}
+    keys |= {f"stages[*].{k}" for s in plan["stages"] for k in s} | {f"inputs.{k}" for k in plan["inputs"]}
+    for key in sorted(keys):
+        name = key.rpartition(".")[2]
+        assert re.search(rf"[`.\"]{re.escape(name)}[`\"]", contracts), f"{key} is not documented in docs/CONTRACTS.md"

@@ -9,6 +9,8 @@ def inspect(
     source: str = typer.Argument(..., metavar="SOURCE", help="Pipeline/component folder, .safetensors, index JSON, preset or Hub repo id."),
     dtype: str | None = typer.Option(None, "--dtype", help="Size at bf16|fp16|fp32 (default: as stored, bf16 for configs)."),
     component: str | None = typer.Option(None, "--component", "-c", help="Only this component."),
+    weights: str | None = typer.Option(None, "--weights", "-w",
+                                       help="Size with weights stored as fp8 | int8 (every component but the VAE), or per component: transformer=fp8,text_encoder=fp8."),
     depth: int = typer.Option(0, "--depth", min=0, help="Also show the module tree to this depth."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (schema in README) instead of a table."),
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
@@ -21,7 +23,8 @@ def inspect(
 
     with status(f"Inspecting {source}: reading configs and headers…"):
         report = inspect_source(
-            source, dtype=parse_dtype(dtype) if dtype else None, component=component, depth=depth, use_cache=not no_cache
+            source, dtype=parse_dtype(dtype) if dtype else None, component=component, depth=depth, use_cache=not no_cache,
+            weights=weights,
         )
     if as_json:
         from ._output import print_json

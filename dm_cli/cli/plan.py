@@ -20,6 +20,8 @@ def plan(
     frames: int | None = typer.Option(None, "--frames", help="Video pipelines: frames to generate, 4k+1 for Wan (default: the pipeline's, 81)."),
     fps: int | None = typer.Option(None, "--fps", help="Video pipelines: frames per second of the video (default: the pipeline's)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: as stored, bf16 for configs)."),
+    weights: str | None = typer.Option(None, "--weights", "-w",
+                                       help="Store weights as fp8 | int8 and compute in --dtype (every component but the VAE), or per component: transformer=fp8,text_encoder=fp8."),
     overhead: str | None = typer.Option(None, "--overhead",
                                         help="Per-device overhead, e.g. 0=600MB,1=600MB (default 600MB per GPU, 0 for cpu)."),
     component: str | None = typer.Option(None, "--component", "-c", help="Plan this component only."),
@@ -43,7 +45,7 @@ def plan(
                            num_images=num_images, guidance_scale=guidance_scale,
                            max_sequence_length=max_sequence_length, strategy=strategy, mode=mode, dtype=dtype,
                            overhead=overhead, component=component, check=not no_check, use_cache=not no_cache,
-                           num_frames=frames, fps=fps)
+                           num_frames=frames, fps=fps, weights=weights)
     if output:
         write_plan(result, output)
     if as_json:

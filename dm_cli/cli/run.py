@@ -36,6 +36,8 @@ def run(
                                            "each with a JSON sidecar; with --prompts the folder (default dmap-out)."),
     save_latents: str | None = typer.Option(None, "--save-latents", help="Also write the final latents (safetensors)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: the plan's, as stored)."),
+    weights: str | None = typer.Option(None, "--weights", "-w",
+                                       help="Store weights as fp8 | int8, compute in --dtype (every component but the VAE), or per component: transformer=fp8 (default: the plan's)."),
     simulate: bool = typer.Option(False, "--simulate",
                                   help="Run every planned device on this CPU with the split check (plans for GPUs you lack)."),
     overwrite: bool = typer.Option(False, "--overwrite",
@@ -91,7 +93,7 @@ def run(
         overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, seed=seed, height=height, width=width,
         num_images=num_images, max_sequence_length=max_sequence_length, num_frames=frames, fps=fps,
         output=output or "dmap.png", save_latents=save_latents, dtype=dtype, simulate=simulate, overwrite=overwrite,
-        track_activations=track_activations,
+        track_activations=track_activations, weights=weights,
     )
     if as_json:
         result = run_pipeline(request)

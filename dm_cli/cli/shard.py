@@ -10,7 +10,7 @@ def shard(
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", "-s",
                                        help="Largest file: 5GB = 5e9 bytes, 5GiB = 5*2^30; 0 = one file per component."),
     output: str | None = typer.Option(None, "--output", "-o", help="Folder to create (default: SOURCE-sharded beside it)."),
-    dtype: str | None = typer.Option(None, "--dtype", help="Convert floating tensors to bf16|fp16|fp32 (one at a time)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Convert floating tensors to bf16|fp16|fp32, or fp8: the layers layerwise casting stores in float8_e4m3fn (norms, embeddings, modulation and a pipeline's VAE keep their dtype)."),
     variant: str | None = typer.Option(None, "--variant", help="Read and write this variant, e.g. fp16."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the shard layout; write nothing."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the output folder if it exists."),

@@ -80,10 +80,10 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
     pipe_rows = []
     for name, comp in plan.components.items():
         devices = ", ".join(_device_label(str(d)) for d in sorted(comp.devices, key=device_rank))
-        pipe_rows.append([name, comp.cls, comp.stage, size(comp.weights_bytes), devices,
+        pipe_rows.append([name, comp.cls, comp.stage, plan.weights.get(name) or plan.dtype, size(comp.weights_bytes), devices,
                           size(comp.offloaded_bytes) if comp.offloaded_bytes else "-", str(comp.hops)])
     print_table(out, "hf_device_map (pipeline level)",
-                [Col("component"), Col("class", drop=2), Col("stage", drop=3), Col("weights", number=True),
+                [Col("component"), Col("class", drop=2), Col("stage", drop=3), Col("stored as", drop=3), Col("weights", number=True),
                  Col("devices"), Col("offloaded", number=True), Col("hops", number=True, drop=3)], pipe_rows)
     for name, comp in plan.components.items():
         if not comp.is_split:
