@@ -1,3 +1,28 @@
-"""dmap: plan, shard and run big diffusion models across GPUs, CPU and disk."""
+"""dmap: plan, shard and run big diffusion models across GPUs, CPU and disk.
+
+The Python API is `plan`, `load` and `dispatch` (the names in `__all__`; README "Python API"):
+
+    plan = dm_cli.plan("path/to/flux", max_memory="0=16GB,1=16GB")   # -> Plan
+    with dm_cli.load("path/to/flux", plan) as pipe:                   # -> dm_cli.api.Pipeline
+        for out in pipe.generate(["a red fox", "a cat"], seed=0):
+            out.image.save(f"{out.index}.png")
+    dm_cli.dispatch(diffusers_pipe, plan)                             # place an existing pipeline
+
+Nothing else in the package is promised to stay. Importing dm_cli imports no torch.
+"""
 
 __version__ = "0.1.0"
+__all__ = ["plan", "load", "dispatch", "__version__"]
+
+
+def __getattr__(name: str):
+    """The API on first use: `dmap --help` must not pay for it."""
+    if name in ("load", "dispatch"):
+        from . import api
+
+        return getattr(api, name)
+    if name == "plan":  # the dm_cli.plan module is callable: dm_cli.plan(...) is dm_cli.api.plan(...)
+        import importlib
+
+        return importlib.import_module(".plan", __name__)
+    raise AttributeError(f"module 'dm_cli' has no attribute '{name}'")

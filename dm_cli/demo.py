@@ -92,7 +92,7 @@ def ensure_demo() -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-demo-"))
     try:
-        _write_configs(DEMO_CONFIGS, staging)
+        write_configs(DEMO_CONFIGS, staging)
         write_random_pipeline(staging, staging, seed=DEMO_SEED, max_shard_size=DEMO_SHARD_SIZE)
         try:
             os.replace(staging, folder)
@@ -125,7 +125,7 @@ def _intact(folder: Path) -> bool:
     return True
 
 
-def _write_configs(configs: dict, root: Path) -> None:
+def write_configs(configs: dict, root: Path) -> None:
     (root / "model_index.json").write_text(json.dumps(configs["model_index"], indent=2))
     for name, config in configs.items():
         if name == "model_index":

@@ -25,7 +25,7 @@ from .errors import CheckpointError, DoesNotFitError, SourceError, UsageError
 from .families import Family, Job, default_size, family_for, supported_pipelines
 from .inputs import InputSpec
 from .sources import config_digest
-from .stages import StageLoop, StageResult
+from .stages import StageResult
 from .units import parse_dtype
 
 # Peak host RAM during a component's load may exceed the largest shard by this much: the Python
@@ -371,86 +371,61 @@ def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
 
 
 def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunResult:
+    """One prompt through the API's pipeline (`dm_cli.api.Pipeline`), every stage measured."""
+    from .api import Pipeline
     from .atomic import refuse_existing
-    from .plan import load_plan
 
-    status = on_status or (lambda message: None)
     outputs = image_paths(request.output, request.num_images or 1) if request.output else []
     refuse_existing(outputs + ([Path(request.save_latents)] if request.save_latents else []), request.overwrite)
-    is_file = request.device_map.endswith(".json") or Path(request.device_map).is_file()
-    if not is_file and request.device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
-        raise UsageError(f"--device-map must be auto, balanced, balanced_low_0, sequential or a plan JSON file, not '{request.device_map}'.")
-    source, family, demo, defaults, notices = prepare(request, status)
-    plan = load_plan(request.device_map) if is_file else None
-    if plan is not None:  # a plan file's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
-        defaults = {**defaults, **inputs_from_plan(plan)}
-    # Settle the inputs first: the plan is made for (and checked against) them.
-    job = settle_job(request, source, family, defaults)
-    inputs = InputSpec(height=job.height, width=job.width, batch_size=1, num_images=job.num_images,
-                       guidance_scale=job.guidance_scale, max_sequence_length=job.max_sequence_length,
-                       num_frames=job.num_frames)
-    if plan is not None:
-        check_plan_matches(plan, source, inputs, request.dtype, request.device_map, request.weights)
-    # missing or corrupt weights are bad input: say so before importing the libraries or planning
-    largest = {c.name: check_component_files(c) for c in source.components}
-    status("Importing torch, diffusers and transformers…")
-    _quiet_libraries()
-    if plan is None:
-        status(f"Planning {source.spec} (meta-device traces are cached after the first run)…")
-        plan = make_run_plan(source, request, inputs)
-    status(None)
-    if on_plan is not None:
-        on_plan(plan)
-    if not request.simulate:
-        check_devices_present(plan)
-
+    pipeline = Pipeline(request, on_plan=on_plan, on_status=on_status, measure=True)
+    job = pipeline.defaults
     result = RunResult(
-        source=source.spec, pipeline_class=source.pipeline_class, demo=demo, plan=plan, plan_digest=plan_digest(plan),
-        planned_here=not is_file, simulate=request.simulate, seed=job.seed, steps=job.steps,
-        guidance_scale=job.guidance_scale, true_cfg_scale=job.true_cfg_scale, height=job.height, width=job.width,
-        num_images=job.num_images, images=[], latents_path=None, stages=[], notices=notices, num_frames=job.num_frames,
-        fps=(request.fps or family.default_fps) if job.num_frames else None,
+        source=pipeline.source.spec, pipeline_class=pipeline.source.pipeline_class, demo=pipeline.demo,
+        plan=pipeline.plan, plan_digest=pipeline.plan_digest, planned_here=pipeline.planned_here,
+        simulate=request.simulate, seed=job.seed, steps=job.steps, guidance_scale=job.guidance_scale,
+        true_cfg_scale=job.true_cfg_scale, height=job.height, width=job.width, num_images=job.num_images, images=[],
+        latents_path=None, stages=[], notices=pipeline.notices, num_frames=job.num_frames, fps=pipeline.fps,
     )
-    loop = StageLoop(source, plan, family, simulate=request.simulate, tracked_steps=TRACKED_STEPS, largest_shard=largest,
-                     track_activations=request.simulate or request.track_activations, on_status=on_status)
     if freeze:  # what the stages free is collected without walking the libraries (see run())
         gc.freeze()
     try:
-        carry, result.stages = loop.run_job(job, on_step)
+        carry, result.stages = pipeline.run_job(job, on_step)
     finally:
-        loop.close()
-    result.split_check, result.split_problems = loop.split_check, loop.split_problems
+        pipeline.close()
+    result.split_check, result.split_problems = pipeline.split_check, pipeline.split_problems
     if carry.latents is None or not carry.images:
         raise UsageError("The plan has no denoise or decode stage: nothing was generated.")
     result.images_data = carry.images
     result.latents = carry.latents.detach().to("cpu")
+    metadata = pipeline.metadata(job)
     if request.save_latents:
-        result.latents_path = save_latents(result.latents, request.save_latents, _metadata(result, request))
+        result.latents_path = save_latents(result.latents, request.save_latents, metadata)
     if request.output and job.num_frames:
-        result.images = save_videos(carry.images, output_path(request, family), result.fps, _metadata(result, request),
+        result.images = save_videos(carry.images, output_path(request, pipeline.family), result.fps, metadata,
                                     request.overwrite)
     elif request.output:
-        result.images = save_images(carry.images, request.output, _metadata(result, request))
+        result.images = save_images(carry.images, request.output, metadata)
     return result
 
 
 # --- outputs -------------------------------------------------------------------------------
 
 
-def _metadata(result: RunResult, request: RunRequest) -> dict[str, str]:
+def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, demo: bool,
+                 fps: float | None = None) -> dict[str, str]:
+    """The PNG text metadata of one generated job (what a queue's resume compares, see dm_cli.queue)."""
     meta = {
-        "prompt": request.prompt, "seed": str(result.seed), "steps": str(result.steps),
-        "guidance_scale": str(result.guidance_scale), "source": result.source, "pipeline": result.pipeline_class,
-        "height": str(result.height), "width": str(result.width), "plan_digest": result.plan_digest,
-        "dmap_version": __version__,
+        "prompt": job.prompt, "seed": str(job.seed), "steps": str(job.steps), "guidance_scale": str(job.guidance_scale),
+        "source": source_spec, "pipeline": pipeline_class, "height": str(job.height), "width": str(job.width),
+        "plan_digest": digest, "dmap_version": __version__,
     }
-    if result.num_frames:
-        meta.update(num_frames=str(result.num_frames), fps=str(result.fps))
-    if request.negative_prompt is not None:
-        meta["negative_prompt"] = request.negative_prompt
-    if result.true_cfg_scale is not None:
-        meta["true_cfg_scale"] = str(result.true_cfg_scale)
-    if result.demo:
+    if job.num_frames:
+        meta.update(num_frames=str(job.num_frames), fps=str(fps))
+    if job.negative_prompt is not None:
+        meta["negative_prompt"] = job.negative_prompt
+    if job.true_cfg_scale is not None:
+        meta["true_cfg_scale"] = str(job.true_cfg_scale)
+    if demo:
         meta["weights"] = "random (dmap demo pipeline)"
     return meta
 

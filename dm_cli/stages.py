@@ -57,7 +57,7 @@ class StageLoop:
 
     def __init__(self, source, plan, family: Family, *, simulate: bool, tracked_steps: int | None,
                  largest_shard: dict[str, int] | None = None, track_activations: bool | None = None,
-                 on_status: Callable[[str | None], None] | None = None):
+                 on_status: Callable[[str | None], None] | None = None, measure: bool = True):
         import torch
 
         self.source = source
@@ -83,6 +83,8 @@ class StageLoop:
         # nothing per op (the tracker makes a tracked step ~3x slower).
         self.track_activations = simulate if track_activations is None else track_activations
         self.status = on_status or (lambda message: None)
+        # False: no tracker, no RSS sampling at all (a queue wants its images, not per-stage peaks)
+        self.measure = measure
 
     # --- loading ---------------------------------------------------------------------------------
 
@@ -91,7 +93,7 @@ class StageLoop:
 
     def load_stage(self, names: list[str], stage: StageResult | None = None) -> None:
         """Load `names` straight to their planned devices and put them into the pipeline."""
-        with RssSampler() as rss:
+        with RssSampler() if self.measure else contextlib.nullcontext() as rss:
             for name in names:
                 if name in self.loaded:
                     continue
@@ -108,7 +110,7 @@ class StageLoop:
                 self.loaded[name] = model
                 setattr(self.pipe, name, model)
         self.status(None)
-        if stage is not None:
+        if stage is not None and rss is not None:
             stage.load_rss_delta = rss.peak - rss.start
             stage.largest_shard = max([self.largest_shard.get(n, 0) for n in names] + [stage.largest_shard])
 
@@ -227,10 +229,11 @@ class StageLoop:
         self._reset_peaks()
         start = time.perf_counter()
         meter.current[:] = [str(next(iter(self.device_map(names[0]).values())))] if names else ["cpu"]
-        on_cpu = not self.cuda or any(self._device([c]).type == "cpu" for c in names)
+        on_cpu = self.measure and (not self.cuda or any(self._device([c]).type == "cpu" for c in names))
         track = on_cpu and self.track_activations
         sampled = on_cpu and not track
-        stage.tracked = "all" if track else ("process peak RSS" if sampled else "none (CUDA: max_memory_allocated)")
+        stage.tracked = "all" if track else ("process peak RSS" if sampled else "none (CUDA: max_memory_allocated)"
+                                             if self.measure else "not measured")
         rss = RssSampler() if sampled else None
         try:
             with torch.inference_mode(False), torch.no_grad(), (rss or contextlib.nullcontext()):

@@ -147,11 +147,11 @@ def build_pipeline(folder: Path) -> Path:
     """The bench pipeline with random weights (fixed seed), built once."""
     if (folder / "model_index.json").is_file():
         return folder
-    from dm_cli.demo import _write_configs, write_random_pipeline
+    from dm_cli.demo import write_configs, write_random_pipeline
 
     staging = folder.with_name(folder.name + ".tmp")
     staging.mkdir(parents=True, exist_ok=True)
-    _write_configs(CONFIGS, staging)
+    write_configs(CONFIGS, staging)
     write_random_pipeline(staging, staging, seed=0)
     os.replace(staging, folder)
     return folder

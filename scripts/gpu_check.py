@@ -33,7 +33,7 @@ def main() -> int:
         print("No CUDA GPU here: this check needs one.", file=sys.stderr)
         return 2
     os.environ.setdefault("DMAP_CACHE_DIR", tempfile.mkdtemp(prefix="dmap-gpu-check-"))
-    from dm_cli.demo import DEMO_CONFIGS, _write_configs, write_random_pipeline
+    from dm_cli.demo import DEMO_CONFIGS, write_configs, write_random_pipeline
     from dm_cli.runner import RunRequest, run
 
     configs = copy.deepcopy(DEMO_CONFIGS)
@@ -42,7 +42,7 @@ def main() -> int:
     configs["text_encoder_2"].update(d_model=1024, d_ff=2816, num_heads=16, d_kv=64, num_layers=6)
     root = Path(os.environ["DMAP_CACHE_DIR"]) / "gpu-check-pipeline"
     if not (root / "transformer").is_dir():
-        _write_configs(configs, root)
+        write_configs(configs, root)
         write_random_pipeline(root, root, seed=0, max_shard_size="200MB", dtype="bfloat16")
     request = RunRequest(source=str(root), prompt="a red fox in the snow", max_memory=f"0={args.gpu_budget},cpu=64GB",
                          mode="staged", steps=args.steps, height=args.size, width=args.size,

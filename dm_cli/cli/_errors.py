@@ -25,6 +25,12 @@ def click_exception_types() -> tuple[type, type]:
     return click_exception, no_args
 
 
+def usage_error(message: str, ctx) -> Exception:
+    """A click usage error for `ctx`'s command: main() prints its usage line and the message, exit 2."""
+    click_exception, _ = click_exception_types()
+    return sys.modules[click_exception.__module__].UsageError(message, ctx=ctx)
+
+
 def report_error(error: BaseException, debug: bool) -> int:
     """Print the error the way a user should see it and return the exit code."""
     if debug:

@@ -33,19 +33,19 @@ def plan(
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Rebuild skeletons and traces instead of using the cache."),
 ) -> int:
+    from ..api import plan as make_plan
     from ..atomic import refuse_existing
-    from ..inputs import InputSpec
-    from ..plan import PlanOptions, make_plan, write_plan
+    from ..plan import write_plan
     from ..render import status
-    from ..units import parse_dtype
 
     if output:
         refuse_existing([output], overwrite)
-    inputs = InputSpec(height, width, batch_size, num_images, guidance_scale, max_sequence_length, frames, fps)
-    options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
-                          component, not no_check, not no_cache, weights)
     with status(f"Planning {source}: sizing, tracing on the meta device and checking the split…", enabled=not quiet):
-        result = make_plan(source, options)
+        result = make_plan(source, max_memory=max_memory, height=height, width=width, batch_size=batch_size,
+                           num_images=num_images, guidance_scale=guidance_scale,
+                           max_sequence_length=max_sequence_length, strategy=strategy, mode=mode, dtype=dtype,
+                           overhead=overhead, component=component, check=not no_check, use_cache=not no_cache,
+                           num_frames=frames, fps=fps, weights=weights)
     if output:
         write_plan(result, output)
     if as_json:

@@ -1,0 +1,393 @@
+"""dmap's Python API: `dm_cli.plan`, `dm_cli.load`, `dm_cli.dispatch` (the names in `dm_cli.__all__`).
+
+- `plan(source, max_memory=..., height=..., ...)` -> `Plan`: what `dmap plan` prints and writes.
+- `load(source, plan)` -> `Pipeline`: keeps components placed per the plan (resident) or loads them
+  per stage (staged); `Pipeline.generate(prompts, ...)` yields `Generated` (PIL images and their
+  metadata), stage-major in staged mode (each stage's components loaded once per chunk of prompts),
+  and can be called again without reloading resident components.
+- `dispatch(pipe, plan)`: places an existing diffusers pipeline's components per the plan, for
+  users who call `pipe(...)` themselves.
+
+`dmap run` is a thin layer over the same `Pipeline`: `--prompts` goes through `load` and
+`generate` (`dm_cli.queue_runner`), `--prompt` through `Pipeline.run_job` with every stage
+measured (`dm_cli.runner`), so the CLI and a script get the same images for the same seeds.
+Everything else in dm_cli may change.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from .errors import UsageError
+from .queue import QueueItem, chunk_size_for, chunks, default_output_name
+
+# What embeddings and latents waiting between stages may take by default: this share of the RAM
+# available when the queue starts (the components themselves need the rest).
+DEFAULT_CHUNK_MEMORY_SHARE = 0.10
+
+
+@dataclass
+class Generated:
+    """One prompt's result: PIL images (one unless num_images > 1), the PNG metadata dmap writes."""
+
+    index: int
+    prompt: str
+    seed: int
+    images: list
+    metadata: dict[str, str]
+    seconds: float  # this item's encode + denoise + decode (component loading is shared, not counted)
+    latents: object = field(default=None, repr=False)
+
+    @property
+    def image(self):
+        return self.images[0]
+
+
+# --- plan ---------------------------------------------------------------------------------------
+
+
+def plan(source: str | None = None, *, max_memory: str | None = None, height: int | None = None,
+         width: int | None = None, batch_size: int = 1, num_images: int = 1, guidance_scale: float | None = None,
+         max_sequence_length: int | None = None, strategy: str = "auto", mode: str = "auto", dtype: str | None = None,
+         overhead: str | None = None, component: str | None = None, check: bool = True, use_cache: bool = True,
+         num_frames: int | None = None, fps: int | None = None, weights: str | None = None):
+    """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
+
+    `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
+    None: the pipeline's default size (the one `dmap run` uses); 0 plans weights only. Raises
+    `DoesNotFitError` (with the nearest change that fits) when nothing fits.
+    """
+    from .inputs import InputSpec
+    from .plan import PlanOptions, make_plan
+    from .units import parse_dtype
+
+    spec, root, defaults = _source_root(source)
+    pick = lambda given, key: defaults.get(key) if given is None else given  # noqa: E731 - the demo's defaults
+    inputs = InputSpec(pick(height, "height"), pick(width, "width"), batch_size, num_images,
+                       pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"),
+                       num_frames=num_frames, fps=fps)
+    options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
+                          component, check, use_cache, weights)
+    return _named(lambda: make_plan(root, options), spec, root)
+
+
+def _source_root(source: str | None) -> tuple[str, str, dict]:
+    """(name to show, what to resolve, defaults): None is the demo, generated into the cache on first use."""
+    if source is not None:
+        return source, source, {}
+    from .demo import DEMO_DEFAULTS, ensure_demo
+
+    return "demo", str(ensure_demo()), DEMO_DEFAULTS
+
+
+def _named(make, spec: str, root: str):
+    """The plan (or its DoesNotFitError) names SOURCE as the user gave it, not the demo's cache path."""
+    from .errors import DoesNotFitError
+
+    try:
+        result = make()
+    except DoesNotFitError as error:
+        raise DoesNotFitError(str(error).replace(root, spec), error.details) from None
+    result.source = spec
+    return result
+
+
+# --- load ---------------------------------------------------------------------------------------
+
+
+def load(source: str | None = None, plan=None, *, simulate: bool = False, max_memory: str | None = None,
+         mode: str = "auto", strategy: str = "auto", dtype: str | None = None, overhead: str | None = None,
+         height: int | None = None, width: int | None = None, guidance_scale: float | None = None,
+         max_sequence_length: int | None = None, on_plan: Callable | None = None,
+         on_status: Callable[[str | None], None] | None = None) -> "Pipeline":
+    """A pipeline placed per `plan` (a Plan, a plan JSON path, or None: plan here with the options).
+
+    SOURCE None is the bundled random-weight demo. A plan made for another model, size or dtype is
+    refused (UsageError); one naming GPUs this machine lacks too, unless `simulate` (every planned
+    device on the CPU, with the split check active). Nothing is loaded yet: resident components
+    load on the first `generate` and stay; staged ones load per stage and chunk.
+    """
+    from .runner import RunRequest
+
+    device_map = plan if isinstance(plan, (str, Path)) else strategy
+    request = RunRequest(source=source, prompt="", device_map=str(device_map), max_memory=max_memory, mode=mode,
+                         dtype=dtype, overhead=overhead, height=height, width=width, guidance_scale=guidance_scale,
+                         max_sequence_length=max_sequence_length, simulate=simulate, output=None)
+    return Pipeline(request, None if isinstance(plan, (str, Path)) else plan, on_plan, on_status)
+
+
+class Pipeline:
+    """A SOURCE with its plan, ready to generate; components load per the plan's mode.
+
+    `defaults` is the settled generation (steps, guidance, size, sequence length) each prompt
+    starts from. Use as a context manager, or call `close()`, to free resident components.
+    """
+
+    def __init__(self, request, plan=None, on_plan: Callable | None = None,
+                 on_status: Callable[[str | None], None] | None = None, measure: bool = False):
+        import os
+
+        # before the libraries' first import: some of them warn while importing (torchvision fallbacks)
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+        from .inputs import InputSpec
+        from .plan import load_plan
+        from .runner import (
+            TRACKED_STEPS, _quiet_libraries, check_component_files, check_devices_present, check_plan_matches,
+            inputs_from_plan, make_run_plan, plan_digest, prepare, settle_job,
+        )
+        from .stages import StageLoop
+
+        status = on_status or (lambda message: None)
+        is_file = plan is None and (request.device_map.endswith(".json") or Path(request.device_map).is_file())
+        if plan is None and not is_file and request.device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+            raise UsageError(f"--device-map must be auto, balanced, balanced_low_0, sequential or a plan JSON file, "
+                             f"not '{request.device_map}'.")
+        source, family, demo, defaults, notices = prepare(request, status)
+        self.source, self.family, self.demo, self.notices = source, family, demo, notices
+        if is_file:
+            plan = load_plan(request.device_map)
+        if plan is not None:  # a plan's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
+            defaults = {**defaults, **inputs_from_plan(plan)}
+        # Settle the inputs first: the plan is made for (and checked against) them.
+        self.defaults = job = settle_job(request, source, family, defaults)
+        inputs = InputSpec(height=job.height, width=job.width, batch_size=1, num_images=job.num_images,
+                           guidance_scale=job.guidance_scale, max_sequence_length=job.max_sequence_length,
+                           num_frames=job.num_frames)
+        self.fps = (request.fps or family.default_fps) if job.num_frames else None  # video families
+        if plan is not None:
+            check_plan_matches(plan, source, inputs, request.dtype, request.device_map if is_file else "The plan",
+                               request.weights)
+        # missing or corrupt weights are bad input: say so before importing the libraries or planning
+        largest = {c.name: check_component_files(c) for c in source.components}
+        status("Importing torch, diffusers and transformers…")
+        _quiet_libraries()
+        self.planned_here = plan is None
+        if plan is None:
+            status(f"Planning {source.spec} (meta-device traces are cached after the first run)…")
+            plan = make_run_plan(source, request, inputs)
+        status(None)
+        self.plan = plan
+        if on_plan is not None:
+            on_plan(plan)
+        if not request.simulate:
+            check_devices_present(plan)
+        self.simulate = request.simulate
+        self.plan_digest = plan_digest(plan)
+        self.staged = plan.mode != "resident"
+        # measure=False: no activation tracker (Python work on every op) nor RSS sampling; `dmap run --prompt`
+        # measures each stage, a queue only wants its images
+        self._loop = StageLoop(source, plan, family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
+                               largest_shard=largest, track_activations=request.simulate or request.track_activations,
+                               on_status=on_status, measure=measure)
+
+    # --- what a queue needs to know before it starts -------------------------------------------
+
+    def job_for(self, item: QueueItem):
+        """The settled generation of one queue item (its own seed, steps, guidance, negative prompt)."""
+        job = self.defaults
+        refusal = self.family.refuse(item.negative_prompt, job.true_cfg_scale)
+        if refusal:
+            raise UsageError(f"Item {item.index}: {refusal}")
+        return _replace(job, prompt=item.prompt, negative_prompt=item.negative_prompt, seed=item.seed,
+                        steps=item.steps or job.steps,
+                        guidance_scale=job.guidance_scale if item.guidance_scale is None else item.guidance_scale)
+
+    def metadata(self, job) -> dict[str, str]:
+        from .runner import job_metadata
+
+        return job_metadata(job, self.source.spec, self.source.pipeline_class, self.plan_digest, self.demo, self.fps)
+
+    def bytes_per_item(self) -> int:
+        """Embeddings and latents one prompt holds between stages: what the pipeline feeds the denoiser per step."""
+        from .inputs import InputSpec
+        from .pipelines import TensorSpec, call_spec
+
+        job = self.defaults
+        denoiser = next((c for c in self.source.components if c.name == self.family.denoiser), None)
+        inputs = InputSpec(job.height, job.width, 1, job.num_images, job.guidance_scale, job.max_sequence_length)
+        spec = call_spec(denoiser, self.source.pipeline_class, inputs) if denoiser is not None else None
+        item_size = 2 if self.plan.dtype in ("float16", "bfloat16") else 4
+        total = 0
+        stack = list(spec.kwargs.values()) if spec is not None else []
+        while stack:
+            value = stack.pop()
+            if isinstance(value, dict):
+                stack.extend(value.values())
+            elif isinstance(value, TensorSpec) and value.kind == "float":
+                count = 1
+                for dim in value.shape:
+                    count *= dim
+                total += count * item_size
+        return total
+
+    def chunk_size(self, items: int, chunk_memory: int | None = None) -> tuple[int, int, int]:
+        """(chunk size, bytes per item, budget): as many items as the RAM budget holds between stages."""
+        budget = chunk_memory if chunk_memory is not None else int(_available_ram() * DEFAULT_CHUNK_MEMORY_SHARE)
+        per_item = self.bytes_per_item()
+        if not self.staged:
+            return max(1, items), per_item, budget  # resident: one item at a time, nothing waits between stages
+        return chunk_size_for(budget, per_item, items), per_item, budget
+
+    # --- generating ----------------------------------------------------------------------------
+
+    def generate(self, prompts: str | Iterable, *, seed: int = 0, negative_prompt: str | None = None,
+                 steps: int | None = None, guidance_scale: float | None = None, chunk_size: int | None = None,
+                 chunk_memory: int | None = None, on_step: Callable[[int, int], None] | None = None,
+                 on_chunk: Callable[[int, int], None] | None = None) -> Iterator[Generated]:
+        """Images for each prompt, in order: prompt i gets seed `seed + i` (QueueItems carry their own).
+
+        Staged plans run stage-major: each chunk of prompts is encoded with the text encoders loaded
+        once, denoised with the denoiser loaded once, decoded with the VAE loaded once; each image is
+        yielded as soon as it is decoded. Same pixels as one prompt at a time with the same seeds.
+        """
+        items = _items(prompts, seed, negative_prompt, steps, guidance_scale)
+        jobs = [(item, self.job_for(item)) for item in items]
+        if not jobs:
+            return
+        if chunk_size is None:
+            chunk_size = self.chunk_size(len(jobs), chunk_memory)[0]
+        if chunk_size < 1:
+            raise UsageError("The chunk size must be at least 1.")
+        owner = gc.get_freeze_count() == 0
+        if owner:  # as dmap run: collections walk only what the run makes (see runner.run)
+            gc.freeze()
+        try:
+            if self.staged:
+                parts = chunks(jobs, chunk_size)
+                for number, part in enumerate(parts):
+                    if on_chunk is not None:
+                        on_chunk(number, len(parts))
+                    yield from self._stage_major(part, on_step)
+            else:
+                self._loop.load_stage(list(self.plan.components))
+                for item, job in jobs:
+                    yield from self._stage_major([(item, job)], on_step)
+        finally:
+            if owner:
+                gc.unfreeze()
+
+    def _stage_major(self, jobs: list, on_step) -> Iterator[Generated]:
+        """Every stage of the plan over `jobs`, loading (staged) each stage's components once."""
+        from .stages import Carry
+
+        carries = [Carry() for _ in jobs]
+        seconds = [0.0] * len(jobs)
+        stages = self.plan.stages
+        for position, stage in enumerate(stages):
+            names = list(stage.components)
+            if self.staged:
+                self._loop.load_stage(names)
+            try:
+                for n, (item, job) in enumerate(jobs):
+                    start = time.perf_counter()
+                    self._loop.run_stage(stage, job, carries[n], on_step if stage.name == "denoise" else None)
+                    seconds[n] += time.perf_counter() - start
+                    if position == len(stages) - 1:
+                        carry, carries[n] = carries[n], None  # nothing of a yielded item stays here
+                        yield self._generated(item, job, carry, seconds[n])
+            finally:
+                if self.staged:
+                    self._loop.unload_stage(names)
+
+    def _generated(self, item: QueueItem, job, carry, seconds: float) -> Generated:
+        if carry.latents is None or not carry.images:
+            raise UsageError("The plan has no denoise or decode stage: nothing was generated.")
+        return Generated(item.index, item.prompt, item.seed, list(carry.images), self.metadata(job), seconds,
+                         carry.latents)
+
+    def run_job(self, job, on_step=None):
+        """One job through every stage, loading per the plan's mode: (Carry, StageResults) for `dmap run`."""
+        return self._loop.run_job(job, on_step)
+
+    @property
+    def split_check(self) -> bool:
+        return self._loop.split_check
+
+    @property
+    def split_problems(self) -> list[str]:
+        return self._loop.split_problems
+
+    def close(self) -> None:
+        """Free whatever is loaded (resident components)."""
+        self._loop.close()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _items(prompts, seed: int, negative_prompt, steps, guidance_scale) -> list[QueueItem]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    items = []
+    for index, entry in enumerate(prompts):
+        if isinstance(entry, QueueItem):
+            items.append(entry)
+        elif isinstance(entry, str):
+            items.append(QueueItem(index, entry, seed + index, default_output_name(index), negative_prompt, steps,
+                                   guidance_scale))
+        else:
+            raise UsageError(f"Prompt {index} is a {type(entry).__name__}: give strings (or dm_cli.queue.QueueItem).")
+    return items
+
+
+def _replace(job, **changes):
+    from dataclasses import replace
+
+    return replace(job, **changes)
+
+
+def _available_ram() -> int:
+    from .plan import available_ram
+
+    return available_ram()
+
+
+# --- dispatch -----------------------------------------------------------------------------------
+
+
+def dispatch(pipe, plan):
+    """Place an existing diffusers pipeline's components per `plan` (a Plan or a plan JSON path).
+
+    A component on one device is moved there (with an accelerate hook that brings its inputs
+    along); a split one is dispatched block by block with accelerate's `dispatch_model`. Its
+    weights are already in host memory, so "disk" blocks stay there like "cpu" ones (streamed to
+    their GPU when they run); nothing is written. Returns `pipe`.
+    """
+    from accelerate import dispatch_model
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from .devices import normalise_map
+    from .loading import execution_device
+    from .plan import load_plan
+    from .runner import check_devices_present
+
+    if isinstance(plan, (str, Path)):
+        plan = load_plan(plan)
+    for name, placement in plan.components.items():
+        model = getattr(pipe, name, None)
+        if model is None or not hasattr(model, "named_parameters"):
+            raise UsageError(f"The plan places '{name}' but this pipeline has no such model component.")
+        if placement.cls not in ("?", "", None) and type(model).__name__ != placement.cls:
+            raise UsageError(f"The plan places '{name}' as {placement.cls} but this pipeline's is "
+                             f"{type(model).__name__}: it is a plan for another model.")
+    check_devices_present(plan)
+    for name, placement in plan.components.items():
+        model = getattr(pipe, name)
+        device_map = {k: ("cpu" if v == "disk" else v) for k, v in normalise_map(placement.device_map).items()}
+        target = execution_device(device_map, False)
+        if len(set(device_map.values())) == 1:
+            model.to(target)
+            if target.type != "cpu":
+                add_hook_to_module(model, AlignDevicesHook(execution_device=target, io_same_device=True))
+        else:
+            main = target.index if target.type == "cuda" else target.type
+            dispatch_model(model, device_map, main_device=main, force_hooks=True)
+    return pipe

@@ -1,0 +1,285 @@
+"""A queue of prompts: the prompts file, per-item seeds and output names, resume, the manifest.
+
+Plain data and file handling, no torch. The generation itself is the runner's stage loop
+(`dm_cli.api`); this module decides WHAT to generate and records what was generated:
+
+- `read_prompts` parses a text file (one prompt a line) or JSONL (one object a line) into
+  `QueueItem`s: item i gets seed `base_seed + i` unless its line gives one, and the file name
+  `00000.png`, `00001.png`, ... unless its line gives `output`;
+- `is_complete` says whether an item's PNG exists, decodes, and was made for this item (its text
+  metadata names the same prompt, seed, steps, guidance, size and source), so a restarted run skips
+  exactly the finished items;
+- `append_record` adds one line to a manifest with a single O_APPEND write and an fsync, so a
+  killed run leaves whole lines (a torn last line is ignored on reading); `write_manifest` writes
+  the merged, ordered manifest atomically at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .atomic import atomic_write
+from .errors import UsageError
+
+MANIFEST = "manifest.jsonl"
+JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "output"}
+MAX_SEED = 2**63 - 1
+# What a finished PNG must say in its metadata to count as this item's output (see is_complete).
+MATCHED_METADATA = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "height", "width", "source")
+
+
+@dataclass(frozen=True)
+class QueueItem:
+    """One prompt of the queue. None: the run's value (--steps, --guidance-scale, ...)."""
+
+    index: int
+    prompt: str
+    seed: int
+    output: str  # file name inside the output folder
+    negative_prompt: str | None = None
+    steps: int | None = None
+    guidance_scale: float | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def default_output_name(index: int) -> str:
+    return f"{index:05d}.png"
+
+
+def read_prompts(path: str | os.PathLike, base_seed: int = 0) -> list[QueueItem]:
+    """The queue in a prompts file: JSONL when it ends in .jsonl or its first line is an object, else text.
+
+    Blank lines are skipped and do not count as items. Every problem is a UsageError naming the line.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise UsageError(f"Prompts file {path} does not exist.") from None
+    except OSError as error:
+        raise UsageError(f"Cannot read prompts file {path}: {error.strerror or error}.") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise UsageError(f"Prompts file {path} is not UTF-8 text (byte {error.start}): save it as UTF-8.") from None
+    if not 0 <= base_seed <= MAX_SEED:
+        raise UsageError(f"--seed must be between 0 and {MAX_SEED}.")
+    lines = [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise UsageError(f"Prompts file {path} has no prompts: write one prompt per line (or one JSON object per line).")
+    jsonl = path.suffix.lower() in (".jsonl", ".ndjson") or lines[0][1].startswith("{")
+    items = []
+    for index, (number, line) in enumerate(lines):
+        where = f"{path}, line {number}"
+        if jsonl:
+            items.append(_jsonl_item(line, index, base_seed, where))
+        else:
+            items.append(QueueItem(index, line, _seed(base_seed + index, where), default_output_name(index)))
+    seen: dict[str, int] = {}
+    for item in items:
+        if item.output in seen:
+            raise UsageError(
+                f"Items {seen[item.output]} and {item.index} of {path} both write {item.output}: give each a different 'output'."
+            )
+        seen[item.output] = item.index
+    return items
+
+
+def _jsonl_item(line: str, index: int, base_seed: int, where: str) -> QueueItem:
+    try:
+        data = json.loads(line)
+    except ValueError as error:
+        raise UsageError(f"{where} is not a JSON object ({error}).") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{where} is not a JSON object: write {{\"prompt\": \"...\"}}.")
+    unknown = sorted(set(data) - JSONL_KEYS)
+    if unknown:
+        raise UsageError(f"{where} has unknown key(s) {', '.join(unknown)}: use {', '.join(sorted(JSONL_KEYS))}.")
+    prompt = data.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise UsageError(f"{where} needs a non-empty string 'prompt'.")
+    negative = data.get("negative_prompt")
+    if negative is not None and not isinstance(negative, str):
+        raise UsageError(f"{where}: 'negative_prompt' must be a string.")
+    seed = data.get("seed", base_seed + index)
+    if not _is_int(seed):
+        raise UsageError(f"{where}: 'seed' must be an integer.")
+    steps = data.get("steps")
+    if steps is not None and (not _is_int(steps) or steps < 1):
+        raise UsageError(f"{where}: 'steps' must be a positive integer.")
+    guidance = data.get("guidance_scale")
+    if guidance is not None:
+        if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance) or guidance < 0:
+            raise UsageError(f"{where}: 'guidance_scale' must be a number >= 0.")
+        guidance = float(guidance)
+    output = data.get("output")
+    output = default_output_name(index) if output is None else _output_name(output, where)
+    return QueueItem(index, prompt.strip(), _seed(seed, where), output, negative or None, steps, guidance)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _seed(seed: int, where: str) -> int:
+    if not 0 <= seed <= MAX_SEED:
+        raise UsageError(f"{where}: the seed {seed} is outside 0..{MAX_SEED}.")
+    return seed
+
+
+def _output_name(value, where: str) -> str:
+    """A plain file name inside the output folder: no folders, no '..', no hidden files; .png added."""
+    if not isinstance(value, str) or not value.strip():
+        raise UsageError(f"{where}: 'output' must be a file name.")
+    name = value.strip()
+    if "/" in name or "\\" in name or name in (".", "..") or name.startswith(".") or "\x00" in name:
+        raise UsageError(f"{where}: 'output' must be a plain file name inside the output folder, not '{value}'.")
+    if name == MANIFEST or name.startswith("manifest-rank"):
+        raise UsageError(f"{where}: 'output' may not be named {name} (the manifest's name).")
+    if not name.lower().endswith(".png"):
+        name += ".png"
+    return name
+
+
+def items_for_rank(items: list[QueueItem], rank: int, world_size: int) -> list[QueueItem]:
+    """Rank r of W takes items i with i % W == r: results never depend on the world size."""
+    return [item for item in items if item.index % world_size == rank]
+
+
+# --- resume -------------------------------------------------------------------------------------
+
+
+def is_complete(path: Path, expected: dict[str, str]) -> tuple[bool, str]:
+    """(done, why): the PNG exists, decodes whole, and its metadata says it was made for `expected`.
+
+    `expected` is the metadata the runner writes for the item (`dm_cli.runner.job_metadata`); the
+    keys in MATCHED_METADATA must agree (not the plan digest or dmap version: another plan or
+    release makes the same image), and the image must have the expected size.
+    """
+    from PIL import Image
+
+    if not path.is_file():
+        return False, "missing"
+    try:
+        with Image.open(path) as image:
+            image.load()  # decodes every pixel: a truncated or corrupt file fails here
+            text = dict(getattr(image, "text", {}) or {})
+            size = image.size
+    except Exception:  # noqa: BLE001 - any unreadable file is simply not a finished output
+        return False, "unreadable"
+    for key in MATCHED_METADATA:
+        if text.get(key) != expected.get(key):
+            return False, f"made for another {key.replace('_', ' ')}"
+    if size != (int(expected["width"]), int(expected["height"])):
+        return False, "made for another size"
+    return True, "complete"
+
+
+def remove_stale_temporaries(folder: Path, item: QueueItem) -> None:
+    """Temporary files a killed writer left for this item (atomic_write's `.NAME.*.tmp`)."""
+    for stale in folder.glob(f".{item.output}.*.tmp"):
+        try:
+            stale.unlink()
+        except OSError:
+            pass
+
+
+# --- manifest -----------------------------------------------------------------------------------
+
+
+def rank_manifest_name(rank: int) -> str:
+    return f"manifest-rank{rank}.jsonl"
+
+
+def append_record(path: Path, record: dict) -> None:
+    """One whole line with one O_APPEND write, then fsync: readers never see half a record."""
+    data = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        written = os.write(fd, data)
+        if written != len(data):  # a full disk; the line is torn and will be ignored on reading
+            raise OSError(f"short write to {path}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_records(path: Path) -> list[dict]:
+    """Records of a manifest; torn or foreign lines (a killed writer, a hand edit) are skipped."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and _is_int(record.get("item")) and isinstance(record.get("file"), str):
+            records.append(record)
+    return records
+
+
+def previous_records(folder: Path) -> dict[int, dict]:
+    """The last record per item in the folder's manifest and any per-rank manifests a killed run left."""
+    found: dict[int, dict] = {}
+    for path in [folder / MANIFEST, *sorted(folder.glob("manifest-rank*.jsonl"))]:
+        for record in read_records(path):
+            found[record["item"]] = record
+    return found
+
+
+def merge_records(items: list[QueueItem], records: dict[int, dict], previous: dict[int, dict]) -> list[dict]:
+    """One record per finished item, in queue order.
+
+    `records` are this run's: items generated now, and items skipped as complete (marked
+    `"resumed": true`); a skipped item keeps the earlier run's record when one names the same file,
+    prompt and seed (it has the real seconds and rank).
+    """
+    merged = []
+    for item in items:
+        record = records.get(item.index)
+        if record is None:
+            continue
+        old = previous.get(item.index)
+        if record.get("resumed") and old is not None and not old.get("resumed") and old.get("file") == item.output \
+                and old.get("prompt") == item.prompt and old.get("seed") == item.seed:
+            record = old
+        merged.append(record)
+    return merged
+
+
+def write_manifest(folder: Path, records: list[dict]) -> Path:
+    """The merged manifest, written atomically; per-rank manifests it replaces are removed."""
+    path = folder / MANIFEST
+    text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    for part in folder.glob("manifest-rank*.jsonl"):
+        try:
+            part.unlink()
+        except OSError:
+            pass
+    return path
+
+
+# --- chunks -------------------------------------------------------------------------------------
+
+
+def chunk_size_for(budget_bytes: int, per_item_bytes: int, items: int) -> int:
+    """How many items' embeddings and latents fit the RAM budget at once (at least 1, at most all)."""
+    if items <= 0:
+        return 1
+    if per_item_bytes <= 0:
+        return items
+    return max(1, min(items, budget_bytes // per_item_bytes))
+
+
+def chunks(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]

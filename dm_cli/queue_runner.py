@@ -1,0 +1,188 @@
+"""`dmap run --prompts FILE`: a queue of prompts through `dm_cli.load(...).generate(...)`.
+
+This rank's share of the queue (all of it without torchrun) minus the items whose output is
+already complete, generated stage-major in chunks; each image written atomically as soon as it is
+decoded, with its manifest line appended; at the end rank 0 gathers every rank's records over the
+gloo group and writes the merged `manifest.jsonl`. No Typer, no Rich: the CLI passes callbacks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from .distributed import Ranks, select_gpus
+from .errors import UsageError
+from .queue import (
+    MANIFEST, QueueItem, append_record, is_complete, items_for_rank, merge_records,
+    previous_records, rank_manifest_name, read_prompts, remove_stale_temporaries, write_manifest,
+)
+
+
+@dataclass
+class QueueRequest:
+    """`dmap run --prompts`: the run options (as for one prompt) plus the queue's own."""
+
+    prompts: str
+    output_dir: str = "dmap-out"
+    source: str | None = None
+    device_map: str = "auto"
+    max_memory: str | None = None
+    overhead: str | None = None
+    mode: str = "auto"
+    steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int = 0
+    height: int | None = None
+    width: int | None = None
+    max_sequence_length: int | None = None
+    negative_prompt: str | None = None  # for items whose line gives none
+    dtype: str | None = None
+    simulate: bool = False
+    resume: bool = True
+    chunk_size: int | None = None
+    chunk_memory: str | None = None
+    gpus_per_rank: int | None = None
+
+
+@dataclass
+class QueueResult:
+    output_dir: str
+    rank: int
+    world_size: int
+    items: int  # in the whole queue
+    mine: int  # this rank's share
+    generated: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)  # complete before this run
+    redone: dict[int, str] = field(default_factory=dict)  # item -> why its existing file did not count
+    chunk_size: int = 0
+    bytes_per_item: int = 0
+    chunk_budget: int = 0
+    chunk_size_given: bool = False
+    mode: str = ""
+    plan_digest: str = ""
+    manifest: str | None = None  # written by this process (rank 0)
+    seconds: float = 0.0
+    notices: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+@dataclass
+class QueueEvents:
+    """What the CLI shows; every callback optional."""
+
+    on_plan: Callable | None = None
+    on_start: Callable[[QueueResult], None] | None = None  # after resume detection and chunk sizing
+    on_item: Callable[[QueueItem, str, float], None] | None = None  # item, file written, seconds
+    on_step: Callable[[int, int], None] | None = None
+    on_chunk: Callable[[int, int], None] | None = None
+    on_status: Callable[[str | None], None] | None = None  # what is happening now (importing, planning, loading)
+
+
+def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> QueueResult:
+    """Generate this rank's missing items and record them; rank 0 writes the merged manifest."""
+    from .units import parse_size
+
+    events = events or QueueEvents()
+    ranks = Ranks.from_env()
+    select_gpus(ranks, request.gpus_per_rank)  # before anything initialises CUDA
+    items = read_prompts(request.prompts, request.seed)
+    items = [replace(item, negative_prompt=item.negative_prompt or request.negative_prompt,
+                     steps=item.steps or request.steps) for item in items]
+    if request.chunk_size is not None and request.chunk_size < 1:
+        raise UsageError("--chunk-size must be at least 1.")
+    budget = parse_size(request.chunk_memory) if request.chunk_memory else None
+    folder = Path(request.output_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"Cannot create the output folder {folder}: {error.strerror or error}.") from None
+    mine = items_for_rank(items, ranks.rank, ranks.world_size)
+    result = QueueResult(str(folder), ranks.rank, ranks.world_size, len(items), len(mine))
+    ranks.join()
+    try:
+        _run_share(request, events, ranks, items, mine, folder, budget, result)
+    finally:
+        ranks.leave()
+    return result
+
+
+def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget, result: QueueResult) -> None:
+    from .api import load
+
+    started = time.perf_counter()
+    pipeline = load(request.source, request.device_map if _is_plan_file(request.device_map) else None,
+                    simulate=request.simulate, max_memory=request.max_memory, mode=request.mode,
+                    strategy=request.device_map, dtype=request.dtype, overhead=request.overhead,
+                    height=request.height, width=request.width, guidance_scale=request.guidance_scale,
+                    max_sequence_length=request.max_sequence_length, on_plan=events.on_plan,
+                    on_status=events.on_status)
+    if pipeline.defaults.num_frames:
+        pipeline.close()
+        raise UsageError(f"--prompts writes images; {pipeline.source.pipeline_class} makes videos: run one prompt at a time.")
+    result.notices = list(pipeline.notices)
+    result.mode, result.plan_digest = pipeline.plan.mode, pipeline.plan_digest
+    todo: list[QueueItem] = []
+    records: dict[int, dict] = {}
+    for item in mine:
+        job = pipeline.job_for(item)
+        done, why = is_complete(folder / item.output, pipeline.metadata(job)) if request.resume else (False, "--no-resume")
+        if done:
+            result.skipped.append(item.index)
+            records[item.index] = _record(item, job, pipeline.plan_digest, None, ranks.rank, resumed=True)
+            continue
+        if why not in ("missing", "--no-resume"):
+            result.redone[item.index] = why
+        remove_stale_temporaries(folder, item)
+        todo.append(item)
+    result.chunk_size_given = request.chunk_size is not None
+    size, result.bytes_per_item, result.chunk_budget = pipeline.chunk_size(len(todo), budget)
+    result.chunk_size = request.chunk_size or size
+    if events.on_start is not None:
+        events.on_start(result)
+    manifest = folder / (MANIFEST if not ranks.distributed else rank_manifest_name(ranks.rank))
+    from .runner import save_images
+
+    by_index = {item.index: item for item in todo}
+    try:
+        for generated in pipeline.generate(todo, chunk_size=result.chunk_size, on_step=events.on_step,
+                                           on_chunk=events.on_chunk):
+            item = by_index[generated.index]
+            path = folder / item.output
+            save_images(generated.images[:1], str(path), generated.metadata)
+            record = _record(item, pipeline.job_for(item), pipeline.plan_digest, generated.seconds, ranks.rank)
+            append_record(manifest, record)
+            records[item.index] = record
+            result.generated.append(item.index)
+            if events.on_item is not None:
+                events.on_item(item, str(path), generated.seconds)
+    finally:
+        pipeline.close()
+    gathered = ranks.gather(records)
+    if ranks.is_main:
+        merged: dict[int, dict] = {}
+        for part in gathered:
+            merged.update(part)
+        result.manifest = str(write_manifest(folder, merge_records(items, merged, previous_records(folder))))
+    result.seconds = time.perf_counter() - started
+
+
+def _record(item: QueueItem, job, digest: str, seconds: float | None, rank: int, resumed: bool = False) -> dict:
+    record = {"item": item.index, "prompt": item.prompt, "seed": item.seed, "file": item.output, "plan_digest": digest,
+              "seconds": None if seconds is None else round(seconds, 4), "rank": rank, "steps": job.steps,
+              "guidance_scale": job.guidance_scale}
+    if item.negative_prompt:
+        record["negative_prompt"] = item.negative_prompt
+    if resumed:
+        record["resumed"] = True
+    return record
+
+
+def _is_plan_file(device_map: str) -> bool:
+    return device_map.endswith(".json") or Path(device_map).is_file()
