@@ -84,12 +84,21 @@ def demo_folder() -> Path:
 
 def ensure_demo() -> Path:
     """The demo pipeline folder, generated (once, atomically) if the cache lacks it."""
+    import fcntl
+
     folder = demo_folder()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # one process at a time checks and writes (torchrun ranks start together): no one reads a folder another removes
+    with open(folder.parent / ".demo.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _ensure_demo_locked(folder)
+
+
+def _ensure_demo_locked(folder: Path) -> Path:
     if (folder / "model_index.json").is_file():
         if _intact(folder):
             return folder
         shutil.rmtree(folder, ignore_errors=True)  # dmap's own cache, damaged: generated again below
-    folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-demo-"))
     try:
         write_configs(DEMO_CONFIGS, staging)

@@ -56,8 +56,10 @@ def run_result():
         StageResult("decode", ["vae"], 0.31, 1.9, 2.21, measured_peak={"0": 1_204 * MB},
                     planned_peak={"0": 1_563 * MB}, load_rss_delta=12 * MB, tracked="all"),
     ]
-    return RunResult("flux", "FluxPipeline", False, flux_plan(), "5d41402abc4b2a76", True, True, 0, 28, 3.5, 512,
-                     512, 1, ["fox.png"], None, stages, split_check=True)
+    return RunResult(source="flux", pipeline_class="FluxPipeline", demo=False, plan=flux_plan(),
+                     plan_digest="5d41402abc4b2a76", planned_here=True, simulate=True, seed=0, steps=28,
+                     guidance_scale=3.5, true_cfg_scale=None, height=512, width=512, num_images=1,
+                     images=["fox.png"], latents_path=None, stages=stages, split_check=True)
 
 
 def draw_inspect():

@@ -272,7 +272,7 @@ def test_shard_fp8_writes_a_checkpoint_diffusers_loads_dmap_plans_from_and_runs(
 def test_tiny_flux2_fp8_run_is_pixel_identical_unsplit_and_split(folders, tmp_path):
     """FLUX.2 (Mistral-3 text encoder, Flux2 transformer): dmap run --weights fp8 vs diffusers' Flux2Pipeline
     with enable_layerwise_casting on the transformer and the same hooks on the text encoder."""
-    from test_flux2 import diffusers_pipeline, split_plan
+    from test_flux2 import TOKENS, diffusers_pipeline, split_plan
 
     from dm_cli.runner import RunRequest, run
     from dm_cli.weight_formats import apply_fp8
@@ -283,9 +283,9 @@ def test_tiny_flux2_fp8_run_is_pixel_identical_unsplit_and_split(folders, tmp_pa
     pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
     apply_fp8(pipe.text_encoder, torch.float32)
     expected = np.array(pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(SEED), num_inference_steps=STEPS,
-                             height=SIZE, width=SIZE, text_encoder_out_layers=(1,)).images[0])
+                             height=SIZE, width=SIZE, max_sequence_length=TOKENS, text_encoder_out_layers=(1,)).images[0])
     run(RunRequest(source=str(folder), prompt=PROMPT, max_memory="cpu=8GB", steps=STEPS, height=SIZE, width=SIZE,
-                   seed=SEED, output=str(tmp_path / "a.png"), weights="fp8"))
+                   seed=SEED, output=str(tmp_path / "a.png"), weights="fp8", max_sequence_length=TOKENS))
     split = dmap_run(folder, _with_storage(split_plan(folder, 2), "fp8", "float32"), tmp_path, simulate=True,
                      name="b.png")
     assert split.split_check and split.split_problems == []
