@@ -509,6 +509,15 @@ def plan_shards(tensors: list[PlannedTensor], limit: int, stem: str, variant: st
         current_bound += cost
     if current:
         groups.append((current, False))
+    if len(groups) == 1:
+        # Only the source's metadata (dropped shared names) kept the whole model over the limit. A single
+        # file must carry that metadata in its own header, so split it in two and let the index carry it.
+        group, _ = groups[0]
+        if len(group) == 1:
+            names, _ = shard_file_names(stem, variant, 1)
+            header, data_order = build_header(group, {**metadata, **file_metadata})
+            return [ShardFile(names[0], data_order, header, True)], None
+        groups = [(group[:-1], False), (group[-1:], False)]
     names, index_name = shard_file_names(stem, variant, len(groups))
     shards = []
     for name, (group, oversized) in zip(names, groups):

@@ -97,3 +97,15 @@ def test_reshard_random_state_dicts(state, stored_as, limit_fraction, source_fra
             assert size == shard_file.file_bytes
             if limit:
                 assert size <= limit or len(shard_file.tensors) == 1, (size, limit)
+
+
+def test_dropped_shared_name_survives_when_only_its_metadata_overflows_the_limit(tmp_path):
+    """Found by the property above: the whole model fit the limit only without the dropped-name metadata."""
+    weight = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
+    (tmp_path / "src").mkdir()
+    torch.save({"_": weight, "c": weight}, tmp_path / "src" / "pytorch_model.bin")
+    result = shard(str(tmp_path / "src" / "pytorch_model.bin"), 492, output=tmp_path / "out", min_shard_size=1)
+    assert result.verified
+    tensors, metadata = load_output(tmp_path / "out")
+    assert list(tensors) == ["_"] and metadata == {"c": "_"}
+    assert torch.equal(tensors["_"], weight)
