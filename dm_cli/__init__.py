@@ -17,12 +17,8 @@ __all__ = ["plan", "load", "dispatch", "__version__"]
 
 def __getattr__(name: str):
     """The API on first use: `dmap --help` must not pay for it."""
-    if name in ("load", "dispatch"):
+    if name in ("plan", "load", "dispatch"):
         from . import api
 
         return getattr(api, name)
-    if name == "plan":  # the dm_cli.plan module is callable: dm_cli.plan(...) is dm_cli.api.plan(...)
-        import importlib
-
-        return importlib.import_module(".plan", __name__)
     raise AttributeError(f"module 'dm_cli' has no attribute '{name}'")

@@ -62,7 +62,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     `DoesNotFitError` (with the nearest change that fits) when nothing fits.
     """
     from .inputs import InputSpec
-    from .plan import PlanOptions, make_plan
+    from .plans import PlanOptions, make_plan
     from .units import parse_dtype
 
     spec, root, defaults = _source_root(source)
@@ -135,7 +135,7 @@ class Pipeline:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
         from .inputs import InputSpec
-        from .plan import load_plan
+        from .plans import load_plan
         from .runner import (
             TRACKED_STEPS, _quiet_libraries, check_component_files, check_devices_present, check_plan_matches,
             inputs_from_plan, make_run_plan, plan_digest, prepare, settle_job,
@@ -345,7 +345,7 @@ def _replace(job, **changes):
 
 
 def _available_ram() -> int:
-    from .plan import available_ram
+    from .plans import available_ram
 
     return available_ram()
 
@@ -366,7 +366,7 @@ def dispatch(pipe, plan):
 
     from .devices import normalise_map
     from .loading import execution_device
-    from .plan import load_plan
+    from .plans import load_plan
     from .runner import check_devices_present
 
     if isinstance(plan, (str, Path)):

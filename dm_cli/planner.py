@@ -1,7 +1,7 @@
 """The pure planner: (component blocks with bytes and activations, stages, devices, strategy, mode) -> placement.
 
 No torch, no I/O. Everything here is plain data so that planning is fast, cacheable and testable by
-hand. `plan.py` turns skeletons and meta traces into the inputs and the result into a Plan.
+hand. `plans.py` turns skeletons and meta traces into the inputs and the result into a Plan.
 
 Model of memory on a device during a stage:
     weights of every block placed there

@@ -36,7 +36,7 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
     if device_map not in STRATEGY_NAMES:
         if not device_map.endswith(".json") and not os.path.lexists(device_map):
             raise UsageError(f"--device-map must be {', '.join(STRATEGY_NAMES)} or a plan JSON file, not '{device_map}'.")
-        from .plan import load_plan
+        from .plans import load_plan
 
         load_plan(device_map)  # a FIFO, /dev/zero or a broken plan: refused here, read boundedly
 

@@ -77,7 +77,7 @@ class RunResult:
     source: str
     pipeline_class: str
     demo: bool
-    plan: object  # dm_cli.plan.Plan
+    plan: object  # dm_cli.plans.Plan
     plan_digest: str
     planned_here: bool
     simulate: bool
@@ -149,8 +149,8 @@ def plan_digest(plan) -> str:
 
 
 def make_run_plan(source, request: RunRequest, inputs: InputSpec):
-    """Plan with dmap's planner (`dm_cli.plan.make_plan`) for these inputs and devices."""
-    from .plan import PlanOptions, make_plan
+    """Plan with dmap's planner (`dm_cli.plans.make_plan`) for these inputs and devices."""
+    from .plans import PlanOptions, make_plan
 
     options = PlanOptions(max_memory=request.max_memory, strategy=request.device_map, mode=request.mode,
                           overhead=request.overhead,

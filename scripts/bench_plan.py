@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dm_cli.families import family_for  # noqa: E402
 from dm_cli.inputs import InputSpec  # noqa: E402
-from dm_cli.plan import DEFAULT_GPU_OVERHEAD, PlanOptions, make_plan, prepare_component  # noqa: E402
+from dm_cli.plans import DEFAULT_GPU_OVERHEAD, PlanOptions, make_plan, prepare_component  # noqa: E402
 from dm_cli.sources import resolve_source  # noqa: E402
 from dm_cli.units import parse_device_spec  # noqa: E402
 from dm_cli.weight_formats import STORAGE_DTYPES, parse_weights_spec  # noqa: E402
@@ -225,7 +225,7 @@ def run_case(case: Case, check_anchors: bool) -> dict:
         result = evaluate_map(prepared, device_map, budgets)
         result["check"] = None
         if check_anchors and len(set(device_map.values())) > 1:
-            from dm_cli.plan import _cached_check
+            from dm_cli.plans import _cached_check
             from dm_cli.trace import check_device_map
 
             result["check"] = not _cached_check(prepared, source.pipeline_class, inputs, device_map, True,

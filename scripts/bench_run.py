@@ -100,7 +100,7 @@ print(json.dumps({"wall": wall, "cpu": cpu, "rss": resource.getrusage(resource.R
 
 DMAP = r"""
 from dm_cli.cli import main  # dmap's own modules: outside the in-process clock, inside the process one
-import dm_cli.cli.run, dm_cli.plan, dm_cli.render.plan, dm_cli.render.run, dm_cli.runner
+import dm_cli.cli.run, dm_cli.plans, dm_cli.render.plan, dm_cli.render.run, dm_cli.runner
 t, cpu0 = time.perf_counter(), sum(os.times()[:2])
 try:
     main(ARGS)

@@ -154,7 +154,7 @@ def test_klein_true_cfg_is_separate_calls_only_when_not_distilled():
 
 @pytest.mark.parametrize("preset", ["flux2", "flux2-klein"])
 def test_plan_traces_every_component_at_1024(preset):
-    from dm_cli.plan import PlanOptions, make_plan
+    from dm_cli.plans import PlanOptions, make_plan
 
     plan = make_plan(preset, PlanOptions("0=40GB,1=40GB,2=40GB,3=40GB,cpu=200GB"))
     assert not [w for w in plan.warnings if "meta device" in w], plan.warnings

@@ -6,7 +6,7 @@ import pytest
 
 from dm_cli.errors import DoesNotFitError, UsageError
 from dm_cli.inputs import InputSpec
-from dm_cli.plan import PlanOptions, load_plan, make_plan, write_plan
+from dm_cli.plans import PlanOptions, load_plan, make_plan, write_plan
 from dm_cli.planner import coverage_problems
 from dm_cli.skeleton import skeleton_for_component
 from dm_cli.sources import resolve_source

@@ -18,7 +18,7 @@ from conftest import PRESETS  # noqa: E402
 from dm_cli.families import all_families, family_for  # noqa: E402
 from dm_cli.inputs import InputSpec  # noqa: E402
 from dm_cli.pipelines import TensorSpec, call_spec  # noqa: E402
-from dm_cli.plan import PlanOptions, make_plan, prepare_component  # noqa: E402
+from dm_cli.plans import PlanOptions, make_plan, prepare_component  # noqa: E402
 from dm_cli.planner import component_blocks  # noqa: E402
 from dm_cli.skeleton import skeleton_for_component  # noqa: E402
 from dm_cli.sources import resolve_source  # noqa: E402

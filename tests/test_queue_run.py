@@ -186,6 +186,10 @@ def test_api_generate_is_stage_major_and_reusable(references, count_loads):
         assert np.array_equal(np.array(out.image), references[i])
         assert out.metadata["seed"] == str(SEED + i) and out.metadata["prompt"] == PROMPTS[i]
     assert sorted(dm_cli.__all__) == ["__version__", "dispatch", "load", "plan"]
+    import dm_cli.api
+    import dm_cli.plans  # importing every module leaves the API names the API's functions
+
+    assert (dm_cli.plan, dm_cli.load, dm_cli.dispatch) == (dm_cli.api.plan, dm_cli.api.load, dm_cli.api.dispatch)
 
 
 def test_api_dispatch_places_an_existing_pipeline(references, tmp_path):

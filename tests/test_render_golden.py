@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dm_cli.inspection import ComponentReport, InspectReport
-from dm_cli.plan import Plan
+from dm_cli.plans import Plan
 from dm_cli.skeleton import ModuleSize
 
 GOLDEN = Path(__file__).parent / "golden"

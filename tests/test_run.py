@@ -307,7 +307,7 @@ def test_a_preset_has_no_weights_and_run_says_so_before_importing_torch():
 
 
 def test_plan_digest_depends_only_on_the_placement(monkeypatch):
-    import dm_cli.plan as plan_module
+    import dm_cli.plans as plan_module
     from dm_cli.inputs import InputSpec
     from dm_cli.runner import plan_digest
 

@@ -8,7 +8,7 @@ from conftest import run_dmap
 
 from dm_cli.errors import UsageError
 from dm_cli.inputs import InputSpec
-from dm_cli.plan import PlanOptions, make_plan
+from dm_cli.plans import PlanOptions, make_plan
 from dm_cli.sources import resolve_source
 
 pytest.importorskip("torch")

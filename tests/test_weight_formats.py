@@ -85,7 +85,7 @@ def _real_bytes(model) -> int:
 @pytest.mark.parametrize("preset", ["tiny-flux", "tiny-sd3", "tiny-flux2"])
 def test_planned_bytes_are_the_bytes_after_casting(preset, fmt):
     from dm_cli.inputs import InputSpec
-    from dm_cli.plan import PlanOptions, make_plan
+    from dm_cli.plans import PlanOptions, make_plan
     from dm_cli.sources import resolve_source
 
     source = resolve_source(preset)
@@ -105,7 +105,7 @@ def test_planned_bytes_are_the_bytes_after_casting(preset, fmt):
 
 def test_compute_copy_of_the_largest_layer_is_in_the_peak():
     from dm_cli.inputs import InputSpec
-    from dm_cli.plan import PlanOptions, make_plan
+    from dm_cli.plans import PlanOptions, make_plan
     from dm_cli.sources import resolve_source
 
     inputs = InputSpec(64, 64)
@@ -135,7 +135,7 @@ def test_inspect_weights_matches_plan():
                                       "--height", "0", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["components"]["transformer"]["weights_bytes"] == comps["transformer"]["bytes"]
-    from dm_cli.plan import PlanOptions, make_plan
+    from dm_cli.plans import PlanOptions, make_plan
 
     with pytest.raises(UsageError, match="names component 'unet'"):
         make_plan("tiny-sd3", PlanOptions(max_memory="cpu=1GB", weights="unet=fp8"))
@@ -221,7 +221,7 @@ def test_int8_without_torchao_plans_and_refuses_to_run(folders, tmp_path, monkey
     import sys
 
     from dm_cli.inputs import InputSpec
-    from dm_cli.plan import PlanOptions, make_plan
+    from dm_cli.plans import PlanOptions, make_plan
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao -> ImportError
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)
@@ -235,7 +235,7 @@ def test_int8_without_torchao_plans_and_refuses_to_run(folders, tmp_path, monkey
 def test_shard_fp8_writes_a_checkpoint_diffusers_loads_dmap_plans_from_and_runs(folders, tmp_path):
     from dm_cli.checkpoint import open_checkpoint
     from dm_cli.inputs import InputSpec
-    from dm_cli.plan import PlanOptions, make_plan
+    from dm_cli.plans import PlanOptions, make_plan
     from dm_cli.runner import RunRequest, run
     from dm_cli.shard import shard
     from dm_cli.skeleton import skeleton_for_component

@@ -35,7 +35,7 @@ def plan(
 ) -> int:
     from ..api import plan as make_plan
     from ..atomic import refuse_existing
-    from ..plan import write_plan
+    from ..plans import write_plan
     from ..render import status
 
     if output:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-import types
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -634,16 +632,3 @@ def _round_up_gb(num_bytes: int) -> str:
             tenths = -(-num_bytes * 10 // scale)
             return f"{tenths / 10:g}{unit}"
     raise AssertionError("unreachable")
-
-
-class _CallableModule(types.ModuleType):
-    """`dm_cli.plan(source, ...)` is `dm_cli.api.plan`: the API function and this module share the name
-    `dm_cli.plan` (importing a submodule sets the package attribute), so the module itself is callable."""
-
-    def __call__(self, *args, **kwargs):
-        from .api import plan
-
-        return plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
