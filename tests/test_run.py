@@ -292,7 +292,9 @@ def test_run_refuses_an_existing_output_unless_overwrite(folders, tmp_path):
     args = ("run", folder, "-p", PROMPT, "--steps", 1, "--height", SIZE, "--width", SIZE, "-o", out, "-q")
     code, _, err = run_dmap(*args)
     assert code == 2 and "already exists" in err and "--overwrite" in err and out.read_bytes() == b"mine"
-    assert run_dmap(*args, "--overwrite")[0] == 0 and out.read_bytes() != b"mine"
+    code, stdout, err = run_dmap(*args, "--overwrite")
+    assert code == 0 and out.read_bytes() != b"mine"
+    assert stdout.strip() == f"Wrote {out}" and err == ""  # --quiet: only the written path
 
 
 def test_a_preset_has_no_weights_and_run_says_so_before_importing_torch():

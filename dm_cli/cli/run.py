@@ -56,7 +56,7 @@ def run(
     gpus_per_rank: int | None = typer.Option(None, "--gpus-per-rank", min=0,
                                              help="Under torchrun: local rank r uses GPUs r*K .. r*K+K-1 of its node."),
     as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No plan, no progress bar."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and the written paths: no plan, tables or progress."),
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
 ) -> int:
     from ..errors import UsageError

@@ -76,6 +76,9 @@ class RunView:
         size = lambda n: format_size(n, binary=self.binary) if n else "-"  # noqa: E731
         for notice in result.notices:
             self.console.print(notice, style="bold yellow")
+        if self.quiet:
+            self._problems_and_outputs(result)
+            return
         where = "on this machine"
         if result.simulate:
             where = "simulated on this CPU (every planned device)" + (
@@ -106,6 +109,10 @@ class RunView:
         note = tracking_note(result)
         if note:
             self.console.print(note, style="dim")
+        self._problems_and_outputs(result)
+
+    def _problems_and_outputs(self, result) -> None:
+        """What even --quiet prints: what would fail on real devices, and what was written."""
         if result.split_problems:
             self.console.print("Split check problems (this plan would fail on real devices):", style="bold red")
             for problem in result.split_problems:
