@@ -96,6 +96,8 @@ CASES = [
     Case("qwen-image", "bf16", "0=24GB,1=24GB,2=24GB,cpu=64GB", 1024),
     Case("qwen-image", "bf16", "0=16GB,1=16GB,2=16GB,3=16GB,cpu=64GB", 1024),
     Case("qwen-image", "bf16", "0=48GB,1=24GB,cpu=64GB", 1024),
+    Case("qwen-image", "bf16", "0=24GB,cpu=64GB", 1024),
+    Case("qwen-image", "bf16", "0=24GB,cpu=64GB", 1024, weights="fp8"),
 ]
 
 _META_MODELS: dict = {}

@@ -23,7 +23,8 @@ the `seconds` the queue reports, which includes planning/reading the plan and lo
 
 The machine this runs on may be shared: noise only adds time, so rerun when numbers look odd.
 
-Usage: .venv/bin/python scripts/bench_queue.py [--prompts 8] [--steps 2] [--rank-steps 6] [--size 128]
+Usage: .venv/bin/python scripts/bench_queue.py [--model midsize|large] [--prompts 8] [--steps 2] [--rank-steps 6]
+       [--size 128]
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ MIDSIZE = {
                     "pooled_projection_dim": 512, "num_layers": 4, "num_single_layers": 12, "axes_dims_rope": [16, 24, 24]},
     "vae": {"block_out_channels": [64, 128, 256, 256]},
 }
+# FLUX.1's widths (768-d text, 12 heads of 64) at a quarter of its depth: ~0.6B parameters, ~2.4 GB in fp32.
+# Loading it from the page cache takes longer than a small, short generation: where a real FLUX on a fast
+# GPU sits (tens of GB read per load, seconds per image).
+LARGE = {
+    "text_encoder": {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12, "num_hidden_layers": 12,
+                     "projection_dim": 768},
+    "text_encoder_2": {"d_model": 768, "d_ff": 2048, "d_kv": 64, "num_heads": 12, "num_layers": 12},
+    "transformer": {"attention_head_dim": 64, "num_attention_heads": 12, "joint_attention_dim": 768,
+                    "pooled_projection_dim": 768, "num_layers": 6, "num_single_layers": 18, "axes_dims_rope": [16, 24, 24]},
+    "vae": {"block_out_channels": [64, 128, 256, 256]},
+}
+MODELS = {"midsize": MIDSIZE, "large": LARGE}
 
 RECIPE = r"""
 import gc, json, resource, sys, time
@@ -86,12 +99,12 @@ print(json.dumps({"wall": time.perf_counter() - t}))
 """
 
 
-def write_midsize(target: Path) -> Path:
+def write_model(target: Path, changes_by_component: dict) -> Path:
     """The demo's configs, scaled up, with random weights (fixed seed): a FluxPipeline folder."""
     from dm_cli.demo import DEMO_CONFIGS, write_configs, write_random_pipeline
 
     configs = json.loads(json.dumps(DEMO_CONFIGS))
-    for name, changes in MIDSIZE.items():
+    for name, changes in changes_by_component.items():
         configs[name].update(changes)
     target.mkdir(parents=True, exist_ok=True)
     write_configs(configs, target)
@@ -138,11 +151,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rank-steps", type=int, default=6, help="denoising steps for the 1-vs-2-rank rows")
     parser.add_argument("--size", type=int, default=128)
+    parser.add_argument("--part", choices=["all", "queue", "ranks"], default="all",
+                        help="queue: rows 1-3 only; ranks: the torchrun rows only")
+    parser.add_argument("--model", choices=sorted(MODELS), default="midsize",
+                        help="midsize: ~0.7 GB, compute weighs more; large: ~2.4 GB, loading weighs more")
     options = parser.parse_args()
     prompts = PROMPTS[:options.prompts]
     tmp = Path(tempfile.mkdtemp(prefix="bench-queue-"))
     os.environ["DMAP_CACHE_DIR"] = str(tmp / "cache")
-    folder = write_midsize(tmp / "midsize-flux")
+    folder = write_model(tmp / f"{options.model}-flux", MODELS[options.model])
     weights = sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
     queue = tmp / "queue.txt"
     queue.write_text("\n".join(prompts) + "\n")
@@ -162,21 +179,6 @@ def main() -> None:
     _timed(dmap + ["run", str(folder), "--prompt", prompts[0], "--device-map", str(plan), "--output",
                    str(tmp / "warm.png"), *_run_args(1, options.size)])
 
-    reference = tmp / "recipe"
-    wall, inner = recipe(options.steps, reference)
-    rows.append(("diffusers staged recipe, looped per prompt (1 process)", wall, inner, reference))
-
-    loop = tmp / "dmap-loop"
-    loop.mkdir()
-    wall = inner = 0.0
-    for i, prompt in enumerate(prompts):
-        seconds, stdout = _timed(dmap + ["run", str(folder), "--prompt", prompt, "--seed", str(SEED + i), "--device-map",
-                                         str(plan), "--output", str(loop / f"{i:05d}.png"), "--json",
-                                         *_run_args(options.steps, options.size)])
-        wall += seconds
-        inner += sum(stage["wall_s"] for stage in json.loads(stdout)["stages"])
-    rows.append((f"loop of `dmap run` per prompt ({len(prompts)} processes)", wall, inner, loop))
-
     def dmap_queue(out: Path, steps: int, launcher: list[str] | None = None):
         command = (launcher or dmap) + (["run"] if launcher is None else ["-m", "dm_cli", "run"])
         command += [str(folder), "--prompts", str(queue), "--seed", str(SEED), "--device-map", str(plan), "--output",
@@ -184,35 +186,55 @@ def main() -> None:
         wall, stdout = _timed(command)
         return wall, stdout
 
-    out = tmp / "dmap-queue"
-    wall, stdout = dmap_queue(out, options.steps)
-    result = json.loads(stdout)
-    rows.append((f"dmap run --prompts (1 process, chunk size {result['chunk_size']})", wall, result["seconds"], out))
+    if options.part in ("all", "queue"):
+        reference = tmp / "recipe"
+        wall, inner = recipe(options.steps, reference)
+        rows.append(("diffusers staged recipe, looped per prompt (1 process)", wall, inner, reference))
+
+        loop = tmp / "dmap-loop"
+        loop.mkdir()
+        wall = inner = 0.0
+        for i, prompt in enumerate(prompts):
+            seconds, stdout = _timed(dmap + ["run", str(folder), "--prompt", prompt, "--seed", str(SEED + i), "--device-map",
+                                             str(plan), "--output", str(loop / f"{i:05d}.png"), "--json",
+                                             *_run_args(options.steps, options.size)])
+            wall += seconds
+            inner += sum(stage["wall_s"] for stage in json.loads(stdout)["stages"])
+        rows.append((f"loop of `dmap run` per prompt ({len(prompts)} processes)", wall, inner, loop))
+
+        out = tmp / "dmap-queue"
+        wall, stdout = dmap_queue(out, options.steps)
+        result = json.loads(stdout)
+        rows.append((f"dmap run --prompts (1 process, chunk size {result['chunk_size']})", wall, result["seconds"], out))
 
     rank_rows = []
-    rank_reference = tmp / "recipe-rank-steps"
-    recipe(options.rank_steps, rank_reference)
-    for nproc in (1, 2):
-        out = tmp / f"torchrun-{nproc}"
-        logs = tmp / f"logs-{nproc}"
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                    "--log-dir", str(logs), "--redirects", "1"]
-        wall, _ = dmap_queue(out, options.rank_steps, launcher)
-        per_rank = [json.loads(p.read_text())["seconds"] for p in sorted(logs.rglob("stdout.log"))]
-        rank_rows.append((f"torchrun, {nproc} rank(s) x 1 thread", wall, max(per_rank), out))
+    if options.part in ("all", "ranks"):
+        rank_reference = tmp / "recipe-rank-steps"
+        recipe(options.rank_steps, rank_reference)
+        for nproc in (1, 2):
+            out = tmp / f"torchrun-{nproc}"
+            logs = tmp / f"logs-{nproc}"
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        "--log-dir", str(logs), "--redirects", "1"]
+            wall, _ = dmap_queue(out, options.rank_steps, launcher)
+            per_rank = [json.loads(p.read_text())["seconds"] for p in sorted(logs.rglob("stdout.log"))]
+            rank_rows.append((f"torchrun, {nproc} rank(s) x 1 thread", wall, max(per_rank), out))
 
-    base_wall, base_inner = rows[0][1], rows[0][2]
-    print(f"mid-size FLUX-architecture pipeline, random weights, fp32, {weights / 1e9:.2f} GB of safetensors; "
+    print(f"{options.model} FLUX-architecture pipeline, random weights, fp32, {weights / 1e9:.2f} GB of safetensors; "
           f"{len(prompts)} prompts, {options.size}x{options.size}, staged plan, CPU, 1 torch thread per process\n")
     print("| run | process s | speed-up | in-process s | speed-up | same pixels as recipe |")
     print("|---|---:|---:|---:|---:|:---:|")
-    for name, wall, inner, out in rows:
-        print(f"| {name}, {options.steps} steps | {wall:.1f} | {base_wall / wall:.2f}x | {inner:.1f} | "
-              f"{base_inner / inner:.2f}x | {_same(out, reference, len(prompts))} |")
-    one_wall, one_inner = rank_rows[0][1], rank_rows[0][2]
-    for name, wall, inner, out in rank_rows:
-        print(f"| dmap run --prompts under {name}, {options.rank_steps} steps | {wall:.1f} | {one_wall / wall:.2f}x vs 1 rank "
-              f"| {inner:.1f} | {one_inner / inner:.2f}x vs 1 rank | {_same(out, rank_reference, len(prompts))} |")
+    if rows:
+        base_wall, base_inner = rows[0][1], rows[0][2]
+        for name, wall, inner, out in rows:
+            print(f"| {name}, {options.steps} steps | {wall:.1f} | {base_wall / wall:.2f}x | {inner:.1f} | "
+                  f"{base_inner / inner:.2f}x | {_same(out, reference, len(prompts))} |")
+    if rank_rows:
+        one_wall, one_inner = rank_rows[0][1], rank_rows[0][2]
+        for name, wall, inner, out in rank_rows:
+            print(f"| dmap run --prompts under {name}, {options.rank_steps} steps | {wall:.1f} | {one_wall / wall:.2f}x "
+                  f"vs 1 rank | {inner:.1f} | {one_inner / inner:.2f}x vs 1 rank | "
+                  f"{_same(out, rank_reference, len(prompts))} |")
 
 
 if __name__ == "__main__":
