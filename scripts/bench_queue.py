@@ -21,9 +21,14 @@ the `seconds` the queue reports, which includes planning/reading the plan and lo
 `dmap run` loop: the sum of each run's stage wall times). Ratios are speed-ups over the recipe loop
 (rows 1-3) or over 1 rank (row 4). Every image is compared pixel for pixel with the recipe's.
 
+`--cold` evicts the weight files from the OS page cache (posix_fadvise DONTNEED) before each prompt of the
+recipe, before each `dmap run` of the loop and before each queue run, so every load reads from disk: what
+happens when the weights do not fit in RAM (FLUX.2 [dev] is 111 GB in bf16). Without it every load after
+the first is a copy from the page cache.
+
 The machine this runs on may be shared: noise only adds time, so rerun when numbers look odd.
 
-Usage: .venv/bin/python scripts/bench_queue.py [--model midsize|large] [--prompts 8] [--steps 2] [--rank-steps 6]
+Usage: .venv/bin/python scripts/bench_queue.py [--model midsize|large] [--cold] [--part all|queue|ranks] [--prompts 8] [--steps 2] [--rank-steps 6]
        [--size 128]
 """
 
@@ -70,9 +75,13 @@ import gc, json, resource, sys, time
 import torch
 from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
 from diffusers.image_processor import VaeImageProcessor
-folder, out, prompts, seed, steps, size, guidance, max_seq = json.loads(sys.argv[1])
+folder, out, prompts, seed, steps, size, guidance, max_seq, cold, SCRIPTS = json.loads(sys.argv[1])
+sys.path.insert(0, SCRIPTS)
+from bench_queue import evict_from_page_cache
 t = time.perf_counter()
 for i, prompt in enumerate(prompts):
+    if cold:  # every load of this prompt reads from disk, as when the weights do not fit in the page cache
+        evict_from_page_cache(folder)
     pipe = FluxPipeline.from_pretrained(folder, transformer=None, vae=None)
     with torch.no_grad():
         pe, ppe, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, max_sequence_length=max_seq)
@@ -97,6 +106,16 @@ for i, prompt in enumerate(prompts):
     del vae; gc.collect()
 print(json.dumps({"wall": time.perf_counter() - t}))
 """
+
+
+def evict_from_page_cache(folder) -> None:
+    """Drop the folder's weight files from the OS page cache: the next read comes from disk."""
+    for path in Path(folder).rglob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def write_model(target: Path, changes_by_component: dict) -> Path:
@@ -153,6 +172,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--part", choices=["all", "queue", "ranks"], default="all",
                         help="queue: rows 1-3 only; ranks: the torchrun rows only")
+    parser.add_argument("--cold", action="store_true",
+                        help="every load reads from disk (weights evicted from the page cache before each prompt of "
+                             "the recipe, each `dmap run` and each queue run), as when they do not fit in RAM")
     parser.add_argument("--model", choices=sorted(MODELS), default="midsize",
                         help="midsize: ~0.7 GB, compute weighs more; large: ~2.4 GB, loading weighs more")
     options = parser.parse_args()
@@ -171,7 +193,8 @@ def main() -> None:
 
     def recipe(steps: int, out: Path):
         out.mkdir()
-        args = json.dumps([str(folder), str(out), prompts, SEED, steps, options.size, GUIDANCE, MAX_SEQ])
+        args = json.dumps([str(folder), str(out), prompts, SEED, steps, options.size, GUIDANCE, MAX_SEQ, options.cold,
+                           str(Path(__file__).resolve().parent)])
         wall, stdout = _timed([sys.executable, "-c", RECIPE, args])
         return wall, json.loads(stdout.strip().splitlines()[-1])["wall"]
 
@@ -183,6 +206,8 @@ def main() -> None:
         command = (launcher or dmap) + (["run"] if launcher is None else ["-m", "dm_cli", "run"])
         command += [str(folder), "--prompts", str(queue), "--seed", str(SEED), "--device-map", str(plan), "--output",
                     str(out), "--json", *_run_args(steps, options.size)]
+        if options.cold:
+            evict_from_page_cache(folder)
         wall, stdout = _timed(command)
         return wall, stdout
 
@@ -195,6 +220,8 @@ def main() -> None:
         loop.mkdir()
         wall = inner = 0.0
         for i, prompt in enumerate(prompts):
+            if options.cold:
+                evict_from_page_cache(folder)
             seconds, stdout = _timed(dmap + ["run", str(folder), "--prompt", prompt, "--seed", str(SEED + i), "--device-map",
                                              str(plan), "--output", str(loop / f"{i:05d}.png"), "--json",
                                              *_run_args(options.steps, options.size)])
@@ -221,7 +248,8 @@ def main() -> None:
             rank_rows.append((f"torchrun, {nproc} rank(s) x 1 thread", wall, max(per_rank), out))
 
     print(f"{options.model} FLUX-architecture pipeline, random weights, fp32, {weights / 1e9:.2f} GB of safetensors; "
-          f"{len(prompts)} prompts, {options.size}x{options.size}, staged plan, CPU, 1 torch thread per process\n")
+          f"{len(prompts)} prompts, {options.size}x{options.size}, staged plan, CPU, 1 torch thread per process"
+          + ("; every load from disk (--cold)" if options.cold else "; loads from the page cache") + "\n")
     print("| run | process s | speed-up | in-process s | speed-up | same pixels as recipe |")
     print("|---|---:|---:|---:|---:|:---:|")
     if rows:
