@@ -28,8 +28,8 @@ the first is a copy from the page cache.
 
 The machine this runs on may be shared: noise only adds time, so rerun when numbers look odd.
 
-Usage: .venv/bin/python scripts/bench_queue.py [--model midsize|large] [--cold] [--part all|queue|ranks] [--prompts 8] [--steps 2] [--rank-steps 6]
-       [--size 128]
+Usage: .venv/bin/python scripts/bench_queue.py [--model midsize|large] [--cold] [--part all|queue|ranks]
+       [--prompts 8] [--steps 2] [--rank-steps 6] [--size 128]
 """
 
 from __future__ import annotations
