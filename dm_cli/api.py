@@ -184,6 +184,11 @@ class Pipeline:
         self._loop = StageLoop(source, plan, family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
                                largest_shard=largest, track_activations=request.simulate or request.track_activations,
                                on_status=on_status, measure=measure)
+        # per stage of the plan, over every generate(): how often its components were loaded, and the time
+        # spent loading and running them (what a queue saves by loading once per chunk)
+        self.stage_totals: dict[str, dict] = {s.name: {"loads": 0, "load_s": 0.0, "run_s": 0.0} for s in plan.stages}
+        if not self.staged:
+            self.stage_totals["load"] = {"loads": 0, "load_s": 0.0, "run_s": 0.0}
 
     # --- what a queue needs to know before it starts -------------------------------------------
 
@@ -264,7 +269,9 @@ class Pipeline:
                         on_chunk(number, len(parts))
                     yield from self._stage_major(part, on_step)
             else:
-                self._loop.load_stage(list(self.plan.components))
+                missing = [name for name in self.plan.components if name not in self._loop.loaded]
+                if missing:  # resident: loaded by the first call, kept for the next ones
+                    self._timed_load("load", missing)
                 for item, job in jobs:
                     yield from self._stage_major([(item, job)], on_step)
         finally:
@@ -281,18 +288,26 @@ class Pipeline:
         for position, stage in enumerate(stages):
             names = list(stage.components)
             if self.staged:
-                self._loop.load_stage(names)
+                self._timed_load(stage.name, names)
             try:
                 for n, (item, job) in enumerate(jobs):
                     start = time.perf_counter()
                     self._loop.run_stage(stage, job, carries[n], on_step if stage.name == "denoise" else None)
                     seconds[n] += time.perf_counter() - start
+                    self.stage_totals[stage.name]["run_s"] += time.perf_counter() - start
                     if position == len(stages) - 1:
                         carry, carries[n] = carries[n], None  # nothing of a yielded item stays here
                         yield self._generated(item, job, carry, seconds[n])
             finally:
                 if self.staged:
                     self._loop.unload_stage(names)
+
+    def _timed_load(self, stage: str, names: list[str]) -> None:
+        start = time.perf_counter()
+        self._loop.load_stage(names)
+        totals = self.stage_totals[stage]
+        totals["loads"] += 1
+        totals["load_s"] += time.perf_counter() - start
 
     def _generated(self, item: QueueItem, job, carry, seconds: float) -> Generated:
         if carry.latents is None or not carry.images:

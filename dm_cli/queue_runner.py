@@ -66,6 +66,7 @@ class QueueResult:
     manifest: str | None = None  # written by this process (rank 0)
     seconds: float = 0.0
     notices: list[str] = field(default_factory=list)
+    stages: dict[str, dict] = field(default_factory=dict)  # stage -> loads, load_s, run_s (this rank)
 
     def to_json(self) -> dict:
         from dataclasses import asdict
@@ -164,6 +165,7 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
                 events.on_item(item, str(path), generated.seconds)
     finally:
         pipeline.close()
+        result.stages = pipeline.stage_totals
     gathered = ranks.gather(records)
     if ranks.is_main:
         merged: dict[int, dict] = {}

@@ -109,13 +109,17 @@ def test_staged_queue_loads_each_component_once_per_chunk_same_pixels_and_resume
     assert dict(count_loads) == {name: 1 for name in COMPONENTS}  # one chunk: every component loaded once
     stdout = capsys.readouterr().out
     assert "Chunk size: 6 item(s)" in stdout and "budget" in stdout
+    assert re.search(r"Stages: encode loaded 1x in [0-9.]+ s, ran [0-9.]+ s; denoise loaded 1x", stdout), stdout
     first = _assert_queue_output(out, references)
     assert all(r["rank"] == 0 and r["seconds"] > 0 and not r.get("resumed") for r in first)
 
     chunked = tmp_path / "chunked"
     count_loads.clear()
-    assert _cli("run", "--prompts", prompts_file, "--output", chunked, "--chunk-size", 4, *RUN_ARGS) == 0
+    assert _cli("run", "--prompts", prompts_file, "--output", chunked, "--chunk-size", 4, "--json", *RUN_ARGS) == 0
     assert dict(count_loads) == {name: 2 for name in COMPONENTS}  # chunks of 4 and 2: twice each
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert {name: t["loads"] for name, t in stages.items()} == {"encode": 2, "denoise": 2, "decode": 2}
+    assert all(t["load_s"] > 0 and t["run_s"] > 0 for t in stages.values())
     _assert_queue_output(chunked, references)
 
     # the same command again: everything is complete, nothing loads; a damaged file is redone alone
@@ -134,11 +138,13 @@ def test_staged_queue_loads_each_component_once_per_chunk_same_pixels_and_resume
     assert records[:4] == first[:4] and records[4]["seconds"] != first[4]["seconds"]  # skipped items keep their record
 
 
-def test_resident_queue_loads_once_for_the_whole_queue(references, prompts_file, tmp_path, count_loads):
+def test_resident_queue_loads_once_for_the_whole_queue(references, prompts_file, tmp_path, count_loads, capsys):
     out = tmp_path / "out"
     args = [a for a in RUN_ARGS if a not in ("--mode", "staged")]
-    assert _cli("run", "--prompts", prompts_file, "--output", out, "--mode", "resident", *args) == 0
+    assert _cli("run", "--prompts", prompts_file, "--output", out, "--mode", "resident", "--json", *args) == 0
     assert dict(count_loads) == {name: 1 for name in COMPONENTS}
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert stages["load"]["loads"] == 1 and all(stages[s]["loads"] == 0 for s in ("encode", "denoise", "decode"))
     _assert_queue_output(out, references)
 
 

@@ -55,6 +55,10 @@ class QueueView(RunView):
 
     def summary(self, result) -> None:
         self._say(f"Generated {len(result.generated)}, skipped {len(result.skipped)} in {result.seconds:.1f} s")
+        used = [(name, t) for name, t in result.stages.items() if t["loads"] or t["run_s"]]
+        if used:
+            self._say("Stages: " + "; ".join(f"{name} loaded {t['loads']}x in {t['load_s']:.1f} s, ran {t['run_s']:.1f} s"
+                                            for name, t in used))
         if result.manifest:
             self._say(f"Wrote {result.manifest}")
 
