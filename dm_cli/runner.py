@@ -56,6 +56,7 @@ class RunRequest:
     steps: int | None = None
     guidance_scale: float | None = None
     true_cfg_scale: float | None = None  # true-CFG families (Qwen-Image)
+    guidance_scale_2: float | None = None  # two-expert families (Wan 2.2): the low-noise expert's guidance
     seed: int = 0
     height: int | None = None
     width: int | None = None
@@ -98,6 +99,7 @@ class RunResult:
     latents: object = field(default=None, repr=False)
     num_frames: int | None = None  # video families
     fps: int | None = None
+    guidance_scale_2: float | None = None  # two-expert families
 
     def device_peaks(self) -> dict[str, tuple[int, int]]:
         """device -> (measured peak over all stages, planned peak over all stages)."""
@@ -114,7 +116,7 @@ class RunResult:
             "source": self.source, "pipeline": self.pipeline_class, "demo_random_weights": self.demo,
             "plan_digest": self.plan_digest, "planned_here": self.planned_here, "mode": self.plan.mode,
             "simulate": self.simulate, "seed": self.seed, "steps": self.steps, "guidance_scale": self.guidance_scale,
-            "true_cfg_scale": self.true_cfg_scale, "height": self.height, "width": self.width,
+            "true_cfg_scale": self.true_cfg_scale, "guidance_scale_2": self.guidance_scale_2, "height": self.height, "width": self.width,
             "num_images": self.num_images, "images": self.images, "num_frames": self.num_frames, "fps": self.fps,
             "latents": self.latents_path,
             "stages": [asdict(s) for s in self.stages],
@@ -280,7 +282,7 @@ def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda m
     family = family_for(source.pipeline_class)
     if family is None or not family.runs(source.pipeline_class):
         raise UsageError(f"dmap run does not support {source.pipeline_class}: it runs {', '.join(supported_pipelines())}.")
-    refusal = family.refuse(request.negative_prompt, request.true_cfg_scale)
+    refusal = family.refuse(request.negative_prompt, request.true_cfg_scale, request.guidance_scale_2)
     if refusal:
         raise UsageError(refusal)
     if request.num_images is not None and request.num_images < 1:
@@ -309,6 +311,10 @@ def settle_job(request: RunRequest, source, family: Family, defaults: dict) -> J
         refuse_existing([output.rstrip("/"), sidecar_path(output)], request.overwrite)
     guidance = request.guidance_scale if request.guidance_scale is not None else (
         defaults.get("guidance_scale") or family.default_guidance)
+    missing_experts = [name for name in family.experts if name not in comps]
+    if request.guidance_scale_2 is not None and missing_experts:
+        raise UsageError(f"--guidance-scale-2 sets the guidance of {missing_experts[0]}, which {source.spec} does not "
+                         "have (one expert, as Wan 2.1): use --guidance-scale.")
     return Job(
         prompt=request.prompt, negative_prompt=request.negative_prompt, seed=request.seed,
         steps=request.steps or defaults.get("steps") or family.default_steps, guidance_scale=guidance,
@@ -316,7 +322,7 @@ def settle_job(request: RunRequest, source, family: Family, defaults: dict) -> J
         max_sequence_length=(request.max_sequence_length or defaults.get("max_sequence_length")
                              or family.default_max_sequence_length),
         true_cfg_scale=request.true_cfg_scale if request.true_cfg_scale is not None else family.default_true_cfg_scale,
-        num_frames=frames,
+        num_frames=frames, guidance_scale_2=request.guidance_scale_2,
     )
 
 
@@ -385,6 +391,7 @@ def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunR
         simulate=request.simulate, seed=job.seed, steps=job.steps, guidance_scale=job.guidance_scale,
         true_cfg_scale=job.true_cfg_scale, height=job.height, width=job.width, num_images=job.num_images, images=[],
         latents_path=None, stages=[], notices=pipeline.notices, num_frames=job.num_frames, fps=pipeline.fps,
+        guidance_scale_2=job.guidance_scale_2,
     )
     if freeze:  # what the stages free is collected without walking the libraries (see run())
         gc.freeze()
@@ -425,6 +432,8 @@ def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, d
         meta["negative_prompt"] = job.negative_prompt
     if job.true_cfg_scale is not None:
         meta["true_cfg_scale"] = str(job.true_cfg_scale)
+    if job.guidance_scale_2 is not None:
+        meta["guidance_scale_2"] = str(job.guidance_scale_2)
     if demo:
         meta["weights"] = "random (dmap demo pipeline)"
     return meta

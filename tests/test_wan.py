@@ -303,3 +303,33 @@ def test_cli_run_writes_an_mp4_with_its_sidecar_and_refuses_to_overwrite(tiny_wa
     assert json.loads((tmp_path / "fox.mp4.json").read_text()) == meta
     code, _, stderr = run_dmap(*args)
     assert code == 2 and "--overwrite" in stderr
+
+
+def test_guidance_scale_2_guides_the_low_noise_expert_as_the_pipeline_does(tiny_wan, tmp_path):
+    """Random tiny weights barely tell cond from uncond (1e-4 in the latents, nothing in uint8): compare latents."""
+    torch = pytest.importorskip("torch")
+    import diffusers
+
+    from dm_cli.video import read_metadata
+
+    pipe = diffusers.WanPipeline.from_pretrained(tiny_wan)
+    pipe.set_progress_bar_config(disable=True)
+
+    def latents(**extra):
+        return pipe(PROMPT, num_frames=FRAMES, height=SIZE, width=SIZE, num_inference_steps=STEPS, output_type="latent",
+                    generator=torch.Generator().manual_seed(SEED), **extra).frames
+
+    expected, plain = latents(guidance_scale_2=50.0), latents()
+    assert not torch.equal(expected, plain)
+    result, _ = _run(tiny_wan, tmp_path, "g2/", max_memory="cpu=8GB", guidance_scale_2=50.0)
+    assert torch.equal(result.latents, expected)
+    assert read_metadata(str(tmp_path / "g2"))["guidance_scale_2"] == "50.0" and result.guidance_scale_2 == 50.0
+
+
+def test_guidance_scale_2_is_refused_where_there_is_no_second_expert():
+    from dm_cli.families import family_for
+
+    assert "two experts" in family_for("FluxPipeline").refuse(None, None, 2.0)
+    assert family_for("WanPipeline").refuse(None, None, 2.0) is None
+    code, _, err = run_dmap("run", "--prompts", "q.txt", "--guidance-scale-2", "2")
+    assert code == 2 and "--guidance-scale-2" in err and "not --prompts" in err

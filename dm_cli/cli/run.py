@@ -25,6 +25,9 @@ def run(
     guidance_scale: float | None = typer.Option(None, "--guidance-scale", help="Guidance (default: the pipeline's)."),
     true_cfg_scale: float | None = typer.Option(
         None, "--true-cfg-scale", help="True CFG with --negative-prompt: a second denoiser call per step (Qwen-Image; default 4.0)."),
+    guidance_scale_2: float | None = typer.Option(
+        None, "--guidance-scale-2", help="Two-expert pipelines (Wan 2.2 A14B): guidance of the low-noise expert "
+                                         "(default: --guidance-scale)."),
     seed: int = typer.Option(0, "--seed", help="Random seed: same seed, same image."),
     height: int | None = typer.Option(None, "--height", help="Image height in pixels (default: the pipeline's)."),
     width: int | None = typer.Option(None, "--width", help="Image width in pixels (default: the pipeline's)."),
@@ -71,8 +74,9 @@ def run(
 
         if num_images not in (None, 1):
             raise UsageError("--num-images is for one prompt: with --prompts, repeat a line with another seed instead.")
-        if save_latents or frames or fps or true_cfg_scale is not None:
-            raise UsageError("--save-latents, --frames, --fps and --true-cfg-scale are for one prompt, not --prompts.")
+        if save_latents or frames or fps or true_cfg_scale is not None or guidance_scale_2 is not None:
+            raise UsageError("--save-latents, --frames, --fps, --true-cfg-scale and --guidance-scale-2 are for one "
+                             "prompt, not --prompts.")
         queue = QueueRequest(
             prompts=prompts, output_dir=output or "dmap-out", source=source, device_map=device_map,
             max_memory=max_memory, overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, seed=seed,
@@ -92,7 +96,8 @@ def run(
 
     request = RunRequest(
         source=source, prompt=prompt, negative_prompt=negative_prompt, device_map=device_map, max_memory=max_memory,
-        overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale, seed=seed,
+        overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale,
+        guidance_scale_2=guidance_scale_2, seed=seed,
         height=height, width=width, num_images=num_images, max_sequence_length=max_sequence_length, num_frames=frames,
         fps=fps, output=output or "dmap.png", save_latents=save_latents, dtype=dtype, simulate=simulate, overwrite=overwrite,
         track_activations=track_activations, weights=weights,

@@ -49,6 +49,7 @@ class Job:
     max_sequence_length: int | None = None
     true_cfg_scale: float | None = None  # families with GUIDANCE_SEPARATE only
     num_frames: int | None = None  # video families only
+    guidance_scale_2: float | None = None  # families with two experts (Wan 2.2): the second expert's guidance
 
 
 @dataclass
@@ -153,8 +154,12 @@ class Family:
 
     # --- run ------------------------------------------------------------------------------------
 
-    def refuse(self, negative_prompt: str | None, true_cfg_scale: float | None) -> str | None:
+    def refuse(self, negative_prompt: str | None, true_cfg_scale: float | None,
+               guidance_scale_2: float | None = None) -> str | None:
         """A sentence when the request asks for something this family cannot do, else None."""
+        if guidance_scale_2 is not None and not self.experts:
+            return (f"--guidance-scale-2 is for pipelines with two experts such as Wan 2.2 A14B, not {self.title()}: "
+                    "use --guidance-scale.")
         if negative_prompt and not self.negative_prompt:
             return f"{self.title()} pipelines ignore negative prompts (guidance is distilled): drop --negative-prompt."
         if true_cfg_scale is not None and self.guidance != GUIDANCE_SEPARATE:

@@ -50,9 +50,9 @@ class WanFamily(Family):
             return pipeline_class in self.pipelines
         return component_cls in (TRANSFORMER, VAE)
 
-    def refuse(self, negative_prompt, true_cfg_scale) -> str | None:
+    def refuse(self, negative_prompt, true_cfg_scale, guidance_scale_2=None) -> str | None:
         if true_cfg_scale is not None:
-            return "--true-cfg-scale is for Qwen-Image; Wan's CFG is --guidance-scale."
+            return "--true-cfg-scale is for Qwen-Image; Wan's CFG is --guidance-scale (and --guidance-scale-2)."
         return None
 
     def denoiser_calls(self, inputs: InputSpec) -> int:
@@ -131,7 +131,10 @@ class WanFamily(Family):
         return Embeds({"prompt_embeds": pe, "negative_prompt_embeds": npe} if do_cfg else {"prompt_embeds": pe})
 
     def call_kwargs(self, pipe, job: Job) -> dict:
-        return {"guidance_scale": job.guidance_scale, "num_frames": job.num_frames or self.default_num_frames}
+        kwargs = {"guidance_scale": job.guidance_scale, "num_frames": job.num_frames or self.default_num_frames}
+        if job.guidance_scale_2 is not None:  # else the pipeline uses guidance_scale for both experts
+            kwargs["guidance_scale_2"] = job.guidance_scale_2
+        return kwargs
 
     def step_components(self, pipe, job: Job) -> list[str] | None:
         """`transformer` while t >= boundary_ratio * num_train_timesteps, then `transformer_2` (as __call__ does)."""
