@@ -63,8 +63,9 @@ def mutated_file(draw) -> bytes:
                 info["shape"] = [draw(st.sampled_from(BAD_NUMBERS + [0, 1]))]
         elif kind == "offset":
             side = draw(st.integers(0, 1))
-            info["data_offsets"][side] = draw(st.sampled_from(BAD_NUMBERS + [
-                info["data_offsets"][side] + d for d in (-8, -1, 1, 8)]))
+            current = info["data_offsets"][side]
+            near = [current + d for d in (-8, -1, 1, 8)] if type(current) is int else []  # an earlier edit may have broken it
+            info["data_offsets"][side] = draw(st.sampled_from(BAD_NUMBERS + near))
         elif kind == "swap_offsets":
             info["data_offsets"].reverse()
         elif kind == "dtype":
