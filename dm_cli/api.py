@@ -102,13 +102,14 @@ def _named(make, spec: str, root: str):
 def load(source: str | None = None, plan=None, *, simulate: bool = False, max_memory: str | None = None,
          mode: str = "auto", strategy: str = "auto", dtype: str | None = None, overhead: str | None = None,
          height: int | None = None, width: int | None = None, guidance_scale: float | None = None,
-         max_sequence_length: int | None = None, on_plan: Callable | None = None,
-         on_status: Callable[[str | None], None] | None = None) -> "Pipeline":
+         max_sequence_length: int | None = None, true_cfg_scale: float | None = None, weights: str | None = None,
+         on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None) -> "Pipeline":
     """A pipeline placed per `plan` (a Plan, a plan JSON path, or None: plan here with the options).
 
     SOURCE None is the bundled random-weight demo. A plan made for another model, size or dtype is
     refused (UsageError); one naming GPUs this machine lacks too, unless `simulate` (every planned
-    device on the CPU, with the split check active). Nothing is loaded yet: resident components
+    device on the CPU, with the split check active). `weights` ("fp8", "transformer=fp8", ...) plans
+    low-precision storage, or must match the given plan's. Nothing is loaded yet: resident components
     load on the first `generate` and stay; staged ones load per stage and chunk.
     """
     from .runner import RunRequest
@@ -116,7 +117,8 @@ def load(source: str | None = None, plan=None, *, simulate: bool = False, max_me
     device_map = plan if isinstance(plan, (str, Path)) else strategy
     request = RunRequest(source=source, prompt="", device_map=str(device_map), max_memory=max_memory, mode=mode,
                          dtype=dtype, overhead=overhead, height=height, width=width, guidance_scale=guidance_scale,
-                         max_sequence_length=max_sequence_length, simulate=simulate, output=None)
+                         max_sequence_length=max_sequence_length, true_cfg_scale=true_cfg_scale, weights=weights,
+                         simulate=simulate, output=None)
     return Pipeline(request, None if isinstance(plan, (str, Path)) else plan, on_plan, on_status)
 
 

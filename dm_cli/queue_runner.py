@@ -39,7 +39,9 @@ class QueueRequest:
     width: int | None = None
     max_sequence_length: int | None = None
     negative_prompt: str | None = None  # for items whose line gives none
+    true_cfg_scale: float | None = None  # true-CFG families (Qwen-Image)
     dtype: str | None = None
+    weights: str | None = None  # --weights spec; None: the plan's
     simulate: bool = False
     resume: bool = True
     chunk_size: int | None = None
@@ -122,7 +124,8 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
                     simulate=request.simulate, max_memory=request.max_memory, mode=request.mode,
                     strategy=request.device_map, dtype=request.dtype, overhead=request.overhead,
                     height=request.height, width=request.width, guidance_scale=request.guidance_scale,
-                    max_sequence_length=request.max_sequence_length, on_plan=events.on_plan,
+                    max_sequence_length=request.max_sequence_length, true_cfg_scale=request.true_cfg_scale,
+                    weights=request.weights, on_plan=events.on_plan,
                     on_status=events.on_status)
     if pipeline.defaults.num_frames:
         pipeline.close()

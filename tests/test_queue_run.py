@@ -148,6 +148,26 @@ def test_resident_queue_loads_once_for_the_whole_queue(references, prompts_file,
     _assert_queue_output(out, references)
 
 
+def test_queue_takes_weights_like_a_single_run(tmp_path, capsys):
+    """--weights fp8 with --prompts plans fp8 storage (it was silently dropped) and matches single fp8 runs."""
+    from dm_cli.runner import RunRequest, run
+
+    queue = tmp_path / "two.txt"
+    queue.write_text("\n".join(PROMPTS[:2]) + "\n")
+    out = tmp_path / "fp8"
+    assert _cli("run", "--prompts", queue, "--output", out, "--weights", "fp8", "--json", *RUN_ARGS) == 0
+    assert json.loads(capsys.readouterr().out)["generated"] == [0, 1]
+    for i, prompt in enumerate(PROMPTS[:2]):
+        single = run(RunRequest(source=None, prompt=prompt, seed=SEED + i, steps=STEPS, height=SIZE, width=SIZE,
+                                mode="staged", weights="fp8", output=str(tmp_path / f"single-{i}.png")))
+        assert single.plan.weights.get("transformer") == "fp8"
+        assert np.array_equal(_pixels(out / f"{i:05d}.png"), _pixels(tmp_path / f"single-{i}.png"))
+    import dm_cli
+
+    with dm_cli.load(None, None, mode="staged", height=SIZE, width=SIZE, weights="fp8") as pipe:
+        assert pipe.plan.weights.get("transformer") == "fp8"
+
+
 def test_jsonl_items_and_bad_queues(references, tmp_path, capsys):
     lines = [{"prompt": PROMPTS[1], "seed": SEED + 1, "output": "whale"}, {"prompt": PROMPTS[0], "seed": SEED}]
     path = tmp_path / "q.jsonl"
@@ -164,6 +184,12 @@ def test_jsonl_items_and_bad_queues(references, tmp_path, capsys):
     assert "line 1: 'seed' must be an integer" in err and "Traceback" not in err
     assert _cli("run", "--prompts", path, "--prompt", "a fox") == 2
     assert "Both --prompt and --prompts given" in capsys.readouterr().err
+    path = tmp_path / "q.txt"  # --true-cfg-scale reaches the family (the demo is FLUX: refused by it)
+    path.write_text(PROMPTS[0] + "\n")
+    assert _cli("run", "--prompts", path, "--output", out, "--true-cfg-scale", "2", *RUN_ARGS) == 2
+    assert "--true-cfg-scale is for true-CFG pipelines such as Qwen-Image" in capsys.readouterr().err
+    assert _cli("run", "--prompts", path, "--output", out, "--track-activations", *RUN_ARGS) == 2
+    assert "are for one prompt, not --prompts" in capsys.readouterr().err
 
 
 def test_readme_api_example_runs(references, tmp_path, monkeypatch):

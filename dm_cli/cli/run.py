@@ -74,14 +74,14 @@ def run(
 
         if num_images not in (None, 1):
             raise UsageError("--num-images is for one prompt: with --prompts, repeat a line with another seed instead.")
-        if save_latents or frames or fps or true_cfg_scale is not None or guidance_scale_2 is not None:
-            raise UsageError("--save-latents, --frames, --fps, --true-cfg-scale and --guidance-scale-2 are for one "
+        if save_latents or frames or fps or guidance_scale_2 is not None or track_activations:
+            raise UsageError("--save-latents, --frames, --fps, --guidance-scale-2 and --track-activations are for one "
                              "prompt, not --prompts.")
         queue = QueueRequest(
             prompts=prompts, output_dir=output or "dmap-out", source=source, device_map=device_map,
             max_memory=max_memory, overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, seed=seed,
             height=height, width=width, max_sequence_length=max_sequence_length, negative_prompt=negative_prompt,
-            dtype=dtype, simulate=simulate, resume=resume and not overwrite, chunk_size=chunk_size,
+            true_cfg_scale=true_cfg_scale, dtype=dtype, weights=weights, simulate=simulate, resume=resume and not overwrite, chunk_size=chunk_size,
             chunk_memory=chunk_memory, gpus_per_rank=gpus_per_rank,
         )
         return _run_queue(queue, as_json, quiet, binary)
