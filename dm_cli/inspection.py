@@ -115,8 +115,6 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
             comp = loaded if comp.weights is not None else comp
         skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
         fmt = component_format(formats, comp.name, skeleton)
-        if fmt and skeleton.cls == "?" and comp.name not in formats:
-            fmt = None  # stored fp8 with no config: sizes as stored (which layers a run would cast is unknown)
         if fmt and skeleton.cls == "?":
             raise UsageError(f"--weights {fmt} needs the config of '{comp.name}' (which layers are cast): "
                              "inspect its folder with config.json.")

@@ -62,10 +62,13 @@ def parse_weights_spec(spec: str | None, components: list[str]) -> dict[str, str
 
 
 def component_format(formats: dict[str, str | None], name: str, skeleton) -> str | None:
-    """The format asked for this component, else fp8 when its checkpoint already stores fp8."""
+    """The format asked for this component, else fp8 when its checkpoint already stores fp8.
+
+    A checkpoint without a config (header-only skeleton, class "?") is sized as stored: which layers
+    a run would cast is unknown, so it is not treated as fp8 unless asked."""
     if name in formats:
         return formats[name]
-    return "fp8" if skeleton.stored and any(t.dtype == STORAGE_DTYPES["fp8"] for t in skeleton.tensors) else None
+    return "fp8" if skeleton.stored and skeleton.cls != "?" and any(t.dtype == STORAGE_DTYPES["fp8"] for t in skeleton.tensors) else None
 
 
 def _format(text: str, spec: str) -> str | None:

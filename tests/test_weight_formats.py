@@ -291,3 +291,21 @@ def test_tiny_flux2_fp8_run_is_pixel_identical_unsplit_and_split(folders, tmp_pa
     assert split.split_check and split.split_problems == []
     for name in ("a.png", "b.png"):
         assert np.array_equal(_png(tmp_path / name)[0], expected), name
+
+
+def test_a_stored_fp8_file_without_config_is_inspected_and_planned_as_stored(tmp_path):
+    """No config: which layers a run would cast is unknown, so the bytes are the file's (plan refused it)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from conftest import run_dmap
+
+    path = tmp_path / "fp8.safetensors"
+    save_file({"a.weight": torch.ones(64, 64).to(torch.float8_e4m3fn), "a.norm": torch.ones(64)}, str(path))
+    code, out, err = run_dmap("inspect", path, "--json")
+    assert code == 0, err
+    code, out, err = run_dmap("plan", path, "-m", "cpu=1GB", "--json")
+    assert code == 0, err
+    assert json.loads(out)["components"]["fp8"]["weights_bytes"] == 64 * 64 + 64 * 4
+    code, _, err = run_dmap("plan", path, "-m", "cpu=1GB", "--weights", "fp8")
+    assert code == 2 and "needs the config" in err
