@@ -96,10 +96,11 @@ def test_other_families_trace(preset, name):
 
 
 def test_t5_sequence_length_follows_the_pipeline():
+    """512 T5 tokens unless told: FluxPipeline.__call__'s default for dev and schnell alike, as `dmap run` encodes."""
     dev, pipeline = component("flux", "text_encoder_2")
     schnell, pipeline_s = component("flux-schnell", "text_encoder_2")
     assert call_spec(dev, pipeline, SMALL).kwargs["input_ids"].shape == (1, 512)
-    assert call_spec(schnell, pipeline_s, SMALL).kwargs["input_ids"].shape == (1, 256)
+    assert call_spec(schnell, pipeline_s, SMALL).kwargs["input_ids"].shape == (1, 512)
     assert call_spec(dev, pipeline, InputSpec(64, 64, max_sequence_length=128)).kwargs["input_ids"].shape == (1, 128)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..inputs import InputSpec
-from ..pipelines import CallSpec, TensorSpec, component_call, sibling_config, vae_config
+from ..pipelines import CallSpec, TensorSpec, component_call, vae_config
 from . import GUIDANCE_DISTILLED, Embeds, Family, Job
 
 
@@ -19,13 +19,6 @@ class FluxFamily(Family):
     default_max_sequence_length = 512  # FluxPipeline.__call__'s default, schnell included
     default_sample_size = 128
     negative_prompt = False
-
-    def max_sequence_length(self, comp, inputs: InputSpec) -> int:
-        """T5 tokens: the user's value, else 512 for dev and 256 for schnell (no guidance embedding)."""
-        if inputs.max_sequence_length:
-            return int(inputs.max_sequence_length)
-        config = comp.config if comp.cls in self.denoiser_classes else sibling_config(comp, "transformer")
-        return 256 if config is not None and not config.get("guidance_embeds", False) else 512
 
     def size_multiple(self, denoiser_config: dict, vae_config_: dict | None) -> int:
         return self.vae_scale(vae_config_) * 2  # latents are packed 2x2
