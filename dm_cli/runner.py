@@ -303,27 +303,38 @@ def settle_job(request: RunRequest, source, family: Family, defaults: dict) -> J
     frames = request.num_frames or defaults.get("num_frames") or family.default_num_frames
     family.check_inputs(InputSpec(height, width, num_frames=frames if family.default_num_frames else request.num_frames,
                                   fps=request.fps), vae.config)
-    if family.default_num_frames is not None and request.output:
-        from .atomic import refuse_existing
-        from .video import sidecar_path
-
-        output = output_path(request, family)  # a .png for a video is refused here, before any work
-        refuse_existing([output.rstrip("/"), sidecar_path(output)], request.overwrite)
     guidance = request.guidance_scale if request.guidance_scale is not None else (
         defaults.get("guidance_scale") or family.default_guidance)
     missing_experts = [name for name in family.experts if name not in comps]
     if request.guidance_scale_2 is not None and missing_experts:
         raise UsageError(f"--guidance-scale-2 sets the guidance of {missing_experts[0]}, which {source.spec} does not "
                          "have (one expert, as Wan 2.1): use --guidance-scale.")
+    num_images = request.num_images or defaults.get("num_images") or 1
+    refuse_existing_outputs(request, family, num_images)
     return Job(
         prompt=request.prompt, negative_prompt=request.negative_prompt, seed=request.seed,
         steps=request.steps or defaults.get("steps") or family.default_steps, guidance_scale=guidance,
-        height=height, width=width, num_images=request.num_images or defaults.get("num_images") or 1,
+        height=height, width=width, num_images=num_images,
         max_sequence_length=(request.max_sequence_length or defaults.get("max_sequence_length")
                              or family.default_max_sequence_length),
         true_cfg_scale=request.true_cfg_scale if request.true_cfg_scale is not None else family.default_true_cfg_scale,
         num_frames=frames, guidance_scale_2=request.guidance_scale_2,
     )
+
+
+def refuse_existing_outputs(request: RunRequest, family: Family, num_images: int) -> None:
+    """Every file this run will write, as settled (a plan's num_images, a video and its sidecar), before any work."""
+    from .atomic import refuse_existing
+
+    outputs: list = [Path(request.save_latents)] if request.save_latents else []
+    if request.output and family.default_num_frames is not None:
+        from .video import sidecar_path
+
+        output = output_path(request, family)  # a .png for a video is refused here
+        outputs += [output.rstrip("/"), sidecar_path(output)]
+    elif request.output:
+        outputs += image_paths(request.output, num_images)
+    refuse_existing(outputs, request.overwrite)
 
 
 def output_path(request: RunRequest, family: Family) -> str:
@@ -379,10 +390,7 @@ def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
 def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunResult:
     """One prompt through the API's pipeline (`dm_cli.api.Pipeline`), every stage measured."""
     from .api import Pipeline
-    from .atomic import refuse_existing
 
-    outputs = image_paths(request.output, request.num_images or 1) if request.output else []
-    refuse_existing(outputs + ([Path(request.save_latents)] if request.save_latents else []), request.overwrite)
     pipeline = Pipeline(request, on_plan=on_plan, on_status=on_status, measure=True)
     job = pipeline.defaults
     result = RunResult(

@@ -328,3 +328,18 @@ def test_no_steps_offset_warning_from_a_bundled_tiny_pipeline(folders, tmp_path)
         warnings.simplefilter("always")
         dmap_run(folders("tiny-sd15"), hand_plan(folders("tiny-sd15")), tmp_path)
     assert not [w for w in caught if "steps_offset" in str(w.message)]
+
+
+def test_outputs_are_refused_as_settled_from_the_plan(tmp_path):
+    """A plan made for 2 images writes out-0.png and out-1.png: those are what must not be replaced silently."""
+    import dm_cli
+    from conftest import run_dmap
+    from dm_cli.plans import write_plan
+
+    plan = tmp_path / "p.json"
+    write_plan(dm_cli.plan(None, height=64, width=64, num_images=2), plan)
+    taken = tmp_path / "out-1.png"
+    taken.write_bytes(b"mine")
+    code, _, err = run_dmap("run", "-p", PROMPT, "-d", plan, "--steps", 1, "-o", tmp_path / "out.png")
+    assert code == 2 and "out-1.png already exists" in err and taken.read_bytes() == b"mine"
+    assert not (tmp_path / "out-0.png").exists()
