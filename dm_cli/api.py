@@ -103,7 +103,7 @@ def load(source: str | None = None, plan=None, *, simulate: bool = False, max_me
          mode: str = "auto", strategy: str = "auto", dtype: str | None = None, overhead: str | None = None,
          height: int | None = None, width: int | None = None, guidance_scale: float | None = None,
          max_sequence_length: int | None = None, true_cfg_scale: float | None = None, weights: str | None = None,
-         on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None) -> "Pipeline":
+         num_frames: int | None = None, fps: int | None = None, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None) -> "Pipeline":
     """A pipeline placed per `plan` (a Plan, a plan JSON path, or None: plan here with the options).
 
     SOURCE None is the bundled random-weight demo. A plan made for another model, size or dtype is
@@ -118,7 +118,7 @@ def load(source: str | None = None, plan=None, *, simulate: bool = False, max_me
     request = RunRequest(source=source, prompt="", device_map=str(device_map), max_memory=max_memory, mode=mode,
                          dtype=dtype, overhead=overhead, height=height, width=width, guidance_scale=guidance_scale,
                          max_sequence_length=max_sequence_length, true_cfg_scale=true_cfg_scale, weights=weights,
-                         simulate=simulate, output=None)
+                         num_frames=num_frames, fps=fps, simulate=simulate, output=None)
     return Pipeline(request, None if isinstance(plan, (str, Path)) else plan, on_plan, on_status)
 
 
@@ -286,8 +286,19 @@ class Pipeline:
 
         carries = [Carry() for _ in jobs]
         seconds = [0.0] * len(jobs)
-        stages = self.plan.stages
-        for position, stage in enumerate(stages):
+        groups = self._loop.stage_groups()
+        for position, group in enumerate(groups):
+            if len(group) > 1:  # experts taking turns within each job's denoise: loaded per job, one at a time
+                totals = self.stage_totals["denoise"]
+                for n, (item, job) in enumerate(jobs):
+                    start = time.perf_counter()
+                    ran = [r for r in self._loop.run_experts(group, job, carries[n], on_step) if r.wall_s]
+                    seconds[n] += time.perf_counter() - start
+                    totals["loads"] += len(ran)
+                    totals["load_s"] += sum(r.load_s for r in ran)
+                    totals["run_s"] += sum(r.run_s for r in ran)
+                continue
+            stage = group[0]
             names = list(stage.components)
             if self.staged:
                 self._timed_load(stage.name, names)
@@ -297,7 +308,7 @@ class Pipeline:
                     self._loop.run_stage(stage, job, carries[n], on_step if stage.name == "denoise" else None)
                     seconds[n] += time.perf_counter() - start
                     self.stage_totals[stage.name]["run_s"] += time.perf_counter() - start
-                    if position == len(stages) - 1:
+                    if position == len(groups) - 1:
                         carry, carries[n] = carries[n], None  # nothing of a yielded item stays here
                         yield self._generated(item, job, carry, seconds[n])
             finally:

@@ -168,7 +168,7 @@ class StageLoop:
                 switch: Callable[[int], None] | None = None):
         """The pipeline's own __call__ from embeddings, to latents (diffusers' math stays diffusers').
 
-        `switch(step)` runs at the end of every step (the expert switch of `_run_experts`); the
+        `switch(step)` runs at the end of every step (the expert switch of `run_experts`); the
         activation tracker stops `tracked_steps` steps after it last started (`_tracking_from`).
         """
         import torch
@@ -302,16 +302,9 @@ class StageLoop:
             first.load_s = first.wall_s = time.perf_counter() - start
             first.resident_after_load = self.meter.resident()
             results.append(first)
-        stages = list(self.plan.stages)
-        index = 0
-        while index < len(stages):
-            group = [stages[index]]
-            while (staged and index + len(group) < len(stages) and group[0].name == "denoise"
-                   and stages[index + len(group)].name == "denoise"):
-                group.append(stages[index + len(group)])  # sub-stages: experts loaded one at a time
-            index += len(group)
+        for group in self.stage_groups():
             if len(group) > 1:
-                results += self._run_experts(group, job, carry, on_step)
+                results += self.run_experts(group, job, carry, on_step)
                 continue
             stage_plan = group[0]
             stage = _stage_result(stage_plan)
@@ -328,7 +321,19 @@ class StageLoop:
             results.append(stage)
         return carry, results
 
-    def _run_experts(self, parts: list, job: Job, carry: Carry, on_step) -> list[StageResult]:
+    def stage_groups(self) -> list[list]:
+        """The plan's stages as they run: consecutive denoise sub-stages of a staged plan (experts loaded
+        one at a time, `run_experts`) form one group, every other stage a group of its own."""
+        staged = self.plan.mode != "resident"
+        groups: list[list] = []
+        for stage in self.plan.stages:
+            if staged and groups and stage.name == "denoise" and groups[-1][0].name == "denoise":
+                groups[-1].append(stage)
+            else:
+                groups.append([stage])
+        return groups
+
+    def run_experts(self, parts: list, job: Job, carry: Carry, on_step) -> list[StageResult]:
         """One denoise call over consecutive sub-stages (Wan 2.2's experts): only the sub-stage whose
         expert runs the first step is loaded; at the step where the next expert takes over, the current
         one is freed and only then the next one loaded (an expert that never runs is never loaded)."""

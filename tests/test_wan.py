@@ -333,3 +333,19 @@ def test_guidance_scale_2_is_refused_where_there_is_no_second_expert():
     assert family_for("WanPipeline").refuse(None, None, 2.0) is None
     code, _, err = run_dmap("run", "--prompts", "q.txt", "--guidance-scale-2", "2")
     assert code == 2 and "--guidance-scale-2" in err and "not --prompts" in err
+
+
+def test_api_generate_runs_a_staged_plans_experts_one_at_a_time(tiny_wan, tmp_path):
+    """dm_cli.load(...).generate on a plan with the experts in sub-stages: the same latents as dmap run."""
+    torch = pytest.importorskip("torch")
+    import dm_cli
+    from dm_cli.runner import RunRequest, run
+
+    devices = dict(max_memory="0=400KB,1=400KB,cpu=1GB", overhead="0=0,1=0", simulate=True)
+    with dm_cli.load(str(tiny_wan), None, height=SIZE, width=SIZE, num_frames=FRAMES, **devices) as pipe:
+        assert [s.components for s in pipe.plan.stages if s.name == "denoise"] == [["transformer"], ["transformer_2"]]
+        (out,) = pipe.generate([PROMPT], seed=SEED, steps=STEPS)
+        assert pipe.stage_totals["denoise"]["loads"] == 2
+    single = run(RunRequest(source=str(tiny_wan), prompt=PROMPT, steps=STEPS, height=SIZE, width=SIZE, seed=SEED,
+                            num_frames=FRAMES, output=str(tmp_path / "v/"), **devices))
+    assert torch.equal(out.latents, single.latents)
