@@ -15,6 +15,7 @@ from typing import Callable
 
 from .distributed import Ranks, select_gpus
 from .errors import UsageError
+from .runner import RunRequest
 from .queue import (
     MANIFEST, QueueItem, append_record, is_complete, items_for_rank, merge_records,
     previous_records, rank_manifest_name, read_prompts, remove_stale_temporaries, write_manifest,
@@ -23,26 +24,12 @@ from .queue import (
 
 @dataclass
 class QueueRequest:
-    """`dmap run --prompts`: the run options (as for one prompt) plus the queue's own."""
+    """`dmap run --prompts`: the run options, exactly as for one prompt (`run`; its prompt, seed, steps
+    and negative prompt are each item's defaults, its output unused), plus the queue's own."""
 
     prompts: str
+    run: RunRequest
     output_dir: str = "dmap-out"
-    source: str | None = None
-    device_map: str = "auto"
-    max_memory: str | None = None
-    overhead: str | None = None
-    mode: str = "auto"
-    steps: int | None = None
-    guidance_scale: float | None = None
-    seed: int = 0
-    height: int | None = None
-    width: int | None = None
-    max_sequence_length: int | None = None
-    negative_prompt: str | None = None  # for items whose line gives none
-    true_cfg_scale: float | None = None  # true-CFG families (Qwen-Image)
-    dtype: str | None = None
-    weights: str | None = None  # --weights spec; None: the plan's
-    simulate: bool = False
     resume: bool = True
     chunk_size: int | None = None
     chunk_memory: str | None = None
@@ -95,9 +82,9 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
     events = events or QueueEvents()
     ranks = Ranks.from_env()
     select_gpus(ranks, request.gpus_per_rank)  # before anything initialises CUDA
-    items = read_prompts(request.prompts, request.seed)
-    items = [replace(item, negative_prompt=item.negative_prompt or request.negative_prompt,
-                     steps=item.steps or request.steps) for item in items]
+    items = read_prompts(request.prompts, request.run.seed)
+    items = [replace(item, negative_prompt=item.negative_prompt or request.run.negative_prompt,
+                     steps=item.steps or request.run.steps) for item in items]
     if request.chunk_size is not None and request.chunk_size < 1:
         raise UsageError("--chunk-size must be at least 1.")
     budget = parse_size(request.chunk_memory) if request.chunk_memory else None
@@ -117,16 +104,10 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
 
 
 def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget, result: QueueResult) -> None:
-    from .api import load
+    from .api import Pipeline
 
     started = time.perf_counter()
-    pipeline = load(request.source, request.device_map if _is_plan_file(request.device_map) else None,
-                    simulate=request.simulate, max_memory=request.max_memory, mode=request.mode,
-                    strategy=request.device_map, dtype=request.dtype, overhead=request.overhead,
-                    height=request.height, width=request.width, guidance_scale=request.guidance_scale,
-                    max_sequence_length=request.max_sequence_length, true_cfg_scale=request.true_cfg_scale,
-                    weights=request.weights, on_plan=events.on_plan,
-                    on_status=events.on_status)
+    pipeline = Pipeline(request.run, on_plan=events.on_plan, on_status=events.on_status)
     if pipeline.defaults.num_frames:
         pipeline.close()
         raise UsageError(f"--prompts writes images; {pipeline.source.pipeline_class} makes videos: run one prompt at a time.")
@@ -187,7 +168,3 @@ def _record(item: QueueItem, job, digest: str, seconds: float | None, rank: int,
     if resumed:
         record["resumed"] = True
     return record
-
-
-def _is_plan_file(device_map: str) -> bool:
-    return device_map.endswith(".json") or Path(device_map).is_file()

@@ -69,6 +69,20 @@ def run(
 
         which = "Missing option '--prompt'" if prompt is None else "Both --prompt and --prompts given"
         raise usage_error(f"{which}: give --prompt TEXT for one image or --prompts FILE for a queue.", ctx)
+
+    def _request(output):
+        """The run options, one RunRequest for one prompt and for a queue alike."""
+        from ..runner import RunRequest
+
+        return RunRequest(
+            source=source, prompt=prompt or "", negative_prompt=negative_prompt, device_map=device_map,
+            max_memory=max_memory, overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale,
+            true_cfg_scale=true_cfg_scale, guidance_scale_2=guidance_scale_2, seed=seed, height=height, width=width,
+            num_images=num_images, max_sequence_length=max_sequence_length, num_frames=frames, fps=fps, output=output,
+            save_latents=save_latents, dtype=dtype, simulate=simulate, overwrite=overwrite,
+            track_activations=track_activations, weights=weights,
+        )
+
     if prompts is not None:
         from ..queue_runner import QueueRequest
 
@@ -77,13 +91,9 @@ def run(
         if save_latents or frames or fps or guidance_scale_2 is not None or track_activations:
             raise UsageError("--save-latents, --frames, --fps, --guidance-scale-2 and --track-activations are for one "
                              "prompt, not --prompts.")
-        queue = QueueRequest(
-            prompts=prompts, output_dir=output or "dmap-out", source=source, device_map=device_map,
-            max_memory=max_memory, overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, seed=seed,
-            height=height, width=width, max_sequence_length=max_sequence_length, negative_prompt=negative_prompt,
-            true_cfg_scale=true_cfg_scale, dtype=dtype, weights=weights, simulate=simulate, resume=resume and not overwrite, chunk_size=chunk_size,
-            chunk_memory=chunk_memory, gpus_per_rank=gpus_per_rank,
-        )
+        queue = QueueRequest(prompts=prompts, run=_request(output=None), output_dir=output or "dmap-out",
+                             resume=resume and not overwrite, chunk_size=chunk_size, chunk_memory=chunk_memory,
+                             gpus_per_rank=gpus_per_rank)
         return _run_queue(queue, as_json, quiet, binary)
     if gpus_per_rank is not None:
         from ..distributed import Ranks, select_gpus
@@ -92,16 +102,9 @@ def run(
     from ..run_checks import check_run_request
 
     check_run_request(output or "dmap.png", save_latents, num_images, seed, device_map)  # before anything is loaded
-    from ..runner import RunRequest, run as run_pipeline
+    from ..runner import run as run_pipeline
 
-    request = RunRequest(
-        source=source, prompt=prompt, negative_prompt=negative_prompt, device_map=device_map, max_memory=max_memory,
-        overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale,
-        guidance_scale_2=guidance_scale_2, seed=seed,
-        height=height, width=width, num_images=num_images, max_sequence_length=max_sequence_length, num_frames=frames,
-        fps=fps, output=output or "dmap.png", save_latents=save_latents, dtype=dtype, simulate=simulate, overwrite=overwrite,
-        track_activations=track_activations, weights=weights,
-    )
+    request = _request(output=output or "dmap.png")
     if as_json:
         result = run_pipeline(request)
         from ._output import print_json
