@@ -33,7 +33,6 @@ class CallSpec:
     kwargs: dict = field(default_factory=dict)
     upcast_fp16: bool = False  # the pipeline runs it in float32 when loaded in float16 (SDXL VAE, force_upcast)
     description: str = ""
-    calls_per_step: int = 1  # denoisers under true CFG: a second, separate call per step (same shapes)
 
     def shapes(self) -> dict:
         """JSON-friendly view of the arguments, for cache keys and reports."""

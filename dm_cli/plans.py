@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .atomic import atomic_write
-from .devices import device_key
+from .devices import device_key, device_rank
 from .errors import DoesNotFitError, UsageError
 from .families import default_size, family_for, pipeline_stages, source_family, unknown_family_warning
 from .inputs import InputSpec
@@ -591,7 +591,7 @@ def _does_not_fit(source_spec, source, comps, prepared, stages, devices, options
     cpu = next((d for d in devices if d.key == "cpu"), None)
     if cpu is None or cpu.capacity is not None:
         trial = [d for d in devices if d.key not in ("cpu",)] + [Device("cpu", upper * 2, 0)]
-        trial.sort(key=lambda d: (0, d.key) if isinstance(d.key, int) else ({"mps": 1, "cpu": 2, "disk": 3}[d.key], 0))
+        trial.sort(key=lambda d: device_rank(d.key))
         placed = fits(trial)
         if placed is not None:
             needed = max((u.peak for s in placed.stages for k, u in s.use.items() if k == "cpu"), default=1)

@@ -33,7 +33,7 @@ from .checkpoint import WEIGHT_STEMS, find_component_weights, open_checkpoint, r
 from .errors import CheckpointError, DmapError, SourceError, UsageError
 from .swap import MARKS, TEMP_MARK, SwapFolder, fsync_dir, hidden_name, publish, recover, swap_in_place
 from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
-from .weight_formats import KEPT_BY_DEFAULT, STORAGE_DTYPES
+from .weight_formats import FP8_NAMES, KEPT_BY_DEFAULT, STORAGE_DTYPES
 
 MIN_SHARD_SIZE = 10**6  # below 1 MB a "shard" is a mistake, not a choice
 COPY_CHUNK = 64 << 20  # bytes per copy_file_range call: keeps the progress bar moving
@@ -572,7 +572,7 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
             f"--max-shard-size {max_shard_size} is below the {format_size(min_shard_size)} minimum: use 0 for one file, "
             f"or a size such as 500MB or 5GB."
         )
-    fp8 = dtype is not None and dtype.strip().lower() in ("fp8", "float8", "float8_e4m3fn")
+    fp8 = dtype is not None and dtype.strip().lower() in FP8_NAMES
     target_dtype = STORAGE_DTYPES["fp8"] if fp8 else parse_dtype(dtype) if dtype else None
     if variant is not None and not re.fullmatch(r"\w+", variant):
         raise UsageError(f"--variant '{variant}' must be a plain word such as fp16.")

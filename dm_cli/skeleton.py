@@ -180,21 +180,6 @@ class Skeleton:
             stored=bool(data.get("stored")),
         )
 
-    def untied(self, aliases: set[str]) -> "Skeleton":
-        """Same skeleton with these tied aliases counted as tensors of their own (loaded untied)."""
-        kept = {t.name: t for t in self.tensors}
-        tensors, groups = list(self.tensors), []
-        for group in self.tie_groups:
-            for alias in group[1:]:
-                if alias in aliases:
-                    source = kept[group[0]]
-                    tensors.append(replace(source, name=alias))
-            rest = [group[0]] + [a for a in group[1:] if a not in aliases]
-            if len(rest) > 1:
-                groups.append(rest)
-        return Skeleton(self.name, self.library, self.cls, self.no_split_modules, self.modules, tensors, groups,
-                        stored=self.stored)
-
     def with_checkpoint_dtypes(self, stored: dict[str, str]) -> "Skeleton":
         """Same skeleton, dtypes as a checkpoint stores them (names it lacks keep the built dtype)."""
         tensors = [

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .cache import cache_key, read_cached, write_cached
-from .devices import device_key, map_entry
+from .devices import map_entry, normalise_map
 from .inputs import InputSpec
 from .pipelines import CallSpec, TensorSpec, call_spec, generic_argument
 
@@ -221,7 +221,7 @@ class _Session:
                     yield (f"{prefix}.{name}" if prefix else name), tensor
 
     def _setup_devices(self, device_map: dict) -> None:
-        placed = {str(k): device_key(v) for k, v in device_map.items()}
+        placed = normalise_map(device_map)
         gpus = sorted({d for d in placed.values() if d not in ("cpu", "disk")}, key=str)
         main = gpus[0] if gpus else "cpu"
         execution = {k: (main if d in ("cpu", "disk") else d) for k, d in placed.items()}

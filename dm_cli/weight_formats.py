@@ -25,10 +25,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .devices import covers
 from .errors import CheckpointError, UsageError
 
 # format name -> dtype the bulk of the converted tensors is stored in
 STORAGE_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
+FP8_NAMES = ("fp8", "float8", "float8_e4m3fn")  # what --weights and --dtype accept for fp8
 FORMAT_OF_DTYPE = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 # torchao Int8Tensor (weight-only, per output row): a float32 scale and an int8 zero point per row
 INT8_ROW_BYTES = 4 + 1
@@ -77,7 +79,7 @@ def _format(text: str, spec: str) -> str | None:
         if not value:
             raise UsageError(f"--weights '{spec}' has an empty entry: use fp8, int8 or none, e.g. transformer=fp8.")
         return None
-    if value in ("fp8", "float8", "float8_e4m3fn"):
+    if value in FP8_NAMES:
         return "fp8"
     if value == "int8":
         return "int8"
@@ -121,7 +123,7 @@ def transient_by_key(keys: list[tuple[str, ...]], layers: dict[str, int]) -> lis
     for block_keys in keys:
         largest = 0
         for layer, nbytes in layers.items():
-            if any(layer == k or layer.startswith(k + ".") or not k for k in block_keys):
+            if any(covers(k, layer) for k in block_keys):
                 largest = max(largest, nbytes)
         out.append(largest)
     return out

@@ -32,10 +32,10 @@ ROWS = {
     "dmap header reader (same checks)": "from dm_cli.checkpoint import read_safetensors_header\n"
                                         "n = len(read_safetensors_header(sys.argv[1]).tensors)\n",
     "dmap inspect --json": "from dm_cli.cli import main\n"
-                           "try:\n    main(['inspect', sys.argv[1], '--json', '--no-cache'])\nexcept SystemExit:\n    pass\n",
+                           "try:\n    main(['inspect', sys.argv[1], '--json', '--no-cache'])\nexcept SystemExit as done:\n    if done.code:\n        raise\n",
     "dmap shard -s 20MB (verified)": "import shutil\nfrom dm_cli.cli import main\nshutil.rmtree(sys.argv[2], ignore_errors=True)\n"
                                      "try:\n    main(['shard', sys.argv[1], '-s', '20MB', '-o', sys.argv[2], '--json'])\n"
-                                     "except SystemExit:\n    pass\n",
+                                     "except SystemExit as done:\n    if done.code:\n        raise\n",
 }
 
 

@@ -81,7 +81,7 @@ class Family:
     guidance: str = GUIDANCE_BATCH
     default_steps: int = 50
     default_guidance: float = 7.5
-    default_true_cfg_scale: float | None = None  # GUIDANCE_SEPARATE families: the pipeline's true_cfg_scale
+    default_true_cfg_scale: float | None = None  # true-CFG families (Qwen-Image): the pipeline's true_cfg_scale
     default_max_sequence_length: int | None = None  # T5/LLM tokens; None: the family has no such knob
     default_sample_size: int | None = None  # latent size of the default image; None: denoiser config sample_size
     negative_prompt: bool = True  # False: a negative prompt is refused (guidance-distilled)
@@ -162,7 +162,7 @@ class Family:
                     "use --guidance-scale.")
         if negative_prompt and not self.negative_prompt:
             return f"{self.title()} pipelines ignore negative prompts (guidance is distilled): drop --negative-prompt."
-        if true_cfg_scale is not None and self.guidance != GUIDANCE_SEPARATE:
+        if true_cfg_scale is not None and self.default_true_cfg_scale is None:  # Wan's separate calls are plain CFG
             return f"--true-cfg-scale is for true-CFG pipelines such as Qwen-Image, not {self.title()}: use --guidance-scale."
         return None
 

@@ -64,7 +64,7 @@ class QwenImageFamily(Family):
             if config.get("guidance_embeds", False):
                 kwargs["guidance"] = TensorSpec((images,))
             calls = self.denoiser_calls(inputs)
-            return CallSpec("forward", kwargs, calls_per_step=calls,
+            return CallSpec("forward", kwargs,
                             description=f"{tokens} image tokens, {seq} text tokens, batch {images}, "
                                         f"{calls} calls per step (true CFG)")
         if comp.cls.startswith("Qwen2_5_VL"):

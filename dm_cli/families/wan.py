@@ -50,11 +50,6 @@ class WanFamily(Family):
             return pipeline_class in self.pipelines
         return component_cls in (TRANSFORMER, VAE)
 
-    def refuse(self, negative_prompt, true_cfg_scale, guidance_scale_2=None) -> str | None:
-        if true_cfg_scale is not None:
-            return "--true-cfg-scale is for Qwen-Image; Wan's CFG is --guidance-scale (and --guidance-scale-2)."
-        return None
-
     def denoiser_calls(self, inputs: InputSpec) -> int:
         return 2 if self.guidance_scale(inputs) > 1.0 else 1
 
