@@ -243,8 +243,12 @@ def test_2_overwrite_killed_at_every_rename_keeps_an_output(tmp_path, renameat2)
     (without RENAME_EXCHANGE, between its two renames) restored by the next run."""
     template = tmp_path / "template"
     state = component(template)
-    full = _run_killed(10**6, renameat2, "overwrite", tmp_path / "count-out", template)
+    counted = tmp_path / "count-out"  # an existing output, as below: replacing it takes every rename
+    counted.mkdir()
+    (counted / "old.txt").write_text("the old output")
+    full = _run_killed(10**6, renameat2, "overwrite", counted, template)
     assert full.returncode == 0, full.stderr
+    restored = []
     for kill_at in range(int(full.stdout.split()[-1])):
         work = tmp_path / f"{renameat2}-{kill_at}"
         out = work / "out"
@@ -252,9 +256,13 @@ def test_2_overwrite_killed_at_every_rename_keeps_an_output(tmp_path, renameat2)
         (out / "old.txt").write_text("the old output")
         killed = _run_killed(kill_at, renameat2, "overwrite", out, template)
         assert killed.returncode == 137, killed.stderr
-        shard_module.shard(str(template), 1500, output=out, overwrite=True, min_shard_size=1)
+        if not out.exists():  # killed between moving the old output aside and putting the new one in place
+            restored.append(kill_at)
+        result = shard_module.shard(str(template), 1500, output=out, overwrite=True, min_shard_size=1)
+        assert bool(restored and restored[-1] == kill_at) == any("Restored" in line for line in result.removed_stale)
         assert_same_state(loaded(out), state)
         assert sorted(p.name for p in work.iterdir()) == ["out"]
+    assert bool(restored) == (renameat2 != "yes")  # only without RENAME_EXCHANGE is there such a moment
 
 
 def _copy(src: Path, dst: Path) -> Path:
