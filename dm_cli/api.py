@@ -213,23 +213,21 @@ class Pipeline:
         """Embeddings and latents one prompt holds between stages: what the pipeline feeds the denoiser per step."""
         from .inputs import InputSpec
         from .pipelines import TensorSpec, call_spec
+        from .units import DTYPE_BYTES, numel
 
         job = self.defaults
         denoiser = next((c for c in self.source.components if c.name == self.family.denoiser), None)
         inputs = InputSpec(job.height, job.width, 1, job.num_images, job.guidance_scale, job.max_sequence_length)
         spec = call_spec(denoiser, self.source.pipeline_class, inputs) if denoiser is not None else None
-        item_size = 2 if self.plan.dtype in ("float16", "bfloat16") else 4
+        item_size = {"float": DTYPE_BYTES.get(self.plan.dtype or "float32", 4), "float32": 4}
         total = 0
         stack = list(spec.kwargs.values()) if spec is not None else []
         while stack:
             value = stack.pop()
             if isinstance(value, dict):
                 stack.extend(value.values())
-            elif isinstance(value, TensorSpec) and value.kind == "float":
-                count = 1
-                for dim in value.shape:
-                    count *= dim
-                total += count * item_size
+            elif isinstance(value, TensorSpec) and value.kind in item_size:
+                total += numel(value.shape) * item_size[value.kind]
         return total
 
     def chunk_size(self, items: int, chunk_memory: int | None = None) -> tuple[int, int, int]:
