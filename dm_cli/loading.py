@@ -95,12 +95,13 @@ def _load_streamed(comp, device_map: dict, torch_dtype, weights: str | None = No
 
     comp, _ = as_loaded(comp)  # an lm_head the checkpoint stores is its own tensor, as from_pretrained keeps it
     model = build_model(comp.library, comp.cls, comp.config, device="empty")
-    skeleton, _ = skeleton_for_component(comp)
+    skeleton, checkpoint = skeleton_for_component(comp)
     dtype_name = str(torch_dtype).removeprefix("torch.") if torch_dtype is not None else None
     fp8 = weights if weights == "fp8" else None
     infos = {t.name: t for t in skeleton.tensors}
     aliases = {alias: group[0] for group in skeleton.tie_groups for alias in group[1:]}
-    checkpoint = open_checkpoint(comp.weights, strict=True)
+    if checkpoint is None or checkpoint.problems:  # read leniently for the skeleton: raise, listing every problem
+        checkpoint = open_checkpoint(comp.weights, strict=True)
     folder = Path(comp.weights).parent
     key_of = _checkpoint_keys(model, list(checkpoint.tensor_files), comp)  # model name -> checkpoint key
     where = {name: folder / checkpoint.tensor_files[key] for name, key in key_of.items()}
