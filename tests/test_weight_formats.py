@@ -56,15 +56,45 @@ def _cast_like_diffusers(model, compute):
         apply_layerwise_casting(model, torch.float8_e4m3fn, compute, DEFAULT_SKIP_MODULES_PATTERN + keep)
 
 
+def _fp8_like_diffusers(model, compute):
+    """As `_cast_like_diffusers`, and a transformers model reports the compute dtype (the pipelines cast
+    prompt embeddings to `text_encoder.dtype`, which would now be the fp8 of its first parameter)."""
+    _cast_like_diffusers(model, compute)
+    if not isinstance(model, diffusers.ModelMixin):
+        cls = type(model)
+        model.__class__ = type(cls.__name__, (cls,), {"dtype": property(lambda _self: compute)})
+
+
+def _skip_patterns(model) -> tuple:
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+    return (tuple(DEFAULT_SKIP_MODULES_PATTERN) + tuple(getattr(model, "_skip_layerwise_casting_patterns", None) or ())
+            + tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+            + tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ()))
+
+
 def _quantize_int8(model, name, source):
-    from dm_cli.skeleton import skeleton_for_component
+    """torchao on the nn.Linear layers layerwise casting would store low: none under a module a skip pattern
+    names, none whose weight is tied to another module's (chosen here from the model, not from dmap)."""
+    import re
+
     from dm_cli.weight_formats import torchao
 
     quantize_, config = torchao()
-    skeleton, _ = skeleton_for_component(source.component(name))
-    layers = {t.name.rpartition(".")[0] for t in skeleton.tensors if "int8" in t.low_precision}
-    assert layers, name
-    quantize_(model, config(), filter_fn=lambda _module, fqn: fqn in layers)
+    patterns = _skip_patterns(model)
+    owners: dict[int, int] = {}
+    for _, module in model.named_modules():
+        for param in module._parameters.values():
+            if param is not None:
+                owners[id(param)] = owners.get(id(param), 0) + 1
+
+    def chosen(module, fqn: str) -> bool:
+        parts = fqn.split(".")
+        kept = any(re.search(p, ".".join(parts[:i])) for p in patterns for i in range(1, len(parts) + 1))
+        return isinstance(module, torch.nn.Linear) and not kept and owners.get(id(module.weight), 0) == 1
+
+    assert any(chosen(m, n) for n, m in model.named_modules() if n), name
+    quantize_(model, config(), filter_fn=chosen)
 
 
 def _real_bytes(model) -> int:
@@ -144,8 +174,6 @@ def test_inspect_weights_matches_plan():
 def oracle(folder, fmt, dtype):
     """diffusers' pipeline with the same components cast: layerwise casting (diffusers' API) or torchao."""
     from dm_cli.sources import resolve_source
-    from dm_cli.weight_formats import apply_fp8
-
     source = resolve_source(str(folder))
     compute = getattr(torch, dtype)
     pipe = diffusers.DiffusionPipeline.from_pretrained(folder, torch_dtype=compute)
@@ -156,8 +184,8 @@ def oracle(folder, fmt, dtype):
                 _quantize_int8(comp, name, source)
             elif isinstance(comp, diffusers.ModelMixin):
                 comp.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute)
-            else:  # transformers text encoders: the same hooks, reporting the compute dtype (see apply_fp8)
-                apply_fp8(comp, compute)
+            else:  # transformers text encoders: the same hooks, reporting the compute dtype
+                _fp8_like_diffusers(comp, compute)
     image = pipe(PROMPT, generator=torch.Generator().manual_seed(SEED), num_inference_steps=STEPS,
                  height=SIZE, width=SIZE).images[0]
     return np.array(image)
@@ -275,13 +303,11 @@ def test_tiny_flux2_fp8_run_is_pixel_identical_unsplit_and_split(folders, tmp_pa
     from test_flux2 import TOKENS, diffusers_pipeline, split_plan
 
     from dm_cli.runner import RunRequest, run
-    from dm_cli.weight_formats import apply_fp8
-
     folder = folders("tiny-flux2")
     pipe = diffusers_pipeline(folder)
     pipe.set_progress_bar_config(disable=True)
     pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
-    apply_fp8(pipe.text_encoder, torch.float32)
+    _fp8_like_diffusers(pipe.text_encoder, torch.float32)
     expected = np.array(pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(SEED), num_inference_steps=STEPS,
                              height=SIZE, width=SIZE, max_sequence_length=TOKENS, text_encoder_out_layers=(1,)).images[0])
     run(RunRequest(source=str(folder), prompt=PROMPT, max_memory="cpu=8GB", steps=STEPS, height=SIZE, width=SIZE,
