@@ -142,13 +142,14 @@ class Pipeline:
             TRACKED_STEPS, _quiet_libraries, check_component_files, check_devices_present, check_plan_matches,
             inputs_from_plan, make_run_plan, plan_digest, prepare, settle_job,
         )
+        from .planner import STRATEGIES
+        from .run_checks import device_map_refusal
         from .stages import StageLoop
 
         status = on_status or (lambda message: None)
         is_file = plan is None and (request.device_map.endswith(".json") or Path(request.device_map).is_file())
-        if plan is None and not is_file and request.device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
-            raise UsageError(f"--device-map must be auto, balanced, balanced_low_0, sequential or a plan JSON file, "
-                             f"not '{request.device_map}'.")
+        if plan is None and not is_file and request.device_map not in STRATEGIES:
+            raise UsageError(device_map_refusal(request.device_map))
         source, family, demo, defaults, notices = prepare(request, status)
         self.source, self.family, self.demo, self.notices = source, family, demo, notices
         if is_file:

@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 
 from .errors import UsageError
+from .planner import STRATEGIES
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
-STRATEGY_NAMES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def check_run_request(output: str | None, save_latents: str | None, num_images: int | None, seed: int,
@@ -33,12 +33,16 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
         if resolved in seen:
             raise UsageError(f"{option} {path} is also the {seen[resolved]} file: give different names.")
         seen[resolved] = option
-    if device_map not in STRATEGY_NAMES:
+    if device_map not in STRATEGIES:
         if not device_map.endswith(".json") and not os.path.lexists(device_map):
-            raise UsageError(f"--device-map must be {', '.join(STRATEGY_NAMES)} or a plan JSON file, not '{device_map}'.")
+            raise UsageError(device_map_refusal(device_map))
         from .plans import load_plan
 
         load_plan(device_map)  # a FIFO, /dev/zero or a broken plan: refused here, read boundedly
+
+
+def device_map_refusal(device_map: str) -> str:
+    return f"--device-map must be {', '.join(STRATEGIES)} or a plan JSON file, not '{device_map}'."
 
 
 def _check_writable_file(path: Path, option: str) -> None:
