@@ -56,7 +56,7 @@ class StageLoop:
     """
 
     def __init__(self, source, plan, family: Family, *, simulate: bool, tracked_steps: int | None,
-                 largest_shard: dict[str, int] | None = None, track_activations: bool | None = None,
+                 largest_shard: dict[str, int] | None = None, track_activations: bool = False,
                  on_status: Callable[[str | None], None] | None = None, measure: bool = True):
         import torch
 
@@ -81,7 +81,7 @@ class StageLoop:
         # Per-op tracking (MemoryMeter) is what splits a CPU's memory between virtual devices, so
         # --simulate needs it; a plain CPU run measures the process's peak RSS instead, which costs
         # nothing per op (the tracker makes a tracked step ~3x slower).
-        self.track_activations = simulate if track_activations is None else track_activations
+        self.track_activations = track_activations
         self.status = on_status or (lambda message: None)
         # False: no tracker, no RSS sampling at all (a queue wants its images, not per-stage peaks)
         self.measure = measure
@@ -156,6 +156,13 @@ class StageLoop:
 
     # --- running ---------------------------------------------------------------------------------
 
+    def _measure_mode(self, names: list[str]) -> tuple[bool, bool]:
+        """(track activations op by op, sample the process's peak RSS) for a stage running `names`:
+        only where something runs on the CPU (CUDA counts its own peaks), and never when not measuring."""
+        on_cpu = self.measure and (not self.cuda or any(self._device([c]).type == "cpu" for c in names))
+        track = on_cpu and self.track_activations
+        return track, on_cpu and not track
+
     def _device(self, names: list[str]):
         return execution_device(self.device_map(names[0]) if names else {"": "cpu"}, self.simulate)
 
@@ -229,9 +236,7 @@ class StageLoop:
         self._reset_peaks()
         start = time.perf_counter()
         meter.current[:] = [str(next(iter(self.device_map(names[0]).values())))] if names else ["cpu"]
-        on_cpu = self.measure and (not self.cuda or any(self._device([c]).type == "cpu" for c in names))
-        track = on_cpu and self.track_activations
-        sampled = on_cpu and not track
+        track, sampled = self._measure_mode(names)
         stage.tracked = "all" if track else ("process peak RSS" if sampled else "none (CUDA: max_memory_allocated)"
                                              if self.measure else "not measured")
         rss = RssSampler() if sampled else None
@@ -366,9 +371,7 @@ class StageLoop:
             self.unload_stage(stage.components)
             stage.wall_s = time.perf_counter() - state["start"]
 
-        on_cpu = not self.cuda or any(self._device([c]).type == "cpu" for part in parts for c in part.components)
-        track = on_cpu and self.track_activations
-        sampled = on_cpu and not track
+        track, sampled = self._measure_mode([c for part in parts for c in part.components])
 
         def switch(step: int) -> None:
             if step + 1 < len(order) and order[step + 1] != state["part"]:
@@ -390,7 +393,8 @@ class StageLoop:
         except torch.OutOfMemoryError as error:
             raise _oom(error, "denoise", results[state["part"]].planned_peak) from None
         finish(state["part"])
-        how = "tracked" if track else ("process peak RSS" if sampled else "CUDA: max_memory_allocated")
+        how = "tracked" if track else ("process peak RSS" if sampled else "CUDA: max_memory_allocated"
+                                                                     if self.measure else "not measured")
         for part, stage in enumerate(results):
             used = order.count(part)
             stage.tracked = f"{how}, {used} of {job.steps} steps" if used else "not run (its expert has no step)"
