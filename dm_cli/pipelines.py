@@ -66,11 +66,15 @@ def vae_config(comp) -> dict | None:
     return config if config.get("_class_name", "").startswith("Autoencoder") else sibling_config(comp, "vae")
 
 
-def vae_scale_factor(comp, config: dict | None = None) -> int:
+def block_scale(vae: dict | None) -> int:
     """2 ** (len(vae.block_out_channels) - 1), as the pipelines compute it; 8 without a VAE config."""
-    vae = config if (config or {}).get("_class_name", "").startswith("Autoencoder") else vae_config(comp)
     blocks = (vae or {}).get("block_out_channels")
     return 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8
+
+
+def vae_scale_factor(comp, config: dict | None = None) -> int:
+    """`block_scale` of the VAE: `config` when it is the VAE's own, else the pipeline's VAE."""
+    return block_scale(config if (config or {}).get("_class_name", "").startswith("Autoencoder") else vae_config(comp))
 
 
 def call_spec(comp, pipeline_class: str | None, inputs: InputSpec) -> CallSpec | None:

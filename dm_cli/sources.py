@@ -109,11 +109,11 @@ def read_json(path: Path, what: str) -> dict:
     return data
 
 
-def is_component_name(name: str) -> bool:
-    """A pipeline component is a plain folder of the pipeline: an identifier, as diffusers requires.
+def is_identifier(name) -> bool:
+    """Component names (plain folders of the pipeline, as diffusers requires) and class names.
 
     Anything else (`../../etc`, `/abs`, `a/b`, an empty name) would make dmap read or write outside
-    the source or the output, so it is refused.
+    the source or the output, or name something that is not a class, so it is refused.
     """
     return isinstance(name, str) and name.isascii() and name.isidentifier()
 
@@ -170,10 +170,6 @@ def _resolve_path(spec: str, path: Path) -> Source:
     raise SourceError(f"Folder '{spec}' has no model_index.json, config.json or safetensors weights: give {accepted_forms()}.")
 
 
-def is_class_name(name) -> bool:
-    return isinstance(name, str) and name.isascii() and name.isidentifier()
-
-
 def _class_from_config(config: dict, where: Path) -> tuple[str | None, str]:
     if "_class_name" in config:
         library, cls = "diffusers", config["_class_name"]
@@ -181,7 +177,7 @@ def _class_from_config(config: dict, where: Path) -> tuple[str | None, str]:
         library, cls = "transformers", config["architectures"][0]
     else:
         raise SourceError(f"{where} names no model class ('_class_name' or 'architectures'): dmap cannot tell what it is.")
-    if not is_class_name(cls):
+    if not is_identifier(cls):
         raise SourceError(f"{where}: the model class {cls!r} is not a class name.")
     return library, cls
 
@@ -202,20 +198,20 @@ def _pipeline(spec: str, root: Path) -> Source:
     source = Source(spec, "pipeline", root, pipeline_class=model_index.get("_class_name"), model_index=model_index)
     if not source.pipeline_class:
         raise SourceError(f"{index_path} has no '_class_name': it is not a diffusers pipeline index.")
-    if not is_class_name(source.pipeline_class):
+    if not is_identifier(source.pipeline_class):
         raise SourceError(f"{index_path}: '_class_name' {source.pipeline_class!r} is not a class name.")
     for name, value in model_index.items():
         if name.startswith("_"):
             continue
         if not isinstance(value, list):
             continue  # pipeline flags such as requires_safety_checker
-        if not is_component_name(name):
+        if not is_identifier(name):
             raise SourceError(f"{index_path}: component {name!r} is not a plain folder name of the pipeline "
                               "(letters, digits and _ only): dmap refuses to read or write outside the source.")
         if len(value) != 2 or not all(v is None or isinstance(v, str) for v in value):
             raise SourceError(f"{index_path}: entry '{name}' should be [library, class], found {value!r}.")
         library, cls = value
-        if cls is not None and not is_class_name(cls):
+        if cls is not None and not is_identifier(cls):
             raise SourceError(f"{index_path}: component '{name}' names class {cls!r}, which is not a class name.")
         if library is None or cls is None:
             source.other_components[name] = (library, cls)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..inputs import InputSpec
-from ..pipelines import CallSpec
+from ..pipelines import CallSpec, block_scale
 
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
 # `related` prefix is a prefix of another's (Flux of Flux2, StableDiffusion of StableDiffusion3) comes after it.
@@ -128,9 +128,8 @@ class Family:
     # --- sizes ----------------------------------------------------------------------------------
 
     def vae_scale(self, vae_config: dict | None) -> int:
-        """2 ** (len(vae.block_out_channels) - 1), as the pipelines compute it; 8 without a VAE config."""
-        blocks = (vae_config or {}).get("block_out_channels")
-        return 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8
+        """The pipeline's vae_scale_factor (`pipelines.block_scale`; families with another VAE override it)."""
+        return block_scale(vae_config)
 
     def default_image_size(self, denoiser_config: dict, vae_config: dict | None) -> int:
         sample = self.default_sample_size or int((denoiser_config or {}).get("sample_size", 64))
