@@ -16,7 +16,6 @@ Everything else in dm_cli may change.
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,10 +258,9 @@ class Pipeline:
             chunk_size = self.chunk_size(len(jobs), chunk_memory)[0]
         if chunk_size < 1:
             raise UsageError("The chunk size must be at least 1.")
-        owner = gc.get_freeze_count() == 0
-        if owner:  # as dmap run: collections walk only what the run makes (see runner.run)
-            gc.freeze()
-        try:
+        from .runner import frozen_gc
+
+        with frozen_gc():  # as dmap run: collections walk only what the run makes (see runner.run)
             if self.staged:
                 parts = chunks(jobs, chunk_size)
                 for number, part in enumerate(parts):
@@ -275,9 +273,6 @@ class Pipeline:
                     self._timed_load("load", missing)
                 for item, job in jobs:
                     yield from self._stage_major([(item, job)], on_step)
-        finally:
-            if owner:
-                gc.unfreeze()
 
     def _stage_major(self, jobs: list, on_step) -> Iterator[Generated]:
         """Every stage of the plan over `jobs`, loading (staged) each stage's components once."""

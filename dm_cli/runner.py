@@ -11,10 +11,10 @@ a laptop. No Typer, no Rich here.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -374,14 +374,19 @@ def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
     of the collector for the run, so collections only look at what the run makes, and what the
     stages free is still collected. Unfrozen at the end (unless the caller had frozen first).
     """
-    # before the libraries' first import: some of them warn while importing (torchvision fallbacks)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    with frozen_gc() as owner:
+        return _run(request, on_plan, on_step, on_status, owner)
+
+
+@contextlib.contextmanager
+def frozen_gc():
+    """Freeze what is alive out of the collector (see `run`), unfrozen at the end; yields whether this
+    call froze (False when a caller had frozen first: it unfreezes)."""
     owner = gc.get_freeze_count() == 0
     if owner:
         gc.freeze()
     try:
-        return _run(request, on_plan, on_step, on_status, owner)
+        yield owner
     finally:
         if owner:
             gc.unfreeze()
