@@ -90,7 +90,7 @@ def _parse_int(text: str) -> int:
     return _Negative(int(text)) if text[0] == "-" else int(text)
 
 
-def _no_constant(name: str):
+def no_json_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
@@ -225,7 +225,7 @@ def read_safetensors_header(path: str | os.PathLike, validate: bool = True) -> S
         text = raw.decode("utf-8")
         del raw
         # A Python hook per integer is slow on a million tensors: only when `-0` may be there
-        root = json.loads(text, object_pairs_hook=_object_hook, parse_constant=_no_constant,
+        root = json.loads(text, object_pairs_hook=_object_hook, parse_constant=no_json_constant,
                           parse_int=_parse_int if _MINUS_ZERO.search(text) else None)
     except UnicodeDecodeError as error:
         raise CheckpointError(f"{path}: corrupt safetensors header: it is not UTF-8 ({error.reason}).") from error
@@ -344,7 +344,7 @@ def read_index(path: str | os.PathLike) -> ShardIndex:
     handle, _ = open_regular(path, "index file", MAX_INDEX_BYTES)
     try:
         with handle:
-            data = json.loads(handle.read(MAX_INDEX_BYTES + 1).decode("utf-8"), parse_constant=_no_constant)
+            data = json.loads(handle.read(MAX_INDEX_BYTES + 1).decode("utf-8"), parse_constant=no_json_constant)
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read: {error.strerror or error}.") from error
     except RecursionError:

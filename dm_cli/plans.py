@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .atomic import atomic_write
 from .devices import device_key, device_rank
-from .errors import DoesNotFitError, UsageError
+from .errors import CheckpointError, DoesNotFitError, UsageError
 from .families import default_size, family_for, pipeline_stages, source_family, unknown_family_warning
 from .inputs import InputSpec
 from .planner import (
@@ -227,23 +227,19 @@ def _json_type(value) -> str:
 MAX_PLAN_BYTES = 64 << 20  # a plan of a huge model is a few MB
 
 
-def _no_json_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
 def load_plan(path: str | Path) -> Plan:
     """Read a plan JSON written by `dmap plan --output` (exit 2 when it is not one)."""
+    from .checkpoint import no_json_constant, open_regular
+
     path = Path(path)
     try:
-        if not path.is_file():  # never a FIFO that blocks or a device that never ends (/dev/zero)
-            raise UsageError(f"Plan file {path} " + ("is not a regular file." if path.exists() else "does not exist."))
-        with open(path, "rb") as handle:
+        handle, _ = open_regular(path, "plan file", MAX_PLAN_BYTES)  # never a FIFO, /dev/zero or a huge file
+        with handle:
             raw = handle.read(MAX_PLAN_BYTES + 1)
-        if len(raw) > MAX_PLAN_BYTES:
-            raise UsageError(f"Plan file {path} is larger than {MAX_PLAN_BYTES} bytes: it is not a dmap plan.")
-        data = json.loads(raw.decode("utf-8"), parse_constant=_no_json_constant)
-    except OSError as error:
-        raise UsageError(f"Cannot read plan {path}: {error.strerror or error}.") from None
+        data = json.loads(raw.decode("utf-8"), parse_constant=no_json_constant)
+    except (CheckpointError, OSError) as error:
+        raise UsageError(f"Cannot read plan {error}" if isinstance(error, CheckpointError) else
+                         f"Cannot read plan {path}: {error.strerror or error}.") from None
     except (ValueError, RecursionError) as error:
         raise UsageError(f"Cannot read plan {path}: it is not JSON ({error}).") from None
     try:

@@ -494,7 +494,7 @@ def test_6_plan_file_that_is_not_a_file_is_read_boundedly(tmp_path, monkeypatch,
     code, out, err = cli(capsys, "run", "-p", "x", "-d", path, "-o", tmp_path / "x.png")
     assert code == 2, err
     assert {"dev-zero": "not a regular file", "fifo": "not a regular file", "folder": "not a regular file",
-            "nan": "not JSON", "huge": "larger than"}[where] in err, err
+            "nan": "not JSON", "huge": "more than the"}[where] in err, err
 
 
 def _runner_must_not_start(monkeypatch):
