@@ -52,6 +52,17 @@ class Job:
     guidance_scale_2: float | None = None  # families with two experts (Wan 2.2): the second expert's guidance
 
 
+def denormalized(vae, latents):
+    """Undo the per-channel latents_mean/latents_std of a Wan-style VAE, exactly as WanPipeline and
+    QwenImagePipeline do (dividing by 1 / std, for the same bits)."""
+    import torch
+
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+    return latents / inverse_std + mean
+
+
 @dataclass
 class Embeds:
     """What encode hands to denoise: keyword arguments of the pipeline's __call__ (prompt_embeds, ...)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..inputs import InputSpec
 from ..pipelines import CallSpec, TensorSpec, sibling_config, vae_config
-from . import GUIDANCE_SEPARATE, Embeds, Family, Job
+from . import GUIDANCE_SEPARATE, Embeds, Family, Job, denormalized
 
 # QwenImagePipeline: the prompt template's system part is this many tokens, dropped after encoding;
 # the encoder sees at most tokenizer_max_length (1024) prompt tokens plus these.
@@ -101,15 +101,9 @@ class QwenImageFamily(Family):
         return {"true_cfg_scale": job.true_cfg_scale, "guidance_scale": job.guidance_scale if distilled else None}
 
     def decode(self, pipe, latents, job: Job, device) -> list:
-        import torch
-
         vae = pipe.vae
         latents = pipe._unpack_latents(latents, job.height, job.width, pipe.vae_scale_factor).to(vae.dtype)
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
-        latents = latents / std + mean
-        image = vae.decode(latents.to(device), return_dict=False)[0][:, :, 0]
+        image = vae.decode(denormalized(vae, latents).to(device), return_dict=False)[0][:, :, 0]
         return pipe.image_processor.postprocess(image, output_type="pil")
 
 

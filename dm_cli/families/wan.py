@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..errors import UsageError
 from ..inputs import InputSpec
 from ..pipelines import CallSpec, TensorSpec, vae_config
-from . import GUIDANCE_SEPARATE, Embeds, Family, Job
+from . import GUIDANCE_SEPARATE, Embeds, Family, Job, denormalized
 
 TRANSFORMER = "WanTransformer3DModel"
 VAE = "AutoencoderKLWan"
@@ -144,16 +144,11 @@ class WanFamily(Family):
         return ["transformer" if t >= boundary else "transformer_2" for t in scheduler.timesteps]
 
     def decode(self, pipe, latents, job: Job, device) -> list:
-        import torch
-
         from ..video import to_uint8
 
         vae = pipe.vae
         latents = latents.to(device, dtype=vae.dtype)
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
-        video = vae.decode(latents / inverse_std + mean, return_dict=False)[0]
+        video = vae.decode(denormalized(vae, latents), return_dict=False)[0]
         frames = pipe.video_processor.postprocess_video(video, output_type="np")
         return [to_uint8(frames[i]) for i in range(frames.shape[0])]
 
