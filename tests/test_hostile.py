@@ -320,15 +320,20 @@ def test_3_two_runs_to_the_same_output_never_lose_one_silently(tmp_path, monkeyp
     assert hidden(tmp_path) == []
 
 
-def test_3_missing_or_read_only_output_parent_is_exit_2(tmp_path, capsys):
+def test_3_missing_or_read_only_output_parent_is_exit_2(tmp_path, capsys, monkeypatch):
     component(tmp_path / "src")
     code, out, err = cli(capsys, "shard", tmp_path / "src", "-s", "0", "-o", tmp_path / "no" / "such" / "out")
     assert code == 2 and "does not exist" in err, err
     assert not (tmp_path / "no").exists()
-    if os.geteuid() != 0:  # root writes anywhere
-        (tmp_path / "ro").mkdir(mode=0o555)
-        code, out, err = cli(capsys, "shard", tmp_path / "src", "-s", "0", "-o", tmp_path / "ro" / "out")
-        assert code == 2 and "permission denied" in err, err
+    read_only = tmp_path / "ro"
+    read_only.mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root writes anywhere: the kernel's answer for any other user, asked of os.access
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: (Path(path) != read_only or not mode & os.W_OK)
+                            and real(path, mode, **kw))
+    code, out, err = cli(capsys, "shard", tmp_path / "src", "-s", "0", "-o", read_only / "out")
+    assert code == 2 and "permission denied" in err, err
+    assert list(read_only.iterdir()) == []
 
 
 # --- 8. the Hugging Face cache is read-only to dmap ---------------------------------------------------
