@@ -291,7 +291,10 @@ def test_torchrun_two_ranks_killed_rank_then_rerun_completes_only_the_missing(re
     launch = ("--standalone", "--nproc-per-node", 2)
     proc = _torchrun(*launch, prompts=prompts_file, out=out, extra=("--chunk-size", 1), wait=False)
     deadline = time.time() + 600
-    while not (out / "00001.png").exists():  # rank 1's first item (it reloads for item 3 afterwards)
+    rank_1_manifest = out / "manifest-rank1.jsonl"
+    # rank 1's first item, image and record both (the PNG is renamed into place just before the record is
+    # appended: a kill between the two leaves a complete PNG whose record the rerun marks resumed)
+    while not (rank_1_manifest.exists() and '"item": 1' in rank_1_manifest.read_text()):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
         time.sleep(0.02)
     victim = _rank_pid(proc.pid, 1)
