@@ -121,7 +121,7 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
         if skeleton.note:
             notes.append(skeleton.note)
         effective = dtype if dtype is not None else skeleton.default_dtype()
-        block = skeleton.largest_block(effective, fmt)
+        blocks = skeleton.blocks(effective, fmt)
         reports.append(
             ComponentReport(
                 name=comp.name,
@@ -131,8 +131,8 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
                 params=skeleton.params,
                 bytes=skeleton.bytes_at(effective, fmt),
                 buffers_bytes=sum(t.bytes_at(effective, fmt) for t in skeleton.tensors if t.kind != "param"),
-                num_blocks=len(skeleton.blocks(effective, fmt)),
-                largest_block=block,
+                num_blocks=len(blocks),
+                largest_block=max(blocks, key=lambda b: b.bytes) if blocks else None,
                 no_split_modules=skeleton.no_split_modules,
                 weights=str(comp.weights) if comp.weights else None,
                 tree=module_tree(skeleton, effective, depth, fmt) if depth > 0 else [],

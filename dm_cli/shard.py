@@ -239,9 +239,21 @@ class Progress:
 # --- naming ---------------------------------------------------------------------------------------
 
 
+_DIGIT_RUNS = re.compile(r"(\d+)")
+
+
 def natural_key(name: str) -> tuple:
-    """`blocks.2` before `blocks.10`: shards then hold whole blocks in model order."""
-    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name) if part)
+    """`blocks.2` before `blocks.10`: shards then hold whole blocks in model order.
+
+    Text and digit runs alternate (text first, maybe empty), so keys compare position by position
+    as str with str and int with int; only runs `\\d` matched are read as numbers ("²" is text).
+    A run longer than Python converts (4300 digits, in a hostile header) is ordered by its start."""
+    parts = _DIGIT_RUNS.split(name)
+    try:
+        parts[1::2] = map(int, parts[1::2])
+    except ValueError:
+        parts[1::2] = [int(run[:4000]) for run in parts[1::2]]
+    return tuple(parts)
 
 
 def shard_file_names(stem: str, variant: str | None, count: int) -> tuple[list[str], str | None]:
@@ -462,9 +474,10 @@ def build_header(tensors: list[PlannedTensor], metadata: dict[str, str]) -> tupl
     """Deterministic header: largest alignment first, then natural name order; padded to 8 bytes.
 
     Placing 8-byte dtypes first keeps every tensor aligned to its element size, as safetensors' own
-    writer does, so memory-mapped loads never see a misaligned tensor.
+    writer does, so memory-mapped loads never see a misaligned tensor. `tensors` come in natural
+    name order (plan_shards sorts them once), which the stable sort keeps within each alignment.
     """
-    ordered = sorted(tensors, key=lambda t: (-DTYPE_BYTES[t.dtype], natural_key(t.name)))
+    ordered = sorted(tensors, key=lambda t: -DTYPE_BYTES[t.dtype])
     parts = [json.dumps("__metadata__") + ":" + json.dumps(dict(sorted(metadata.items())), ensure_ascii=False,
                                                                  separators=(",", ":"))]
     offset = 0

@@ -101,52 +101,54 @@ class Skeleton:
         return max(counts, key=counts.get) if counts else "bfloat16"
 
     def module_sizes(self, dtype: str | None, weights: str | None = None) -> dict[str, ModuleSize]:
-        """Every module with the params/bytes of its whole subtree, in registration order."""
-        sizes = {
-            prefix: ModuleSize(prefix, cls, 0, 0, cls in self.no_split_modules, []) for prefix, cls in self.modules
-        }
+        """Every module with the params/bytes of its whole subtree, in registration order.
+
+        Each tensor is added to its nearest module, then totals flow up the tree once: linear in
+        modules + tensors (a header with a million tensors has as many modules)."""
+        no_split = set(self.no_split_modules)
+        sizes = {prefix: ModuleSize(prefix, cls, 0, 0, cls in no_split, []) for prefix, cls in self.modules}
         if "" not in sizes:
             sizes[""] = ModuleSize("", self.cls, 0, 0, False, [])
-        for prefix in list(sizes):
+        parents: dict[str, str] = {}
+        for prefix in sizes:
             if prefix:
-                parent = prefix.rpartition(".")[0]
-                while parent not in sizes and parent:
-                    parent = parent.rpartition(".")[0]
+                parent = self._nearest(prefix.rpartition(".")[0], sizes)
+                parents[prefix] = parent
                 sizes[parent].children.append(prefix)
         for tensor in self.tensors:
-            nbytes = tensor.bytes_at(dtype, weights)
-            numel = tensor.numel if tensor.kind == "param" else 0
-            prefix = tensor.name.rpartition(".")[0]
-            seen_root = False
-            while True:
-                if prefix in sizes:
-                    sizes[prefix].params += numel
-                    sizes[prefix].bytes += nbytes
-                    seen_root = seen_root or prefix == ""
-                if not prefix:
-                    break
-                prefix = prefix.rpartition(".")[0]
+            node = sizes[self._nearest(tensor.name.rpartition(".")[0], sizes)]
+            node.bytes += tensor.bytes_at(dtype, weights)
+            if tensor.kind == "param":
+                node.params += tensor.numel
+        order = [""]  # breadth first from the root: reversed, every child comes before its parent
+        for prefix in order:
+            order.extend(sizes[prefix].children)
+        for prefix in reversed(order[1:]):
+            node, parent = sizes[prefix], sizes[parents[prefix]]
+            parent.params += node.params
+            parent.bytes += node.bytes
         return sizes
+
+    @staticmethod
+    def _nearest(prefix: str, sizes: dict) -> str:
+        while prefix not in sizes:
+            prefix = prefix.rpartition(".")[0]
+        return prefix
 
     def blocks(self, dtype: str | None, weights: str | None = None) -> list[ModuleSize]:
         """Top-level no-split blocks: the units a split never cuts through."""
+        if not self.no_split_modules:
+            return []
         sizes = self.module_sizes(dtype, weights)
         found: list[ModuleSize] = []
-
-        def walk(prefix: str) -> None:
-            node = sizes[prefix]
-            if node.no_split and prefix:
+        pending = [""]
+        while pending:  # depth first, in registration order, without recursion (trees can be deep)
+            node = sizes[pending.pop()]
+            if node.no_split and node.name:
                 found.append(node)
-                return
-            for child in node.children:
-                walk(child)
-
-        walk("")
+            else:
+                pending.extend(reversed(node.children))
         return found
-
-    def largest_block(self, dtype: str | None, weights: str | None = None) -> ModuleSize | None:
-        blocks = self.blocks(dtype, weights)
-        return max(blocks, key=lambda b: b.bytes) if blocks else None
 
     # --- JSON ---------------------------------------------------------------------------------
 
@@ -196,9 +198,13 @@ def skeleton_from_header(name: str, entries: dict) -> Skeleton:
     modules: dict[str, str] = {"": "?"}
     tensors = []
     for tensor_name, entry in entries.items():
-        parts = tensor_name.split(".")
-        for depth in range(1, len(parts)):
-            modules.setdefault(".".join(parts[:depth]), "?")
+        new = []
+        prefix = tensor_name.rpartition(".")[0]
+        while prefix not in modules:  # parents before children, as a model registers them
+            new.append(prefix)
+            prefix = prefix.rpartition(".")[0]
+        for prefix in reversed(new):
+            modules[prefix] = "?"
         tensors.append(TensorInfo(tensor_name, tuple(entry.shape), entry.dtype, "param"))
     return Skeleton(name, None, "?", [], list(modules.items()), tensors, stored=True)
 

@@ -219,3 +219,20 @@ def test_4_index_json_of_the_wrong_shape_is_exit_2(tmp_path, capsys):
         (tmp_path / "m.safetensors.index.json").write_text(document)
         code, out, err = cli(capsys, "inspect", tmp_path / "m.safetensors.index.json")
         assert code == 2, err
+
+
+def test_4_names_with_odd_digit_runs_shard_in_natural_order(tmp_path, capsys):
+    """Shard orders tensors by their digit runs as numbers: a '²' (a digit to str.isdigit, not to
+    int) or a run of 5000 digits (beyond Python's int conversion) is ordered, not a crash."""
+    from safetensors.numpy import save_file
+
+    names = ["blocks.10.w", "blocks.2.w", "w.1²", "²", "x." + "1" * 5000, "x.9"]
+    save_file({n: np.full(2, i, np.float32) for i, n in enumerate(names)}, str(tmp_path / "m.safetensors"))
+    code, out, err = cli(capsys, "shard", tmp_path / "m.safetensors", "-s", "0", "-o", tmp_path / "out")
+    assert code == 0, err
+    raw = (tmp_path / "out" / "m.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    header.pop("__metadata__", None)
+    assert sorted(header, key=lambda n: header[n]["data_offsets"])[:2] == ["blocks.2.w", "blocks.10.w"]
+    with safe_open(str(tmp_path / "out" / "m.safetensors"), "np") as f:
+        assert {n: float(f.get_tensor(n)[0]) for n in f.keys()} == {n: float(i) for i, n in enumerate(names)}
