@@ -465,11 +465,6 @@ def _metadata_bound(metadata: dict[str, str]) -> int:
     return len(json.dumps({"__metadata__": metadata}, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
 
 
-def _file_bound(tensors: list[PlannedTensor], metadata_len: int, limit: int) -> int:
-    """An upper bound on the file size: 8 + header (+ padding to 8) + data."""
-    return 8 + metadata_len + 8 + sum(_entry_bound(t, limit) + t.nbytes for t in tensors)
-
-
 def build_header(tensors: list[PlannedTensor], metadata: dict[str, str]) -> tuple[bytes, list[PlannedTensor]]:
     """Deterministic header: largest alignment first, then natural name order; padded to 8 bytes.
 
@@ -499,7 +494,9 @@ def plan_shards(tensors: list[PlannedTensor], limit: int, stem: str, variant: st
     """
     ordered = sorted(tensors, key=lambda t: natural_key(t.name))
     file_metadata = {"format": "pt"}
-    if limit == 0 or _file_bound(ordered, _metadata_bound({**metadata, **file_metadata}), limit) <= limit:
+    costs = [] if limit == 0 else [_entry_bound(t, limit) + t.nbytes for t in ordered]  # header entry + data, at most
+    # a bound on the one file's size: 8 + header (+ padding to 8) + data
+    if limit == 0 or 8 + _metadata_bound({**metadata, **file_metadata}) + 8 + sum(costs) <= limit:
         names, _ = shard_file_names(stem, variant, 1)
         header, data_order = build_header(ordered, {**metadata, **file_metadata})
         return [ShardFile(names[0], data_order, header)], None
@@ -507,8 +504,7 @@ def plan_shards(tensors: list[PlannedTensor], limit: int, stem: str, variant: st
     groups: list[tuple[list[PlannedTensor], bool]] = []
     current: list[PlannedTensor] = []
     current_bound = 8 + base + 8
-    for t in ordered:
-        cost = _entry_bound(t, limit) + t.nbytes
+    for t, cost in zip(ordered, costs):
         if 8 + base + 8 + cost > limit:
             if current:
                 groups.append((current, False))
