@@ -20,9 +20,9 @@ streaming reserve is charged to the cpu: no candidates left to tell apart; 8,000
 Also the cpu as the last resort (`if not ok and offload`): since the refill charges an unchanged
 fill's excess until a block moves, the search itself reaches the all-cpu placement (5,000 cases, no
 difference); tests/test_planner_search.py still checks that such a component runs on the cpu.
-`no-refill-scaling` is kept although no case is known that kills it (none in 10,000 random integer
-and byte-scaled cases): it guards the 16-round limit when an excess is far smaller than the block
-that must move, which small cases do not reach.
+`no-refill-scaling` guards the 16-round limit when an excess is far smaller than the reserve growth
+that moves a block; a targeted search (one GPU, four blocks with activations) found the case that
+tests/test_planner_search.py now pins.
 """
 
 from __future__ import annotations

@@ -185,6 +185,25 @@ def test_an_overshooting_refill_does_not_turn_a_fit_into_no_fit():
     assert placement.stages[0].peak_bytes == {"0": 3 * GB, "cpu": 2 * GB}
 
 
+def test_a_refill_that_changes_nothing_grows_by_more_than_the_excess():
+    """Kills `no-refill-scaling`. GPU 0 of 1000 MB, a cpu; blocks of 414, 295, 212 and 371 MB with
+    activations 0, 54, 0 and 216 MB (offloaded blocks run on GPU 0: 216 MB is always there).
+
+    1292 MB do not fit. Keeping blocks.0 reserves 371: 414 + 371 + 216 = 1001, 1 MB over; keeping
+    blocks.3 reserves 414: 371 + 414 + 216 = 1001, over; two blocks are over by far. Keeping blocks.1
+    reserves 414: 295 + 414 + 216 = 925 fits, 997 MB offloaded (blocks.2 alone would offload 1080).
+    The fill that keeps blocks.0 is 1 MB over, and its reserve must grow by 79 MB before the fill
+    changes: a refill that grows it by the 1 MB excess each round runs out of rounds, all on the cpu.
+    """
+    mb = 10**6
+    sizes = [(414, 0), (295, 54), (212, 0), (371, 216)]
+    comp = ComponentInput("t", "Model", [Block(f"blocks.{i}", w * mb, a * mb) for i, (w, a) in enumerate(sizes)])
+    placement = resident([comp], [Device(0, 1000 * mb), Device("cpu", 100 * GB)])
+    assert maps(placement) == {"t": {"blocks.0": "cpu", "blocks.1": 0, "blocks.2": "cpu", "blocks.3": "cpu"}}
+    assert placement.offloaded_bytes == 997 * mb
+    assert placement.stages[0].peak_bytes["0"] == 925 * mb
+
+
 def test_components_loaded_together_fill_the_gpus_in_turn():
     """Kills `cursor-per-component`. GPU 0 of 4 GB, GPU 1 of 5 GB, a cpu; a (blocks of 2 and 5 GB) and
     b (1 and 5 GB) loaded together, in that order.
