@@ -208,19 +208,25 @@ def _discard(folder: Path) -> None:
 _PID_RE = re.compile(r"\.dmap-(?:tmp|replaced|swap|old)-(\d+)-")
 
 
+def _abandoned(out: Path) -> list[Path]:
+    """Folders beside `out` (`.NAME.dmap-KIND-PID-*`) left by a dmap process that is gone, in name order."""
+    prefix = f".{out.name}.dmap-"
+    try:
+        entries = sorted(out.parent.iterdir())
+    except OSError:
+        return []
+    found = []
+    for candidate in entries:
+        match = _PID_RE.search(candidate.name[len(out.name) + 1:])
+        if candidate.name.startswith(prefix) and match and not _pid_alive(int(match.group(1))) and candidate.is_dir():
+            found.append(candidate)
+    return found
+
+
 def recover(out: Path) -> list[str]:
     """Repair what killed runs left beside `out`; returns one sentence per thing done."""
     done: list[str] = []
-    parent = out.parent
-    if not parent.is_dir():
-        return done
-    prefix = f".{out.name}.dmap-"
-    for candidate in sorted(parent.iterdir()):
-        if not candidate.name.startswith(prefix) or not candidate.is_dir():
-            continue
-        match = _PID_RE.search(candidate.name[len(out.name) + 1:])
-        if not match or _pid_alive(int(match.group(1))):
-            continue
+    for candidate in _abandoned(out):
         if SWAP_MARK in candidate.name:
             done.append(_finish_swap(candidate, out))
         elif OLD_MARK in candidate.name:
@@ -241,14 +247,7 @@ def recover(out: Path) -> list[str]:
 
 def pending_swap(root: Path) -> Path | None:
     """A committed --in-place swap of `root` whose process is gone (the next `dmap shard` finishes it)."""
-    try:
-        for candidate in root.parent.iterdir():
-            match = _PID_RE.search(candidate.name)
-            if candidate.name.startswith(f".{root.name}{SWAP_MARK}") and match and not _pid_alive(int(match.group(1))):
-                return candidate
-    except OSError:
-        return None
-    return None
+    return next((c for c in _abandoned(root) if c.name.startswith(f".{root.name}{SWAP_MARK}")), None)
 
 
 def _finish_swap(swap: Path, root: Path) -> str:
