@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from .errors import CheckpointError
-from .units import DTYPE_BYTES, SAFETENSORS_DTYPES, SUBBYTE_DTYPES, numel
+from .errors import CheckpointError, SourceError
+from .units import DTYPE_BYTES, SAFETENSORS_DTYPES, SUBBYTE_DTYPES, TORCH_TO_SAFETENSORS, numel
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 MAX_JSON_DEPTH = 127  # serde_json's recursion limit, as safetensors meets it (root object = 1)
@@ -30,6 +30,7 @@ _FIELDS = ("dtype", "shape", "data_offsets")
 _DTYPE_NAMES = {**SAFETENSORS_DTYPES, **{code: code for code in SUBBYTE_DTYPES}}  # header code -> dmap's name
 _NAME_BITS = {_DTYPE_NAMES[code]: bits for code, bits in _BITS.items()}
 _MINUS_ZERO = re.compile(r"-0(?![0-9.eE])")  # `-0` parses as 0 in Python but is a float to serde_json
+LEGACY_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")  # PyTorch pickles: read with weights_only
 MAX_LISTED_PROBLEMS = 20  # in one error sentence; `dmap inspect` lists every problem
 
 
@@ -490,4 +491,68 @@ def find_component_weights(folder: Path, variant: str | None = None) -> Path | N
 
 
 def legacy_weight_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt") and p.is_file())
+    return sorted(p for p in folder.glob("*") if p.suffix in LEGACY_SUFFIXES and p.is_file())
+
+
+# --- legacy (.bin/.pt) weights -------------------------------------------------------------------
+
+
+def legacy_files_loaded(folder: Path, variant: str | None, candidates: list[Path]) -> list[Path] | None:
+    """The legacy weight files a loader would read in `folder` (index + shards, or one file)."""
+    for stem in ("diffusion_pytorch_model", "pytorch_model", "model"):
+        index = folder / (f"{stem}.bin.index.{variant}.json" if variant else f"{stem}.bin.index.json")
+        if index.is_file():
+            shard_index = read_index(index)
+            files = []
+            for shard in shard_index.shard_names:
+                if not (folder / shard).is_file():
+                    raise CheckpointError(f"{index}: names shard '{shard}', which does not exist in {folder}.")
+                files.append(folder / shard)
+            return files + [index]
+        single = folder / (f"{stem}.{variant}.bin" if variant else f"{stem}.bin")
+        if single.is_file():
+            return [single]
+    plain = [p for p in candidates if p.suffix in LEGACY_SUFFIXES]
+    if len(plain) == 1:
+        return plain
+    if len(plain) > 1:
+        names = ", ".join(p.name for p in plain)
+        raise SourceError(f"{folder} holds several legacy weight files ({names}): give the one to shard as SOURCE.")
+    return None
+
+
+def load_legacy_weights(path: Path) -> dict:
+    """`torch.load(weights_only=True)` only: a file that needs full unpickling is refused."""
+    import pickle
+
+    import torch
+
+    def load(mmap: bool):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+    try:
+        try:
+            obj = load(True)  # memory-mapped: pages come from the file, not from RAM
+        except pickle.UnpicklingError:
+            raise
+        except Exception:  # old (non-zip) files cannot be memory-mapped
+            obj = load(False)
+    except pickle.UnpicklingError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"{path} stores Python objects besides tensors and would need full unpickling, which can run arbitrary "
+            f"code, so dmap refuses it ({first[:160]}); convert it to safetensors in a trusted environment."
+        ) from None
+    except Exception as error:  # noqa: BLE001 - a corrupt file is one sentence, not a traceback
+        raise CheckpointError(f"{path} cannot be read as PyTorch weights ({type(error).__name__}: {error}).") from None
+    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a dict of tensors.")
+    for key, value in obj.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{path}: entry '{key}' is a {type(value).__name__}, not a tensor; dmap shards tensors only.")
+        name = str(value.dtype).removeprefix("torch.")
+        if name not in TORCH_TO_SAFETENSORS:
+            raise CheckpointError(f"{path}: tensor '{key}' has dtype {name}, which safetensors cannot store.")
+    return obj

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic import refuse_existing
-from .checkpoint import WEIGHT_STEMS, find_component_weights, open_checkpoint, read_index, read_safetensors_header
+from .checkpoint import (LEGACY_SUFFIXES, WEIGHT_STEMS, find_component_weights, legacy_files_loaded,
+                         load_legacy_weights, open_checkpoint, read_safetensors_header)
 from .errors import CheckpointError, DmapError, SourceError, UsageError
 from .swap import MARKS, TEMP_MARK, SwapFolder, fsync_dir, hidden_name, publish, recover, swap_in_place
 from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
@@ -44,7 +45,6 @@ HASH_CHUNK = 1 << 20  # read size when hashing converted tensors back
 VERIFY_THREADS = 2  # compare threads beside the copying thread (compares release the GIL)
 VERIFY_BATCH_BYTES = 16 << 20  # tensors per verification job: a few MB, or
 VERIFY_BATCH_RUNS = 4096  # this many separate ranges (a million tiny tensors: a few hundred jobs)
-LEGACY_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf", ".onnx", ".onnx_data")
 CONVERTIBLE = {"float64", "float32", "float16", "bfloat16"}  # fp8 and integer tensors keep their dtype
 
@@ -329,41 +329,6 @@ def _read_safetensors(weights: Path) -> _Weights:
     return _Weights(files, tensors, metadata, {})
 
 
-def _torch_load(path: Path) -> dict:
-    """`torch.load(weights_only=True)` only: a file that needs full unpickling is refused."""
-    import pickle
-
-    import torch
-
-    def load(mmap: bool):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-
-    try:
-        try:
-            obj = load(True)  # memory-mapped: pages come from the file, not from RAM
-        except pickle.UnpicklingError:
-            raise
-        except Exception:  # old (non-zip) files cannot be memory-mapped
-            obj = load(False)
-    except pickle.UnpicklingError as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(
-            f"{path} stores Python objects besides tensors and would need full unpickling, which can run arbitrary "
-            f"code, so dmap refuses it ({first[:160]}); convert it to safetensors in a trusted environment."
-        ) from None
-    except Exception as error:  # noqa: BLE001 - a corrupt file is one sentence, not a traceback
-        raise CheckpointError(f"{path} cannot be read as PyTorch weights ({type(error).__name__}: {error}).") from None
-    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
-        obj = obj["state_dict"]
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a dict of tensors.")
-    for key, value in obj.items():
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"{path}: entry '{key}' is a {type(value).__name__}, not a tensor; dmap shards tensors only.")
-        name = str(value.dtype).removeprefix("torch.")
-        if name not in TORCH_TO_SAFETENSORS:
-            raise CheckpointError(f"{path}: tensor '{key}' has dtype {name}, which safetensors cannot store.")
-    return obj
 
 
 def _read_legacy(files: list[Path]) -> _Weights:
@@ -373,7 +338,7 @@ def _read_legacy(files: list[Path]) -> _Weights:
     seen: dict[str, Path] = {}
     groups: dict[tuple, list[str]] = {}
     for path in files:
-        state = _torch_load(path)
+        state = load_legacy_weights(path)
         legacy[path] = state
         for key, value in state.items():
             if key in seen:
@@ -397,30 +362,6 @@ def _read_legacy(files: list[Path]) -> _Weights:
     return _Weights(list(files), tensors, metadata, dropped, legacy)
 
 
-def _legacy_files(folder: Path, variant: str | None, candidates: list[Path]) -> list[Path] | None:
-    """The legacy weight files a loader would read in `folder` (index + shards, or one file)."""
-    for stem in ("diffusion_pytorch_model", "pytorch_model", "model"):
-        index = folder / (f"{stem}.bin.index.{variant}.json" if variant else f"{stem}.bin.index.json")
-        if index.is_file():
-            shard_index = read_index(index)
-            files = []
-            for shard in shard_index.shard_names:
-                if not (folder / shard).is_file():
-                    raise CheckpointError(f"{index}: names shard '{shard}', which does not exist in {folder}.")
-                files.append(folder / shard)
-            return files + [index]
-        single = folder / (f"{stem}.{variant}.bin" if variant else f"{stem}.bin")
-        if single.is_file():
-            return [single]
-    plain = [p for p in candidates if p.suffix in LEGACY_SUFFIXES]
-    if len(plain) == 1:
-        return plain
-    if len(plain) > 1:
-        names = ", ".join(p.name for p in plain)
-        raise SourceError(f"{folder} holds several legacy weight files ({names}): give the one to shard as SOURCE.")
-    return None
-
-
 def _component_weights(comp, variant: str | None) -> tuple[_Weights, Path]:
     """Read a component's weights (safetensors preferred, as the loaders do); returns (weights, naming file)."""
     weights = comp.weights
@@ -431,8 +372,8 @@ def _component_weights(comp, variant: str | None) -> tuple[_Weights, Path]:
     if weights is not None:
         return _read_safetensors(weights), weights
     if comp.folder is not None:
-        files = _legacy_files(comp.folder, variant, list(comp.legacy_weights)) or (
-            _legacy_files(comp.folder, None, list(comp.legacy_weights)) if variant else None
+        files = legacy_files_loaded(comp.folder, variant, list(comp.legacy_weights)) or (
+            legacy_files_loaded(comp.folder, None, list(comp.legacy_weights)) if variant else None
         )
         if files:
             shards = [f for f in files if not f.name.endswith(".json")]

@@ -424,16 +424,16 @@ def legacy_dtypes(comp) -> tuple[dict[str, str] | None, str]:
     `torch.load(weights_only=True, mmap=True)`: no code runs, and tensor data stays on disk.
     """
     from .errors import DmapError
-    from .shard import _legacy_files, _torch_load
+    from .checkpoint import legacy_files_loaded, load_legacy_weights
 
     try:
-        files = [f for f in _legacy_files(comp.folder, None, list(comp.legacy_weights)) or []
+        files = [f for f in legacy_files_loaded(comp.folder, None, list(comp.legacy_weights)) or []
                  if not f.name.endswith(".json")]
         if not files:
             return None, f"{comp.name}: no weight file a loader would read: sizes are at the config's default dtype (bf16)."
         dtypes = {}
         for path in files:
-            for name, tensor in _torch_load(path).items():
+            for name, tensor in load_legacy_weights(path).items():
                 dtypes[name] = str(tensor.dtype).removeprefix("torch.")
     except DmapError as error:
         return None, f"{comp.name}: dtypes of its legacy weights were not read ({error}) — sizes assume bf16."

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 
 from .devices import covers
-from .errors import CheckpointError, UsageError
+from .errors import UsageError
 
 # format name -> dtype the bulk of the converted tensors is stored in
 STORAGE_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}

@@ -1,7 +1,6 @@
 """The prompts file, item seeds and names, resume detection, the manifest, torchrun rank handling (no torch)."""
 
 import json
-import os
 
 import pytest
 
