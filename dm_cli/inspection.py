@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import UsageError
-from .skeleton import ModuleSize, Skeleton, as_loaded, skeleton_for_component
+from .skeleton import ModuleSize, Skeleton, as_loaded
 from .sources import Source, resolve_source
 from .weight_formats import STORAGE_DTYPES, component_format, parse_weights_spec
 
@@ -109,11 +109,11 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
     reports = []
     notes = list(source.notes)
     for comp in comps:
-        loaded, tie_note = as_loaded(comp, use_cache=use_cache)
-        if tie_note is not None:  # with weights, what loads; config only, as built (and say what plan counts)
-            notes.append(tie_note)
-            comp = loaded if comp.weights is not None else comp
-        skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+        loaded = as_loaded(comp, use_cache=use_cache)
+        checkpoint = loaded.checkpoint
+        if loaded.note is not None:  # with weights, what loads; config only, as built (and say what plan counts)
+            notes.append(loaded.note)
+        comp, skeleton = (loaded.comp, loaded.skeleton) if comp.weights is not None else (comp, loaded.as_built)
         fmt = component_format(formats, comp.name, skeleton)
         if fmt and skeleton.cls == "?":
             raise UsageError(f"--weights {fmt} needs the config of '{comp.name}' (which layers are cast): "

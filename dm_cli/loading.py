@@ -90,12 +90,12 @@ def _load_streamed(comp, device_map: dict, torch_dtype, weights: str | None = No
 
     from .checkpoint import open_checkpoint
     from .models import build_model
-    from .skeleton import as_loaded, skeleton_for_component
+    from .skeleton import as_loaded
     from .weight_formats import CastingWeights, LoadedTensor, apply_fp8, quantize_int8, read_cast
 
-    comp, _ = as_loaded(comp)  # an lm_head the checkpoint stores is its own tensor, as from_pretrained keeps it
+    loaded = as_loaded(comp)  # an lm_head the checkpoint stores is its own tensor, as from_pretrained keeps it
+    comp, skeleton, checkpoint = loaded.comp, loaded.skeleton, loaded.checkpoint
     model = build_model(comp.library, comp.cls, comp.config, device="empty")
-    skeleton, checkpoint = skeleton_for_component(comp)
     dtype_name = str(torch_dtype).removeprefix("torch.") if torch_dtype is not None else None
     fp8 = weights if weights == "fp8" else None
     infos = {t.name: t for t in skeleton.tensors}

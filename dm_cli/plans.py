@@ -357,10 +357,10 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
     those sizes, by the rule the runner applies, and the compute copy of the largest such layer
     (upcast while it runs) is added to the activations of every block that holds it.
     """
-    from .skeleton import as_loaded, skeleton_for_component
+    from .skeleton import as_loaded
 
-    comp, tie_note = as_loaded(comp, use_cache=use_cache)  # what from_pretrained keeps (untied lm_head)
-    skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+    loaded = as_loaded(comp, use_cache=use_cache)  # what from_pretrained keeps (untied lm_head)
+    comp, skeleton, checkpoint, tie_note = loaded.comp, loaded.skeleton, loaded.checkpoint, loaded.note
     if checkpoint is not None and checkpoint.problems:  # a plan for a broken checkpoint would be wrong
         from .errors import CheckpointError
 

@@ -360,7 +360,18 @@ def _output_aliases(skeleton: Skeleton) -> set[str]:
     return {a for g in skeleton.tie_groups for a in g[1:] if a == OUTPUT_EMBEDDINGS or a.endswith("." + OUTPUT_EMBEDDINGS)}
 
 
-def as_loaded(comp, use_cache: bool = True) -> tuple[object, str | None]:
+@dataclass
+class LoadedComponent:
+    """A component as from_pretrained keeps it, with its skeleton and checkpoint read once."""
+
+    comp: object  # the ComponentSource as loaded (its config untied when `note` says so)
+    skeleton: Skeleton
+    checkpoint: object | None  # the opened safetensors checkpoint, if any
+    as_built: Skeleton  # the skeleton its config builds (differs from `skeleton` only when untied)
+    note: str | None = None  # why what loads differs from what the config builds
+
+
+def as_loaded(comp, use_cache: bool = True) -> LoadedComponent:
     """The component as from_pretrained keeps it, and a sentence when that differs from its config.
 
     transformers ties the output embeddings (lm_head) to the input embeddings when
@@ -370,38 +381,41 @@ def as_loaded(comp, use_cache: bool = True) -> tuple[object, str | None]:
     the key unset (the published checkpoints of such models store lm_head), is planned untied
     (`tie_word_embeddings: false`), the count a loader really holds.
     """
-    import dataclasses
-
+    skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+    as_is = LoadedComponent(comp, skeleton, checkpoint, skeleton)
     config = comp.config or {}
     if comp.library != "transformers" or config.get("tie_word_embeddings") is False:
-        return comp, None
-    skeleton, checkpoint = skeleton_for_component(comp, use_cache=use_cache)
+        return as_is
     aliases = _output_aliases(skeleton)
     if checkpoint is not None:
         aliases &= set(checkpoint.tensors)
     elif "tie_word_embeddings" in config:
         aliases = set()
     if not aliases:
-        return comp, None
-    untied = dataclasses.replace(comp, config={**config, "tie_word_embeddings": False})
-    loaded, _ = skeleton_for_component(untied, use_cache=use_cache)
+        return as_is
+    untied = replace(comp, config={**config, "tie_word_embeddings": False})
+    loaded = _skeleton_of(untied, checkpoint, use_cache)
     why = ("its checkpoint stores " + ", ".join(sorted(aliases)) if checkpoint is not None
            else "config.json does not set tie_word_embeddings")
-    return untied, (
+    return LoadedComponent(untied, loaded, checkpoint, skeleton, (
         f"{comp.name} ({skeleton.cls}): {why}; transformers ties {', '.join(sorted(aliases))} to the input "
         f"embeddings when it builds the model from config ({skeleton.params:,} params), but keeps a separately "
         f"stored one untied: planned as loaded untied, {loaded.params:,} params."
-    )
+    ))
 
 
 def skeleton_for_component(comp, use_cache: bool = True):
     """(skeleton, checkpoint or None) for a ComponentSource: config on meta, dtypes from headers.
 
-    The one entry point `inspect`, `plan` and `run` use to size a component.
+    The entry point `inspect`, `plan` and `run` size a component through (by way of `as_loaded`).
     """
     from .checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(comp.weights, strict=False) if comp.weights is not None else None
+    return _skeleton_of(comp, checkpoint, use_cache), checkpoint
+
+
+def _skeleton_of(comp, checkpoint, use_cache: bool) -> Skeleton:
     if comp.config is not None:
         skeleton = load_skeleton(comp.name, comp.library, comp.cls, comp.config, use_cache=use_cache)
         if checkpoint is not None:
@@ -411,11 +425,10 @@ def skeleton_for_component(comp, use_cache: bool = True):
             if dtypes is not None:
                 skeleton = skeleton.with_checkpoint_dtypes(dtypes)
             skeleton.note = note
-    elif checkpoint is not None:
-        skeleton = skeleton_from_header(comp.name, checkpoint.tensors)
-    else:
-        raise SourceError(f"Component '{comp.name}' has neither a config nor weights.")
-    return skeleton, checkpoint
+        return skeleton
+    if checkpoint is not None:
+        return skeleton_from_header(comp.name, checkpoint.tensors)
+    raise SourceError(f"Component '{comp.name}' has neither a config nor weights.")
 
 
 def legacy_dtypes(comp) -> tuple[dict[str, str] | None, str]:
