@@ -115,8 +115,9 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
     result.mode, result.plan_digest = pipeline.plan.mode, pipeline.plan_digest
     todo: list[QueueItem] = []
     records: dict[int, dict] = {}
+    jobs = {}
     for item in mine:
-        job = pipeline.job_for(item)
+        job = jobs[item.index] = pipeline.job_for(item)
         done, why = is_complete(folder / item.output, pipeline.metadata(job)) if request.resume else (False, "--no-resume")
         if done:
             result.skipped.append(item.index)
@@ -141,7 +142,7 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
             item = by_index[generated.index]
             path = folder / item.output
             save_images(generated.images[:1], str(path), generated.metadata)
-            record = _record(item, pipeline.job_for(item), pipeline.plan_digest, generated.seconds, ranks.rank)
+            record = _record(item, jobs[item.index], pipeline.plan_digest, generated.seconds, ranks.rank)
             append_record(manifest, record)
             records[item.index] = record
             result.generated.append(item.index)
