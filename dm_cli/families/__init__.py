@@ -70,6 +70,13 @@ class Embeds:
     tensors: dict
 
 
+def packed_latents(inputs: InputSpec, factor: int) -> tuple[int, int, int]:
+    """(latent height, latent width, tokens) of 2x2-packed latents, as FLUX-style pipelines compute
+    them: each side 2 * (size // (factor * 2)), one token per 2x2 patch."""
+    latent_h, latent_w = 2 * (inputs.height // (factor * 2)), 2 * (inputs.width // (factor * 2))
+    return latent_h, latent_w, (latent_h // 2) * (latent_w // 2)
+
+
 def pooled_embeds(do_cfg: bool, pe, npe, ppe, nppe) -> Embeds:
     """__call__ arguments from an encode_prompt that returns pooled embeddings (SDXL, SD3), negatives under CFG."""
     out = {"prompt_embeds": pe, "pooled_prompt_embeds": ppe}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..inputs import InputSpec
 from ..pipelines import CallSpec, TensorSpec, component_call, vae_config
-from . import GUIDANCE_DISTILLED, Embeds, Family, Job
+from . import GUIDANCE_DISTILLED, Embeds, Family, Job, packed_latents
 
 
 class FluxFamily(Family):
@@ -26,12 +26,10 @@ class FluxFamily(Family):
     def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
         config = comp.config or {}
         factor = self.vae_scale(vae_config(comp))
-        # packed 2x2 latents: height = 2 * (H // (factor * 2))
-        latent_h, latent_w = 2 * (inputs.height // (factor * 2)), 2 * (inputs.width // (factor * 2))
+        latent_h, latent_w, tokens = packed_latents(inputs, factor)
         seq = self.max_sequence_length(comp, inputs)
         images = inputs.effective_batch
         if comp.cls in self.denoiser_classes:
-            tokens = (latent_h // 2) * (latent_w // 2)
             kwargs = {
                 "hidden_states": TensorSpec((images, tokens, config.get("in_channels", 64))),
                 "encoder_hidden_states": TensorSpec((images, seq, config.get("joint_attention_dim", 4096))),

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..inputs import InputSpec
 from ..pipelines import CallSpec, TensorSpec, component_call, vae_config
-from . import GUIDANCE_DISTILLED, Embeds, Family, Job
+from . import GUIDANCE_DISTILLED, Embeds, Family, Job, packed_latents
 
 # text_encoder_out_layers defaults of the pipelines' __call__
 DEFAULT_OUT_LAYERS = {"Flux2Pipeline": (10, 20, 30), "Flux2KleinPipeline": (9, 18, 27)}
@@ -85,11 +85,10 @@ class Flux2Family(Family):
     def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
         config = comp.config or {}
         factor = self.vae_scale(vae_config(comp))
-        latent_h, latent_w = 2 * (inputs.height // (factor * 2)), 2 * (inputs.width // (factor * 2))
+        latent_h, latent_w, tokens = packed_latents(inputs, factor)
         seq = self.max_sequence_length(comp, inputs)
         images, prompts = inputs.effective_batch, inputs.batch_size
         if comp.cls in self.denoiser_classes:
-            tokens = (latent_h // 2) * (latent_w // 2)
             kwargs = {
                 "hidden_states": TensorSpec((images, tokens, config.get("in_channels", 128))),
                 "encoder_hidden_states": TensorSpec((images, seq, config.get("joint_attention_dim", 15360))),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..inputs import InputSpec
 from ..pipelines import CallSpec, TensorSpec, sibling_config, vae_config
-from . import GUIDANCE_SEPARATE, Embeds, Family, Job, denormalized
+from . import GUIDANCE_SEPARATE, Embeds, Family, Job, denormalized, packed_latents
 
 # QwenImagePipeline: the prompt template's system part is this many tokens, dropped after encoding;
 # the encoder sees at most tokenizer_max_length (1024) prompt tokens plus these.
@@ -49,9 +49,8 @@ class QwenImageFamily(Family):
         images, prompts = inputs.effective_batch, inputs.batch_size
         seq = self.max_sequence_length(comp, inputs)
         factor = self.vae_scale(vae_config(comp))
-        latent_h, latent_w = 2 * (inputs.height // (factor * 2)), 2 * (inputs.width // (factor * 2))
+        latent_h, latent_w, tokens = packed_latents(inputs, factor)
         if comp.cls in self.denoiser_classes:
-            tokens = (latent_h // 2) * (latent_w // 2)
             encoder = sibling_config(comp, "text_encoder") or {}
             width = config.get("joint_attention_dim") or (encoder.get("text_config") or encoder).get("hidden_size", 3584)
             kwargs = {
