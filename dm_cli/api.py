@@ -61,7 +61,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     `DoesNotFitError` (with the nearest change that fits) when nothing fits.
     """
     from .inputs import InputSpec
-    from .plans import PlanOptions, make_plan
+    from .plans import PlanOptions, make_named_plan
     from .units import parse_dtype
 
     spec, root, defaults = _source_root(source)
@@ -71,7 +71,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
                        num_frames=num_frames, fps=fps)
     options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
                           component, check, use_cache, weights)
-    return _named(lambda: make_plan(root, options), spec, root)
+    return make_named_plan(root, spec, options)
 
 
 def _source_root(source: str | None) -> tuple[str, str, dict]:
@@ -81,18 +81,6 @@ def _source_root(source: str | None) -> tuple[str, str, dict]:
     from .demo import DEMO_DEFAULTS, ensure_demo
 
     return "demo", str(ensure_demo()), DEMO_DEFAULTS
-
-
-def _named(make, spec: str, root: str):
-    """The plan (or its DoesNotFitError) names SOURCE as the user gave it, not the demo's cache path."""
-    from .errors import DoesNotFitError
-
-    try:
-        result = make()
-    except DoesNotFitError as error:
-        raise DoesNotFitError(str(error).replace(root, spec), error.details) from None
-    result.source = spec
-    return result
 
 
 # --- load ---------------------------------------------------------------------------------------

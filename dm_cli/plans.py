@@ -450,6 +450,17 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     return plan
 
 
+def make_named_plan(root: str, spec: str, options: PlanOptions) -> Plan:
+    """make_plan for `root`, the plan (or its DoesNotFitError) naming SOURCE as the user gave it
+    (`spec`: the bundled demo resolves to a cache path nobody typed)."""
+    try:
+        plan = make_plan(root, options)
+    except DoesNotFitError as error:
+        raise DoesNotFitError(str(error).replace(root, spec), error.details) from None
+    plan.source = spec
+    return plan
+
+
 def _check_inputs(inputs: InputSpec) -> None:
     if inputs.height < 0 or inputs.width < 0:
         raise UsageError("--height and --width must be 0 (weights only) or positive.")

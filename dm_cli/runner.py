@@ -21,7 +21,7 @@ from typing import Callable
 
 from . import __version__
 from .atomic import atomic_write
-from .errors import CheckpointError, DoesNotFitError, SourceError, UsageError
+from .errors import CheckpointError, SourceError, UsageError
 from .families import Family, Job, default_size, family_for, supported_pipelines
 from .inputs import InputSpec
 from .sources import config_digest
@@ -152,18 +152,13 @@ def plan_digest(plan) -> str:
 
 def make_run_plan(source, request: RunRequest, inputs: InputSpec):
     """Plan with dmap's planner (`dm_cli.plans.make_plan`) for these inputs and devices."""
-    from .plans import PlanOptions, make_plan
+    from .plans import PlanOptions, make_named_plan
 
     options = PlanOptions(max_memory=request.max_memory, strategy=request.device_map, mode=request.mode,
                           overhead=request.overhead,
                           inputs=inputs, dtype=parse_dtype(request.dtype) if request.dtype else None,
                           weights=request.weights)
-    try:
-        plan = make_plan(str(source.root), options)
-    except DoesNotFitError as error:  # name the SOURCE as the user gave it (the demo is a cache path)
-        raise DoesNotFitError(str(error).replace(str(source.root), source.spec), error.details) from None
-    plan.source = source.spec
-    return plan
+    return make_named_plan(str(source.root), source.spec, options)
 
 
 def check_plan_matches(plan, source, inputs: InputSpec, dtype: str | None, where: str,
