@@ -109,8 +109,12 @@ class MemoryMeter(LiveStorages):
             mode.__exit__(None, None, None)
 
     def _track(self, tensor) -> None:
-        if tensor.device.type != "meta":  # a meta tensor holds no memory
-            self.count(tensor, self.current[-1])
+        """Count the memory behind an op's output: a meta tensor has none; a tensor subclass (torchao's
+        int8 weights) holds its inner tensors, and its own storage is a placeholder of its nominal size."""
+        if tensor.device.type == "meta":
+            return
+        for plain in plain_tensors(tensor):
+            self.count(plain, self.current[-1])
 
     def attach(self, model, device_map: dict, default_device: str) -> list:
         """Hooks that make activations count against the device of the module that makes them."""

@@ -28,3 +28,26 @@ def test_a_storage_counts_once_and_returns_when_its_last_tensor_dies(device):
     assert storages.live["x"] == 0 and storages.peak["x"] == 40
     storages.count(torch.zeros(3, device=device), "y")  # a temporary: returned as soon as it is counted
     assert storages.live["y"] == 0 and storages.peak["y"] == 12
+
+
+def test_the_meter_counts_a_tensor_subclass_by_its_inner_tensors():
+    """A detached int8 weight shares the weight's inner storages; its own storage is a placeholder of nominal size."""
+    from dm_cli.errors import UsageError
+    from dm_cli.meter import MemoryMeter
+    from dm_cli.weight_formats import torchao
+
+    try:
+        quantize_, config = torchao()
+    except UsageError as error:
+        pytest.skip(str(error))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    quantize_(model, config())
+    meter = MemoryMeter()
+    meter.register_weights(model, {"": "cpu"}, "cpu")
+    meter.start()
+    try:
+        with torch.no_grad():
+            detached = model[0].weight.detach()
+    finally:
+        meter.stop()
+    assert type(detached) is not torch.Tensor and meter.live["cpu"] == 0
