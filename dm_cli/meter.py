@@ -10,6 +10,7 @@ import weakref
 from collections import defaultdict
 
 from .devices import device_of
+from .storages import LiveStorages
 
 
 def plain_tensors(tensor) -> list:
@@ -20,25 +21,21 @@ def plain_tensors(tensor) -> list:
     return [t for name in flatten(tensor)[0] for t in plain_tensors(getattr(tensor, name))]
 
 
-class MemoryMeter:
+class MemoryMeter(LiveStorages):
     """Tracked bytes per (virtual) device: weights by the plan's map, activations by the module running.
 
     Weights are registered as weak references when a component loads, so `resident()` shows what is
     really still alive (a freed component drops to zero only if nothing holds it). Activations are
-    counted by a dispatch mode between `start()` and `stop()`: a storage's bytes when an op creates
-    it, charged to the device of the innermost mapped module running, returned when the storage
-    dies (a weak reference on the storage itself, so views cost one dict lookup). The mode costs
-    Python work on every op, so the runner keeps it on for encode, decode and only the FIRST
-    denoising step: every step runs the same graph on the same shapes, so its peak is the stage's.
-    CUDA devices in a real run report `torch.cuda.max_memory_allocated` instead.
+    counted by a dispatch mode between `start()` and `stop()` (`LiveStorages`: a storage's bytes when
+    an op creates it, returned when it dies), charged to the device of the innermost mapped module
+    running. The mode costs Python work on every op, so the runner keeps it on for encode, decode and
+    only the FIRST denoising step: every step runs the same graph on the same shapes, so its peak is
+    the stage's. CUDA devices in a real run report `torch.cuda.max_memory_allocated` instead.
     """
 
     def __init__(self):
+        super().__init__()
         self._weights: dict[str, list[tuple[weakref.ref, int]]] = defaultdict(list)
-        self._weight_ptrs: set[int] = set()
-        self.live: dict[str, int] = defaultdict(int)
-        self.peak: dict[str, int] = defaultdict(int)
-        self._storages: dict[tuple, tuple] = {}  # (device type, index, data_ptr) -> (bytes, device, weakref)
         self.current: list[str] = ["cpu"]
         self._mode = None
         self.tracking = False
@@ -50,13 +47,13 @@ class MemoryMeter:
             if outer is None or outer.device.type == "meta":
                 continue
             for tensor in plain_tensors(outer):
-                ptr = tensor.untyped_storage().data_ptr()
-                if ptr in seen or ptr == 0:
+                storage = tensor.untyped_storage()
+                if storage._cdata in seen:
                     continue
-                seen.add(ptr)
-                self._weight_ptrs.add(ptr)
+                seen.add(storage._cdata)
+                self.skip(tensor)
                 device = str(device_of(name, device_map, default_device))
-                self._weights[device].append((weakref.ref(tensor), tensor.untyped_storage().nbytes()))
+                self._weights[device].append((weakref.ref(tensor), storage.nbytes()))
 
     def resident(self) -> dict[str, int]:
         """Bytes of registered weights still alive (call after gc.collect() to see frees)."""
@@ -65,11 +62,7 @@ class MemoryMeter:
             alive = [(r, n) for r, n in refs if r() is not None]
             self._weights[device] = alive
             out[device] = sum(n for _, n in alive)
-        self._weight_ptrs = {r().untyped_storage().data_ptr() for refs in self._weights.values() for r, _ in refs}
         return out
-
-    def reset_peaks(self) -> None:
-        self.peak = defaultdict(int, {d: v for d, v in self.live.items()})
 
     def start(self) -> None:
         """Count the storages that ops create from now on (until `stop`)."""
@@ -116,29 +109,12 @@ class MemoryMeter:
             mode.__exit__(None, None, None)
 
     def _track(self, tensor) -> None:
+        """Count the memory behind an op's output: a meta tensor has none; a tensor subclass (torchao's
+        int8 weights) holds its inner tensors, and its own storage is a placeholder of its nominal size."""
         if tensor.device.type == "meta":
             return
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return
-        ptr = storage.data_ptr()
-        if ptr == 0 or ptr in self._weight_ptrs:
-            return
-        key = (tensor.device.type, tensor.device.index, ptr)
-        if key in self._storages:
-            return
-        device = self.current[-1]
-        size = storage.nbytes()
-        self._storages[key] = (size, device, weakref.ref(storage, lambda _ref, key=key: self._release(key)))
-        live = self.live[device] = self.live[device] + size
-        if live > self.peak[device]:
-            self.peak[device] = live
-
-    def _release(self, key) -> None:
-        record = self._storages.pop(key, None)
-        if record is not None:
-            self.live[record[1]] -= record[0]
+        for plain in plain_tensors(tensor):
+            self.count(plain, self.current[-1])
 
     def attach(self, model, device_map: dict, default_device: str) -> list:
         """Hooks that make activations count against the device of the module that makes them."""

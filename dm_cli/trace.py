@@ -3,8 +3,8 @@
 One engine (`_Session`) runs a component's forward under a torch dispatch mode and module hooks:
 - it records the order in which modules holding weights first run (UNets run down -> mid -> up,
   not in registration order);
-- it counts live activation bytes per storage (added when an op creates a storage, removed when the
-  last tensor using it dies) and the peak while each module runs. On meta, scaled-dot-product
+- it counts live activation bytes per storage (`LiveStorages`: added when an op creates a storage,
+  removed when the storage dies) and the peak while each module runs. On meta, scaled-dot-product
   attention decomposes and materialises the n^2 matrix that the CPU/CUDA fused kernels never
   allocate, so it is replaced by an empty output of the right shape;
 - it tags every tensor with a virtual device (or, to find unsplittable modules, with the module it
@@ -21,7 +21,6 @@ import inspect
 import json
 import sys
 import time
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -30,10 +29,12 @@ from .cache import cache_key, read_cached, write_cached
 from .devices import map_entry, normalise_map
 from .inputs import InputSpec
 from .pipelines import CallSpec, TensorSpec, call_spec, generic_argument
+from .storages import LiveStorages
 
 TRACE_FORMAT_VERSION = 2  # 2: lists given to modules are no longer copied (the Wan VAE cache)
 WEIGHTS_ONLY_SIZE = 64  # pixels: order and split checks do not depend on size; small fits every model (tiny SD3 pos_embed too)
 _TAG = "_dmap_tag"
+_META = "meta"  # the one place a trace counts activations against
 
 
 @dataclass
@@ -161,12 +162,7 @@ class _Session:
         self.track_memory = track_memory
         self.replace_sdpa = replace_sdpa
         self.tag_mode = tag_mode
-        # memory
-        self.live = 0
-        self.peak = 0
-        self.storage_refs: dict[int, int] = {}  # storage -> live tensors using it
-        self.storage_bytes: dict[int, int] = {}
-        self.weight_storages: set[int] = set()
+        self.memory = LiveStorages()
         # modules
         self.names: dict[int, str] = {}
         self.classes: dict[str, str] = {}
@@ -198,7 +194,7 @@ class _Session:
             for tensor in own:
                 self.weight_owner.setdefault(id(tensor), prefix)
                 if track_memory:
-                    self.weight_storages.add(self._storage_key(tensor))
+                    self.memory.skip(tensor)
         if tag_mode == "provenance":
             for prefix in self.classes:
                 self.recolor[prefix] = frozenset((prefix,))
@@ -282,7 +278,7 @@ class _Session:
     # --- module boundaries -------------------------------------------------------------------
 
     def enter_module(self, prefix: str) -> None:
-        self.stack.append([prefix, self.live])
+        self.stack.append([prefix, self.memory.live[_META]])
         self.called.add(prefix)
         if prefix in self.holds_tensors and prefix not in self.ordered:
             self.ordered.add(prefix)
@@ -293,7 +289,7 @@ class _Session:
             return
         while self.stack:
             name, peak = self.stack.pop()
-            peak = max(peak, self.live)
+            peak = max(peak, self.memory.live[_META])
             if self.stack:
                 self.stack[-1][1] = max(self.stack[-1][1], peak)
             self.module_peaks[name] = max(self.module_peaks.get(name, 0), peak)
@@ -340,10 +336,6 @@ class _Session:
 
     # --- ops -------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _storage_key(tensor) -> int:
-        return tensor.untyped_storage()._cdata
-
     def set_tag(self, tensor, tag) -> None:
         try:
             setattr(tensor, _TAG, tag)
@@ -369,39 +361,10 @@ class _Session:
                     self.set_tag(tensor, tag)
         if self.track_memory:
             for tensor in outputs:
-                self._track(tensor)
-            if self.live > self.peak:
-                self.peak = self.live
-            if self.stack and self.live > self.stack[-1][1]:
-                self.stack[-1][1] = self.live
-
-    def _track(self, tensor) -> None:
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return
-        key = storage._cdata
-        if key in self.weight_storages:
-            return
-        refs = self.storage_refs.get(key)
-        if refs is None:
-            nbytes = storage.nbytes()
-            self.storage_refs[key] = 1
-            self.storage_bytes[key] = nbytes
-            self.live += nbytes
-        else:
-            self.storage_refs[key] = refs + 1
-        weakref.finalize(tensor, self._release, key).atexit = False
-
-    def _release(self, key: int) -> None:
-        refs = self.storage_refs.get(key)
-        if refs is None:
-            return
-        if refs <= 1:
-            del self.storage_refs[key]
-            self.live -= self.storage_bytes.pop(key, 0)
-        else:
-            self.storage_refs[key] = refs - 1
+                self.memory.count(tensor, _META)
+            live = self.memory.live[_META]
+            if self.stack and live > self.stack[-1][1]:
+                self.stack[-1][1] = live
 
     def combine(self, tensors, func):
         """Tag of an op's result; report the op when its inputs carry different tags."""
@@ -721,7 +684,7 @@ def _trace_uncached(comp, pipeline_class, inputs: InputSpec, dtype: str) -> Comp
     return ComponentTrace(
         execution_order=session.execution_order(),
         module_peaks=dict(session.module_peaks),
-        activation_peak=session.peak,
+        activation_peak=session.memory.peak[_META],
         unsplittable=unsplittable,
         fallback_warning=None,
         same_device_groups=groups,

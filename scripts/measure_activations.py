@@ -145,7 +145,7 @@ def naive_peak(config: dict, size: int, batch_size: int = 1) -> int:
     spec = trace._resolve_call(model, comp, "StableDiffusionPipeline", InputSpec(size, size, batch_size))
     session = trace._Session(model, track_memory=True, replace_sdpa=False)
     trace._run(model, spec, "float32", session)
-    return session.peak
+    return session.memory.peak[trace._META]
 
 
 # --- any denoiser a family knows: inputs from the family's call spec ------------------------------
