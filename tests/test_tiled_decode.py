@@ -81,6 +81,24 @@ def test_which_classes_tile():
     assert not can_tile(temporal)
 
 
+def test_the_tiled_trace_is_cached_apart_and_leaves_the_shared_meta_model_untiled():
+    """tiny-sd15's AutoencoderKL tiles above its sample_size (32 px: latents above 16): 64x64 decodes in 4 tiles."""
+    from dm_cli.inputs import InputSpec
+    from dm_cli.sources import resolve_source
+    from dm_cli.trace import _meta_model, trace_component
+
+    vae = resolve_source("tiny-sd15").component("vae")
+    inputs = InputSpec(64, 64)
+    tiled = trace_component(vae, "StableDiffusionPipeline", inputs, "fp32", tiled=True)
+    untiled = trace_component(vae, "StableDiffusionPipeline", inputs, "fp32")
+    assert tiled.fallback_warning is None and 0 < tiled.activation_peak < untiled.activation_peak
+    assert trace_component(vae, "StableDiffusionPipeline", inputs, "fp32", tiled=True).seconds == 0  # from the cache
+    assert _meta_model(vae, "float32").use_tiling is False
+    small = InputSpec(32, 32)  # one tile: tiling does not start, the same estimate
+    assert trace_component(vae, "StableDiffusionPipeline", small, "fp32", tiled=True).activation_peak == \
+        trace_component(vae, "StableDiffusionPipeline", small, "fp32").activation_peak
+
+
 def test_plan_files_without_the_key_load_untiled_and_a_bad_value_is_refused(tmp_path):
     code, out, err = _plan("tiny-wan", TIGHT, "--json")
     data = json.loads(out)
