@@ -555,13 +555,11 @@ def decode_components(prepared: list[PreparedComponent], pipeline_class: str | N
 def tiled_spec(prep: PreparedComponent, pipeline_class: str | None, inputs: InputSpec,
                use_cache: bool = True) -> ComponentInput | str:
     """The component with the activations of its tiled decode (the same call traced with enable_tiling()),
-    or a sentence saying why there is none."""
+    or a sentence saying why there is none (a class without enable_tiling; a cached trace imports no torch)."""
     try:
-        from .trace import can_tile, trace_component
+        from .trace import trace_component
     except ImportError:
-        return "the meta tracer is not available"
-    if not can_tile(prep.source):
-        return f"{prep.spec.cls} cannot decode in tiles (it has no enable_tiling)"
+        return "the meta tracer is not available."
     result = trace_component(prep.source, pipeline_class, inputs, prep.dtype, use_cache=use_cache, tiled=True)
     if result.fallback_warning:
         return result.fallback_warning
@@ -607,7 +605,7 @@ def choose_tiling(prepared: list[PreparedComponent], pipeline_class: str | None,
             outcome = "the plan does not fit" if placement is None else (
                 f"the plan offloads {format_size(placement.offloaded_bytes)} because of them")
             warnings.append(f"{spec.name}: the decode at {what} needs {format_size(spec.activation_peak)} of activations "
-                            f"and {outcome}; {tiled}, which would need less.")
+                            f"and {outcome}; a tiled decode would need less, but {tiled}")
         elif tiled.activation_peak < spec.activation_peak:  # else tiling does not start at this size
             usable[spec.name] = tiled
     if not usable:

@@ -728,7 +728,7 @@ def _trace_uncached(comp, pipeline_class, inputs: InputSpec, dtype: str, tiled: 
         warning = (f"dmap does not know how to call {comp.cls} ({comp.name}): using registration order, "
                    "no activation estimate.")
     elif tiled and not model_tiles(model):
-        warning = f"{comp.cls} ({comp.name}) cannot decode in tiles (it has no enable_tiling): no tiled estimate."
+        warning = f"{comp.cls} cannot decode in tiles (it has no enable_tiling)."
     else:
         if tiled:
             model.enable_tiling()  # the meta model is shared (_MODEL_CACHE): switched off again below

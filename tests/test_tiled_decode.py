@@ -56,10 +56,11 @@ def test_a_decode_that_fits_is_never_tiled():
     assert not any("tiles" in w for w in data["warnings"]) and "tiled" not in data["stages"][-1]["note"]
 
 
-def test_a_vae_that_cannot_tile_is_named(monkeypatch):
+def test_a_vae_that_cannot_tile_is_named(monkeypatch, tmp_path):
     import dm_cli.trace
 
-    monkeypatch.setattr(dm_cli.trace, "can_tile", lambda comp: False)
+    monkeypatch.setattr(dm_cli.trace, "model_tiles", lambda model: False)  # a VAE class without enable_tiling
+    monkeypatch.setenv("DMAP_CACHE_DIR", str(tmp_path))  # not the tiled trace other tests cached
     code, out, err = _plan("tiny-wan", TIGHT)
     assert code == 3 and "AutoencoderKLWan cannot decode in tiles (it has no enable_tiling)" in " ".join(err.split())
     code, out, err = _plan("tiny-wan", TIGHT + ",cpu=1GB", "--json")
@@ -180,6 +181,6 @@ def test_run_refuses_a_plan_that_tiles_what_cannot_tile(tiny_wan, tmp_path, monk
 
     del data["components"]["text_encoder"]["tiled_decode"]
     plan_path.write_text(json.dumps(data))
-    monkeypatch.setattr(dm_cli.trace, "can_tile", lambda comp: False)  # a VAE class without enable_tiling
+    monkeypatch.setattr(dm_cli.trace, "model_tiles", lambda model: False)  # a VAE class without enable_tiling
     code, _, err = run_dmap(*args)
     assert code == 2 and "decodes 'vae' in tiles, but AutoencoderKLWan cannot" in " ".join(err.split()), err
