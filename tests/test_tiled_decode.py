@@ -184,3 +184,19 @@ def test_run_refuses_a_plan_that_tiles_what_cannot_tile(tiny_wan, tmp_path, monk
     monkeypatch.setattr(dm_cli.trace, "model_tiles", lambda model: False)  # a VAE class without enable_tiling
     code, _, err = run_dmap(*args)
     assert code == 2 and "decodes 'vae' in tiles, but AutoencoderKLWan cannot" in " ".join(err.split()), err
+
+
+def test_dispatch_enables_tiling_where_the_plan_tiles(tiny_wan):
+    """dm_cli.dispatch on a cpu-only plan whose decode fits only tiled: the pipeline's VAE tiles, nothing else."""
+    import diffusers
+
+    import dm_cli
+
+    plan = dm_cli.plan(str(tiny_wan), max_memory="cpu=38.5MB", height=SIZE, width=SIZE, num_frames=FRAMES,
+                       dtype="fp32")
+    assert set(plan.tiled_decode) == {"vae"}
+    pipe = diffusers.WanPipeline.from_pretrained(tiny_wan)
+    assert dm_cli.dispatch(pipe, plan) is pipe and pipe.vae.use_tiling is True
+    untiled = dm_cli.plan(str(tiny_wan), max_memory="cpu=1GB", height=SIZE, width=SIZE, num_frames=FRAMES, dtype="fp32")
+    pipe = diffusers.WanPipeline.from_pretrained(tiny_wan)
+    assert not untiled.tiled_decode and dm_cli.dispatch(pipe, untiled).vae.use_tiling is False
