@@ -127,7 +127,7 @@ class Pipeline:
         from .plans import load_plan
         from .runner import (
             TRACKED_STEPS, _quiet_libraries, check_component_files, check_devices_present, check_plan_matches,
-            inputs_from_plan, make_run_plan, plan_digest, prepare, settle_job,
+            check_tiled_decode, inputs_from_plan, make_run_plan, plan_digest, prepare, settle_job,
         )
         from .planner import STRATEGIES
         from .run_checks import device_map_refusal
@@ -156,6 +156,8 @@ class Pipeline:
         largest = {c.name: check_component_files(c) for c in source.components}
         status("Importing torch, diffusers and transformers…")
         _quiet_libraries()
+        if plan is not None:
+            check_tiled_decode(plan, source, request.device_map if is_file else "The plan")
         self.planned_here = plan is None
         if plan is None:
             status(f"Planning {source.spec} (meta-device traces are cached after the first run)…")
@@ -378,6 +380,7 @@ def dispatch(pipe, plan):
     from .loading import execution_device
     from .plans import load_plan
     from .runner import check_devices_present
+    from .trace import model_tiles
 
     if isinstance(plan, (str, Path)):
         plan = load_plan(plan)
@@ -389,8 +392,14 @@ def dispatch(pipe, plan):
             raise UsageError(f"The plan places '{name}' as {placement.cls} but this pipeline's is "
                              f"{type(model).__name__}: it is a plan for another model.")
     check_devices_present(plan)
+    for name in plan.tiled_decode:
+        if not model_tiles(getattr(pipe, name)):
+            raise UsageError(f"The plan decodes '{name}' in tiles, but {type(getattr(pipe, name)).__name__} cannot "
+                             "(it has no enable_tiling).")
     for name, placement in plan.components.items():
         model = getattr(pipe, name)
+        if name in plan.tiled_decode:
+            model.enable_tiling()
         device_map = {k: ("cpu" if v == "disk" else v) for k, v in normalise_map(placement.device_map).items()}
         target = execution_device(device_map, False)
         if len(set(device_map.values())) == 1:

@@ -63,6 +63,9 @@ class Plan:
     activation_peaks: dict[str, int] = field(default_factory=dict)  # component -> whole-forward estimate
     config_digest: str | None = None  # sources.config_digest: `dmap run` refuses a plan for another model
     weights: dict[str, str | None] = field(default_factory=dict)  # component -> fp8/int8 storage (None: dtype)
+    # components that decode in tiles (diffusers' enable_tiling()) -> the untiled decode's activation estimate
+    # (0 when the plan file does not say); absent: untiled
+    tiled_decode: dict[str, int] = field(default_factory=dict)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -104,6 +107,8 @@ class Plan:
                     "hops": c.hops,
                     "activation_peak_bytes": self.activation_peaks.get(name, 0),
                     "activation_bytes": c.activation_by_device,
+                    **({"tiled_decode": True, "untiled_activation_peak_bytes": self.tiled_decode[name]}
+                       if name in self.tiled_decode else {}),
                 }
                 for name, c in self.components.items()
             },
@@ -174,6 +179,8 @@ class Plan:
              for n, c in raw_components.items()},
             data.get("config_digest") if isinstance(data.get("config_digest"), str) else None,
             {n: format_of(c.get("storage_dtype")) for n, c in raw_components.items()},
+            {n: _count(c.get("untiled_activation_peak_bytes", 0), f"component {n!r} untiled_activation_peak_bytes")
+             for n, c in raw_components.items() if _flag(c.get("tiled_decode", False), f"component {n!r} tiled_decode")},
         )
 
 
@@ -207,6 +214,12 @@ def _object(value, what: str) -> dict:
 def _text(value, what: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{what} must be a string, found {_json_type(value)}")
+    return value
+
+
+def _flag(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be true or false, found {_json_type(value)}")
     return value
 
 
@@ -347,6 +360,7 @@ class PreparedComponent:
     spec: ComponentInput
     warnings: list[str]
     weights: str | None = None  # fp8 / int8 storage (weight_formats.py); None: the run dtype
+    effective_dtype: str | None = None  # the dtype its tensors are sized at (None: as stored)
 
 
 def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str | None,
@@ -382,12 +396,19 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
         facts = trace_facts(comp, pipeline_class, inputs, trace_dtype, use_cache)
     if facts.warning:
         warnings.append(f"{comp.name}: {facts.warning}")
+    spec, block_warnings = _component_spec(comp, skeleton, facts, inputs, effective, fmt, trace_dtype)
+    warnings += [f"{comp.name}: {w}" for w in block_warnings]
+    return PreparedComponent(comp, skeleton, trace_dtype, facts, spec, warnings, fmt, effective)
+
+
+def _component_spec(comp, skeleton, facts: TraceFacts, inputs: InputSpec, effective: str | None, fmt: str | None,
+                    trace_dtype: str) -> tuple[ComponentInput, list[str]]:
+    """The planner's view of one component for one trace: blocks in execution order with their activations."""
     peaks = {} if inputs.weights_only else facts.module_peaks
     tensor_bytes = [(t.name, t.bytes_at(effective, fmt)) for t in skeleton.tensors]
     blocks, block_warnings = component_blocks(skeleton.modules, tensor_bytes, skeleton.no_split_modules,
                                               facts.execution_order, facts.unsplittable, peaks,
                                               facts.same_device_groups, skeleton.tie_groups)
-    warnings += [f"{comp.name}: {w}" for w in block_warnings]
     activation_peak = 0 if inputs.weights_only else facts.activation_peak
     layers = {} if inputs.weights_only else layer_compute_bytes(skeleton.tensors, fmt, trace_dtype)
     if layers:
@@ -400,7 +421,7 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
     problems = coverage_problems({k: 0 for b in blocks for k in b.keys}, names)
     if problems:  # a bug in block cutting, never the user's fault
         raise AssertionError(f"blocks of {comp.name} do not cover its tensors: {problems[:3]}")
-    return PreparedComponent(comp, skeleton, trace_dtype, facts, spec, warnings, fmt)
+    return spec, block_warnings
 
 
 # --- planning -------------------------------------------------------------------------------------
@@ -432,12 +453,21 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     try:
         placement = plan_pipeline(specs, stages, devices, options.strategy, options.mode)
     except NoFit:
-        raise _does_not_fit(source_spec, source, comps, prepared, stages, devices, options) from None
+        placement = None
+    choice = TilingChoice(placement, specs)
+    if placement is None or placement.offloaded_bytes:  # only then can a tiled decode be needed
+        choice = choose_tiling(prepared, source.pipeline_class, stages, devices, options, placement)
+    if choice.placement is None:
+        raise _does_not_fit(source_spec, source, comps, prepared, stages, devices, options, choice.specs,
+                            choice.warnings) from None
+    placement, specs = choice.placement, choice.specs
     dtype = options.dtype or (prepared[0].dtype if prepared else "bfloat16")
     plan = Plan(source_spec, dtype, options.strategy, placement.mode, devices, options.inputs, placement.components,
-                placement.stages, source.pipeline_class, [w for p in prepared for w in p.warnings] + placement.warnings,
-                activation_peaks={p.spec.name: p.spec.activation_peak for p in prepared},
-                config_digest=config_digest(source), weights={p.spec.name: p.weights for p in prepared})
+                placement.stages, source.pipeline_class,
+                [w for p in prepared for w in p.warnings] + placement.warnings + choice.warnings,
+                activation_peaks={s.name: s.activation_peak for s in specs},
+                config_digest=config_digest(source), weights={p.spec.name: p.weights for p in prepared},
+                tiled_decode=choice.tiled)
     if source.pipeline_class and family_for(source.pipeline_class) is None:
         plan.warnings.insert(0, unknown_family_warning(source.pipeline_class))
     _explain_offload(plan, prepared, stages, options)
@@ -502,6 +532,123 @@ def _check_family_inputs(source, comps, inputs: InputSpec) -> None:
         raise UsageError(f"dmap knows no video pipeline in {source.spec}: drop --frames and --fps.")
 
 
+# --- tiled decode ---------------------------------------------------------------------------------
+
+
+@dataclass
+class TilingChoice:
+    """Which decode components tile (name -> untiled activation estimate), the placement and specs that
+    go with it (placement None: nothing fits), and what the plan should say about it."""
+
+    placement: Placement | None
+    specs: list[ComponentInput]
+    tiled: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def decode_components(prepared: list[PreparedComponent], pipeline_class: str | None,
+                      inputs: InputSpec) -> list[PreparedComponent]:
+    """Components the pipeline calls through `decode` (the VAE): where diffusers' tiling applies."""
+    from .pipelines import call_spec
+
+    if inputs.weights_only:
+        return []
+    found = []
+    for prep in prepared:
+        if prep.source.config is None:
+            continue
+        spec = call_spec(prep.source, pipeline_class, inputs)
+        if spec is not None and spec.method == "decode":
+            found.append(prep)
+    return found
+
+
+def tiled_spec(prep: PreparedComponent, pipeline_class: str | None, inputs: InputSpec,
+               use_cache: bool = True) -> ComponentInput | str:
+    """The component with the activations of its tiled decode (the same call traced with enable_tiling()),
+    or a sentence saying why there is none (a class without enable_tiling; a cached trace imports no torch)."""
+    try:
+        from .trace import trace_component
+    except ImportError:
+        return "the meta tracer is not available."
+    result = trace_component(prep.source, pipeline_class, inputs, prep.dtype, use_cache=use_cache, tiled=True)
+    if result.fallback_warning:
+        return result.fallback_warning
+    facts = TraceFacts(list(result.execution_order) or None, dict(result.module_peaks), int(result.activation_peak),
+                       list(result.unsplittable), dict(result.same_device_groups or {}), None)
+    spec, _ = _component_spec(prep.source, prep.skeleton, facts, inputs, prep.effective_dtype, prep.weights, prep.dtype)
+    return spec
+
+
+def choose_tiling(prepared: list[PreparedComponent], pipeline_class: str | None, stages, devices: list[Device],
+                  options: PlanOptions, placement: Placement | None) -> TilingChoice:
+    """Tile a decode only when the plan needs it: the untiled one does not fit (`placement` None) or offloads
+    more than the tiled one. Tiles blend at their seams, so pixels change slightly: never tile otherwise.
+
+    A tiled trace costs a minute for Wan 2.2 at 480x832x81 (15 tiles x 21 latent frames on meta), so it
+    runs only for decodes whose activations matter: those without which the plan would do better.
+    """
+    inputs = options.inputs
+    specs = [p.spec for p in prepared]
+    what = f"{inputs.height}x{inputs.width}" + (f", {inputs.num_frames} frames" if inputs.num_frames else "")
+
+    def attempt(trial: list[ComponentInput]) -> Placement | None:
+        try:
+            return plan_pipeline(trial, stages, devices, options.strategy, options.mode)
+        except NoFit:
+            return None
+
+    def better(trial: Placement | None) -> bool:
+        return trial is not None and (placement is None or trial.offloaded_bytes < placement.offloaded_bytes)
+
+    def swapped(replacements: dict[str, ComponentInput]) -> list[ComponentInput]:
+        return [replacements.get(s.name, s) for s in specs]
+
+    usable: dict[str, ComponentInput] = {}
+    warnings: list[str] = []
+    for prep in decode_components(prepared, pipeline_class, inputs):
+        spec = prep.spec
+        bare = replace(spec, blocks=[replace(b, activation=0) for b in spec.blocks], activation_peak=0)
+        if not spec.activation_peak or not better(attempt(swapped({spec.name: bare}))):
+            continue  # its activations are not what the plan lacks: tiling cannot help
+        tiled = tiled_spec(prep, pipeline_class, inputs, options.use_cache)
+        if isinstance(tiled, str):
+            outcome = "the plan does not fit" if placement is None else (
+                f"the plan offloads {format_size(placement.offloaded_bytes)} because of them")
+            warnings.append(f"{spec.name}: the decode at {what} needs {format_size(spec.activation_peak)} of activations "
+                            f"and {outcome}; a tiled decode would need less, but {tiled}")
+        elif tiled.activation_peak < spec.activation_peak:  # else tiling does not start at this size
+            usable[spec.name] = tiled
+    if not usable:
+        return TilingChoice(placement, specs, {}, warnings)
+    trial = swapped(usable)
+    tiled_placement = attempt(trial)
+    untiled = {name: _spec(prepared, name).activation_peak for name in usable}
+    if not better(tiled_placement):
+        if placement is None:  # even tiled it does not fit: the shortfall is the tiled plan's
+            warnings += [f"(That is with {name} decoding in tiles: {format_size(spec.activation_peak)} of activations "
+                         f"instead of {format_size(untiled[name])}.)" for name, spec in usable.items()]
+            return TilingChoice(None, trial, {}, warnings)
+        return TilingChoice(placement, specs, {}, warnings)
+    for name, spec in usable.items():
+        before, after = format_size(untiled[name]), format_size(spec.activation_peak)
+        for stage in tiled_placement.stages:
+            if name in stage.components:
+                stage.note = "; ".join(filter(None, [stage.note, f"{name}: tiled decode, activations {after} "
+                                                                  f"instead of {before}"]))
+        outcome = "does not fit" if placement is None else (
+            f"would offload {format_size(placement.offloaded_bytes)} instead of "
+            f"{format_size(tiled_placement.offloaded_bytes)}")
+        warnings.append(f"{name} decodes in tiles ({spec.cls}.enable_tiling()): at {what} an untiled decode needs "
+                        f"{before} of activations and the plan {outcome}; tiled it needs {after}. Pixels near the "
+                        "tile seams differ slightly from an untiled decode.")
+    return TilingChoice(tiled_placement, trial, untiled, warnings)
+
+
+def _spec(prepared: list[PreparedComponent], name: str) -> ComponentInput:
+    return next(p.spec for p in prepared if p.spec.name == name)
+
+
 def run_split_check(plan: Plan, prepared: list[PreparedComponent], pipeline_class: str | None,
                     options: PlanOptions) -> dict:
     """Simulate every split component on the meta device with virtual devices; list what mixes devices."""
@@ -560,9 +707,10 @@ def _explain_offload(plan: Plan, prepared, stages, options: PlanOptions) -> None
         )
 
 
-def _does_not_fit(source_spec, source, comps, prepared, stages, devices, options) -> DoesNotFitError:
-    """The shortfall per device and the nearest change that fits."""
-    specs = [p.spec for p in prepared]
+def _does_not_fit(source_spec, source, comps, prepared, stages, devices, options, specs=None,
+                  notes: list[str] | tuple = ()) -> DoesNotFitError:
+    """The shortfall per device and the nearest change that fits (for `specs`: a tiled decode's when tried)."""
+    specs = specs if specs is not None else [p.spec for p in prepared]
     gpus = [d for d in devices if d.is_gpu]
     total_weights = sum(s.weights_bytes for s in specs)
     biggest_act = max((s.activation_peak for s in specs), default=0)
@@ -629,7 +777,8 @@ def _does_not_fit(source_spec, source, comps, prepared, stages, devices, options
             f"GPU {k} {format_size(v)}" for k, v in shortfall.items())
     message += ("; nearest change that fits: " + " or ".join(suggestions)) if suggestions else (
         "; no single change found that fits: add devices or a disk")
-    return DoesNotFitError(message + ".", {"shortfall_bytes": shortfall, "suggestions": suggestions})
+    message += "." + "".join(f" {note}" for note in notes)
+    return DoesNotFitError(message, {"shortfall_bytes": shortfall, "suggestions": suggestions})
 
 
 def _round_up_gb(num_bytes: int) -> str:

@@ -147,6 +147,8 @@ def plan_digest(plan) -> str:
     decisive = {key: data.get(key) for key in ("format", "version", "config_digest", "dtype", "mode", "inputs")}
     decisive["components"] = {name: [c.get("class"), c.get("device_map")] for name, c in data["components"].items()}
     decisive["stages"] = [[s["name"], s["components"]] for s in data["stages"]]
+    if plan.tiled_decode:  # tiles change pixels at their seams (absent: the digests of untiled plans stay as they were)
+        decisive["tiled_decode"] = sorted(plan.tiled_decode)
     return hashlib.sha256(json.dumps(decisive, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -198,6 +200,18 @@ def check_plan_matches(plan, source, inputs: InputSpec, dtype: str | None, where
     if problems:
         raise UsageError(f"{where} does not match this run: " + "; ".join(problems)
                          + f". Plan again with dmap plan {source.spec} --output PLAN.json, or run without --device-map.")
+
+
+def check_tiled_decode(plan, source, where: str) -> None:
+    """A plan that decodes a component in tiles needs a class that can (diffusers' enable_tiling())."""
+    from .trace import can_tile
+
+    comps = {c.name: c for c in source.components}
+    for name in plan.tiled_decode:
+        comp = comps.get(name)
+        if comp is not None and not can_tile(comp):
+            raise UsageError(f"{where} decodes '{name}' in tiles, but {comp.cls} cannot (it has no enable_tiling): "
+                             f"plan again with dmap plan {source.spec} --output PLAN.json.")
 
 
 def inputs_from_plan(plan) -> dict:

@@ -102,6 +102,8 @@ class StageLoop:
                 self.status(f"Loading {name} ({where})…")
                 model = load_component(self.components[name], cmap, self.plan.dtype, self.simulate,
                                        self.plan.weights.get(name))
+                if name in self.plan.tiled_decode:  # the plan needs it (checked: the class tiles, check_tiled_decode)
+                    model.enable_tiling()
                 default_dev = str(next(iter(cmap.values())))
                 self.meter.register_weights(model, cmap, default_dev)
                 self._hooks[name] = self.meter.attach(model, cmap, default_dev)

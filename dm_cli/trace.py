@@ -588,9 +588,10 @@ def _run(model, spec: CallSpec, dtype: str, session: _Session):
 # --- public API --------------------------------------------------------------------------------
 
 
-def _trace_key(comp, pipeline_class, spec_shapes, dtype, weights_only) -> str:
+def _trace_key(comp, pipeline_class, spec_shapes, dtype, weights_only, tiled=False) -> str:
     return cache_key({"library": comp.library, "class": comp.cls, "config": comp.config, "pipeline": pipeline_class,
-                      "call": spec_shapes, "dtype": dtype, "weights_only": weights_only, "format": TRACE_FORMAT_VERSION})
+                      "call": spec_shapes, "dtype": dtype, "weights_only": weights_only, "tiled": tiled,
+                      "format": TRACE_FORMAT_VERSION})
 
 
 def _weights_only_shape(inputs: InputSpec) -> InputSpec:
@@ -607,10 +608,12 @@ def compute_dtype(spec: CallSpec | None, dtype: str) -> str:
 
 
 def trace_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str,
-                    use_cache: bool = True) -> ComponentTrace:
+                    use_cache: bool = True, tiled: bool = False) -> ComponentTrace:
     """Execution order, activation peaks and unsplittable modules of one component for `inputs`.
 
-    Cached in `cache_dir()/traces/` keyed by config, class, call shapes, dtype and library versions.
+    `tiled`: the same call with diffusers' tiling enabled on the model (`enable_tiling()`, a VAE's tiled
+    decode); a model that cannot tile gets a `fallback_warning`. Cached in `cache_dir()/traces/` keyed by
+    config, class, call shapes, dtype, tiling and library versions.
     """
     dtype = _torch_dtype_name(dtype, comp)
     weights_only = inputs.weights_only
@@ -618,7 +621,7 @@ def trace_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: 
     spec = call_spec(comp, pipeline_class, shape_inputs)
     run_dtype = compute_dtype(spec, dtype)
     key = _trace_key(comp, pipeline_class, spec.shapes() if spec else "generic:" + json.dumps(shape_inputs.to_json()),
-                     run_dtype, weights_only)
+                     run_dtype, weights_only, tiled)
     cached = read_cached("traces", key) if use_cache else None
     if cached is not None:
         try:
@@ -628,7 +631,7 @@ def trace_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: 
         except Exception:  # noqa: BLE001 - a damaged entry of any shape is rebuilt, never an error
             pass
     start = time.perf_counter()
-    trace = _trace_uncached(comp, pipeline_class, shape_inputs, run_dtype)
+    trace = _trace_uncached(comp, pipeline_class, shape_inputs, run_dtype, tiled)
     if weights_only:
         trace.activation_peak = 0
         trace.module_peaks = {k: 0 for k in trace.module_peaks}
@@ -652,7 +655,26 @@ def _torch_dtype_name(dtype: str | None, comp) -> str:
     return parse_dtype(dtype)
 
 
-def _trace_uncached(comp, pipeline_class, inputs: InputSpec, dtype: str) -> ComponentTrace:
+def model_tiles(model) -> bool:
+    """diffusers' tiling contract (`AutoencoderMixin.enable_tiling`): a `use_tiling` flag the decode reads,
+    switched by `enable_tiling()`; classes without the flag raise NotImplementedError there."""
+    return hasattr(model, "use_tiling") and callable(getattr(model, "enable_tiling", None)) \
+        and callable(getattr(model, "disable_tiling", None))
+
+
+def can_tile(comp) -> bool:
+    """Whether the component's class decodes in tiles when asked (`enable_tiling()`); built on meta, no weights."""
+    from .errors import SourceError
+
+    if comp.config is None:
+        return False
+    try:
+        return model_tiles(_meta_model(comp, "float32"))
+    except SourceError:
+        return False
+
+
+def _trace_uncached(comp, pipeline_class, inputs: InputSpec, dtype: str, tiled: bool = False) -> ComponentTrace:
     from .errors import SourceError
 
     if comp.config is None:
@@ -668,13 +690,20 @@ def _trace_uncached(comp, pipeline_class, inputs: InputSpec, dtype: str) -> Comp
     if spec is None:
         warning = (f"dmap does not know how to call {comp.cls} ({comp.name}): using registration order, "
                    "no activation estimate.")
+    elif tiled and not model_tiles(model):
+        warning = f"{comp.cls} cannot decode in tiles (it has no enable_tiling)."
     else:
+        if tiled:
+            model.enable_tiling()  # the meta model is shared (_MODEL_CACHE): switched off again below
         try:
             _run(model, spec, dtype, session)  # the output is dropped at once: only the trace matters
         except Exception as error:  # any model code may fail on meta: fall back, say why
             warning = (f"Tracing {comp.cls} ({comp.name}) on the meta device failed ({type(error).__name__}: "
                        f"{str(error).splitlines()[0][:200] if str(error) else ''}): using registration order, "
                        "no activation estimate.")
+        finally:
+            if tiled:
+                model.disable_tiling()
     if warning is not None:
         order = [prefix for prefix in session.classes if prefix in session.holds_tensors]
         return ComponentTrace(order, {}, 0, [], warning, {}, spec.shapes() if spec else {}, dtype)

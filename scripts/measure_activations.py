@@ -12,6 +12,7 @@ inputs inside it, as in the estimate). The estimate is `dm_cli.trace.trace_compo
     .venv/bin/python scripts/measure_activations.py --model qwen-image [--sizes 256,512] [--heads 6 --layers 4]
     .venv/bin/python scripts/measure_activations.py --model wan-transformer --sizes 128,256 --frames 9,17
     .venv/bin/python scripts/measure_activations.py --model wan-vae --sizes 128 --frames 9,17
+    .venv/bin/python scripts/measure_activations.py --model wan-vae-tiled --sizes 320 --frames 5 --base-dim 24
 
 `--model flux2` does the same for a reduced-width FLUX.2 transformer (FLUX.2 [dev]'s block layout
 and 128-wide heads, fewer heads and blocks), called as Flux2Pipeline calls it: packed latents of
@@ -24,6 +25,11 @@ text tokens, batch 1: true CFG calls it twice, one call at a time).
 Wan: a reduced-width WanTransformer3DModel (Wan 2.1 1.3B width, 1536 = 12 heads x 128, 2 blocks,
 512 text tokens of 4096, one call of batch 1 as each of the pipeline's two CFG calls is) and the
 Wan 2.2 VAE at full width decoding (B, 16, (F-1)/4+1, H/8, W/8) latents, both fp32.
+
+`--model wan-vae-tiled`: the same decode with diffusers' tiling on (`vae.enable_tiling()`, 256 px tiles
+every 192 px: a frame above 256 px is decoded tile by tile and blended), measured and traced
+(`trace_component(..., tiled=True)`, what `dmap plan` charges a tiled decode); `--base-dim` narrows
+the VAE (96 is Wan 2.2's) so the CPU run takes minutes, not hours. The untiled estimate is printed too.
 """
 
 from __future__ import annotations
@@ -301,8 +307,9 @@ def wan_component(config: dict):
     return ComponentSource(name, "diffusers", config["_class_name"], config, None, None)
 
 
-def wan_measured_peak(config: dict, frames: int, size: int, threads: int | None = 1) -> int:
-    """Peak live bytes during one Wan transformer call or one VAE decode, as WanPipeline makes them."""
+def wan_measured_peak(config: dict, frames: int, size: int, threads: int | None = 1, tiled: bool = False) -> int:
+    """Peak live bytes during one Wan transformer call or one VAE decode (tiled: with enable_tiling()), as
+    WanPipeline makes them."""
     import diffusers
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -315,6 +322,8 @@ def wan_measured_peak(config: dict, frames: int, size: int, threads: int | None 
         model = getattr(diffusers, config["_class_name"]).from_config(config).eval()
         shape = (1, 16, (frames - 1) // 4 + 1, size // 8, size // 8)
         vae = config["_class_name"] == "AutoencoderKLWan"
+        if tiled:
+            model.enable_tiling()
 
         def call():
             latents = torch.randn(shape)
@@ -335,12 +344,42 @@ def wan_measured_peak(config: dict, frames: int, size: int, threads: int | None 
         torch.set_num_threads(previous_threads)
 
 
-def wan_estimated_peak(config: dict, frames: int, size: int) -> int:
+def wan_estimated_peak(config: dict, frames: int, size: int, tiled: bool = False) -> int:
     from dm_cli.inputs import InputSpec
     from dm_cli.trace import trace_component
 
     inputs = InputSpec(size, size, num_frames=frames, max_sequence_length=WAN_TOKENS)
-    return trace_component(wan_component(config), "WanPipeline", inputs, "float32", use_cache=False).activation_peak
+    trace = trace_component(wan_component(config), "WanPipeline", inputs, "float32", use_cache=False, tiled=tiled)
+    if trace.fallback_warning:
+        raise SystemExit(trace.fallback_warning)
+    return trace.activation_peak
+
+
+def wan_tiled_main(args) -> int:
+    config = dict(WAN_VAE, base_dim=args.base_dim)
+    rows = []
+    for frames in (int(f) for f in args.frames.split(",")):
+        for size in (int(s) for s in args.sizes.split(",")):
+            start = time.perf_counter()
+            measured = wan_measured_peak(config, frames, size, threads=args.threads, tiled=True)
+            measure_s = time.perf_counter() - start
+            start = time.perf_counter()
+            estimate = wan_estimated_peak(config, frames, size, tiled=True)
+            estimate_s = time.perf_counter() - start
+            untiled = wan_estimated_peak(config, frames, size)
+            rows.append((frames, size, measured, estimate, estimate / measured, untiled, measure_s, estimate_s))
+            print(f"  {frames} frames {size}²: measured {measured}, estimated {estimate}, untiled estimate {untiled}",
+                  file=sys.stderr, flush=True)
+    print(f"AutoencoderKLWan (Wan 2.2 VAE, base_dim {args.base_dim}), tiled decode (enable_tiling(): 256 px tiles, "
+          "stride 192), batch 1, fp32, CPU")
+    print(f"{'frames':>6} {'size':>6} {'measured':>12} {'estimated':>12} {'ratio':>7} {'untiled est.':>13} "
+          f"{'measure s':>10} {'trace s':>8}")
+    for frames, size, measured, estimate, ratio, untiled, measure_s, estimate_s in rows:
+        print(f"{frames:>6} {str(size) + '²':>6} {measured / 1e6:>9.2f} MB {estimate / 1e6:>9.2f} MB {ratio:>7.3f} "
+              f"{untiled / 1e6:>10.2f} MB {measure_s:>10.1f} {estimate_s:>8.1f}")
+    worst = max(abs(r[4] - 1) for r in rows)
+    print(f"worst deviation: {worst:.1%} ({'within' if worst <= 0.2 else 'OUTSIDE'} ±20%)")
+    return 0 if worst <= 0.2 else 1
 
 
 def wan_main(args) -> int:
@@ -369,7 +408,8 @@ def wan_main(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=("sd15", "flux2", "qwen-image", "wan-transformer", "wan-vae"), default="sd15")
+    parser.add_argument("--model", choices=("sd15", "flux2", "qwen-image", "wan-transformer", "wan-vae", "wan-vae-tiled"),
+                        default="sd15")
     parser.add_argument("--sizes", default="256,512")
     parser.add_argument("--widths", default="160,320,640,640", help="UNet block widths (sd15)")
     parser.add_argument("--heads", type=int, default=None,
@@ -377,6 +417,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks (qwen-image)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for the measured run")
     parser.add_argument("--frames", default="9,17", help="Wan: frames (4k+1)")
+    parser.add_argument("--base-dim", type=int, default=24, help="wan-vae-tiled: the VAE's base_dim (Wan 2.2: 96)")
     args = parser.parse_args(argv)
     if args.heads is None:
         args.heads = {"flux2": 8, "qwen-image": 6}.get(args.model)
@@ -384,6 +425,8 @@ def main(argv=None) -> int:
         return main_flux2(args)
     if args.model == "qwen-image":
         return main_qwenimage(args)
+    if args.model == "wan-vae-tiled":
+        return wan_tiled_main(args)
     if args.model.startswith("wan"):
         return wan_main(args)
     widths = tuple(int(w) for w in args.widths.split(","))
