@@ -197,7 +197,8 @@ class Pipeline:
     def metadata(self, job) -> dict[str, str]:
         from .runner import job_metadata
 
-        return job_metadata(job, self.source.spec, self.source.pipeline_class, self.plan_digest, self.demo, self.fps)
+        return job_metadata(job, self.source.spec, self.source.pipeline_class, self.plan_digest, self.demo, self.fps,
+                            self.plan.tiled_decode)
 
     def bytes_per_item(self) -> int:
         """Embeddings and latents one prompt holds between stages: what the pipeline feeds the denoiser per step."""
@@ -371,7 +372,8 @@ def dispatch(pipe, plan):
     A component on one device is moved there (with an accelerate hook that brings its inputs
     along); a split one is dispatched block by block with accelerate's `dispatch_model`. Its
     weights are already in host memory, so "disk" blocks stay there like "cpu" ones (streamed to
-    their GPU when they run); nothing is written. Returns `pipe`.
+    their GPU when they run); nothing is written. A component the plan decodes in tiles gets its
+    `enable_tiling()` called (UsageError for a class without it). Returns `pipe`.
     """
     from accelerate import dispatch_model
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module

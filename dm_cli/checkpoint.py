@@ -1,8 +1,9 @@
-"""Safetensors headers and index files, read without touching tensor data.
+"""Safetensors headers and index files, read without touching tensor data; and legacy `.bin` weights.
 
 We parse the header ourselves (8-byte length + JSON, see the safetensors spec) rather than
 through `safe_open` because we must *validate* it — offsets past the end, overlaps, gaps — and
-name the broken file and tensor, and because this path must not import torch.
+name the broken file and tensor, and because this path must not import torch. Only the legacy
+readers at the end (`load_legacy_weights`) import torch, when they are called.
 """
 
 from __future__ import annotations

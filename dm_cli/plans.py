@@ -29,6 +29,9 @@ from .weight_formats import (
 
 PLAN_FORMAT = "dmap-plan"
 PLAN_VERSION = 1
+# Version 2 is version 1 plus `tiled_decode`, written only when a component decodes in tiles: a reader
+# that does not know tiling then refuses the plan, instead of decoding untiled and running out of memory.
+TILED_PLAN_VERSION = 2
 
 # CUDA context (~300-600 MB) plus cuBLAS workspaces and caching-allocator slack, per GPU.
 DEFAULT_GPU_OVERHEAD = 600 * 10**6
@@ -82,7 +85,7 @@ class Plan:
     def to_json(self) -> dict:
         return {
             "format": PLAN_FORMAT,
-            "version": PLAN_VERSION,
+            "version": TILED_PLAN_VERSION if self.tiled_decode else PLAN_VERSION,
             "source": self.source,
             "config_digest": self.config_digest,
             "pipeline_class": self.pipeline_class,
@@ -133,8 +136,9 @@ class Plan:
     def from_json(cls, data: dict) -> "Plan":
         """Read a plan, checking every field's type: a plan file is input like any other (ValueError)."""
         data = _object(data, "the document")
-        if data.get("format") != PLAN_FORMAT or data.get("version") != PLAN_VERSION:
-            raise ValueError(f"not a {PLAN_FORMAT} v{PLAN_VERSION} document")
+        version = data.get("version")
+        if data.get("format") != PLAN_FORMAT or type(version) is not int or version not in (PLAN_VERSION, TILED_PLAN_VERSION):
+            raise ValueError(f"not a {PLAN_FORMAT} v{PLAN_VERSION} or v{TILED_PLAN_VERSION} document")
         devices = []
         for key, value in _object(data.get("devices"), "'devices'").items():
             value = _object(value, f"device {key!r}")

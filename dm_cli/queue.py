@@ -29,7 +29,8 @@ MANIFEST = "manifest.jsonl"
 JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "output"}
 MAX_SEED = 2**63 - 1
 # What a finished PNG must say in its metadata to count as this item's output (see is_complete).
-MATCHED_METADATA = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "height", "width", "source")
+MATCHED_METADATA = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "height", "width", "source",
+                    "tiled_decode")  # a tiled decode changes pixels at the tile seams
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,8 @@ def is_complete(path: Path, expected: dict[str, str]) -> tuple[bool, str]:
 
     `expected` is the metadata the runner writes for the item (`dm_cli.runner.job_metadata`); the
     keys in MATCHED_METADATA must agree (not the plan digest or dmap version: another plan or
-    release makes the same image), and the image must have the expected size.
+    release makes the same image, unless it decodes in tiles, which `tiled_decode` says), and the
+    image must have the expected size.
     """
     from PIL import Image
 

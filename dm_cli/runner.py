@@ -441,8 +441,11 @@ def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunR
 
 
 def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, demo: bool,
-                 fps: float | None = None) -> dict[str, str]:
-    """The PNG text metadata of one generated job (what a queue's resume compares, see dm_cli.queue)."""
+                 fps: float | None = None, tiled_decode=()) -> dict[str, str]:
+    """The PNG text metadata of one generated job (what a queue's resume compares, see dm_cli.queue).
+
+    `tiled_decode`: components the plan decodes in tiles (written only when there are some, so the
+    metadata of untiled images stays as it was): tiles change pixels at their seams."""
     meta = {
         "prompt": job.prompt, "seed": str(job.seed), "steps": str(job.steps), "guidance_scale": str(job.guidance_scale),
         "source": source_spec, "pipeline": pipeline_class, "height": str(job.height), "width": str(job.width),
@@ -456,6 +459,8 @@ def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, d
         meta["true_cfg_scale"] = str(job.true_cfg_scale)
     if job.guidance_scale_2 is not None:
         meta["guidance_scale_2"] = str(job.guidance_scale_2)
+    if tiled_decode:
+        meta["tiled_decode"] = ",".join(sorted(tiled_decode))
     if demo:
         meta["weights"] = "random (dmap demo pipeline)"
     return meta

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -247,12 +248,14 @@ def natural_key(name: str) -> tuple:
 
     Text and digit runs alternate (text first, maybe empty), so keys compare position by position
     as str with str and int with int; only runs `\\d` matched are read as numbers ("²" is text).
-    A run longer than Python converts (4300 digits, in a hostile header) is ordered by its start."""
+    A run longer than Python converts (`sys.get_int_max_str_digits()`, 4300 by default; in a hostile
+    header) is ordered by its start."""
     parts = _DIGIT_RUNS.split(name)
     try:
         parts[1::2] = map(int, parts[1::2])
     except ValueError:
-        parts[1::2] = [int(run[:4000]) for run in parts[1::2]]
+        longest = sys.get_int_max_str_digits() or 4300  # 0: no limit, so no run was too long; keep a bound anyway
+        parts[1::2] = [int(run[:longest]) for run in parts[1::2]]
     return tuple(parts)
 
 

@@ -105,6 +105,7 @@ def test_is_complete_checks_pixels_and_metadata(tmp_path):
     assert is_complete(path, _meta(seed="4")) == (False, "made for another seed")
     assert is_complete(path, _meta(steps="3")) == (False, "made for another steps")
     assert is_complete(path, _meta(negative_prompt="blur")) == (False, "made for another negative prompt")
+    assert is_complete(path, _meta(tiled_decode="vae")) == (False, "made for another tiled decode")  # seams differ
     _png(path, expected, size=(8, 16))
     assert is_complete(path, expected) == (False, "made for another size")
     _png(path, expected)

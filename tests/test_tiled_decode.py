@@ -29,6 +29,7 @@ def test_a_decode_that_does_not_fit_untiled_is_planned_tiled_and_the_plan_says_s
     assert code == 0, err
     vae = json.loads(out)["components"]["vae"]
     assert vae["tiled_decode"] is True and vae["device_map"] == {"": 0}
+    assert json.loads(out)["version"] == 2  # a reader that does not know tiling refuses it, not decodes untiled
     assert vae["untiled_activation_peak_bytes"] > vae["activation_peak_bytes"] > 0
     decode = json.loads(out)["stages"][-1]
     assert decode["name"] == "decode" and "vae: tiled decode" in decode["note"]
@@ -52,7 +53,7 @@ def test_a_decode_that_fits_is_never_tiled():
     code, out, err = _plan("tiny-wan", "0=1GB,cpu=1GB", "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert "tiled_decode" not in data["components"]["vae"]
+    assert "tiled_decode" not in data["components"]["vae"] and data["version"] == 1
     assert not any("tiles" in w for w in data["warnings"]) and "tiled" not in data["stages"][-1]["note"]
 
 
@@ -90,8 +91,11 @@ def test_the_tiled_trace_is_cached_apart_and_leaves_the_shared_meta_model_untile
 
     vae = resolve_source("tiny-sd15").component("vae")
     inputs = InputSpec(64, 64)
-    tiled = trace_component(vae, "StableDiffusionPipeline", inputs, "fp32", tiled=True)
-    untiled = trace_component(vae, "StableDiffusionPipeline", inputs, "fp32")
+    # traced here (not read from a warm cache), so the shared meta model really is tiled and untiled again
+    tiled = trace_component(vae, "StableDiffusionPipeline", inputs, "fp32", tiled=True, use_cache=False)
+    assert _meta_model(vae, "float32").use_tiling is False
+    tiled = trace_component(vae, "StableDiffusionPipeline", inputs, "fp32", tiled=True)  # writes the cache entry
+    untiled = trace_component(vae, "StableDiffusionPipeline", inputs, "fp32", use_cache=False)
     assert tiled.fallback_warning is None and 0 < tiled.activation_peak < untiled.activation_peak
     assert trace_component(vae, "StableDiffusionPipeline", inputs, "fp32", tiled=True).seconds == 0  # from the cache
     assert _meta_model(vae, "float32").use_tiling is False
@@ -106,6 +110,10 @@ def test_plan_files_without_the_key_load_untiled_and_a_bad_value_is_refused(tmp_
     assert Plan.from_json(data).tiled_decode == {"vae": data["components"]["vae"]["untiled_activation_peak_bytes"]}
     del data["components"]["vae"]["tiled_decode"]
     assert Plan.from_json(data).tiled_decode == {}
+    data["version"] = 3
+    with pytest.raises(ValueError, match="not a dmap-plan v1 or v2 document"):
+        Plan.from_json(data)
+    data["version"] = 2
     data["components"]["vae"]["tiled_decode"] = "yes"
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(UsageError, match="tiled_decode must be true or false"):
@@ -155,6 +163,8 @@ def test_run_with_a_tiled_plan_is_pixel_identical_to_diffusers_with_enable_tilin
                             plan_path, "--simulate", "--output", tmp_path / "frames/")
     assert code == 0, err
     assert calls, "dmap run did not decode in tiles"
+    sidecar = json.loads(next((tmp_path / "frames").glob("*.json")).read_text())
+    assert sidecar.get("tiled_decode") == "vae", sidecar  # what a queue's resume compares
     got = np.stack([np.array(Image.open(p)) for p in sorted((tmp_path / "frames").glob("frame-*.png"))])
 
     pipe = diffusers.WanPipeline.from_pretrained(tiny_wan)

@@ -25,7 +25,7 @@ def plan(
     overhead: str | None = typer.Option(None, "--overhead",
                                         help="Per-device overhead, e.g. 0=600MB,1=600MB (default 600MB per GPU, 0 for cpu)."),
     component: str | None = typer.Option(None, "--component", "-c", help="Plan this component only."),
-    output: str | None = typer.Option(None, "--output", "-o", help="Write the plan JSON (dmap-plan v1) here."),
+    output: str | None = typer.Option(None, "--output", "-o", help="Write the plan JSON (dmap-plan v1; v2 when a decode is tiled) here."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace --output if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan JSON instead of tables."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No tables: only errors (and where the plan was written)."),
