@@ -349,3 +349,42 @@ def test_api_generate_runs_a_staged_plans_experts_one_at_a_time(tiny_wan, tmp_pa
     single = run(RunRequest(source=str(tiny_wan), prompt=PROMPT, steps=STEPS, height=SIZE, width=SIZE, seed=SEED,
                             num_frames=FRAMES, output=str(tmp_path / "v/"), **devices))
     assert torch.equal(out.latents, single.latents)
+
+
+@pytest.fixture(scope="module")
+def tiny_wan21(tiny_wan, tmp_path_factory):
+    """Wan 2.1's layout: one transformer (model_index names transformer_2 as null, no boundary_ratio)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("wan21") / "tiny-wan21"
+    shutil.copytree(tiny_wan, folder, ignore=shutil.ignore_patterns("transformer_2"))
+    index = json.loads((folder / "model_index.json").read_text())
+    index.update(transformer_2=[None, None], boundary_ratio=None)
+    (folder / "model_index.json").write_text(json.dumps(index))
+    return folder
+
+
+def test_wan_2_1_one_transformer_is_pixel_identical_unsplit_and_split(tiny_wan21, tmp_path):
+    """Wan 2.1 (one transformer for every step): dmap run equals WanPipeline, unsplit and on 2 simulated GPUs."""
+    torch = pytest.importorskip("torch")
+    import diffusers
+    import numpy as np
+
+    from dm_cli.video import to_uint8
+
+    pipe = diffusers.WanPipeline.from_pretrained(tiny_wan21)
+    assert pipe.transformer_2 is None
+    pipe.set_progress_bar_config(disable=True)
+    oracle = to_uint8(pipe(PROMPT, num_frames=FRAMES, height=SIZE, width=SIZE, num_inference_steps=STEPS,
+                           generator=torch.Generator().manual_seed(SEED), output_type="np").frames[0])
+    result, calls = _run(tiny_wan21, tmp_path, "whole/", max_memory="cpu=8GB")
+    assert set(result.plan.components) == {"text_encoder", "transformer", "vae"}
+    assert [c[2] for c in calls] == [None] * STEPS  # one denoiser: the progress names no expert
+    assert np.array_equal(_frames(tmp_path / "whole"), oracle)
+    result, _ = _run(tiny_wan21, tmp_path, "split/", max_memory="0=400KB,1=400KB,cpu=1GB", overhead="0=0,1=0",
+                     simulate=True)
+    assert result.plan.components["transformer"].is_split
+    assert np.array_equal(_frames(tmp_path / "split"), oracle)
+    code, _, err = run_dmap("run", tiny_wan21, "--prompt", PROMPT, "--frames", FRAMES, "--guidance-scale-2", "2",
+                            "--output", tmp_path / "g2/")
+    assert code == 2 and "--guidance-scale-2" in err, err
