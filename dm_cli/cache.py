@@ -82,12 +82,13 @@ def cache_path(kind: str, key: str) -> Path:
 
 def read_cached(kind: str, key: str) -> dict | None:
     """The entry, or None when it is missing or damaged (not JSON, not an object): it is then rebuilt."""
-    path = cache_path(kind, key)
+    from .checkpoint import read_json_object
+    from .errors import CheckpointError
+
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
+        return read_json_object(cache_path(kind, key), "cache entry", 1 << 30)
+    except CheckpointError:
         return None
-    return data if isinstance(data, dict) else None
 
 
 def write_cached(kind: str, key: str, data: dict) -> None:

@@ -26,6 +26,7 @@ MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 MAX_JSON_DEPTH = 127  # serde_json's recursion limit, as safetensors meets it (root object = 1)
 U64_MAX = 2**64 - 1
 MAX_INDEX_BYTES = 100_000_000  # an index JSON larger than a safetensors header is not an index
+MAX_CONFIG_BYTES = 64 << 20  # configs, model_index.json, plans, journals: a few KB to a few MB
 _BITS = {code: DTYPE_BYTES[name] * 8 for code, name in SAFETENSORS_DTYPES.items()} | SUBBYTE_DTYPES
 _FIELDS = ("dtype", "shape", "data_offsets")
 _DTYPE_NAMES = {**SAFETENSORS_DTYPES, **{code: code for code in SUBBYTE_DTYPES}}  # header code -> dmap's name
@@ -94,6 +95,27 @@ def _parse_int(text: str) -> int:
 
 def no_json_constant(name: str):
     raise ValueError(f"{name} is not JSON")
+
+
+def read_json_object(path: Path, what: str, limit: int = MAX_CONFIG_BYTES) -> dict:
+    """A JSON object dmap reads from a file it did not write (or that may be damaged): a regular file of at
+    most `limit` bytes, strict JSON (no NaN), no nesting deep enough to exhaust Python's recursion.
+    Anything else is a CheckpointError naming the file; callers turn it into their own error."""
+    handle, _ = open_regular(path, what, limit)  # never a FIFO, /dev/zero or a huge file
+    try:
+        with handle:
+            raw = handle.read(limit + 1)
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read: {error.strerror or error}.") from error
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=no_json_constant)
+    except RecursionError:
+        raise CheckpointError(f"{path}: {what} is malformed JSON (nested too deeply).") from None
+    except ValueError as error:  # UnicodeDecodeError included
+        raise CheckpointError(f"{path}: {what} is malformed JSON ({error}).") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} must be a JSON object, found {type(data).__name__}.")
+    return data
 
 
 class _Info(tuple):
@@ -343,17 +365,8 @@ class ShardIndex:
 def read_index(path: str | os.PathLike) -> ShardIndex:
     """Parse an `*.index.json`; refuses shard names that are paths (the loaders do too)."""
     path = Path(path)
-    handle, _ = open_regular(path, "index file", MAX_INDEX_BYTES)
-    try:
-        with handle:
-            data = json.loads(handle.read(MAX_INDEX_BYTES + 1).decode("utf-8"), parse_constant=no_json_constant)
-    except OSError as error:
-        raise CheckpointError(f"{path}: cannot read: {error.strerror or error}.") from error
-    except RecursionError:
-        raise CheckpointError(f"{path}: malformed index JSON (nested too deeply).") from None
-    except ValueError as error:  # UnicodeDecodeError included
-        raise CheckpointError(f"{path}: malformed index JSON ({error}).") from error
-    if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
+    data = read_json_object(path, "index file", MAX_INDEX_BYTES)
+    if not isinstance(data.get("weight_map"), dict):
         raise CheckpointError(f"{path}: not a shard index: it has no 'weight_map' object.")
     for name, shard in data["weight_map"].items():
         if not isinstance(shard, str) or not is_plain_file_name(shard):

@@ -7,7 +7,6 @@ Numbers follow diffusers 0.42's pipelines; see the reference README.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,12 +51,13 @@ def sibling_config(comp, name: str) -> dict | None:
     folder = getattr(comp, "folder", None)
     if folder is None:
         return None
-    path = Path(folder).parent / name / "config.json"
+    from .checkpoint import read_json_object
+    from .errors import CheckpointError
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json_object(Path(folder).parent / name / "config.json", "config.json")
+    except CheckpointError:
         return None
-    return data if isinstance(data, dict) else None
 
 
 def vae_config(comp) -> dict | None:

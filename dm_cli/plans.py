@@ -241,24 +241,15 @@ def _json_type(value) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-MAX_PLAN_BYTES = 64 << 20  # a plan of a huge model is a few MB
-
-
 def load_plan(path: str | Path) -> Plan:
     """Read a plan JSON written by `dmap plan --output` (exit 2 when it is not one)."""
-    from .checkpoint import no_json_constant, open_regular
+    from .checkpoint import read_json_object
 
     path = Path(path)
     try:
-        handle, _ = open_regular(path, "plan file", MAX_PLAN_BYTES)  # never a FIFO, /dev/zero or a huge file
-        with handle:
-            raw = handle.read(MAX_PLAN_BYTES + 1)
-        data = json.loads(raw.decode("utf-8"), parse_constant=no_json_constant)
-    except (CheckpointError, OSError) as error:
-        raise UsageError(f"Cannot read plan {error}" if isinstance(error, CheckpointError) else
-                         f"Cannot read plan {path}: {error.strerror or error}.") from None
-    except (ValueError, RecursionError) as error:
-        raise UsageError(f"Cannot read plan {path}: it is not JSON ({error}).") from None
+        data = read_json_object(path, "plan file")
+    except CheckpointError as error:
+        raise UsageError(f"Cannot read plan {error}") from None
     try:
         return Plan.from_json(data)
     except (ValueError, KeyError, TypeError, AttributeError) as error:

@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import find_component_weights, legacy_weight_files
-from .errors import SourceError
+from .checkpoint import find_component_weights, legacy_weight_files, read_json_object
+from .errors import CheckpointError, SourceError
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -96,17 +96,13 @@ def accepted_forms() -> str:
 
 
 def read_json(path: Path, what: str) -> dict:
+    """A config or model_index.json of a SOURCE, read as the hostile input it may be (checkpoint.read_json_object)."""
+    if not os.path.lexists(path):
+        raise SourceError(f"{what} is missing: {path}.")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as error:
-        raise SourceError(f"{what} is missing: {path}.") from error
-    except OSError as error:
-        raise SourceError(f"Cannot read {path}: {error.strerror or error}.") from error
-    except ValueError as error:
-        raise SourceError(f"{path} is malformed JSON ({error}); fix or re-download it.") from error
-    if not isinstance(data, dict):
-        raise SourceError(f"{path} is not a JSON object; fix or re-download it.")
-    return data
+        return read_json_object(path, what)
+    except CheckpointError as error:
+        raise SourceError(f"{error} Fix or re-download it.") from None
 
 
 def is_identifier(name) -> bool:

@@ -29,7 +29,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DmapError
+from .checkpoint import is_plain_file_name, read_json_object
+from .errors import CheckpointError, DmapError
 
 TEMP_MARK = ".dmap-tmp-"
 REPLACED_MARK = ".dmap-replaced-"  # the previous output during an --overwrite without RENAME_EXCHANGE
@@ -252,16 +253,16 @@ def pending_swap(root: Path) -> Path | None:
 
 def _finish_swap(swap: Path, root: Path) -> str:
     try:
-        journal = json.loads((swap / JOURNAL).read_text(encoding="utf-8"))
+        journal = read_json_object(swap / JOURNAL, "swap journal")
         folders = journal["folders"]
         if journal.get("format") != "dmap-swap" or not isinstance(folders, list):
             raise ValueError("not a dmap swap journal")
-        for entry in folders:
+        for entry in folders:  # names a journal gives stay inside their folders, as any hostile input's do
             folder = Path(entry["folder"])
-            if not all(isinstance(n, str) and n and "/" not in n and n not in (".", "..")
-                       for n in [*entry["old"], *entry["new"]]) or not folder.is_absolute():
+            names = [*entry["old"], *entry["new"]] + ([entry["new_dir"]] if entry["new_dir"] != "" else [])
+            if not all(isinstance(n, str) and is_plain_file_name(n) for n in names) or not folder.is_absolute():
                 raise ValueError("bad file names")
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (CheckpointError, ValueError, KeyError, TypeError) as error:
         raise DmapError(f"{swap} holds an interrupted in-place swap of {root} whose journal cannot be read ({error}): "
                         "the old weights are in its .old-* folders; restore them by hand.") from None
     _roll_forward(swap, journal)

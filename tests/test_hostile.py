@@ -606,3 +606,28 @@ def test_7_run_outputs_are_checked_before_anything_loads(tmp_path, monkeypatch, 
     code, out, err = cli(capsys, "run", "-p", "x", *args)
     assert code == 2 and words in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "out-1.png"]
+
+
+@pytest.mark.parametrize("where", ["model_index.json", "unet/config.json", "vae/config.json"])
+@pytest.mark.parametrize("attack", ["deep", "fifo", "nan"])
+def test_6_configs_are_read_as_boundedly_as_plans(tmp_path, capsys, where, attack):
+    """config.json and model_index.json get the plan file's bounded, strict reading: a 200k-deep nesting was a
+    RecursionError (exit 1), a FIFO hung. The VAE's config is also read as a sibling (its scale factor)."""
+    import shutil
+
+    from dm_cli.sources import PRESETS_DIR
+
+    folder = tmp_path / "pipe"
+    shutil.copytree(PRESETS_DIR / "tiny-sd15", folder)
+    path = folder / where
+    path.unlink()
+    if attack == "deep":
+        path.write_text("[" * 200_000 + "]" * 200_000)
+    elif attack == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text('{"_class_name": "UNet2DConditionModel", "sample_size": NaN}')
+    for command in (["inspect", folder], ["plan", folder, "--max-memory", "cpu=8GB", "-q"]):
+        code, out, err = cli(capsys, *command)
+        words = {"deep": "nested too deeply", "fifo": "", "nan": "NaN is not JSON"}[attack]  # a FIFO: "missing" or
+        assert code == 2 and words in err and err.count("\n") == 1, (command, err)  # "not a regular file", never a hang

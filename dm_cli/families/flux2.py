@@ -19,7 +19,6 @@ Reference images (`image=`) lengthen the transformer's sequence; dmap does not p
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..inputs import InputSpec
@@ -35,11 +34,13 @@ def _model_index(comp) -> dict:
     folder = getattr(comp, "folder", None)
     if folder is None:
         return {}
+    from ..checkpoint import read_json_object
+    from ..errors import CheckpointError
+
     try:
-        data = json.loads((Path(folder).parent / "model_index.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json_object(Path(folder).parent / "model_index.json", "model_index.json")
+    except CheckpointError:
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def out_layers(pipeline_class: str, encoder_config: dict, joint_attention_dim: int | None) -> tuple[int, ...]:
