@@ -168,6 +168,12 @@ class Pipeline:
             on_plan(plan)
         if not request.simulate:
             check_devices_present(plan)
+            from .weight_formats import int8_offload_problem
+
+            for name, fmt in plan.weights.items():  # before anything loads, not when that component's stage comes
+                problem = int8_offload_problem(name, fmt, plan.components[name].device_map)
+                if problem:
+                    raise UsageError(problem)
         self.simulate = request.simulate
         self.plan_digest = plan_digest(plan)
         self.staged = plan.mode != "resident"

@@ -17,7 +17,8 @@ import warnings
 from pathlib import Path
 
 from .devices import device_of, execution_device_key, normalise_map, torch_device
-from .errors import CheckpointError, SourceError, UsageError
+from .errors import CheckpointError, SourceError
+from .weight_formats import int8_offload_problem
 
 
 def execution_device(device_map: dict, simulate: bool):
@@ -39,11 +40,8 @@ def load_component(comp, device_map: dict, dtype: str | None, simulate: bool, we
     offloaded = any(v in ("cpu", "disk") for v in device_map.values())
     on_accelerator = any(not isinstance(v, str) or v == "mps" for v in device_map.values())
     cpu_only = simulate or not on_accelerator and set(device_map.values()) == {"cpu"}
-    if weights == "int8" and offloaded and not cpu_only:
-        raise UsageError(
-            f"The plan offloads blocks of '{comp.name}' to cpu/disk, which int8 weights cannot be streamed from: "
-            f"plan with more GPU memory or with --weights {comp.name}=fp8."
-        )
+    problem = None if simulate else int8_offload_problem(comp.name, weights, device_map)
+    assert problem is None, problem  # the run refuses such a plan before it loads anything (api.Pipeline)
     try:
         if weights is not None:
             model = _load_streamed(comp, device_map, torch_dtype, weights, resident=cpu_only)

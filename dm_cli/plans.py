@@ -24,7 +24,8 @@ from .planner import (
 )
 from .units import DeviceBudget, format_size, parse_device_spec, parse_dtype, parse_size
 from .weight_formats import (
-    component_format, format_of, layer_compute_bytes, parse_weights_spec, storage_dtype, transient_by_key,
+    component_format, format_of, int8_offload_problem, layer_compute_bytes, parse_weights_spec, storage_dtype,
+    transient_by_key,
 )
 
 PLAN_FORMAT = "dmap-plan"
@@ -467,9 +468,9 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         plan.warnings.insert(0, unknown_family_warning(source.pipeline_class))
     _explain_offload(plan, prepared, stages, options)
     for name, fmt in plan.weights.items():
-        if fmt == "int8" and plan.components[name].offloaded_bytes and any(d.is_gpu for d in devices):
-            plan.warnings.append(f"{name}: int8 weights cannot be streamed from cpu/disk, so dmap run refuses this plan: "
-                                 f"give the GPUs more memory or use --weights {name}=fp8.")
+        problem = int8_offload_problem(name, fmt, plan.components[name].device_map)
+        if problem:
+            plan.warnings.append(f"{problem} dmap run refuses this plan (except with --simulate).")
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
     return plan

@@ -231,7 +231,7 @@ def test_bf16_blocks_streamed_from_cpu_and_disk_are_identical(fmt, folders, tmp_
     assert not list(folder.rglob("*.dat"))
 
 
-def test_run_refuses_a_plan_with_other_storage_and_int8_offload(folders, tmp_path):
+def test_run_refuses_a_plan_with_other_storage_and_int8_offload(folders, tmp_path, monkeypatch):
     folder = folders("tiny-flux")
     plan = _with_storage(hand_plan(folder), "fp8", "float32")
     with pytest.raises(UsageError, match=r"stores '\w+' as float8_e4m3fn, this run asks for float32"):
@@ -240,9 +240,13 @@ def test_run_refuses_a_plan_with_other_storage_and_int8_offload(folders, tmp_pat
         dmap_run(folder, hand_plan(folder), tmp_path, weights="transformer=int8")
     offloaded = _with_storage(hand_plan(folder), "int8", "float32")
     offloaded["components"]["transformer"]["device_map"] = {"": "disk"}
+    import dm_cli.stages
+
+    loaded = []  # refused before any stage loads (it was refused only when the transformer's stage came)
+    monkeypatch.setattr(dm_cli.stages, "load_component", lambda comp, *a, **k: loaded.append(comp.name) or 1 / 0)
     with pytest.raises(UsageError, match="int8 weights cannot be streamed"):
         dmap_run(folder, offloaded, tmp_path)
-    assert not (tmp_path / "out.png").exists()
+    assert not loaded and not (tmp_path / "out.png").exists()
 
 
 def test_int8_without_torchao_plans_and_refuses_to_run(folders, tmp_path, monkeypatch):
