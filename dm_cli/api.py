@@ -17,7 +17,7 @@ Everything else in dm_cli may change.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -196,7 +196,7 @@ class Pipeline:
         refusal = self.family.refuse(item.negative_prompt, job.true_cfg_scale)
         if refusal:
             raise UsageError(f"Item {item.index}: {refusal}")
-        return _replace(job, prompt=item.prompt, negative_prompt=item.negative_prompt, seed=item.seed,
+        return replace(job, prompt=item.prompt, negative_prompt=item.negative_prompt, seed=item.seed,
                         steps=item.steps or job.steps,
                         guidance_scale=job.guidance_scale if item.guidance_scale is None else item.guidance_scale)
 
@@ -229,7 +229,9 @@ class Pipeline:
 
     def chunk_size(self, items: int, chunk_memory: int | None = None) -> tuple[int, int, int]:
         """(chunk size, bytes per item, budget): as many items as the RAM budget holds between stages."""
-        budget = chunk_memory if chunk_memory is not None else int(_available_ram() * DEFAULT_CHUNK_MEMORY_SHARE)
+        from .plans import available_ram
+
+        budget = chunk_memory if chunk_memory is not None else int(available_ram() * DEFAULT_CHUNK_MEMORY_SHARE)
         per_item = self.bytes_per_item()
         if not self.staged:
             return max(1, items), per_item, budget  # resident: one item at a time, nothing waits between stages
@@ -355,18 +357,6 @@ def _items(prompts, seed: int, negative_prompt, steps, guidance_scale) -> list[Q
         else:
             raise UsageError(f"Prompt {index} is a {type(entry).__name__}: give strings (or dm_cli.queue.QueueItem).")
     return items
-
-
-def _replace(job, **changes):
-    from dataclasses import replace
-
-    return replace(job, **changes)
-
-
-def _available_ram() -> int:
-    from .plans import available_ram
-
-    return available_ram()
 
 
 # --- dispatch -----------------------------------------------------------------------------------

@@ -94,16 +94,6 @@ class Ranks:
         dist.gather_object(obj, out, dst=0)
         return out
 
-    def all_ok(self, ok: bool) -> bool:
-        """True when every rank says ok (a rank whose share failed makes the merge say so)."""
-        if not self.distributed:
-            return ok
-        import torch.distributed as dist
-
-        flags = [None] * self.world_size
-        dist.all_gather_object(flags, bool(ok))
-        return all(flags)
-
     def leave(self) -> None:
         if not self.distributed:
             return

@@ -18,6 +18,9 @@ _VOLATILE_KEYS = ("_name_or_path", "transformers_version")
 
 
 def _library_module(library: str | None, class_name: str):
+    from .weight_formats import quiet_torchao
+
+    quiet_torchao()  # before diffusers' first import, which imports torchao when it is installed
     if library in ("diffusers", "transformers"):
         return importlib.import_module(library)
     if isinstance(library, str) and library.isidentifier() and not library.startswith("_"):

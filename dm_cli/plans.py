@@ -335,13 +335,13 @@ class TraceFacts:
     warning: str | None
 
 
-def trace_facts(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str, use_cache: bool = True) -> TraceFacts:
-    """The meta trace of one component: execution order, activation peaks, what must not be split."""
-    try:
-        from .trace import trace_component
-    except ImportError:
-        return TraceFacts(None, {}, 0, [], {}, "the meta tracer is not available: registration order, no activations")
-    result = trace_component(comp, pipeline_class, inputs, dtype, use_cache=use_cache)
+def trace_facts(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str, use_cache: bool = True,
+                tiled: bool = False) -> TraceFacts:
+    """The meta trace of one component: execution order, activation peaks, what must not be split
+    (`tiled`: of its decode with diffusers' enable_tiling())."""
+    from .trace import trace_component
+
+    result = trace_component(comp, pipeline_class, inputs, dtype, use_cache=use_cache, tiled=tiled)
     return TraceFacts(list(result.execution_order) or None, dict(result.module_peaks), int(result.activation_peak),
                       list(result.unsplittable), dict(getattr(result, "same_device_groups", {}) or {}),
                       result.fallback_warning)
@@ -488,16 +488,11 @@ def make_named_plan(root: str, spec: str, options: PlanOptions) -> Plan:
 
 
 def _check_inputs(inputs: InputSpec) -> None:
-    if inputs.height < 0 or inputs.width < 0:
-        raise UsageError("--height and --width must be 0 (weights only) or positive.")
+    """What InputSpec alone cannot refuse (it checks each field's range): fields that go together."""
     if (inputs.height == 0) != (inputs.width == 0):
         raise UsageError("Give --height 0 and --width 0 together for a weights-only plan.")
     if inputs.height % 8 or inputs.width % 8:
         raise UsageError(f"--height and --width must be multiples of 8 (got {inputs.height}x{inputs.width}).")
-    if inputs.batch_size < 1 or inputs.num_images < 1:
-        raise UsageError("--batch-size and --num-images must be at least 1.")
-    if inputs.max_sequence_length is not None and inputs.max_sequence_length < 1:
-        raise UsageError("--max-sequence-length must be at least 1.")
     if inputs.fps is not None and inputs.fps < 1:
         raise UsageError(f"--fps must be at least 1 (got {inputs.fps}).")
 
@@ -563,15 +558,9 @@ def tiled_spec(prep: PreparedComponent, pipeline_class: str | None, inputs: Inpu
                use_cache: bool = True) -> ComponentInput | str:
     """The component with the activations of its tiled decode (the same call traced with enable_tiling()),
     or a sentence saying why there is none (a class without enable_tiling; a cached trace imports no torch)."""
-    try:
-        from .trace import trace_component
-    except ImportError:
-        return "the meta tracer is not available."
-    result = trace_component(prep.source, pipeline_class, inputs, prep.dtype, use_cache=use_cache, tiled=True)
-    if result.fallback_warning:
-        return result.fallback_warning
-    facts = TraceFacts(list(result.execution_order) or None, dict(result.module_peaks), int(result.activation_peak),
-                       list(result.unsplittable), dict(result.same_device_groups or {}), None)
+    facts = trace_facts(prep.source, pipeline_class, inputs, prep.dtype, use_cache, tiled=True)
+    if facts.warning:
+        return facts.warning
     spec, _ = _component_spec(prep.source, prep.skeleton, facts, inputs, prep.effective_dtype, prep.weights, prep.dtype)
     return spec
 

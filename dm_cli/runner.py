@@ -130,6 +130,9 @@ class RunResult:
 
 def _quiet_libraries() -> None:
     """dmap prints its own progress and summary: the libraries' load bars and advice would drown it."""
+    from .weight_formats import quiet_torchao
+
+    quiet_torchao()
     import transformers
 
     transformers.utils.logging.set_verbosity_error()  # diffusers' import triggers transformers warnings
@@ -294,8 +297,6 @@ def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda m
     refusal = family.refuse(request.negative_prompt, request.true_cfg_scale, request.guidance_scale_2)
     if refusal:
         raise UsageError(refusal)
-    if request.num_images is not None and request.num_images < 1:
-        raise UsageError("--num-images must be at least 1.")
     return source, family, demo, defaults, notices
 
 

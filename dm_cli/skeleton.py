@@ -318,6 +318,9 @@ def build_on_meta(library: str, class_name: str, config: dict):
 
 def guess_library(class_name: str) -> str | None:
     """Which library has `class_name`, for a config.json that does not say."""
+    from .weight_formats import quiet_torchao
+
+    quiet_torchao()
     import diffusers
     import transformers
 

@@ -55,9 +55,6 @@ app.command("cache", help=cache_command.__doc__)(cache_command.cache)
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: errors become one sentence and an exit code (tracebacks with --debug)."""
     from ._errors import EXIT_INTERRUPTED, click_exception_types, report_error
-    from ..weight_formats import quiet_torchao
-
-    quiet_torchao()
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
