@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from .errors import UsageError
+from .run_checks import check_seed
 from .queue import QueueItem, chunk_size_for, chunks, default_output_name
 
 # What embeddings and latents waiting between stages may take by default: this share of the RAM
@@ -352,8 +353,8 @@ def _items(prompts, seed: int, negative_prompt, steps, guidance_scale) -> list[Q
         if isinstance(entry, QueueItem):
             items.append(entry)
         elif isinstance(entry, str):
-            items.append(QueueItem(index, entry, seed + index, default_output_name(index), negative_prompt, steps,
-                                   guidance_scale))
+            items.append(QueueItem(index, entry, check_seed(seed + index, f"Prompt {index}: the seed"),
+                                   default_output_name(index), negative_prompt, steps, guidance_scale))
         else:
             raise UsageError(f"Prompt {index} is a {type(entry).__name__}: give strings (or dm_cli.queue.QueueItem).")
     return items

@@ -24,10 +24,11 @@ from pathlib import Path
 
 from .atomic import atomic_write
 from .errors import UsageError
+from .run_checks import check_seed
 
 MANIFEST = "manifest.jsonl"
+MAX_PROMPTS_BYTES = 1 << 30  # millions of prompts; never a whole disk
 JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "output"}
-MAX_SEED = 2**63 - 1
 # What a finished PNG must say in its metadata to count as this item's output (see is_complete).
 MATCHED_METADATA = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "height", "width", "source",
                     "tiled_decode")  # a tiled decode changes pixels at the tile seams
@@ -58,19 +59,24 @@ def read_prompts(path: str | os.PathLike, base_seed: int = 0) -> list[QueueItem]
 
     Blank lines are skipped and do not count as items. Every problem is a UsageError naming the line.
     """
+    from .checkpoint import open_regular
+    from .errors import CheckpointError
+
     path = Path(path)
+    if not os.path.lexists(path):
+        raise UsageError(f"Prompts file {path} does not exist.")
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise UsageError(f"Prompts file {path} does not exist.") from None
-    except OSError as error:
-        raise UsageError(f"Cannot read prompts file {path}: {error.strerror or error}.") from None
+        handle, _ = open_regular(path, "prompts file", MAX_PROMPTS_BYTES)  # never a FIFO or /dev/zero
+        with handle:
+            raw = handle.read(MAX_PROMPTS_BYTES + 1)
+    except (CheckpointError, OSError) as error:
+        raise UsageError(f"Cannot read prompts file {error}" if isinstance(error, CheckpointError)
+                         else f"Cannot read prompts file {path}: {error.strerror or error}.") from None
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as error:
         raise UsageError(f"Prompts file {path} is not UTF-8 text (byte {error.start}): save it as UTF-8.") from None
-    if not 0 <= base_seed <= MAX_SEED:
-        raise UsageError(f"--seed must be between 0 and {MAX_SEED}.")
+    check_seed(base_seed, "--seed")
     lines = [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise UsageError(f"Prompts file {path} has no prompts: write one prompt per line (or one JSON object per line).")
@@ -81,7 +87,7 @@ def read_prompts(path: str | os.PathLike, base_seed: int = 0) -> list[QueueItem]
         if jsonl:
             items.append(_jsonl_item(line, index, base_seed, where))
         else:
-            items.append(QueueItem(index, line, _seed(base_seed + index, where), default_output_name(index)))
+            items.append(QueueItem(index, line, check_seed(base_seed + index, f"{where}: the seed"), default_output_name(index)))
     seen: dict[str, int] = {}
     for item in items:
         if item.output in seen:
@@ -121,17 +127,11 @@ def _jsonl_item(line: str, index: int, base_seed: int, where: str) -> QueueItem:
         guidance = float(guidance)
     output = data.get("output")
     output = default_output_name(index) if output is None else _output_name(output, where)
-    return QueueItem(index, prompt.strip(), _seed(seed, where), output, negative or None, steps, guidance)
+    return QueueItem(index, prompt.strip(), check_seed(seed, f"{where}: the seed"), output, negative or None, steps, guidance)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _seed(seed: int, where: str) -> int:
-    if not 0 <= seed <= MAX_SEED:
-        raise UsageError(f"{where}: the seed {seed} is outside 0..{MAX_SEED}.")
-    return seed
 
 
 def _output_name(value, where: str) -> str:

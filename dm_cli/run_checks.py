@@ -15,14 +15,20 @@ from .planner import STRATEGIES
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
+def check_seed(seed: int, where: str) -> int:
+    """One seed range for `--seed`, queue items and the API: what torch.Generator.manual_seed accepts."""
+    low, high = SEED_RANGE
+    if not low <= seed <= high:
+        raise UsageError(f"{where} {seed} is out of range: use a whole number from {low} to {high}.")
+    return seed
+
+
 def check_run_request(output: str | None, save_latents: str | None, num_images: int | None, seed: int,
                       device_map: str) -> None:
     """Raise UsageError for anything about the outputs, seed or plan file that would fail later."""
     from .runner import image_paths
 
-    low, high = SEED_RANGE
-    if not low <= seed <= high:
-        raise UsageError(f"--seed {seed} is out of range: use a whole number from {low} to {high}.")
+    check_seed(seed, "--seed")
     targets = [(path, "--output") for path in (image_paths(output, num_images or 1) if output else [])]
     if save_latents:
         targets.append((Path(save_latents), "--save-latents"))

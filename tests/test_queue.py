@@ -1,6 +1,7 @@
 """The prompts file, item seeds and names, resume detection, the manifest, torchrun rank handling (no torch)."""
 
 import json
+import os
 
 import pytest
 
@@ -33,6 +34,7 @@ def test_jsonl_per_item_fields_and_defaults(tmp_path):
     ]
     path = _write(tmp_path, "p.txt", "\n".join(json.dumps(x) for x in lines))  # detected by its first line
     items = read_prompts(path, base_seed=5)
+    assert read_prompts(path, base_seed=-3)[0].seed == -3  # the range --seed takes with --prompt, not a narrower one
     assert items[0] == QueueItem(0, "a fox", 5, "00000.png")
     assert items[1] == QueueItem(1, "a cat", 99, "cat.png", "blur", 3, 7.0)
     assert items[2].seed == 7 and items[2].output == "dog.png"
@@ -47,7 +49,7 @@ def test_jsonl_per_item_fields_and_defaults(tmp_path):
     ('{"prompt": "a", "sede": 1}', "unknown key"),
     ('{"prompt": "a", "seed": 1.5}', "'seed' must be an integer"),
     ('{"prompt": "a", "seed": true}', "'seed' must be an integer"),
-    ('{"prompt": "a", "seed": -1}', "outside"),
+    ('{"prompt": "a", "seed": 18446744073709551616}', "the seed 18446744073709551616 is out of range"),
     ('{"prompt": "a", "steps": 0}', "'steps' must be a positive integer"),
     ('{"prompt": "a", "guidance_scale": "7"}', "'guidance_scale' must be a number"),
     ('{"prompt": "a", "output": "../x.png"}', "plain file name"),
@@ -66,6 +68,9 @@ def test_bad_prompt_files_are_one_sentence(tmp_path, text, message):
 def test_unreadable_prompt_files(tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
         read_prompts(tmp_path / "nope.txt")
+    os.mkfifo(tmp_path / "fifo.txt")  # reading it would block forever
+    with pytest.raises(UsageError, match="not a regular file"):
+        read_prompts(tmp_path / "fifo.txt")
     bad = tmp_path / "bin.txt"
     bad.write_bytes(b"a fox\n\xff\xfe\x00")
     with pytest.raises(UsageError, match="not UTF-8"):
