@@ -589,12 +589,12 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
 
 def _fp8_tensors(comp) -> set[str]:
     """Names (tied aliases included) that layerwise casting stores in fp8: the rest keeps its dtype."""
-    from .skeleton import skeleton_for_component
+    from .skeleton import load_skeleton
 
     if comp.config is None:
         raise UsageError(f"--dtype fp8 needs the config of '{comp.name}' to know which layers stay in high precision: "
                          "shard its folder with config.json.")
-    skeleton, _ = skeleton_for_component(comp)
+    skeleton = load_skeleton(comp.name, comp.library, comp.cls, comp.config)  # the config decides; headers read once
     cast = {t.name for t in skeleton.tensors if "fp8" in t.low_precision}
     return cast | {alias for group in skeleton.tie_groups if group[0] in cast for alias in group[1:]}
 
