@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import UsageError
 from .skeleton import ModuleSize, Skeleton, as_loaded
 from .sources import Source, resolve_source
 from .weight_formats import STORAGE_DTYPES, component_format, parse_weights_spec
@@ -115,9 +114,6 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
             notes.append(loaded.note)
         comp, skeleton = (loaded.comp, loaded.skeleton) if comp.weights is not None else (comp, loaded.as_built)
         fmt = component_format(formats, comp.name, skeleton)
-        if fmt and skeleton.cls == "?":
-            raise UsageError(f"--weights {fmt} needs the config of '{comp.name}' (which layers are cast): "
-                             "inspect its folder with config.json.")
         if skeleton.note:
             notes.append(skeleton.note)
         effective = dtype if dtype is not None else skeleton.default_dtype()

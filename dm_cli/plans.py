@@ -377,8 +377,6 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
         listed = "; ".join(str(p) for p in checkpoint.problems)
         raise CheckpointError(f"Component '{comp.name}' has {len(checkpoint.problems)} checkpoint problem(s): {listed}.")
     fmt = component_format(weights or {}, comp.name, skeleton)
-    if fmt and skeleton.cls == "?":
-        raise UsageError(f"--weights {fmt} needs the config of '{comp.name}' (which layers are cast): give a folder with config.json.")
     effective = dtype if dtype is not None else skeleton.default_dtype()
     if fmt and effective is None:
         effective = skeleton.compute_dtype()  # a checkpoint stored in fp8 runs in its other tensors' dtype

@@ -116,7 +116,7 @@ SAFETENSORS_DTYPES = {
 SUBBYTE_DTYPES = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 TORCH_TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
-_DTYPE_ALIASES = {
+DTYPE_ALIASES = {  # what --dtype (and a plain dtype in --weights) accepts
     "bf16": "bfloat16",
     "bfloat16": "bfloat16",
     "fp16": "float16",
@@ -130,7 +130,7 @@ _DTYPE_ALIASES = {
 
 def parse_dtype(text: str) -> str:
     """`bf16|fp16|fp32` (or torch spellings) -> torch dtype name."""
-    name = _DTYPE_ALIASES.get(str(text).strip().lower())
+    name = DTYPE_ALIASES.get(str(text).strip().lower())
     if name is None:
         raise UsageError(f"Unknown dtype '{text}': use bf16, fp16 or fp32.")
     return name

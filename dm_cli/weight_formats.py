@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from .devices import covers
 from .errors import UsageError
+from .units import DTYPE_ALIASES
 
 # format name -> dtype the bulk of the converted tensors is stored in
 STORAGE_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
@@ -67,15 +68,18 @@ def component_format(formats: dict[str, str | None], name: str, skeleton) -> str
     """The format asked for this component, else fp8 when its checkpoint already stores fp8.
 
     A checkpoint without a config (header-only skeleton, class "?") is sized as stored: which layers
-    a run would cast is unknown, so it is not treated as fp8 unless asked."""
+    a run would cast is unknown, so it is not treated as fp8 unless asked, and asking is refused."""
     if name in formats:
+        if formats[name] and skeleton.cls == "?":
+            raise UsageError(f"--weights {formats[name]} needs the config of '{name}' (which layers are cast): "
+                             "give its folder with config.json.")
         return formats[name]
     return "fp8" if skeleton.stored and skeleton.cls != "?" and any(t.dtype == STORAGE_DTYPES["fp8"] for t in skeleton.tensors) else None
 
 
 def _format(text: str, spec: str) -> str | None:
     value = text.strip().lower()
-    if value in ("none", "bf16", "fp16", "fp32", ""):
+    if value in ("none", "") or value in DTYPE_ALIASES:  # a plain dtype: the run dtype, no low-precision storage
         if not value:
             raise UsageError(f"--weights '{spec}' has an empty entry: use fp8, int8 or none, e.g. transformer=fp8.")
         return None

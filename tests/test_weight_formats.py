@@ -25,6 +25,7 @@ def test_parse_weights_spec():
     assert parse_weights_spec("fp8,text_encoder=none,vae=fp8", names) == {
         "text_encoder": None, "transformer": "fp8", "vae": "fp8"}
     assert parse_weights_spec(None, names) == {}
+    assert parse_weights_spec("fp8,text_encoder=bfloat16,vae=half", names)["text_encoder"] is None  # as --dtype spells them
     with pytest.raises(UsageError, match="unet.*lacks"):
         parse_weights_spec("unet=fp8", names)
     with pytest.raises(UsageError, match="Unknown weight format 'fp4'"):
