@@ -188,3 +188,15 @@ def test_gpu_groups_per_local_rank():
         select_gpus(Ranks(1, 2, 1, 2), 2, {"CUDA_VISIBLE_DEVICES": "0,1,2"})
     with pytest.raises(UsageError, match="0 or more"):
         select_gpus(Ranks(), -1, {})
+
+
+def test_queue_notices_print_as_text_not_markup(capsys):
+    """The console takes no markup (text from files must stay text): a notice is styled, not wrapped in tags."""
+    from dm_cli.queue_runner import QueueResult
+    from dm_cli.render.queue import QueueView
+
+    view = QueueView()
+    view.start(QueueResult("out", 0, 1, 2, 2, notices=["The demo pipeline has RANDOM weights."], mode="staged"))
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "The demo pipeline has RANDOM weights." in text and "[bold" not in text and "[/]" not in text

@@ -24,13 +24,13 @@ class QueueView(RunView):
         if self.show_plans:
             super().show_plan(plan)
 
-    def _say(self, text: str) -> None:
+    def _say(self, text: str, style: str | None = None) -> None:
         if not self.quiet:
-            self.console.print(f"{self.prefix}{text}", soft_wrap=True)
+            self.console.print(f"{self.prefix}{text}", soft_wrap=True, style=style)
 
     def start(self, result) -> None:
         for notice in result.notices:
-            self._say(f"[bold yellow]{notice}[/]")
+            self._say(notice, style="bold yellow")  # the console takes no markup: text from files stays text
         share = f"{result.mine} of {result.items} items" if result.world_size > 1 else f"{result.items} items"
         self._say(f"Queue: {share}, {result.mode} plan {result.plan_digest}, writing to {result.output_dir}")
         if result.skipped:
