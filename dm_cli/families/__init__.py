@@ -103,6 +103,7 @@ class Family:
     default_max_sequence_length: int | None = None  # T5/LLM tokens; None: the family has no such knob
     default_sample_size: int | None = None  # latent size of the default image; None: denoiser config sample_size
     negative_prompt: bool = True  # False: a negative prompt is refused (guidance-distilled)
+    packs_latents: bool = False  # True: the denoiser takes 2x2-packed latents (FLUX-style; see packed_latents())
     default_num_frames: int | None = None  # video families: frames when none are asked for; None: images
     default_fps: int | None = None  # video families: frames per second of the written video
     # component -> tensors the pipeline's __call__ reads while that component is not loaded (for
@@ -160,6 +161,8 @@ class Family:
 
     def size_multiple(self, denoiser_config: dict, vae_config: dict | None) -> int:
         """What height and width must be multiples of, as the pipeline's own check_inputs demands."""
+        if self.packs_latents:  # 2x2 latent patches: twice the VAE's scale (see packed_latents())
+            return self.vae_scale(vae_config) * 2
         return math.lcm(8, self.vae_scale(vae_config))
 
     def check_inputs(self, inputs: InputSpec, vae_config: dict | None) -> None:

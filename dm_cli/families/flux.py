@@ -12,6 +12,7 @@ class FluxFamily(Family):
     pipelines = ("FluxPipeline",)
     related = ("Flux",)
     denoiser_classes = ("FluxTransformer2DModel",)
+    packs_latents = True
     offload_seq = "text_encoder->text_encoder_2->image_encoder->transformer->vae"
     guidance = GUIDANCE_DISTILLED
     default_steps = 28
@@ -19,9 +20,6 @@ class FluxFamily(Family):
     default_max_sequence_length = 512  # FluxPipeline.__call__'s default, schnell included
     default_sample_size = 128
     negative_prompt = False
-
-    def size_multiple(self, denoiser_config: dict, vae_config_: dict | None) -> int:
-        return self.vae_scale(vae_config_) * 2  # latents are packed 2x2
 
     def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
         config = comp.config or {}

@@ -62,6 +62,7 @@ class Flux2Family(Family):
     pipelines = ("Flux2Pipeline", "Flux2KleinPipeline")
     related = ("Flux2",)
     denoiser_classes = ("Flux2Transformer2DModel",)
+    packs_latents = True
     offload_seq = "text_encoder->transformer->vae"
     guidance = GUIDANCE_DISTILLED
     default_steps = 50
@@ -73,9 +74,6 @@ class Flux2Family(Family):
 
     def title(self) -> str:
         return "FLUX.2"
-
-    def size_multiple(self, denoiser_config: dict, vae_config_: dict | None) -> int:
-        return self.vae_scale(vae_config_) * 2  # latents are patchified 2x2
 
     @staticmethod
     def true_cfg(model_index: dict, guidance_scale: float) -> bool:

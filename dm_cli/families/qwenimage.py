@@ -20,6 +20,7 @@ class QwenImageFamily(Family):
     pipelines = ("QwenImagePipeline",)
     related = ("QwenImage",)
     denoiser_classes = ("QwenImageTransformer2DModel",)
+    packs_latents = True
     offload_seq = "text_encoder->transformer->vae"
     guidance = GUIDANCE_SEPARATE
     default_steps = 50
@@ -35,9 +36,6 @@ class QwenImageFamily(Family):
         """2 ** len(vae.temperal_downsample), as QwenImagePipeline computes it; 8 without a VAE config."""
         steps = (vae_config_ or {}).get("temperal_downsample")
         return 2 ** len(steps) if isinstance(steps, list) else 8
-
-    def size_multiple(self, denoiser_config: dict, vae_config_: dict | None) -> int:
-        return self.vae_scale(vae_config_) * 2  # latents are packed 2x2
 
     def denoiser_calls(self, inputs: InputSpec) -> int:
         """Planned for true CFG (the pipeline's default true_cfg_scale is 4.0): two calls per step.
