@@ -131,10 +131,39 @@ def safetensors_accepts(path: Path) -> dict | None:
         return None
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
-@given(blob=mutated_file())
-def test_4_dmap_accepts_exactly_what_safetensors_accepts(blob, capsys):
+@st.composite
+def unusual_valid_file(draw) -> bytes:
+    """Files safetensors accepts that a strict reader could wrongly refuse: fields in another order, extra
+    fields (ignored), empty, null or string metadata, zero-size and scalar tensors, spaces in the JSON."""
+    entries, data = valid_file(draw)
+    parts = []
+    for name, info in entries:
+        fields = list(info.items())
+        if draw(st.booleans()):
+            fields = draw(st.permutations(fields))
+        if draw(st.booleans()):
+            fields.append((draw(st.sampled_from(["extra", "__x"])), draw(st.sampled_from([1, "s", [], {"a": [1]}]))))
+        if draw(st.booleans()):
+            fields = [(k, [] if k == "shape" else v) for k, v in fields]  # a scalar: one element
+            size = SIZES[dict(fields)["dtype"]]
+            begin = dict(fields)["data_offsets"][0]
+            end = dict(fields)["data_offsets"][1]
+            if end - begin != size:
+                fields = [(k, v) for k, v in info.items()]  # keep it valid: offsets fixed by the original shape
+        spacer = draw(st.sampled_from(["", " ", "\n  "]))
+        parts.append(json.dumps(name) + ":" + spacer + "{" + ",".join(json.dumps(k) + ":" + json.dumps(v)
+                                                                    for k, v in fields) + "}")
+    metadata = draw(st.sampled_from(["absent", {}, {"format": "pt"}, {"a": "b", "c": ""}]))
+    if metadata != "absent":
+        parts.insert(draw(st.integers(0, len(parts))), json.dumps("__metadata__") + ":" + json.dumps(metadata))
+    raw = ("{" + ",".join(parts) + "}").encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def _agrees_with_safetensors(blob: bytes, capsys) -> bool | None:
+    """inspect and shard exit 0 exactly where safe_open accepts (2 otherwise, one sentence), and what shard
+    writes loads with the same tensors and bytes. Returns whether safetensors accepted the file."""
     from dm_cli.checkpoint import read_safetensors_header
 
     with tempfile.TemporaryDirectory() as folder:
@@ -144,14 +173,13 @@ def test_4_dmap_accepts_exactly_what_safetensors_accepts(blob, capsys):
         event("safetensors accepts" if accepted is not None else "safetensors refuses")
         for command in (["inspect", path, "--json", "--no-cache"], ["shard", path, "-s", "0", "-o", out]):
             code, _, err = cli(capsys, *command)
-            assert code in (0, 2), (command, code, err)
             if accepted is None:
                 lines = err.splitlines()  # one sentence, or (inspect) a list of every problem found
                 assert code == 2 and lines[0].startswith("Error: ") and all(l.startswith("  - ") for l in lines[1:]), \
                     (command, err)
-            elif "cannot size or shard yet" not in err:  # sub-byte dtypes: valid, refused by name
+            else:  # (no sub-byte dtypes are drawn: those are valid, and refused by name)
                 assert code == 0, (command, err, blob[:300])
-        if accepted is not None and out.exists():  # what shard wrote loads, with the same tensors and bytes
+        if accepted is not None:  # what shard wrote loads, with the same tensors and bytes
             written = out / "model.safetensors"
             assert safetensors_accepts(written) == accepted
             old, new = read_safetensors_header(path), read_safetensors_header(written)
@@ -160,6 +188,22 @@ def test_4_dmap_accepts_exactly_what_safetensors_accepts(blob, capsys):
                 copy = new.tensors[key]
                 assert (copy.dtype, copy.shape) == (entry.dtype, entry.shape)
                 assert new_bytes[copy.begin:copy.end] == old_bytes[entry.begin:entry.end], key
+    return accepted is not None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(blob=mutated_file())
+def test_4_dmap_accepts_exactly_what_safetensors_accepts(blob, capsys):
+    _agrees_with_safetensors(blob, capsys)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(blob=unusual_valid_file())
+def test_4_valid_but_unusual_files_are_accepted(blob, capsys):
+    """The accept side: mutations mostly break a file, so these are valid by construction (safe_open agrees)."""
+    assert _agrees_with_safetensors(blob, capsys), "the strategy drew a file safetensors refuses"
 
 
 def _write(path: Path, header: str, data: bytes = b"") -> Path:
