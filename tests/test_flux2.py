@@ -157,7 +157,8 @@ def test_plan_traces_every_component_at_1024(preset):
     from dm_cli.plans import PlanOptions, make_plan
 
     plan = make_plan(preset, PlanOptions("0=40GB,1=40GB,2=40GB,3=40GB,cpu=200GB"))
-    assert not [w for w in plan.warnings if "meta device" in w], plan.warnings
+    assert not [w for w in plan.warnings if "meta device" in w or "registration order" in w], plan.warnings
+    assert all(plan.activation_peaks[name] > 0 for name in plan.components), plan.activation_peaks  # all traced
     assert plan.check["ran"] and not plan.check["problems"]
     assert {s.name for s in plan.stages} == {"encode", "denoise", "decode"}
 
@@ -192,7 +193,8 @@ def test_flux2_dev_fits_and_checks(budget, mode):
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
     assert plan["check"]["ran"] and plan["check"]["problems"] == []
-    assert not [w for w in plan["warnings"] if "meta device" in w]
+    assert not [w for w in plan["warnings"] if "meta device" in w or "registration order" in w]
+    assert all(c["activation_peak_bytes"] > 0 for c in plan["components"].values())
     if mode:
         assert plan["mode"] == mode
     # planned untied, as transformers loads the published checkpoint: lm_head (131072 x 5120) counted apart
@@ -243,8 +245,11 @@ def diffusers_pipeline(folder):
     cls = getattr(diffusers, index["_class_name"])
     try:
         return cls.from_pretrained(folder)
-    except (ImportError, TypeError, ValueError):
+    except ImportError:
         pass
+    except ValueError as error:  # transformers' placeholder for a processor it cannot import (no torchvision);
+        if "Placeholder" not in str(error):  # anything else diffusers refuses is a real failure
+            raise
     parts = {}
     for name, value in index.items():
         if not isinstance(value, list):
