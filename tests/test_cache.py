@@ -69,3 +69,18 @@ def test_a_changed_producer_rebuilds_skeletons_and_traces(package_copy, tmp_path
     assert rebuilt_trace.execution_order == first_trace.execution_order
     for kind in ("skeletons", "traces"):
         assert len(list((tmp_path / "cache" / kind).glob("*.json"))) == 2, kind
+
+
+def test_a_damaged_demo_pipeline_is_generated_again(tmp_path, monkeypatch):
+    """The demo lives in dmap's cache: a truncated shard or a config that is not an object is rebuilt, never an
+    error (nor advice to re-download what dmap generates itself)."""
+    from dm_cli.demo import ensure_demo
+
+    monkeypatch.setenv("DMAP_CACHE_DIR", str(tmp_path))
+    folder = ensure_demo()
+    shard = sorted((folder / "transformer").glob("*.safetensors"))[0]
+    intact = shard.read_bytes()
+    shard.write_bytes(intact[:-100])
+    assert ensure_demo() == folder and shard.read_bytes() == intact  # the same seed: the same weights
+    (folder / "text_encoder" / "config.json").write_text("[1]")
+    assert ensure_demo() == folder and resolve_source(str(folder)).component("text_encoder").config.get("architectures")

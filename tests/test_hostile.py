@@ -552,6 +552,32 @@ def test_6_bad_plan_options_are_exit_2(capsys, args, words):
     assert code == 2 and words in err, err
 
 
+def test_6_unreadable_file_or_folder_in_a_pipeline_is_exit_2(tmp_path, capsys, monkeypatch):
+    """As any user but root would meet them (root reads anything: os.access and the folder listing are made to
+    answer as they would for another user). Nothing is written."""
+    component(tmp_path / "pipe" / "unet")
+    pipeline(tmp_path / "pipe", {"unet": ["diffusers", "UNet2DConditionModel"], "tokenizer": ["transformers", "CLIPTokenizer"]})
+    (tmp_path / "pipe" / "tokenizer").mkdir()
+    secret = tmp_path / "pipe" / "tokenizer" / "vocab.json"
+    secret.write_text("{}")
+    real_access, real_scandir = os.access, os.scandir
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: (Path(path) != secret or not mode & os.R_OK)
+                        and real_access(path, mode, **kw))
+    code, out, err = cli(capsys, "shard", tmp_path / "pipe", "-s", "0", "-o", tmp_path / "out")
+    assert code == 2 and "vocab.json cannot be read: permission denied" in err, err
+    monkeypatch.setattr(os, "access", real_access)
+
+    def scandir(path="."):
+        if Path(path) == secret.parent:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    code, out, err = cli(capsys, "shard", tmp_path / "pipe", "-s", "0", "-o", tmp_path / "out")
+    assert code == 2 and "Cannot read" in err and "tokenizer: Permission denied" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
 def test_6_dangling_symlink_in_a_pipeline_is_exit_2(tmp_path, capsys):
     component(tmp_path / "pipe" / "unet")
     pipeline(tmp_path / "pipe", {"unet": ["diffusers", "UNet2DConditionModel"], "tokenizer": ["transformers", "CLIPTokenizer"]})
@@ -588,11 +614,15 @@ def test_6_corrupt_cache_entries_are_rebuilt(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("case", ["output is a folder", "output folder missing", "latents is a folder",
                                   "seed too large", "seed too small", "second image is a folder",
-                                  "latents over the image"])
+                                  "latents over the image", "output folder read-only"])
 def test_7_run_outputs_are_checked_before_anything_loads(tmp_path, monkeypatch, capsys, case):
     (tmp_path / "dir").mkdir()
     (tmp_path / "out-1.png").mkdir()
+    real = os.access  # root writes anywhere: "dir" answers as it would for any other user
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: (Path(path) != tmp_path / "dir" or not mode & os.W_OK)
+                        and real(path, mode, **kw))
     args, words = {
+        "output folder read-only": (["-o", tmp_path / "dir" / "x.png"], "is not writable"),
         "output is a folder": (["-o", tmp_path / "dir"], "is a folder"),
         "output folder missing": (["-o", tmp_path / "no" / "x.png"], "does not exist"),
         "latents is a folder": (["--save-latents", tmp_path / "dir"], "is a folder"),
