@@ -254,17 +254,17 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="Run only these cases (1-based, comma-separated: 16,17).")
     parser.add_argument("--preset", default=None, help="Run only the cases of this preset (e.g. qwen-image).")
     args = parser.parse_args()
-    cases = CASES if args.only is None else [CASES[int(n) - 1] for n in args.only.split(",")]
-    cases = [c for c in cases if args.preset in (None, c.preset)]
+    numbers = range(1, len(CASES) + 1) if args.only is None else [int(n) for n in args.only.split(",")]
+    cases = [(n, CASES[n - 1]) for n in numbers if args.preset in (None, CASES[n - 1].preset)]  # the README's case numbers
     rows, violations = [], []
-    for index, case in enumerate(cases, 1):
-        print(f"[{index}/{len(cases)}] {case.model} {case.budget} {case.label}", file=sys.stderr)
-        rows.append(run_case(case, args.check_anchors))
+    for done, (number, case) in enumerate(cases, 1):
+        print(f"[{done}/{len(cases)}] case {number}: {case.model} {case.budget} {case.label}", file=sys.stderr)
+        rows.append({**run_case(case, args.check_anchors), "number": number})
     print("\n### Pipeline level: dmap plan vs diffusers \"balanced\" (GB offloaded to cpu; fits = weights + activations + 600 MB/GPU)\n")
     print("| # | model | devices | input | dmap mode | dmap offload | dmap hops | dmap max share | dmap fits | dmap check | diffusers offload | diffusers fits | diffusers map | plan s |")
     print("|---|---|---|---|---|---:|---:|---:|---|---|---:|---|---|---:|")
-    for index, row in enumerate(rows, 1):
-        case, plan, diff = row["case"], row["plan"], row["diffusers"]
+    for row in rows:
+        index, case, plan, diff = row["number"], row["case"], row["plan"], row["diffusers"]
         share = plan_share(plan)
         check = plan.check
         print(f"| {index} | {case.model} | {case.budget} | {case.label} | {plan.mode} | "
@@ -279,8 +279,8 @@ def main() -> int:
     print("| # | model | component | devices | dmap (input-aware) | dmap (weights only) | accelerate sequential "
           "| accelerate balanced | accelerate balanced_low_0 |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for index, row in enumerate(rows, 1):
-        case = row["case"]
+    for row in rows:
+        index, case = row["number"], row["case"]
         cells = [cell(row["dmap_alone"]), cell(row["dmap_bare"])] + [
             cell(row["accelerate"][k]) for k in ("sequential", "balanced", "balanced_low_0")]
         print(f"| {index} | {case.model} {case.label} | {row['denoiser']} | {case.budget} | "
