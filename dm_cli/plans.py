@@ -444,15 +444,12 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
                 for c in comps]
     specs = [p.spec for p in prepared]
     stages = pipeline_stages(source.pipeline_class, [c.name for c in comps])
-    try:
-        placement = plan_pipeline(specs, stages, devices, options.strategy, options.mode)
-    except NoFit:
-        placement = None
+    placement = _plan_or_none(specs, stages, devices, options)
     choice = TilingChoice(placement, specs)
     if placement is None or placement.offloaded_bytes:  # only then can a tiled decode be needed
         choice = choose_tiling(prepared, source.pipeline_class, stages, devices, options, placement)
     if choice.placement is None:
-        raise _does_not_fit(source_spec, source, comps, prepared, stages, devices, options, choice.specs,
+        raise _does_not_fit(source_spec, source, comps, stages, devices, options, formats, choice.specs,
                             choice.warnings) from None
     placement, specs = choice.placement, choice.specs
     dtype = options.dtype or (prepared[0].dtype if prepared else "bfloat16")
@@ -576,10 +573,7 @@ def choose_tiling(prepared: list[PreparedComponent], pipeline_class: str | None,
     what = f"{inputs.height}x{inputs.width}" + (f", {inputs.num_frames} frames" if inputs.num_frames else "")
 
     def attempt(trial: list[ComponentInput]) -> Placement | None:
-        try:
-            return plan_pipeline(trial, stages, devices, options.strategy, options.mode)
-        except NoFit:
-            return None
+        return _plan_or_none(trial, stages, devices, options)
 
     def better(trial: Placement | None) -> bool:
         return trial is not None and (placement is None or trial.offloaded_bytes < placement.offloaded_bytes)
@@ -591,7 +585,7 @@ def choose_tiling(prepared: list[PreparedComponent], pipeline_class: str | None,
     warnings: list[str] = []
     for prep in decode_components(prepared, pipeline_class, inputs):
         spec = prep.spec
-        bare = replace(spec, blocks=[replace(b, activation=0) for b in spec.blocks], activation_peak=0)
+        bare = _without_activations(spec, io_bytes=False)  # its inputs and outputs stay full size, tiled or not
         if not spec.activation_peak or not better(attempt(swapped({spec.name: bare}))):
             continue  # its activations are not what the plan lacks: tiling cannot help
         tiled = tiled_spec(prep, pipeline_class, inputs, options.use_cache)
@@ -673,12 +667,10 @@ def _explain_offload(plan: Plan, prepared, stages, options: PlanOptions) -> None
     """When something is offloaded, say whether activations and overhead are the reason."""
     if not plan.offloaded_bytes or options.inputs.weights_only:
         return
-    specs = [replace(p.spec, blocks=[replace(b, activation=0) for b in p.spec.blocks], activation_peak=0, io_bytes=0)
-             for p in prepared]
+    specs = [_without_activations(p.spec, io_bytes=True) for p in prepared]
     bare = [Device(d.key, d.capacity, 0) for d in plan.devices]
-    try:
-        weights_only = plan_pipeline(specs, stages, bare, options.strategy, options.mode)
-    except NoFit:
+    weights_only = _plan_or_none(specs, stages, bare, options)
+    if weights_only is None:
         return
     if weights_only.offloaded_bytes < plan.offloaded_bytes:
         act = max(plan.activation_peaks.values(), default=0)
@@ -690,10 +682,9 @@ def _explain_offload(plan: Plan, prepared, stages, options: PlanOptions) -> None
         )
 
 
-def _does_not_fit(source_spec, source, comps, prepared, stages, devices, options, specs=None,
+def _does_not_fit(source_spec, source, comps, stages, devices, options, formats, specs,
                   notes: list[str] | tuple = ()) -> DoesNotFitError:
     """The shortfall per device and the nearest change that fits (for `specs`: a tiled decode's when tried)."""
-    specs = specs if specs is not None else [p.spec for p in prepared]
     gpus = [d for d in devices if d.is_gpu]
     total_weights = sum(s.weights_bytes for s in specs)
     biggest_act = max((s.activation_peak for s in specs), default=0)
@@ -701,10 +692,7 @@ def _does_not_fit(source_spec, source, comps, prepared, stages, devices, options
     shortfall: dict[str, int] = {}
 
     def fits(trial_devices, trial_specs=specs) -> Placement | None:
-        try:
-            return plan_pipeline(trial_specs, stages, trial_devices, options.strategy, options.mode)
-        except NoFit:
-            return None
+        return _plan_or_none(trial_specs, stages, trial_devices, options)
 
     # more memory on one GPU
     upper = total_weights + biggest_act + sum(d.overhead for d in devices)
@@ -741,7 +729,6 @@ def _does_not_fit(source_spec, source, comps, prepared, stages, devices, options
                 continue
             smaller = replace(options.inputs, height=size, width=size)
             try:
-                formats = parse_weights_spec(options.weights, [c.name for c in comps])
                 trial_specs = [prepare_component(c, source.pipeline_class, smaller, options.dtype, options.use_cache,
                                                  formats).spec for c in comps]
             except Exception:  # a failed trace only loses a suggestion
@@ -762,6 +749,20 @@ def _does_not_fit(source_spec, source, comps, prepared, stages, devices, options
         "; no single change found that fits: add devices or a disk")
     message += "." + "".join(f" {note}" for note in notes)
     return DoesNotFitError(message, {"shortfall_bytes": shortfall, "suggestions": suggestions})
+
+
+def _plan_or_none(specs, stages, devices, options: PlanOptions) -> Placement | None:
+    """plan_pipeline, None where nothing fits: the tiling choice and the suggestions try many variants."""
+    try:
+        return plan_pipeline(specs, stages, devices, options.strategy, options.mode)
+    except NoFit:
+        return None
+
+
+def _without_activations(spec: ComponentInput, io_bytes: bool) -> ComponentInput:
+    """The component with no activations (and with `io_bytes`, no inputs/outputs): what weights alone need."""
+    return replace(spec, blocks=[replace(b, activation=0) for b in spec.blocks], activation_peak=0,
+                   io_bytes=0 if io_bytes else spec.io_bytes)
 
 
 def _round_up_gb(num_bytes: int) -> str:
