@@ -65,7 +65,9 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     from .plans import PlanOptions, make_named_plan
     from .units import parse_dtype
 
-    spec, root, defaults = _source_root(source)
+    from .demo import source_root
+
+    spec, root, defaults = source_root(source)
     pick = lambda given, key: defaults.get(key) if given is None else given  # noqa: E731 - the demo's defaults
     inputs = InputSpec(pick(height, "height"), pick(width, "width"), batch_size, num_images,
                        pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"),
@@ -73,15 +75,6 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
                           component, check, use_cache, weights)
     return make_named_plan(root, spec, options)
-
-
-def _source_root(source: str | None) -> tuple[str, str, dict]:
-    """(name to show, what to resolve, defaults): None is the demo, generated into the cache on first use."""
-    if source is not None:
-        return source, source, {}
-    from .demo import DEMO_DEFAULTS, ensure_demo
-
-    return "demo", str(ensure_demo()), DEMO_DEFAULTS
 
 
 # --- load ---------------------------------------------------------------------------------------
@@ -127,8 +120,8 @@ class Pipeline:
         from .inputs import InputSpec
         from .plans import load_plan
         from .runner import (
-            TRACKED_STEPS, _quiet_libraries, check_component_files, check_devices_present, check_plan_matches,
-            check_tiled_decode, inputs_from_plan, make_run_plan, plan_digest, prepare, settle_job,
+            TRACKED_STEPS, check_component_files, check_devices_present, check_plan_matches,
+            check_tiled_decode, inputs_from_plan, make_run_plan, plan_digest, prepare, quiet_libraries, settle_job,
         )
         from .planner import STRATEGIES
         from .run_checks import device_map_refusal
@@ -156,7 +149,7 @@ class Pipeline:
         # missing or corrupt weights are bad input: say so before importing the libraries or planning
         largest = {c.name: check_component_files(c) for c in source.components}
         status("Importing torch, diffusers and transformers…")
-        _quiet_libraries()
+        quiet_libraries()
         if plan is not None:
             check_tiled_decode(plan, source, request.device_map if is_file else "The plan")
         self.planned_here = plan is None

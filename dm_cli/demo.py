@@ -82,6 +82,15 @@ def demo_folder() -> Path:
     return cache_dir() / "demo" / f"flux-demo-{_digest(DEMO_CONFIGS)}"
 
 
+def source_root(source: str | None, status=lambda message: None) -> tuple[str, str, dict]:
+    """(name to show, what to resolve, defaults): None is the demo, generated into the cache on first use."""
+    if source is not None:
+        return source, source, {}
+    if not (demo_folder() / "model_index.json").is_file():
+        status("Generating the demo pipeline's random weights (first run only)…")
+    return "demo", str(ensure_demo()), DEMO_DEFAULTS
+
+
 def ensure_demo() -> Path:
     """The demo pipeline folder, generated (once, atomically) if the cache lacks it."""
     import fcntl
@@ -99,6 +108,9 @@ def _ensure_demo_locked(folder: Path) -> Path:
         if _intact(folder):
             return folder
         shutil.rmtree(folder, ignore_errors=True)  # dmap's own cache, damaged: generated again below
+    from .runner import quiet_libraries
+
+    quiet_libraries()  # the libraries' save bars would interleave with dmap's own output
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-demo-"))
     try:
         write_configs(DEMO_CONFIGS, staging)

@@ -128,7 +128,7 @@ class RunResult:
 # --- plan handling -------------------------------------------------------------------------
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """dmap prints its own progress and summary: the libraries' load bars and advice would drown it."""
     from .weight_formats import quiet_torchao
 
@@ -264,25 +264,14 @@ def check_image_size(family: Family, pipeline_class: str, height: int, width: in
 
 def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda message: None):
     """Resolve SOURCE (the demo when None), refuse what cannot run; (source, family, demo, defaults, notices)."""
+    from .demo import DEMO_NOTICE, source_root
     from .sources import resolve_source
 
     demo = request.source is None
-    notices = []
-    if demo:
-        from .demo import DEMO_DEFAULTS, DEMO_NOTICE, ensure_demo
-
-        from .demo import demo_folder
-
-        if not (demo_folder() / "model_index.json").is_file():
-            status("Generating the demo pipeline's random weights (first run only)…")
-            _quiet_libraries()
-        source = resolve_source(str(ensure_demo()))
-        source.spec = "demo"
-        notices.append(DEMO_NOTICE)
-        defaults = DEMO_DEFAULTS
-    else:
-        source = resolve_source(request.source)
-        defaults = {}
+    spec, root, defaults = source_root(request.source, status)
+    source = resolve_source(root)
+    source.spec = spec
+    notices = [DEMO_NOTICE] if demo else []
     if source.kind != "pipeline":
         raise UsageError(f"dmap run needs a pipeline folder (model_index.json); {request.source} is a single {source.kind}.")
     if source.preset and all(c.weights is None for c in source.components):
