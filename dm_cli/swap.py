@@ -196,7 +196,7 @@ def _roll_forward(swap: Path, journal: dict) -> None:
 def _discard(folder: Path) -> None:
     """Remove a finished swap or a dead temporary folder: renamed to a temp mark first, so that a
     kill during the removal leaves a folder `recover` deletes, never a half-deleted journal."""
-    dead = folder.parent / (folder.name.split(".dmap-")[0] + TEMP_MARK + f"{os.getpid()}-{secrets.token_hex(4)}")
+    dead = hidden_name(folder.parent / folder.name.split(".dmap-")[0][1:], TEMP_MARK)  # `.NAME.dmap-…` -> NAME
     try:
         _rename(folder, dead)
     except OSError:
@@ -206,7 +206,7 @@ def _discard(folder: Path) -> None:
 
 # --- recovery -------------------------------------------------------------------------------------
 
-_PID_RE = re.compile(r"\.dmap-(?:tmp|replaced|swap|old)-(\d+)-")
+_PID_RE = re.compile("(?:" + "|".join(map(re.escape, MARKS)) + r")(\d+)-")  # the PID hidden_name writes
 
 
 def _abandoned(out: Path) -> list[Path]:
