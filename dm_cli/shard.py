@@ -33,6 +33,7 @@ from .atomic import refuse_existing
 from .checkpoint import (LEGACY_SUFFIXES, WEIGHT_STEMS, find_component_weights, legacy_files_loaded,
                          load_legacy_weights, open_checkpoint, read_safetensors_header)
 from .errors import CheckpointError, DmapError, SourceError, UsageError
+from .sources import is_inside
 from .swap import MARKS, TEMP_MARK, SwapFolder, fsync_dir, hidden_name, publish, recover, swap_in_place
 from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
 from .weight_formats import FP8_NAMES, KEPT_BY_DEFAULT, STORAGE_DTYPES
@@ -499,14 +500,6 @@ def _resolve(spec: str):
     return resolve_source(spec)
 
 
-def _is_within(path: Path, folder: Path) -> bool:
-    try:
-        path.relative_to(folder)
-        return True
-    except ValueError:
-        return False
-
-
 def _default_output(source) -> Path:
     root = source.root
     if source.kind == "weights":
@@ -576,9 +569,9 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
         out_path = Path(output).expanduser().resolve() if output is not None else _default_output(source).resolve()
         _check_output_parent(out_path)
         root = source.root.resolve()
-        if out_path == root or (source.kind != "weights" and _is_within(out_path, root)):
+        if out_path == root or (source.kind != "weights" and is_inside(out_path, root)):
             raise UsageError(f"The output {out_path} is the source or inside it: choose another --output, or use --in-place.")
-        if _is_within(root, out_path) or (source.kind == "weights" and _is_within(source_path, out_path)):
+        if is_inside(root, out_path) or (source.kind == "weights" and is_inside(source_path, out_path)):
             raise UsageError(f"The output {out_path} contains the source: choose another --output.")
         refuse_existing([out_path], overwrite)
         if out_path.exists() and not out_path.is_dir():
@@ -609,7 +602,7 @@ def _check_output_parent(out_path: Path) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"Cannot write into {parent}: permission denied.")
     cache = hub_cache_root()
-    if cache.is_dir() and _is_within(out_path, cache.resolve()):
+    if cache.is_dir() and is_inside(out_path, cache.resolve()):
         raise UsageError(f"The output {out_path} is inside the Hugging Face cache ({cache}), which dmap never "
                          "writes into: choose another --output.")
 

@@ -271,7 +271,7 @@ def _resolve_hub(spec: str) -> Source:
         raise SourceError(f"Cannot resolve '{spec}' ({error}); give {accepted_forms()}.") from error
     if component:
         target = folder / component
-        if not target.is_dir() or not _is_inside(target, folder):
+        if not target.is_dir() or not is_inside(target, folder):
             raise SourceError(f"'{repo_id}' has no folder '{component}'.")
         source = _resolve_path(spec, target)
     else:
@@ -280,7 +280,7 @@ def _resolve_hub(spec: str) -> Source:
     return source
 
 
-def _is_inside(path: Path, folder: Path) -> bool:
+def is_inside(path: Path, folder: Path) -> bool:
     """`path` is `folder` or below it once symlinks and '..' are resolved."""
     try:
         Path(os.path.realpath(path)).relative_to(os.path.realpath(folder))
