@@ -31,8 +31,9 @@ def cache_dir() -> Path:
     return Path(base) / "dmap"
 
 
+@lru_cache(maxsize=1)
 def library_versions() -> str:
-    """Versions that change what a meta build or trace gives (read without importing them)."""
+    """Versions that change what a meta build or trace gives (read without importing them, once a process)."""
     versions = []
     for package in ("torch", "diffusers", "transformers"):
         try:

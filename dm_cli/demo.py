@@ -10,7 +10,6 @@ loaded like any checkpoint. Its images are noise-like: the weights are random, n
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -66,14 +65,10 @@ DEMO_CONFIGS: dict[str, dict] = {
 
 
 def _digest(configs: dict) -> str:
-    from importlib import metadata
+    """The demo's cache key: its configs and seed, the library versions and dmap's code (cache.cache_key)."""
+    from .cache import cache_key
 
-    from .cache import producer
-
-    versions = [metadata.version(p) for p in ("torch", "diffusers", "transformers")]
-    blob = json.dumps({"configs": configs, "seed": DEMO_SEED, "versions": versions, "producer": producer()},
-                      sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return cache_key({"configs": configs, "seed": DEMO_SEED})[:16]
 
 
 def demo_folder() -> Path:
