@@ -187,10 +187,11 @@ class Pipeline:
     def job_for(self, item: QueueItem):
         """The settled generation of one queue item (its own seed, steps, guidance, negative prompt)."""
         job = self.defaults
-        refusal = self.family.refuse(item.negative_prompt, job.true_cfg_scale)
+        negative = item.negative_prompt or job.negative_prompt  # the item's, else the run's (--negative-prompt)
+        refusal = self.family.refuse(negative, job.true_cfg_scale)
         if refusal:
             raise UsageError(f"Item {item.index}: {refusal}")
-        return replace(job, prompt=item.prompt, negative_prompt=item.negative_prompt, seed=item.seed,
+        return replace(job, prompt=item.prompt, negative_prompt=negative, seed=item.seed,
                         steps=item.steps or job.steps,
                         guidance_scale=job.guidance_scale if item.guidance_scale is None else item.guidance_scale)
 

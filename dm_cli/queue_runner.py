@@ -9,7 +9,7 @@ gloo group and writes the merged `manifest.jsonl`. No Typer, no Rich: the CLI pa
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -83,8 +83,6 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
     ranks = Ranks.from_env()
     select_gpus(ranks, request.gpus_per_rank)  # before anything initialises CUDA
     items = read_prompts(request.prompts, request.run.seed)
-    items = [replace(item, negative_prompt=item.negative_prompt or request.run.negative_prompt,
-                     steps=item.steps or request.run.steps) for item in items]
     if request.chunk_size is not None and request.chunk_size < 1:
         raise UsageError("--chunk-size must be at least 1.")
     budget = parse_size(request.chunk_memory) if request.chunk_memory else None
@@ -164,8 +162,8 @@ def _record(item: QueueItem, job, digest: str, seconds: float | None, rank: int,
     record = {"item": item.index, "prompt": item.prompt, "seed": item.seed, "file": item.output, "plan_digest": digest,
               "seconds": None if seconds is None else round(seconds, 4), "rank": rank, "steps": job.steps,
               "guidance_scale": job.guidance_scale}
-    if item.negative_prompt:
-        record["negative_prompt"] = item.negative_prompt
+    if job.negative_prompt:
+        record["negative_prompt"] = job.negative_prompt
     if resumed:
         record["resumed"] = True
     return record
