@@ -16,7 +16,6 @@ Everything else in dm_cli may change.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -255,60 +254,21 @@ class Pipeline:
         from .runner import frozen_gc
 
         with frozen_gc():  # as dmap run: collections walk only what the run makes (see runner.run)
-            if self.staged:
-                parts = chunks(jobs, chunk_size)
-                for number, part in enumerate(parts):
-                    if on_chunk is not None:
-                        on_chunk(number, len(parts))
-                    yield from self._stage_major(part, on_step)
-            else:
-                missing = [name for name in self.plan.components if name not in self._loop.loaded]
-                if missing:  # resident: loaded by the first call, kept for the next ones
-                    self._timed_load("load", missing)
-                for item, job in jobs:
-                    yield from self._stage_major([(item, job)], on_step)
-
-    def _stage_major(self, jobs: list, on_step) -> Iterator[Generated]:
-        """Every stage of the plan over `jobs`, loading (staged) each stage's components once."""
-        from .stages import Carry
-
-        carries = [Carry() for _ in jobs]
-        seconds = [0.0] * len(jobs)
-        groups = self._loop.stage_groups()
-        for position, group in enumerate(groups):
-            if len(group) > 1:  # experts taking turns within each job's denoise: loaded per job, one at a time
-                totals = self.stage_totals["denoise"]
-                for n, (item, job) in enumerate(jobs):
-                    start = time.perf_counter()
-                    ran = [r for r in self._loop.run_experts(group, job, carries[n], on_step) if r.wall_s]
-                    seconds[n] += time.perf_counter() - start
-                    totals["loads"] += len(ran)
-                    totals["load_s"] += sum(r.load_s for r in ran)
-                    totals["run_s"] += sum(r.run_s for r in ran)
-                continue
-            stage = group[0]
-            names = list(stage.components)
-            if self.staged:
-                self._timed_load(stage.name, names)
-            try:
-                for n, (item, job) in enumerate(jobs):
-                    start = time.perf_counter()
-                    self._loop.run_stage(stage, job, carries[n], on_step if stage.name == "denoise" else None)
-                    seconds[n] += time.perf_counter() - start
-                    self.stage_totals[stage.name]["run_s"] += time.perf_counter() - start
-                    if position == len(groups) - 1:
-                        carry, carries[n] = carries[n], None  # nothing of a yielded item stays here
-                        yield self._generated(item, job, carry, seconds[n])
-            finally:
-                if self.staged:
-                    self._loop.unload_stage(names)
-
-    def _timed_load(self, stage: str, names: list[str]) -> None:
-        start = time.perf_counter()
-        self._loop.load_stage(names)
-        totals = self.stage_totals[stage]
-        totals["loads"] += 1
-        totals["load_s"] += time.perf_counter() - start
+            parts = chunks(jobs, chunk_size) if self.staged else [[pair] for pair in jobs]  # resident: loaded once
+            for number, part in enumerate(parts):
+                if on_chunk is not None and self.staged:
+                    on_chunk(number, len(parts))
+                results: list = []
+                try:
+                    for n, carry, seconds in self._loop.run_jobs([job for _, job in part], on_step, results):
+                        item, job = part[n]
+                        yield self._generated(item, job, carry, seconds)
+                finally:
+                    for result in results:  # per stage: how often it loaded, and the time loading and running
+                        totals = self.stage_totals[result.name]
+                        totals["loads"] += bool(result.load_s)
+                        totals["load_s"] += result.load_s
+                        totals["run_s"] += result.run_s
 
     def _generated(self, item: QueueItem, job, carry, seconds: float) -> Generated:
         if carry.latents is None or not carry.images:

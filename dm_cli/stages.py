@@ -13,7 +13,7 @@ import contextlib
 import inspect as pyinspect
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from .errors import DoesNotFitError, UsageError
 from .families import Embeds, Family, Job
@@ -297,21 +297,43 @@ class StageLoop:
                 torch.cuda.reset_peak_memory_stats(i)
 
     def run_job(self, job: Job, on_step: Callable[..., None] | None = None) -> tuple[Carry, list[StageResult]]:
-        """All the plan's stages for one job: staged mode loads and frees each stage, resident loads all first."""
-        staged = self.plan.mode != "resident"
+        """All the plan's stages for one job (`dmap run`): (its Carry, what each load and stage measured)."""
         results: list[StageResult] = []
         carry = Carry()
-        if not staged:
-            first = StageResult("load", sorted(self.plan.components))
+        for _, carry, _ in self.run_jobs([job], on_step, results):
+            pass
+        return carry, results
+
+    def run_jobs(self, jobs: list[Job], on_step: Callable[..., None] | None = None,
+                 results: list[StageResult] | None = None) -> Iterator[tuple[int, Carry, float]]:
+        """Every stage of the plan over `jobs`, stage-major: a staged plan loads each stage's components once,
+        runs the stage for every job, then frees them; a resident one loads what is missing first and keeps it.
+        Experts taking turns (`run_experts`) load within each job's denoise. Yields (index, carry, seconds of
+        its stages) as each job finishes its last stage; `results` collects a StageResult per load and stage
+        (a stage's run_s sums its jobs, its measured peak is the largest)."""
+        results = [] if results is None else results
+        staged = self.plan.mode != "resident"
+        carries = [Carry() for _ in jobs]
+        seconds = [0.0] * len(jobs)
+        missing = [name for name in self.plan.components if name not in self.loaded]
+        if not staged and missing:
+            first = StageResult("load", sorted(missing))
             start = time.perf_counter()
             first.resident_before = self.meter.resident()
-            self.load_stage(list(self.plan.components), first)
+            self.load_stage(missing, first)
             first.load_s = first.wall_s = time.perf_counter() - start
             first.resident_after_load = self.meter.resident()
             results.append(first)
-        for group in self.stage_groups():
+        groups = self.stage_groups()
+        for position, group in enumerate(groups):
+            last = position == len(groups) - 1
             if len(group) > 1:
-                results += self.run_experts(group, job, carry, on_step)
+                for n, job in enumerate(jobs):
+                    start = time.perf_counter()
+                    results += self.run_experts(group, job, carries[n], on_step)
+                    seconds[n] += time.perf_counter() - start
+                    if last:
+                        yield n, carries[n], seconds[n]
                 continue
             stage_plan = group[0]
             stage = _stage_result(stage_plan)
@@ -319,14 +341,24 @@ class StageLoop:
             stage.resident_before = self.meter.resident()
             if staged:
                 self.load_stage(stage.components, stage)
-            stage.load_s = time.perf_counter() - start
+                stage.load_s = time.perf_counter() - start
             stage.resident_after_load = self.meter.resident()
-            self.run_stage(stage_plan, job, carry, on_step, stage)
-            if staged:
-                self.unload_stage(stage.components)
+            run_s, peak = 0.0, {}
+            try:
+                for n, job in enumerate(jobs):
+                    self.run_stage(stage_plan, job, carries[n], on_step if stage_plan.name == "denoise" else None, stage)
+                    seconds[n] += stage.run_s
+                    run_s += stage.run_s
+                    peak = {d: max(peak.get(d, 0), stage.measured_peak.get(d, 0)) for d in {*peak, *stage.measured_peak}}
+                    if last:
+                        carry, carries[n] = carries[n], None  # nothing of a yielded job stays here
+                        yield n, carry, seconds[n]
+            finally:
+                if staged:
+                    self.unload_stage(stage.components)
+            stage.run_s, stage.measured_peak = run_s, peak
             stage.wall_s = time.perf_counter() - start
             results.append(stage)
-        return carry, results
 
     def stage_groups(self) -> list[list]:
         """The plan's stages as they run: consecutive denoise sub-stages of a staged plan (experts loaded
