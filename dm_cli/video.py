@@ -19,11 +19,11 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 from .atomic import _umask, atomic_write
 from .errors import UsageError
+from .swap import TEMP_MARK, hidden_name, publish
 
 VIDEO_SUFFIXES = (".mp4", ".webp", ".gif")
 EXIF_IMAGE_DESCRIPTION = 0x010E
@@ -101,19 +101,20 @@ def _write_frames(images, folder: Path, metadata: dict[str, str], text: str, ove
     info = PngInfo()
     for key, value in metadata.items():
         info.add_text(key, value)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent if str(folder.parent) else ".", prefix=f".{folder.name}."))
+    staging = hidden_name(folder, TEMP_MARK)  # a kill leaves a folder the next shard/run of it removes
+    staging.mkdir()
     try:
         for index, image in enumerate(images):
             image.save(staging / f"frame-{index:05d}.png", format="PNG", pnginfo=info)
         (staging / "metadata.json").write_text(text + "\n", encoding="utf-8")
         os.chmod(staging, 0o777 & ~_umask())
-        old = None
-        if folder.exists():  # empty, or replaced with --overwrite: moved aside, removed once the new one is in place
-            old = Path(tempfile.mkdtemp(dir=staging.parent, prefix=f".{folder.name}.old."))
-            os.replace(folder, old / folder.name)
-        os.replace(staging, folder)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        if folder.exists() and not overwrite:
+            try:
+                folder.rmdir()  # empty (checked above): nothing is lost
+            except OSError:
+                raise UsageError(f"{folder} is no longer empty: something wrote into it meanwhile; it was left as "
+                                 "it is.") from None
+        publish(staging, folder, overwrite)  # claimed atomically, or swapped with --overwrite (dm_cli.swap)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

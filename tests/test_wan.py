@@ -150,6 +150,12 @@ def test_video_outputs_round_trip_with_metadata(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary leftovers
     with pytest.raises(UsageError, match="not an empty folder: give a new folder or add --overwrite"):
         save_video(frames, str(tmp_path / "frames"), 8, meta)
+    save_video(frames[:2], str(tmp_path / "frames"), 8, meta, overwrite=True)  # swapped in whole
+    assert len(list((tmp_path / "frames").glob("frame-*.png"))) == 2
+    (tmp_path / "empty").mkdir()  # an empty folder holds nothing to lose: written without --overwrite
+    save_video(frames, str(tmp_path / "empty"), 8, meta)
+    assert len(list((tmp_path / "empty").glob("frame-*.png"))) == 5
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     with pytest.raises(UsageError, match="out.mp4, out.webp"):
         save_video(frames, str(tmp_path / "v.avi"), 8, meta)
 
