@@ -34,7 +34,8 @@ from .checkpoint import (LEGACY_SUFFIXES, WEIGHT_STEMS, find_component_weights, 
                          load_legacy_weights, open_checkpoint, read_safetensors_header)
 from .errors import CheckpointError, DmapError, SourceError, UsageError
 from .sources import is_inside
-from .swap import MARKS, TEMP_MARK, SwapFolder, fsync_dir, hidden_name, publish, recover, swap_in_place
+from .swap import (MARKS, TEMP_MARK, SwapFolder, finish_swaps, fsync_dir, hidden_name, publish, recover,
+                   swap_in_place)
 from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
 from .weight_formats import FP8_NAMES, KEPT_BY_DEFAULT, STORAGE_DTYPES
 
@@ -508,10 +509,9 @@ def _default_output(source) -> Path:
     return root.parent / f"{root.name}-sharded"
 
 
-def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike | None = None,
-               dtype: str | None = None, variant: str | None = None, in_place: bool = False,
-               overwrite: bool = False, min_shard_size: int = MIN_SHARD_SIZE) -> tuple[ShardResult, object, dict]:
-    """Validate everything and plan the layout; writes nothing. Returns (result, source, legacy dicts)."""
+def _checked_options(max_shard_size: int | str, dtype: str | None, variant: str | None, in_place: bool,
+                     output, min_shard_size: int) -> tuple[int, bool, object]:
+    """The options alone, checked before the source is read or anything beside it is touched."""
     limit = parse_size(max_shard_size)
     if 0 < limit < min_shard_size:
         raise UsageError(
@@ -519,9 +519,19 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
             f"or a size such as 500MB or 5GB."
         )
     fp8 = dtype is not None and dtype.strip().lower() in FP8_NAMES
-    target_dtype = STORAGE_DTYPES["fp8"] if fp8 else parse_dtype(dtype) if dtype else None
+    target_dtype = STORAGE_DTYPES["fp8"] if fp8 else parse_dtype(dtype) if dtype is not None else None
     if variant is not None and not re.fullmatch(r"\w+", variant):
         raise UsageError(f"--variant '{variant}' must be a plain word such as fp16.")
+    if in_place and output is not None:
+        raise UsageError("Give either --output or --in-place, not both.")
+    return limit, fp8, target_dtype
+
+
+def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike | None = None,
+               dtype: str | None = None, variant: str | None = None, in_place: bool = False,
+               overwrite: bool = False, min_shard_size: int = MIN_SHARD_SIZE) -> tuple[ShardResult, object, dict]:
+    """Validate everything and plan the layout; writes nothing. Returns (result, source, legacy dicts)."""
+    limit, fp8, target_dtype = _checked_options(max_shard_size, dtype, variant, in_place, output, min_shard_size)
     source = _resolve(source_spec)
     if source.root is None or not Path(source_spec).expanduser().exists() and source.preset:
         raise SourceError(f"'{source_spec}' is a preset without weights: give a folder or file with weights to shard.")
@@ -558,8 +568,6 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
 
     source_path = Path(source_spec).expanduser().resolve() if Path(source_spec).expanduser().exists() else source.root
     if in_place:
-        if output is not None:
-            raise UsageError("Give either --output or --in-place, not both.")
         out_path = source.root.resolve()
         _check_in_place(components)
     else:
@@ -668,7 +676,8 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
     """Plan, write into a temporary folder, verify, then move into place (or replace the source)."""
     started = time.perf_counter()
     progress = progress or Progress()
-    finished = [] if dry_run else _finish_interrupted_swaps(source_spec)
+    _checked_options(max_shard_size, dtype, variant, in_place, output, min_shard_size)
+    finished = _finish_interrupted_swaps(source_spec) if in_place and not dry_run else []
     result, source, legacy = plan_shard(source_spec, max_shard_size, output, dtype, variant, in_place, overwrite,
                                         min_shard_size)
     result.removed_stale = finished
@@ -681,7 +690,7 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
 
     out_path = result.output
     parent = out_path.parent
-    result.removed_stale += recover(out_path)
+    result.removed_stale += recover(out_path, overwrite or in_place)
     copy_bytes = sum(p.stat().st_size for p, _ in copies)
     needed = sum(s.file_bytes for c in result.components for s in c.shards) + copy_bytes
     free = shutil.disk_usage(parent).free
@@ -730,12 +739,11 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
 
 
 def _finish_interrupted_swaps(source_spec: str) -> list[str]:
-    """An `--in-place` run killed mid-swap is finished before the source is read again."""
+    """`--in-place` of the source a killed `--in-place` run left mid-swap finishes that swap first."""
     path = Path(source_spec).expanduser()
     if not path.exists():
         return []
-    folder = path.resolve() if path.is_dir() else path.resolve().parent
-    return recover(folder)
+    return finish_swaps(path.resolve() if path.is_dir() else path.resolve().parent)
 
 
 def _os_error(error: OSError, out_path: Path) -> DmapError:

@@ -205,69 +205,150 @@ def _discard(folder: Path) -> None:
 
 
 # --- recovery -------------------------------------------------------------------------------------
+#
+# Everything here reads folders that may have been shipped beside a model by someone else, so it acts
+# only on what this module could have written: a real folder (never a link) named by `hidden_name`
+# for a PID a process could have had and that is gone; a swap only for `dmap shard --in-place` of that
+# very source, with a journal naming that source's own folders and weight-file names, and a swap folder
+# holding exactly the files the journal lists. Anything else is left untouched (or refused, exit 2).
 
-_PID_RE = re.compile("(?:" + "|".join(map(re.escape, MARKS)) + r")(\d+)-")  # the PID hidden_name writes
+_PID_MAX = 2**22  # above Linux's largest pid_max: a larger "PID" was never written by hidden_name
+_NAME_RE = re.compile(r"(" + "|".join(map(re.escape, MARKS)) + r")([0-9]{1,19})-[0-9A-Za-z]+", re.ASCII)
+_OLD_WEIGHT_RE = re.compile(r".+(?:\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.index(?:\.\w+)?\.json)", re.ASCII)
+_NEW_WEIGHT_RE = re.compile(r".+(?:\.safetensors|\.safetensors\.index(?:\.\w+)?\.json)", re.ASCII)
 
 
-def _abandoned(out: Path) -> list[Path]:
-    """Folders beside `out` (`.NAME.dmap-KIND-PID-*`) left by a dmap process that is gone, in name order."""
-    prefix = f".{out.name}.dmap-"
+def _abandoned(out: Path) -> list[tuple[str, Path]]:
+    """(mark, folder) for each real folder `.NAME<mark>PID-*` beside `out` whose dmap process is gone, in name order."""
+    prefix = f".{out.name}"
     try:
-        entries = sorted(out.parent.iterdir())
+        entries = sorted(entry for entry in out.parent.iterdir() if entry.name.startswith(prefix))
     except OSError:
         return []
     found = []
     for candidate in entries:
-        match = _PID_RE.search(candidate.name[len(out.name) + 1:])
-        if candidate.name.startswith(prefix) and match and not _pid_alive(int(match.group(1))) and candidate.is_dir():
-            found.append(candidate)
+        match = _NAME_RE.fullmatch(candidate.name[len(prefix):])
+        if match is None:
+            continue
+        mark, pid = match.group(1), int(match.group(2))
+        if not 0 < pid < (2**63 if mark == OLD_MARK else _PID_MAX) or _pid_alive(pid):
+            continue  # no dmap process had that PID (the old design's backups are only pointed at)
+        if candidate.is_dir() and not candidate.is_symlink():
+            found.append((mark, candidate))
     return found
 
 
-def recover(out: Path) -> list[str]:
-    """Repair what killed runs left beside `out`; returns one sentence per thing done."""
+def recover(out: Path, overwrite: bool) -> list[str]:
+    """Before writing `out`: remove temporary folders of killed runs and settle an `--overwrite` cut in
+    half (the old output is put back only by a run that may replace `out` itself). One sentence per thing."""
     done: list[str] = []
-    for candidate in _abandoned(out):
-        if SWAP_MARK in candidate.name:
-            done.append(_finish_swap(candidate, out))
-        elif OLD_MARK in candidate.name:
+    for mark, candidate in _abandoned(out):
+        if mark == OLD_MARK:
             done.append(f"Note: {candidate} holds weights an earlier dmap moved aside during an interrupted --in-place "
                         "run; check them and remove the folder yourself.")
-        elif REPLACED_MARK in candidate.name:
-            if out.exists():
-                shutil.rmtree(candidate, ignore_errors=True)
+        elif mark == REPLACED_MARK:
+            if not overwrite:
+                done.append(f"Note: {candidate} looks like the previous {out.name} of an interrupted --overwrite run; "
+                            "it was left as it is: rename it back or remove it yourself.")
+            elif os.path.lexists(out):
+                _discard(candidate)
                 done.append(f"Removed the replaced output of an interrupted --overwrite run: {candidate}")
             else:
                 _rename(candidate, out)
                 done.append(f"Restored {out} from an interrupted --overwrite run (it was in {candidate})")
-        else:
+        elif mark == TEMP_MARK:
             shutil.rmtree(candidate, ignore_errors=True)
             done.append(f"Removed a leftover temporary folder of an interrupted run: {candidate}")
     return done
 
 
 def pending_swap(root: Path) -> Path | None:
-    """A committed --in-place swap of `root` whose process is gone (the next `dmap shard` finishes it)."""
-    return next((c for c in _abandoned(root) if c.name.startswith(f".{root.name}{SWAP_MARK}")), None)
+    """A swap folder of `root` whose process is gone: readers refuse the source until `--in-place` settles it."""
+    return next((candidate for mark, candidate in _abandoned(root) if mark == SWAP_MARK), None)
+
+
+def finish_swaps(root: Path) -> list[str]:
+    """`dmap shard --in-place ROOT`: finish the committed swaps of ROOT that a killed run left (see above)."""
+    return [_finish_swap(candidate, root) for mark, candidate in _abandoned(root) if mark == SWAP_MARK]
 
 
 def _finish_swap(swap: Path, root: Path) -> str:
     try:
-        journal = read_json_object(swap / JOURNAL, "swap journal")
-        folders = journal["folders"]
-        if journal.get("format") != "dmap-swap" or not isinstance(folders, list):
-            raise ValueError("not a dmap swap journal")
-        for entry in folders:  # names a journal gives stay inside their folders, as any hostile input's do
-            folder = Path(entry["folder"])
-            names = [*entry["old"], *entry["new"]] + ([entry["new_dir"]] if entry["new_dir"] != "" else [])
-            if not all(isinstance(n, str) and is_plain_file_name(n) for n in names) or not folder.is_absolute():
-                raise ValueError("bad file names")
-    except (CheckpointError, ValueError, KeyError, TypeError) as error:
-        raise DmapError(f"{swap} holds an interrupted in-place swap of {root} whose journal cannot be read ({error}): "
-                        "the old weights are in its .old-* folders; restore them by hand.") from None
+        journal = _checked_journal(swap, root)
+    except (CheckpointError, ValueError) as error:
+        raise DmapError(f"{swap} is not an interrupted in-place swap of {root} that dmap can finish ({error}); "
+                        "nothing was changed: if an earlier dmap shard --in-place was killed, its old weights are "
+                        "in the .old-* folders there; restore them by hand and remove the folder.") from None
     _roll_forward(swap, journal)
     _discard(swap)
     return f"Finished an interrupted --in-place swap of {root} (its new files had been verified)"
+
+
+def _checked_journal(swap: Path, root: Path) -> dict:
+    """The journal, if it is one `swap_in_place` for `root` could have written; else ValueError saying why."""
+    journal = read_json_object(swap / JOURNAL, "swap journal")
+    if set(journal) != {"format", "version", "root", "folders"} or journal["format"] != "dmap-swap" \
+            or journal["version"] != 1:
+        raise ValueError("not a dmap swap journal")
+    if journal["root"] != str(root):
+        raise ValueError(f"its journal is about {_shown(journal['root'])}, not {root}")
+    folders = journal["folders"]
+    if not isinstance(folders, list) or not folders:
+        raise ValueError("its journal lists no folders")
+    expected: dict[str, str] = {JOURNAL: "file"}  # what the swap folder may hold, relative path -> kind
+    seen_folders: set[str] = set()
+    for index, entry in enumerate(folders):
+        if not isinstance(entry, dict) or set(entry) != {"folder", "new_dir", "old", "new"}:
+            raise ValueError("a journal entry is not a swap folder")
+        folder, new_dir, old, new = entry["folder"], entry["new_dir"], entry["old"], entry["new"]
+        if not isinstance(folder, str) or not isinstance(new_dir, str) or folder in seen_folders:
+            raise ValueError("a journal entry names its folder twice or not as text")
+        seen_folders.add(folder)
+        if Path(folder) != root and Path(folder) != root / new_dir or new_dir and not _is_plain(new_dir):
+            raise ValueError(f"it names {_shown(folder)}, which is not {root} or one of its component folders")
+        if os.path.realpath(folder) != folder or not Path(folder).is_dir():
+            raise ValueError(f"{_shown(folder)} is a link or not a folder")
+        for names, pattern in ((old, _OLD_WEIGHT_RE), (new, _NEW_WEIGHT_RE)):
+            if not isinstance(names, list) or len(set(map(str, names))) != len(names) or not all(
+                    isinstance(n, str) and _is_plain(n) and pattern.fullmatch(n) for n in names):
+                raise ValueError("its journal names a file that is not a weight file of that folder")
+        aside = _old_dir(swap, index).name
+        expected[aside] = "dir"
+        expected.update({f"{aside}/{name}": "file" for name in old})
+        if new_dir:
+            if expected.setdefault(new_dir, "dir") != "dir":
+                raise ValueError("its journal names a folder twice")
+        expected.update({f"{new_dir}/{name}" if new_dir else name: "file" for name in new})
+    for relative, kind in _contents(swap).items():
+        if expected.get(relative) != kind:
+            raise ValueError(f"it holds {_shown(relative)}, which its journal does not list")
+    return journal
+
+
+def _is_plain(name: str) -> bool:
+    return is_plain_file_name(name) and name != JOURNAL and not name.startswith(".old-")
+
+
+def _contents(folder: Path) -> dict[str, str]:
+    """Every entry under `folder` (links never followed): relative path -> 'file', 'dir' or 'other'."""
+    found: dict[str, str] = {}
+    for current, dirs, files in os.walk(folder, onerror=_raise):
+        base = Path(current).relative_to(folder)
+        for name in [*dirs, *files]:
+            path = Path(current) / name
+            kind = "dir" if path.is_dir() and not path.is_symlink() else \
+                "file" if path.is_file() and not path.is_symlink() else "other"
+            found[str(base / name) if str(base) != "." else name] = kind
+        dirs[:] = [d for d in dirs if found[str(base / d) if str(base) != "." else d] == "dir"]
+    return found
+
+
+def _raise(error: OSError) -> None:
+    raise ValueError(f"it cannot be read: {error.strerror or error}")
+
+
+def _shown(value: object) -> str:
+    return ascii(value)[:200]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -277,6 +358,6 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError):
         return True
     return True

@@ -245,7 +245,7 @@ def test_2_overwrite_killed_at_every_rename_keeps_an_output(tmp_path, renameat2)
     state = component(template)
     counted = tmp_path / "count-out"  # an existing output, as below: replacing it takes every rename
     counted.mkdir()
-    (counted / "old.txt").write_text("the old output")
+    (counted / "config.json").write_text("{}")  # an old output: a folder dmap could have written
     full = _run_killed(10**6, renameat2, "overwrite", counted, template)
     assert full.returncode == 0, full.stderr
     restored = []
@@ -253,7 +253,7 @@ def test_2_overwrite_killed_at_every_rename_keeps_an_output(tmp_path, renameat2)
         work = tmp_path / f"{renameat2}-{kill_at}"
         out = work / "out"
         out.mkdir(parents=True)
-        (out / "old.txt").write_text("the old output")
+        (out / "config.json").write_text("{}")
         killed = _run_killed(kill_at, renameat2, "overwrite", out, template)
         assert killed.returncode == 137, killed.stderr
         if not out.exists():  # killed between moving the old output aside and putting the new one in place

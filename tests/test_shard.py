@@ -376,7 +376,11 @@ def test_output_rules(tmp_path):
     with pytest.raises(SourceError, match="without weights"):
         shard("tiny-flux", 0, output=tmp_path / "p")
     # --overwrite replaces an existing folder only once the new one is complete
+    # ... and only a folder dmap could have written (a model folder, frames, or empty): not anybody's folder
     (tmp_path / "exists" / "old.txt").write_text("old")
+    with pytest.raises(UsageError, match="a folder dmap did not write"):
+        shard(str(tmp_path / "src"), 0, output=tmp_path / "exists", overwrite=True)
+    (tmp_path / "exists" / "config.json").write_text("{}")
     result = shard(str(tmp_path / "src"), 0, output=tmp_path / "exists", overwrite=True)
     assert result.verified and not (tmp_path / "exists" / "old.txt").exists()
     assert sorted(p.name for p in (tmp_path / "exists").iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
