@@ -13,8 +13,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
+
+from .errors import UsageError
 
 DEMO_SEED = 0
 DEMO_SHARD_SIZE = "4MB"  # several shards per big component, as real checkpoints have
@@ -81,56 +84,185 @@ def source_root(source: str | None, status=lambda message: None) -> tuple[str, s
     """(name to show, what to resolve, defaults): None is the demo, generated into the cache on first use."""
     if source is not None:
         return source, source, {}
-    if not (demo_folder() / "model_index.json").is_file():
-        status("Generating the demo pipeline's random weights (first run only)…")
-    return "demo", str(ensure_demo()), DEMO_DEFAULTS
+    return "demo", str(ensure_demo(status)), DEMO_DEFAULTS
 
 
-def ensure_demo() -> Path:
-    """The demo pipeline folder, generated (once, atomically) if the cache lacks it."""
+# dmap's record of the demo's files (path: size), written last: a folder that does not match it exactly is damaged
+FILES_RECORD = ".dmap-demo-files.json"
+LOCK_NAME = ".demo.lock"
+
+
+def ensure_demo(status=lambda message: None) -> Path:
+    """The demo pipeline folder, generated (once, atomically) if the cache lacks it or holds it damaged."""
     import fcntl
 
     folder = demo_folder()
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"Cannot create dmap's demo cache folder {folder.parent} "
+                         f"({error.strerror or error}): remove it (or set DMAP_CACHE_DIR) and run again.") from None
     # one process at a time checks and writes (torchrun ranks start together): no one reads a folder another removes
-    with open(folder.parent / ".demo.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return _ensure_demo_locked(folder)
+    fd = _open_lock(folder.parent / LOCK_NAME)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as error:
+            raise UsageError(f"Cannot lock {folder.parent / LOCK_NAME} ({error.strerror or error}): "
+                             "remove it (or set DMAP_CACHE_DIR to a local folder) and run again.") from None
+        return _ensure_demo_locked(folder, status)
+    finally:
+        os.close(fd)
 
 
-def _ensure_demo_locked(folder: Path) -> Path:
-    if (folder / "model_index.json").is_file():
-        if _intact(folder):
-            return folder
-        shutil.rmtree(folder, ignore_errors=True)  # dmap's own cache, damaged: generated again below
+def _open_lock(path: Path) -> int:
+    """The lock file, opened without following a symlink or waiting on a FIFO; anything but a regular file is
+    refused (exit 2, saying what to remove)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    what = None
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as error:
+        try:
+            what = _kind(os.lstat(path).st_mode)
+        except OSError:
+            what = None
+        if what is None or what == "a regular file":
+            raise UsageError(f"Cannot open dmap's lock file {path} ({error.strerror or error}): "
+                             "remove it and run again.") from None
+    else:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            return fd
+        os.close(fd)
+        what = _kind(mode)
+    raise UsageError(f"{path} is {what}, not dmap's lock file: remove it and run again.")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a device"
+
+
+def _ensure_demo_locked(folder: Path, status=lambda message: None) -> Path:
+    _remove_stale_staging(folder.parent)  # under the lock no one else is writing one
+    if _intact(folder):
+        return folder
+    status("Generating the demo pipeline's random weights again (the cached one is damaged)…"
+           if os.path.lexists(folder) else "Generating the demo pipeline's random weights (first run only)…")
+    _remove(folder)  # dmap's own cache, damaged (or partly missing): generated again below
     from .runner import quiet_libraries
 
     quiet_libraries()  # the libraries' save bars would interleave with dmap's own output
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-demo-"))
     try:
-        write_configs(DEMO_CONFIGS, staging)
-        write_random_pipeline(staging, staging, seed=DEMO_SEED, max_shard_size=DEMO_SHARD_SIZE)
+        try:
+            write_configs(DEMO_CONFIGS, staging)
+            write_random_pipeline(staging, staging, seed=DEMO_SEED, max_shard_size=DEMO_SHARD_SIZE)
+            _write_files_record(staging)
+        except OSError as error:
+            raise UsageError(f"Cannot write the demo pipeline into {folder.parent}: "
+                             f"{error.strerror or error}.") from None
         try:
             os.replace(staging, folder)
-        except OSError:
-            if not (folder / "model_index.json").is_file():  # another process won the race: keep theirs
-                raise
+        except OSError as error:
+            raise UsageError(f"Cannot replace the damaged demo pipeline {folder} ({error.strerror or error}): "
+                             "remove it and run again.") from None
     finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        if os.path.lexists(staging):
+            _remove(staging)
     return folder
 
 
+def _remove(path: Path) -> None:
+    """Remove what is at path, never following a symlink (a link is removed, not what it points to)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _remove_stale_staging(parent: Path) -> None:
+    """Staging folders a killed generation left behind."""
+    try:
+        names = [name for name in os.listdir(parent) if name.startswith(".tmp-demo-")]
+    except OSError:
+        return
+    for name in names:
+        _remove(parent / name)
+
+
+def _walk(folder: Path) -> dict[str, int] | None:
+    """Every regular file under folder (relative path: size), by lstat only; None if anything is not a regular
+    file or a folder (a FIFO, a symlink, a socket, a device): nothing is opened, so nothing can block."""
+    try:
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):
+            return None
+    except OSError:
+        return None
+    files, pending = {}, [folder]
+    while pending:
+        current = pending.pop()
+        try:
+            entries = list(os.scandir(current))
+        except OSError:
+            return None
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                return None
+            path = Path(entry.path)
+            if stat.S_ISDIR(info.st_mode):
+                pending.append(path)
+            elif stat.S_ISREG(info.st_mode):
+                files[path.relative_to(folder).as_posix()] = info.st_size
+            else:
+                return None
+            if len(files) + len(pending) > 10_000:  # the demo has a few dozen: this is not dmap's folder
+                return None
+    return files
+
+
+def _write_files_record(folder: Path) -> None:
+    files = _walk(folder)
+    if files is None:
+        raise OSError(f"the generated demo in {folder} holds something other than files and folders")
+    files.pop(FILES_RECORD, None)
+    (folder / FILES_RECORD).write_text(json.dumps({"format": "dmap-demo-files", "files": files}, indent=1,
+                                                  sort_keys=True))
+
+
 def _intact(folder: Path) -> bool:
-    """Every JSON file parses as an object and every component's weights pass the header checks."""
-    from .checkpoint import open_checkpoint
+    """The folder holds exactly the files dmap wrote (regular files, the sizes it recorded), every JSON file is a
+    strict JSON object and every component's weights pass the header checks. Checked by lstat before anything is
+    opened and read with the bounded readers: a FIFO, a symlink or a huge file is damage, never a wait."""
+    from .checkpoint import open_checkpoint, read_json_object
     from .errors import DmapError
     from .sources import resolve_source
 
+    files = _walk(folder)
+    if files is None or FILES_RECORD not in files:
+        return False
     try:
-        for path in folder.rglob("*.json"):
-            if not isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
-                return False
+        record = read_json_object(folder / FILES_RECORD, "demo files record")
+        recorded = record.get("files")
+        files.pop(FILES_RECORD)
+        if record.get("format") != "dmap-demo-files" or recorded != files:
+            return False
+        for name in files:
+            if name.endswith(".json"):
+                read_json_object(folder / name, "demo file")
         source = resolve_source(str(folder))
         for comp in source.components:
             if comp.weights is None:

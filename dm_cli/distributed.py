@@ -18,8 +18,9 @@ under a CPU-only torchrun unless given cpu=True, and dmap needs nothing else fro
 from __future__ import annotations
 
 import os
+import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from .errors import UsageError
@@ -27,6 +28,57 @@ from .errors import UsageError
 # Ranks finish their shares at different times and wait for each other only at the end; if a rank
 # dies, torchrun stops the others, so a long wait never hangs a job. Override in seconds.
 DEFAULT_TIMEOUT_S = 7 * 24 * 3600
+MAX_TIMEOUT_S = 365 * 24 * 3600
+MAX_RANKS = 2**31 - 1  # gloo counts ranks in a C int
+LAUNCH = "launch dmap with torchrun, which sets it"
+LAUNCH_BOTH = "launch dmap with torchrun, which sets both"
+
+
+def _show(text: str) -> str:
+    """A value read from the environment, quoted, escaped and short (it lands in an error sentence)."""
+    return repr(text[:40] + ("..." if len(text) > 40 else ""))
+
+
+def _integer(env, key: str, low: int, high: int, default: int | None = None) -> int:
+    """A whole number from `low` to `high`, written in ASCII digits (torchrun's variables, ports)."""
+    text = env.get(key)
+    if text is None:
+        if default is None:
+            raise UsageError(f"WORLD_SIZE is set but {key} is not: {LAUNCH_BOTH}.")
+        return default
+    if not re.fullmatch(r"-?[0-9]{1,19}", text.strip()):
+        raise UsageError(f"{key}={_show(text)} is not an integer: {LAUNCH}.")
+    value = int(text)
+    if not low <= value <= high:
+        raise UsageError(f"{key}={value} is out of range (it must be from {low} to {high}): {LAUNCH}.")
+    return value
+
+
+def _timeout(env) -> int:
+    """DMAP_DIST_TIMEOUT: how long ranks wait for each other, in whole seconds (1 s to 365 days)."""
+    text = env.get("DMAP_DIST_TIMEOUT")
+    if text is None:
+        return DEFAULT_TIMEOUT_S
+    value = int(text) if re.fullmatch(r"[0-9]{1,19}", text.strip()) else None
+    if value is None or not 1 <= value <= MAX_TIMEOUT_S:
+        raise UsageError(f"DMAP_DIST_TIMEOUT={_show(text)} is not a whole number of seconds from 1 to "
+                         f"{MAX_TIMEOUT_S} (365 days): set it to one, or unset it for the default of 7 days.")
+    return value
+
+
+def _check_rendezvous(env) -> None:
+    """MASTER_ADDR and MASTER_PORT, which gloo's env:// rendezvous reads: checked before anything loads."""
+    address = env.get("MASTER_ADDR")
+    if address is None:
+        raise UsageError(f"WORLD_SIZE is set but MASTER_ADDR is not: {LAUNCH}, or set it to rank 0's host.")
+    if not address or len(address) > 255 or not address.isprintable() or any(c.isspace() for c in address):
+        raise UsageError(f"MASTER_ADDR={_show(address)} is not a host name or address: {LAUNCH}.")
+    if env.get("MASTER_PORT") is None:
+        raise UsageError(f"WORLD_SIZE is set but MASTER_PORT is not: {LAUNCH}, or set it to a free port of "
+                         "rank 0's host.")
+    port = env["MASTER_PORT"]
+    if not re.fullmatch(r"[0-9]{1,5}", port.strip()) or not 1 <= int(port) <= 65535:
+        raise UsageError(f"MASTER_PORT={_show(port)} is not a port number (1 to 65535): {LAUNCH}.")
 
 
 @dataclass(frozen=True)
@@ -37,6 +89,7 @@ class Ranks:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
+    timeout_s: int = field(default=DEFAULT_TIMEOUT_S, compare=False)
 
     @property
     def distributed(self) -> bool:
@@ -48,30 +101,32 @@ class Ranks:
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> "Ranks":
-        """Read torchrun's variables; their absence means a single process."""
+        """Read torchrun's variables; their absence means a single process.
+
+        Every variable a launch reads is checked here, before anything loads or joins: each bad one
+        is a UsageError naming it (torch would fail later, with a traceback, or wait for a rank that
+        cannot come).
+        """
         env = os.environ if env is None else env
         if "WORLD_SIZE" not in env:
             return cls()
-        def read(key: str, default: int | None = None) -> int:
-            text = env.get(key)
-            if text is None:
-                if default is None:
-                    raise UsageError(f"WORLD_SIZE is set but {key} is not: launch dmap with torchrun, which sets both.")
-                return default
-            try:
-                return int(text)
-            except ValueError:
-                raise UsageError(f"{key}={text!r} is not an integer: launch dmap with torchrun.") from None
-
-        world_size = read("WORLD_SIZE")
-        values = {"RANK": read("RANK"), "WORLD_SIZE": world_size, "LOCAL_RANK": read("LOCAL_RANK", 0),
-                  "LOCAL_WORLD_SIZE": read("LOCAL_WORLD_SIZE", world_size)}
-        ranks = cls(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"])
-        if ranks.world_size < 1 or not 0 <= ranks.rank < ranks.world_size \
-                or not 0 <= ranks.local_rank < max(1, ranks.local_world_size):
-            raise UsageError(f"Inconsistent torchrun variables (RANK={ranks.rank}, WORLD_SIZE={ranks.world_size}, "
-                             f"LOCAL_RANK={ranks.local_rank}): launch dmap with torchrun.")
-        return ranks
+        world_size = _integer(env, "WORLD_SIZE", 1, MAX_RANKS)
+        rank = _integer(env, "RANK", 0, MAX_RANKS)
+        local_world_size = _integer(env, "LOCAL_WORLD_SIZE", 1, MAX_RANKS, default=world_size)
+        local_rank = _integer(env, "LOCAL_RANK", 0, MAX_RANKS, default=0)
+        for key, value, bound, bound_key in (("RANK", rank, world_size, "WORLD_SIZE"),
+                                             ("LOCAL_RANK", local_rank, local_world_size, "LOCAL_WORLD_SIZE")):
+            if value >= bound:
+                raise UsageError(f"Inconsistent torchrun variables: {key}={value} must be less than "
+                                 f"{bound_key}={bound}; {LAUNCH_BOTH}.")
+        if local_world_size > world_size:
+            raise UsageError(f"Inconsistent torchrun variables: LOCAL_WORLD_SIZE={local_world_size} is more than "
+                             f"WORLD_SIZE={world_size}; {LAUNCH_BOTH}.")
+        timeout = DEFAULT_TIMEOUT_S
+        if world_size > 1:  # a single process joins no group: it needs no rendezvous
+            _check_rendezvous(env)
+            timeout = _timeout(env)
+        return cls(rank, world_size, local_rank, local_world_size, timeout)
 
     def join(self) -> None:
         """Join the gloo group torchrun's rendezvous set up (MASTER_ADDR/MASTER_PORT); no-op alone."""
@@ -81,8 +136,8 @@ class Ranks:
 
         if dist.is_initialized():
             return
-        timeout = int(os.environ.get("DMAP_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
-        dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=self.timeout_s))
 
     def gather(self, obj) -> list | None:
         """Every rank's `obj` on rank 0 (in rank order), None elsewhere; `[obj]` alone."""

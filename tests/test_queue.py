@@ -166,7 +166,8 @@ def test_chunk_size_from_budget():
 
 def test_ranks_from_torchrun_environment():
     assert Ranks.from_env({}) == Ranks(0, 1, 0, 1) and not Ranks.from_env({}).distributed
-    env = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    env = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node0",
+           "MASTER_PORT": "29500"}  # more bad launches: test_hostile_env.py
     assert Ranks.from_env(env) == Ranks(3, 4, 1, 2)
     with pytest.raises(UsageError, match="RANK is not"):
         Ranks.from_env({"WORLD_SIZE": "2"})
