@@ -71,8 +71,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     inputs = InputSpec(pick(height, "height"), pick(width, "width"), batch_size, num_images,
                        pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"),
                        num_frames=num_frames, fps=fps)
-    options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype else None, overhead,
-                          component, check, use_cache, weights)
+    options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype is not None else None,
+                          overhead, component, check, use_cache, weights)
     return make_named_plan(root, spec, options)
 
 
@@ -116,8 +116,16 @@ class Pipeline:
         # before the libraries' first import: some of them warn while importing (torchvision fallbacks)
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-        from .inputs import InputSpec
+        from .inputs import InputSpec, check_counts
         from .plans import load_plan
+        from .units import parse_dtype
+
+        # the counts and dtype before SOURCE is resolved: the rule dmap plan and dmap run apply (inputs.LIMITS)
+        check_counts(steps=request.steps, num_images=request.num_images, height=request.height,
+                     width=request.width, max_sequence_length=request.max_sequence_length,
+                     num_frames=request.num_frames, fps=request.fps)
+        if request.dtype is not None:
+            parse_dtype(request.dtype)
         from .runner import (
             TRACKED_STEPS, check_component_files, check_devices_present, check_plan_matches,
             check_tiled_decode, inputs_from_plan, make_run_plan, plan_digest, prepare, quiet_libraries, settle_job,
@@ -185,7 +193,11 @@ class Pipeline:
 
     def job_for(self, item: QueueItem):
         """The settled generation of one queue item (its own seed, steps, guidance, negative prompt)."""
+        from .inputs import check_count
+
         job = self.defaults
+        if item.steps is not None:  # a queue line's steps get --steps' bound
+            check_count("steps", item.steps, f"Item {item.index}: 'steps'")
         negative = item.negative_prompt or job.negative_prompt  # the item's, else the run's (--negative-prompt)
         refusal = self.family.refuse(negative, job.true_cfg_scale)
         if refusal:
@@ -300,6 +312,10 @@ class Pipeline:
 
 
 def _items(prompts, seed: int, negative_prompt, steps, guidance_scale) -> list[QueueItem]:
+    from .inputs import check_count
+
+    if steps is not None:  # generate(steps=...) gets --steps' bound before anything runs
+        check_count("steps", steps, "steps")
     if isinstance(prompts, str):
         prompts = [prompts]
     items = []

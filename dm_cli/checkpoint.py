@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .errors import CheckpointError, SourceError
-from .units import DTYPE_BYTES, SAFETENSORS_DTYPES, SUBBYTE_DTYPES, TORCH_TO_SAFETENSORS, numel
+from .units import (
+    DTYPE_BYTES, MAX_SIZE_BYTES, MAX_SIZE_TEXT, SAFETENSORS_DTYPES, SUBBYTE_DTYPES, TORCH_TO_SAFETENSORS, numel,
+    shorten,
+)
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 MAX_JSON_DEPTH = 127  # serde_json's recursion limit, as safetensors meets it (root object = 1)
@@ -377,10 +380,17 @@ def read_index(path: str | os.PathLike) -> ShardIndex:
     if not isinstance(metadata, dict):
         raise CheckpointError(f"{path}: 'metadata' must be an object, found {type(metadata).__name__}.")
     total = metadata.get("total_size")
-    if total is not None and (isinstance(total, bool) or not isinstance(total, (int, float)) or total < 0
-                              or total != int(total)):
-        raise CheckpointError(f"{path}: metadata.total_size must be a whole number of bytes, found {total!r}.")
+    if total is not None and not _byte_count(total):  # 1e400 parses as inf: int() of it is an OverflowError
+        shown = shorten(total, quote=True)
+        raise CheckpointError(f"{path}: metadata.total_size must be a whole number of bytes from 0 to "
+                              f"{MAX_SIZE_TEXT}, found {shown}.")
     return ShardIndex(path, int(total) if total is not None else None, dict(data["weight_map"]), metadata)
+
+
+def _byte_count(value) -> bool:
+    """A finite, whole, non-negative number of bytes no larger than units.MAX_SIZE_BYTES."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) \
+        and 0 <= value <= MAX_SIZE_BYTES and value == int(value)
 
 
 def is_plain_file_name(name: str) -> bool:

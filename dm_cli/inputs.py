@@ -9,6 +9,46 @@ import math
 from dataclasses import asdict, dataclass
 
 from .errors import UsageError
+from .units import shorten
+
+# The largest value of each count a real run can use: beyond it a value is a typo (or an attack) that
+# overflows a size, builds a billion output names or runs for years. One table for `dmap plan`,
+# `dmap run`, queue items, plan files and the Python API, checked before anything loads.
+LIMITS = {
+    "steps": 10_000,
+    "batch_size": 1024,
+    "num_images": 10_000,
+    "height": 16384,
+    "width": 16384,
+    "num_frames": 4097,  # 4 * 1024 + 1 (Wan: 4k+1)
+    "fps": 1000,
+    "max_sequence_length": 4096,
+}
+# the smallest value of each (height/width 0: a weights-only plan)
+LOWEST = {"height": 0, "width": 0}
+FLAGS = {"num_frames": "--frames"}
+
+
+def flag(name: str) -> str:
+    """The command-line option of an InputSpec or run field."""
+    return FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def check_count(name: str, value, where: str | None = None) -> int:
+    """`value` when it is a whole number from LOWEST (1) to LIMITS[name], else UsageError naming
+    `where` (default: the option)."""
+    low, high = LOWEST.get(name, 1), LIMITS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        shown = shorten(value, quote=True)
+        raise UsageError(f"{where or flag(name)} must be a whole number >= {low} (at most {high}), not {shown}.")
+    return value
+
+
+def check_counts(**values) -> None:
+    """check_count for each given value that is not None: a run request's counts before anything loads."""
+    for name, value in values.items():
+        if value is not None:
+            check_count(name, value)
 
 
 @dataclass(frozen=True)
@@ -28,19 +68,17 @@ class InputSpec:
     fps: int | None = None  # video pipelines: frames per second of the written video (no effect on memory)
 
     def __post_init__(self) -> None:
-        """Refuse what no pipeline can take (and what would write invalid JSON, such as NaN)."""
-        for name, low in (("height", 0), ("width", 0), ("batch_size", 1), ("num_images", 1)):
+        """Refuse what no pipeline can take, what no run could use (LIMITS) and what would write invalid
+        JSON, such as NaN. Plan files are read through here too. The family checks what depends on the
+        model (Wan's 4k+1 frames, size multiples)."""
+        for name in ("height", "width", "batch_size", "num_images", "max_sequence_length", "num_frames", "fps"):
             value = getattr(self, name)
-            if value is None and name in ("height", "width"):
-                continue  # the pipeline's default size, settled by the planner
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise UsageError(f"--{name.replace('_', '-')} must be a whole number >= {low}, not {value!r}.")
+            if value is None and name not in ("batch_size", "num_images"):
+                continue  # the pipeline's default, settled by the planner
+            check_count(name, value)
         if self.guidance_scale is not None and (isinstance(self.guidance_scale, bool) or not isinstance(
                 self.guidance_scale, (int, float)) or not math.isfinite(self.guidance_scale)):
             raise UsageError(f"--guidance-scale must be a finite number, not {self.guidance_scale!r}.")
-        value = self.max_sequence_length  # None: the pipeline's default (frames and fps: the family checks them)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise UsageError(f"--max-sequence-length must be a whole number >= 1, not {value!r}.")
 
     @property
     def weights_only(self) -> bool:

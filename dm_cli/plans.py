@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .atomic import atomic_write
-from .devices import device_key, device_rank
+from .devices import device_key, device_label, device_rank, is_gpu
 from .errors import CheckpointError, DoesNotFitError, UsageError
 from .families import default_size, family_for, pipeline_stages, source_family, unknown_family_warning
 from .inputs import InputSpec
@@ -22,10 +23,13 @@ from .planner import (
     MODES, STRATEGIES, ComponentInput, ComponentPlacement, Device, DeviceUse, NoFit, Placement, StagePlacement,
     component_blocks, coverage_problems, plan_pipeline,
 )
-from .units import DeviceBudget, format_size, parse_device_spec, parse_dtype, parse_size
+from .units import (
+    FLOATING_DTYPES, MAX_GPU_INDEX, MAX_SIZE_BYTES, MAX_SIZE_TEXT, DeviceBudget, format_size, parse_device_spec,
+    parse_dtype, parse_size, shorten,
+)
 from .weight_formats import (
-    component_format, format_of, int8_offload_problem, layer_compute_bytes, parse_weights_spec, storage_dtype,
-    transient_by_key,
+    STORAGE_DTYPES, component_format, format_of, int8_offload_problem, layer_compute_bytes, parse_weights_spec,
+    storage_dtype, transient_by_key,
 )
 
 PLAN_FORMAT = "dmap-plan"
@@ -135,33 +139,41 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
-        """Read a plan, checking every field's type: a plan file is input like any other (ValueError)."""
+        """Read a plan, checking every field's type and then every value as the command line that could have
+        written it would (dtype, mode, strategy, inputs, devices): a plan file is input like any other
+        (ValueError, or UsageError from the shared checks)."""
         data = _object(data, "the document")
         version = data.get("version")
         if data.get("format") != PLAN_FORMAT or type(version) is not int or version not in (PLAN_VERSION, TILED_PLAN_VERSION):
             raise ValueError(f"not a {PLAN_FORMAT} v{PLAN_VERSION} or v{TILED_PLAN_VERSION} document")
+        dtype = _plan_dtype(data.get("dtype"))
+        strategy = _choice(data.get("strategy", "auto"), "'strategy'", STRATEGIES)
+        mode = _choice(data.get("mode", "staged"), "'mode'", MODES)
         devices = []
         for key, value in _object(data.get("devices"), "'devices'").items():
             value = _object(value, f"device {key!r}")
             capacity = value.get("capacity_bytes")
-            devices.append(Device(device_key(key),
+            devices.append(Device(_plan_device(key, f"device {key!r}"),
                                   None if capacity is None else _count(capacity, f"device {key!r} capacity_bytes"),
                                   _count(value.get("overhead_bytes", 0), f"device {key!r} overhead_bytes")))
         if not devices:
             raise ValueError("'devices' is empty")
+        known = {d.key for d in devices}
         components = {}
         raw_components = _object(data.get("components"), "'components'")
         for name, c in raw_components.items():
             where = f"component {name!r}"
             c = _object(c, where)
-            device_map = {_text(k, f"{where} device_map key"): device_key(v)
+            device_map = {_map_key(k, f"{where} device_map key"): _plan_device(v, where, known)
                           for k, v in _object(c.get("device_map"), f"{where} device_map").items()}
             if not device_map:
                 raise ValueError(f"{where} has an empty device_map")
             execution = c.get("execution_device", next(iter(device_map.values())))
+            _storage_dtype(c.get("storage_dtype"), dtype, where)
             components[name] = ComponentPlacement(
                 name, _text(c.get("class", "?"), f"{where} class"),
-                _count(c.get("weights_bytes", 0), f"{where} weights_bytes"), device_map, device_key(execution),
+                _count(c.get("weights_bytes", 0), f"{where} weights_bytes"), device_map,
+                _plan_device(execution, f"{where} execution_device", known),
                 {k: _count(v, f"{where} activation_bytes")
                  for k, v in _object(c.get("activation_bytes", {}), f"{where} activation_bytes").items()},
                 _count(c.get("offloaded_bytes", 0), f"{where} offloaded_bytes"), _count(c.get("hops", 0), f"{where} hops"),
@@ -170,14 +182,16 @@ class Plan:
         raw_stages = data.get("stages")
         if not isinstance(raw_stages, list) or not raw_stages:
             raise ValueError("'stages' must be a non-empty list")
-        stages = [_stage(s, components) for s in raw_stages]
+        stages = [_stage(s, components, known) for s in raw_stages]
         warnings = data.get("warnings", [])
         if not isinstance(warnings, list):
             raise ValueError("'warnings' must be a list")
+        inputs = InputSpec.from_json(_object(data.get("inputs", {}), "'inputs'"))
+        if inputs.height is not None and inputs.width is not None:
+            _check_inputs(inputs)  # as dmap plan checks them (multiples of 8, weights only as 0x0)
         return cls(
-            _text(data.get("source", "?"), "'source'"), _text(data.get("dtype", "?"), "'dtype'"),
-            _text(data.get("strategy", "auto"), "'strategy'"), _text(data.get("mode", "staged"), "'mode'"),
-            devices, InputSpec.from_json(_object(data.get("inputs", {}), "'inputs'")), components, stages,
+            _text(data.get("source", "?"), "'source'"), dtype, strategy, mode,
+            devices, inputs, components, stages,
             data.get("pipeline_class") if isinstance(data.get("pipeline_class"), str) else None,
             [str(w) for w in warnings], dict(_object(data.get("check", {"ran": False, "problems": []}), "'check'")),
             {n: _count(c.get("activation_peak_bytes", 0), f"component {n!r} activation_peak_bytes")
@@ -189,7 +203,7 @@ class Plan:
         )
 
 
-def _stage(data, components: dict) -> StagePlacement:
+def _stage(data, components: dict, known: set) -> StagePlacement:
     data = _object(data, "a stage")
     name = _text(data.get("name"), "a stage name")
     members = data.get("components")
@@ -204,7 +218,7 @@ def _stage(data, components: dict) -> StagePlacement:
     use = {}
     for key, value in _object(breakdown, f"stage {name!r} breakdown").items():
         value = _object(value, f"stage {name!r} device {key!r}")
-        use[str(device_key(key))] = DeviceUse(*(_count(value.get(part, 0), f"stage {name!r} {part}")
+        use[str(_plan_device(key, f"stage {name!r}", known))] = DeviceUse(*(_count(value.get(part, 0), f"stage {name!r} {part}")
                                                 for part in ("weights", "reserve", "activations", "overhead")))
     note = data.get("note") or ""
     return StagePlacement(name, list(members), use, _text(note, f"stage {name!r} note"))
@@ -229,11 +243,55 @@ def _flag(value, what: str) -> bool:
 
 
 def _count(value, what: str) -> int:
-    """A byte count or counter: a whole number >= 0 (1e9 is fine; 1.5, -1, true or NaN are not)."""
+    """A byte count or counter: a whole number from 0 to 1 EiB (1e9 is fine; 1.5, -1, true, NaN or 1e30 are not)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
-            or int(value) != value:
-        raise ValueError(f"{what} must be a whole number >= 0, found {value!r}")
+            or int(value) != value or value > MAX_SIZE_BYTES:
+        shown = shorten(value, quote=True)
+        raise ValueError(f"{what} must be a whole number >= 0 (at most {MAX_SIZE_TEXT}), found {shown}")
     return int(value)
+
+
+def _plan_dtype(value) -> str:
+    """The plan's dtype, as --dtype takes it (bf16, fp16, fp32 or their torch names), or another floating
+    dtype a checkpoint is stored in: anything else would reach getattr(torch, ...) in the runner."""
+    if isinstance(value, str) and value in FLOATING_DTYPES:
+        return value
+    return parse_dtype(value if isinstance(value, str) else _json_type(value))
+
+
+def _choice(value, what: str, allowed) -> str:
+    if _text(value, what) not in allowed:
+        raise ValueError(f"{what} must be {', '.join(allowed[:-1])} or {allowed[-1]}, found {value[:40]!r}")
+    return value
+
+
+def _plan_device(value, what: str, known: set | None = None) -> int | str:
+    """A device as --max-memory names it (device_key: ValueError "not a device"); with `known`, one of the
+    plan's 'devices' (cpu and disk always exist)."""
+    key = device_key(value)
+    if isinstance(key, int) and key > MAX_GPU_INDEX:
+        raise ValueError(f"{what} names GPU index {str(key)[:40]}, above {MAX_GPU_INDEX}: no machine has it")
+    if known is not None and is_gpu(key) and key not in known:
+        raise ValueError(f"{what} places weights on {device_label(key)}, which its 'devices' do not list")
+    return key
+
+
+# What a device_map key is: "" (the whole component) or a dotted module name, as torch names modules.
+_MODULE_NAME = re.compile(r"^(?:[\w-]+(?:\.[\w-]+)*)?$")
+
+
+def _map_key(value, what: str) -> str:
+    if not _MODULE_NAME.match(_text(value, what)):
+        raise ValueError(f"{what} {value[:60]!r} is not a module name")
+    return value
+
+
+def _storage_dtype(value, dtype: str, where: str) -> None:
+    """What dmap plan writes: the run dtype, or fp8 / int8 storage (absent in older plans)."""
+    allowed = (dtype, *STORAGE_DTYPES.values())
+    if value is not None and value not in allowed:
+        shown = shorten(value, quote=True)
+        raise ValueError(f"{where} storage_dtype must be {', '.join(allowed[:-1])} or {allowed[-1]}, found {shown}")
 
 
 def _json_type(value) -> str:
@@ -253,8 +311,9 @@ def load_plan(path: str | Path) -> Plan:
         raise UsageError(f"Cannot read plan {error}") from None
     try:
         return Plan.from_json(data)
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise UsageError(f"{path} is not a dmap plan ({error}): write one with dmap plan --output.") from None
+    except (ValueError, KeyError, TypeError, AttributeError, UsageError) as error:
+        reason = str(error).rstrip(".")
+        raise UsageError(f"{path} is not a dmap plan ({reason}): write one with dmap plan --output.") from None
 
 
 def write_plan(plan: Plan, path: str | Path) -> None:
@@ -388,11 +447,22 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
         facts = TraceFacts(None, {}, 0, [], {}, "no config: registration order, no activation estimate")
     else:
         facts = trace_facts(comp, pipeline_class, inputs, trace_dtype, use_cache)
+    if facts.warning and not inputs.weights_only and "overflow" in facts.warning.lower():
+        raise DoesNotFitError(_overflow_refusal(comp, inputs))  # never planned as if it needed nothing
     if facts.warning:
         warnings.append(f"{comp.name}: {facts.warning}")
     spec, block_warnings = _component_spec(comp, skeleton, facts, inputs, effective, fmt, trace_dtype)
     warnings += [f"{comp.name}: {w}" for w in block_warnings]
     return PreparedComponent(comp, skeleton, trace_dtype, facts, spec, warnings, fmt, effective)
+
+
+def _overflow_refusal(comp, inputs: InputSpec) -> str:
+    """A trace that overflowed (torch's storage size, a Python int to C) has no activation estimate, and
+    its tensors are beyond any device: planning on without the estimate would report a fit."""
+    what = f"{inputs.height}x{inputs.width}" + (f", {inputs.num_frames} frames" if inputs.num_frames else "")
+    return (f"{comp.name} ({comp.cls}) does not fit: its activations for {what} at batch {inputs.effective_batch} "
+            "are too large to count (its trace on the meta device overflowed); use a smaller size, --batch-size "
+            "or --num-images.")
 
 
 def _component_spec(comp, skeleton, facts: TraceFacts, inputs: InputSpec, effective: str | None, fmt: str | None,
@@ -434,7 +504,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     options = replace(options, inputs=default_inputs(source, comps, options.inputs))
     _check_inputs(options.inputs)
     _check_family_inputs(source, comps, options.inputs)
-    if options.dtype:
+    if options.dtype is not None:  # "" is an unknown dtype, not the default
         options = replace(options, dtype=parse_dtype(options.dtype))
     budgets = parse_device_spec(options.max_memory) if options.max_memory is not None else local_devices()
     overhead = parse_overhead(options.overhead, budgets, options.inputs.weights_only)
@@ -483,13 +553,11 @@ def make_named_plan(root: str, spec: str, options: PlanOptions) -> Plan:
 
 
 def _check_inputs(inputs: InputSpec) -> None:
-    """What InputSpec alone cannot refuse (it checks each field's range): fields that go together."""
+    """What InputSpec alone cannot refuse (it checks each field's range, fps included): fields that go together."""
     if (inputs.height == 0) != (inputs.width == 0):
         raise UsageError("Give --height 0 and --width 0 together for a weights-only plan.")
     if inputs.height % 8 or inputs.width % 8:
         raise UsageError(f"--height and --width must be multiples of 8 (got {inputs.height}x{inputs.width}).")
-    if inputs.fps is not None and inputs.fps < 1:
-        raise UsageError(f"--fps must be at least 1 (got {inputs.fps}).")
 
 
 def default_inputs(source, comps, inputs: InputSpec) -> InputSpec:

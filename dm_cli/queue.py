@@ -5,8 +5,10 @@ Plain data and file handling, no torch. The generation itself is the runner's st
 
 - `read_prompts` parses a text file (one prompt a line) or JSONL (one object a line) into
   `QueueItem`s: item i gets seed `base_seed + i` unless its line gives one, and the file name
-  `00000.png`, `00001.png`, ... unless its line gives `output`;
-- `is_complete` says whether an item's PNG exists, decodes, and was made for this item (its text
+  `00000.png`, `00001.png`, ... unless its line gives `output` (.png, .jpg, .jpeg or .webp: the format
+  written; .png added to any other name); every name is checked against the file system's
+  limits when the file is read, with `output_dir` (`check_output_names`);
+- `is_complete` says whether an item's image exists, decodes, and was made for this item (its text
   metadata names the same prompt, seed, steps, guidance, size and source), so a restarted run skips
   exactly the finished items;
 - `append_record` adds one line to a manifest with a single O_APPEND write and an fsync, so a
@@ -16,6 +18,7 @@ Plain data and file handling, no torch. The generation itself is the runner's st
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -54,10 +57,12 @@ def default_output_name(index: int) -> str:
     return f"{index:05d}.png"
 
 
-def read_prompts(path: str | os.PathLike, base_seed: int = 0) -> list[QueueItem]:
+def read_prompts(path: str | os.PathLike, base_seed: int = 0,
+                 output_dir: str | os.PathLike | None = None) -> list[QueueItem]:
     """The queue in a prompts file: JSONL when it ends in .jsonl or its first line is an object, else text.
 
     Blank lines are skipped and do not count as items. Every problem is a UsageError naming the line.
+    With `output_dir`, every item's file there is checked too (`check_output_names`).
     """
     from .checkpoint import open_regular
     from .errors import CheckpointError
@@ -95,6 +100,8 @@ def read_prompts(path: str | os.PathLike, base_seed: int = 0) -> list[QueueItem]
                 f"Items {seen[item.output]} and {item.index} of {path} both write {item.output}: give each a different 'output'."
             )
         seen[item.output] = item.index
+    if output_dir is not None:
+        check_output_names(items, output_dir, path, {item.index: number for item, (number, _) in zip(items, lines)})
     return items
 
 
@@ -135,7 +142,8 @@ def _is_int(value) -> bool:
 
 
 def _output_name(value, where: str) -> str:
-    """A plain file name inside the output folder: no folders, no '..', no hidden files; .png added."""
+    """A plain file name inside the output folder: no folders, no '..', no hidden files; its suffix names the
+    format (.png, .jpg, .jpeg, .webp), and .png is added to any other name."""
     if not isinstance(value, str) or not value.strip():
         raise UsageError(f"{where}: 'output' must be a file name.")
     name = value.strip()
@@ -143,9 +151,25 @@ def _output_name(value, where: str) -> str:
         raise UsageError(f"{where}: 'output' must be a plain file name inside the output folder, not '{value}'.")
     if name == MANIFEST or name.startswith("manifest-rank"):
         raise UsageError(f"{where}: 'output' may not be named {name} (the manifest's name).")
-    if not name.lower().endswith(".png"):
-        name += ".png"
+    from .runner import IMAGE_FORMATS
+
+    if Path(name).suffix.lower() not in IMAGE_FORMATS:
+        name += ".png"  # as before .jpg/.webp were written: shot.001 and x.v2 stay PNGs named shot.001.png
     return name
+
+
+def check_output_names(items: list[QueueItem], folder: str | os.PathLike, path: str | os.PathLike,
+                       numbers: dict[int, int] | None = None) -> None:
+    """Every item's file in `folder` is a name (and path) the file system takes, with room for its temporary
+    name, and a JPEG's metadata fits: checked when the queue is read, before anything loads."""
+    from .runner import check_file_name, check_metadata_room, name_limits
+
+    folder = Path(folder)
+    limits = name_limits(folder)  # one file system for every item
+    for item in items:
+        where = f"{path}, line {numbers[item.index]}" if numbers else f"{path}, item {item.index}"
+        check_file_name(folder / item.output, f"{where}: 'output'", limits)
+        check_metadata_room(item.output, item.prompt, item.negative_prompt, f"{where}: 'output'")
 
 
 def items_for_rank(items: list[QueueItem], rank: int, world_size: int) -> list[QueueItem]:
@@ -166,15 +190,23 @@ def is_complete(path: Path, expected: dict[str, str]) -> tuple[bool, str]:
     """
     from PIL import Image
 
+    from .runner import image_format, read_image_metadata
+
     if not path.is_file():
         return False, "missing"
     try:
         with Image.open(path) as image:
             image.load()  # decodes every pixel: a truncated or corrupt file fails here
-            text = dict(getattr(image, "text", {}) or {})
-            size = image.size
+            text = read_image_metadata(image)  # PNG text, a JPEG comment or WebP EXIF (as written)
+            size, fmt = image.size, image.format
     except Exception:  # noqa: BLE001 - any unreadable file is simply not a finished output
         return False, "unreadable"
+    try:
+        wanted = image_format(path)
+    except UsageError:
+        wanted = None
+    if fmt != wanted:  # the format the name says (an older dmap wrote PNG bytes under any name)
+        return False, "made in another format"
     for key in MATCHED_METADATA:
         if text.get(key) != expected.get(key):
             return False, f"made for another {key.replace('_', ' ')}"
@@ -185,7 +217,7 @@ def is_complete(path: Path, expected: dict[str, str]) -> tuple[bool, str]:
 
 def remove_stale_temporaries(folder: Path, item: QueueItem) -> None:
     """Temporary files a killed writer left for this item (atomic_write's `.NAME.*.tmp`)."""
-    for stale in folder.glob(f".{item.output}.*.tmp"):
+    for stale in folder.glob(f".{glob.escape(item.output)}.*.tmp"):  # a name may hold [ or *
         try:
             stale.unlink()
         except OSError:

@@ -82,7 +82,7 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
     events = events or QueueEvents()
     ranks = Ranks.from_env()
     select_gpus(ranks, request.gpus_per_rank)  # before anything initialises CUDA
-    items = read_prompts(request.prompts, request.run.seed)
+    items = read_prompts(request.prompts, request.run.seed, request.output_dir)  # names checked before anything loads
     if request.chunk_size is not None and request.chunk_size < 1:
         raise UsageError("--chunk-size must be at least 1.")
     budget = parse_size(request.chunk_memory) if request.chunk_memory else None

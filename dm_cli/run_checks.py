@@ -26,19 +26,25 @@ def check_seed(seed: int, where: str) -> int:
 def check_run_request(output: str | None, save_latents: str | None, num_images: int | None, seed: int,
                       device_map: str) -> None:
     """Raise UsageError for anything about the outputs, seed or plan file that would fail later."""
-    from .runner import image_paths
+    from .runner import check_image_output, image_paths
 
     check_seed(seed, "--seed")
-    targets = [(path, "--output") for path in (image_paths(output, num_images or 1) if output else [])]
+    if num_images is not None:  # inputs.LIMITS, before a name is made for each image
+        from .inputs import check_count
+
+        check_count("num_images", num_images)
+    images = image_paths(output, num_images or 1) if output else []
+    if output:  # the folder is the same for every image: checked once, then only the names that exist (one scan)
+        check_image_output(output, len(images), videos=True)
+        targets = [(path, "--output") for path in dict.fromkeys([images[0], *images.existing()])]
+    else:
+        targets = []
     if save_latents:
         targets.append((Path(save_latents), "--save-latents"))
-    seen: dict[Path, str] = {}
     for path, option in targets:
         _check_writable_file(path, option)
-        resolved = path.resolve()
-        if resolved in seen:
-            raise UsageError(f"{option} {path} is also the {seen[resolved]} file: give different names.")
-        seen[resolved] = option
+    if save_latents and output and images.contains(save_latents):
+        raise UsageError(f"--save-latents {save_latents} is also the --output file: give different names.")
     if device_map not in STRATEGIES:
         if not device_map.endswith(".json") and not os.path.lexists(device_map):
             raise UsageError(device_map_refusal(device_map))

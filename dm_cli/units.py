@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 
 from .errors import UsageError
 
@@ -23,14 +24,23 @@ _UNITS = {
     "TIB": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# No device, file or checkpoint holds more than 1 EiB: a larger size is a typo (or 400 nines, which
+# float() makes infinite). Every size dmap reads (--max-memory, --overhead, --max-shard-size,
+# --chunk-memory, plan files, index total_size) is refused above it.
+MAX_SIZE_BYTES = 2**60
+MAX_SIZE_TEXT = "1 EiB"
+# Larger GPU indices name no GPU any machine has (--max-memory, plan files).
+MAX_GPU_INDEX = 1023
 
 
 def parse_size(text: str | int) -> int:
-    """`16GB` = 16e9, `16GiB` = 16*2**30, case-insensitive (unlike accelerate, `gb` is never bits)."""
-    if isinstance(text, int):
+    """`16GB` = 16e9, `16GiB` = 16*2**30, case-insensitive (unlike accelerate, `gb` is never bits).
+
+    Exact decimal arithmetic (no float: it overflows to inf and rounds large sizes), at most 1 EiB."""
+    if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise UsageError(f"Size {text} is negative.")
-        return text
+        return check_size_bound(text, "Size " + shorten(text))
     match = _SIZE_RE.match(str(text))
     if not match:
         if str(text).strip().startswith("-"):
@@ -40,7 +50,25 @@ def parse_size(text: str | int) -> int:
     unit = unit.upper()
     if unit not in _UNITS:
         raise UsageError(f"Unknown unit '{match.group(2)}' in size '{text}': use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB.")
-    return int(round(float(number) * _UNITS[unit]))
+    if len(number.partition(".")[0].lstrip("0")) > 40:  # 40 digits before the point: refused before arithmetic
+        raise UsageError(f"Size '{shorten(text)}' is more than {MAX_SIZE_TEXT}: no device or file is that large.")
+    value = int((Decimal(number) * _UNITS[unit]).to_integral_value())  # round half even, as round() did
+    return check_size_bound(value, f"Size '{shorten(text)}'")
+
+
+def check_size_bound(value: int, what: str) -> int:
+    """`value` when it is at most 1 EiB, else a UsageError saying `what` is too large."""
+    if value > MAX_SIZE_BYTES:
+        raise UsageError(f"{what} is more than {MAX_SIZE_TEXT}: no device or file is that large.")
+    return value
+
+
+def shorten(text, limit: int = 40, quote: bool = False) -> str:
+    """Text (or an int of any size) for a message, at most about `limit` characters; `quote`: as repr()."""
+    if isinstance(text, int) and text.bit_length() > 4 * limit:
+        return f"a number of about {int(text.bit_length() * 0.30103)} digits"
+    text = repr(text) if quote else str(text).strip()
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-8:]}"
 
 
 def format_size(num_bytes: int | float, binary: bool = False) -> str:
@@ -129,10 +157,11 @@ DTYPE_ALIASES = {  # what --dtype (and a plain dtype in --weights) accepts
 
 
 def parse_dtype(text: str) -> str:
-    """`bf16|fp16|fp32` (or torch spellings) -> torch dtype name."""
-    name = DTYPE_ALIASES.get(str(text).strip().lower())
+    """`bf16|fp16|fp32` (or torch spellings) -> torch dtype name. Callers test `is not None`, never
+    truthiness: an empty --dtype is an unknown dtype, not the default."""
+    name = DTYPE_ALIASES.get(str(text).strip().lower()) if isinstance(text, str) else None
     if name is None:
-        raise UsageError(f"Unknown dtype '{text}': use bf16, fp16 or fp32.")
+        raise UsageError(f"Unknown dtype '{shorten(text)}': use bf16, fp16 or fp32.")
     return name
 
 
@@ -160,10 +189,13 @@ def _parse_device_name(name: str) -> int | str:
     from .devices import device_key
 
     try:
-        return device_key(name)
+        device = device_key(name)
     except ValueError:
-        raise UsageError(f"Unknown device '{name.strip().lower()}' in --max-memory: use a GPU index (0), cuda:N, cpu, "
-                         "mps or disk.") from None
+        raise UsageError(f"Unknown device '{shorten(name.strip().lower())}' in --max-memory: use a GPU index (0), "
+                         "cuda:N, cpu, mps or disk.") from None
+    if isinstance(device, int) and device > MAX_GPU_INDEX:
+        raise UsageError(f"GPU index {shorten(device)} in --max-memory is above {MAX_GPU_INDEX}: no machine has it.")
+    return device
 
 
 def parse_device_spec(spec: str) -> list[DeviceBudget]:

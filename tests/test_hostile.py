@@ -419,7 +419,7 @@ def test_5_plan_file_names_are_rendered_inert(capsys):
     plan = _plan_document()
     plan["components"]["\x1b[2Jvae"] = plan["components"].pop("vae")
     plan["components"]["\x1b[2Jvae"]["class"] = "[/oops]\x1b]0;t\x07"
-    plan["components"]["\x1b[2Jvae"]["device_map"] = {"[/b]\x1b[1m": 0, "up": 1}
+    plan["components"]["\x1b[2Jvae"]["device_map"] = {"down": 0, "up": 1}  # a key that is no module name: exit 2
     plan["stages"][0]["components"] = ["\x1b[2Jvae"]
     plan["warnings"] = ["[/oops] \x1b[2J"]
     render_plan(Plan.from_json(plan))

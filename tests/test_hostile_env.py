@@ -14,26 +14,12 @@ from pathlib import Path
 import pytest
 
 from dm_cli.errors import UsageError
+from test_hostile import cli
 
 TIMEOUT_S = 30  # a hang is a failure, not a stuck suite
 
 
 # --- helpers ----------------------------------------------------------------------------------------
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    """The real entry point, in-process: exit code, stdout, stderr."""
-    from dm_cli.cli import main
-
-    capsys.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 1
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err, err
-    return code, out, err
 
 
 def _unblock_fifos(root: Path) -> None:

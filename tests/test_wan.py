@@ -31,9 +31,9 @@ def test_inspect_lists_both_experts_with_exact_sizes():
 
 @pytest.mark.parametrize("args,message", [
     (["--frames", "80"], "--frames 80 is not 4k+1"),
-    (["--frames", "0"], "--frames must be at least 1"),
+    (["--frames", "0"], "--frames must be a whole number >= 1"),
     (["--height", "72", "--width", "64"], "--height 72 is not a multiple of 16"),
-    (["--fps", "0"], "--fps must be at least 1"),
+    (["--fps", "0"], "--fps must be a whole number >= 1"),
 ])
 def test_bad_video_inputs_are_one_sentence_and_exit_2(args, message):
     code, out, err = run_dmap("plan", "tiny-wan", "--max-memory", "0=1GB", *args)

@@ -23,7 +23,7 @@ def inspect(
 
     with status(f"Inspecting {source}: reading configs and headers…"):
         report = inspect_source(
-            source, dtype=parse_dtype(dtype) if dtype else None, component=component, depth=depth, use_cache=not no_cache,
+            source, dtype=parse_dtype(dtype) if dtype is not None else None, component=component, depth=depth, use_cache=not no_cache,
             weights=weights,
         )
     if as_json:

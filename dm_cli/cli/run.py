@@ -36,7 +36,8 @@ def run(
     frames: int | None = typer.Option(None, "--frames", help="Video pipelines: frames to generate, 4k+1 for Wan (default: the pipeline's, 81)."),
     fps: int | None = typer.Option(None, "--fps", help="Video pipelines: frames per second of the video (default: the pipeline's, 16 for Wan)."),
     output: str | None = typer.Option(None, "--output", "-o",
-                                      help="PNG to write (prompt, seed and plan in its metadata; default dmap.png); videos: "
+                                      help="Image to write, in the format its suffix names: .png (default dmap.png), .jpg/.jpeg or .webp "
+                                           "(prompt, seed and plan in its metadata); videos: "
                                            "out.mp4 (the default dmap.mp4), out.webp, out.gif or a folder out/ of PNG frames, "
                                            "each with a JSON sidecar; with --prompts the folder (default dmap-out)."),
     save_latents: str | None = typer.Option(None, "--save-latents", help="Also write the final latents (safetensors)."),
@@ -69,6 +70,14 @@ def run(
 
         which = "Missing option '--prompt'" if prompt is None else "Both --prompt and --prompts given"
         raise usage_error(f"{which}: give --prompt TEXT for one image or --prompts FILE for a queue.", ctx)
+    from ..inputs import check_counts
+    from ..units import parse_dtype
+
+    # counts no run could use and an unknown (or empty) --dtype: refused before outputs, plans or SOURCE
+    check_counts(steps=steps, num_images=num_images, height=height, width=width,
+                 max_sequence_length=max_sequence_length, num_frames=frames, fps=fps)
+    if dtype is not None:
+        parse_dtype(dtype)
 
     def _request(output):
         """The run options, one RunRequest for one prompt and for a queue alike."""
