@@ -151,7 +151,7 @@ def _output_name(value, where: str) -> str:
         raise UsageError(f"{where}: 'output' must be a plain file name inside the output folder, not '{value}'.")
     if name == MANIFEST or name.startswith("manifest-rank"):
         raise UsageError(f"{where}: 'output' may not be named {name} (the manifest's name).")
-    from .runner import IMAGE_FORMATS
+    from .images import IMAGE_FORMATS
 
     if Path(name).suffix.lower() not in IMAGE_FORMATS:
         name += ".png"  # as before .jpg/.webp were written: shot.001 and x.v2 stay PNGs named shot.001.png
@@ -162,7 +162,7 @@ def check_output_names(items: list[QueueItem], folder: str | os.PathLike, path: 
                        numbers: dict[int, int] | None = None) -> None:
     """Every item's file in `folder` is a name (and path) the file system takes, with room for its temporary
     name, and a JPEG's metadata fits: checked when the queue is read, before anything loads."""
-    from .runner import check_file_name, check_metadata_room, name_limits
+    from .images import check_file_name, check_metadata_room, name_limits
 
     folder = Path(folder)
     limits = name_limits(folder)  # one file system for every item
@@ -190,7 +190,7 @@ def is_complete(path: Path, expected: dict[str, str]) -> tuple[bool, str]:
     """
     from PIL import Image
 
-    from .runner import image_format, read_image_metadata
+    from .images import image_format, read_image_metadata
 
     if not path.is_file():
         return False, "missing"

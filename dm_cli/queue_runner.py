@@ -131,7 +131,7 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
     if events.on_start is not None:
         events.on_start(result)
     manifest = folder / (MANIFEST if not ranks.distributed else rank_manifest_name(ranks.rank))
-    from .runner import save_images
+    from .images import save_images
 
     by_index = {item.index: item for item in todo}
     try:

@@ -26,7 +26,7 @@ def check_seed(seed: int, where: str) -> int:
 def check_run_request(output: str | None, save_latents: str | None, num_images: int | None, seed: int,
                       device_map: str) -> None:
     """Raise UsageError for anything about the outputs, seed or plan file that would fail later."""
-    from .runner import check_image_output, image_paths
+    from .images import check_image_output, image_paths
 
     check_seed(seed, "--seed")
     if num_images is not None:  # inputs.LIMITS, before a name is made for each image

@@ -34,7 +34,7 @@ def _count_stats(monkeypatch) -> list:
 def test_8_names_for_many_images_are_made_on_demand_and_collisions_found_with_one_scan(tmp_path, monkeypatch):
     """`--num-images 1000000000` hung: a Path per image, then a stat (and a resolve) per name. The names are
     now made when asked for, and what already exists is found by one scan of the folder, whatever the count."""
-    from dm_cli.runner import existing_image_paths, image_paths
+    from dm_cli.images import existing_image_paths, image_paths
 
     count = 10**5
     paths = image_paths(tmp_path / "out.png", count)
@@ -75,7 +75,7 @@ def test_8_an_existing_output_among_many_is_still_refused(tmp_path, monkeypatch)
     from dm_cli.atomic import refuse_existing
     from dm_cli.errors import UsageError
     from dm_cli.run_checks import check_run_request
-    from dm_cli.runner import existing_image_paths
+    from dm_cli.images import existing_image_paths
 
     (tmp_path / "out-4999.png").mkdir()
     with pytest.raises(UsageError, match="out-4999.png is a folder"):
@@ -135,7 +135,7 @@ def _pipeline_must_not_start(monkeypatch):
 def test_13_image_bytes_are_the_format_the_suffix_names_with_readable_metadata(tmp_path, suffix):
     """`-o out.jpg` wrote PNG bytes under a .jpg name."""
     from dm_cli.queue import is_complete
-    from dm_cli.runner import read_image_metadata, save_images
+    from dm_cli.images import read_image_metadata, save_images
 
     image = Image.new("RGB", (32, 32), (200, 30, 40))
     written = save_images([image], str(tmp_path / f"out.{suffix}"), METADATA)
@@ -152,7 +152,7 @@ def test_13_image_bytes_are_the_format_the_suffix_names_with_readable_metadata(t
 
 
 def test_13_no_suffix_is_a_png_under_the_name_given(tmp_path):
-    from dm_cli.runner import save_images
+    from dm_cli.images import save_images
 
     image = Image.new("RGB", (8, 8))
     assert save_images([image], str(tmp_path / "out"), METADATA) == [str(tmp_path / "out")]
@@ -185,7 +185,7 @@ def test_13_a_video_suffix_for_an_image_pipeline_is_exit_2_before_weights_are_re
 
 
 def test_13_a_prompt_too_long_for_a_jpeg_comment_is_refused_first(tmp_path, monkeypatch, capsys):
-    from dm_cli.runner import check_metadata_room
+    from dm_cli.images import check_metadata_room
 
     check_metadata_room("out.jpg", "a fox " * 1000, None, "--output")
     check_metadata_room("out.png", "a fox " * 100_000, None, "--output")  # PNG text has no such limit
@@ -211,7 +211,7 @@ def test_13_queue_output_keeps_an_image_suffix_and_adds_png_to_others(tmp_path, 
 
 def test_13_a_run_writes_the_format_its_output_names(tmp_path, capsys):
     """End to end through `dmap run` (the random-weight demo): a WebP with the run's metadata in it."""
-    from dm_cli.runner import read_image_metadata
+    from dm_cli.images import read_image_metadata
 
     code, _, err = cli(capsys, "run", "-p", "a fox", "--steps", 1, "--height", 64, "--width", 64,
                          "-o", tmp_path / "fox.webp", "-q")
@@ -225,7 +225,7 @@ def test_13_a_run_writes_the_format_its_output_names(tmp_path, capsys):
 def test_13_png_bytes_under_a_jpeg_name_do_not_count_as_a_finished_queue_item(tmp_path):
     """What an older dmap wrote for `-o x.jpg`: resuming must redo it as a real JPEG, not skip it."""
     from dm_cli.queue import is_complete
-    from dm_cli.runner import save_images
+    from dm_cli.images import save_images
 
     save_images([Image.new("RGB", (32, 32))], str(tmp_path / "x.png"), METADATA)
     (tmp_path / "x.png").rename(tmp_path / "x.jpg")
