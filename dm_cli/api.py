@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from .errors import UsageError
-from .run_checks import check_seed
 from .queue import QueueItem, chunk_size_for, chunks, default_output_name
+from .run_checks import check_seed
 
 # What embeddings and latents waiting between stages may take by default: this share of the RAM
 # available when the queue starts (the components themselves need the rest).
@@ -53,18 +53,19 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          width: int | None = None, batch_size: int = 1, num_images: int = 1, guidance_scale: float | None = None,
          max_sequence_length: int | None = None, strategy: str = "auto", mode: str = "auto", dtype: str | None = None,
          overhead: str | None = None, component: str | None = None, check: bool = True, use_cache: bool = True,
-         num_frames: int | None = None, fps: int | None = None, weights: str | None = None):
+         num_frames: int | None = None, fps: int | None = None, weights: str | None = None,
+         on_progress: Callable[[str], None] | None = None):
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
     None: the pipeline's default size (the one `dmap run` uses); 0 plans weights only. Raises
-    `DoesNotFitError` (with the nearest change that fits) when nothing fits.
+    `DoesNotFitError` (with the nearest change that fits) when nothing fits. `on_progress(message)`
+    hears each step as it starts (resolving, sizing and tracing each component, the split check).
     """
+    from .demo import source_root
     from .inputs import InputSpec
     from .plans import PlanOptions, make_named_plan
     from .units import parse_dtype
-
-    from .demo import source_root
 
     spec, root, defaults = source_root(source)
     pick = lambda given, key: defaults.get(key) if given is None else given  # noqa: E731 - the demo's defaults
@@ -72,7 +73,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
                        pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"),
                        num_frames=num_frames, fps=fps)
     options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype is not None else None,
-                          overhead, component, check, use_cache, weights)
+                          overhead, component, check, use_cache, weights, on_progress=on_progress)
     return make_named_plan(root, spec, options)
 
 
@@ -126,12 +127,21 @@ class Pipeline:
                      num_frames=request.num_frames, fps=request.fps)
         if request.dtype is not None:
             parse_dtype(request.dtype)
-        from .runner import (
-            TRACKED_STEPS, check_component_files, check_devices_present, check_plan_matches,
-            check_tiled_decode, inputs_from_plan, make_run_plan, plan_digest, prepare, quiet_libraries, settle_job,
-        )
         from .planner import STRATEGIES
         from .run_checks import device_map_refusal
+        from .runner import (
+            TRACKED_STEPS,
+            check_component_files,
+            check_devices_present,
+            check_plan_matches,
+            check_tiled_decode,
+            inputs_from_plan,
+            make_run_plan,
+            plan_digest,
+            prepare,
+            quiet_libraries,
+            settle_job,
+        )
         from .stages import StageLoop
 
         status = on_status or (lambda message: None)
@@ -142,6 +152,8 @@ class Pipeline:
         self.source, self.family, self.demo, self.notices = source, family, demo, notices
         if is_file:
             plan = load_plan(request.device_map)
+        if plan is not None and not request.simulate:  # before anything is shown or torch is imported
+            check_devices_present(plan)
         if plan is not None:  # a plan's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
             defaults = {**defaults, **inputs_from_plan(plan)}
         # Settle the inputs first: the plan is made for (and checked against) them.
@@ -165,10 +177,11 @@ class Pipeline:
             plan = make_run_plan(source, request, inputs)
         status(None)
         self.plan = plan
+        if not request.simulate:
+            check_devices_present(plan)  # a plan made here: before it is shown
         if on_plan is not None:
             on_plan(plan)
         if not request.simulate:
-            check_devices_present(plan)
             from .weight_formats import int8_offload_problem
 
             for name, fmt in plan.weights.items():  # before anything loads, not when that component's stage comes

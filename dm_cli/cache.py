@@ -14,9 +14,9 @@ import hashlib
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata as importlib_metadata
-from dataclasses import dataclass
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent

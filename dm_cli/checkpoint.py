@@ -21,7 +21,13 @@ from typing import NamedTuple
 
 from .errors import CheckpointError, SourceError
 from .units import (
-    DTYPE_BYTES, MAX_SIZE_BYTES, MAX_SIZE_TEXT, SAFETENSORS_DTYPES, SUBBYTE_DTYPES, TORCH_TO_SAFETENSORS, numel,
+    DTYPE_BYTES,
+    MAX_SIZE_BYTES,
+    MAX_SIZE_TEXT,
+    SAFETENSORS_DTYPES,
+    SUBBYTE_DTYPES,
+    TORCH_TO_SAFETENSORS,
+    numel,
     shorten,
 )
 
@@ -485,7 +491,7 @@ def open_checkpoint(path: str | os.PathLike, strict: bool = True) -> Checkpoint:
         index = None
         headers = {path.name: header}
         tensors = dict(header.tensors)
-        tensor_files = {name: path.name for name in tensors}
+        tensor_files = dict.fromkeys(tensors, path.name)
         files = [path]
     if strict and problems:
         listed = "; ".join(str(p) for p in problems[:MAX_LISTED_PROBLEMS])

@@ -5,7 +5,8 @@ is a real FluxPipeline folder (model_index.json, configs, sharded safetensors, t
 scheduler) whose weights are generated deterministically from a fixed seed on first use and then
 loaded like any checkpoint. Its images are noise-like: the weights are random, not trained.
 
-`write_random_pipeline` is also how tests give the tiny-* presets weights.
+`write_random_pipeline` is also how tests give the tiny-* presets weights, and `write_preset` (`dmap demo
+PRESET -o DIR`) is how a user does: the `demo` SOURCE name is this pipeline (`is_demo`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import shutil
 import stat
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
@@ -80,9 +82,16 @@ def demo_folder() -> Path:
     return cache_dir() / "demo" / f"flux-demo-{_digest(DEMO_CONFIGS)}"
 
 
+def is_demo(source: str | None) -> bool:
+    """None, or the SOURCE name `demo` when no file or folder of that name is here (a path comes first)."""
+    from .sources import DEMO_SOURCE
+
+    return source is None or (source == DEMO_SOURCE and not Path(source).expanduser().exists())
+
+
 def source_root(source: str | None, status=lambda message: None) -> tuple[str, str, dict]:
-    """(name to show, what to resolve, defaults): None is the demo, generated into the cache on first use."""
-    if source is not None:
+    """(name to show, what to resolve, defaults): None (or `demo`) is the demo, generated into the cache on first use."""
+    if not is_demo(source):
         return source, source, {}
     return "demo", str(ensure_demo(status)), DEMO_DEFAULTS
 
@@ -334,3 +343,103 @@ def _build_random(library: str, cls: str, config: dict):
     from .models import build_model
 
     return build_model(library, cls, config)
+
+
+# --- dmap demo PRESET -o DIR ------------------------------------------------------------------------
+
+# what to try next, per tiny preset: sizes its family accepts, small enough for a laptop CPU
+NEXT_RUN_OPTIONS = {
+    "tiny-wan": '--frames 9 --height 32 --width 32 --steps 4 -o fox.mp4',
+}
+DEFAULT_NEXT_RUN_OPTIONS = "--height 64 --width 64 --steps 2 -o fox.png"
+
+
+def tiny_presets() -> list[str]:
+    from .sources import PRESETS
+
+    return [name for name in PRESETS if name.startswith("tiny-")]
+
+
+@dataclass
+class WrittenPreset:
+    preset: str
+    folder: Path
+    pipeline_class: str
+    seed: int
+    files: int
+    bytes: int
+    notes: list[str]
+
+    def next_command(self) -> str:
+        import shlex
+
+        options = NEXT_RUN_OPTIONS.get(self.preset, DEFAULT_NEXT_RUN_OPTIONS)
+        return f'dmap run {shlex.quote(str(self.folder))} --prompt "a red fox" {options}'
+
+
+def check_preset(preset: str) -> str:
+    """The preset `dmap demo` can write (a tiny one), or exit 2 naming them."""
+    import difflib
+
+    from .sources import PRESETS
+
+    tiny = tiny_presets()
+    if preset in tiny:
+        return preset
+    if preset in PRESETS:
+        raise UsageError(f"'{preset}' is a full-size preset: dmap demo generates only the tiny ones "
+                         f"({', '.join(tiny)}), whose random weights take megabytes, not gigabytes.")
+    close = difflib.get_close_matches(preset.lower(), tiny, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise UsageError(f"Unknown preset '{preset}': {hint}dmap demo generates one of {', '.join(tiny)}.")
+
+
+def write_preset(preset: str, output: str | Path, seed: int = 0, overwrite: bool = False,
+                 status=lambda message: None) -> WrittenPreset:
+    """A tiny preset as a runnable pipeline folder with random weights (`seed`), written to a hidden folder
+    beside `output` and published there only when complete (swap.publish; `overwrite` replaces an output
+    dmap could have written, atomic.refuse_existing)."""
+    from .atomic import _umask, refuse_existing
+    from .sources import PRESETS, PRESETS_DIR
+    from .swap import TEMP_MARK, hidden_name, publish, recover
+
+    preset = check_preset(preset)
+    if not 0 <= seed < 2**32:
+        raise UsageError(f"--seed {seed} is out of range: give 0 to {2**32 - 1}.")
+    out = Path(output).expanduser()
+    if not out.name or out.name in (".", ".."):
+        raise UsageError(f"--output {output} names no folder: give a new folder name, such as {preset}.")
+    refuse_existing([out], overwrite)
+    parent = out.parent
+    if not parent.is_dir():
+        raise UsageError(f"Cannot write {out}: its parent folder {parent} does not exist.")
+    notes = recover(out, overwrite)
+    from .runner import quiet_libraries
+
+    quiet_libraries()  # the libraries' save bars would interleave with dmap's own output
+    staging = hidden_name(out, TEMP_MARK)  # a kill leaves a folder the next write of this output removes
+    try:
+        staging.mkdir()
+        status(f"Generating {preset}'s random weights (seed {seed})…")
+        write_random_pipeline(PRESETS_DIR / PRESETS[preset], staging, seed=seed)
+        os.chmod(staging, 0o777 & ~_umask())
+        files = _walk(staging) or {}
+        _fsync_tree(staging)
+        publish(staging, out, overwrite)
+    except OSError as error:
+        raise UsageError(f"Cannot write {out}: {error.strerror or error}; nothing was left there.") from None
+    finally:
+        if os.path.lexists(staging):
+            _remove(staging)
+    index = json.loads((out / "model_index.json").read_text())
+    return WrittenPreset(preset, out, index.get("_class_name", "?"), seed, len(files), sum(files.values()), notes)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for root, _, names in os.walk(folder):
+        for name in names:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

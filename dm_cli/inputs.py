@@ -24,6 +24,11 @@ LIMITS = {
     "fps": 1000,
     "max_sequence_length": 4096,
 }
+# Pixels one call of a pipeline makes (batch x images x frames x height x width): 2^32, sixteen 16384x16384
+# images or about 4,660 frames of 1280x720. Each count can be within LIMITS while their product is beyond
+# what any VAE decodes (its full-resolution features alone would take terabytes) and the meta trace
+# of such a call runs for minutes: refused before anything is traced.
+MAX_PIXELS = 2**32
 # the smallest value of each (height/width 0: a weights-only plan)
 LOWEST = {"height": 0, "width": 0}
 FLAGS = {"num_frames": "--frames"}
@@ -79,6 +84,21 @@ class InputSpec:
         if self.guidance_scale is not None and (isinstance(self.guidance_scale, bool) or not isinstance(
                 self.guidance_scale, (int, float)) or not math.isfinite(self.guidance_scale)):
             raise UsageError(f"--guidance-scale must be a finite number, not {self.guidance_scale!r}.")
+        self._check_pixels()
+
+    def _check_pixels(self) -> None:
+        """Refuse a call of more than MAX_PIXELS pixels (sizes the pipeline settles later are not counted)."""
+        if self.height is None or self.width is None:
+            return
+        frames = self.num_frames or 1
+        pixels = self.effective_batch * frames * self.height * self.width
+        if pixels <= MAX_PIXELS:
+            return
+        what = f"{self.height}x{self.width}" + (f" x {frames} frames" if self.num_frames else "")
+        if self.effective_batch > 1:
+            what += f" x batch {self.effective_batch} (--batch-size x --num-images)"
+        raise UsageError(f"{what} is {pixels:,} pixels in one call, more than any pipeline decodes at once "
+                         f"(at most {MAX_PIXELS:,}): use a smaller size, fewer frames or fewer images.")
 
     @property
     def weights_only(self) -> bool:

@@ -163,7 +163,7 @@ def _checkpoint_keys(model, keys: list[str], comp) -> dict[str, str]:
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
-    present = {name: True for name in model.state_dict()}  # names only: the model is empty
+    present = dict.fromkeys(model.state_dict(), True)  # names only: the model is empty
     out = {}
     for key in keys:
         name, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, present)
@@ -182,7 +182,6 @@ def free_components(models: list) -> None:
     high-noise expert in a local variable until the next step) does not keep the weights alive.
     """
     import torch
-
     from accelerate.hooks import remove_hook_from_module
 
     while models:

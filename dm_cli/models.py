@@ -76,6 +76,7 @@ def build_model(library: str | None, class_name: str, config: dict, device: str 
 
     def construct():
         if transformers_style:
+            quiet_rope_config_warnings()
             clean = {k: v for k, v in config.items() if k not in _VOLATILE_KEYS}
             return cls(cls.config_class.from_dict(clean))
         from diffusers.utils import logging as diffusers_logging
@@ -101,3 +102,37 @@ def build_model(library: str | None, class_name: str, config: dict, device: str 
     if device is not None and hasattr(model, "tie_weights"):
         model.tie_weights()
     return model
+
+
+# What transformers says while building a config whose RoPE settings predate its standardisation
+# (Qwen-Image's Qwen2_5_VLConfig: `rope_scaling` with `mrope_section`): advice to the model's authors,
+# printed on the first build of such a config. Only these messages are dropped, from their own loggers.
+_ROPE_NOISE = {
+    "transformers.configuration_utils": lambda message: "got `key=rope_scaling` in kwargs but hasn't set it as attribute"
+                                                         in message,
+    "transformers.modeling_rope_utils": lambda message: message.startswith("Unrecognized keys in `rope_parameters`")
+                                                         and message.rstrip().endswith("{'mrope_section'}"),
+}
+
+
+class _DropMessage:
+    """A logging filter that drops the records `matches` accepts."""
+
+    def __init__(self, matches):
+        self.matches = matches
+
+    def filter(self, record) -> bool:
+        try:
+            return not self.matches(record.getMessage())
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted is left to logging
+            return True
+
+
+def quiet_rope_config_warnings() -> None:
+    """Drop transformers' RoPE-standardisation warnings (`_ROPE_NOISE`) for the whole process, once."""
+    import logging
+
+    for name, matches in _ROPE_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) for f in logger.filters):
+            logger.addFilter(_DropMessage(matches))

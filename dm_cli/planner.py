@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .devices import covers
 
@@ -179,91 +180,109 @@ def component_blocks(
     directly by the root when it has children become entries of their own (tensor name keys).
     Returns (blocks, warnings).
     """
-    children: dict[str, list[str]] = {prefix: [] for prefix, _ in modules}
-    children.setdefault("", [])
-    cls_of = dict(modules)
-    for prefix in children:
-        if prefix:
-            parent = prefix.rpartition(".")[0]
-            while parent not in children and parent:
-                parent = parent.rpartition(".")[0]
-            children[parent].append(prefix)
-    direct: dict[str, list[tuple[str, int]]] = {}
-    subtree_bytes: dict[str, int] = {}
-    for name, nbytes in tensor_bytes:
-        owner = name.rpartition(".")[0]
-        while owner not in children and owner:
-            owner = owner.rpartition(".")[0]
-        direct.setdefault(owner, []).append((name, nbytes))
-        prefix = owner
-        while True:
-            subtree_bytes[prefix] = subtree_bytes.get(prefix, 0) + nbytes
-            if not prefix:
-                break
-            parent = prefix.rpartition(".")[0]
-            while parent not in children and parent:
-                parent = parent.rpartition(".")[0]
-            prefix = parent
-    no_split = set(no_split_classes)
-    unsplit = set(unsplittable)
+    tree = _ModuleTree.of(modules, tensor_bytes)
     found: list[tuple[str, int]] = []
+    _collect_atomic(tree, "", set(no_split_classes), set(unsplittable), found)
     warnings: list[str] = []
-
-    def walk(prefix: str) -> None:
-        holds = subtree_bytes.get(prefix, 0)
-        if prefix not in subtree_bytes:
-            return  # no tensors below: nothing to place
-        kids = [c for c in children[prefix] if c in subtree_bytes]
-        atomic = cls_of.get(prefix) in no_split or prefix in unsplit or not kids or (prefix and prefix in direct)
-        if prefix and atomic:
-            found.append((prefix, holds))
-            return
-        if not prefix and (not kids or "" in unsplit):
-            found.append(("", holds))
-            return
-        for name, nbytes in direct.get(prefix, []):  # root's own tensors
-            found.append((name, nbytes))
-        for child in kids:
-            walk(child)
-
-    walk("")
-    position: dict[str, int] = {}
     if execution_order:
+        position: dict[str, int] = {}
         for index, prefix in enumerate(execution_order):
             position.setdefault(prefix, index)
-
-    def first_call(block: str) -> float:
-        if block not in cls_of:  # a tensor held by a module that has children: when its owner starts
-            owner = block.rpartition(".")[0]
-            return -1 if not owner else position.get(owner, float("inf"))
-        best = position.get(block, float("inf"))
-        dotted = block + "."
-        for prefix, index in position.items():
-            if index < best and prefix.startswith(dotted):
-                best = index
-        return best
-
-    registration = {name: i for i, (name, _) in enumerate(found)}
-    if execution_order:
-        order = sorted(found, key=lambda item: (first_call(item[0]), registration[item[0]]))
-        never = [name for name, _ in found if first_call(name) == float("inf")]
+        registration = {name: i for i, (name, _) in enumerate(found)}
+        order = sorted(found, key=lambda item: (_first_call(item[0], tree.cls_of, position), registration[item[0]]))
+        never = [name for name, _ in found if _first_call(name, tree.cls_of, position) == float("inf")]
         if never:
             shown = ", ".join(never[:4]) + (", …" if len(never) > 4 else "")
             warnings.append(f"{len(never)} block(s) never ran in the trace ({shown}): placed after the others.")
     else:
         order = found
     peaks = module_peaks or {}
-
-    def peak_of(block: str) -> int:
-        if block in peaks:
-            return peaks[block]
-        dotted = block + "."
-        inside = [v for k, v in peaks.items() if k.startswith(dotted)]
-        return max(inside) if inside else 0
-
-    blocks = [Block(name, nbytes, peak_of(name)) for name, nbytes in order]
+    blocks = [Block(name, nbytes, _peak_of(name, peaks)) for name, nbytes in order]
     blocks = _tie_aliases(blocks, tie_groups)
     return _merge_groups(blocks, same_device_groups or {}), warnings
+
+
+def _enclosing(name: str, modules) -> str:
+    """The nearest module in `modules` that encloses a dotted name ("" for the root)."""
+    parent = name.rpartition(".")[0]
+    while parent not in modules and parent:
+        parent = parent.rpartition(".")[0]
+    return parent
+
+
+@dataclass
+class _ModuleTree:
+    """A skeleton's modules: children, class, the tensors each holds directly, the bytes below each one."""
+
+    children: dict[str, list[str]]
+    cls_of: dict[str, str]
+    direct: dict[str, list[tuple[str, int]]]
+    subtree_bytes: dict[str, int]  # only modules with tensors below them
+
+    @classmethod
+    def of(cls, modules: list[tuple[str, str]], tensor_bytes: list[tuple[str, int]]) -> _ModuleTree:
+        children: dict[str, list[str]] = {prefix: [] for prefix, _ in modules}
+        children.setdefault("", [])
+        for prefix in children:
+            if prefix:
+                children[_enclosing(prefix, children)].append(prefix)
+        direct: dict[str, list[tuple[str, int]]] = {}
+        subtree_bytes: dict[str, int] = {}
+        for name, nbytes in tensor_bytes:
+            owner = _enclosing(name, children)
+            direct.setdefault(owner, []).append((name, nbytes))
+            prefix = owner
+            while True:
+                subtree_bytes[prefix] = subtree_bytes.get(prefix, 0) + nbytes
+                if not prefix:
+                    break
+                prefix = _enclosing(prefix, children)
+        return cls(children, dict(modules), direct, subtree_bytes)
+
+
+def _collect_atomic(tree: _ModuleTree, prefix: str, no_split: set[str], unsplit: set[str],
+                    found: list[tuple[str, int]]) -> None:
+    """Append the atomic blocks under `prefix` to `found`, in registration order: a module stops the walk
+    when it is a no-split class, unsplittable, a leaf, or holds tensors itself; the root's own tensors
+    (when it has children) become entries of their own."""
+    holds = tree.subtree_bytes.get(prefix, 0)
+    if prefix not in tree.subtree_bytes:
+        return  # no tensors below: nothing to place
+    kids = [c for c in tree.children[prefix] if c in tree.subtree_bytes]
+    atomic = tree.cls_of.get(prefix) in no_split or prefix in unsplit or not kids or (prefix and prefix in tree.direct)
+    if prefix and atomic:
+        found.append((prefix, holds))
+        return
+    if not prefix and (not kids or "" in unsplit):
+        found.append(("", holds))
+        return
+    for name, nbytes in tree.direct.get(prefix, []):  # root's own tensors
+        found.append((name, nbytes))
+    for child in kids:
+        _collect_atomic(tree, child, no_split, unsplit, found)
+
+
+def _first_call(block: str, cls_of: dict[str, str], position: dict[str, int]) -> float:
+    """When a block first runs (its index in the execution order; inf when never): its own first call or
+    any of its submodules'; a tensor entry of the root runs when its owner starts (the root: first)."""
+    if block not in cls_of:  # a tensor held by a module that has children: when its owner starts
+        owner = block.rpartition(".")[0]
+        return -1 if not owner else position.get(owner, float("inf"))
+    best = position.get(block, float("inf"))
+    dotted = block + "."
+    for prefix, index in position.items():
+        if index < best and prefix.startswith(dotted):
+            best = index
+    return best
+
+
+def _peak_of(block: str, peaks: dict[str, int]) -> int:
+    """A block's activation peak: its own from the trace, else the largest of its submodules' (0 if none)."""
+    if block in peaks:
+        return peaks[block]
+    dotted = block + "."
+    inside = [v for k, v in peaks.items() if k.startswith(dotted)]
+    return max(inside) if inside else 0
 
 
 def _covering(blocks: list[Block], tensor: str) -> int | None:
@@ -399,6 +418,47 @@ def _fits(use: dict[str, DeviceUse], devices: dict[str, Device]) -> bool:
     return True
 
 
+class _FillState:
+    """What one fill has charged so far: each GPU's weights and largest activation, the offload devices'
+    free room, the GPU cursor (a component's blocks never return to an earlier GPU) and unplaced bytes."""
+
+    def __init__(self, gpu_order: list[Device], limits: dict[str, int], offload: list[Device],
+                 reserves: dict[str, int]):
+        self.gpu_order = gpu_order
+        self.limits = limits
+        self.offload = offload
+        self.reserves = reserves
+        self.weights = {d.name: 0 for d in gpu_order}
+        self.acts: dict[str, int] = {d.name: 0 for d in gpu_order}
+        self.off_free = {d.name: d.capacity for d in offload}
+        self.cursor = 0
+        self.unplaced = 0
+
+    def room(self, device: Device, add_weights: int, add_act: int) -> bool:
+        """Whether `device` stays within its limit with `add_weights` more and an activation of `add_act`
+        (activations on one device peak one at a time; the pre-charged reserve and overhead count too)."""
+        key = device.name
+        total = (self.weights[key] + add_weights + self.reserves.get(key, 0) + max(self.acts[key], add_act)
+                 + device.overhead)
+        return total <= self.limits[key]
+
+    def take(self, device: Device, add_weights: int, add_act: int) -> None:
+        self.weights[device.name] += add_weights
+        self.acts[device.name] = max(self.acts[device.name], add_act)
+
+    def offload_target(self, nbytes: int) -> int | str:
+        """The first offload device with room for `nbytes` (cpu, then disk); when none has room the bytes
+        count as unplaced (the candidate is rejected) and are put on the last one."""
+        for device in self.offload:
+            free = self.off_free[device.name]
+            if free is None or free >= nbytes:
+                if free is not None:
+                    self.off_free[device.name] = free - nbytes
+                return device.key
+        self.unplaced += nbytes
+        return self.offload[-1].key if self.offload else "cpu"
+
+
 def _fill(comps: list[ComponentInput], gpu_order: list[Device], limits: dict[str, int],
           offload: list[Device], reserves: dict[str, int], prefer_whole: bool, skip: bool = False) -> _Cand:
     """Contiguous fill in execution order: GPUs in `gpu_order` up to `limits`, then cpu, then disk.
@@ -407,92 +467,84 @@ def _fill(comps: list[ComponentInput], gpu_order: list[Device], limits: dict[str
     whole to the first GPU (from the cursor) with room. `reserves` pre-charges offload reserves.
     With `skip`, a block that misses the last GPU is offloaded alone and later blocks still try it.
     """
-    weights = {d.name: 0 for d in gpu_order}
-    acts: dict[str, int] = {d.name: 0 for d in gpu_order}
-    used = {d.name: False for d in gpu_order}
-    off_free = {d.name: d.capacity for d in offload}
+    state = _FillState(gpu_order, limits, offload, reserves)
     maps: dict[str, dict[str, int | str]] = {}
-    unplaced = 0
-
-    def room(device: Device, add_weights: int, add_act: int) -> bool:
-        key = device.name
-        total = weights[key] + add_weights + reserves.get(key, 0) + max(acts[key], add_act) + device.overhead
-        return total <= limits[key]
-
-    def take(device: Device, add_weights: int, add_act: int) -> None:
-        weights[device.name] += add_weights
-        acts[device.name] = max(acts[device.name], add_act)
-        used[device.name] = True
-
-    def offload_whole_or_block(nbytes: int):
-        for device in offload:
-            free = off_free[device.name]
-            if free is None or free >= nbytes:
-                if free is not None:
-                    off_free[device.name] = free - nbytes
-                return device.key
-        return None
-
-    cursor = 0
     for comp in comps:
         whole_act = max(comp.activation_peak, comp.io_bytes, max((b.activation for b in comp.blocks), default=0))
-        total = comp.weights_bytes
         if not comp.splittable or prefer_whole:
-            candidates = gpu_order[cursor:] if not prefer_whole else gpu_order
-            fitting = [d for d in candidates if room(d, total, whole_act)]
-            if fitting:
-                if prefer_whole:  # best fit: the GPU left with the least room
-                    device = min(fitting, key=lambda d: limits[d.name] - weights[d.name])
-                else:
-                    device = fitting[0]
-                take(device, total, whole_act)
-                maps[comp.name] = {"": device.key}
-                if not prefer_whole:
-                    cursor = gpu_order.index(device)
+            whole = _place_whole(state, comp, whole_act, prefer_whole)
+            if whole is not None:
+                maps[comp.name] = whole
                 continue
-            if not comp.splittable:
-                target = offload_whole_or_block(total)
-                if target is None:
-                    unplaced += total
-                    target = offload[-1].key if offload else "cpu"
-                maps[comp.name] = {"": target}
-                continue
-        comp_map: dict[str, int | str] = {}
-        comp_acts: dict[str, int] = {}
-        gpu_keys = {d.key for d in gpu_order}
-        for index, block in enumerate(comp.blocks):
-            placed = False
-            while cursor < len(gpu_order):
-                device = gpu_order[cursor]
-                act = block.activation
-                if comp.io_bytes and (index == 0 or index == len(comp.blocks) - 1):
-                    act = max(act, comp.io_bytes)
-                if index == len(comp.blocks) - 1 and not any(
-                        d in gpu_keys and d != device.key for d in comp_map.values()):
-                    # the last block here runs the whole component on this GPU: charge its forward's peak
-                    # (as _evaluate will), or the fill must cut before it
-                    act = max(act, whole_act)
-                if room(device, block.bytes, act):
-                    take(device, block.bytes, act)
-                    comp_map[block.name] = device.key
-                    comp_acts[device.name] = max(comp_acts.get(device.name, 0), act)
-                    placed = True
-                    break
-                if skip and cursor == len(gpu_order) - 1:
-                    break
-                cursor += 1
-            if not placed:
-                target = offload_whole_or_block(block.bytes)
-                if target is None:
-                    unplaced += block.bytes
-                    target = offload[-1].key if offload else "cpu"
-                comp_map[block.name] = target
-        if all(not isinstance(d, int) and d != "mps" for d in comp_map.values()) and len(set(comp_map.values())) == 1:
-            comp_map = {"": next(iter(comp_map.values()))}
-        elif len(set(comp_map.values())) == 1:
-            comp_map = {"": next(iter(comp_map.values()))}
-        maps[comp.name] = comp_map
-    return _Cand(maps, unplaced)
+        maps[comp.name] = _place_split(state, comp, whole_act, skip)
+    return _Cand(maps, state.unplaced)
+
+
+def _place_whole(state: _FillState, comp: ComponentInput, whole_act: int,
+                 prefer_whole: bool) -> dict[str, int | str] | None:
+    """The component on one device with its whole forward's activation: whole-first takes the GPU it fills
+    best (any GPU); otherwise the first GPU from the cursor with room, which becomes the cursor. A
+    non-splittable component no GPU holds is offloaded whole. None: split it instead."""
+    total = comp.weights_bytes
+    candidates = state.gpu_order[state.cursor:] if not prefer_whole else state.gpu_order
+    fitting = [d for d in candidates if state.room(d, total, whole_act)]
+    if fitting:
+        if prefer_whole:  # best fit: the GPU left with the least room
+            device = min(fitting, key=lambda d: state.limits[d.name] - state.weights[d.name])
+        else:
+            device = fitting[0]
+        state.take(device, total, whole_act)
+        if not prefer_whole:
+            state.cursor = state.gpu_order.index(device)
+        return {"": device.key}
+    if not comp.splittable:
+        return {"": state.offload_target(total)}
+    return None
+
+
+def _place_split(state: _FillState, comp: ComponentInput, whole_act: int, skip: bool) -> dict[str, int | str]:
+    """Each block on the GPU at the cursor or a later one, else offloaded; {"": d} when all share one device."""
+    comp_map: dict[str, int | str] = {}
+    gpu_keys = {d.key for d in state.gpu_order}
+    for index, block in enumerate(comp.blocks):
+        device = _block_gpu(state, comp, index, comp_map, gpu_keys, whole_act, skip)
+        comp_map[block.name] = device if device is not None else state.offload_target(block.bytes)
+    if len(set(comp_map.values())) == 1:
+        comp_map = {"": next(iter(comp_map.values()))}
+    return comp_map
+
+
+def _block_gpu(state: _FillState, comp: ComponentInput, index: int, comp_map: dict[str, int | str],
+               gpu_keys: set, whole_act: int, skip: bool) -> int | str | None:
+    """The GPU that takes block `index`: the cursor moves on past GPUs without room (with `skip`, never past
+    the last one: the block is offloaded and later blocks try that GPU again). None: offload it."""
+    block = comp.blocks[index]
+    while state.cursor < len(state.gpu_order):
+        device = state.gpu_order[state.cursor]
+        act = _block_activation(comp, index, comp_map, device, gpu_keys, whole_act)
+        if state.room(device, block.bytes, act):
+            state.take(device, block.bytes, act)
+            return device.key
+        if skip and state.cursor == len(state.gpu_order) - 1:
+            return None
+        state.cursor += 1
+    return None
+
+
+def _block_activation(comp: ComponentInput, index: int, comp_map: dict[str, int | str], device: Device,
+                      gpu_keys: set, whole_act: int) -> int:
+    """What block `index` charges `device` for activations: its own, the component's inputs and outputs
+    when it is the first or last block, and the whole forward's peak when it is the last block and no
+    earlier block is on another GPU (the component then runs whole there, as `_evaluate` charges it)."""
+    act = comp.blocks[index].activation
+    last = index == len(comp.blocks) - 1
+    if comp.io_bytes and (index == 0 or last):
+        act = max(act, comp.io_bytes)
+    if last and not any(d in gpu_keys and d != device.key for d in comp_map.values()):
+        # the last block here runs the whole component on this GPU: charge its forward's peak, or the
+        # fill must cut before it
+        act = max(act, whole_act)
+    return act
 
 
 def _hops(comp: ComponentInput, comp_map: dict[str, int | str], devices: dict[str, Device]) -> int:
@@ -531,150 +583,222 @@ def _offloaded(comp: ComponentInput, comp_map: dict[str, int | str], devices: di
     return off, disk
 
 
-def _place_residency(comps: list[ComponentInput], devices: list[Device], strategy: str):
-    """Best placement of components loaded together. Returns (maps, use) or raises NoFit."""
+@dataclass(frozen=True)
+class _FillSpec:
+    """One way to fill: the component order, the GPU order, each GPU's limit, whole-first, skip."""
+
+    comps: list[ComponentInput]
+    gpu_order: list[Device]
+    limits: dict[str, int]
+    prefer_whole: bool
+    skip: bool = False
+
+
+class _Tried(NamedTuple):
+    """A fill that fits, with its score (auto keeps the best and refines the best few)."""
+
+    score: tuple
+    spec: _FillSpec
+    cand: _Cand
+    use: dict[str, DeviceUse]
+
+
+def _compute_devices(devices: list[Device]) -> tuple[list[Device], list[Device]]:
+    """(devices that compute, devices that hold offloaded blocks): the GPUs, and the cpu then disk; with no
+    GPU the cpu computes (weights, activations, the reserve for streaming) and disk holds the rest."""
     by_name = {d.name: d for d in devices}
     gpus = [d for d in devices if d.is_gpu]
     offload = [d for d in devices if not d.is_gpu]
     if not gpus and "cpu" in by_name:
-        # no GPU: the cpu computes (weights, activations, the reserve for streaming) and disk holds the rest
         gpus, offload = [by_name["cpu"]], [d for d in offload if d.key == "disk"]
-    full = {d.name: d.capacity for d in gpus}
+    return gpus, offload
 
-    def run(order_comps, gpu_order, limits, prefer_whole, skip=False):
-        """Fill, then re-fill with offload reserves until they settle; None when it does not fit.
+
+def _limits_at(full: dict[str, int], fraction: float, zeroed: str | None = None) -> dict[str, int]:
+    """Each GPU's capacity scaled by `fraction`; the `zeroed` GPU (balanced_low_0's first) gets none."""
+    limits = {k: int(v * fraction) for k, v in full.items()}
+    if zeroed is not None:
+        limits[zeroed] = 0
+    return limits
+
+
+def _fill_moved(trial: _Cand, cand: _Cand) -> bool:
+    """Whether a refill changed anything: a block moved, or something no longer fits anywhere."""
+    return bool(trial.unplaced) or trial.maps != cand.maps
+
+
+class _ResidencySearch:
+    """The search for one residency (components loaded together) on one device list."""
+
+    def __init__(self, comps: list[ComponentInput], devices: list[Device]):
+        self.comps = comps
+        self.devices = devices
+        self.by_name = {d.name: d for d in devices}
+        self.gpus, self.offload = _compute_devices(devices)
+        self.full = {d.name: d.capacity for d in self.gpus}
+
+    def fill(self, spec: _FillSpec, reserves: dict[str, int]) -> _Cand:
+        return _fill(spec.comps, spec.gpu_order, spec.limits, self.offload, reserves, spec.prefer_whole, spec.skip)
+
+    def grown(self, reserves: dict[str, int], use: dict[str, DeviceUse], times: int) -> dict[str, int]:
+        """The next fill's reserves: what each GPU streams, and `times` its excess over capacity on top
+        of its reserve so far (activations of offloaded blocks, overhead: what the fill did not see)."""
+        out = dict(reserves)
+        for key, entry in use.items():
+            device = self.by_name[key]
+            if device not in self.gpus:
+                continue
+            want = max(reserves.get(key, 0), entry.reserve)
+            if device.capacity is not None and entry.peak > device.capacity:
+                want = max(want, reserves.get(key, 0) + (entry.peak - device.capacity) * times)
+            out[key] = want
+        return out
+
+    def refill(self, spec: _FillSpec) -> tuple[_Cand, dict[str, DeviceUse] | None]:
+        """Fill, then re-fill with offload reserves until they settle; use None when it does not fit.
 
         A refill charges what the fill could not see (the streaming reserve, activations of offloaded
         blocks run on their execution GPU, the excess over capacity) as a reserve. When that leaves the
         fill unchanged (the excess is smaller than the block that must move), the excess is charged
-        the smallest whole number of times that changes the fill (doubling, then bisecting): a tiny
+        the smallest whole number of times that changes the fill (`moving_multiple`): a tiny
         excess takes few fills, and no more blocks move than charging it repeatedly would move.
         """
-        def fill(res):
-            return _fill(order_comps, gpu_order, limits, offload, res, prefer_whole, skip)
-
-        def grown(res, use, times):
-            out = dict(res)
-            for key, entry in use.items():
-                device = by_name[key]
-                if device not in gpus:
-                    continue
-                want = max(res.get(key, 0), entry.reserve)
-                if device.capacity is not None and entry.peak > device.capacity:
-                    want = max(want, res.get(key, 0) + (entry.peak - device.capacity) * times)
-                out[key] = want
-            return out
-
-        def moves(trial, cand):
-            return trial.unplaced or trial.maps != cand.maps
-
         reserves: dict[str, int] = {}
-        cand = fill(reserves)
+        cand = self.fill(spec, reserves)
         for _ in range(16):
             if cand.unplaced:
                 return cand, None
-            use = _evaluate(comps, cand.maps, by_name)
-            if _fits(use, by_name):
+            use = _evaluate(self.comps, cand.maps, self.by_name)
+            if _fits(use, self.by_name):
                 return cand, use
-            step = grown(reserves, use, 1)
+            step = self.grown(reserves, use, 1)
             if step == reserves:
                 return cand, None
-            following = fill(step)
-            if not moves(following, cand):
-                low, high = 1, 2
-                while not moves(fill(grown(reserves, use, high)), cand):
-                    if high > 1 << 40:
-                        return cand, None
-                    low, high = high, high * 2
-                while high - low > 1:
-                    middle = (low + high) // 2
-                    if moves(fill(grown(reserves, use, middle)), cand):
-                        high = middle
-                    else:
-                        low = middle
-                step = grown(reserves, use, high)
-                following = fill(step)
+            following = self.fill(spec, step)
+            if not _fill_moved(following, cand):
+                times = self.moving_multiple(spec, reserves, use, cand)
+                if times is None:
+                    return cand, None
+                step = self.grown(reserves, use, times)
+                following = self.fill(spec, step)
             reserves, cand = step, following
         return cand, None
 
-    def score(maps, use):
+    def moving_multiple(self, spec: _FillSpec, reserves: dict[str, int], use: dict[str, DeviceUse],
+                        cand: _Cand) -> int | None:
+        """The fewest times (> 1) the excess must be charged before the fill changes: doubling, then
+        bisecting. None when no charge up to 2**40 times changes it."""
+        low, high = 1, 2
+        while not _fill_moved(self.fill(spec, self.grown(reserves, use, high)), cand):
+            if high > 1 << 40:
+                return None
+            low, high = high, high * 2
+        while high - low > 1:
+            middle = (low + high) // 2
+            if _fill_moved(self.fill(spec, self.grown(reserves, use, middle)), cand):
+                high = middle
+            else:
+                low = middle
+        return high
+
+    def score(self, maps: dict[str, dict[str, int | str]], use: dict[str, DeviceUse]) -> tuple:
+        """Lower is better: bytes offloaded, bytes on disk, hops, then the largest share of a GPU used."""
         off = disk = hops = 0
-        for comp in comps:
-            o, d = _offloaded(comp, maps[comp.name], by_name)
-            off, disk, hops = off + o, disk + d, hops + _hops(comp, maps[comp.name], by_name)
-        util = max((use[g.name].peak / g.capacity for g in gpus if g.name in use and g.capacity), default=0.0)
+        for comp in self.comps:
+            o, d = _offloaded(comp, maps[comp.name], self.by_name)
+            off, disk, hops = off + o, disk + d, hops + _hops(comp, maps[comp.name], self.by_name)
+        util = max((use[g.name].peak / g.capacity for g in self.gpus if g.name in use and g.capacity), default=0.0)
         return (off, disk, hops, round(util, 4))
 
-    def balanced(order_comps, gpu_order, prefer_whole, zero_first=False):
-        """Smallest common fraction of capacity that holds everything with no offload."""
-        def limits_at(fraction):
-            limits = {k: int(v * fraction) for k, v in full.items()}
-            if zero_first and gpu_order:
-                limits[gpus[0].name] = 0
-            return limits
-
-        cand, use = run(order_comps, gpu_order, limits_at(1.0), prefer_whole)
-        if use is None or score(cand.maps, use)[0]:
+    def balanced(self, order_comps: list[ComponentInput], gpu_order: list[Device], prefer_whole: bool,
+                 zero_first: bool = False):
+        """Smallest common fraction of capacity that holds everything with no offload: (cand, use) or None."""
+        zeroed = self.gpus[0].name if zero_first and gpu_order else None
+        cand, use = self.refill(_FillSpec(order_comps, gpu_order, _limits_at(self.full, 1.0, zeroed), prefer_whole))
+        if use is None or self.score(cand.maps, use)[0]:
             return None
         low, high, best = 0.0, 1.0, (cand, use)
         for _ in range(14):
             mid = (low + high) / 2
-            cand, use = run(order_comps, gpu_order, limits_at(mid), prefer_whole)
-            if use is not None and score(cand.maps, use)[0] == 0:
+            cand, use = self.refill(_FillSpec(order_comps, gpu_order, _limits_at(self.full, mid, zeroed), prefer_whole))
+            if use is not None and self.score(cand.maps, use)[0] == 0:
                 high, best = mid, (cand, use)
             else:
                 low = mid
         return best
 
-    results = []
-    exec_order = list(comps)
-    if strategy == "sequential":
-        results.append(run(exec_order, gpus, full, False))
-    elif strategy == "balanced":
-        got = balanced(exec_order, gpus, False)
-        results.append(got if got else run(exec_order, gpus, full, False))
-    elif strategy == "balanced_low_0":
-        order = gpus[1:] + gpus[:1]
-        got = balanced(exec_order, order, False, zero_first=True) if len(gpus) > 1 else None
-        if got is None:
-            got = balanced(exec_order, order, False)
-        results.append(got if got else run(exec_order, order, full, False))
-    else:  # auto: search device orders, fill styles and component orders; keep the best score
+    def greedy(self) -> list[_Tried]:
+        """Auto's fills that fit, best score first: every GPU order (all of up to 4 GPUs), execution and
+        largest-first component orders, split or whole-first, with and without skipping."""
+        comps, gpus, offload = self.comps, self.gpus, self.offload
+        exec_order = list(comps)
         largest_first = sorted(comps, key=lambda c: -c.weights_bytes)
         orders = list(itertools.permutations(gpus)) if len(gpus) <= 4 else [tuple(gpus), tuple(reversed(gpus))]
         comp_orders = [exec_order] if len(comps) == 1 else [exec_order, largest_first]
-        greedy = []
+        tried = []
         for gpu_order in orders:
             for order_comps in comp_orders:
                 for prefer_whole in (False, True):
                     for skip in ((False, True) if offload else (False,)):
-                        cand, use = run(order_comps, list(gpu_order), full, prefer_whole, skip)
+                        spec = _FillSpec(order_comps, list(gpu_order), self.full, prefer_whole, skip)
+                        cand, use = self.refill(spec)
                         if use is not None:
-                            greedy.append((score(cand.maps, use), list(gpu_order), order_comps, prefer_whole,
-                                           cand, use))
-        greedy.sort(key=lambda item: item[0])
-        results.extend((item[4], item[5]) for item in greedy[:1])
-        if greedy and greedy[0][0][0] == 0:
-            best_key = greedy[0][0][:3]
+                            tried.append(_Tried(self.score(cand.maps, use), spec, cand, use))
+        tried.sort(key=lambda item: item.score)
+        return tried
+
+    def refined(self, greedy: list[_Tried]) -> list:
+        """The balanced cut of (up to four of) the best greedy fills, when the best offloads nothing and
+        they tie with it on offload and hops: the most even of them wins on the score's last part."""
+        results = []
+        if greedy and greedy[0].score[0] == 0:
+            best_key = greedy[0].score[:3]
             tried = 0
             for item in greedy:
-                if item[0][:3] != best_key or tried >= 4:
+                if item.score[:3] != best_key or tried >= 4:
                     continue
                 tried += 1
-                got = balanced(item[2], item[1], item[3])
+                got = self.balanced(item.spec.comps, item.spec.gpu_order, item.spec.prefer_whole)
                 if got:
                     results.append(got)
-    ok = [(score(c.maps, u), c, u) for c, u in results if u is not None]
-    if not ok and offload:  # last resort: run on the cpu (activations there, no GPU reserve)
-        cand, use = run(exec_order, [], {}, False)
-        if use is not None:
-            ok = [(score(cand.maps, use), cand, use)]
-    if not ok:
-        cand, _ = results[0] if results else (None, None)
-        raise _no_fit(comps, devices, strategy)
-    ok.sort(key=lambda item: item[0])
-    _, cand, use = ok[0]
-    return cand.maps, use
+        return results
+
+    def candidates(self, strategy: str) -> list:
+        """(cand, use) pairs a strategy proposes; use None for one that does not fit."""
+        exec_order = list(self.comps)
+        gpus, full = self.gpus, self.full
+        if strategy == "sequential":
+            return [self.refill(_FillSpec(exec_order, gpus, full, False))]
+        if strategy == "balanced":
+            got = self.balanced(exec_order, gpus, False)
+            return [got if got else self.refill(_FillSpec(exec_order, gpus, full, False))]
+        if strategy == "balanced_low_0":
+            order = gpus[1:] + gpus[:1]
+            got = self.balanced(exec_order, order, False, zero_first=True) if len(gpus) > 1 else None
+            if got is None:
+                got = self.balanced(exec_order, order, False)
+            return [got if got else self.refill(_FillSpec(exec_order, order, full, False))]
+        # auto: search device orders, fill styles and component orders; keep the best score
+        greedy = self.greedy()
+        return [(item.cand, item.use) for item in greedy[:1]] + self.refined(greedy)
+
+    def best(self, strategy: str):
+        """The best-scoring candidate that fits: (maps, use); the all-cpu placement as last resort, or NoFit."""
+        ok = [(self.score(c.maps, u), c, u) for c, u in self.candidates(strategy) if u is not None]
+        if not ok and self.offload:  # last resort: run on the cpu (activations there, no GPU reserve)
+            cand, use = self.refill(_FillSpec(list(self.comps), [], {}, False))
+            if use is not None:
+                ok = [(self.score(cand.maps, use), cand, use)]
+        if not ok:
+            raise _no_fit(self.comps, self.devices, strategy)
+        ok.sort(key=lambda item: item[0])
+        _, cand, use = ok[0]
+        return cand.maps, use
+
+
+def _place_residency(comps: list[ComponentInput], devices: list[Device], strategy: str):
+    """Best placement of components loaded together. Returns (maps, use) or raises NoFit."""
+    return _ResidencySearch(comps, devices).best(strategy)
 
 
 def _no_fit(comps: list[ComponentInput], devices: list[Device], strategy: str) -> NoFit:
@@ -730,7 +854,7 @@ def default_stages(components: list[str], offload_seq: list[str] | None,
         end += 1
     extra = [c for c in components if c not in (offload_seq or []) and "controlnet" in c]
     encode = tuple(c for c in order[:pivot] if c not in extra)
-    denoise = tuple([*order[pivot:end], *extra])
+    denoise = (*order[pivot:end], *extra)
     decode = tuple(c for c in order[end:] if c not in extra)
     stages = []
     if encode:
@@ -741,114 +865,144 @@ def default_stages(components: list[str], offload_seq: list[str] | None,
     return stages
 
 
-def plan_pipeline(components: list[ComponentInput], stages: list[Stage], devices: list[Device],
-                  strategy: str = "auto", mode: str = "auto") -> Placement:
-    """Place every component for the given stages; raise NoFit when no placement fits."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy}")
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode}")
-    by_comp = {c.name: c for c in components}
-    by_dev = {d.name: d for d in devices}
+def _together_note(stage: Stage) -> str:
+    return f"{' and '.join(stage.components)} resident together" if stage.exclusive else ""
 
-    def finish(kind: str, residencies: list[tuple[Stage, dict, str]], notes: list[str]) -> Placement:
-        """`residencies`: (stage or sub-stage, its maps, note), in run order."""
-        placements: dict[str, ComponentPlacement] = {}
-        stage_of = {name: stage.name for stage in stages for name in stage.components}
-        maps: dict[str, dict] = {}
-        for _, comp_maps, _ in residencies:
-            maps.update(comp_maps)
-        stage_out = []
-        for stage, _, note in residencies:
-            comps = [by_comp[n] for n in stage.components]
-            if kind == "resident":
-                loaded = components
-                use = _evaluate(loaded, maps, by_dev)
-                # activations: only this stage's components run; weights: everything stays loaded
-                acts = _evaluate(comps, maps, by_dev)
-                for key, entry in use.items():
-                    entry.activations = acts[key].activations if key in acts else 0
-                    entry.reserve = acts[key].reserve if key in acts else 0
-            else:
-                use = _evaluate(comps, maps, by_dev)
-            stage_out.append(StagePlacement(stage.name, list(stage.components), use, note))
-        for comp in components:
-            comp_map = _expand(comp, maps[comp.name])
-            alone = _evaluate([comp], maps, by_dev)
-            off, disk = _offloaded(comp, maps[comp.name], by_dev)
-            placements[comp.name] = ComponentPlacement(
-                comp.name, comp.cls, comp.weights_bytes, comp_map, _exec_device(comp_map, by_dev),
-                {k: v.activations for k, v in alone.items() if v.activations}, off,
-                _hops(comp, maps[comp.name], by_dev), stage_of.get(comp.name, ""), disk,
-            )
-        gpu_names = {d.name for d in devices if d.is_gpu}
-        for name, placed in placements.items():
-            if gpu_names and not any(str(d) in gpu_names for d in placed.device_map.values()):
-                notes.append(f"{name} fits no GPU with its activations: it runs on the cpu (slow).")
-        return Placement(kind, strategy, placements, stage_out, list(notes))
 
-    def together_note(stage: Stage) -> str:
-        return f"{' and '.join(stage.components)} resident together" if stage.exclusive else ""
+class _Pipeline:
+    """One `plan_pipeline` call: its components, stages and devices, planned resident or staged.
 
-    def resident():
-        ordered = [by_comp[n] for stage in stages for n in stage.components]
-        maps, _ = _place_residency(ordered, devices, strategy)
-        return finish("resident", [(stage, maps, together_note(stage)) for stage in stages], [])
+    A residency is (stage or sub-stage, the maps of its components, its note), in run order.
+    """
 
-    def one_at_a_time(stage: Stage) -> list[tuple[Stage, dict, str]]:
+    def __init__(self, components: list[ComponentInput], stages: list[Stage], devices: list[Device],
+                 strategy: str):
+        self.components = components
+        self.stages = stages
+        self.devices = devices
+        self.strategy = strategy
+        self.by_comp = {c.name: c for c in components}
+        self.by_dev = {d.name: d for d in devices}
+
+    def place(self, comps: list[ComponentInput]) -> dict[str, dict[str, int | str]]:
+        return _place_residency(comps, self.devices, self.strategy)[0]
+
+    def offloaded(self, residencies: list[tuple[Stage, dict, str]]) -> int:
+        return sum(_offloaded(self.by_comp[n], maps[n], self.by_dev)[0]
+                   for stage, maps, _ in residencies for n in stage.components)
+
+    def resident(self) -> Placement:
+        """Every component loaded at once, for the whole run."""
+        ordered = [self.by_comp[n] for stage in self.stages for n in stage.components]
+        maps = self.place(ordered)
+        return self.finish("resident", [(stage, maps, _together_note(stage)) for stage in self.stages], [])
+
+    def staged(self) -> Placement:
+        """Each stage's components loaded for that stage only; an exclusive stage's as `exclusive` decides."""
+        residencies, notes = [], []
+        for stage in self.stages:
+            if not stage.exclusive:
+                residencies.append((stage, self.place([self.by_comp[n] for n in stage.components]), ""))
+                continue
+            chosen, note = self.exclusive(stage)
+            residencies.extend(chosen)
+            if note:
+                notes.append(note)
+        return self.finish("staged", residencies, notes)
+
+    def exclusive(self, stage: Stage) -> tuple[list[tuple[Stage, dict, str]], str]:
+        """An exclusive stage's residencies and a warning: both components loaded at once when that offloads
+        nothing (no reload at the switch), else whichever of at once and one at a time offloads less."""
+        try:
+            together = [(stage, self.place([self.by_comp[n] for n in stage.components]), _together_note(stage))]
+        except NoFit:
+            together = None
+        if together is not None and self.offloaded(together) == 0:
+            return together, ""
+        try:
+            parts = self.one_at_a_time(stage)
+        except NoFit:
+            if together is None:
+                raise
+            return together, ""
+        if together is not None and self.offloaded(parts) >= self.offloaded(together):
+            return together, ""
+        return parts, (f"{' and '.join(stage.components)} do not fit together: they are loaded one at a time, "
+                       f"{stage.components[0]} freed before {stage.components[1]} loads.")
+
+    def one_at_a_time(self, stage: Stage) -> list[tuple[Stage, dict, str]]:
         """An exclusive stage as consecutive sub-stages: each loads after the previous one is freed."""
         parts = []
         for index, name in enumerate(stage.components):
-            maps, _ = _place_residency([by_comp[name]], devices, strategy)
+            maps = self.place([self.by_comp[name]])
             note = (f"loads after {stage.components[index - 1]} is freed at the switch" if index
                     else f"freed at the switch, before {stage.components[1]} loads")
             parts.append((Stage(stage.name, (name,)), maps, note))
         return parts
 
-    def offloaded(parts) -> int:
-        return sum(_offloaded(by_comp[n], maps[n], by_dev)[0] for stage, maps, _ in parts for n in stage.components)
+    def stage_use(self, kind: str, stage: Stage, maps: dict[str, dict]) -> dict[str, DeviceUse]:
+        """Per-device use during a stage: resident keeps every component's weights loaded, but only this
+        stage's components run (activations, reserves); staged loads only this stage's components."""
+        comps = [self.by_comp[n] for n in stage.components]
+        if kind != "resident":
+            return _evaluate(comps, maps, self.by_dev)
+        use = _evaluate(self.components, maps, self.by_dev)
+        acts = _evaluate(comps, maps, self.by_dev)
+        for key, entry in use.items():
+            entry.activations = acts[key].activations if key in acts else 0
+            entry.reserve = acts[key].reserve if key in acts else 0
+        return use
 
-    def staged():
-        residencies, notes = [], []
-        for stage in stages:
-            comps = [by_comp[n] for n in stage.components]
-            if not stage.exclusive:
-                maps, _ = _place_residency(comps, devices, strategy)
-                residencies.append((stage, maps, ""))
-                continue
-            try:  # both loaded at once when that offloads nothing: no reload at the switch
-                together = [(stage, _place_residency(comps, devices, strategy)[0], together_note(stage))]
-            except NoFit:
-                together = None
-            if together is not None and offloaded(together) == 0:
-                residencies.extend(together)
-                continue
-            try:
-                parts = one_at_a_time(stage)
-            except NoFit:
-                if together is None:
-                    raise
-                parts = None
-            chosen = parts if parts is not None and (together is None or offloaded(parts) < offloaded(together)) \
-                else together
-            residencies.extend(chosen)
-            if chosen is parts:
-                notes.append(f"{' and '.join(stage.components)} do not fit together: they are loaded one at a time, "
-                             f"{stage.components[0]} freed before {stage.components[1]} loads.")
-        return finish("staged", residencies, notes)
+    def component_placement(self, comp: ComponentInput, maps: dict[str, dict]) -> ComponentPlacement:
+        comp_map = _expand(comp, maps[comp.name])
+        alone = _evaluate([comp], maps, self.by_dev)
+        off, disk = _offloaded(comp, maps[comp.name], self.by_dev)
+        stage_of = {name: stage.name for stage in self.stages for name in stage.components}
+        return ComponentPlacement(
+            comp.name, comp.cls, comp.weights_bytes, comp_map, _exec_device(comp_map, self.by_dev),
+            {k: v.activations for k, v in alone.items() if v.activations}, off,
+            _hops(comp, maps[comp.name], self.by_dev), stage_of.get(comp.name, ""), disk,
+        )
 
+    def finish(self, kind: str, residencies: list[tuple[Stage, dict, str]], notes: list[str]) -> Placement:
+        """The Placement of these residencies, warning of any component that runs on no GPU."""
+        maps: dict[str, dict] = {}
+        for _, comp_maps, _ in residencies:
+            maps.update(comp_maps)
+        stage_out = [StagePlacement(stage.name, list(stage.components), self.stage_use(kind, stage, maps), note)
+                     for stage, _, note in residencies]
+        placements = {comp.name: self.component_placement(comp, maps) for comp in self.components}
+        gpu_names = {d.name for d in self.devices if d.is_gpu}
+        for name, placed in placements.items():
+            if gpu_names and not any(str(d) in gpu_names for d in placed.device_map.values()):
+                notes.append(f"{name} fits no GPU with its activations: it runs on the cpu (slow).")
+        return Placement(kind, self.strategy, placements, stage_out, list(notes))
+
+
+def plan_pipeline(components: list[ComponentInput], stages: list[Stage], devices: list[Device],
+                  strategy: str = "auto", mode: str = "auto") -> Placement:
+    """Place every component for the given stages; raise NoFit when no placement fits.
+
+    Auto mode plans resident (nothing reloads between stages) and keeps it when it offloads nothing,
+    else the one of resident and staged that offloads less.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy}")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode}")
+    pipeline = _Pipeline(components, stages, devices, strategy)
     if mode == "resident":
-        return resident()
+        return pipeline.resident()
     if mode == "staged":
-        return staged()
+        return pipeline.staged()
     try:
-        plan = resident()
+        plan = pipeline.resident()
         if plan.offloaded_bytes == 0:
             return plan
     except NoFit:
         plan = None
     try:
-        other = staged()
+        other = pipeline.staged()
     except NoFit:
         if plan is None:
             raise

@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 from .atomic import atomic_write
 from .devices import device_key, device_label, device_rank, is_gpu
@@ -20,16 +21,40 @@ from .errors import CheckpointError, DoesNotFitError, UsageError
 from .families import default_size, family_for, pipeline_stages, source_family, unknown_family_warning
 from .inputs import InputSpec
 from .planner import (
-    MODES, STRATEGIES, ComponentInput, ComponentPlacement, Device, DeviceUse, NoFit, Placement, StagePlacement,
-    component_blocks, coverage_problems, plan_pipeline,
+    MODES,
+    STRATEGIES,
+    ComponentInput,
+    ComponentPlacement,
+    Device,
+    DeviceUse,
+    NoFit,
+    Placement,
+    StagePlacement,
+    component_blocks,
+    coverage_problems,
+    plan_pipeline,
 )
 from .units import (
-    FLOATING_DTYPES, MAX_GPU_INDEX, MAX_SIZE_BYTES, MAX_SIZE_TEXT, DeviceBudget, format_size, parse_device_spec,
-    parse_dtype, parse_size, shorten,
+    FLOATING_DTYPES,
+    MAX_GPU_INDEX,
+    MAX_SIZE_BYTES,
+    MAX_SIZE_TEXT,
+    DeviceBudget,
+    format_size,
+    parse_device_spec,
+    parse_dtype,
+    parse_size,
+    shorten,
 )
 from .weight_formats import (
-    STORAGE_DTYPES, component_format, format_of, int8_offload_problem, layer_compute_bytes, parse_weights_spec,
-    storage_dtype, transient_by_key,
+    STORAGE_DTYPES,
+    component_format,
+    format_of,
+    int8_offload_problem,
+    layer_compute_bytes,
+    parse_weights_spec,
+    storage_dtype,
+    transient_by_key,
 )
 
 PLAN_FORMAT = "dmap-plan"
@@ -53,6 +78,7 @@ class PlanOptions:
     check: bool = True
     use_cache: bool = True
     weights: str | None = None  # --weights spec: fp8, int8, transformer=fp8,text_encoder=fp8
+    on_progress: Callable[[str], None] | None = None  # hears each step (resolving, sizing, each trace, the check)
 
 
 @dataclass
@@ -395,12 +421,13 @@ class TraceFacts:
 
 
 def trace_facts(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str, use_cache: bool = True,
-                tiled: bool = False) -> TraceFacts:
+                tiled: bool = False, on_progress: Callable[[str], None] | None = None) -> TraceFacts:
     """The meta trace of one component: execution order, activation peaks, what must not be split
     (`tiled`: of its decode with diffusers' enable_tiling())."""
     from .trace import trace_component
 
-    result = trace_component(comp, pipeline_class, inputs, dtype, use_cache=use_cache, tiled=tiled)
+    result = trace_component(comp, pipeline_class, inputs, dtype, use_cache=use_cache, tiled=tiled,
+                             on_progress=on_progress)
     return TraceFacts(list(result.execution_order) or None, dict(result.module_peaks), int(result.activation_peak),
                       list(result.unsplittable), dict(getattr(result, "same_device_groups", {}) or {}),
                       result.fallback_warning)
@@ -419,7 +446,8 @@ class PreparedComponent:
 
 
 def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str | None,
-                      use_cache: bool = True, weights: dict[str, str | None] | None = None) -> PreparedComponent:
+                      use_cache: bool = True, weights: dict[str, str | None] | None = None,
+                      on_progress: Callable[[str], None] | None = None) -> PreparedComponent:
     """Skeleton + trace -> the planner's ComponentInput (blocks in execution order with activations).
 
     `weights` (from `parse_weights_spec`) stores some tensors in fp8 or int8: they are counted at
@@ -428,6 +456,8 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
     """
     from .skeleton import as_loaded
 
+    if on_progress is not None:
+        on_progress(f"Sizing {comp.name} ({comp.cls}): counting its tensors")
     loaded = as_loaded(comp, use_cache=use_cache)  # what from_pretrained keeps (untied lm_head)
     comp, skeleton, checkpoint, tie_note = loaded.comp, loaded.skeleton, loaded.checkpoint, loaded.note
     if checkpoint is not None and checkpoint.problems:  # a plan for a broken checkpoint would be wrong
@@ -446,7 +476,7 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
     if comp.config is None:
         facts = TraceFacts(None, {}, 0, [], {}, "no config: registration order, no activation estimate")
     else:
-        facts = trace_facts(comp, pipeline_class, inputs, trace_dtype, use_cache)
+        facts = trace_facts(comp, pipeline_class, inputs, trace_dtype, use_cache, on_progress=on_progress)
     if facts.warning and not inputs.weights_only and "overflow" in facts.warning.lower():
         raise DoesNotFitError(_overflow_refusal(comp, inputs))  # never planned as if it needed nothing
     if facts.warning:
@@ -499,6 +529,8 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         raise UsageError(f"Unknown strategy '{options.strategy}': use {', '.join(STRATEGIES)}.")
     if options.mode not in MODES:
         raise UsageError(f"Unknown mode '{options.mode}': use {', '.join(MODES)}.")
+    progress = options.on_progress or (lambda message: None)
+    progress(f"Resolving {source_spec}")
     source = resolve_source(source_spec)
     comps = [source.component(options.component)] if options.component else list(source.components)
     options = replace(options, inputs=default_inputs(source, comps, options.inputs))
@@ -510,15 +542,17 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     overhead = parse_overhead(options.overhead, budgets, options.inputs.weights_only)
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
     formats = parse_weights_spec(options.weights, [c.name for c in comps])
-    prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache, formats)
-                for c in comps]
+    prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache, formats,
+                                  on_progress=options.on_progress) for c in comps]
     specs = [p.spec for p in prepared]
     stages = pipeline_stages(source.pipeline_class, [c.name for c in comps])
+    progress(f"Placing {len(specs)} component(s) on {', '.join(device_label(d.key) for d in devices)}")
     placement = _plan_or_none(specs, stages, devices, options)
     choice = TilingChoice(placement, specs)
     if placement is None or placement.offloaded_bytes:  # only then can a tiled decode be needed
         choice = choose_tiling(prepared, source.pipeline_class, stages, devices, options, placement)
     if choice.placement is None:
+        progress("Nothing fits: looking for the nearest change that does")
         raise _does_not_fit(source_spec, source, comps, stages, devices, options, formats, choice.specs,
                             choice.warnings) from None
     placement, specs = choice.placement, choice.specs
@@ -618,10 +652,10 @@ def decode_components(prepared: list[PreparedComponent], pipeline_class: str | N
 
 
 def tiled_spec(prep: PreparedComponent, pipeline_class: str | None, inputs: InputSpec,
-               use_cache: bool = True) -> ComponentInput | str:
+               use_cache: bool = True, on_progress: Callable[[str], None] | None = None) -> ComponentInput | str:
     """The component with the activations of its tiled decode (the same call traced with enable_tiling()),
     or a sentence saying why there is none (a class without enable_tiling; a cached trace imports no torch)."""
-    facts = trace_facts(prep.source, pipeline_class, inputs, prep.dtype, use_cache, tiled=True)
+    facts = trace_facts(prep.source, pipeline_class, inputs, prep.dtype, use_cache, tiled=True, on_progress=on_progress)
     if facts.warning:
         return facts.warning
     spec, _ = _component_spec(prep.source, prep.skeleton, facts, inputs, prep.effective_dtype, prep.weights, prep.dtype)
@@ -656,7 +690,7 @@ def choose_tiling(prepared: list[PreparedComponent], pipeline_class: str | None,
         bare = _without_activations(spec, io_bytes=False)  # its inputs and outputs stay full size, tiled or not
         if not spec.activation_peak or not better(attempt(swapped({spec.name: bare}))):
             continue  # its activations are not what the plan lacks: tiling cannot help
-        tiled = tiled_spec(prep, pipeline_class, inputs, options.use_cache)
+        tiled = tiled_spec(prep, pipeline_class, inputs, options.use_cache, options.on_progress)
         if isinstance(tiled, str):
             outcome = "the plan does not fit" if placement is None else (
                 f"the plan offloads {format_size(placement.offloaded_bytes)} because of them")
@@ -706,10 +740,13 @@ def run_split_check(plan: Plan, prepared: list[PreparedComponent], pipeline_clas
     inputs = options.inputs
     for prep in prepared:
         placed = plan.components[prep.spec.name]
-        devices = {d for d in placed.device_map.values()}
+        devices = set(placed.device_map.values())
         if len(devices) < 2 or prep.source.config is None:
             continue
         checked.append(prep.spec.name)
+        if options.on_progress is not None:
+            options.on_progress(f"Checking the split of {prep.spec.name} ({prep.spec.cls}) over "
+                                f"{len(devices)} devices on the meta device")
         found = _cached_check(prep, pipeline_class, inputs, placed.device_map, options.use_cache, check_device_map)
         problems.extend(f"{prep.spec.name}: {problem}" for problem in found)
     return {"ran": True, "components": checked, "problems": problems}
@@ -781,15 +818,18 @@ def _does_not_fit(source_spec, source, comps, stages, devices, options, formats,
     if shortfall:
         best = min(shortfall, key=shortfall.get)
         suggestions.append(f"needs {format_size(shortfall[best])} more on GPU {best}")
-    # cpu offload
+    # cpu offload (a cpu not listed), or more cpu memory (a cpu listed, above its budget)
     cpu = next((d for d in devices if d.key == "cpu"), None)
     if cpu is None or cpu.capacity is not None:
-        trial = [d for d in devices if d.key not in ("cpu",)] + [Device("cpu", upper * 2, 0)]
+        trial = [d for d in devices if d.key not in ("cpu",)] + [Device("cpu", max(upper * 2, cpu.capacity if cpu
+                                                                                   else 0), cpu.overhead if cpu else 0)]
         trial.sort(key=lambda d: device_rank(d.key))
         placed = fits(trial)
         if placed is not None:
             needed = max((u.peak for s in placed.stages for k, u in s.use.items() if k == "cpu"), default=1)
-            suggestions.append(f"fits with cpu={_round_up_gb(needed)} offload")
+            suggestion = _cpu_suggestion(cpu, needed)
+            if suggestion:
+                suggestions.append(suggestion)
     # smaller resolution
     if not options.inputs.weights_only and comps and comps[0].config is not None:
         for size in (1024, 768, 512):
@@ -817,6 +857,34 @@ def _does_not_fit(source_spec, source, comps, stages, devices, options, formats,
         "; no single change found that fits: add devices or a disk")
     message += "." + "".join(f" {note}" for note in notes)
     return DoesNotFitError(message, {"shortfall_bytes": shortfall, "suggestions": suggestions})
+
+
+def _cpu_suggestion(cpu: Device | None, needed: int) -> str | None:
+    """What to change for `needed` bytes on the cpu: offload to it when it is not listed, more of it when its
+    budget is smaller (None when it already has that much), and a note when this machine has less RAM."""
+    if cpu is None:
+        text = f"fits with cpu={_round_up_gb(needed)} offload"
+    elif needed > cpu.capacity:
+        text = f"needs {format_size(needed - cpu.capacity)} more on cpu (cpu={_round_up_gb(needed)})"
+    else:
+        return None
+    ram = total_ram()
+    if ram and needed > ram:
+        text += f", more than this machine's {format_size(ram)} of RAM"
+    return text
+
+
+def total_ram() -> int | None:
+    """This machine's physical memory (None when it cannot be read)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        try:
+            return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError):
+            return None
 
 
 def _plan_or_none(specs, stages, devices, options: PlanOptions) -> Placement | None:

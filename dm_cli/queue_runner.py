@@ -15,11 +15,20 @@ from typing import Callable
 
 from .distributed import Ranks, select_gpus
 from .errors import UsageError
-from .runner import RunRequest
 from .queue import (
-    MANIFEST, QueueItem, append_record, is_complete, items_for_rank, merge_records,
-    previous_records, rank_manifest_name, read_prompts, remove_stale_temporaries, write_manifest,
+    MANIFEST,
+    QueueItem,
+    append_record,
+    is_complete,
+    items_for_rank,
+    merge_records,
+    previous_records,
+    rank_manifest_name,
+    read_prompts,
+    remove_stale_temporaries,
+    write_manifest,
 )
+from .runner import RunRequest
 
 
 @dataclass
@@ -55,7 +64,8 @@ class QueueResult:
     manifest: str | None = None  # written by this process (rank 0)
     seconds: float = 0.0
     notices: list[str] = field(default_factory=list)
-    stages: dict[str, dict] = field(default_factory=dict)  # stage -> loads, load_s, run_s (this rank)
+    stages: dict[str, dict] = field(default_factory=dict)  # stage -> loads, load_s, run_s, components (this rank)
+    resume: bool = True  # complete items were skipped: running the same command again resumes
 
     def to_json(self) -> dict:
         from dataclasses import asdict
@@ -92,7 +102,7 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
     except OSError as error:
         raise UsageError(f"Cannot create the output folder {folder}: {error.strerror or error}.") from None
     mine = items_for_rank(items, ranks.rank, ranks.world_size)
-    result = QueueResult(str(folder), ranks.rank, ranks.world_size, len(items), len(mine))
+    result = QueueResult(str(folder), ranks.rank, ranks.world_size, len(items), len(mine), resume=request.resume)
     ranks.join()
     try:
         _run_share(request, events, ranks, items, mine, folder, budget, result)
@@ -148,7 +158,9 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
                 events.on_item(item, str(path), generated.seconds)
     finally:
         pipeline.close()
-        result.stages = pipeline.stage_totals
+        members = {s.name: list(s.components) for s in pipeline.plan.stages}
+        result.stages = {name: {**totals, "components": members.get(name, [])}
+                         for name, totals in pipeline.stage_totals.items()}
     gathered = ranks.gather(records)
     if ranks.is_main:
         merged: dict[int, dict] = {}

@@ -12,13 +12,15 @@ from pathlib import Path
 from .errors import UsageError
 from .planner import STRATEGIES
 
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+# torch.Generator.manual_seed's unsigned range. It also takes negative seeds, but wraps them (-1 is the
+# same generator as 2**64 - 2): two seeds, one image, and -1 does not mean "random" as elsewhere.
+SEED_RANGE = (0, 2**64 - 1)
 
 
 def check_seed(seed: int, where: str) -> int:
-    """One seed range for `--seed`, queue items and the API: what torch.Generator.manual_seed accepts."""
+    """One seed range for `--seed`, queue items and the API (SEED_RANGE)."""
     low, high = SEED_RANGE
-    if not low <= seed <= high:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
         raise UsageError(f"{where} {seed} is out of range: use a whole number from {low} to {high}.")
     return seed
 

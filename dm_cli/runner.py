@@ -21,9 +21,9 @@ from typing import Callable
 
 from . import __version__
 from .atomic import atomic_write
-from .images import check_image_output, check_metadata_room, existing_image_paths, save_images
 from .errors import CheckpointError, SourceError, UsageError
 from .families import Family, Job, default_size, family_for, supported_pipelines
+from .images import check_image_output, check_metadata_room, existing_image_paths, save_images
 from .inputs import InputSpec
 from .sources import config_digest
 from .stages import StageResult
@@ -228,24 +228,62 @@ def inputs_from_plan(plan) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def check_devices_present(plan) -> None:
-    """Without --simulate, every device the plan names must exist here."""
-    import torch
+def cuda_devices_without_torch() -> int | None:
+    """How many CUDA (or ROCm) GPUs this process can see, when that is known without importing torch
+    (~9 s): 0 when CUDA_VISIBLE_DEVICES hides every GPU or, on Linux, no GPU driver is loaded (no
+    /proc/driver/nvidia, /dev/nvidia*, /dev/kfd nor /dev/dxg); None when only torch can say."""
+    import os
+    import sys
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    devices = {dev for comp in plan.components.values() for dev in comp.device_map.values()}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and (not visible.strip() or visible.strip().startswith("-")):
+        return 0  # CUDA stops at the first invalid entry: "" and "-1" hide every GPU
+    if not sys.platform.startswith("linux"):
+        return None
+    if Path("/proc/driver/nvidia").exists() or Path("/dev/kfd").exists() or Path("/dev/dxg").exists():
+        return None
+    try:
+        if any(name.startswith("nvidia") for name in os.listdir("/dev")):
+            return None
+    except OSError:
+        return None
+    return 0
+
+
+def check_devices_present(plan) -> None:
+    """Without --simulate, every device the plan names must exist here. Checked before the plan is shown
+    and, when the answer is known without it (no GPU driver, `cuda_devices_without_torch`), before torch
+    is imported."""
+    import sys
+
+    from .devices import device_key
+
+    devices = {device_key(dev) for comp in plan.components.values() for dev in comp.device_map.values()}
+    gpus = None
     for dev in sorted(devices, key=str):
         if dev in ("cpu", "disk"):
             continue
         if dev == "mps":
-            if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+            if sys.platform != "darwin" or not _mps_available():
                 raise UsageError("The plan places weights on mps, which this machine lacks: add --simulate to run it on the CPU.")
             continue
+        if gpus is None:
+            gpus = cuda_devices_without_torch()
+        if gpus is None:
+            import torch
+
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if int(dev) >= gpus:
             raise UsageError(
                 f"The plan places weights on GPU {dev} but this machine has {gpus} GPU(s): add --simulate to run "
                 "it on the CPU with the split check, or plan for this machine (omit --max-memory)."
             )
+
+
+def _mps_available() -> bool:
+    import torch
+
+    return hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
 
 
 # --- settling the request ------------------------------------------------------------------
@@ -265,10 +303,10 @@ def check_image_size(family: Family, pipeline_class: str, height: int, width: in
 
 def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda message: None):
     """Resolve SOURCE (the demo when None), refuse what cannot run; (source, family, demo, defaults, notices)."""
-    from .demo import DEMO_NOTICE, source_root
-    from .sources import resolve_source
+    from .demo import DEMO_NOTICE, is_demo, source_root
+    from .sources import preset_refusal, resolve_source
 
-    demo = request.source is None
+    demo = is_demo(request.source)
     spec, root, defaults = source_root(request.source, status)
     source = resolve_source(root)
     source.spec = spec
@@ -276,11 +314,7 @@ def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda m
     if source.kind != "pipeline":
         raise UsageError(f"dmap run needs a pipeline folder (model_index.json); {request.source} is a single {source.kind}.")
     if source.preset and all(c.weights is None for c in source.components):
-        raise UsageError(
-            f"'{request.source}' is a preset: dmap bundles its configs for inspect and plan, never weights. Give dmap run "
-            "a pipeline folder with weights (or a Hub repo id in the local cache); without SOURCE it runs the "
-            "random-weight demo."
-        )
+        raise UsageError(preset_refusal(source.preset))
     family = family_for(source.pipeline_class)
     if family is None or not family.runs(source.pipeline_class):
         raise UsageError(f"dmap run does not support {source.pipeline_class}: it runs {', '.join(supported_pipelines())}.")

@@ -25,17 +25,23 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from json.encoder import encode_basestring as _encode_json_string
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring as _encode_json_string
 from pathlib import Path
 
 from .atomic import refuse_existing
-from .checkpoint import (LEGACY_SUFFIXES, WEIGHT_STEMS, find_component_weights, legacy_files_loaded,
-                         load_legacy_weights, open_checkpoint, read_safetensors_header)
+from .checkpoint import (
+    LEGACY_SUFFIXES,
+    WEIGHT_STEMS,
+    find_component_weights,
+    legacy_files_loaded,
+    load_legacy_weights,
+    open_checkpoint,
+    read_safetensors_header,
+)
 from .errors import CheckpointError, DmapError, SourceError, UsageError
 from .sources import is_inside
-from .swap import (MARKS, TEMP_MARK, SwapFolder, finish_swaps, fsync_dir, hidden_name, publish, recover,
-                   swap_in_place)
+from .swap import MARKS, TEMP_MARK, SwapFolder, finish_swaps, fsync_dir, hidden_name, publish, recover, swap_in_place
 from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
 from .weight_formats import FP8_NAMES, KEPT_BY_DEFAULT, STORAGE_DTYPES
 
@@ -150,7 +156,7 @@ class ComponentPlan:
     def index_bytes(self) -> bytes | None:
         if self.index_name is None:
             return None
-        metadata: dict = {k: v for k, v in self.metadata.items()}
+        metadata: dict = dict(self.metadata.items())
         metadata["total_size"] = self.total_size
         metadata["total_parameters"] = self.total_parameters
         weight_map = {t.name: shard.name for shard in self.shards for t in shard.tensors}

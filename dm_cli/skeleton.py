@@ -439,8 +439,8 @@ def legacy_dtypes(comp) -> tuple[dict[str, str] | None, str]:
 
     `torch.load(weights_only=True, mmap=True)`: no code runs, and tensor data stays on disk.
     """
-    from .errors import DmapError
     from .checkpoint import legacy_files_loaded, load_legacy_weights
+    from .errors import DmapError
 
     try:
         files = [f for f in legacy_files_loaded(comp.folder, None, list(comp.legacy_weights)) or []

@@ -43,6 +43,10 @@ PRESETS = {
     "tiny-qwenimage": "tiny-qwenimage",
 }
 
+# The bundled random-weight demo pipeline (dm_cli.demo), generated into the cache on first use: a SOURCE name like a
+# preset, tried after paths (a folder called `demo` here wins).
+DEMO_SOURCE = "demo"
+
 # Components that hold no weights: copied, never planned.
 WEIGHTLESS_HINTS = ("Tokenizer", "Scheduler", "FeatureExtractor", "ImageProcessor", "Processor")
 
@@ -91,8 +95,20 @@ def accepted_forms() -> str:
     presets = ", ".join(PRESETS)
     return (
         "a pipeline folder (model_index.json), a component folder (config.json), a .safetensors file, "
-        f"an *.index.json file, a Hub repo id such as black-forest-labs/FLUX.1-dev, or a preset: {presets}"
+        f"an *.index.json file, a Hub repo id such as black-forest-labs/FLUX.1-dev, {DEMO_SOURCE} (the random-weight "
+        f"demo pipeline), or a preset: {presets}"
     )
+
+
+def preset_refusal(preset: str) -> str:
+    """Why `dmap run PRESET` cannot run a preset (configs only), and how to get a pipeline that can."""
+    if preset.startswith("tiny-"):
+        return (f"'{preset}' is a preset: dmap bundles its configs, not weights; `dmap demo {preset} -o DIR` writes it "
+                f"with random weights, then run `dmap run DIR ...`.")
+    return (f"'{preset}' is a preset: dmap bundles its configs for inspect and plan, never weights. Give dmap run a "
+            "pipeline folder with weights (or a Hub repo id in the local cache); without SOURCE (or with "
+            f"{DEMO_SOURCE}) it runs the random-weight demo, and `dmap demo tiny-... -o DIR` writes a tiny preset "
+            "with random weights.")
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -123,6 +139,10 @@ def resolve_source(spec: str) -> Source:
         source = _resolve_path(spec, PRESETS_DIR / PRESETS[spec])
         source.preset = spec
         return source
+    if spec == DEMO_SOURCE:
+        from .demo import ensure_demo  # generated (torch imported) only on first use, then read like any folder
+
+        return _resolve_path(spec, ensure_demo())
     if _looks_like_path(spec):
         raise SourceError(f"No such path: {spec} (SOURCE looks like a file or folder, and nothing is there).")
     if _REPO_ID_RE.match(spec):

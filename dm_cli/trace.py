@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable
 
 from .cache import cache_key, read_cached, write_cached
 from .devices import map_entry, normalise_map
@@ -442,7 +443,7 @@ class _Session:
         for frame, sets in self.groups.items():
             parent: dict[str, str] = {}
 
-            def find(x):
+            def find(x, parent=parent):
                 while parent.setdefault(x, x) != x:
                     parent[x] = parent[parent[x]]
                     x = parent[x]
@@ -608,12 +609,14 @@ def compute_dtype(spec: CallSpec | None, dtype: str) -> str:
 
 
 def trace_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str,
-                    use_cache: bool = True, tiled: bool = False) -> ComponentTrace:
+                    use_cache: bool = True, tiled: bool = False,
+                    on_progress: Callable[[str], None] | None = None) -> ComponentTrace:
     """Execution order, activation peaks and unsplittable modules of one component for `inputs`.
 
     `tiled`: the same call with diffusers' tiling enabled on the model (`enable_tiling()`, a VAE's tiled
     decode); a model that cannot tile gets a `fallback_warning`. Cached in `cache_dir()/traces/` keyed by
-    config, class, call shapes, dtype, tiling and library versions.
+    config, class, call shapes, dtype, tiling and library versions. `on_progress(message)` hears which
+    trace runs (or that it came from the cache) before it starts.
     """
     dtype = _torch_dtype_name(dtype, comp)
     weights_only = inputs.weights_only
@@ -627,18 +630,33 @@ def trace_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: 
         try:
             trace = ComponentTrace.from_json(cached)
             trace.seconds = 0.0
+            if on_progress is not None:
+                on_progress(f"{comp.name} ({comp.cls}): {'tiled ' if tiled else ''}trace read from the cache")
             return trace
         except Exception:  # noqa: BLE001 - a damaged entry of any shape is rebuilt, never an error
             pass
+    if on_progress is not None:
+        on_progress(trace_message(comp, spec, shape_inputs, tiled))
     start = time.perf_counter()
     trace = _trace_uncached(comp, pipeline_class, shape_inputs, run_dtype, tiled)
     if weights_only:
         trace.activation_peak = 0
-        trace.module_peaks = {k: 0 for k in trace.module_peaks}
+        trace.module_peaks = dict.fromkeys(trace.module_peaks, 0)
     trace.seconds = round(time.perf_counter() - start, 3)
     if use_cache and trace.fallback_warning is None:
         write_cached("traces", key, trace.to_json())
     return trace
+
+
+def trace_message(comp, spec: CallSpec | None, inputs: InputSpec, tiled: bool = False) -> str:
+    """What a trace about to run is, for progress: component, class and the call (shapes)."""
+    if inputs.weights_only:
+        what = "execution order only (weights-only plan)"
+    elif spec is not None and spec.description:
+        what = spec.description
+    else:
+        what = f"{inputs.height}x{inputs.width}" + (f", {inputs.num_frames} frames" if inputs.num_frames else "")
+    return f"Tracing {comp.name} ({comp.cls}) on the meta device{' with tiling' if tiled else ''}: {what}"
 
 
 def _torch_dtype_name(dtype: str | None, comp) -> str:

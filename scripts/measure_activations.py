@@ -170,13 +170,13 @@ def reduced_qwenimage_config(heads: int, layers: int) -> dict:
 def family_call_peaks(cls: str, config: dict, pipeline_class: str, size: int, threads: int | None = 1) -> tuple[int, int]:
     """(measured, estimated) activation peak of one denoiser call with the inputs the family specifies."""
     import torch
+    from torch.profiler import ProfilerActivity, profile
 
     from dm_cli.inputs import InputSpec
     from dm_cli.models import build_model
     from dm_cli.pipelines import TensorSpec, call_spec
     from dm_cli.sources import ComponentSource
     from dm_cli.trace import trace_component
-    from torch.profiler import ProfilerActivity, profile
 
     comp = ComponentSource("transformer", "diffusers", cls, config, None, None)
     inputs = InputSpec(size, size)

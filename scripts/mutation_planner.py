@@ -8,6 +8,7 @@ no longer matches the source exactly once stops the script: the list must follow
     .venv/bin/python scripts/mutation_planner.py              # every mutant, then the score
     .venv/bin/python scripts/mutation_planner.py --list       # names and what each one changes
     .venv/bin/python scripts/mutation_planner.py --only first-fit --only no-skip-fill
+    .venv/bin/python scripts/mutation_planner.py --tests tests/test_planner_kernels.py   # one file's kills
 
 Exit status 0 when every mutant is killed, 1 when one survives, 2 when the unmutated tests fail.
 
@@ -38,7 +39,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PLANNER = REPO / "dm_cli" / "planner.py"
-TESTS = ["tests/test_planner.py", "tests/test_planner_search.py"]
+TESTS = ["tests/test_planner.py", "tests/test_planner_search.py", "tests/test_planner_kernels.py"]
+
+# The fill's test for room on a GPU (`_FillState.room`), which several mutants change.
+ROOM = ("total = (self.weights[key] + add_weights + self.reserves.get(key, 0) + max(self.acts[key], add_act)\n"
+        "                 + device.overhead)")
 
 # (name, what it changes, exact text in planner.py, replacement)
 MUTANTS: list[tuple[str, str, str, str]] = [
@@ -52,7 +57,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
      "orders = list(itertools.permutations(gpus)) if len(gpus) <= 4 else [tuple(gpus), tuple(reversed(gpus))]",
      "orders = [tuple(gpus)]"),
     ("first-fit", "a whole component goes to the first GPU with room instead of the one it fills best",
-     "device = min(fitting, key=lambda d: limits[d.name] - weights[d.name])", "device = fitting[0]"),
+     "device = min(fitting, key=lambda d: state.limits[d.name] - state.weights[d.name])", "device = fitting[0]"),
     # --- the GPU order and the fill styles ----------------------------------------------------------
     ("gpu-order-and-reverse-only", "auto fills the GPUs in index order or its reverse only",
      "orders = list(itertools.permutations(gpus)) if len(gpus) <= 4 else [tuple(gpus), tuple(reversed(gpus))]",
@@ -60,57 +65,55 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ("no-prefer-whole", "auto never tries placing each component whole before splitting it",
      "for prefer_whole in (False, True):", "for prefer_whole in (False,):"),
     ("worst-fit", "a whole component goes to the GPU with the most room left",
-     "device = min(fitting, key=lambda d: limits[d.name] - weights[d.name])",
-     "device = max(fitting, key=lambda d: limits[d.name] - weights[d.name])"),
+     "device = min(fitting, key=lambda d: state.limits[d.name] - state.weights[d.name])",
+     "device = max(fitting, key=lambda d: state.limits[d.name] - state.weights[d.name])"),
     ("skip-on-every-gpu", "with skip, a block missing any GPU (not only the last) is offloaded",
-     "if skip and cursor == len(gpu_order) - 1:", "if skip:"),
+     "if skip and state.cursor == len(state.gpu_order) - 1:", "if skip:"),
     ("cursor-per-component", "each component's fill starts again at the first GPU",
-     "        whole_act = max(comp.activation_peak,", "        cursor = 0\n        whole_act = max(comp.activation_peak,"),
+     "        whole_act = max(comp.activation_peak,",
+     "        state.cursor = 0\n        whole_act = max(comp.activation_peak,"),
     # --- room on a device during the fill -----------------------------------------------------------
     ("room-ignores-reserve", "the fill does not count the offload reserve it was given",
-     "total = weights[key] + add_weights + reserves.get(key, 0) + max(acts[key], add_act) + device.overhead",
-     "total = weights[key] + add_weights + max(acts[key], add_act) + device.overhead"),
+     ROOM, ROOM.replace(" + self.reserves.get(key, 0)", "")),
     ("room-ignores-overhead", "the fill does not count the per-GPU overhead",
-     "total = weights[key] + add_weights + reserves.get(key, 0) + max(acts[key], add_act) + device.overhead",
-     "total = weights[key] + add_weights + reserves.get(key, 0) + max(acts[key], add_act)"),
+     ROOM, ROOM.replace("\n                 + device.overhead", "")),
     ("room-ignores-activations", "the fill does not count activations",
-     "total = weights[key] + add_weights + reserves.get(key, 0) + max(acts[key], add_act) + device.overhead",
-     "total = weights[key] + add_weights + reserves.get(key, 0) + device.overhead"),
+     ROOM, ROOM.replace(" + max(self.acts[key], add_act)", "")),
     ("room-sums-activations", "the fill adds activations of blocks that run one after another",
-     "total = weights[key] + add_weights + reserves.get(key, 0) + max(acts[key], add_act) + device.overhead",
-     "total = weights[key] + add_weights + reserves.get(key, 0) + acts[key] + add_act + device.overhead"),
+     ROOM, ROOM.replace(" + max(self.acts[key], add_act)", " + self.acts[key] + add_act")),
     ("room-strict", "a block that fills a GPU exactly does not fit",
-     "return total <= limits[key]", "return total < limits[key]"),
+     "return total <= self.limits[key]", "return total < self.limits[key]"),
     ("offload-ignores-cpu-capacity", "cpu takes any block whatever its capacity (disk never used)",
      "if free is None or free >= nbytes:", "if True:"),
     ("whole-activation-ignored", "a component placed whole is charged its blocks' weights only",
      "whole_act = max(comp.activation_peak, comp.io_bytes, max((b.activation for b in comp.blocks), default=0))",
      "whole_act = 0"),
     ("no-whole-peak-in-fill", "the fill lets a component's last block join the others without its forward's peak",
-     "                    act = max(act, whole_act)\n", "                    pass\n"),
+     "        act = max(act, whole_act)\n", "        pass\n"),
     # --- the fill-and-refill loop -------------------------------------------------------------------
     ("no-refill", "a fill that does not fit is not retried with the reserve it showed",
      "for _ in range(16):", "for _ in range(1):"),
     ("no-refill-scaling", "a refill that leaves the fill unchanged charges the excess once more, no faster",
-     "                step = grown(reserves, use, high)\n                following = fill(step)\n", ""),
+     "                step = self.grown(reserves, use, times)\n"
+     "                following = self.fill(spec, step)\n", ""),
     ("refill-overshoots", "an unchanged fill's excess is charged by the doubling, never bisected back",
-     "                        high = middle\n", "                        low = middle\n"),
+     "                high = middle\n", "                low = middle\n"),
     ("refill-ignores-overflow", "a refill charges the streaming reserve but not the rest of an overflow",
-     "                    want = max(want, res.get(key, 0) + (entry.peak - device.capacity) * times)\n",
-     "                    pass\n"),
+     "                want = max(want, reserves.get(key, 0) + (entry.peak - device.capacity) * times)\n",
+     "                pass\n"),
     # --- scoring and choosing -----------------------------------------------------------------------
     ("hops-before-offload", "auto minimises hops before offloaded bytes",
      "return (off, disk, hops, round(util, 4))", "return (hops, off, disk, round(util, 4))"),
     ("no-balance-score", "auto does not prefer the plan with the lowest largest share",
      "return (off, disk, hops, round(util, 4))", "return (off, disk, hops, 0)"),
     ("no-balanced-refinement", "auto keeps the greedy fill, never the balanced one",
-     "if greedy and greedy[0][0][0] == 0:", "if False:"),
+     "if greedy and greedy[0].score[0] == 0:", "if False:"),
     ("balanced-allows-offload", "the balanced search accepts a fraction at which something is offloaded",
-     "if use is not None and score(cand.maps, use)[0] == 0:", "if use is not None:"),
+     "if use is not None and self.score(cand.maps, use)[0] == 0:", "if use is not None:"),
     ("worst-plan-chosen", "the residency keeps the worst-scoring candidate",
      "    ok.sort(key=lambda item: item[0])\n", "    ok.sort(key=lambda item: item[0], reverse=True)\n"),
     ("balanced-zero-first-ignored", "balanced_low_0 gives GPU 0 its full share",
-     "                limits[gpus[0].name] = 0\n", "                pass\n"),
+     "        limits[zeroed] = 0\n", "        pass\n"),
     # --- exact memory of a placement ----------------------------------------------------------------
     ("fits-strict", "a device filled exactly counts as over capacity",
      "if capacity is not None and entry.peak > capacity:", "if capacity is not None and entry.peak >= capacity:"),
@@ -145,10 +148,10 @@ def mutate(source: str, old: str, new: str, name: str) -> str:
     return source.replace(old, new)
 
 
-def run_tests(root: Path, timeout: float) -> tuple[bool, str]:
+def run_tests(root: Path, timeout: float, tests: list[str]) -> tuple[bool, str]:
     """Run the planner tests in `root` (which holds dm_cli/ and tests/): (passed, last line)."""
     env = dict(os.environ, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--hypothesis-seed=0", *TESTS]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--hypothesis-seed=0", *tests]
     try:
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -169,6 +172,8 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--only", action="append", default=[], help="run only this mutant (repeatable)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per test run (a hang counts as killed)")
+    parser.add_argument("--tests", action="append", default=[],
+                        help=f"run only this test file (repeatable; default: {', '.join(TESTS)})")
     args = parser.parse_args()
     names = [m[0] for m in MUTANTS]
     unknown = [n for n in args.only if n not in names]
@@ -189,21 +194,22 @@ def main() -> int:
         root = Path(tmp)
         shutil.copytree(REPO / "dm_cli", root / "dm_cli", ignore=shutil.ignore_patterns("__pycache__"))
         (root / "tests").mkdir()
-        for name in ["tests/conftest.py", *TESTS]:
+        tests = args.tests or TESTS
+        for name in ["tests/conftest.py", *tests]:
             shutil.copy(REPO / name, root / name)
         target = root / "dm_cli" / "planner.py"
         where = imported_from(root)
         if Path(where).resolve() != target.resolve():
             print(f"the tests would import {where}, not the copy", file=sys.stderr)
             return 2
-        passed, line = run_tests(root, args.timeout)
+        passed, line = run_tests(root, args.timeout, tests)
         print(f"unmutated planner: {'pass' if passed else 'FAIL'} ({line}, {time.perf_counter() - start:.1f} s)")
         if not passed:
             return 2
         for name, what, _, _ in chosen:
             target.write_text(mutated[name])
             begin = time.perf_counter()
-            passed, line = run_tests(root, args.timeout)
+            passed, line = run_tests(root, args.timeout, tests)
             verdict = "SURVIVED" if passed else "killed"
             print(f"{verdict:8} {name:30} {time.perf_counter() - begin:5.1f} s  {line}", flush=True)
             if passed:

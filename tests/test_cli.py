@@ -7,7 +7,6 @@ import json
 import re
 
 import pytest
-
 from conftest import PRESETS, run_dmap
 
 USAGE_ERRORS = {
@@ -121,8 +120,9 @@ def test_gpus_are_listed_in_index_order():
     assert code == 0, err
     tables, rows = [], []
     for line in out.splitlines():
-        if line.startswith("│ GPU "):
-            rows.append(int(line.split()[2]))
+        device = re.match(r"│(?: [^│]*│)? GPU (\d+) ", line)  # the memory table's device column follows the stage's
+        if device:
+            rows.append(int(device.group(1)))
         elif rows:
             tables.append(rows)
             rows = []

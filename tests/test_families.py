@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from conftest import PRESETS, run_dmap
+
 from dm_cli.families import FAMILY_MODULES, all_families, family_for, pipeline_stages, supported_pipelines
 from dm_cli.inputs import InputSpec
 

@@ -185,8 +185,9 @@ def test_flux2_transformer_call_is_what_flux2pipeline_feeds_it():
     ("0=48GB,1=48GB,2=48GB", "staged"),
 ])
 def test_flux2_dev_fits_and_checks(budget, mode):
-    from dm_cli.cli import app
     from typer.testing import CliRunner
+
+    from dm_cli.cli import app
 
     args = ["plan", "flux2", "--max-memory", budget, "--json"] + (["--mode", mode] if mode else [])
     result = CliRunner().invoke(app, args)

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO
 from safetensors.numpy import load_file, save_file
 
-from conftest import REPO
 from dm_cli import shard as shard_module
 from dm_cli import swap as swap_module
-
 
 # --- helpers ----------------------------------------------------------------------------------------
 

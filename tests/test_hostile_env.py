@@ -12,9 +12,9 @@ import threading
 from pathlib import Path
 
 import pytest
+from test_hostile import cli
 
 from dm_cli.errors import UsageError
-from test_hostile import cli
 
 TIMEOUT_S = 30  # a hang is a failure, not a stuck suite
 

@@ -13,7 +13,6 @@ import os
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-
 from test_hostile import _plan_document, _runner_must_not_start, _set, cli
 
 NINES = "9" * 400  # float() of this is inf: int(round(inf)) was an OverflowError (exit 1)
@@ -140,8 +139,8 @@ def test_5_the_python_api_has_the_same_bounds():
 
 
 def test_5_a_queue_item_gets_the_same_steps_bound():
-    from dm_cli.errors import UsageError
     from dm_cli.api import Pipeline
+    from dm_cli.errors import UsageError
     from dm_cli.families import Job, family_for
     from dm_cli.queue import QueueItem
 

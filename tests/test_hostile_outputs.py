@@ -74,8 +74,8 @@ def test_8_run_with_many_images_checks_its_outputs_without_a_stat_per_name(tmp_p
 def test_8_an_existing_output_among_many_is_still_refused(tmp_path, monkeypatch):
     from dm_cli.atomic import refuse_existing
     from dm_cli.errors import UsageError
-    from dm_cli.run_checks import check_run_request
     from dm_cli.images import existing_image_paths
+    from dm_cli.run_checks import check_run_request
 
     (tmp_path / "out-4999.png").mkdir()
     with pytest.raises(UsageError, match="out-4999.png is a folder"):
@@ -134,8 +134,8 @@ def _pipeline_must_not_start(monkeypatch):
 @pytest.mark.parametrize("suffix", ["png", "jpg", "jpeg", "webp", "JPG"])
 def test_13_image_bytes_are_the_format_the_suffix_names_with_readable_metadata(tmp_path, suffix):
     """`-o out.jpg` wrote PNG bytes under a .jpg name."""
-    from dm_cli.queue import is_complete
     from dm_cli.images import read_image_metadata, save_images
+    from dm_cli.queue import is_complete
 
     image = Image.new("RGB", (32, 32), (200, 30, 40))
     written = save_images([image], str(tmp_path / f"out.{suffix}"), METADATA)
@@ -224,8 +224,8 @@ def test_13_a_run_writes_the_format_its_output_names(tmp_path, capsys):
 
 def test_13_png_bytes_under_a_jpeg_name_do_not_count_as_a_finished_queue_item(tmp_path):
     """What an older dmap wrote for `-o x.jpg`: resuming must redo it as a real JPEG, not skip it."""
-    from dm_cli.queue import is_complete
     from dm_cli.images import save_images
+    from dm_cli.queue import is_complete
 
     save_images([Image.new("RGB", (32, 32))], str(tmp_path / "x.png"), METADATA)
     (tmp_path / "x.png").rename(tmp_path / "x.jpg")

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_hostile import assert_same_state, cli, component, loaded
 
 from dm_cli import shard as shard_module
 from dm_cli import swap as swap_module
 from dm_cli.errors import DmapError
-from test_hostile import assert_same_state, cli, component, loaded
 
 
 def dead_pid() -> int:

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import PRESETS, REPO, run_dmap
+
 from dm_cli.errors import SourceError
 from dm_cli.inspection import inspect_source
 from dm_cli.sources import PRESETS as PRESET_NAMES

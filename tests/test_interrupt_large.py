@@ -12,9 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
-
 from conftest import REPO
+from safetensors.numpy import save_file
 from test_hostile import KILL_AT_RENAME, assert_same_state, loaded, tree
 
 pytestmark = pytest.mark.slow

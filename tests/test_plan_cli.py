@@ -3,15 +3,14 @@
 import json
 
 import pytest
+from conftest import run_dmap
 
 from dm_cli.errors import DoesNotFitError, UsageError
 from dm_cli.inputs import InputSpec
-from dm_cli.plans import PlanOptions, load_plan, make_plan, write_plan
 from dm_cli.planner import coverage_problems
+from dm_cli.plans import PlanOptions, load_plan, make_plan, write_plan
 from dm_cli.skeleton import skeleton_for_component
 from dm_cli.sources import resolve_source
-
-from conftest import run_dmap
 
 GiB = 2**30
 
@@ -63,7 +62,7 @@ def test_human_output_renders(tmp_path):
     code, stdout, err = run_dmap("plan", "tiny-flux", "--max-memory", "0=400KB,1=400KB", "--height", "0",
                                  "--dtype", "fp32", "--mode", "staged")
     assert code == 0, err
-    assert "stage denoise" in stdout and "hf_device_map" in stdout and "device_map" in stdout
+    assert "│ denoise " in stdout and "hf_device_map" in stdout and "device_map" in stdout
 
 
 def test_does_not_fit_exit_3_with_shortfall_and_nearest_change():

@@ -15,11 +15,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import PRESETS  # noqa: E402
+
 from dm_cli.families import all_families, family_for  # noqa: E402
 from dm_cli.inputs import InputSpec  # noqa: E402
 from dm_cli.pipelines import TensorSpec, call_spec  # noqa: E402
-from dm_cli.plans import PlanOptions, make_plan, prepare_component  # noqa: E402
 from dm_cli.planner import component_blocks  # noqa: E402
+from dm_cli.plans import PlanOptions, make_plan, prepare_component  # noqa: E402
 from dm_cli.skeleton import skeleton_for_component  # noqa: E402
 from dm_cli.sources import resolve_source  # noqa: E402
 
@@ -70,7 +71,7 @@ def run_under_virtual_devices(comp, pipeline_class, device_map) -> list[str]:
 
     model = build_random(comp)
     method, kwargs = make_inputs(comp, pipeline_class)
-    dispatch_model(model, device_map={k: "cpu" for k in device_map}, main_device="cpu", force_hooks=True)
+    dispatch_model(model, device_map=dict.fromkeys(device_map, "cpu"), main_device="cpu", force_hooks=True)
     with torch.no_grad(), VirtualDevices(model, device_map) as virtual:
         getattr(model, method)(**kwargs) if method != "forward" else model(**kwargs)
     return virtual.problems

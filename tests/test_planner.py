@@ -3,8 +3,16 @@
 import pytest
 
 from dm_cli.planner import (
-    Block, ComponentInput, Device, NoFit, Stage, clean_device_map, component_blocks, coverage_problems,
-    default_stages, plan_pipeline,
+    Block,
+    ComponentInput,
+    Device,
+    NoFit,
+    Stage,
+    clean_device_map,
+    component_blocks,
+    coverage_problems,
+    default_stages,
+    plan_pipeline,
 )
 
 GB = 10**9
@@ -232,7 +240,8 @@ def test_runs_on_cpu_when_activations_fit_no_gpu():
     assert any("runs on the cpu" in w for w in placement.warnings)
 
 
-from hypothesis import assume, given, settings, strategies as st  # noqa: E402
+from hypothesis import assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)

@@ -7,10 +7,11 @@ planner must do at least as well) or cases that cannot fit (the planner must say
 """
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_planner import assert_within_capacity
 
 from dm_cli.planner import Block, ComponentInput, Device, NoFit, Stage, plan_pipeline
-from test_planner import assert_within_capacity
 
 GB = 10**9
 

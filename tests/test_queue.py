@@ -8,8 +8,19 @@ import pytest
 from dm_cli.distributed import Ranks, select_gpus
 from dm_cli.errors import UsageError
 from dm_cli.queue import (
-    MANIFEST, QueueItem, append_record, chunk_size_for, chunks, is_complete, items_for_rank,
-    merge_records, previous_records, read_prompts, read_records, remove_stale_temporaries, write_manifest,
+    MANIFEST,
+    QueueItem,
+    append_record,
+    chunk_size_for,
+    chunks,
+    is_complete,
+    items_for_rank,
+    merge_records,
+    previous_records,
+    read_prompts,
+    read_records,
+    remove_stale_temporaries,
+    write_manifest,
 )
 
 
@@ -34,7 +45,9 @@ def test_jsonl_per_item_fields_and_defaults(tmp_path):
     ]
     path = _write(tmp_path, "p.txt", "\n".join(json.dumps(x) for x in lines))  # detected by its first line
     items = read_prompts(path, base_seed=5)
-    assert read_prompts(path, base_seed=-3)[0].seed == -3  # the range --seed takes with --prompt, not a narrower one
+    assert read_prompts(path, base_seed=2**64 - 3)[0].seed == 2**64 - 3  # the range --seed takes with --prompt
+    with pytest.raises(UsageError, match="--seed -3 is out of range"):  # torch would wrap it: refused as with --prompt
+        read_prompts(path, base_seed=-3)
     assert items[0] == QueueItem(0, "a fox", 5, "00000.png")
     assert items[1] == QueueItem(1, "a cat", 99, "cat.png", "blur", 3, 7.0)
     assert items[2].seed == 7 and items[2].output == "dog.png"

@@ -106,17 +106,18 @@ def test_staged_queue_loads_each_component_once_per_chunk_same_pixels_and_resume
         references, prompts_file, tmp_path, count_loads, capsys):
     out = tmp_path / "out"
     assert _cli("run", "--prompts", prompts_file, "--output", out, *RUN_ARGS) == 0, capsys.readouterr().err
-    assert dict(count_loads) == {name: 1 for name in COMPONENTS}  # one chunk: every component loaded once
+    assert dict(count_loads) == dict.fromkeys(COMPONENTS, 1)  # one chunk: every component loaded once
     stdout = capsys.readouterr().out
     assert "Chunk size: 6 item(s)" in stdout and "budget" in stdout
-    assert re.search(r"Stages: encode loaded 1x in [0-9.]+ s, ran [0-9.]+ s; denoise loaded 1x", stdout), stdout
+    assert re.search(r"Each stage loads its components once per chunk: encode \(text_encoder, text_encoder_2\) "
+                     r"loaded once \([0-9.]+ s\), ran [0-9.]+ s; denoise \(transformer\) loaded once", stdout), stdout
     first = _assert_queue_output(out, references)
     assert all(r["rank"] == 0 and r["seconds"] > 0 and not r.get("resumed") for r in first)
 
     chunked = tmp_path / "chunked"
     count_loads.clear()
     assert _cli("run", "--prompts", prompts_file, "--output", chunked, "--chunk-size", 4, "--json", *RUN_ARGS) == 0
-    assert dict(count_loads) == {name: 2 for name in COMPONENTS}  # chunks of 4 and 2: twice each
+    assert dict(count_loads) == dict.fromkeys(COMPONENTS, 2)  # chunks of 4 and 2: twice each
     stages = json.loads(capsys.readouterr().out)["stages"]
     assert {name: t["loads"] for name, t in stages.items()} == {"encode": 2, "denoise": 2, "decode": 2}
     assert all(t["load_s"] > 0 and t["run_s"] > 0 for t in stages.values())
@@ -131,7 +132,7 @@ def test_staged_queue_loads_each_component_once_per_chunk_same_pixels_and_resume
     assert _cli("run", "--prompts", prompts_file, "--output", out, *RUN_ARGS) == 0
     stdout = capsys.readouterr().out
     assert "Skipping 5 item(s)" in stdout and "0-3, 5" in stdout and "Item 4: the existing file is unreadable" in stdout
-    assert dict(count_loads) == {name: 1 for name in COMPONENTS}
+    assert dict(count_loads) == dict.fromkeys(COMPONENTS, 1)
     after = {p.name: p.stat().st_mtime_ns for p in out.glob("*.png")}
     assert {n for n in before if before[n] != after[n]} == {"00004.png"}
     records = _assert_queue_output(out, references)
@@ -142,7 +143,7 @@ def test_resident_queue_loads_once_for_the_whole_queue(references, prompts_file,
     out = tmp_path / "out"
     args = [a for a in RUN_ARGS if a not in ("--mode", "staged")]
     assert _cli("run", "--prompts", prompts_file, "--output", out, "--mode", "resident", "--json", *args) == 0
-    assert dict(count_loads) == {name: 1 for name in COMPONENTS}
+    assert dict(count_loads) == dict.fromkeys(COMPONENTS, 1)
     stages = json.loads(capsys.readouterr().out)["stages"]
     assert stages["load"]["loads"] == 1 and all(stages[s]["loads"] == 0 for s in ("encode", "denoise", "decode"))
     _assert_queue_output(out, references)
@@ -211,9 +212,9 @@ def test_api_generate_is_stage_major_and_reusable(references, count_loads):
     assert plan.mode == "staged" and plan.source == "demo"
     with dm_cli.load(None, plan) as pipe:
         outs = list(pipe.generate(PROMPTS[:3], seed=SEED, steps=STEPS))
-        assert dict(count_loads) == {name: 1 for name in COMPONENTS}
+        assert dict(count_loads) == dict.fromkeys(COMPONENTS, 1)
         more = list(pipe.generate(PROMPTS[3:], seed=SEED + 3, steps=STEPS, chunk_size=2))
-    assert dict(count_loads) == {name: 3 for name in COMPONENTS}
+    assert dict(count_loads) == dict.fromkeys(COMPONENTS, 3)
     for i, out in enumerate(outs + more):
         assert np.array_equal(np.array(out.image), references[i])
         assert out.metadata["seed"] == str(SEED + i) and out.metadata["prompt"] == PROMPTS[i]

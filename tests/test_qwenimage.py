@@ -4,8 +4,8 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import run_dmap
+
 from dm_cli.sources import PRESETS_DIR
 
 torch = pytest.importorskip("torch")

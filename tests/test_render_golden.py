@@ -74,16 +74,31 @@ def draw_plan():
     render_plan(flux_plan(), output="plan.json")
 
 
+def png_file(path: Path, width: int, height: int, nbytes: int) -> None:
+    """A PNG of `nbytes` bytes whose header says width x height (an IDAT of zeros: enough for a header read)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    head = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    end = chunk(b"IEND", b"")
+    path.write_bytes(head + chunk(b"IDAT", bytes(nbytes - len(head) - len(end) - 12)) + end)
+
+
 def draw_run():
     from dm_cli.render.run import RunView
 
+    png_file(Path("fox.png"), 512, 512, 389_421)  # in the test's own folder (cwd)
     with RunView() as view:
         view.summary(run_result())
 
 
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("name,draw", [("inspect", draw_inspect), ("plan", draw_plan), ("run", draw_run)])
-def test_renderer_output_matches_its_golden(name, draw, width, capsys, monkeypatch):
+def test_renderer_output_matches_its_golden(name, draw, width, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("COLUMNS", str(width))
     for variable in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "NO_COLOR", "JUPYTER_COLUMNS", "LINES"):
         monkeypatch.delenv(variable, raising=False)

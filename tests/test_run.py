@@ -332,8 +332,9 @@ def test_no_steps_offset_warning_from_a_bundled_tiny_pipeline(folders, tmp_path)
 
 def test_outputs_are_refused_as_settled_from_the_plan(tmp_path):
     """A plan made for 2 images writes out-0.png and out-1.png: those are what must not be replaced silently."""
-    import dm_cli
     from conftest import run_dmap
+
+    import dm_cli
     from dm_cli.plans import write_plan
 
     plan = tmp_path / "p.json"

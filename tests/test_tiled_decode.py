@@ -4,7 +4,6 @@ rendered, and followed by `dmap run` (pixel-identical to diffusers with `pipe.va
 import json
 
 import pytest
-
 from conftest import run_dmap
 
 from dm_cli.errors import UsageError

@@ -230,8 +230,8 @@ def test_virtual_devices_agrees_with_accelerate_dispatch_on_cpu():
     model, args, kwargs = _tiny_sdxl_unet()
     with torch.no_grad():
         reference = model(*args, **kwargs)[0]
-        attach_align_device_hook_on_blocks(model, execution_device={k: "cpu" for k in list(BAD_MAP) + [""]},
-                                           offload={k: False for k in list(BAD_MAP) + [""]})
+        attach_align_device_hook_on_blocks(model, execution_device=dict.fromkeys(list(BAD_MAP) + [""], "cpu"),
+                                           offload=dict.fromkeys(list(BAD_MAP) + [""], False))
         try:
             with VirtualDevices(model, BAD_MAP) as bad:
                 out = model(*args, **kwargs)[0]

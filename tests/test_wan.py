@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from conftest import run_dmap
 
 from dm_cli.errors import UsageError
@@ -347,7 +346,7 @@ def test_api_generate_runs_a_staged_plans_experts_one_at_a_time(tiny_wan, tmp_pa
     import dm_cli
     from dm_cli.runner import RunRequest, run
 
-    devices = dict(max_memory="0=400KB,1=400KB,cpu=1GB", overhead="0=0,1=0", simulate=True)
+    devices = {"max_memory": "0=400KB,1=400KB,cpu=1GB", "overhead": "0=0,1=0", "simulate": True}
     with dm_cli.load(str(tiny_wan), None, height=SIZE, width=SIZE, num_frames=FRAMES, **devices) as pipe:
         assert [s.components for s in pipe.plan.stages if s.name == "denoise"] == [["transformer"], ["transformer_2"]]
         (out,) = pipe.generate([PROMPT], seed=SEED, steps=STEPS)

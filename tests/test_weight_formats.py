@@ -327,9 +327,8 @@ def test_tiny_flux2_fp8_run_is_pixel_identical_unsplit_and_split(folders, tmp_pa
 def test_a_stored_fp8_file_without_config_is_inspected_and_planned_as_stored(tmp_path):
     """No config: which layers a run would cast is unknown, so the bytes are the file's (plan refused it)."""
     import torch
-    from safetensors.torch import save_file
-
     from conftest import run_dmap
+    from safetensors.torch import save_file
 
     path = tmp_path / "fp8.safetensors"
     save_file({"a.weight": torch.ones(64, 64).to(torch.float8_e4m3fn), "a.norm": torch.ones(64)}, str(path))

@@ -13,6 +13,7 @@ import typer
 
 from .. import __version__
 from . import cache as cache_command
+from . import demo as demo_command
 from . import inspect as inspect_command
 from . import plan as plan_command
 from . import run as run_command
@@ -50,6 +51,7 @@ app.command("shard", help=shard_command.__doc__)(shard_command.shard)
 app.command("plan", help=plan_command.__doc__)(plan_command.plan)
 app.command("run", help=run_command.__doc__)(run_command.run)
 app.command("cache", help=cache_command.__doc__)(cache_command.cache)
+app.command("demo", help=demo_command.__doc__)(demo_command.demo)
 
 
 def main(argv: list[str] | None = None) -> None:

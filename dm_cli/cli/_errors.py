@@ -31,6 +31,28 @@ def usage_error(message: str, ctx) -> Exception:
     return sys.modules[click_exception.__module__].UsageError(message, ctx=ctx)
 
 
+def _say(message: str) -> None:
+    """One message on stderr. On a terminal it is wrapped at spaces to the terminal's width, so that the
+    terminal does not cut a word (a class name, `nearest`) in two; in a pipe or a log it stays one line."""
+    stream = sys.stderr
+    if stream.isatty():
+        import os
+        import textwrap
+
+        try:
+            width = int(os.environ.get("COLUMNS", "")) or os.get_terminal_size(stream.fileno()).columns
+        except (ValueError, OSError):
+            width = 80
+
+        def fill(line: str) -> str:
+            indent = line[:len(line) - len(line.lstrip(" "))]
+            return textwrap.fill(line, max(width, 20), subsequent_indent=indent, break_long_words=False,
+                                 break_on_hyphens=False) or line
+
+        message = "\n".join(fill(line) for line in message.split("\n"))
+    print(message, file=stream)
+
+
 def report_error(error: BaseException, debug: bool) -> int:
     """Print the error the way a user should see it and return the exit code."""
     if debug:
@@ -38,15 +60,15 @@ def report_error(error: BaseException, debug: bool) -> int:
     from ..render import plain  # messages quote names read from files: never raw escapes on a terminal
 
     if isinstance(error, DmapError):
-        print(f"Error: {plain(error, keep_newlines=True)}", file=sys.stderr)
+        _say(f"Error: {plain(error, keep_newlines=True)}")
         return error.exit_code
     if isinstance(error, KeyboardInterrupt):
-        print("Interrupted: stopped before finishing; nothing was left half-written (outputs are only renamed "
-              "into place when complete).", file=sys.stderr)
+        _say("Interrupted: stopped before finishing; nothing was left half-written (outputs are only renamed "
+             "into place when complete).")
         return EXIT_INTERRUPTED
     if isinstance(error, MemoryError):
-        print("Error: out of host memory.", file=sys.stderr)
+        _say("Error: out of host memory.")
         return EXIT_INTERNAL
     name = type(error).__name__
-    print(f"Internal error ({name}: {plain(error, keep_newlines=True)}). Rerun with --debug for the traceback and report it.", file=sys.stderr)
+    _say(f"Internal error ({name}: {plain(error, keep_newlines=True)}). Rerun with --debug for the traceback and report it.")
     return EXIT_INTERNAL

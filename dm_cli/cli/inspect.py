@@ -17,9 +17,8 @@ def inspect(
     no_cache: bool = typer.Option(False, "--no-cache", help="Rebuild skeletons instead of using the cache."),
 ) -> int:
     from ..inspection import inspect_source
-    from ..units import parse_dtype
-
     from ..render import status
+    from ..units import parse_dtype
 
     with status(f"Inspecting {source}: reading configs and headers…"):
         report = inspect_source(

@@ -36,16 +36,17 @@ def plan(
     from ..api import plan as make_plan
     from ..atomic import refuse_existing
     from ..plans import write_plan
-    from ..render import status
+    from ..render.queue import TickingStatus
 
     if output:
         refuse_existing([output], overwrite)
-    with status(f"Planning {source}: sizing, tracing on the meta device and checking the split…", enabled=not quiet):
+    # the spinner names each step (which component, which trace) with its seconds, redrawn every second
+    with TickingStatus(f"Planning {source}", enabled=not quiet) as progress:
         result = make_plan(source, max_memory=max_memory, height=height, width=width, batch_size=batch_size,
                            num_images=num_images, guidance_scale=guidance_scale,
                            max_sequence_length=max_sequence_length, strategy=strategy, mode=mode, dtype=dtype,
                            overhead=overhead, component=component, check=not no_check, use_cache=not no_cache,
-                           num_frames=frames, fps=fps, weights=weights)
+                           num_frames=frames, fps=fps, weights=weights, on_progress=progress)
     if output:
         write_plan(result, output)
     if as_json:

@@ -28,7 +28,7 @@ def run(
     guidance_scale_2: float | None = typer.Option(
         None, "--guidance-scale-2", help="Two-expert pipelines (Wan 2.2 A14B): guidance of the low-noise expert "
                                          "(default: --guidance-scale)."),
-    seed: int = typer.Option(0, "--seed", help="Random seed: same seed, same image."),
+    seed: int = typer.Option(0, "--seed", help="Random seed, 0 to 2^64-1: same seed, same image."),
     height: int | None = typer.Option(None, "--height", help="Image height in pixels (default: the pipeline's)."),
     width: int | None = typer.Option(None, "--width", help="Image width in pixels (default: the pipeline's)."),
     num_images: int | None = typer.Option(None, "--num-images", min=1, help="Images for the prompt (out-0.png, out-1.png, ...; default 1, or the plan's)."),
@@ -76,6 +76,10 @@ def run(
     # counts no run could use and an unknown (or empty) --dtype: refused before outputs, plans or SOURCE
     check_counts(steps=steps, num_images=num_images, height=height, width=width,
                  max_sequence_length=max_sequence_length, num_frames=frames, fps=fps)
+    if height and width:  # a size given in full: its pixels per call (inputs.MAX_PIXELS) before SOURCE is resolved
+        from ..inputs import InputSpec
+
+        InputSpec(height, width, num_images=num_images or 1, num_frames=frames)
     if dtype is not None:
         parse_dtype(dtype)
 

@@ -17,7 +17,7 @@ def shard(
     in_place: bool = typer.Option(False, "--in-place", help="Replace the source weights, after the new ones are verified."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip re-reading and hashing every written tensor."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No table nor progress: only errors and where the output went."),
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
 ) -> int:
     from ..render.shard import ShardProgressBar
@@ -30,8 +30,29 @@ def shard(
         from ._output import print_json
 
         print_json(result.to_json())
+    elif quiet:
+        _print_quiet(result)
     else:
         from ..render.shard import render_shard
 
         render_shard(result, binary=binary)
     return 0
+
+
+def _print_quiet(result) -> None:
+    """-q: one line of what was written where (stdout); what recovery did and tensors above the limit (stderr)."""
+    import sys
+
+    for comp in result.components:
+        for file_name, tensor, _nbytes in comp.oversized:
+            print(f"Note: tensor {tensor} is larger than the limit: it has a shard of its own ({file_name}).",
+                  file=sys.stderr)
+    for done in result.removed_stale:
+        print(done, file=sys.stderr)
+    files = f"{result.file_count} weight file(s)"
+    if result.dry_run:
+        print(f"Would write {files} into {result.output} (dry run: nothing written).")
+    elif result.in_place:
+        print(f"Wrote {files}, replacing the weights of {result.source} in place.")
+    else:
+        print(f"Wrote {files} into {result.output}.")

@@ -93,44 +93,73 @@ def num(n: int) -> str:
 @dataclass
 class Col:
     """One table column. `number`: never wrapped or cut. `drop`: 0 never dropped; higher goes first;
-    OPTIONAL and above go before other columns wrap."""
+    OPTIONAL and above go before other columns wrap. `stretch` (min, max): a picture column (a bar)
+    whose cells are callables width -> Text, drawn as wide as the room left allows."""
 
     header: str
     number: bool = False
     drop: int = 0
     justify: str | None = None
     name: str | None = None  # how the "hidden" note calls it (default: the header)
+    stretch: tuple[int, int] | None = None
+    atoms: str | None = None  # cells are items joined by this (", "): lines break only between items
+
+
+def _lines(cell) -> list[str]:
+    text = cell.plain if hasattr(cell, "plain") else str(cell)
+    return text.split("\n")
+
+
+def _longest_word(texts) -> int:
+    return max((len(word) for text in texts for line in _lines(text) for word in line.split()), default=0)
 
 
 def fitted_table(out, title: str | None, columns: list[Col], rows: list[list[str] | None]):
     """A Rich Table of plain-text cells that fits `out.width`; rows of None are section breaks.
 
-    Returns (table, names of the columns dropped to fit).
+    Text wraps at spaces only: a text column is never narrower than its longest word (a class or module
+    name stays whole), so columns are dropped, least important first, before a word would be cut; only
+    when nothing is left to drop are words folded. Returns (table, names of the columns dropped to fit).
     """
     from rich.table import Table
     from rich.text import Text
 
-    rows = [None if r is None else [_inert(c) if isinstance(c, Text) else plain(c) for c in r] for r in rows]
+    rows = [None if r is None else [c if callable(c) else _inert(c) if isinstance(c, Text) else plain(c) for c in r]
+            for r in rows]
     title = plain(title) if title else title
     data = [r for r in rows if r is not None]
     keep = list(range(len(columns)))
 
-    def need(i: int) -> int:
-        col = columns[i]
-        cells = [len(str(r[i])) for r in data]
-        header_words = max((len(w) for w in col.header.split()), default=0)
-        widest = max(cells + [header_words])
-        return widest if col.number else min(max(cells + [len(col.header)]), TEXT_MIN_WIDTH)
+    def cells(i: int) -> list:
+        return [r[i] for r in data if not callable(r[i])]
+
+    def atoms_width(i: int) -> int:
+        sep = columns[i].atoms
+        return max((len(atom) + len(sep.rstrip()) for c in cells(i) for atom in str(c).split(sep)), default=0)
 
     def natural(i: int) -> int:
-        return max([len(str(r[i])) for r in data] + [len(columns[i].header)])
+        col = columns[i]
+        if col.stretch:
+            return col.stretch[0]
+        return max([len(line) for c in cells(i) for line in _lines(c)] + [len(col.header)])
+
+    def minimum(i: int) -> int:
+        col = columns[i]
+        if col.stretch:
+            return col.stretch[0]
+        header_word = _longest_word([col.header])
+        if col.atoms:
+            return max(atoms_width(i), header_word)
+        if col.number:
+            return max([len(line) for c in cells(i) for line in _lines(c)] + [header_word])
+        return max(_longest_word(cells(i)), header_word, min(natural(i), TEXT_MIN_WIDTH))
 
     def total(indices: list[int], width) -> int:
         return sum(width(i) for i in indices) + 3 * len(indices) + 1  # padding and borders
 
     dropped: list[int] = []
-    # optional columns go before anything wraps; then the others, only when wrapping is not enough
-    for min_drop, width in ((OPTIONAL, natural), (1, need)):
+    # optional columns go before anything wraps; then the others, only when wrapping at spaces is not enough
+    for min_drop, width in ((OPTIONAL, natural), (1, minimum)):
         while total(keep, width) > out.width:
             candidates = [i for i in keep if columns[i].drop >= min_drop]
             if not candidates:
@@ -138,26 +167,81 @@ def fitted_table(out, title: str | None, columns: list[Col], rows: list[list[str
             worst = max(candidates, key=lambda i: (columns[i].drop, i))
             keep.remove(worst)
             dropped.append(worst)
+    widths = {i: natural(i) for i in keep}
+    floor = {i: minimum(i) for i in keep}
+    room = out.width - (3 * len(keep) + 1)
+    texts = [i for i in keep if not columns[i].number and not columns[i].stretch]
+    # wrap the widest text column first, never below its longest word ...
+    while sum(widths.values()) > room:
+        shrinkable = [i for i in texts if widths[i] > floor[i]]
+        if not shrinkable:
+            break
+        widest = max(shrinkable, key=lambda i: widths[i])
+        widths[widest] -= 1
+    # ... and only as the last resort fold words (nothing left to drop)
+    while sum(widths.values()) > room:
+        shrinkable = [i for i in texts if widths[i] > 1]
+        if not shrinkable:
+            break
+        widths[max(shrinkable, key=lambda i: widths[i])] -= 1
+    for i in keep:
+        if columns[i].stretch:
+            widths[i] = max(1, min(columns[i].stretch[1], widths[i] + room - sum(widths.values())))
     table = Table(title=Text(title) if title else None, title_justify="left")
     for i in keep:
         col = columns[i]
         justify = col.justify or ("right" if col.number else "left")
-        if col.number:
-            table.add_column(Text(col.header), justify=justify, no_wrap=True, min_width=need(i))
+        if col.number or col.stretch:
+            table.add_column(Text(col.header), justify=justify, no_wrap=True, width=widths[i])
         else:
-            table.add_column(Text(col.header), justify=justify, overflow="fold")
+            table.add_column(Text(col.header), justify=justify, overflow="fold", width=widths[i])
     for row in rows:
         if row is None:
             table.add_section()
         else:
-            table.add_row(*(cell if isinstance(cell, Text) else Text(str(cell)) for cell in (row[i] for i in keep)))
+            table.add_row(*(cell(widths[i]) if callable(cell) else cell if isinstance(cell, Text)
+                            else Text(_wrap_atoms(str(cell), columns[i].atoms, widths[i]) if columns[i].atoms else str(cell))
+                            for i, cell in ((i, row[i]) for i in keep)))
     return table, [columns[i].name or columns[i].header for i in sorted(dropped)]
 
 
-def print_table(out, title: str | None, columns: list[Col], rows: list[list[str] | None]) -> list[str]:
-    """Print a fitted table and, when columns were dropped, one line naming them (returned too)."""
+def _wrap_atoms(text: str, sep: str, width: int) -> str:
+    """`a, b, c` as lines of at most `width` that break only between items (`GPU 0,` / `GPU 1, cpu`)."""
+    atoms = text.split(sep)
+    end = sep.rstrip()  # what ends a line that the next item does not share
+    lines: list[str] = []
+    line = ""
+    for n, atom in enumerate(atoms):
+        trial = f"{line}{sep}{atom}" if line else atom
+        if line and len(trial) + (len(end) if n < len(atoms) - 1 else 0) > width:
+            lines.append(line + end)
+            line = atom
+        else:
+            line = trial
+    return "\n".join(lines + [line])
+
+
+def print_table(out, title: str | None, columns: list[Col], rows: list[list[str] | None],
+                hidden: list | None = None, label: str | None = None) -> list[str]:
+    """Print a fitted table and return the names of the columns dropped to fit.
+
+    Without `hidden`, one line after the table names them. With a list, (label, names) is added to it
+    instead, so that a command prints one note for all its tables (`print_hidden`).
+    """
     table, dropped = fitted_table(out, title, columns, rows)
     out.print(table)
     if dropped:
-        out.print(f"(hidden at {out.width} columns: {', '.join(dropped)}; see --json)", style="dim")
+        if hidden is None:
+            print_hidden(out, [(None, dropped)])
+        else:
+            hidden.append((label, dropped))
     return dropped
+
+
+def print_hidden(out, hidden: list) -> None:
+    """The one note of a command about the columns its tables left out: `(hidden at 80 columns: ...)`."""
+    parts = [(label, names) for label, names in hidden if names]
+    if not parts:
+        return
+    what = "; ".join(f"{label}: {', '.join(names)}" if label else ", ".join(names) for label, names in parts)
+    out.print(f"(hidden at {out.width} columns: {what}; see --json)", style="dim")

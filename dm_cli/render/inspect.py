@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..units import format_size
-from . import Col, console, num, print_table
+from . import Col, console, num, print_hidden, print_table
 
 
 def _dtype(name: str) -> str:
@@ -13,7 +13,7 @@ def _dtype(name: str) -> str:
 def render_inspect(report, binary: bool = False) -> None:
     out = console()
     title = f"{report.source}" + (f" — {report.pipeline_class}" if report.pipeline_class else "")
-    columns = [Col("component"), Col("class", drop=2), Col("dtype", drop=1), Col("params", number=True),
+    columns = [Col("component"), Col("class", drop=1), Col("dtype", drop=2), Col("params", number=True, drop=1),
                Col("size", number=True), Col("blocks", number=True, drop=3), Col("largest block", drop=4),
                Col("block size", number=True, drop=3)]
     rows: list = []
@@ -24,7 +24,8 @@ def render_inspect(report, binary: bool = False) -> None:
                      format_size(block.bytes, binary) if block else "-"])
     if len(report.components) > 1:
         rows += [None, ["total", "", "", num(report.total_params), format_size(report.total_bytes, binary), "", "", ""]]
-    print_table(out, title, columns, rows)
+    hidden: list = []  # one note for every table of the command
+    print_table(out, title, columns, rows, hidden)
     for comp in report.components:
         if comp.tree:
             tree_rows = [["  " * (row["depth"] - 1) + row["name"].rpartition(".")[2],
@@ -32,7 +33,8 @@ def render_inspect(report, binary: bool = False) -> None:
                           num(row["params"]), format_size(row["bytes"], binary)] for row in comp.tree]
             print_table(out, f"{comp.name} modules",
                         [Col("module"), Col("class"), Col("params", number=True, drop=1), Col("size", number=True)],
-                        tree_rows)
+                        tree_rows, hidden, label=f"{comp.name} modules")
+    print_hidden(out, hidden)
     for note in report.notes:
         out.print(f"note: {note}")
     problems = report.problems

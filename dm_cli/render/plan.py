@@ -5,9 +5,9 @@ from __future__ import annotations
 from ..devices import device_label, device_rank
 from ..planner import clean_device_map
 from ..units import format_size
-from . import Col, console, print_table
+from . import Col, console, print_hidden, print_table
 
-BAR_WIDTH = 24
+BAR_WIDTH = (16, 32)  # the bar takes the room the numbers leave, within these widths
 # One glyph per part, so the bar reads without colour too (NO_COLOR, a pipe, a screen reader).
 BAR_PARTS = (("weights", "█", "cyan"), ("offload reserve", "▓", "magenta"), ("activations", "▒", "yellow"),
              ("overhead", "▪", "red"))
@@ -15,20 +15,23 @@ BAR_FREE = ("free", "·", "dim")
 
 
 def _bar(values: list[int], capacity: int | None):
-    """A bar of weights/reserve/activations/overhead against the device capacity."""
+    """A bar of weights/reserve/activations/overhead against the device capacity: a callable width -> Text."""
     from rich.text import Text
 
-    if not capacity:
-        return Text("")
-    bar = Text()
-    cells = 0
-    for value, (_name, glyph, style) in zip(values, BAR_PARTS):
-        n = min(BAR_WIDTH - cells, round(BAR_WIDTH * value / capacity))
-        if n > 0:
-            bar.append(glyph * n, style=style)
-            cells += n
-    bar.append(BAR_FREE[1] * (BAR_WIDTH - cells), style=BAR_FREE[2])
-    return bar
+    def draw(width: int):
+        if not capacity:
+            return Text("")
+        bar = Text()
+        cells = 0
+        for value, (_name, glyph, style) in zip(values, BAR_PARTS):
+            n = min(width - cells, round(width * value / capacity))
+            if n > 0:
+                bar.append(glyph * n, style=style)
+                cells += n
+        bar.append(BAR_FREE[1] * (width - cells), style=BAR_FREE[2])
+        return bar
+
+    return draw
 
 
 def bar_legend():
@@ -38,14 +41,56 @@ def bar_legend():
     for name, glyph, style in BAR_PARTS + (BAR_FREE,):
         legend.append(glyph, style=style)
         legend.append(f" {name}  ")
+    legend.rstrip()
     return legend
 
 
+def _stage_labels(stages) -> list[str]:
+    """Stage names, numbered where a name repeats (Wan 2.2's two denoise stages: `denoise 1`, `denoise 2`)."""
+    names = [s.name for s in stages]
+    seen: dict[str, int] = {}
+    labels = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(f"{name} {seen[name]}" if names.count(name) > 1 else name)
+    return labels
 
-def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
+
+def _is_preset(source: str) -> bool:
+    from pathlib import Path
+
+    from ..sources import PRESETS
+
+    return source in PRESETS and not Path(source).expanduser().exists()
+
+
+def next_step(plan, output: str | None) -> str:
+    """The one thing to do next with this plan."""
+    if len(plan.components) == 1:
+        name = next(iter(plan.components))
+        where = output or "the JSON (add -o plan.json to keep it)"
+        return (f"Next: load {name} with from_pretrained(device_map=...) using components.{name}.device_map "
+                f"of {where}.")
+    if not output:
+        return "Next: add -o plan.json to keep this plan for dmap run -d plan.json."
+    source = str(plan.source)
+    if _is_preset(source):
+        return f"Next: dmap run path/to/{source} -p \"a prompt\" -d {output} (a preset has no weights)"
+    return f"Next: dmap run {source} -p \"a prompt\" -d {output}"
+
+
+def render_plan(plan, binary: bool = False, output: str | None = None, hidden: list | None = None,
+                show_next: bool = True) -> None:
+    """The plan for people: one memory picture (a bar per stage and device), the components, split maps.
+
+    `hidden`: a list to collect the columns left out (the caller prints one note for the whole
+    command, `print_hidden`); without it the note is printed here. `show_next`: end with the next step.
+    """
     from rich.text import Text
 
     out = console()
+    own_note = hidden is None
+    hidden = [] if hidden is None else hidden
     size = lambda n: format_size(n, binary)  # noqa: E731
     capacity = {d.name: d.capacity for d in plan.devices}
     inputs = plan.inputs
@@ -53,34 +98,51 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
     what = "weights only" if inputs.weights_only else (
         f"{inputs.height}x{inputs.width}{frames}, batch {inputs.batch_size}x{inputs.num_images}")
     out.print(Text.assemble((str(plan.source), "bold"), f" — {plan.mode} plan, strategy {plan.strategy}, {plan.dtype}, {what}"))
-    columns = [Col("device"), Col("weights", number=True), Col("reserve", number=True, drop=2),
-               Col("activations", number=True), Col("overhead", number=True, drop=2), Col("peak", number=True),
-               Col("capacity", number=True, drop=3), Col("free", number=True, drop=1), Col("", drop=4, name="bar")]
-    bar_shown = False
-    for stage in plan.stages:
-        rows = []
-        for key, use in sorted(stage.use.items(), key=lambda item: device_rank(item[0])):
+    # what the bar draws goes first when the room is short: overhead, reserve, capacity and free
+    columns = [Col("stage"), Col("device"), Col("weights", number=True, drop=2), Col("reserve", number=True, drop=5),
+               Col("activations", number=True, drop=1), Col("overhead", number=True, drop=6),
+               Col("peak", number=True), Col("capacity", number=True, drop=4), Col("free", number=True, drop=3),
+               Col("use of capacity", name="bar", stretch=BAR_WIDTH)]
+    rows: list = []
+    labels = _stage_labels(plan.stages)
+    for label, stage in zip(labels, plan.stages):
+        if rows:
+            rows.append(None)
+        for n, (key, use) in enumerate(sorted(stage.use.items(), key=lambda item: device_rank(item[0]))):
             cap = capacity.get(key)
             rows.append([
-                device_label(key), size(use.weights), size(use.reserve) if use.reserve else "-",
+                label if n == 0 else "", device_label(key), size(use.weights), size(use.reserve) if use.reserve else "-",
                 size(use.activations) if use.activations else "-", size(use.overhead) if use.overhead else "-",
                 size(use.peak) if key != "disk" else "-", size(cap) if cap is not None else "unlimited",
                 size(cap - use.peak) if cap is not None else "-",
                 _bar([use.weights, use.reserve, use.activations, use.overhead], cap),
             ])
-        note = f" ({stage.note})" if stage.note else ""
-        dropped = print_table(out, f"stage {stage.name}: {', '.join(stage.components)}{note}", columns, rows)
-        bar_shown = bar_shown or "bar" not in dropped
-    if bar_shown:
+    for index in (5, 3):  # no reserve (nothing offloaded), no overhead (weights only): no column
+        if all(row is None or row[index] == "-" for row in rows):
+            columns.pop(index)
+            for row in rows:
+                if row is not None:
+                    row.pop(index)
+    dropped = print_table(out, "Memory per stage and device, at each stage's peak", columns, rows, hidden,
+                          label="memory (in the bar)")
+    if "bar" not in dropped:
         out.print(bar_legend())
+    out.print("Stages: " + "; ".join(
+        f"{label}: {', '.join(stage.components)}" + (f" ({stage.note})" if stage.note else "")
+        for label, stage in zip(labels, plan.stages)) + ".")
     pipe_rows = []
+    stored = {name: plan.weights.get(name) or plan.dtype for name in plan.components}
     for name, comp in plan.components.items():
         devices = ", ".join(device_label(str(d)) for d in sorted(comp.devices, key=device_rank))
-        pipe_rows.append([name, comp.cls, comp.stage, plan.weights.get(name) or plan.dtype, size(comp.weights_bytes), devices,
+        pipe_rows.append([name, comp.cls, stored[name], size(comp.weights_bytes), devices,
                           size(comp.offloaded_bytes) if comp.offloaded_bytes else "-", str(comp.hops)])
-    print_table(out, "hf_device_map (pipeline level)",
-                [Col("component"), Col("class", drop=2), Col("stage", drop=3), Col("stored as", drop=3), Col("weights", number=True),
-                 Col("devices"), Col("offloaded", number=True), Col("hops", number=True, drop=3)], pipe_rows)
+    pipe_columns = [Col("component"), Col("class", drop=1), Col("stored as", drop=3), Col("weights", number=True),
+                    Col("devices", atoms=", "), Col("offloaded", number=True, drop=2), Col("hops", number=True, drop=4)]  # the offload sentences say it too
+    if all(dtype == plan.dtype for dtype in stored.values()):  # the header line says it
+        pipe_columns.pop(2)
+        for row in pipe_rows:
+            row.pop(2)
+    print_table(out, "hf_device_map (pipeline level)", pipe_columns, pipe_rows, hidden, label="components")
     for name, comp in plan.components.items():
         if not comp.is_split:
             continue
@@ -91,9 +153,13 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
                 key = key.rpartition(".")[0]
                 parents.add(key)
         collapsed = clean_device_map(comp.device_map, sorted(set(modules) | parents))
-        print_table(out, f"{name} device_map ({len(comp.device_map)} blocks, collapsed)",
-                    [Col("modules"), Col("device")],
-                    [[module, device_label(str(device))] for module, device in _runs(collapsed)])
+        runs = _runs(collapsed, comp.device_map)
+        print_table(out, f"{name} device_map: {len(comp.device_map)} entries in {len(runs)} runs",
+                    [Col("modules"), Col("entries", number=True), Col("device")],
+                    [[modules_text, str(count), device_label(str(device))] for modules_text, count, device in runs],
+                    hidden, label=f"{name} device_map")
+    if own_note:
+        print_hidden(out, hidden)
     check = plan.check or {}
     if check.get("ran"):
         if check.get("problems"):
@@ -108,32 +174,58 @@ def render_plan(plan, binary: bool = False, output: str | None = None) -> None:
         out.print("No GPU in the device list: every component runs on the CPU"
                   + (f"; {size(on_disk)} of weights are streamed from disk." if on_disk else "."))
     elif plan.offloaded_bytes:
-        out.print(f"Offloaded to cpu/disk: {size(plan.offloaded_bytes)} (run where the plan's execution device says).")
+        for name, comp in plan.components.items():
+            if comp.offloaded_bytes:
+                out.print(_offload_sentence(name, comp, size))
     else:
         out.print("Nothing offloaded to cpu or disk.")
     for warning in plan.warnings:
         out.print(Text.assemble(("warning:", "yellow"), f" {warning}"))
     if output:
         out.print(f"Plan written to {output}.")
+    if show_next:
+        out.print(next_step(plan, output))
 
 
-def _runs(device_map: dict) -> list[tuple[str, object]]:
-    """Consecutive entries on the same device as one row: 'first … last (n)'."""
-    rows: list[tuple[str, object]] = []
+def _offload_sentence(name: str, comp, size) -> str:
+    """What happens to a component's offloaded blocks, plainly."""
+    target = device_label(str(comp.execution_device))
+    on_disk = comp.disk_bytes
+    on_cpu = comp.offloaded_bytes - on_disk
+    where = (f"cpu ({size(on_cpu)}) and disk ({size(on_disk)})" if on_cpu and on_disk
+             else "disk" if on_disk else "cpu")
+    return (f"Offloaded: {size(comp.offloaded_bytes)} of {name}'s weights stay on {where}; each block is copied to "
+            f"{target} when it runs, then dropped (slower than weights kept on a GPU).")
+
+
+def _runs(collapsed: dict, device_map: dict) -> list[tuple[str, int, object]]:
+    """Consecutive entries on the same device as one row: ('first, second … last', JSON entries, device).
+
+    The count is of the JSON's device_map entries the row covers (a collapsed parent counts every entry
+    under it), so the rows add up to the map's length."""
+
+    def covered(key: str) -> int:
+        if not key:
+            return len(device_map)
+        return sum(1 for k in device_map if k == key or k.startswith(key + "."))
+
+    rows: list[tuple[str, int, object]] = []
     run: list[str] = []
+    count = 0
     device = None
-    for key, value in device_map.items():
+    for key, value in collapsed.items():
         if run and value != device:
-            rows.append((_join(run), device))
-            run = []
+            rows.append((_join(run), count, device))
+            run, count = [], 0
         run.append(key or "(whole)")
+        count += covered(key)
         device = value
     if run:
-        rows.append((_join(run), device))
+        rows.append((_join(run), count, device))
     return rows
 
 
 def _join(keys: list[str]) -> str:
     if len(keys) <= 3:
         return ", ".join(keys)
-    return f"{keys[0]}, {keys[1]} … {keys[-1]} ({len(keys)} entries)"
+    return f"{keys[0]}, {keys[1]} … {keys[-1]}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..devices import device_label, device_rank, is_cuda
 from ..units import format_size
-from . import Col, console, print_table
+from . import Col, console, print_hidden, print_table
 
 
 class RunView:
@@ -19,6 +19,7 @@ class RunView:
         self._status = None
         self._task = None
         self._component = None
+        self._hidden: list = []  # columns the plan's and the summary's tables left out: one note at the end
 
     def __enter__(self):
         return self
@@ -45,7 +46,10 @@ class RunView:
         from .plan import render_plan
 
         try:
-            render_plan(plan, binary=self.binary)
+            # the note on hidden columns waits for this summary's, to be one; a view with its own summary
+            # (the queue's) gets it with the plan
+            hidden = self._hidden if type(self).summary is RunView.summary else None
+            render_plan(plan, binary=self.binary, hidden=hidden, show_next=False)
         except (KeyError, ValueError, TypeError, AttributeError):  # a hand-written plan without the planner's extras
             self.console.print(f"Plan: {plan.mode} mode, devices {', '.join(d.name for d in plan.devices)}")
 
@@ -55,8 +59,14 @@ class RunView:
             return
         if self._progress is None:
             self.status(None)  # one live display at a time
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self._progress = Progress(TextColumn("denoise {task.description}"), BarColumn(), MofNCompleteColumn(),
                                       TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.err,
@@ -94,7 +104,8 @@ class RunView:
                        size(s.load_rss_delta)] for s in result.stages]
         print_table(self.console, "Stages", [Col("stage"), Col("components", drop=2), Col("load s", number=True),
                                              Col("run s", number=True), Col("wall s", number=True),
-                                             Col("host RAM during load", number=True, drop=3)], stage_rows)
+                                             Col("host RAM during load", number=True, drop=3)], stage_rows,
+                    self._hidden, label="stages")
         overheads = {d.name: d.overhead for d in result.plan.devices}
         device_rows = []
         # disk holds weights, it is not memory: no peak for it
@@ -107,20 +118,23 @@ class RunView:
         print_table(self.console, "Peak memory per device (measured vs planned)",
                     [Col("device"), Col("measured peak", number=True), Col("planned peak", number=True),
                      Col("planned overhead", number=True, drop=3), Col("measured / planned (w/o overhead)", number=True)],
-                    device_rows)
+                    device_rows, self._hidden, label="peaks")
+        print_hidden(self.console, self._hidden)
+        self._hidden = []
         note = tracking_note(result)
         if note:
             self.console.print(note, style="dim")
-        self._problems_and_outputs(result)
+        self._problems_and_outputs(result, detail=True)
 
-    def _problems_and_outputs(self, result) -> None:
-        """What even --quiet prints: what would fail on real devices, and what was written."""
+    def _problems_and_outputs(self, result, detail: bool = False) -> None:
+        """What even --quiet prints: what would fail on real devices, and what was written (`detail`: with
+        each file's size and, for an image or video, its width x height)."""
         if result.split_problems:
             self.console.print("Split check problems (this plan would fail on real devices):", style="bold red")
             for problem in result.split_problems:
                 self.console.print(f"  {problem}")
         for path in result.images:
-            self.console.print(f"Wrote {path}")
+            self.console.print(f"Wrote {path}" + (f" ({written(path, result, self.binary)})" if detail else ""))
         if result.latents_path:
             self.console.print(f"Wrote latents to {result.latents_path}")
 
@@ -139,3 +153,32 @@ def tracking_note(result) -> str:
     if not result.simulate and any(is_cuda(dev) for dev in result.device_peaks()):
         parts.append("GPU rows: torch.cuda.max_memory_allocated over each whole stage.")
     return " ".join(parts)
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+
+
+def written(path: str, result, binary: bool = False) -> str:
+    """What a written output is, from the file itself: `512x512 PNG, 389.42 KB`; a folder: its files and size."""
+    import os
+
+    try:
+        if os.path.isdir(path):
+            files = [e for e in os.scandir(path) if e.is_file(follow_symlinks=False)]
+            return f"{len(files)} files, {format_size(sum(e.stat().st_size for e in files), binary)}"
+        nbytes = os.stat(path).st_size
+    except OSError:
+        return f"{result.width}x{result.height}"
+    suffix = os.path.splitext(path)[1].lower()
+    what = ""
+    if suffix in IMAGE_SUFFIXES:
+        try:
+            from PIL import Image
+
+            with Image.open(path) as image:  # reads the header only
+                what = f"{image.width}x{image.height} {image.format}, "
+        except Exception:  # noqa: BLE001 - a file we cannot read back: its size still says something
+            what = f"{result.width}x{result.height}, "
+    elif result.num_frames and suffix not in (".json",):
+        what = f"{result.width}x{result.height}, {result.num_frames} frames at {result.fps} fps, "
+    return f"{what}{format_size(nbytes, binary)}"

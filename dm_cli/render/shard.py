@@ -21,8 +21,14 @@ class ShardProgressBar:
 
     def __enter__(self):
         if self.enabled:
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                       TransferSpeedColumn)
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
 
             self._progress = Progress(TextColumn("{task.description:<7}"), BarColumn(), DownloadColumn(),
                                       TransferSpeedColumn(), TimeRemainingColumn(), console=console(), transient=True)

@@ -1,0 +1,28 @@
+"""Write a tiny preset as a pipeline folder with random weights, ready for `dmap run` (its images are noise)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def demo(
+    preset: str = typer.Argument(..., metavar="PRESET", help="A tiny-* preset, e.g. tiny-sd15 or tiny-wan (any other name lists them all)."),
+    output: str = typer.Option(..., "--output", "-o", help="The pipeline folder to write (a new folder, or --overwrite)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed and library versions, same bytes)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace --output if it exists (a folder dmap wrote)."),
+) -> int:
+    import sys
+
+    from ..demo import write_preset
+    from ..render import plain, status
+    from ..units import format_size
+
+    with status(f"Generating {preset} with random weights…"):
+        written = write_preset(preset, output, seed=seed, overwrite=overwrite)
+    for note in written.notes:
+        print(plain(note), file=sys.stderr)
+    print(f"Wrote {written.preset} ({plain(written.pipeline_class)}, random weights from seed {written.seed}: its "
+          f"outputs are noise, not art) to {plain(str(written.folder))}: {written.files} files, "
+          f"{format_size(written.bytes)}.")
+    print(f"Next: {plain(written.next_command())}")
+    return 0
