@@ -975,7 +975,10 @@ class _Pipeline:
         gpu_names = {d.name for d in self.devices if d.is_gpu}
         for name, placed in placements.items():
             if gpu_names and not any(str(d) in gpu_names for d in placed.device_map.values()):
-                notes.append(f"{name} fits no GPU with its activations: it runs on the cpu (slow).")
+                unlisted = "" if any(d.name == "cpu" for d in self.devices) else (
+                    " Its weights stay where they are placed, but it computes in host RAM that --max-memory does not "
+                    "list, outside any budget: add cpu=SIZE, or give a GPU more memory.")
+                notes.append(f"{name} fits no GPU with its activations: it runs on the cpu (slow).{unlisted}")
         return Placement(kind, self.strategy, placements, stage_out, list(notes))
 
 

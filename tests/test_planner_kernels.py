@@ -413,3 +413,15 @@ def test_resident_and_staged_place_the_same_components_differently():
     staged = pipeline.staged()
     assert staged.offloaded_bytes == 0 and {n: c.device_map for n, c in staged.components.items()} == \
         {"a": {"": 0}, "b": {"": 0}}
+
+
+def test_finish_says_when_the_cpu_it_runs_on_was_never_listed():
+    """With `0=…,disk` and no cpu, a component that fits no GPU computes in host RAM outside any budget: the
+    warning says so and how to budget it (issue 23: it said only "runs on the cpu"). Fails when the suffix is
+    dropped, or given although the cpu is listed (the test above)."""
+    disk = Device("disk", None)
+    pipeline = _Pipeline([A, B], TWO_STAGES, [Device(0, 20), disk], "auto")
+    placement = pipeline.finish("staged", [(TWO_STAGES[0], {"a": {"": 0}}, ""),
+                                           (TWO_STAGES[1], {"b": {"": "disk"}}, "")], [])
+    assert len(placement.warnings) == 1 and "runs on the cpu" in placement.warnings[0]
+    assert "--max-memory does not list" in placement.warnings[0] and "add cpu=SIZE" in placement.warnings[0]
