@@ -18,7 +18,7 @@ from test_hostile import KILL_AT_RENAME, assert_same_state, loaded, tree
 
 pytestmark = pytest.mark.slow
 SHARD = "64MB"
-FRACTIONS = (0.15, 0.35, 0.55, 0.75, 0.9)  # of a full run's time, after the interpreter is up
+FRACTIONS = (0.15, 0.35, 0.55, 0.75, 0.9)  # of a full run's writing time, from its temporary folder's creation
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,24 @@ def _shard_process(*args: str) -> subprocess.Popen:
                              "shard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
 
 
-def _started_after(proc: subprocess.Popen, seconds: float) -> int:
+def _wait_for_writing(proc: subprocess.Popen, folder: Path, name: str) -> None:
+    """Until the run's hidden temporary folder appears: imports and planning are over, writing starts (kills
+    timed from the process start mostly landed in the imports once the machine was quiet)."""
+    while proc.poll() is None and not any(p.name.startswith(f".{name}.dmap-tmp-") for p in folder.iterdir()):
+        time.sleep(0.005)
+
+
+def _write_time(folder: Path, name: str, *args: str) -> float:
+    proc = _shard_process(*args)
+    _wait_for_writing(proc, folder, name)
+    start = time.perf_counter()
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err
+    return time.perf_counter() - start
+
+
+def _killed_while_writing(proc: subprocess.Popen, folder: Path, name: str, seconds: float) -> int:
+    _wait_for_writing(proc, folder, name)
     time.sleep(seconds)
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
@@ -59,24 +76,17 @@ def _started_after(proc: subprocess.Popen, seconds: float) -> int:
     return proc.returncode
 
 
-def _full_time(*args: str) -> float:
-    start = time.perf_counter()
-    proc = _shard_process(*args)
-    _, err = proc.communicate()
-    assert proc.returncode == 0, err
-    return time.perf_counter() - start
-
-
 def test_sigkill_during_shard_to_an_output(big_model, tmp_path):
     """Killed at any moment: the output is absent or complete, the source untouched; the next run cleans up."""
     src, state = big_model
     before = tree(src)
-    full = _full_time(str(src), "-s", SHARD, "-o", str(tmp_path / "timing"))
+    full = _write_time(tmp_path, "timing", str(src), "-s", SHARD, "-o", str(tmp_path / "timing"))
     killed_mid_write = 0
     for fraction in FRACTIONS:
         work = tmp_path / f"k{fraction}"
         work.mkdir()
-        code = _started_after(_shard_process(str(src), "-s", SHARD, "-o", str(work / "out")), full * fraction)
+        code = _killed_while_writing(_shard_process(str(src), "-s", SHARD, "-o", str(work / "out")), work, "out",
+                                     full * fraction)
         if code == -signal.SIGKILL:
             leftovers = [p for p in work.iterdir() if p.name.startswith(".out.dmap-tmp-")]
             killed_mid_write += bool(leftovers) and not (work / "out").exists()
@@ -96,14 +106,14 @@ def test_sigkill_during_shard_in_place(big_model, tmp_path):
     """Killed at any moment of `--in-place`: before the commit the source is bit-identical; after it, the next
     `--in-place` finishes the swap; either way the weights load unchanged and nothing is left beside them."""
     template, state = big_model
-    full = _full_time(str(_copy(template, tmp_path / "timing")), "-s", SHARD, "--in-place")
+    full = _write_time(tmp_path, "timing", str(_copy(template, tmp_path / "timing")), "-s", SHARD, "--in-place")
     killed = 0
     for fraction in FRACTIONS:
         work = tmp_path / f"k{fraction}"
         work.mkdir()
         src = _copy(template, work / "src")
         before = tree(src)
-        code = _started_after(_shard_process(str(src), "-s", SHARD, "--in-place"), full * fraction)
+        code = _killed_while_writing(_shard_process(str(src), "-s", SHARD, "--in-place"), work, "src", full * fraction)
         killed += code == -signal.SIGKILL
         swaps = [p for p in work.iterdir() if ".dmap-swap-" in p.name]
         if code == -signal.SIGKILL and not swaps:  # not committed yet, or finished (killed while discarding)
