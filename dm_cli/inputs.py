@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .errors import UsageError
-from .units import shorten
+from dm_cli.errors import UsageError
+from dm_cli.units import shorten
 
 # The largest value of each count a real run can use: beyond it a value is a typo (or an attack) that
 # overflows a size, builds a billion output names or runs for years. One table for `dmap plan`,

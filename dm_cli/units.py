@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal
 
-from .errors import UsageError
+from dm_cli.errors import UsageError
 
 _UNITS = {
     "": 1,
@@ -186,7 +186,7 @@ class DeviceBudget:
 
 
 def _parse_device_name(name: str) -> int | str:
-    from .devices import device_key
+    from dm_cli.devices import device_key
 
     try:
         device = device_key(name)
@@ -234,6 +234,6 @@ def parse_device_spec(spec: str) -> list[DeviceBudget]:
 
 
 def _device_rank(budget: DeviceBudget) -> tuple[int, int]:
-    from .devices import device_rank
+    from dm_cli.devices import device_rank
 
     return device_rank(budget.device)

@@ -29,7 +29,7 @@ PEAK = "import resource, sys; print('PEAK', resource.getrusage(resource.RUSAGE_S
 ROWS = {
     "safetensors safe_open + keys()": "from safetensors import safe_open\n"
                                       "with safe_open(sys.argv[1], 'np') as f: n = len(list(f.keys()))\n",
-    "dmap header reader (same checks)": "from dm_cli.checkpoint import read_safetensors_header\n"
+    "dmap header reader (same checks)": "from dm_cli.io.checkpoint import read_safetensors_header\n"
                                         "n = len(read_safetensors_header(sys.argv[1]).tensors)\n",
     "dmap inspect --json": "from dm_cli.cli import main\n"
                            "try:\n    main(['inspect', sys.argv[1], '--json', '--no-cache'])\nexcept SystemExit as done:\n    if done.code:\n        raise\n",

@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dm_cli.families import family_for  # noqa: E402
 from dm_cli.inputs import InputSpec  # noqa: E402
-from dm_cli.plans import DEFAULT_GPU_OVERHEAD, PlanOptions, make_plan, prepare_component  # noqa: E402
-from dm_cli.sources import resolve_source  # noqa: E402
+from dm_cli.model.sources import resolve_source  # noqa: E402
+from dm_cli.model.weight_formats import STORAGE_DTYPES, parse_weights_spec  # noqa: E402
+from dm_cli.planning.make import DEFAULT_GPU_OVERHEAD, PlanOptions, make_plan, prepare_component  # noqa: E402
 from dm_cli.units import parse_device_spec  # noqa: E402
-from dm_cli.weight_formats import STORAGE_DTYPES, parse_weights_spec  # noqa: E402
 
 
 @dataclass
@@ -106,7 +106,7 @@ _META_MODELS: dict = {}
 def meta_model(comp, dtype):
     import torch
 
-    from dm_cli.skeleton import build_on_meta
+    from dm_cli.model.skeleton import build_on_meta
 
     key = (comp.cls, str(comp.folder), dtype)
     if key not in _META_MODELS:
@@ -227,8 +227,8 @@ def run_case(case: Case, check_anchors: bool) -> dict:
         result = evaluate_map(prepared, device_map, budgets)
         result["check"] = None
         if check_anchors and len(set(device_map.values())) > 1:
-            from dm_cli.plans import _cached_check
-            from dm_cli.trace import check_device_map
+            from dm_cli.planning.make import _cached_check
+            from dm_cli.planning.trace import check_device_map
 
             result["check"] = not _cached_check(prepared, source.pipeline_class, inputs, device_map, True,
                                                 check_device_map)

@@ -121,7 +121,7 @@ def evict_from_page_cache(folder) -> None:
 
 def write_model(target: Path, changes_by_component: dict) -> Path:
     """The demo's configs, scaled up, with random weights (fixed seed): a FluxPipeline folder."""
-    from dm_cli.demo import DEMO_CONFIGS, write_configs, write_random_pipeline
+    from dm_cli.model.demo import DEMO_CONFIGS, write_configs, write_random_pipeline
 
     configs = json.loads(json.dumps(DEMO_CONFIGS))
     for name, changes in changes_by_component.items():

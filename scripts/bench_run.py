@@ -100,7 +100,7 @@ print(json.dumps({"wall": wall, "cpu": cpu, "rss": resource.getrusage(resource.R
 
 DMAP = r"""
 from dm_cli.cli import main  # dmap's own modules: outside the in-process clock, inside the process one
-import dm_cli.cli.run, dm_cli.plans, dm_cli.render.plan, dm_cli.render.run, dm_cli.runner
+import dm_cli.cli.run, dm_cli.planning.make, dm_cli.render.plan, dm_cli.render.run, dm_cli.run.request
 t, cpu0 = time.perf_counter(), sum(os.times()[:2])
 try:
     main(ARGS)
@@ -147,7 +147,7 @@ def build_pipeline(folder: Path) -> Path:
     """The bench pipeline with random weights (fixed seed), built once."""
     if (folder / "model_index.json").is_file():
         return folder
-    from dm_cli.demo import write_configs, write_random_pipeline
+    from dm_cli.model.demo import write_configs, write_random_pipeline
 
     staging = folder.with_name(folder.name + ".tmp")
     staging.mkdir(parents=True, exist_ok=True)

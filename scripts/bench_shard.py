@@ -40,7 +40,7 @@ def build_checkpoint(folder: Path) -> int:
     import numpy as np
 
     sys.path.insert(0, str(REPO))
-    from dm_cli.skeleton import build_on_meta
+    from dm_cli.model.skeleton import build_on_meta
 
     config = json.loads(CONFIG.read_text())
     model = build_on_meta("diffusers", "UNet2DConditionModel", config)

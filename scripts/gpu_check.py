@@ -33,8 +33,9 @@ def main() -> int:
         print("No CUDA GPU here: this check needs one.", file=sys.stderr)
         return 2
     os.environ.setdefault("DMAP_CACHE_DIR", tempfile.mkdtemp(prefix="dmap-gpu-check-"))
-    from dm_cli.demo import DEMO_CONFIGS, write_configs, write_random_pipeline
-    from dm_cli.runner import RunRequest, run
+    from dm_cli.model.demo import DEMO_CONFIGS, write_configs, write_random_pipeline
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
 
     configs = copy.deepcopy(DEMO_CONFIGS)
     configs["transformer"].update(num_layers=4, num_single_layers=12, num_attention_heads=12, attention_head_dim=128,

@@ -1,4 +1,4 @@
-"""Mutation testing of the planner's search and packing code (`dm_cli/planner.py`).
+"""Mutation testing of the planner's search and packing code (`dm_cli/planning/search.py`).
 
 Each mutant is one deliberate behaviour change, written as an exact text replacement in a temporary
 copy of the `dm_cli` package; the planner tests, copied beside it, then run in that folder (so the
@@ -162,7 +162,7 @@ def run_tests(root: Path, timeout: float, tests: list[str]) -> tuple[bool, str]:
 
 def imported_from(root: Path) -> str:
     env = dict(os.environ, PYTHONPATH=str(root))
-    out = subprocess.run([sys.executable, "-c", "import dm_cli.planner as p; print(p.__file__)"], cwd=root, env=env,
+    out = subprocess.run([sys.executable, "-c", "import dm_cli.planning.search as p; print(p.__file__)"], cwd=root, env=env,
                          capture_output=True, text=True, check=True)
     return out.stdout.strip()
 

@@ -5,8 +5,8 @@ import shutil
 import pytest
 
 import dm_cli
-from dm_cli import cache
-from dm_cli.sources import resolve_source
+from dm_cli.io import cache
+from dm_cli.model.sources import resolve_source
 
 
 @pytest.fixture
@@ -31,20 +31,21 @@ def test_key_changes_with_the_computing_code_and_the_version(package_copy, monke
     assert cache.cache_key(parts) == first
     edit(package_copy / "render" / "plan.py")  # talks to people only: not a producer
     assert cache.cache_key(parts) == first
-    edit(package_copy / "trace.py")
+    edit(package_copy / "planning" / "trace.py")
     second = cache.cache_key(parts)
     assert second != first
     (package_copy / "new_module.py").write_text("X = 1\n")  # code moved to a new module counts too
     cache.code_digest.cache_clear()
     assert cache.cache_key(parts) != second
-    monkeypatch.setattr(dm_cli, "__version__", "99.0")
+    monkeypatch.setattr(dm_cli.version, "__version__", "99.0")
     assert cache.cache_key(parts) not in (first, second)
 
 
 def test_a_changed_producer_rebuilds_skeletons_and_traces(package_copy, tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    from dm_cli import skeleton, trace
     from dm_cli.inputs import InputSpec
+    from dm_cli.model import skeleton
+    from dm_cli.planning import trace
 
     monkeypatch.setenv("DMAP_CACHE_DIR", str(tmp_path / "cache"))
     source = resolve_source("tiny-sd15")
@@ -62,7 +63,7 @@ def test_a_changed_producer_rebuilds_skeletons_and_traces(package_copy, tmp_path
     assert built == ["vae"] and first_trace.seconds > 0
     again_skeleton, again_trace = both()
     assert built == ["vae"] and again_trace.seconds == 0.0  # read from the cache
-    edit(package_copy / "skeleton.py")
+    edit(package_copy / "model" / "skeleton.py")
     rebuilt_skeleton, rebuilt_trace = both()
     assert built == ["vae", "vae"] and rebuilt_trace.seconds > 0
     assert rebuilt_skeleton.to_json() == first_skeleton.to_json()
@@ -74,7 +75,7 @@ def test_a_changed_producer_rebuilds_skeletons_and_traces(package_copy, tmp_path
 def test_a_damaged_demo_pipeline_is_generated_again(tmp_path, monkeypatch):
     """The demo lives in dmap's cache: a truncated shard or a config that is not an object is rebuilt, never an
     error (nor advice to re-download what dmap generates itself)."""
-    from dm_cli.demo import ensure_demo
+    from dm_cli.model.demo import ensure_demo
 
     monkeypatch.setenv("DMAP_CACHE_DIR", str(tmp_path))
     folder = ensure_demo()

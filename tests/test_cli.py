@@ -41,12 +41,12 @@ def test_dmap_alone_prints_the_help():
 
 
 def test_ctrl_c_prints_one_line_and_exits_130(monkeypatch):
-    import dm_cli.inspection
+    import dm_cli.model.inspection
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dm_cli.inspection, "inspect_source", interrupted)
+    monkeypatch.setattr(dm_cli.model.inspection, "inspect_source", interrupted)
     code, out, err = run_dmap("inspect", "flux")
     assert code == 130
     assert err.strip().startswith("Interrupted") and "nothing was left half-written" in err
@@ -198,7 +198,7 @@ def test_legacy_bin_weights_are_sized_at_their_stored_dtype(tmp_path):
     import torch
     from diffusers import UNet2DConditionModel
 
-    from dm_cli.inspection import inspect_source
+    from dm_cli.model.inspection import inspect_source
 
     folder = tmp_path / "unet"
     folder.mkdir()

@@ -20,13 +20,13 @@ SIMULATE_HINT = "add --simulate"
 
 
 def _refuse_tracing(monkeypatch):
-    import dm_cli.trace
+    import dm_cli.planning.trace
 
     def refuse(*args, **kwargs):
         raise AssertionError("a trace ran: the absurd size should have been refused before")
 
-    monkeypatch.setattr(dm_cli.trace, "trace_component", refuse)
-    monkeypatch.setattr(dm_cli.trace, "_run", refuse)
+    monkeypatch.setattr(dm_cli.planning.trace, "trace_component", refuse)
+    monkeypatch.setattr(dm_cli.planning.trace, "_run", refuse)
 
 
 # --- 5. a plan for GPUs this machine lacks: refused before it is shown, and without torch ---------------
@@ -35,8 +35,8 @@ def _refuse_tracing(monkeypatch):
 @pytest.fixture(scope="module")
 def gpu_plan(tmp_path_factory):
     """tiny-flux with random weights and a plan file that places it on cuda:0."""
-    from dm_cli.demo import write_random_pipeline
-    from dm_cli.sources import PRESETS_DIR
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
 
     root = tmp_path_factory.mktemp("absent-gpu")
     folder = write_random_pipeline(PRESETS_DIR / "tiny-flux", root / "pipe", seed=0)
@@ -77,7 +77,7 @@ def test_5_without_a_gpu_driver_torch_is_not_imported(gpu_plan, tmp_path):
 def test_5_the_device_count_without_torch():
     import os
 
-    from dm_cli.runner import cuda_devices_without_torch
+    from dm_cli.run.request import cuda_devices_without_torch
 
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
@@ -107,7 +107,7 @@ def test_6_other_transformers_warnings_still_pass():
     """Only the two RoPE-standardisation messages are dropped, from their own loggers."""
     import logging
 
-    from dm_cli.models import quiet_rope_config_warnings
+    from dm_cli.model.models import quiet_rope_config_warnings
 
     quiet_rope_config_warnings()
     seen = []
@@ -146,9 +146,9 @@ def test_8_gpus_without_a_cpu_still_get_the_offload_suggestion():
 
 
 def test_8_more_cpu_than_this_machine_has_is_said(monkeypatch):
-    import dm_cli.plans
+    import dm_cli.planning.make
 
-    monkeypatch.setattr(dm_cli.plans, "total_ram", lambda: 1000)
+    monkeypatch.setattr(dm_cli.planning.make, "total_ram", lambda: 1000)
     code, out, err = run_dmap("plan", "tiny-flux", "-q", "-m", "cpu=1MB", "--height", "64", "--width", "64")
     assert code == 3 and "more than this machine's 1.00 KB of RAM" in err, err
 
@@ -173,12 +173,12 @@ def test_8_absurd_video_is_refused_before_any_trace(monkeypatch):
 
 
 def test_8_absurd_run_is_refused_before_anything_loads(monkeypatch, tmp_path):
-    import dm_cli.runner
+    import dm_cli.run.single
 
     def refuse(*args, **kwargs):
         raise AssertionError("the run started: the absurd size should have been refused before")
 
-    monkeypatch.setattr(dm_cli.runner, "run", refuse)
+    monkeypatch.setattr(dm_cli.run.single, "run", refuse)
     code, out, err = run_dmap("run", "-p", "x", "--height", "16384", "--width", "16384", "--num-images", "17",
                               "-o", tmp_path / "x.png")
     assert code == 2 and "pixels in one call" in err, err
@@ -207,18 +207,18 @@ def test_9_shard_quiet_prints_one_line(tmp_path):
 
 @pytest.mark.parametrize("seed", ["-1", str(-(2**63))])
 def test_9_negative_seeds_are_refused(monkeypatch, tmp_path, seed):
-    import dm_cli.runner
+    import dm_cli.run.single
 
     def refuse(*args, **kwargs):
         raise AssertionError("the run started: the seed should have been refused before")
 
-    monkeypatch.setattr(dm_cli.runner, "run", refuse)
+    monkeypatch.setattr(dm_cli.run.single, "run", refuse)
     code, out, err = run_dmap("run", "-p", "x", "--seed", seed, "-o", tmp_path / "x.png")
     assert code == 2 and f"--seed {seed} is out of range" in err and f"from 0 to {2**64 - 1}" in err, err
 
 
 def test_9_the_largest_seed_is_still_accepted():
-    from dm_cli.run_checks import check_seed
+    from dm_cli.run.checks import check_seed
 
     assert check_seed(2**64 - 1, "--seed") == 2**64 - 1
     assert check_seed(0, "--seed") == 0

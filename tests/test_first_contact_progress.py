@@ -22,8 +22,8 @@ def test_tiny_wan_transformer_traces_at_the_default_size():
     """480x832x81: 52 patches across, more than the 32 rotary positions tiny-wan had (the trace failed with
     "shape '[1, 1, 52, -1]' is invalid for input of size 128")."""
     from dm_cli.inputs import InputSpec
-    from dm_cli.sources import resolve_source
-    from dm_cli.trace import trace_component
+    from dm_cli.model.sources import resolve_source
+    from dm_cli.planning.trace import trace_component
 
     comp = resolve_source("tiny-wan").component("transformer")
     trace = trace_component(comp, "WanPipeline", InputSpec(480, 832, num_frames=81), "bf16", use_cache=False)
@@ -116,7 +116,7 @@ def test_queue_says_item_k_of_n_with_an_eta_and_a_plain_closing_line(three_promp
 
 
 def test_ctrl_c_during_a_queue_says_the_same_command_resumes(three_prompts, tmp_path, monkeypatch):
-    import dm_cli.images as images
+    import dm_cli.io.images as images
 
     real, calls = images.save_images, []
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from dm_cli.inputs import InputSpec
-from dm_cli.inspection import inspect_source
-from dm_cli.sources import PRESETS_DIR
+from dm_cli.model.inspection import inspect_source
+from dm_cli.model.sources import PRESETS_DIR
 
 torch = pytest.importorskip("torch")
 
@@ -43,7 +43,7 @@ def test_offline_pixtral_tokenizer_as_flux2_uses_it(tmp_path):
     from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE, format_input
     from transformers import AutoTokenizer
 
-    from dm_cli.offline_tokenizers import write_tokenizer_for
+    from dm_cli.model.tokenizers import write_tokenizer_for
 
     config = json.loads((PRESETS_DIR / "tiny-flux2" / "text_encoder" / "config.json").read_text())
     folder = write_tokenizer_for("PixtralProcessor", tmp_path / "tokenizer", config)
@@ -65,7 +65,7 @@ def test_offline_pixtral_tokenizer_as_flux2_uses_it(tmp_path):
 def test_offline_qwen_tokenizer_as_flux2_klein_uses_it(tmp_path):
     from transformers import Qwen2TokenizerFast
 
-    from dm_cli.offline_tokenizers import write_tokenizer_for
+    from dm_cli.model.tokenizers import write_tokenizer_for
 
     config = json.loads((PRESETS_DIR / "tiny-flux2-klein" / "text_encoder" / "config.json").read_text())
     tokenizer = Qwen2TokenizerFast.from_pretrained(write_tokenizer_for("Qwen2TokenizerFast", tmp_path / "tok", config))
@@ -154,7 +154,7 @@ def test_klein_true_cfg_is_separate_calls_only_when_not_distilled():
 
 @pytest.mark.parametrize("preset", ["flux2", "flux2-klein"])
 def test_plan_traces_every_component_at_1024(preset):
-    from dm_cli.plans import PlanOptions, make_plan
+    from dm_cli.planning.make import PlanOptions, make_plan
 
     plan = make_plan(preset, PlanOptions("0=40GB,1=40GB,2=40GB,3=40GB,cpu=200GB"))
     assert not [w for w in plan.warnings if "meta device" in w or "registration order" in w], plan.warnings
@@ -165,7 +165,7 @@ def test_plan_traces_every_component_at_1024(preset):
 
 def test_flux2_transformer_call_is_what_flux2pipeline_feeds_it():
     from dm_cli.families import family_for
-    from dm_cli.sources import resolve_source
+    from dm_cli.model.sources import resolve_source
 
     source = resolve_source("flux2")
     family = family_for(source.pipeline_class)
@@ -207,8 +207,8 @@ def test_flux2_dev_fits_and_checks(budget, mode):
 
 def test_tied_lm_head_away_from_embeddings_is_caught_by_the_split_check():
     """Mistral-3 built tied (tiny twin): lm_head on another GPU than the embeddings it shares fails."""
-    from dm_cli.sources import resolve_source
-    from dm_cli.trace import check_device_map
+    from dm_cli.model.sources import resolve_source
+    from dm_cli.planning.trace import check_device_map
 
     source = resolve_source("tiny-flux2")
     comp = source.component("text_encoder")
@@ -229,7 +229,7 @@ PIPELINES = {"tiny-flux2": "Flux2Pipeline", "tiny-flux2-klein": "Flux2KleinPipel
 
 @pytest.fixture(scope="module")
 def flux2_folders(tmp_path_factory):
-    from dm_cli.demo import write_random_pipeline
+    from dm_cli.model.demo import write_random_pipeline
 
     root = tmp_path_factory.mktemp("flux2")
     return {preset: write_random_pipeline(PRESETS_DIR / preset, root / preset, seed=0) for preset in PIPELINES}
@@ -292,8 +292,8 @@ def _units(module, prefix=""):
 
 def split_plan(folder, n_devices):
     """A dmap-plan document with the transformer and the text encoder each split over n devices."""
-    from dm_cli.skeleton import build_on_meta
-    from dm_cli.sources import resolve_source
+    from dm_cli.model.skeleton import build_on_meta
+    from dm_cli.model.sources import resolve_source
 
     source = resolve_source(str(folder))
     comps = {c.name: c for c in source.components}
@@ -326,7 +326,8 @@ def dmap_image(folder, tmp_path, plan=None, simulate=False, name="out.png"):
     import numpy as np
     from PIL import Image
 
-    from dm_cli.runner import RunRequest, run
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
 
     device_map = "auto"
     if plan is not None:

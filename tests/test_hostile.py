@@ -17,8 +17,8 @@ import pytest
 from conftest import REPO
 from safetensors.numpy import load_file, save_file
 
-from dm_cli import shard as shard_module
-from dm_cli import swap as swap_module
+from dm_cli.io import swap as swap_module
+from dm_cli.model import shard as shard_module
 
 # --- helpers ----------------------------------------------------------------------------------------
 
@@ -127,7 +127,7 @@ def test_1_plain_component_names_still_work(tmp_path, capsys):
 
 KILL_AT_RENAME = """
 import os, sys
-from dm_cli import swap
+from dm_cli.io import swap
 kill_at = int(sys.argv[1])
 count = [0]
 real = swap._rename
@@ -139,7 +139,7 @@ def rename(src, dst, flags=0):
 swap._rename = rename
 if sys.argv[2] == "no-renameat2":
     swap._renameat2 = lambda src, dst, flags: False
-from dm_cli.shard import shard
+from dm_cli.model.shard import shard
 kwargs = dict(in_place=True) if sys.argv[3] == "in-place" else dict(output=sys.argv[4], overwrite=True)
 shard(sys.argv[5], 1500, min_shard_size=1, **kwargs)
 print("renames", count[0])
@@ -412,7 +412,7 @@ def test_5_escapes_in_error_messages_are_shown_inert(tmp_path, capsys):
 
 def test_5_plan_file_names_are_rendered_inert(capsys):
     """A plan file (read by `dmap run -d`) is input too: its component, class and module names are shown inert."""
-    from dm_cli.plans import Plan
+    from dm_cli.planning.make import Plan
     from dm_cli.render.plan import render_plan
 
     plan = _plan_document()
@@ -502,12 +502,12 @@ def test_6_plan_file_that_is_not_a_file_is_read_boundedly(tmp_path, monkeypatch,
 
 
 def _runner_must_not_start(monkeypatch):
-    import dm_cli.runner
+    import dm_cli.run.single
 
     def refuse(*args, **kwargs):
         raise AssertionError("the run started: the bad input should have been caught before")
 
-    monkeypatch.setattr(dm_cli.runner, "run", refuse)
+    monkeypatch.setattr(dm_cli.run.single, "run", refuse)
 
 
 @pytest.mark.parametrize("library, cls", [("diffusers", "AutoModel"), ("diffusers", "DiffusionPipeline"),
@@ -644,7 +644,7 @@ def test_6_configs_are_read_as_boundedly_as_plans(tmp_path, capsys, where, attac
     RecursionError (exit 1), a FIFO hung. The VAE's config is also read as a sibling (its scale factor)."""
     import shutil
 
-    from dm_cli.sources import PRESETS_DIR
+    from dm_cli.model.sources import PRESETS_DIR
 
     folder = tmp_path / "pipe"
     shutil.copytree(PRESETS_DIR / "tiny-sd15", folder)

@@ -165,7 +165,7 @@ def test_10_a_good_launch_passes_its_timeout_to_the_process_group(launch):
 
     import torch.distributed as dist
 
-    from dm_cli.distributed import DEFAULT_TIMEOUT_S, Ranks
+    from dm_cli.run.distributed import DEFAULT_TIMEOUT_S, Ranks
 
     assert Ranks.from_env() == Ranks(1, 2, 1, 2) and Ranks.from_env().timeout_s == DEFAULT_TIMEOUT_S
     launch.setenv("DMAP_DIST_TIMEOUT", "90")
@@ -187,7 +187,7 @@ def test_10_a_good_launch_passes_its_timeout_to_the_process_group(launch):
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
     """The demo, generated once (into the session's cache, which other modules share): tests damage copies."""
-    from dm_cli.demo import ensure_demo
+    from dm_cli.model.demo import ensure_demo
 
     cache = os.environ.get("DMAP_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "dmap-cache")
     with pytest.MonkeyPatch.context() as patch:
@@ -198,7 +198,7 @@ def pristine(tmp_path_factory) -> Path:
 @pytest.fixture
 def demo(pristine, tmp_path, monkeypatch):
     """A copy of the demo in this test's own cache; generating it again copies the pristine one (counted)."""
-    import dm_cli.demo as demo_module
+    import dm_cli.model.demo as demo_module
 
     cache = tmp_path / "cache"
     folder = cache / "demo" / pristine.name
@@ -295,7 +295,7 @@ def test_11_a_damaged_cached_demo_is_generated_again_without_blocking(demo, caps
     missing, or the folder replaced by a file, made the rename of the new demo fail (exit 1); a symlink was
     followed out of the cache. Each is found by lstat before anything is opened, and the demo generated again:
     afterwards it is exactly the pristine one, real files only."""
-    from dm_cli.demo import ensure_demo
+    from dm_cli.model.demo import ensure_demo
 
     folder, generated = demo
     expected = tree(folder)
@@ -312,7 +312,7 @@ def test_11_a_damaged_cached_demo_is_generated_again_without_blocking(demo, caps
 
 def test_11_an_intact_demo_is_used_as_it_is_and_stale_staging_is_cleaned(demo):
     """Nothing is generated for an intact demo; a staging folder a killed process left behind is removed."""
-    from dm_cli.demo import ensure_demo
+    from dm_cli.model.demo import ensure_demo
 
     folder, generated = demo
     before = tree(folder)
@@ -336,7 +336,7 @@ def test_11_a_demo_lock_that_cannot_be_used_is_exit_2_saying_what_to_remove(demo
     """`.demo.lock` as a folder was IsADirectoryError (exit 1), as a FIFO open() waited for a writer forever, and
     as a symlink it was followed (a file created or locked outside the cache). Now: exit 2, one sentence naming
     the lock and saying to remove it, and nothing followed or generated."""
-    import dm_cli.demo as demo_module
+    import dm_cli.model.demo as demo_module
 
     folder, generated = demo
     lock = folder.parent / ".demo.lock"
@@ -359,7 +359,7 @@ def test_11_a_demo_lock_that_cannot_be_used_is_exit_2_saying_what_to_remove(demo
 
 def test_11_a_cache_folder_that_is_a_file_is_exit_2(demo, capsys):
     """The demo's folder in the cache (`demo/`) replaced by a file: mkdir's FileExistsError was exit 1."""
-    from dm_cli.demo import ensure_demo
+    from dm_cli.model.demo import ensure_demo
 
     folder, generated = demo
     shutil.rmtree(folder.parent)

@@ -163,7 +163,7 @@ def unusual_valid_file(draw) -> bytes:
 def _agrees_with_safetensors(blob: bytes, capsys) -> bool | None:
     """inspect and shard exit 0 exactly where safe_open accepts (2 otherwise, one sentence), and what shard
     writes loads with the same tensors and bytes. Returns whether safetensors accepted the file."""
-    from dm_cli.checkpoint import read_safetensors_header
+    from dm_cli.io.checkpoint import read_safetensors_header
 
     with tempfile.TemporaryDirectory() as folder:
         path, out = Path(folder) / "model.safetensors", Path(folder) / "out"

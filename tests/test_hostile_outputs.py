@@ -34,7 +34,7 @@ def _count_stats(monkeypatch) -> list:
 def test_8_names_for_many_images_are_made_on_demand_and_collisions_found_with_one_scan(tmp_path, monkeypatch):
     """`--num-images 1000000000` hung: a Path per image, then a stat (and a resolve) per name. The names are
     now made when asked for, and what already exists is found by one scan of the folder, whatever the count."""
-    from dm_cli.images import existing_image_paths, image_paths
+    from dm_cli.io.images import existing_image_paths, image_paths
 
     count = 10**5
     paths = image_paths(tmp_path / "out.png", count)
@@ -72,10 +72,10 @@ def test_8_run_with_many_images_checks_its_outputs_without_a_stat_per_name(tmp_p
 
 
 def test_8_an_existing_output_among_many_is_still_refused(tmp_path, monkeypatch):
-    from dm_cli.atomic import refuse_existing
     from dm_cli.errors import UsageError
-    from dm_cli.images import existing_image_paths
-    from dm_cli.run_checks import check_run_request
+    from dm_cli.io.atomic import refuse_existing
+    from dm_cli.io.images import existing_image_paths
+    from dm_cli.run.checks import check_run_request
 
     (tmp_path / "out-4999.png").mkdir()
     with pytest.raises(UsageError, match="out-4999.png is a folder"):
@@ -109,7 +109,7 @@ def test_9_queue_output_name_the_file_system_refuses_is_exit_2_when_read(tmp_pat
 
 def test_9_queue_path_too_long_for_the_system_is_exit_2(tmp_path, monkeypatch, capsys):
     from dm_cli.errors import UsageError
-    from dm_cli.queue import read_prompts
+    from dm_cli.run.queue import read_prompts
 
     queue = tmp_path / "q.txt"
     queue.write_text("a fox\n", encoding="utf-8")
@@ -120,12 +120,12 @@ def test_9_queue_path_too_long_for_the_system_is_exit_2(tmp_path, monkeypatch, c
 
 
 def _pipeline_must_not_start(monkeypatch):
-    import dm_cli.api
+    import dm_cli.run.session
 
     def refuse(*args, **kwargs):
         raise AssertionError("the pipeline started: the bad queue should have been caught before")
 
-    monkeypatch.setattr(dm_cli.api.Pipeline, "__init__", refuse)
+    monkeypatch.setattr(dm_cli.run.session.Pipeline, "__init__", refuse)
 
 
 # --- 13: the format the suffix names ----------------------------------------------------------------
@@ -134,8 +134,8 @@ def _pipeline_must_not_start(monkeypatch):
 @pytest.mark.parametrize("suffix", ["png", "jpg", "jpeg", "webp", "JPG"])
 def test_13_image_bytes_are_the_format_the_suffix_names_with_readable_metadata(tmp_path, suffix):
     """`-o out.jpg` wrote PNG bytes under a .jpg name."""
-    from dm_cli.images import read_image_metadata, save_images
-    from dm_cli.queue import is_complete
+    from dm_cli.io.images import read_image_metadata, save_images
+    from dm_cli.run.queue import is_complete
 
     image = Image.new("RGB", (32, 32), (200, 30, 40))
     written = save_images([image], str(tmp_path / f"out.{suffix}"), METADATA)
@@ -152,7 +152,7 @@ def test_13_image_bytes_are_the_format_the_suffix_names_with_readable_metadata(t
 
 
 def test_13_no_suffix_is_a_png_under_the_name_given(tmp_path):
-    from dm_cli.images import save_images
+    from dm_cli.io.images import save_images
 
     image = Image.new("RGB", (8, 8))
     assert save_images([image], str(tmp_path / "out"), METADATA) == [str(tmp_path / "out")]
@@ -172,20 +172,20 @@ def test_13_an_unknown_suffix_is_exit_2_before_anything_loads(tmp_path, monkeypa
 def test_13_a_video_suffix_for_an_image_pipeline_is_exit_2_before_weights_are_read(tmp_path, monkeypatch, capsys, name):
     """Before the pipeline is known a video suffix may be right; an image pipeline refuses it when the run is
     settled, before any weight file is opened (this folder has none) or torch is imported."""
-    from dm_cli.sources import PRESETS_DIR
+    from dm_cli.model.sources import PRESETS_DIR
 
     folder = tmp_path / "pipe"
     shutil.copytree(PRESETS_DIR / "tiny-sd15", folder)
-    import dm_cli.runner
+    import dm_cli.model.models
 
-    monkeypatch.setattr(dm_cli.runner, "quiet_libraries", lambda: (_ for _ in ()).throw(AssertionError("imported")))
+    monkeypatch.setattr(dm_cli.model.models, "quiet_libraries", lambda: (_ for _ in ()).throw(AssertionError("imported")))
     code, _, err = cli(capsys, "run", folder, "-p", "x", "-o", tmp_path / name)
     assert code == 2 and ".png, .jpg, .jpeg or .webp" in err, err
     assert not (tmp_path / name).exists()
 
 
 def test_13_a_prompt_too_long_for_a_jpeg_comment_is_refused_first(tmp_path, monkeypatch, capsys):
-    from dm_cli.images import check_metadata_room
+    from dm_cli.io.images import check_metadata_room
 
     check_metadata_room("out.jpg", "a fox " * 1000, None, "--output")
     check_metadata_room("out.png", "a fox " * 100_000, None, "--output")  # PNG text has no such limit
@@ -200,7 +200,7 @@ def test_13_a_prompt_too_long_for_a_jpeg_comment_is_refused_first(tmp_path, monk
     ("cat.jpg", "cat.jpg"), ("cat.JPEG", "cat.JPEG"), ("cat.webp", "cat.webp"), ("cat", "cat.png"), ("cat.png", "cat.png"),
 ])
 def test_13_queue_output_keeps_an_image_suffix_and_adds_png_to_others(tmp_path, output, expected):
-    from dm_cli.queue import read_prompts
+    from dm_cli.run.queue import read_prompts
 
     queue = tmp_path / "q.jsonl"
     queue.write_text(json.dumps({"prompt": "a fox", "output": output}) + "\n", encoding="utf-8")
@@ -211,7 +211,7 @@ def test_13_queue_output_keeps_an_image_suffix_and_adds_png_to_others(tmp_path, 
 
 def test_13_a_run_writes_the_format_its_output_names(tmp_path, capsys):
     """End to end through `dmap run` (the random-weight demo): a WebP with the run's metadata in it."""
-    from dm_cli.images import read_image_metadata
+    from dm_cli.io.images import read_image_metadata
 
     code, _, err = cli(capsys, "run", "-p", "a fox", "--steps", 1, "--height", 64, "--width", 64,
                          "-o", tmp_path / "fox.webp", "-q")
@@ -224,8 +224,8 @@ def test_13_a_run_writes_the_format_its_output_names(tmp_path, capsys):
 
 def test_13_png_bytes_under_a_jpeg_name_do_not_count_as_a_finished_queue_item(tmp_path):
     """What an older dmap wrote for `-o x.jpg`: resuming must redo it as a real JPEG, not skip it."""
-    from dm_cli.images import save_images
-    from dm_cli.queue import is_complete
+    from dm_cli.io.images import save_images
+    from dm_cli.run.queue import is_complete
 
     save_images([Image.new("RGB", (32, 32))], str(tmp_path / "x.png"), METADATA)
     (tmp_path / "x.png").rename(tmp_path / "x.jpg")
@@ -233,7 +233,7 @@ def test_13_png_bytes_under_a_jpeg_name_do_not_count_as_a_finished_queue_item(tm
 
 
 def test_13_stale_temporaries_of_a_name_with_glob_characters_are_removed(tmp_path):
-    from dm_cli.queue import QueueItem, remove_stale_temporaries
+    from dm_cli.run.queue import QueueItem, remove_stale_temporaries
 
     (tmp_path / ".a[1].png.abcd1234.tmp").write_bytes(b"")
     (tmp_path / ".a1.png.abcd1234.tmp").write_bytes(b"someone else's")

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_hostile import assert_same_state, cli, component, loaded
 
-from dm_cli import shard as shard_module
-from dm_cli import swap as swap_module
 from dm_cli.errors import DmapError
+from dm_cli.io import swap as swap_module
+from dm_cli.model import shard as shard_module
 
 
 def dead_pid() -> int:

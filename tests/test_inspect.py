@@ -12,8 +12,8 @@ import pytest
 from conftest import PRESETS, REPO, run_dmap
 
 from dm_cli.errors import SourceError
-from dm_cli.inspection import inspect_source
-from dm_cli.sources import PRESETS as PRESET_NAMES
+from dm_cli.model.inspection import inspect_source
+from dm_cli.model.sources import PRESETS as PRESET_NAMES
 
 SIZES = json.loads((REPO / "tests" / "sizes.json").read_text())
 FOLDER_TO_PRESET = {folder: name for name, folder in reversed(list(PRESET_NAMES.items()))}
@@ -155,7 +155,7 @@ def test_large_safetensors_reads_only_the_header(tmp_path):
     _write_sparse_safetensors(path, 1_200_000_000)
     code = (
         "import sys, json\n"
-        "from dm_cli.inspection import inspect_source\n"
+        "from dm_cli.model.inspection import inspect_source\n"
         "def io():\n"
         "    return {k: int(v) for k, v in (l.split(': ') for l in open('/proc/self/io'))}\n"
         f"before = io(); report = inspect_source({str(path)!r}); after = io()\n"

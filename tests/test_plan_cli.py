@@ -7,10 +7,10 @@ from conftest import run_dmap
 
 from dm_cli.errors import DoesNotFitError, UsageError
 from dm_cli.inputs import InputSpec
-from dm_cli.planner import coverage_problems
-from dm_cli.plans import PlanOptions, load_plan, make_plan, write_plan
-from dm_cli.skeleton import skeleton_for_component
-from dm_cli.sources import resolve_source
+from dm_cli.model.skeleton import skeleton_for_component
+from dm_cli.model.sources import resolve_source
+from dm_cli.planning.make import PlanOptions, load_plan, make_plan, write_plan
+from dm_cli.planning.search import coverage_problems
 
 GiB = 2**30
 
@@ -94,7 +94,7 @@ def test_sdxl_unet_on_5_and_5_gib_offloads_nothing_where_accelerate_offloads_6_5
     import torch
     from accelerate import infer_auto_device_map
 
-    from dm_cli.skeleton import build_on_meta
+    from dm_cli.model.skeleton import build_on_meta
 
     comp = resolve_source("sdxl").component("unet")
     model = build_on_meta("diffusers", comp.cls, comp.config).to(torch.float32)

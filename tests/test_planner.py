@@ -2,7 +2,8 @@
 
 import pytest
 
-from dm_cli.planner import (
+from dm_cli.families.stages import default_stages
+from dm_cli.planning.search import (
     Block,
     ComponentInput,
     Device,
@@ -11,7 +12,6 @@ from dm_cli.planner import (
     clean_device_map,
     component_blocks,
     coverage_problems,
-    default_stages,
     plan_pipeline,
 )
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_planner import assert_within_capacity
 
-from dm_cli.planner import Block, ComponentInput, Device, NoFit, Stage, plan_pipeline
+from dm_cli.planning.search import Block, ComponentInput, Device, NoFit, Stage, plan_pipeline
 
 GB = 10**9
 

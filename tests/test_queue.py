@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from dm_cli.distributed import Ranks, select_gpus
 from dm_cli.errors import UsageError
-from dm_cli.queue import (
+from dm_cli.run.distributed import Ranks, select_gpus
+from dm_cli.run.queue import (
     MANIFEST,
     QueueItem,
     append_record,
@@ -206,8 +206,8 @@ def test_gpu_groups_per_local_rank():
 
 def test_queue_notices_print_as_text_not_markup(capsys):
     """The console takes no markup (text from files must stay text): a notice is styled, not wrapped in tags."""
-    from dm_cli.queue_runner import QueueResult
     from dm_cli.render.queue import QueueView
+    from dm_cli.run.queue_runner import QueueResult
 
     view = QueueView()
     view.start(QueueResult("out", 0, 1, 2, 2, notices=["The demo pipeline has RANDOM weights."], mode="staged"))
@@ -219,9 +219,9 @@ def test_queue_notices_print_as_text_not_markup(capsys):
 def test_a_queue_item_takes_the_runs_negative_prompt_and_steps_unless_it_has_its_own():
     """Pipeline.job_for settles an item against the run's job (--negative-prompt, --steps): the one place it
     happens, for the CLI queue and the API alike; the refusal sees the prompt that will really be used."""
-    from dm_cli.api import Pipeline
     from dm_cli.errors import UsageError
     from dm_cli.families import Job, family_for
+    from dm_cli.run.session import Pipeline
 
     pipe = object.__new__(Pipeline)  # job_for needs only the family and the run's settled job
     pipe.family = family_for("StableDiffusionPipeline")

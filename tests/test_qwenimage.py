@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import run_dmap
 
-from dm_cli.sources import PRESETS_DIR
+from dm_cli.model.sources import PRESETS_DIR
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -17,7 +17,7 @@ SIZE, STEPS, SEED = 32, 2, 7
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from dm_cli.demo import write_random_pipeline
+    from dm_cli.model.demo import write_random_pipeline
 
     return write_random_pipeline(PRESETS_DIR / "tiny-qwenimage", tmp_path_factory.mktemp("qwen") / "tiny", seed=0)
 
@@ -42,8 +42,8 @@ def split(names, devices):
 
 def hand_plan(folder, n_devices):
     """The transformer and the text encoder's language model split over n devices; the vision tower on the first."""
-    from dm_cli.skeleton import build_on_meta
-    from dm_cli.sources import resolve_source
+    from dm_cli.model.skeleton import build_on_meta
+    from dm_cli.model.sources import resolve_source
 
     comps = {c.name: c for c in resolve_source(str(folder)).components}
     maps = {n: {"": "cpu"} for n in comps}
@@ -79,7 +79,8 @@ def oracle(folder, negative):
 def test_run_is_pixel_identical_to_diffusers_unsplit_and_split(folder, tmp_path, negative):
     from PIL import Image
 
-    from dm_cli.runner import RunRequest, run
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
 
     expected = oracle(folder, negative)
     for n_devices, simulate in ((0, False), (2, True), (3, True)):
@@ -99,7 +100,8 @@ def test_run_is_pixel_identical_to_diffusers_unsplit_and_split(folder, tmp_path,
 
 def test_true_cfg_runs_the_transformer_twice_per_step(folder, tmp_path, monkeypatch):
     """Two separate calls on the unchanged batch, not one call on a doubled batch."""
-    from dm_cli.runner import RunRequest, run
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
 
     calls = []
     original = diffusers.QwenImageTransformer2DModel.forward
@@ -119,8 +121,8 @@ def test_true_cfg_runs_the_transformer_twice_per_step(folder, tmp_path, monkeypa
 
 def test_a_split_inside_a_qwen2_5_vl_layer_is_caught_and_layer_splits_pass(folder):
     from dm_cli.inputs import InputSpec
-    from dm_cli.sources import resolve_source
-    from dm_cli.trace import check_device_map
+    from dm_cli.model.sources import resolve_source
+    from dm_cli.planning.trace import check_device_map
 
     source = resolve_source(str(folder))
     comp = source.component("text_encoder")

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dm_cli.inspection import ComponentReport, InspectReport
-from dm_cli.plans import Plan
-from dm_cli.skeleton import ModuleSize
+from dm_cli.model.inspection import ComponentReport, InspectReport
+from dm_cli.model.skeleton import ModuleSize
+from dm_cli.planning.make import Plan
 
 GOLDEN = Path(__file__).parent / "golden"
 WIDTHS = (80, 120)
@@ -42,8 +42,8 @@ def flux_plan() -> Plan:
 
 
 def run_result():
-    from dm_cli.runner import RunResult
-    from dm_cli.stages import StageResult
+    from dm_cli.run.single import RunResult
+    from dm_cli.run.stages import StageResult
 
     MB = 10**6
     stages = [

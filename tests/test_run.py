@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dm_cli.errors import CheckpointError, SourceError, UsageError
-from dm_cli.sources import PRESETS_DIR
+from dm_cli.model.sources import PRESETS_DIR
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -19,7 +19,7 @@ DENOISER = {"FluxPipeline": "transformer", "StableDiffusion3Pipeline": "transfor
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """Tiny pipelines with random weights (fixed seed), offline tokenizers and scheduler configs."""
-    from dm_cli.demo import write_random_pipeline
+    from dm_cli.model.demo import write_random_pipeline
 
     root = tmp_path_factory.mktemp("pipelines")
     cache = {}
@@ -55,8 +55,8 @@ def _split(units, devices):
 
 def hand_plan(folder, n_devices=0, mode="staged"):
     """A dmap-plan document written by hand: everything on cpu, or the denoiser (and text encoder) split."""
-    from dm_cli.skeleton import build_on_meta
-    from dm_cli.sources import resolve_source
+    from dm_cli.model.skeleton import build_on_meta
+    from dm_cli.model.sources import resolve_source
 
     source = resolve_source(str(folder))
     comps = {c.name: c for c in source.components}
@@ -97,7 +97,8 @@ def oracle(folder):
 
 
 def dmap_run(folder, plan, tmp_path, simulate=False, name="out.png", **extra):
-    from dm_cli.runner import RunRequest, run
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
 
     plan_path = tmp_path / f"plan-{name}.json"
     plan_path.write_text(json.dumps(plan))
@@ -132,7 +133,7 @@ def test_pixel_identical_to_diffusers_unsplit_and_simulated_splits(preset, folde
 
 
 def test_staged_frees_encoders_before_denoiser_and_load_ram_stays_near_shard(folders, tmp_path):
-    from dm_cli.runner import LOAD_RSS_MARGIN_BYTES
+    from dm_cli.run.request import LOAD_RSS_MARGIN_BYTES
 
     folder = folders("tiny-flux")
     result = dmap_run(folder, hand_plan(folder, 2), tmp_path, simulate=True)
@@ -162,7 +163,8 @@ def test_streamed_disk_offload_on_cpu_is_identical(folders, tmp_path):
 
 
 def test_refusals(folders, tmp_path):
-    from dm_cli.runner import RunRequest, run
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
 
     flux, sd15 = folders("tiny-flux"), folders("tiny-sd15")
     with pytest.raises(UsageError, match="another model"):
@@ -179,7 +181,8 @@ def test_refusals(folders, tmp_path):
 def test_missing_tokenizer_corrupt_weights_unsupported_pipeline(folders, tmp_path):
     import shutil
 
-    from dm_cli.runner import RunRequest, run
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
 
     broken = tmp_path / "broken"
     shutil.copytree(folders("tiny-sd15"), broken)
@@ -222,7 +225,7 @@ def test_cli_plans_then_runs_split_under_simulate(folders, tmp_path):
 @pytest.mark.parametrize("preset,n_devices", [("tiny-flux", 0), ("tiny-sdxl", 2)])
 def test_tracking_two_denoise_steps_measures_the_same_peak_as_every_step(preset, n_devices, folders, tmp_path, monkeypatch):
     """The activation tracker stops after step 2 of 4 (speed): the peaks must equal tracking every step."""
-    import dm_cli.runner as runner
+    import dm_cli.run.request as runner
 
     folder = folders(preset)
     plan = hand_plan(folder, n_devices)
@@ -237,7 +240,8 @@ def test_tracking_two_denoise_steps_measures_the_same_peak_as_every_step(preset,
 
 
 def _run_steps(folder, plan, tmp_path, steps, simulate, name):
-    from dm_cli.runner import RunRequest, run
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
 
     plan_path = tmp_path / f"plan-{name}.json"
     plan_path.write_text(json.dumps(plan))
@@ -248,7 +252,8 @@ def _run_steps(folder, plan, tmp_path, steps, simulate, name):
 def test_height_and_width_must_be_multiples_the_pipeline_accepts(folders, tmp_path):
     from conftest import run_dmap
 
-    from dm_cli.runner import RunRequest, run
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
 
     with pytest.raises(UsageError, match=r"--height 36 is not a multiple of 8.*use 32 or 40"):
         run(RunRequest(source=str(folders("tiny-sd15")), prompt=PROMPT, height=36, width=32, output=None))
@@ -309,9 +314,9 @@ def test_a_preset_has_no_weights_and_run_says_so_before_importing_torch():
 
 
 def test_plan_digest_depends_only_on_the_placement(monkeypatch):
-    import dm_cli.plans as plan_module
+    import dm_cli.planning.make as plan_module
     from dm_cli.inputs import InputSpec
-    from dm_cli.runner import plan_digest
+    from dm_cli.run.request import plan_digest
 
     plans = []
     for ram in (30 * 10**9, 31 * 10**9):
@@ -335,7 +340,7 @@ def test_outputs_are_refused_as_settled_from_the_plan(tmp_path):
     from conftest import run_dmap
 
     import dm_cli
-    from dm_cli.plans import write_plan
+    from dm_cli.planning.make import write_plan
 
     plan = tmp_path / "p.json"
     write_plan(dm_cli.plan(None, height=64, width=64, num_images=2), plan)

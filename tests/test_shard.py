@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import PRESETS, REPO, run_dmap
 
-from dm_cli import shard as shard_module
 from dm_cli.errors import CheckpointError, DmapError, SourceError, UsageError
-from dm_cli.shard import shard
+from dm_cli.model import shard as shard_module
+from dm_cli.model.shard import shard
 
 SMALL = {"min_shard_size": 1}  # the tiny models are ~70 KB: let tests cut them below the 1 MB floor
 
@@ -232,7 +232,7 @@ def test_no_torch_import_when_dtype_is_unchanged(tmp_path):
 
     save_file({"x": torch.randn(200_000), "y": torch.randn(200_000), "z": torch.randn(200_000)}, tmp_path / "m.safetensors")
     code = (
-        "import sys; from dm_cli.shard import shard; "
+        "import sys; from dm_cli.model.shard import shard; "
         f"r = shard({str(tmp_path / 'm.safetensors')!r}, '1MB', output={str(tmp_path / 'out')!r}); "
         "assert r.verified and len(r.components[0].shards) == 3; "
         "assert 'torch' not in sys.modules, 'torch imported'"
@@ -429,7 +429,7 @@ def test_full_disk_leaves_nothing(tmp_path, monkeypatch):
 
 KILL_SCRIPT = """
 import sys, time
-from dm_cli import shard as m
+from dm_cli.model import shard as m
 real = m._copy_range
 def slow(*a, **k):
     real(*a, **k)

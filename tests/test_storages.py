@@ -2,7 +2,7 @@
 
 import pytest
 
-from dm_cli.storages import LiveStorages
+from dm_cli.planning.storages import LiveStorages
 
 torch = pytest.importorskip("torch")
 
@@ -33,8 +33,8 @@ def test_a_storage_counts_once_and_returns_when_its_last_tensor_dies(device):
 def test_the_meter_counts_a_tensor_subclass_by_its_inner_tensors():
     """A detached int8 weight shares the weight's inner storages; its own storage is a placeholder of nominal size."""
     from dm_cli.errors import UsageError
-    from dm_cli.meter import MemoryMeter
-    from dm_cli.weight_formats import torchao
+    from dm_cli.model.weight_formats import torchao
+    from dm_cli.run.meter import MemoryMeter
 
     try:
         quantize_, config = torchao()

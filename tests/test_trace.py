@@ -8,10 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from dm_cli.families.calls import call_spec  # noqa: E402
 from dm_cli.inputs import InputSpec  # noqa: E402
-from dm_cli.pipelines import call_spec  # noqa: E402
-from dm_cli.sources import ComponentSource, resolve_source  # noqa: E402
-from dm_cli.trace import ComponentTrace, VirtualDevices, check_device_map, trace_component  # noqa: E402
+from dm_cli.model.sources import ComponentSource, resolve_source  # noqa: E402
+from dm_cli.planning.trace import ComponentTrace, VirtualDevices, check_device_map, trace_component  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import measure_activations  # noqa: E402
@@ -57,7 +57,7 @@ def test_unet_execution_order_runs_mid_block_before_up_blocks(preset):
     assert first_index(order, "down_blocks") < first_index(order, "mid_block")
     assert order[-1] == "conv_out"
     # registration order, what accelerate walks, has the up blocks first
-    from dm_cli.skeleton import skeleton_for_component
+    from dm_cli.model.skeleton import skeleton_for_component
 
     registered = [prefix for prefix, _ in skeleton_for_component(comp)[0].modules]
     assert first_index(registered, "up_blocks") < first_index(registered, "mid_block")

@@ -7,8 +7,8 @@ from conftest import run_dmap
 
 from dm_cli.errors import UsageError
 from dm_cli.inputs import InputSpec
-from dm_cli.plans import PlanOptions, make_plan
-from dm_cli.sources import resolve_source
+from dm_cli.model.sources import resolve_source
+from dm_cli.planning.make import PlanOptions, make_plan
 
 pytest.importorskip("torch")
 
@@ -47,7 +47,7 @@ def test_frames_on_an_image_pipeline_is_refused():
 
 
 def test_trace_feeds_5d_latents_and_activations_follow_frames():
-    from dm_cli.trace import trace_component
+    from dm_cli.planning.trace import trace_component
 
     source = resolve_source("tiny-wan")
     comps = {c.name: c for c in source.components}
@@ -69,7 +69,7 @@ def test_trace_feeds_5d_latents_and_activations_follow_frames():
 def test_a_split_separating_scale_shift_table_from_proj_out_passes_the_check():
     """diffusers PR #10997: scale_shift_table on GPU 0, proj_out on GPU 1. The model moves shift/scale
     explicitly, so the check passes; a split inside a block (which really fails) is still reported."""
-    from dm_cli.trace import check_device_map
+    from dm_cli.planning.trace import check_device_map
 
     comp = resolve_source("tiny-wan").component("transformer")
     inputs = InputSpec(32, 32, num_frames=5)
@@ -130,7 +130,7 @@ def test_video_outputs_round_trip_with_metadata(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from dm_cli.video import read_metadata, save_video, to_uint8
+    from dm_cli.io.video import read_metadata, save_video, to_uint8
 
     frames = to_uint8(np.random.default_rng(0).random((5, 16, 32, 3)))
     meta = {"prompt": "a fox; x=1", "seed": "7"}
@@ -164,7 +164,7 @@ def test_mp4_through_export_to_video_with_metadata(tmp_path):
     import imageio.v3 as iio
     import numpy as np
 
-    from dm_cli.video import read_metadata, save_video, to_uint8
+    from dm_cli.io.video import read_metadata, save_video, to_uint8
 
     frames = to_uint8(np.random.default_rng(1).random((9, 32, 48, 3)))
     save_video(frames, str(tmp_path / "v.mp4"), 16, {"prompt": "a fox", "steps": "2"})
@@ -180,8 +180,8 @@ PROMPT, SIZE, FRAMES, STEPS, SEED = "a red fox in the snow", 32, 9, 4, 7  # 4 st
 @pytest.fixture(scope="module")
 def tiny_wan(tmp_path_factory):
     """tiny-wan with random weights (fixed seed), offline T5 tokenizer; boundary_ratio 0.875 from the preset."""
-    from dm_cli.demo import write_random_pipeline
-    from dm_cli.sources import PRESETS_DIR
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
 
     return write_random_pipeline(PRESETS_DIR / "tiny-wan", tmp_path_factory.mktemp("wan") / "tiny-wan", seed=0)
 
@@ -191,7 +191,7 @@ def oracle_frames(tiny_wan):
     torch = pytest.importorskip("torch")
     import diffusers
 
-    from dm_cli.video import to_uint8
+    from dm_cli.io.video import to_uint8
 
     pipe = diffusers.WanPipeline.from_pretrained(tiny_wan)
     pipe.set_progress_bar_config(disable=True)
@@ -201,7 +201,8 @@ def oracle_frames(tiny_wan):
 
 
 def _run(folder, tmp_path, name, steps=STEPS, **extra):
-    from dm_cli.runner import RunRequest, run
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
 
     calls = []
     request = RunRequest(source=str(folder), prompt=PROMPT, steps=steps, height=SIZE, width=SIZE, seed=SEED,
@@ -219,7 +220,7 @@ def _frames(folder):
 def test_run_unsplit_is_pixel_identical_and_switches_experts_mid_run(tiny_wan, oracle_frames, tmp_path):
     import numpy as np
 
-    from dm_cli.video import read_metadata
+    from dm_cli.io.video import read_metadata
 
     result, calls = _run(tiny_wan, tmp_path, "frames/", max_memory="cpu=8GB")
     assert result.plan.mode == "resident" and not result.simulate
@@ -235,7 +236,7 @@ def test_run_staged_experts_split_on_two_simulated_gpus_never_holds_both(tiny_wa
                                                                        monkeypatch):
     import numpy as np
 
-    from dm_cli.stages import StageLoop
+    from dm_cli.run.stages import StageLoop
 
     held = []
     load_stage = StageLoop.load_stage
@@ -269,7 +270,7 @@ def test_run_staged_experts_split_on_two_simulated_gpus_never_holds_both(tiny_wa
 
 def test_an_expert_that_runs_no_step_is_never_loaded(tiny_wan, tmp_path, monkeypatch):
     """Two steps (t = 999, 750 with boundary 875): one each; one step: only the high-noise expert loads."""
-    from dm_cli.stages import StageLoop
+    from dm_cli.run.stages import StageLoop
 
     loaded = []
     load_stage = StageLoop.load_stage
@@ -282,7 +283,8 @@ def test_an_expert_that_runs_no_step_is_never_loaded(tiny_wan, tmp_path, monkeyp
 
 
 def test_run_refuses_bad_frames_and_image_outputs_before_any_work(tiny_wan, tmp_path):
-    from dm_cli.runner import RunRequest, run
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
 
     with pytest.raises(UsageError, match="--frames 8 is not 4k\\+1"):
         run(RunRequest(source=str(tiny_wan), prompt=PROMPT, num_frames=8, output=str(tmp_path / "a.mp4")))
@@ -294,7 +296,7 @@ def test_run_refuses_bad_frames_and_image_outputs_before_any_work(tiny_wan, tmp_
 def test_cli_run_writes_an_mp4_with_its_sidecar_and_refuses_to_overwrite(tiny_wan, tmp_path):
     pytest.importorskip("imageio_ffmpeg")
 
-    from dm_cli.video import read_metadata
+    from dm_cli.io.video import read_metadata
 
     out = tmp_path / "fox.mp4"
     args = ["run", tiny_wan, "--prompt", PROMPT, "--frames", FRAMES, "--height", SIZE, "--width", SIZE, "--steps", 2,
@@ -315,7 +317,7 @@ def test_guidance_scale_2_guides_the_low_noise_expert_as_the_pipeline_does(tiny_
     torch = pytest.importorskip("torch")
     import diffusers
 
-    from dm_cli.video import read_metadata
+    from dm_cli.io.video import read_metadata
 
     pipe = diffusers.WanPipeline.from_pretrained(tiny_wan)
     pipe.set_progress_bar_config(disable=True)
@@ -344,7 +346,8 @@ def test_api_generate_runs_a_staged_plans_experts_one_at_a_time(tiny_wan, tmp_pa
     """dm_cli.load(...).generate on a plan with the experts in sub-stages: the same latents as dmap run."""
     torch = pytest.importorskip("torch")
     import dm_cli
-    from dm_cli.runner import RunRequest, run
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
 
     devices = {"max_memory": "0=400KB,1=400KB,cpu=1GB", "overhead": "0=0,1=0", "simulate": True}
     with dm_cli.load(str(tiny_wan), None, height=SIZE, width=SIZE, num_frames=FRAMES, **devices) as pipe:
@@ -375,7 +378,7 @@ def test_wan_2_1_one_transformer_is_pixel_identical_unsplit_and_split(tiny_wan21
     import diffusers
     import numpy as np
 
-    from dm_cli.video import to_uint8
+    from dm_cli.io.video import to_uint8
 
     pipe = diffusers.WanPipeline.from_pretrained(tiny_wan21)
     assert pipe.transformer_2 is None

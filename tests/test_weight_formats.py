@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dm_cli.errors import UsageError
-from dm_cli.weight_formats import parse_weights_spec
+from dm_cli.model.weight_formats import parse_weights_spec
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -79,7 +79,7 @@ def _quantize_int8(model, name, source):
     names, none whose weight is tied to another module's (chosen here from the model, not from dmap)."""
     import re
 
-    from dm_cli.weight_formats import torchao
+    from dm_cli.model.weight_formats import torchao
 
     quantize_, config = torchao()
     patterns = _skip_patterns(model)
@@ -100,7 +100,7 @@ def _quantize_int8(model, name, source):
 
 def _real_bytes(model) -> int:
     """Bytes of every parameter and buffer once (the inner tensors of torchao's int8 weights)."""
-    from dm_cli.meter import plain_tensors
+    from dm_cli.run.meter import plain_tensors
 
     seen, total = set(), 0
     for outer in list(model.parameters()) + list(model.buffers()):
@@ -116,8 +116,8 @@ def _real_bytes(model) -> int:
 @pytest.mark.parametrize("preset", ["tiny-flux", "tiny-sd3", "tiny-flux2"])
 def test_planned_bytes_are_the_bytes_after_casting(preset, fmt):
     from dm_cli.inputs import InputSpec
-    from dm_cli.plans import PlanOptions, make_plan
-    from dm_cli.sources import resolve_source
+    from dm_cli.model.sources import resolve_source
+    from dm_cli.planning.make import PlanOptions, make_plan
 
     source = resolve_source(preset)
     plan = make_plan(preset, PlanOptions(max_memory="cpu=10GB", inputs=InputSpec(0, 0), check=False,
@@ -136,8 +136,8 @@ def test_planned_bytes_are_the_bytes_after_casting(preset, fmt):
 
 def test_compute_copy_of_the_largest_layer_is_in_the_peak():
     from dm_cli.inputs import InputSpec
-    from dm_cli.plans import PlanOptions, make_plan
-    from dm_cli.sources import resolve_source
+    from dm_cli.model.sources import resolve_source
+    from dm_cli.planning.make import PlanOptions, make_plan
 
     inputs = InputSpec(64, 64)
     plain = make_plan("tiny-flux", PlanOptions(max_memory="cpu=10GB", inputs=inputs, check=False)).to_json()
@@ -166,7 +166,7 @@ def test_inspect_weights_matches_plan():
                                       "--height", "0", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["components"]["transformer"]["weights_bytes"] == comps["transformer"]["bytes"]
-    from dm_cli.plans import PlanOptions, make_plan
+    from dm_cli.planning.make import PlanOptions, make_plan
 
     with pytest.raises(UsageError, match="names component 'unet'"):
         make_plan("tiny-sd3", PlanOptions(max_memory="cpu=1GB", weights="unet=fp8"))
@@ -174,7 +174,7 @@ def test_inspect_weights_matches_plan():
 
 def oracle(folder, fmt, dtype):
     """diffusers' pipeline with the same components cast: layerwise casting (diffusers' API) or torchao."""
-    from dm_cli.sources import resolve_source
+    from dm_cli.model.sources import resolve_source
     source = resolve_source(str(folder))
     compute = getattr(torch, dtype)
     pipe = diffusers.DiffusionPipeline.from_pretrained(folder, torch_dtype=compute)
@@ -202,7 +202,8 @@ def _with_storage(plan, fmt, dtype):
 @pytest.mark.parametrize("preset,fmt,dtype", [("tiny-flux", "fp8", "float32"), ("tiny-sd3", "fp8", "bfloat16"),
                                               ("tiny-flux", "int8", "bfloat16")])
 def test_run_is_pixel_identical_to_diffusers_with_the_same_casting(preset, fmt, dtype, folders, tmp_path):
-    from dm_cli.runner import LOAD_RSS_MARGIN_BYTES, RunRequest, run
+    from dm_cli.run.request import LOAD_RSS_MARGIN_BYTES, RunRequest
+    from dm_cli.run.single import run
 
     folder = folders(preset)
     expected = oracle(folder, fmt, dtype)
@@ -241,10 +242,10 @@ def test_run_refuses_a_plan_with_other_storage_and_int8_offload(folders, tmp_pat
         dmap_run(folder, hand_plan(folder), tmp_path, weights="transformer=int8")
     offloaded = _with_storage(hand_plan(folder), "int8", "float32")
     offloaded["components"]["transformer"]["device_map"] = {"": "disk"}
-    import dm_cli.stages
+    import dm_cli.run.stages
 
     loaded = []  # refused before any stage loads (it was refused only when the transformer's stage came)
-    monkeypatch.setattr(dm_cli.stages, "load_component", lambda comp, *a, **k: loaded.append(comp.name) or 1 / 0)
+    monkeypatch.setattr(dm_cli.run.stages, "load_component", lambda comp, *a, **k: loaded.append(comp.name) or 1 / 0)
     with pytest.raises(UsageError, match="int8 weights cannot be streamed"):
         dmap_run(folder, offloaded, tmp_path)
     assert not loaded and not (tmp_path / "out.png").exists()
@@ -254,7 +255,7 @@ def test_int8_without_torchao_plans_and_refuses_to_run(folders, tmp_path, monkey
     import sys
 
     from dm_cli.inputs import InputSpec
-    from dm_cli.plans import PlanOptions, make_plan
+    from dm_cli.planning.make import PlanOptions, make_plan
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao -> ImportError
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)
@@ -266,13 +267,14 @@ def test_int8_without_torchao_plans_and_refuses_to_run(folders, tmp_path, monkey
 
 
 def test_shard_fp8_writes_a_checkpoint_diffusers_loads_dmap_plans_from_and_runs(folders, tmp_path):
-    from dm_cli.checkpoint import open_checkpoint
     from dm_cli.inputs import InputSpec
-    from dm_cli.plans import PlanOptions, make_plan
-    from dm_cli.runner import RunRequest, run
-    from dm_cli.shard import shard
-    from dm_cli.skeleton import skeleton_for_component
-    from dm_cli.sources import resolve_source
+    from dm_cli.io.checkpoint import open_checkpoint
+    from dm_cli.model.shard import shard
+    from dm_cli.model.skeleton import skeleton_for_component
+    from dm_cli.model.sources import resolve_source
+    from dm_cli.planning.make import PlanOptions, make_plan
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
 
     folder = folders("tiny-flux")
     out = tmp_path / "fp8"
@@ -307,7 +309,8 @@ def test_tiny_flux2_fp8_run_is_pixel_identical_unsplit_and_split(folders, tmp_pa
     with enable_layerwise_casting on the transformer and the same hooks on the text encoder."""
     from test_flux2 import TOKENS, diffusers_pipeline, split_plan
 
-    from dm_cli.runner import RunRequest, run
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
     folder = folders("tiny-flux2")
     pipe = diffusers_pipeline(folder)
     pipe.set_progress_bar_config(disable=True)

@@ -11,13 +11,13 @@ import sys
 
 import typer
 
-from .. import __version__
-from . import cache as cache_command
-from . import demo as demo_command
-from . import inspect as inspect_command
-from . import plan as plan_command
-from . import run as run_command
-from . import shard as shard_command
+from dm_cli.cli import cache as cache_command
+from dm_cli.cli import demo as demo_command
+from dm_cli.cli import inspect as inspect_command
+from dm_cli.cli import plan as plan_command
+from dm_cli.cli import run as run_command
+from dm_cli.cli import shard as shard_command
+from dm_cli.version import __version__
 
 app = typer.Typer(
     name="dmap",
@@ -56,7 +56,7 @@ app.command("demo", help=demo_command.__doc__)(demo_command.demo)
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: errors become one sentence and an exit code (tracebacks with --debug)."""
-    from ._errors import EXIT_INTERRUPTED, click_exception_types, report_error
+    from dm_cli.cli._errors import EXIT_INTERRUPTED, click_exception_types, report_error
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]

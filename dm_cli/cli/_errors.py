@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import traceback
 
-from ..errors import EXIT_INTERNAL, DmapError
+from dm_cli.errors import EXIT_INTERNAL, DmapError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
@@ -57,7 +57,7 @@ def report_error(error: BaseException, debug: bool) -> int:
     """Print the error the way a user should see it and return the exit code."""
     if debug:
         traceback.print_exception(error)
-    from ..render import plain  # messages quote names read from files: never raw escapes on a terminal
+    from dm_cli.render import plain  # messages quote names read from files: never raw escapes on a terminal
 
     if isinstance(error, DmapError):
         _say(f"Error: {plain(error, keep_newlines=True)}")

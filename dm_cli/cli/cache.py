@@ -11,8 +11,8 @@ def cache(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
 ) -> int:
-    from ..cache import CACHE_KINDS, cache_dir, cache_usage, clear_cache
-    from ..errors import UsageError
+    from dm_cli.errors import UsageError
+    from dm_cli.io.cache import CACHE_KINDS, cache_dir, cache_usage, clear_cache
 
     unknown = [k for k in kind if k not in CACHE_KINDS]
     if unknown:
@@ -20,12 +20,12 @@ def cache(
     freed = clear_cache(kind or None) if clear else None
     entries = cache_usage()
     if as_json:
-        from ._output import print_json
+        from dm_cli.cli._output import print_json
 
         print_json({"folder": str(cache_dir()), "freed_bytes": freed,
                     "kinds": {e.kind: {"files": e.files, "bytes": e.bytes} for e in entries}})
     else:
-        from ..render.cache import render_cache
+        from dm_cli.render.cache import render_cache
 
         render_cache(str(cache_dir()), entries, freed, binary=binary)
     return 0

@@ -13,9 +13,9 @@ def demo(
 ) -> int:
     import sys
 
-    from ..demo import write_preset
-    from ..render import plain, status
-    from ..units import format_size
+    from dm_cli.model.demo import write_preset
+    from dm_cli.render import plain, status
+    from dm_cli.units import format_size
 
     with status(f"Generating {preset} with random weights…"):
         written = write_preset(preset, output, seed=seed, overwrite=overwrite)

@@ -16,9 +16,9 @@ def inspect(
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Rebuild skeletons instead of using the cache."),
 ) -> int:
-    from ..inspection import inspect_source
-    from ..render import status
-    from ..units import parse_dtype
+    from dm_cli.model.inspection import inspect_source
+    from dm_cli.render import status
+    from dm_cli.units import parse_dtype
 
     with status(f"Inspecting {source}: reading configs and headers…"):
         report = inspect_source(
@@ -26,20 +26,20 @@ def inspect(
             weights=weights,
         )
     if as_json:
-        from ._output import print_json
+        from dm_cli.cli._output import print_json
 
         print_json(report.to_json())
     else:
-        from ..render.inspect import render_inspect
+        from dm_cli.render.inspect import render_inspect
 
         render_inspect(report, binary=binary)
     if report.problems:
-        from ..errors import EXIT_USAGE
+        from dm_cli.errors import EXIT_USAGE
 
         if as_json:  # the table renderer already listed them
             import sys
 
-            from ..render import plain
+            from dm_cli.render import plain
 
             print(f"Error: {len(report.problems)} checkpoint problem(s):", file=sys.stderr)
             for problem in report.problems:

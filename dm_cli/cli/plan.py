@@ -33,10 +33,10 @@ def plan(
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Rebuild skeletons and traces instead of using the cache."),
 ) -> int:
-    from ..api import plan as make_plan
-    from ..atomic import refuse_existing
-    from ..plans import write_plan
-    from ..render.queue import TickingStatus
+    from dm_cli.api import plan as make_plan
+    from dm_cli.io.atomic import refuse_existing
+    from dm_cli.planning.make import write_plan
+    from dm_cli.render.queue import TickingStatus
 
     if output:
         refuse_existing([output], overwrite)
@@ -50,7 +50,7 @@ def plan(
     if output:
         write_plan(result, output)
     if as_json:
-        from ._output import print_json
+        from dm_cli.cli._output import print_json
 
         print_json(result.to_json())
     elif quiet:
@@ -61,7 +61,7 @@ def plan(
         if output:
             print(f"Plan written to {output}.")
     else:
-        from ..render.plan import render_plan
+        from dm_cli.render.plan import render_plan
 
         render_plan(result, binary=binary, output=output)
     return 1 if result.check.get("problems") else 0

@@ -63,21 +63,21 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and the written paths: no plan, tables or progress."),
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
 ) -> int:
-    from ..errors import UsageError
+    from dm_cli.errors import UsageError
 
     if (prompt is None) == (prompts is None):
-        from ._errors import usage_error
+        from dm_cli.cli._errors import usage_error
 
         which = "Missing option '--prompt'" if prompt is None else "Both --prompt and --prompts given"
         raise usage_error(f"{which}: give --prompt TEXT for one image or --prompts FILE for a queue.", ctx)
-    from ..inputs import check_counts
-    from ..units import parse_dtype
+    from dm_cli.inputs import check_counts
+    from dm_cli.units import parse_dtype
 
     # counts no run could use and an unknown (or empty) --dtype: refused before outputs, plans or SOURCE
     check_counts(steps=steps, num_images=num_images, height=height, width=width,
                  max_sequence_length=max_sequence_length, num_frames=frames, fps=fps)
     if height and width:  # a size given in full: its pixels per call (inputs.MAX_PIXELS) before SOURCE is resolved
-        from ..inputs import InputSpec
+        from dm_cli.inputs import InputSpec
 
         InputSpec(height, width, num_images=num_images or 1, num_frames=frames)
     if dtype is not None:
@@ -85,7 +85,7 @@ def run(
 
     def _request(output):
         """The run options, one RunRequest for one prompt and for a queue alike."""
-        from ..runner import RunRequest
+        from dm_cli.run.request import RunRequest
 
         return RunRequest(
             source=source, prompt=prompt or "", negative_prompt=negative_prompt, device_map=device_map,
@@ -97,7 +97,7 @@ def run(
         )
 
     if prompts is not None:
-        from ..queue_runner import QueueRequest
+        from dm_cli.run.queue_runner import QueueRequest
 
         if num_images not in (None, 1):
             raise UsageError("--num-images is for one prompt: with --prompts, repeat a line with another seed instead.")
@@ -109,22 +109,22 @@ def run(
                              gpus_per_rank=gpus_per_rank)
         return _run_queue(queue, as_json, quiet, binary)
     if gpus_per_rank is not None:
-        from ..distributed import Ranks, select_gpus
+        from dm_cli.run.distributed import Ranks, select_gpus
 
         select_gpus(Ranks.from_env(), gpus_per_rank)
-    from ..run_checks import check_run_request
+    from dm_cli.run.checks import check_run_request
 
     check_run_request(output or "dmap.png", save_latents, num_images, seed, device_map)  # before anything is loaded
-    from ..runner import run as run_pipeline
+    from dm_cli.run.single import run as run_pipeline
 
     request = _request(output=output or "dmap.png")
     if as_json:
         result = run_pipeline(request)
-        from ._output import print_json
+        from dm_cli.cli._output import print_json
 
         print_json(result.to_json())
         return 0
-    from ..render.run import RunView
+    from dm_cli.render.run import RunView
 
     with RunView(quiet=quiet, binary=binary) as view:
         result = run_pipeline(request, on_plan=view.show_plan, on_step=view.step, on_status=view.status)
@@ -133,14 +133,14 @@ def run(
 
 
 def _run_queue(request, as_json: bool, quiet: bool, binary: bool) -> int:
-    from ..queue_runner import QueueEvents, run_queue
+    from dm_cli.run.queue_runner import QueueEvents, run_queue
 
     if as_json:
-        from ._output import print_json
+        from dm_cli.cli._output import print_json
 
         print_json(run_queue(request).to_json())
         return 0
-    from ..render.queue import QueueView
+    from dm_cli.render.queue import QueueView
 
     with QueueView(quiet=quiet, binary=binary) as view:
         result = run_queue(request, QueueEvents(on_plan=view.show_plan, on_start=view.start, on_item=view.item,

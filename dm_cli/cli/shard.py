@@ -20,20 +20,20 @@ def shard(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table nor progress: only errors and where the output went."),
     binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
 ) -> int:
-    from ..render.shard import ShardProgressBar
-    from ..shard import shard as shard_source
+    from dm_cli.model.shard import shard as shard_source
+    from dm_cli.render.shard import ShardProgressBar
 
     with ShardProgressBar(enabled=False if (quiet or as_json or dry_run) else None) as bar:
         result = shard_source(source, max_shard_size, output=output, dtype=dtype, variant=variant, dry_run=dry_run,
                               overwrite=overwrite, in_place=in_place, verify=not no_verify, progress=bar)
     if as_json:
-        from ._output import print_json
+        from dm_cli.cli._output import print_json
 
         print_json(result.to_json())
     elif quiet:
         _print_quiet(result)
     else:
-        from ..render.shard import render_shard
+        from dm_cli.render.shard import render_shard
 
         render_shard(result, binary=binary)
     return 0

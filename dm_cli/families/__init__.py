@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..inputs import InputSpec
-from ..pipelines import CallSpec, block_scale
+from dm_cli.families.calls import CallSpec, block_scale
+from dm_cli.inputs import InputSpec
 
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
 # `related` prefix is a prefix of another's (Flux of Flux2, StableDiffusion of StableDiffusion3) comes after it.
@@ -168,7 +168,7 @@ class Family:
     def check_inputs(self, inputs: InputSpec, vae_config: dict | None) -> None:
         """Raise UsageError (one sentence) for inputs the pipeline refuses; images take no --frames."""
         if self.default_num_frames is None and (inputs.num_frames is not None or inputs.fps is not None):
-            from ..errors import UsageError
+            from dm_cli.errors import UsageError
 
             raise UsageError(f"{self.title()} pipelines make images, not videos: drop --frames and --fps.")
 
@@ -273,7 +273,7 @@ def pipeline_stages(pipeline_class: str | None, components: list[str]):
     The denoiser is the family's; for an unknown family, the first component with a name diffusers
     gives denoisers (transformer, unet, prior, decoder).
     """
-    from ..planner import default_stages
+    from dm_cli.families.stages import default_stages
 
     family = family_for(pipeline_class)
     denoisers = (family.denoiser, *family.experts) if family is not None else DENOISER_NAMES

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..inputs import InputSpec
-from ..pipelines import CallSpec, TensorSpec, component_call, vae_config
-from . import GUIDANCE_DISTILLED, Embeds, Family, Job, packed_latents
+from dm_cli.families import GUIDANCE_DISTILLED, Embeds, Family, Job, packed_latents
+from dm_cli.families.calls import CallSpec, TensorSpec, component_call, vae_config
+from dm_cli.inputs import InputSpec
 
 
 class FluxFamily(Family):

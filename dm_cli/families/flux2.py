@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..inputs import InputSpec
-from ..pipelines import CallSpec, TensorSpec, component_call, vae_config
-from . import GUIDANCE_DISTILLED, Embeds, Family, Job, packed_latents
+from dm_cli.families import GUIDANCE_DISTILLED, Embeds, Family, Job, packed_latents
+from dm_cli.families.calls import CallSpec, TensorSpec, component_call, vae_config
+from dm_cli.inputs import InputSpec
 
 # text_encoder_out_layers defaults of the pipelines' __call__
 DEFAULT_OUT_LAYERS = {"Flux2Pipeline": (10, 20, 30), "Flux2KleinPipeline": (9, 18, 27)}
@@ -34,8 +34,8 @@ def _model_index(comp) -> dict:
     folder = getattr(comp, "folder", None)
     if folder is None:
         return {}
-    from ..checkpoint import read_json_object
-    from ..errors import CheckpointError
+    from dm_cli.errors import CheckpointError
+    from dm_cli.io.checkpoint import read_json_object
 
     try:
         return read_json_object(Path(folder).parent / "model_index.json", "model_index.json")

@@ -5,9 +5,9 @@ then unconditional), never on a doubled batch."""
 
 from __future__ import annotations
 
-from ..inputs import InputSpec
-from ..pipelines import CallSpec, TensorSpec, sibling_config, vae_config
-from . import GUIDANCE_SEPARATE, Embeds, Family, Job, denormalized, packed_latents
+from dm_cli.families import GUIDANCE_SEPARATE, Embeds, Family, Job, denormalized, packed_latents
+from dm_cli.families.calls import CallSpec, TensorSpec, sibling_config, vae_config
+from dm_cli.inputs import InputSpec
 
 # QwenImagePipeline: the prompt template's system part is this many tokens, dropped after encoding;
 # the encoder sees at most tokenizer_max_length (1024) prompt tokens plus these.

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..inputs import InputSpec
-from ..pipelines import CallSpec, component_call
-from . import GUIDANCE_BATCH, Embeds, Family, Job
-from .unet import unet_call, uses_cfg
+from dm_cli.families import GUIDANCE_BATCH, Embeds, Family, Job
+from dm_cli.families.calls import CallSpec, component_call
+from dm_cli.families.unet import unet_call, uses_cfg
+from dm_cli.inputs import InputSpec
 
 
 class SD15Family(Family):

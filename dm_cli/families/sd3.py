@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..inputs import InputSpec
-from ..pipelines import CLIP_TOKENS, CallSpec, TensorSpec, component_call, vae_config
-from . import GUIDANCE_BATCH, Embeds, Family, Job, pooled_embeds
+from dm_cli.families import GUIDANCE_BATCH, Embeds, Family, Job, pooled_embeds
+from dm_cli.families.calls import CLIP_TOKENS, CallSpec, TensorSpec, component_call, vae_config
+from dm_cli.inputs import InputSpec
 
 
 class SD3Family(Family):

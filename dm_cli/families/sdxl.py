@@ -3,10 +3,10 @@ conditioning, CFG by batch doubling, a VAE that decodes in float32 when loaded i
 
 from __future__ import annotations
 
-from ..inputs import InputSpec
-from ..pipelines import CallSpec, component_call
-from . import GUIDANCE_BATCH, Embeds, Family, Job, pooled_embeds
-from .unet import unet_call, uses_cfg
+from dm_cli.families import GUIDANCE_BATCH, Embeds, Family, Job, pooled_embeds
+from dm_cli.families.calls import CallSpec, component_call
+from dm_cli.families.unet import unet_call, uses_cfg
+from dm_cli.inputs import InputSpec
 
 
 class SDXLFamily(Family):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..inputs import InputSpec
-from ..pipelines import CLIP_TOKENS, CallSpec, TensorSpec, vae_config
+from dm_cli.families.calls import CLIP_TOKENS, CallSpec, TensorSpec, vae_config
+from dm_cli.inputs import InputSpec
 
 
 def unet_call(family, comp, inputs: InputSpec) -> CallSpec:

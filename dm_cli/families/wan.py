@@ -13,10 +13,10 @@ Facts from diffusers 0.42's `pipeline_wan.py`:
 
 from __future__ import annotations
 
-from ..errors import UsageError
-from ..inputs import InputSpec
-from ..pipelines import CallSpec, TensorSpec, vae_config
-from . import GUIDANCE_SEPARATE, Embeds, Family, Job, denormalized
+from dm_cli.errors import UsageError
+from dm_cli.families import GUIDANCE_SEPARATE, Embeds, Family, Job, denormalized
+from dm_cli.families.calls import CallSpec, TensorSpec, vae_config
+from dm_cli.inputs import InputSpec
 
 TRANSFORMER = "WanTransformer3DModel"
 VAE = "AutoencoderKLWan"
@@ -144,7 +144,7 @@ class WanFamily(Family):
         return ["transformer" if t >= boundary else "transformer_2" for t in scheduler.timesteps]
 
     def decode(self, pipe, latents, job: Job, device) -> list:
-        from ..video import to_uint8
+        from dm_cli.io.video import to_uint8
 
         vae = pipe.vae
         latents = latents.to(device, dtype=vae.dtype)

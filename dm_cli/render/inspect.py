@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..units import format_size
-from . import Col, console, num, print_hidden, print_table
+from dm_cli.render import Col, console, num, print_hidden, print_table
+from dm_cli.units import format_size
 
 
 def _dtype(name: str) -> str:

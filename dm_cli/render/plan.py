@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..devices import device_label, device_rank
-from ..planner import clean_device_map
-from ..units import format_size
-from . import Col, console, print_hidden, print_table
+from dm_cli.devices import device_label, device_rank
+from dm_cli.planning.search import clean_device_map
+from dm_cli.render import Col, console, print_hidden, print_table
+from dm_cli.units import format_size
 
 BAR_WIDTH = (16, 32)  # the bar takes the room the numbers leave, within these widths
 # One glyph per part, so the bar reads without colour too (NO_COLOR, a pipe, a screen reader).
@@ -59,7 +59,7 @@ def _stage_labels(stages) -> list[str]:
 def _is_preset(source: str) -> bool:
     from pathlib import Path
 
-    from ..sources import PRESETS
+    from dm_cli.model.sources import PRESETS
 
     return source in PRESETS and not Path(source).expanduser().exists()
 

@@ -10,15 +10,15 @@ import sys
 import threading
 import time
 
-from ..units import format_size
-from . import console, plain
-from .run import RunView
+from dm_cli.render import console, plain
+from dm_cli.render.run import RunView
+from dm_cli.units import format_size
 
 
 def live_allowed() -> bool:
     """Whether this process may draw a live spinner or bar: always, except under torchrun, where the ranks of a
     node share its terminal and only local rank 0 does (the others would overwrite each other's lines)."""
-    from ..distributed import Ranks
+    from dm_cli.run.distributed import Ranks
 
     try:
         return Ranks.from_env().local_rank == 0
@@ -135,7 +135,7 @@ class QueueView(RunView):
 
     def __init__(self, quiet: bool = False, binary: bool = False):
         super().__init__(quiet=quiet, binary=binary)
-        from ..distributed import Ranks
+        from dm_cli.run.distributed import Ranks
 
         ranks = Ranks.from_env()
         self.prefix = f"[rank {ranks.rank}/{ranks.world_size}] " if ranks.distributed else ""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..devices import device_label, device_rank, is_cuda
-from ..units import format_size
-from . import Col, console, print_hidden, print_table
+from dm_cli.devices import device_label, device_rank, is_cuda
+from dm_cli.render import Col, console, print_hidden, print_table
+from dm_cli.units import format_size
 
 
 class RunView:
@@ -43,7 +43,7 @@ class RunView:
     def show_plan(self, plan) -> None:
         if self.quiet:
             return
-        from .plan import render_plan
+        from dm_cli.render.plan import render_plan
 
         try:
             # the note on hidden columns waits for this summary's, to be one; a view with its own summary

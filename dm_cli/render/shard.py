@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from ..units import format_size
-from . import Col, console, num, print_table
+from dm_cli.render import Col, console, num, print_table
+from dm_cli.units import format_size
 
 
 class ShardProgressBar:

@@ -15,12 +15,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from .atomic import atomic_write
-from .devices import device_key, device_label, device_rank, is_gpu
-from .errors import CheckpointError, DoesNotFitError, UsageError
-from .families import default_size, family_for, pipeline_stages, source_family, unknown_family_warning
-from .inputs import InputSpec
-from .planner import (
+from dm_cli.devices import device_key, device_label, device_rank, is_gpu
+from dm_cli.errors import CheckpointError, DoesNotFitError, UsageError
+from dm_cli.families import default_size, family_for, pipeline_stages, source_family, unknown_family_warning
+from dm_cli.inputs import InputSpec
+from dm_cli.io.atomic import atomic_write
+from dm_cli.model.weight_formats import (
+    STORAGE_DTYPES,
+    component_format,
+    format_of,
+    int8_offload_problem,
+    layer_compute_bytes,
+    parse_weights_spec,
+    storage_dtype,
+    transient_by_key,
+)
+from dm_cli.planning.search import (
     MODES,
     STRATEGIES,
     ComponentInput,
@@ -34,7 +44,7 @@ from .planner import (
     coverage_problems,
     plan_pipeline,
 )
-from .units import (
+from dm_cli.units import (
     FLOATING_DTYPES,
     MAX_GPU_INDEX,
     MAX_SIZE_BYTES,
@@ -45,16 +55,6 @@ from .units import (
     parse_dtype,
     parse_size,
     shorten,
-)
-from .weight_formats import (
-    STORAGE_DTYPES,
-    component_format,
-    format_of,
-    int8_offload_problem,
-    layer_compute_bytes,
-    parse_weights_spec,
-    storage_dtype,
-    transient_by_key,
 )
 
 PLAN_FORMAT = "dmap-plan"
@@ -328,7 +328,7 @@ def _json_type(value) -> str:
 
 def load_plan(path: str | Path) -> Plan:
     """Read a plan JSON written by `dmap plan --output` (exit 2 when it is not one)."""
-    from .checkpoint import read_json_object
+    from dm_cli.io.checkpoint import read_json_object
 
     path = Path(path)
     try:
@@ -424,7 +424,7 @@ def trace_facts(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str,
                 tiled: bool = False, on_progress: Callable[[str], None] | None = None) -> TraceFacts:
     """The meta trace of one component: execution order, activation peaks, what must not be split
     (`tiled`: of its decode with diffusers' enable_tiling())."""
-    from .trace import trace_component
+    from dm_cli.planning.trace import trace_component
 
     result = trace_component(comp, pipeline_class, inputs, dtype, use_cache=use_cache, tiled=tiled,
                              on_progress=on_progress)
@@ -454,14 +454,14 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
     those sizes, by the rule the runner applies, and the compute copy of the largest such layer
     (upcast while it runs) is added to the activations of every block that holds it.
     """
-    from .skeleton import as_loaded
+    from dm_cli.model.skeleton import as_loaded
 
     if on_progress is not None:
         on_progress(f"Sizing {comp.name} ({comp.cls}): counting its tensors")
     loaded = as_loaded(comp, use_cache=use_cache)  # what from_pretrained keeps (untied lm_head)
     comp, skeleton, checkpoint, tie_note = loaded.comp, loaded.skeleton, loaded.checkpoint, loaded.note
     if checkpoint is not None and checkpoint.problems:  # a plan for a broken checkpoint would be wrong
-        from .errors import CheckpointError
+        from dm_cli.errors import CheckpointError
 
         listed = "; ".join(str(p) for p in checkpoint.problems)
         raise CheckpointError(f"Component '{comp.name}' has {len(checkpoint.problems)} checkpoint problem(s): {listed}.")
@@ -523,7 +523,7 @@ def _component_spec(comp, skeleton, facts: TraceFacts, inputs: InputSpec, effect
 
 def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     """Resolve, size, trace, place and check: the one core call of `dmap plan`."""
-    from .sources import config_digest, resolve_source
+    from dm_cli.model.sources import config_digest, resolve_source
 
     if options.strategy not in STRATEGIES:
         raise UsageError(f"Unknown strategy '{options.strategy}': use {', '.join(STRATEGIES)}.")
@@ -637,7 +637,7 @@ class TilingChoice:
 def decode_components(prepared: list[PreparedComponent], pipeline_class: str | None,
                       inputs: InputSpec) -> list[PreparedComponent]:
     """Components the pipeline calls through `decode` (the VAE): where diffusers' tiling applies."""
-    from .pipelines import call_spec
+    from dm_cli.families.calls import call_spec
 
     if inputs.weights_only:
         return []
@@ -734,7 +734,7 @@ def run_split_check(plan: Plan, prepared: list[PreparedComponent], pipeline_clas
     problems: list[str] = []
     checked: list[str] = []
     try:
-        from .trace import check_device_map
+        from dm_cli.planning.trace import check_device_map
     except ImportError:
         return {"ran": False, "problems": [], "reason": "the meta tracer is not available"}
     inputs = options.inputs
@@ -755,7 +755,7 @@ def run_split_check(plan: Plan, prepared: list[PreparedComponent], pipeline_clas
 def _cached_check(prep, pipeline_class, inputs, device_map, use_cache: bool, check_device_map) -> list[str]:
     """A check runs a meta forward (seconds for FLUX): remember its verdict per map and inputs (the key
     includes the code that checks, see cache.producer)."""
-    from .cache import cache_key, read_cached, write_cached
+    from dm_cli.io.cache import cache_key, read_cached, write_cached
 
     key = cache_key({"class": prep.source.cls, "config": prep.source.config, "pipeline": pipeline_class,
                      "inputs": inputs.to_json(), "dtype": prep.dtype, "map": list(device_map.items())})

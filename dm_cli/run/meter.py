@@ -1,6 +1,6 @@
 """Measured memory during a run: bytes per (virtual) device, and the process's peak RSS while loading.
 
-Used by the stage loop (`dm_cli.stages`); no Typer, no Rich.
+Used by the stage loop (`dm_cli.run.stages`); no Typer, no Rich.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import threading
 import weakref
 from collections import defaultdict
 
-from .devices import device_of
-from .storages import LiveStorages
+from dm_cli.devices import device_of
+from dm_cli.planning.storages import LiveStorages
 
 
 def plain_tensors(tensor) -> list:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from .cache import cache_key, read_cached, write_cached
-from .errors import DmapError, SourceError
-from .units import DTYPE_BYTES, FLOATING_DTYPES, numel
-from .weight_formats import STORAGE_DTYPES, low_precision_bytes, low_precision_tags
+from dm_cli.errors import DmapError, SourceError
+from dm_cli.io.cache import cache_key, read_cached, write_cached
+from dm_cli.model.weight_formats import STORAGE_DTYPES, low_precision_bytes, low_precision_tags
+from dm_cli.units import DTYPE_BYTES, FLOATING_DTYPES, numel
 
 SKELETON_FORMAT_VERSION = 3
 
@@ -300,10 +300,10 @@ def _check_layer_counts(class_name: str, config: dict) -> None:
 
 
 def build_on_meta(library: str, class_name: str, config: dict):
-    """Instantiate a component class on the meta device from its config dict (dm_cli.models).
+    """Instantiate a component class on the meta device from its config dict (dm_cli.model.models).
 
     A config is input like any other: whatever the class raises on it becomes one sentence."""
-    from .models import build_model
+    from dm_cli.model.models import build_model
 
     _check_layer_counts(class_name, config)
     try:
@@ -318,7 +318,7 @@ def build_on_meta(library: str, class_name: str, config: dict):
 
 def guess_library(class_name: str) -> str | None:
     """Which library has `class_name`, for a config.json that does not say."""
-    from .weight_formats import quiet_torchao
+    from dm_cli.model.weight_formats import quiet_torchao
 
     quiet_torchao()
     import diffusers
@@ -412,7 +412,7 @@ def skeleton_for_component(comp, use_cache: bool = True):
 
     The entry point `inspect`, `plan` and `run` size a component through (by way of `as_loaded`).
     """
-    from .checkpoint import open_checkpoint
+    from dm_cli.io.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(comp.weights, strict=False) if comp.weights is not None else None
     return _skeleton_of(comp, checkpoint, use_cache), checkpoint
@@ -439,8 +439,8 @@ def legacy_dtypes(comp) -> tuple[dict[str, str] | None, str]:
 
     `torch.load(weights_only=True, mmap=True)`: no code runs, and tensor data stays on disk.
     """
-    from .checkpoint import legacy_files_loaded, load_legacy_weights
-    from .errors import DmapError
+    from dm_cli.errors import DmapError
+    from dm_cli.io.checkpoint import legacy_files_loaded, load_legacy_weights
 
     try:
         files = [f for f in legacy_files_loaded(comp.folder, None, list(comp.legacy_weights)) or []

@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import find_component_weights, legacy_weight_files, read_json_object
-from .errors import CheckpointError, SourceError
+from dm_cli.errors import CheckpointError, SourceError
+from dm_cli.io.checkpoint import find_component_weights, legacy_weight_files, read_json_object
 
-PRESETS_DIR = Path(__file__).parent / "presets"
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
 
 # preset name -> bundled folder under presets/
 PRESETS = {
@@ -43,7 +43,7 @@ PRESETS = {
     "tiny-qwenimage": "tiny-qwenimage",
 }
 
-# The bundled random-weight demo pipeline (dm_cli.demo), generated into the cache on first use: a SOURCE name like a
+# The bundled random-weight demo pipeline (dm_cli.model.demo), generated into the cache on first use: a SOURCE name like a
 # preset, tried after paths (a folder called `demo` here wins).
 DEMO_SOURCE = "demo"
 
@@ -139,10 +139,8 @@ def resolve_source(spec: str) -> Source:
         source = _resolve_path(spec, PRESETS_DIR / PRESETS[spec])
         source.preset = spec
         return source
-    if spec == DEMO_SOURCE:
-        from .demo import ensure_demo  # generated (torch imported) only on first use, then read like any folder
-
-        return _resolve_path(spec, ensure_demo())
+    if spec == DEMO_SOURCE:  # generated on first use by dm_cli.model.demo.resolve, which callers use for it
+        raise SourceError("The demo pipeline is resolved by dm_cli.model.demo.resolve, not here.")
     if _looks_like_path(spec):
         raise SourceError(f"No such path: {spec} (SOURCE looks like a file or folder, and nothing is there).")
     if _REPO_ID_RE.match(spec):
@@ -160,7 +158,7 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def _resolve_path(spec: str, path: Path) -> Source:
-    from .swap import pending_swap
+    from dm_cli.io.swap import pending_swap
 
     swap = pending_swap((path if path.is_dir() else path.parent).resolve())
     if swap is not None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import UsageError
-from .planner import STRATEGIES
+from dm_cli.errors import UsageError
+from dm_cli.planning.search import STRATEGIES
 
 # torch.Generator.manual_seed's unsigned range. It also takes negative seeds, but wraps them (-1 is the
 # same generator as 2**64 - 2): two seeds, one image, and -1 does not mean "random" as elsewhere.
@@ -28,11 +28,11 @@ def check_seed(seed: int, where: str) -> int:
 def check_run_request(output: str | None, save_latents: str | None, num_images: int | None, seed: int,
                       device_map: str) -> None:
     """Raise UsageError for anything about the outputs, seed or plan file that would fail later."""
-    from .images import check_image_output, image_paths
+    from dm_cli.io.images import check_image_output, image_paths
 
     check_seed(seed, "--seed")
     if num_images is not None:  # inputs.LIMITS, before a name is made for each image
-        from .inputs import check_count
+        from dm_cli.inputs import check_count
 
         check_count("num_images", num_images)
     images = image_paths(output, num_images or 1) if output else []
@@ -50,7 +50,7 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
     if device_map not in STRATEGIES:
         if not device_map.endswith(".json") and not os.path.lexists(device_map):
             raise UsageError(device_map_refusal(device_map))
-        from .plans import load_plan
+        from dm_cli.planning.make import load_plan
 
         load_plan(device_map)  # a FIFO, /dev/zero or a broken plan: refused here, read boundedly
 

@@ -25,9 +25,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .atomic import atomic_write
-from .errors import UsageError
-from .run_checks import check_seed
+from dm_cli.errors import UsageError
+from dm_cli.io.atomic import atomic_write
+from dm_cli.run.checks import check_seed
 
 MANIFEST = "manifest.jsonl"
 MAX_PROMPTS_BYTES = 1 << 30  # millions of prompts; never a whole disk
@@ -64,8 +64,8 @@ def read_prompts(path: str | os.PathLike, base_seed: int = 0,
     Blank lines are skipped and do not count as items. Every problem is a UsageError naming the line.
     With `output_dir`, every item's file there is checked too (`check_output_names`).
     """
-    from .checkpoint import open_regular
-    from .errors import CheckpointError
+    from dm_cli.errors import CheckpointError
+    from dm_cli.io.checkpoint import open_regular
 
     path = Path(path)
     if not os.path.lexists(path):
@@ -151,7 +151,7 @@ def _output_name(value, where: str) -> str:
         raise UsageError(f"{where}: 'output' must be a plain file name inside the output folder, not '{value}'.")
     if name == MANIFEST or name.startswith("manifest-rank"):
         raise UsageError(f"{where}: 'output' may not be named {name} (the manifest's name).")
-    from .images import IMAGE_FORMATS
+    from dm_cli.io.images import IMAGE_FORMATS
 
     if Path(name).suffix.lower() not in IMAGE_FORMATS:
         name += ".png"  # as before .jpg/.webp were written: shot.001 and x.v2 stay PNGs named shot.001.png
@@ -162,7 +162,7 @@ def check_output_names(items: list[QueueItem], folder: str | os.PathLike, path: 
                        numbers: dict[int, int] | None = None) -> None:
     """Every item's file in `folder` is a name (and path) the file system takes, with room for its temporary
     name, and a JPEG's metadata fits: checked when the queue is read, before anything loads."""
-    from .images import check_file_name, check_metadata_room, name_limits
+    from dm_cli.io.images import check_file_name, check_metadata_room, name_limits
 
     folder = Path(folder)
     limits = name_limits(folder)  # one file system for every item
@@ -183,14 +183,14 @@ def items_for_rank(items: list[QueueItem], rank: int, world_size: int) -> list[Q
 def is_complete(path: Path, expected: dict[str, str]) -> tuple[bool, str]:
     """(done, why): the PNG exists, decodes whole, and its metadata says it was made for `expected`.
 
-    `expected` is the metadata the runner writes for the item (`dm_cli.runner.job_metadata`); the
+    `expected` is the metadata the runner writes for the item (`dm_cli.run.request.job_metadata`); the
     keys in MATCHED_METADATA must agree (not the plan digest or dmap version: another plan or
     release makes the same image, unless it decodes in tiles, which `tiled_decode` says), and the
     image must have the expected size.
     """
     from PIL import Image
 
-    from .images import image_format, read_image_metadata
+    from dm_cli.io.images import image_format, read_image_metadata
 
     if not path.is_file():
         return False, "missing"

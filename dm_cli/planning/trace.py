@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from .cache import cache_key, read_cached, write_cached
-from .devices import map_entry, normalise_map
-from .inputs import InputSpec
-from .pipelines import CallSpec, TensorSpec, call_spec, generic_argument
-from .storages import LiveStorages
+from dm_cli.devices import map_entry, normalise_map
+from dm_cli.families.calls import CallSpec, TensorSpec, call_spec, generic_argument
+from dm_cli.inputs import InputSpec
+from dm_cli.io.cache import cache_key, read_cached, write_cached
+from dm_cli.planning.storages import LiveStorages
 
 TRACE_FORMAT_VERSION = 2  # 2: lists given to modules are no longer copied (the Wan VAE cache)
 WEIGHTS_ONLY_SIZE = 64  # pixels: order and split checks do not depend on size; small fits every model (tiny SD3 pos_embed too)
@@ -478,7 +478,7 @@ _MODEL_CACHE_SIZE = 3
 
 def _meta_model(comp, dtype: str):
     """The component on meta, cast as loading casts it; a few kept in memory for repeated checks."""
-    from .skeleton import build_on_meta, guess_library
+    from dm_cli.model.skeleton import build_on_meta, guess_library
 
     library = comp.library or guess_library(comp.cls)
     key = json.dumps([library, comp.cls, comp.config, dtype], sort_keys=True, default=str)
@@ -499,7 +499,7 @@ def cast_like_loading(model, library: str | None, dtype: str) -> None:
     """Floating tensors to `dtype`, keep-in-fp32 modules in float32, integer buffers untouched."""
     import torch
 
-    from .skeleton import _fp32_rules, _fp32_when
+    from dm_cli.model.skeleton import _fp32_rules, _fp32_when
 
     rules = _fp32_rules(model, library or "")
     for prefix, module in model.named_modules():
@@ -661,10 +661,10 @@ def trace_message(comp, spec: CallSpec | None, inputs: InputSpec, tiled: bool = 
 
 def _torch_dtype_name(dtype: str | None, comp) -> str:
     """bf16/fp16/fp32 or torch spellings -> torch name; None: the checkpoint's dominant dtype."""
-    from .units import parse_dtype
+    from dm_cli.units import parse_dtype
 
     if dtype is None:
-        from .skeleton import skeleton_for_component
+        from dm_cli.model.skeleton import skeleton_for_component
 
         try:
             return skeleton_for_component(comp)[0].dominant_dtype(None)
@@ -682,7 +682,7 @@ def model_tiles(model) -> bool:
 
 def can_tile(comp) -> bool:
     """Whether the component's class decodes in tiles when asked (`enable_tiling()`); built on meta, no weights."""
-    from .errors import SourceError
+    from dm_cli.errors import SourceError
 
     if comp.config is None:
         return False
@@ -693,7 +693,7 @@ def can_tile(comp) -> bool:
 
 
 def _trace_uncached(comp, pipeline_class, inputs: InputSpec, dtype: str, tiled: bool = False) -> ComponentTrace:
-    from .errors import SourceError
+    from dm_cli.errors import SourceError
 
     if comp.config is None:
         return ComponentTrace([], {}, 0, [], f"{comp.name} has no config.json: dmap cannot run it, so the "

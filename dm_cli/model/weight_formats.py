@@ -25,9 +25,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .devices import covers
-from .errors import UsageError
-from .units import DTYPE_ALIASES
+from dm_cli.devices import covers
+from dm_cli.errors import UsageError
+from dm_cli.units import DTYPE_ALIASES
 
 # format name -> dtype the bulk of the converted tensors is stored in
 STORAGE_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .skeleton import ModuleSize, Skeleton, as_loaded
-from .sources import Source, resolve_source
-from .weight_formats import STORAGE_DTYPES, component_format, parse_weights_spec
+from dm_cli.model.demo import resolve
+from dm_cli.model.skeleton import ModuleSize, Skeleton, as_loaded
+from dm_cli.model.sources import Source
+from dm_cli.model.weight_formats import STORAGE_DTYPES, component_format, parse_weights_spec
 
 
 @dataclass
@@ -102,7 +103,7 @@ def module_tree(skeleton: Skeleton, dtype: str | None, depth: int, weights: str 
 def inspect_source(spec: str, dtype: str | None = None, component: str | None = None, depth: int = 0,
                    use_cache: bool = True, weights: str | None = None) -> InspectReport:
     """`weights`: a --weights spec (fp8, int8, transformer=fp8,...): sizes with those tensors in low precision."""
-    source: Source = resolve_source(spec)
+    source: Source = resolve(spec)
     comps = [source.component(component)] if component else source.components
     formats = parse_weights_spec(weights, [c.name for c in comps])
     reports = []

@@ -44,7 +44,7 @@ def refuse_existing(paths, overwrite: bool) -> None:
 
     Checked before any work starts, so a refusal costs nothing.
     """
-    from .errors import UsageError
+    from dm_cli.errors import UsageError
 
     for path in map(Path, paths):
         try:

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring as _encode_json_string
 from pathlib import Path
 
-from .atomic import refuse_existing
-from .checkpoint import (
+from dm_cli.errors import CheckpointError, DmapError, SourceError, UsageError
+from dm_cli.io.atomic import refuse_existing
+from dm_cli.io.checkpoint import (
     LEGACY_SUFFIXES,
     WEIGHT_STEMS,
     find_component_weights,
@@ -39,11 +40,20 @@ from .checkpoint import (
     open_checkpoint,
     read_safetensors_header,
 )
-from .errors import CheckpointError, DmapError, SourceError, UsageError
-from .sources import is_inside
-from .swap import MARKS, TEMP_MARK, SwapFolder, finish_swaps, fsync_dir, hidden_name, publish, recover, swap_in_place
-from .units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
-from .weight_formats import FP8_NAMES, KEPT_BY_DEFAULT, STORAGE_DTYPES
+from dm_cli.io.swap import (
+    MARKS,
+    TEMP_MARK,
+    SwapFolder,
+    finish_swaps,
+    fsync_dir,
+    hidden_name,
+    publish,
+    recover,
+    swap_in_place,
+)
+from dm_cli.model.sources import is_inside
+from dm_cli.model.weight_formats import FP8_NAMES, KEPT_BY_DEFAULT, STORAGE_DTYPES
+from dm_cli.units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
 
 MIN_SHARD_SIZE = 10**6  # below 1 MB a "shard" is a mistake, not a choice
 COPY_CHUNK = 64 << 20  # bytes per copy_file_range call: keeps the progress bar moving
@@ -492,7 +502,7 @@ def plan_shards(tensors: list[PlannedTensor], limit: int, stem: str, variant: st
 
 def _resolve(spec: str):
     """A Source for SOURCE; legacy `.bin`/`.pt` files are accepted here too."""
-    from .sources import ComponentSource, Source, read_json, resolve_source
+    from dm_cli.model.sources import ComponentSource, Source, read_json
 
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix in LEGACY_SUFFIXES:
@@ -504,7 +514,9 @@ def _resolve(spec: str):
             cls = str(config.get("_class_name") or (config.get("architectures") or ["?"])[0])
         comp = ComponentSource(_stem_of(path)[0], library, cls, config, path.parent, path)
         return Source(spec, "weights", path.parent, components=[comp])
-    return resolve_source(spec)
+    from dm_cli.model.demo import resolve
+
+    return resolve(spec)
 
 
 def _default_output(source) -> Path:
@@ -596,7 +608,7 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
 
 def _fp8_tensors(comp) -> set[str]:
     """Names (tied aliases included) that layerwise casting stores in fp8: the rest keeps its dtype."""
-    from .skeleton import load_skeleton
+    from dm_cli.model.skeleton import load_skeleton
 
     if comp.config is None:
         raise UsageError(f"--dtype fp8 needs the config of '{comp.name}' to know which layers stay in high precision: "
@@ -608,7 +620,7 @@ def _fp8_tensors(comp) -> set[str]:
 
 def _check_output_parent(out_path: Path) -> None:
     """The output's folder exists, is writable and is not the Hugging Face cache."""
-    from .sources import hub_cache_root
+    from dm_cli.model.sources import hub_cache_root
 
     parent = out_path.parent
     if not parent.is_dir():

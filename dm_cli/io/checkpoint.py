@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from .errors import CheckpointError, SourceError
-from .units import (
+from dm_cli.errors import CheckpointError, SourceError
+from dm_cli.units import (
     DTYPE_BYTES,
     MAX_SIZE_BYTES,
     MAX_SIZE_TEXT,

@@ -11,9 +11,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .atomic import atomic_write
-from .errors import UsageError
-from .video import EXIF_IMAGE_DESCRIPTION, VIDEO_SUFFIXES
+from dm_cli.errors import UsageError
+from dm_cli.io.atomic import atomic_write
+from dm_cli.io.video import EXIF_IMAGE_DESCRIPTION, VIDEO_SUFFIXES
 
 # The formats a single image is written in, by the output's suffix (no suffix: PNG, see image_format).
 IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}

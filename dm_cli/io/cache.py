@@ -19,7 +19,7 @@ from functools import lru_cache
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # Subpackages that only talk to people (options, tables): they never compute a cached entry.
 NOT_PRODUCERS = ("cli", "render")
 
@@ -66,7 +66,7 @@ def code_digest(package_dir: Path) -> str:
 
 def producer() -> str:
     """What produces a cache entry: dmap's version and a digest of its code."""
-    from . import __version__
+    from dm_cli.version import __version__
 
     return f"dmap {__version__} code {code_digest(PACKAGE_DIR)}"
 
@@ -83,8 +83,8 @@ def cache_path(kind: str, key: str) -> Path:
 
 def read_cached(kind: str, key: str) -> dict | None:
     """The entry, or None when it is missing or damaged (not JSON, not an object): it is then rebuilt."""
-    from .checkpoint import read_json_object
-    from .errors import CheckpointError
+    from dm_cli.errors import CheckpointError
+    from dm_cli.io.checkpoint import read_json_object
 
     try:
         return read_json_object(cache_path(kind, key), "cache entry", 1 << 30)

@@ -4,7 +4,7 @@
 - components with cpu/disk blocks are built empty and dispatched with accelerate hooks whose
   weights map points INTO the original safetensors files (no re-saved `.dat` copies);
 - the pipeline is built once with tokenizers and scheduler loaded and every model a meta
-  placeholder; the stage loop (`dm_cli.stages`) swaps real components in and out.
+  placeholder; the stage loop (`dm_cli.run.stages`) swaps real components in and out.
 
 The only part of dmap that loads real weights. No Typer, no Rich.
 """
@@ -16,9 +16,9 @@ import inspect as pyinspect
 import warnings
 from pathlib import Path
 
-from .devices import device_of, execution_device_key, normalise_map, torch_device
-from .errors import CheckpointError, SourceError
-from .weight_formats import int8_offload_problem
+from dm_cli.devices import device_of, execution_device_key, normalise_map, torch_device
+from dm_cli.errors import CheckpointError, SourceError
+from dm_cli.model.weight_formats import int8_offload_problem
 
 
 def execution_device(device_map: dict, simulate: bool):
@@ -65,7 +65,7 @@ def load_component(comp, device_map: dict, dtype: str | None, simulate: bool, we
 
 
 def _from_pretrained(comp, device_map, torch_dtype):
-    from .models import component_class, is_transformers_model
+    from dm_cli.model.models import component_class, is_transformers_model
 
     cls = component_class(comp.library, comp.cls)
     if not is_transformers_model(cls):
@@ -86,10 +86,10 @@ def _load_streamed(comp, device_map: dict, torch_dtype, weights: str | None = No
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
 
-    from .checkpoint import open_checkpoint
-    from .models import build_model
-    from .skeleton import as_loaded
-    from .weight_formats import CastingWeights, LoadedTensor, apply_fp8, quantize_int8, read_cast
+    from dm_cli.io.checkpoint import open_checkpoint
+    from dm_cli.model.models import build_model
+    from dm_cli.model.skeleton import as_loaded
+    from dm_cli.model.weight_formats import CastingWeights, LoadedTensor, apply_fp8, quantize_int8, read_cast
 
     loaded = as_loaded(comp)  # an lm_head the checkpoint stores is its own tensor, as from_pretrained keeps it
     comp, skeleton, checkpoint = loaded.comp, loaded.skeleton, loaded.checkpoint
@@ -153,7 +153,7 @@ def _checkpoint_keys(model, keys: list[str], comp) -> dict[str, str]:
     """Model tensor name -> checkpoint key. transformers 5 renames legacy checkpoint keys while loading
     (Mistral-3 saves `language_model.model.*` for `model.language_model.*`): the same renamings, by
     transformers' own `rename_source_key`. A key that needs a converter (merged or split tensors) is refused."""
-    from .models import is_transformers_model
+    from dm_cli.model.models import is_transformers_model
 
     if not is_transformers_model(type(model)):
         return {key: key for key in keys}
@@ -222,7 +222,7 @@ def placeholder(comp, torch_dtype, real_tensors: tuple[str, ...] = ()):
     """
     if comp.name.startswith("text_encoder"):
         return None
-    from .skeleton import build_on_meta
+    from dm_cli.model.skeleton import build_on_meta
 
     model = build_on_meta(comp.library, comp.cls, comp.config)
     if torch_dtype is not None:
@@ -237,7 +237,7 @@ def _read_tensors(model, comp, names: tuple[str, ...]) -> None:
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
 
-    from .checkpoint import open_checkpoint
+    from dm_cli.io.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(comp.weights, strict=True)
     folder = Path(comp.weights).parent

@@ -21,9 +21,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .atomic import _umask, atomic_write
-from .errors import UsageError
-from .swap import TEMP_MARK, hidden_name, publish
+from dm_cli.errors import UsageError
+from dm_cli.io.atomic import _umask, atomic_write
+from dm_cli.io.swap import TEMP_MARK, hidden_name, publish
 
 VIDEO_SUFFIXES = (".mp4", ".webp", ".gif")
 EXIF_IMAGE_DESCRIPTION = 0x010E
@@ -114,7 +114,7 @@ def _write_frames(images, folder: Path, metadata: dict[str, str], text: str, ove
             except OSError:
                 raise UsageError(f"{folder} is no longer empty: something wrote into it meanwhile; it was left as "
                                  "it is.") from None
-        publish(staging, folder, overwrite)  # claimed atomically, or swapped with --overwrite (dm_cli.swap)
+        publish(staging, folder, overwrite)  # claimed atomically, or swapped with --overwrite (dm_cli.io.swap)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -3,31 +3,26 @@
 The diffusers "distributed inference" recipe (load the text encoders, encode, free them; load the
 denoiser, denoise to latents, free it; load the VAE, decode) for any pipeline a family in
 `dm_cli.families` knows: this module settles the request (SOURCE, defaults, plan) and writes the
-outputs; `dm_cli.stages` loads each stage's components to their planned devices and runs it;
-`dm_cli.loading` loads and frees components; `dm_cli.meter` measures. `simulate=True` runs every
+outputs; `dm_cli.run.stages` loads each stage's components to their planned devices and runs it;
+`dm_cli.run.loading` loads and frees components; `dm_cli.run.meter` measures. `simulate=True` runs every
 virtual device on the CPU with the tracer's split check active, so a two-GPU plan can be proven on
 a laptop. No Typer, no Rich here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import __version__
-from .atomic import atomic_write
-from .errors import CheckpointError, SourceError, UsageError
-from .families import Family, Job, default_size, family_for, supported_pipelines
-from .images import check_image_output, check_metadata_room, existing_image_paths, save_images
-from .inputs import InputSpec
-from .sources import config_digest
-from .stages import StageResult
-from .units import parse_dtype
+from dm_cli.errors import CheckpointError, SourceError, UsageError
+from dm_cli.families import Family, Job, default_size, family_for, supported_pipelines
+from dm_cli.inputs import InputSpec
+from dm_cli.io.images import check_image_output, check_metadata_room, existing_image_paths
+from dm_cli.model.sources import config_digest
+from dm_cli.units import parse_dtype
 
 # Peak host RAM during a component's load may exceed the largest shard by this much: the Python
 # heap, safetensors' mmap bookkeeping and one tensor in flight during a dtype cast.
@@ -74,74 +69,7 @@ class RunRequest:
     track_activations: bool = False  # per-op activation tracking on CPU (always on under simulate)
 
 
-@dataclass
-class RunResult:
-    source: str
-    pipeline_class: str
-    demo: bool
-    plan: object  # dm_cli.plans.Plan
-    plan_digest: str
-    planned_here: bool
-    simulate: bool
-    seed: int
-    steps: int
-    guidance_scale: float
-    true_cfg_scale: float | None
-    height: int
-    width: int
-    num_images: int
-    images: list[str]  # written files (a video and its JSON sidecar for video families)
-    latents_path: str | None
-    stages: list[StageResult]
-    split_problems: list[str] = field(default_factory=list)
-    split_check: bool = False  # True when the tracer's VirtualDevices check ran during the run
-    notices: list[str] = field(default_factory=list)
-    images_data: list = field(default_factory=list, repr=False)  # PIL images, or uint8 frame arrays (not in JSON)
-    latents: object = field(default=None, repr=False)
-    num_frames: int | None = None  # video families
-    fps: int | None = None
-    guidance_scale_2: float | None = None  # two-expert families
-
-    def device_peaks(self) -> dict[str, tuple[int, int]]:
-        """device -> (measured peak over all stages, planned peak over all stages)."""
-        out: dict[str, list[int]] = {}
-        for stage in self.stages:
-            for dev in set(stage.measured_peak) | set(stage.planned_peak):
-                entry = out.setdefault(dev, [0, 0])
-                entry[0] = max(entry[0], stage.measured_peak.get(dev, 0))
-                entry[1] = max(entry[1], stage.planned_peak.get(dev, 0))
-        return {dev: (m, p) for dev, (m, p) in out.items()}
-
-    def to_json(self) -> dict:
-        return {
-            "source": self.source, "pipeline": self.pipeline_class, "demo_random_weights": self.demo,
-            "plan_digest": self.plan_digest, "planned_here": self.planned_here, "mode": self.plan.mode,
-            "simulate": self.simulate, "seed": self.seed, "steps": self.steps, "guidance_scale": self.guidance_scale,
-            "true_cfg_scale": self.true_cfg_scale, "guidance_scale_2": self.guidance_scale_2, "height": self.height, "width": self.width,
-            "num_images": self.num_images, "images": self.images, "num_frames": self.num_frames, "fps": self.fps,
-            "latents": self.latents_path,
-            "stages": [asdict(s) for s in self.stages],
-            "devices": {d: {"measured_peak_bytes": m, "planned_peak_bytes": p} for d, (m, p) in self.device_peaks().items()},
-            "split_check": self.split_check, "split_problems": self.split_problems, "notices": self.notices,
-        }
-
-
 # --- plan handling -------------------------------------------------------------------------
-
-
-def quiet_libraries() -> None:
-    """dmap prints its own progress and summary: the libraries' load bars and advice would drown it."""
-    from .weight_formats import quiet_torchao
-
-    quiet_torchao()
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()  # diffusers' import triggers transformers warnings
-    transformers.utils.logging.disable_progress_bar()
-    import diffusers
-
-    diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()
 
 
 def plan_digest(plan) -> str:
@@ -157,8 +85,8 @@ def plan_digest(plan) -> str:
 
 
 def make_run_plan(source, request: RunRequest, inputs: InputSpec):
-    """Plan with dmap's planner (`dm_cli.plans.make_plan`) for these inputs and devices."""
-    from .plans import PlanOptions, make_named_plan
+    """Plan with dmap's planner (`dm_cli.planning.make.make_plan`) for these inputs and devices."""
+    from dm_cli.planning.make import PlanOptions, make_named_plan
 
     options = PlanOptions(max_memory=request.max_memory, strategy=request.device_map, mode=request.mode,
                           overhead=request.overhead,
@@ -195,7 +123,7 @@ def check_plan_matches(plan, source, inputs: InputSpec, dtype: str | None, where
     if dtype and plan.dtype and parse_dtype(dtype) != plan.dtype:
         problems.append(f"it was made for {plan.dtype}, this run asks for {dtype} (drop --dtype)")
     if weights is not None:
-        from .weight_formats import parse_weights_spec, storage_dtype
+        from dm_cli.model.weight_formats import parse_weights_spec, storage_dtype
 
         for name, fmt in parse_weights_spec(weights, sorted(names)).items():
             stored, wanted = storage_dtype(plan.weights.get(name), plan.dtype), storage_dtype(fmt, plan.dtype)
@@ -208,7 +136,7 @@ def check_plan_matches(plan, source, inputs: InputSpec, dtype: str | None, where
 
 def check_tiled_decode(plan, source, where: str) -> None:
     """A plan that decodes a component in tiles needs a class that can (diffusers' enable_tiling())."""
-    from .trace import can_tile
+    from dm_cli.planning.trace import can_tile
 
     comps = {c.name: c for c in source.components}
     for name in plan.tiled_decode:
@@ -256,7 +184,7 @@ def check_devices_present(plan) -> None:
     is imported."""
     import sys
 
-    from .devices import device_key
+    from dm_cli.devices import device_key
 
     devices = {device_key(dev) for comp in plan.components.values() for dev in comp.device_map.values()}
     gpus = None
@@ -303,8 +231,8 @@ def check_image_size(family: Family, pipeline_class: str, height: int, width: in
 
 def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda message: None):
     """Resolve SOURCE (the demo when None), refuse what cannot run; (source, family, demo, defaults, notices)."""
-    from .demo import DEMO_NOTICE, is_demo, source_root
-    from .sources import preset_refusal, resolve_source
+    from dm_cli.model.demo import DEMO_NOTICE, is_demo, source_root
+    from dm_cli.model.sources import preset_refusal, resolve_source
 
     demo = is_demo(request.source)
     spec, root, defaults = source_root(request.source, status)
@@ -358,11 +286,11 @@ def settle_job(request: RunRequest, source, family: Family, defaults: dict) -> J
 
 def refuse_existing_outputs(request: RunRequest, family: Family, num_images: int) -> None:
     """Every file this run will write, as settled (a plan's num_images, a video and its sidecar), before any work."""
-    from .atomic import refuse_existing
+    from dm_cli.io.atomic import refuse_existing
 
     outputs: list = [Path(request.save_latents)] if request.save_latents else []
     if request.output and family.default_num_frames is not None:
-        from .video import sidecar_path
+        from dm_cli.io.video import sidecar_path
 
         output = output_path(request, family)  # a .png for a video is refused here
         outputs += [output.rstrip("/"), sidecar_path(output)]
@@ -382,7 +310,7 @@ def output_path(request: RunRequest, family: Family) -> str:
 
 def check_component_files(comp) -> int:
     """Headers of a component's safetensors validated; returns the largest shard's size."""
-    from .checkpoint import open_checkpoint
+    from dm_cli.io.checkpoint import open_checkpoint
 
     if comp.weights is None:
         raise CheckpointError(
@@ -391,129 +319,3 @@ def check_component_files(comp) -> int:
         )
     checkpoint = open_checkpoint(comp.weights, strict=True)
     return max((p.stat().st_size for p in checkpoint.files), default=0)
-
-
-# --- the run -------------------------------------------------------------------------------
-
-
-def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
-        on_step: Callable[[int, int, str | None], None] | None = None,
-        on_status: Callable[[str | None], None] | None = None) -> RunResult:
-    """Plan (or read and check a plan), then encode -> denoise -> decode following it.
-
-    `on_step(done, total, component)`: after each denoising step; `component` names the denoiser that
-    ran it for families with experts (Wan 2.2), else None.
-
-    With torch, diffusers and transformers imported, a full garbage collection walks ~400k objects
-    (~0.2 s on a laptop core), and allocations trigger them anywhere: an import, a load, a step.
-    Everything alive before the stages (libraries, placeholders, tokenizers, the plan) is frozen out
-    of the collector for the run, so collections only look at what the run makes, and what the
-    stages free is still collected. Unfrozen at the end (unless the caller had frozen first).
-    """
-    with frozen_gc() as owner:
-        return _run(request, on_plan, on_step, on_status, owner)
-
-
-@contextlib.contextmanager
-def frozen_gc():
-    """Freeze what is alive out of the collector (see `run`), unfrozen at the end; yields whether this
-    call froze (False when a caller had frozen first: it unfreezes)."""
-    owner = gc.get_freeze_count() == 0
-    if owner:
-        gc.freeze()
-    try:
-        yield owner
-    finally:
-        if owner:
-            gc.unfreeze()
-
-
-def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunResult:
-    """One prompt through the API's pipeline (`dm_cli.api.Pipeline`), every stage measured."""
-    from .api import Pipeline
-
-    pipeline = Pipeline(request, on_plan=on_plan, on_status=on_status, measure=True)
-    job = pipeline.defaults
-    result = RunResult(
-        source=pipeline.source.spec, pipeline_class=pipeline.source.pipeline_class, demo=pipeline.demo,
-        plan=pipeline.plan, plan_digest=pipeline.plan_digest, planned_here=pipeline.planned_here,
-        simulate=request.simulate, seed=job.seed, steps=job.steps, guidance_scale=job.guidance_scale,
-        true_cfg_scale=job.true_cfg_scale, height=job.height, width=job.width, num_images=job.num_images, images=[],
-        latents_path=None, stages=[], notices=pipeline.notices, num_frames=job.num_frames, fps=pipeline.fps,
-        guidance_scale_2=job.guidance_scale_2,
-    )
-    if freeze:  # what the stages free is collected without walking the libraries (see run())
-        gc.freeze()
-    try:
-        carry, result.stages = pipeline.run_job(job, on_step)
-    finally:
-        pipeline.close()
-    result.split_check, result.split_problems = pipeline.split_check, pipeline.split_problems
-    if carry.latents is None or not carry.images:
-        raise UsageError("The plan has no denoise or decode stage: nothing was generated.")
-    result.images_data = carry.images
-    result.latents = carry.latents.detach().to("cpu")
-    metadata = pipeline.metadata(job)
-    if request.save_latents:
-        result.latents_path = save_latents(result.latents, request.save_latents, metadata)
-    if request.output and job.num_frames:
-        result.images = save_videos(carry.images, output_path(request, pipeline.family), result.fps, metadata,
-                                    request.overwrite)
-    elif request.output:
-        result.images = save_images(carry.images, request.output, metadata)
-    return result
-
-
-# --- outputs -------------------------------------------------------------------------------
-
-
-def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, demo: bool,
-                 fps: float | None = None, tiled_decode=()) -> dict[str, str]:
-    """The PNG text metadata of one generated job (what a queue's resume compares, see dm_cli.queue).
-
-    `tiled_decode`: components the plan decodes in tiles (written only when there are some, so the
-    metadata of untiled images stays as it was): tiles change pixels at their seams."""
-    meta = {
-        "prompt": job.prompt, "seed": str(job.seed), "steps": str(job.steps), "guidance_scale": str(job.guidance_scale),
-        "source": source_spec, "pipeline": pipeline_class, "height": str(job.height), "width": str(job.width),
-        "plan_digest": digest, "dmap_version": __version__,
-    }
-    if job.num_frames:
-        meta.update(num_frames=str(job.num_frames), fps=str(fps))
-    if job.negative_prompt is not None:
-        meta["negative_prompt"] = job.negative_prompt
-    if job.true_cfg_scale is not None:
-        meta["true_cfg_scale"] = str(job.true_cfg_scale)
-    if job.guidance_scale_2 is not None:
-        meta["guidance_scale_2"] = str(job.guidance_scale_2)
-    if tiled_decode:
-        meta["tiled_decode"] = ",".join(sorted(tiled_decode))
-    if demo:
-        meta["weights"] = "random (dmap demo pipeline)"
-    return meta
-
-
-def save_videos(videos: list, output: str, fps: int, metadata: dict[str, str], overwrite: bool = False) -> list[str]:
-    """Each video (uint8 frames) to `output` (out-1.mp4, ... when several), with its JSON sidecar."""
-    from .video import save_video
-
-    written = []
-    path = Path(output.rstrip("/"))
-    for index, frames in enumerate(videos):
-        target = output if len(videos) == 1 else str(path.with_name(f"{path.stem}-{index}{path.suffix}"))
-        written += save_video(frames, target, fps, metadata, overwrite)
-    return written
-
-
-def save_latents(latents, output: str, metadata: dict[str, str]) -> str:
-    from safetensors.torch import save_file
-
-    path = Path(output)
-    _atomic_write(path, lambda tmp: save_file({"latents": latents.contiguous()}, tmp, metadata=metadata))
-    return str(path)
-
-
-def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    if path.parent and not path.parent.exists():
-        raise UsageError(f"Cannot write {path}: folder {path.parent} does not exist.")
-    atomic_write(path, write)

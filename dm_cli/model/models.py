@@ -11,14 +11,29 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from .errors import SourceError
+from dm_cli.errors import SourceError
 
 # Keys of a transformers config.json that are bookkeeping, not architecture.
 _VOLATILE_KEYS = ("_name_or_path", "transformers_version")
 
 
+def quiet_libraries() -> None:
+    """dmap prints its own progress and summary: the libraries' load bars and advice would drown it."""
+    from dm_cli.model.weight_formats import quiet_torchao
+
+    quiet_torchao()
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()  # diffusers' import triggers transformers warnings
+    transformers.utils.logging.disable_progress_bar()
+    import diffusers
+
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+
+
 def _library_module(library: str | None, class_name: str):
-    from .weight_formats import quiet_torchao
+    from dm_cli.model.weight_formats import quiet_torchao
 
     quiet_torchao()  # before diffusers' first import, which imports torchao when it is installed
     if library in ("diffusers", "transformers"):

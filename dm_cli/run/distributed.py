@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from .errors import UsageError
+from dm_cli.errors import UsageError
 
 # Ranks finish their shares at different times and wait for each other only at the end; if a rank
 # dies, torchrun stops the others, so a long wait never hangs a job. Override in seconds.

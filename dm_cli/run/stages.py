@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from .errors import DoesNotFitError, UsageError
-from .families import Embeds, Family, Job
-from .loading import build_pipeline, execution_device, free_components, load_component, placeholder
-from .meter import MemoryMeter, RssSampler
-from .units import format_size
+from dm_cli.errors import DoesNotFitError, UsageError
+from dm_cli.families import Embeds, Family, Job
+from dm_cli.run.loading import build_pipeline, execution_device, free_components, load_component, placeholder
+from dm_cli.run.meter import MemoryMeter, RssSampler
+from dm_cli.units import format_size
 
 
 @dataclass
@@ -137,7 +137,7 @@ class StageLoop:
     def _split_check(self, model, device_map: dict, name: str) -> list:
         """The split check is active during each forward of the component (not the pipeline's glue around it)."""
         try:
-            from .trace import VirtualDevices
+            from dm_cli.planning.trace import VirtualDevices
         except ImportError:
             return []
         checker = VirtualDevices(model, device_map)

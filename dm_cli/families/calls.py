@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .inputs import InputSpec
+from dm_cli.inputs import InputSpec
 
 CLIP_TOKENS = 77
 
@@ -51,8 +51,8 @@ def sibling_config(comp, name: str) -> dict | None:
     folder = getattr(comp, "folder", None)
     if folder is None:
         return None
-    from .checkpoint import read_json_object
-    from .errors import CheckpointError
+    from dm_cli.errors import CheckpointError
+    from dm_cli.io.checkpoint import read_json_object
 
     try:
         return read_json_object(Path(folder).parent / name / "config.json", "config.json")
@@ -83,7 +83,7 @@ def call_spec(comp, pipeline_class: str | None, inputs: InputSpec) -> CallSpec |
     The component's family knows; for a pipeline no family matches, the shared component calls
     (VAE decode, CLIP, T5) still apply, else the tracer falls back to the forward's signature.
     """
-    from .families import family_for
+    from dm_cli.families import family_for
 
     family = family_for(pipeline_class, comp.cls, comp.config)
     spec = family.call_spec(comp, inputs) if family is not None else None

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .distributed import Ranks, select_gpus
-from .errors import UsageError
-from .queue import (
+from dm_cli.errors import UsageError
+from dm_cli.run.distributed import Ranks, select_gpus
+from dm_cli.run.queue import (
     MANIFEST,
     QueueItem,
     append_record,
@@ -28,7 +28,7 @@ from .queue import (
     remove_stale_temporaries,
     write_manifest,
 )
-from .runner import RunRequest
+from dm_cli.run.request import RunRequest
 
 
 @dataclass
@@ -87,7 +87,7 @@ class QueueEvents:
 
 def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> QueueResult:
     """Generate this rank's missing items and record them; rank 0 writes the merged manifest."""
-    from .units import parse_size
+    from dm_cli.units import parse_size
 
     events = events or QueueEvents()
     ranks = Ranks.from_env()
@@ -112,7 +112,7 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
 
 
 def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget, result: QueueResult) -> None:
-    from .api import Pipeline
+    from dm_cli.run.session import Pipeline
 
     started = time.perf_counter()
     pipeline = Pipeline(request.run, on_plan=events.on_plan, on_status=events.on_status)
@@ -141,7 +141,7 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
     if events.on_start is not None:
         events.on_start(result)
     manifest = folder / (MANIFEST if not ranks.distributed else rank_manifest_name(ranks.rank))
-    from .images import save_images
+    from dm_cli.io.images import save_images
 
     by_index = {item.index: item for item in todo}
     try:

@@ -29,8 +29,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import is_plain_file_name, read_json_object
-from .errors import CheckpointError, DmapError
+from dm_cli.errors import CheckpointError, DmapError
+from dm_cli.io.checkpoint import is_plain_file_name, read_json_object
 
 TEMP_MARK = ".dmap-tmp-"
 REPLACED_MARK = ".dmap-replaced-"  # the previous output during an --overwrite without RENAME_EXCHANGE

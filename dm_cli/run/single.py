@@ -1,0 +1,121 @@
+"""One prompt through every stage, each stage measured: `dmap run --prompt` (and `dm_cli.run.single.run`)."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from dm_cli.errors import UsageError
+from dm_cli.io.images import save_images
+from dm_cli.run.outputs import save_latents, save_videos
+from dm_cli.run.request import RunRequest, output_path
+from dm_cli.run.session import Pipeline, frozen_gc
+from dm_cli.run.stages import StageResult
+
+
+@dataclass
+class RunResult:
+    source: str
+    pipeline_class: str
+    demo: bool
+    plan: object  # dm_cli.planning.make.Plan
+    plan_digest: str
+    planned_here: bool
+    simulate: bool
+    seed: int
+    steps: int
+    guidance_scale: float
+    true_cfg_scale: float | None
+    height: int
+    width: int
+    num_images: int
+    images: list[str]  # written files (a video and its JSON sidecar for video families)
+    latents_path: str | None
+    stages: list[StageResult]
+    split_problems: list[str] = field(default_factory=list)
+    split_check: bool = False  # True when the tracer's VirtualDevices check ran during the run
+    notices: list[str] = field(default_factory=list)
+    images_data: list = field(default_factory=list, repr=False)  # PIL images, or uint8 frame arrays (not in JSON)
+    latents: object = field(default=None, repr=False)
+    num_frames: int | None = None  # video families
+    fps: int | None = None
+    guidance_scale_2: float | None = None  # two-expert families
+
+    def device_peaks(self) -> dict[str, tuple[int, int]]:
+        """device -> (measured peak over all stages, planned peak over all stages)."""
+        out: dict[str, list[int]] = {}
+        for stage in self.stages:
+            for dev in set(stage.measured_peak) | set(stage.planned_peak):
+                entry = out.setdefault(dev, [0, 0])
+                entry[0] = max(entry[0], stage.measured_peak.get(dev, 0))
+                entry[1] = max(entry[1], stage.planned_peak.get(dev, 0))
+        return {dev: (m, p) for dev, (m, p) in out.items()}
+
+    def to_json(self) -> dict:
+        return {
+            "source": self.source, "pipeline": self.pipeline_class, "demo_random_weights": self.demo,
+            "plan_digest": self.plan_digest, "planned_here": self.planned_here, "mode": self.plan.mode,
+            "simulate": self.simulate, "seed": self.seed, "steps": self.steps, "guidance_scale": self.guidance_scale,
+            "true_cfg_scale": self.true_cfg_scale, "guidance_scale_2": self.guidance_scale_2, "height": self.height, "width": self.width,
+            "num_images": self.num_images, "images": self.images, "num_frames": self.num_frames, "fps": self.fps,
+            "latents": self.latents_path,
+            "stages": [asdict(s) for s in self.stages],
+            "devices": {d: {"measured_peak_bytes": m, "planned_peak_bytes": p} for d, (m, p) in self.device_peaks().items()},
+            "split_check": self.split_check, "split_problems": self.split_problems, "notices": self.notices,
+        }
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
+        on_step: Callable[[int, int, str | None], None] | None = None,
+        on_status: Callable[[str | None], None] | None = None) -> RunResult:
+    """Plan (or read and check a plan), then encode -> denoise -> decode following it.
+
+    `on_step(done, total, component)`: after each denoising step; `component` names the denoiser that
+    ran it for families with experts (Wan 2.2), else None.
+
+    With torch, diffusers and transformers imported, a full garbage collection walks ~400k objects
+    (~0.2 s on a laptop core), and allocations trigger them anywhere: an import, a load, a step.
+    Everything alive before the stages (libraries, placeholders, tokenizers, the plan) is frozen out
+    of the collector for the run, so collections only look at what the run makes, and what the
+    stages free is still collected. Unfrozen at the end (unless the caller had frozen first).
+    """
+    with frozen_gc() as owner:
+        return _run(request, on_plan, on_step, on_status, owner)
+
+
+def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunResult:
+    """One prompt through the session (`dm_cli.run.session.Pipeline`), every stage measured."""
+    pipeline = Pipeline(request, on_plan=on_plan, on_status=on_status, measure=True)
+    job = pipeline.defaults
+    result = RunResult(
+        source=pipeline.source.spec, pipeline_class=pipeline.source.pipeline_class, demo=pipeline.demo,
+        plan=pipeline.plan, plan_digest=pipeline.plan_digest, planned_here=pipeline.planned_here,
+        simulate=request.simulate, seed=job.seed, steps=job.steps, guidance_scale=job.guidance_scale,
+        true_cfg_scale=job.true_cfg_scale, height=job.height, width=job.width, num_images=job.num_images, images=[],
+        latents_path=None, stages=[], notices=pipeline.notices, num_frames=job.num_frames, fps=pipeline.fps,
+        guidance_scale_2=job.guidance_scale_2,
+    )
+    if freeze:  # what the stages free is collected without walking the libraries (see run())
+        gc.freeze()
+    try:
+        carry, result.stages = pipeline.run_job(job, on_step)
+    finally:
+        pipeline.close()
+    result.split_check, result.split_problems = pipeline.split_check, pipeline.split_problems
+    if carry.latents is None or not carry.images:
+        raise UsageError("The plan has no denoise or decode stage: nothing was generated.")
+    result.images_data = carry.images
+    result.latents = carry.latents.detach().to("cpu")
+    metadata = pipeline.metadata(job)
+    if request.save_latents:
+        result.latents_path = save_latents(result.latents, request.save_latents, metadata)
+    if request.output and job.num_frames:
+        result.images = save_videos(carry.images, output_path(request, pipeline.family), result.fps, metadata,
+                                    request.overwrite)
+    elif request.output:
+        result.images = save_images(carry.images, request.output, metadata)
+    return result
