@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import typer
 
+from dm_cli.cli._cli_utils import BinaryOpt, JsonOpt
+
 
 def cache(
     clear: bool = typer.Option(False, "--clear", help="Delete the cached entries (all, or the --kind ones)."),
     kind: list[str] = typer.Option([], "--kind", help="Only this kind: skeletons, traces, checks, demo (repeatable)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
+    as_json: JsonOpt = False,
+    binary: BinaryOpt = False,
 ) -> int:
     from dm_cli.errors import UsageError
     from dm_cli.io.cache import CACHE_KINDS, cache_dir, cache_usage, clear_cache

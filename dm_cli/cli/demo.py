@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
+
+from dm_cli.cli._cli_utils import DemoOutputOpt, DemoSeedOpt, OverwriteOpt
 
 
 def demo(
-    preset: str = typer.Argument(..., metavar="PRESET", help="A tiny-* preset, e.g. tiny-sd15 or tiny-wan (any other name lists them all)."),
-    output: str = typer.Option(..., "--output", "-o", help="The pipeline folder to write (a new folder, or --overwrite)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed and library versions, same bytes)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace --output if it exists (a folder dmap wrote)."),
+    preset: Annotated[str, typer.Argument(
+        metavar="PRESET", help="A tiny-* preset, e.g. tiny-sd15 or tiny-wan (any other name lists them all).")],
+    output: DemoOutputOpt,
+    seed: DemoSeedOpt = 0,
+    overwrite: OverwriteOpt = False,
 ) -> int:
     import sys
 

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import typer
 
+from dm_cli.cli._cli_utils import BinaryOpt, ComponentOpt, DtypeOpt, JsonOpt, NoCacheOpt, SourceArg, WeightsOpt
+
 
 def inspect(
-    source: str = typer.Argument(..., metavar="SOURCE", help="Pipeline/component folder, .safetensors, index JSON, preset or Hub repo id."),
-    dtype: str | None = typer.Option(None, "--dtype", help="Size at bf16|fp16|fp32 (default: as stored, bf16 for configs)."),
-    component: str | None = typer.Option(None, "--component", "-c", help="Only this component."),
-    weights: str | None = typer.Option(None, "--weights", "-w",
-                                       help="Size with weights stored as fp8 | int8 (every component but the VAE), or per component: transformer=fp8,text_encoder=fp8."),
+    source: SourceArg,
+    dtype: DtypeOpt = None,
+    component: ComponentOpt = None,
+    weights: WeightsOpt = None,
     depth: int = typer.Option(0, "--depth", min=0, help="Also show the module tree to this depth."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON (schema in README) instead of a table."),
-    binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
-    no_cache: bool = typer.Option(False, "--no-cache", help="Rebuild skeletons instead of using the cache."),
+    as_json: JsonOpt = False,
+    binary: BinaryOpt = False,
+    no_cache: NoCacheOpt = False,
 ) -> int:
     from dm_cli.model.inspection import inspect_source
     from dm_cli.render import status

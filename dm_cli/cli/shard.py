@@ -4,21 +4,31 @@ from __future__ import annotations
 
 import typer
 
+from dm_cli.cli._cli_utils import (
+    BinaryOpt,
+    JsonOpt,
+    OverwriteOpt,
+    QuietOpt,
+    ShardDtypeOpt,
+    ShardOutputOpt,
+    ShardSourceArg,
+)
+
 
 def shard(
-    source: str = typer.Argument(..., metavar="SOURCE", help="Pipeline/component folder, .safetensors or .bin file, or index JSON."),
+    source: ShardSourceArg,
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", "-s",
                                        help="Largest file: 5GB = 5e9 bytes, 5GiB = 5*2^30; 0 = one file per component."),
-    output: str | None = typer.Option(None, "--output", "-o", help="Folder to create (default: SOURCE-sharded beside it)."),
-    dtype: str | None = typer.Option(None, "--dtype", help="Convert floating tensors to bf16|fp16|fp32, or fp8: the layers layerwise casting stores in float8_e4m3fn (norms, embeddings, modulation and a pipeline's VAE keep their dtype)."),
+    output: ShardOutputOpt = None,
+    dtype: ShardDtypeOpt = None,
     variant: str | None = typer.Option(None, "--variant", help="Read and write this variant, e.g. fp16."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the shard layout; write nothing."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the output folder if it exists."),
+    overwrite: OverwriteOpt = False,
     in_place: bool = typer.Option(False, "--in-place", help="Replace the source weights, after the new ones are verified."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip re-reading and hashing every written tensor."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No table nor progress: only errors and where the output went."),
-    binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    binary: BinaryOpt = False,
 ) -> int:
     from dm_cli.model.shard import shard as shard_source
     from dm_cli.render.shard import ShardProgressBar

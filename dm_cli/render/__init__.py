@@ -121,55 +121,79 @@ def fitted_table(out, title: str | None, columns: list[Col], rows: list[list[str
     name stays whole), so columns are dropped, least important first, before a word would be cut; only
     when nothing is left to drop are words folded. Returns (table, names of the columns dropped to fit).
     """
-    from rich.table import Table
     from rich.text import Text
 
     rows = [None if r is None else [c if callable(c) else _inert(c) if isinstance(c, Text) else plain(c) for c in r]
             for r in rows]
     title = plain(title) if title else title
-    data = [r for r in rows if r is not None]
-    keep = list(range(len(columns)))
+    sizes = _ColumnSizes(columns, [r for r in rows if r is not None])
+    keep, dropped = _drop_to_fit(sizes, out.width)
+    widths = _fit_widths(sizes, keep, out.width)
+    table = _build_table(title, columns, rows, keep, widths)
+    return table, [columns[i].name or columns[i].header for i in sorted(dropped)]
 
-    def cells(i: int) -> list:
-        return [r[i] for r in data if not callable(r[i])]
 
-    def atoms_width(i: int) -> int:
-        sep = columns[i].atoms
-        return max((len(atom) + len(sep.rstrip()) for c in cells(i) for atom in str(c).split(sep)), default=0)
+@dataclass
+class _ColumnSizes:
+    """The natural and the narrowest width of each column of one table's cells, in one place, so that
+    dropping columns and shrinking the kept ones measure them the same way."""
 
-    def natural(i: int) -> int:
-        col = columns[i]
+    columns: list[Col]
+    data: list[list]  # the rows without section breaks
+
+    def cells(self, i: int) -> list:
+        return [r[i] for r in self.data if not callable(r[i])]
+
+    def atoms_width(self, i: int) -> int:
+        sep = self.columns[i].atoms
+        return max((len(atom) + len(sep.rstrip()) for c in self.cells(i) for atom in str(c).split(sep)), default=0)
+
+    def natural(self, i: int) -> int:
+        col = self.columns[i]
         if col.stretch:
             return col.stretch[0]
-        return max([len(line) for c in cells(i) for line in _lines(c)] + [len(col.header)])
+        return max([len(line) for c in self.cells(i) for line in _lines(c)] + [len(col.header)])
 
-    def minimum(i: int) -> int:
-        col = columns[i]
+    def minimum(self, i: int) -> int:
+        col = self.columns[i]
         if col.stretch:
             return col.stretch[0]
         header_word = _longest_word([col.header])
         if col.atoms:
-            return max(atoms_width(i), header_word)
+            return max(self.atoms_width(i), header_word)
         if col.number:
-            return max([len(line) for c in cells(i) for line in _lines(c)] + [header_word])
-        return max(_longest_word(cells(i)), header_word, min(natural(i), TEXT_MIN_WIDTH))
+            return max([len(line) for c in self.cells(i) for line in _lines(c)] + [header_word])
+        return max(_longest_word(self.cells(i)), header_word, min(self.natural(i), TEXT_MIN_WIDTH))
 
-    def total(indices: list[int], width) -> int:
-        return sum(width(i) for i in indices) + 3 * len(indices) + 1  # padding and borders
 
+def _total(indices: list[int], width) -> int:
+    return sum(width(i) for i in indices) + 3 * len(indices) + 1  # padding and borders
+
+
+def _drop_to_fit(sizes: _ColumnSizes, room: int) -> tuple[list[int], list[int]]:
+    """(kept, dropped) column indices: optional columns go before anything wraps; then the others, only
+    when wrapping at spaces is not enough (a number or a whole word matters more than a column)."""
+    columns = sizes.columns
+    keep = list(range(len(columns)))
     dropped: list[int] = []
-    # optional columns go before anything wraps; then the others, only when wrapping at spaces is not enough
-    for min_drop, width in ((OPTIONAL, natural), (1, minimum)):
-        while total(keep, width) > out.width:
+    for min_drop, width in ((OPTIONAL, sizes.natural), (1, sizes.minimum)):
+        while _total(keep, width) > room:
             candidates = [i for i in keep if columns[i].drop >= min_drop]
             if not candidates:
                 break
             worst = max(candidates, key=lambda i: (columns[i].drop, i))
             keep.remove(worst)
             dropped.append(worst)
-    widths = {i: natural(i) for i in keep}
-    floor = {i: minimum(i) for i in keep}
-    room = out.width - (3 * len(keep) + 1)
+    return keep, dropped
+
+
+def _fit_widths(sizes: _ColumnSizes, keep: list[int], width: int) -> dict[int, int]:
+    """The width of each kept column: text columns shrink (widest first) to the room, stretch columns
+    (bars) take what is left; numbers never shrink, so they are never cut or wrapped."""
+    columns = sizes.columns
+    widths = {i: sizes.natural(i) for i in keep}
+    floor = {i: sizes.minimum(i) for i in keep}
+    room = width - (3 * len(keep) + 1)
     texts = [i for i in keep if not columns[i].number and not columns[i].stretch]
     # wrap the widest text column first, never below its longest word ...
     while sum(widths.values()) > room:
@@ -187,6 +211,15 @@ def fitted_table(out, title: str | None, columns: list[Col], rows: list[list[str
     for i in keep:
         if columns[i].stretch:
             widths[i] = max(1, min(columns[i].stretch[1], widths[i] + room - sum(widths.values())))
+    return widths
+
+
+def _build_table(title: str | None, columns: list[Col], rows: list, keep: list[int], widths: dict[int, int]):
+    """The Rich Table of the kept columns at their fitted widths: numbers and bars never wrap, text folds
+    only what is wider than its column; callable cells (bars) are drawn at their column's width."""
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=Text(title) if title else None, title_justify="left")
     for i in keep:
         col = columns[i]
@@ -202,7 +235,7 @@ def fitted_table(out, title: str | None, columns: list[Col], rows: list[list[str
             table.add_row(*(cell(widths[i]) if callable(cell) else cell if isinstance(cell, Text)
                             else Text(_wrap_atoms(str(cell), columns[i].atoms, widths[i]) if columns[i].atoms else str(cell))
                             for i, cell in ((i, row[i]) for i in keep)))
-    return table, [columns[i].name or columns[i].header for i in sorted(dropped)]
+    return table
 
 
 def _wrap_atoms(text: str, sep: str, width: int) -> str:

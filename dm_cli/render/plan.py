@@ -92,12 +92,27 @@ def render_plan(plan, binary: bool = False, output: str | None = None, hidden: l
     own_note = hidden is None
     hidden = [] if hidden is None else hidden
     size = lambda n: format_size(n, binary)  # noqa: E731
-    capacity = {d.name: d.capacity for d in plan.devices}
     inputs = plan.inputs
     frames = f", {inputs.num_frames} frames" if inputs.num_frames else ""
     what = "weights only" if inputs.weights_only else (
         f"{inputs.height}x{inputs.width}{frames}, batch {inputs.batch_size}x{inputs.num_images}")
     out.print(Text.assemble((str(plan.source), "bold"), f" — {plan.mode} plan, strategy {plan.strategy}, {plan.dtype}, {what}"))
+    _print_memory(out, plan, size, hidden)
+    _print_components(out, plan, size, hidden)
+    _print_split_maps(out, plan, hidden)
+    if own_note:
+        print_hidden(out, hidden)
+    _print_notes(out, plan, size)
+    if output:
+        out.print(f"Plan written to {output}.")
+    if show_next:
+        out.print(next_step(plan, output))
+
+
+def _print_memory(out, plan, size, hidden: list) -> None:
+    """The memory picture: a row per stage and device at that stage's peak, with its bar, the bar's
+    legend and which components each stage holds (the answer to 'does it fit, and where')."""
+    capacity = {d.name: d.capacity for d in plan.devices}
     # what the bar draws goes first when the room is short: overhead, reserve, capacity and free
     columns = [Col("stage"), Col("device"), Col("weights", number=True, drop=2), Col("reserve", number=True, drop=5),
                Col("activations", number=True, drop=1), Col("overhead", number=True, drop=6),
@@ -130,6 +145,11 @@ def render_plan(plan, binary: bool = False, output: str | None = None, hidden: l
     out.print("Stages: " + "; ".join(
         f"{label}: {', '.join(stage.components)}" + (f" ({stage.note})" if stage.note else "")
         for label, stage in zip(labels, plan.stages)) + ".")
+
+
+def _print_components(out, plan, size, hidden: list) -> None:
+    """The pipeline-level hf_device_map: each component's class, storage, weights and devices (what a
+    script passes to from_pretrained); the 'stored as' column only when storage differs from the dtype."""
     pipe_rows = []
     stored = {name: plan.weights.get(name) or plan.dtype for name in plan.components}
     for name, comp in plan.components.items():
@@ -143,6 +163,11 @@ def render_plan(plan, binary: bool = False, output: str | None = None, hidden: l
         for row in pipe_rows:
             row.pop(2)
     print_table(out, "hf_device_map (pipeline level)", pipe_columns, pipe_rows, hidden, label="components")
+
+
+def _print_split_maps(out, plan, hidden: list) -> None:
+    """For each component split across devices, its device_map as runs of consecutive modules on one
+    device: thousands of entries read as a handful of rows."""
     for name, comp in plan.components.items():
         if not comp.is_split:
             continue
@@ -158,8 +183,13 @@ def render_plan(plan, binary: bool = False, output: str | None = None, hidden: l
                     [Col("modules"), Col("entries", number=True), Col("device")],
                     [[modules_text, str(count), device_label(str(device))] for modules_text, count, device in runs],
                     hidden, label=f"{name} device_map")
-    if own_note:
-        print_hidden(out, hidden)
+
+
+def _print_notes(out, plan, size) -> None:
+    """The sentences after the tables: the split check's verdict (failures on stderr), what is offloaded
+    and what that costs, and the planner's warnings."""
+    from rich.text import Text
+
     check = plan.check or {}
     if check.get("ran"):
         if check.get("problems"):
@@ -181,10 +211,6 @@ def render_plan(plan, binary: bool = False, output: str | None = None, hidden: l
         out.print("Nothing offloaded to cpu or disk.")
     for warning in plan.warnings:
         out.print(Text.assemble(("warning:", "yellow"), f" {warning}"))
-    if output:
-        out.print(f"Plan written to {output}.")
-    if show_next:
-        out.print(next_step(plan, output))
 
 
 def _offload_sentence(name: str, comp, size) -> str:
