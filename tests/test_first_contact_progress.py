@@ -116,9 +116,9 @@ def test_queue_says_item_k_of_n_with_an_eta_and_a_plain_closing_line(three_promp
 
 
 def test_ctrl_c_during_a_queue_says_the_same_command_resumes(three_prompts, tmp_path, monkeypatch):
-    import dm_cli.io.images as images
+    import dm_cli.io.outputs as outputs
 
-    real, calls = images.save_images, []
+    real, calls = outputs.save_images, []
 
     def interrupted_on_the_second(*args, **kwargs):
         calls.append(1)
@@ -126,12 +126,12 @@ def test_ctrl_c_during_a_queue_says_the_same_command_resumes(three_prompts, tmp_
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(images, "save_images", interrupted_on_the_second)
+    monkeypatch.setattr(outputs, "save_images", interrupted_on_the_second)
     args = ["run", "--prompts", three_prompts, "--output", tmp_path / "out", *QUEUE_ARGS]
     code, out, err = run_dmap(*args)
     assert code == 130, (out, err)
     assert "Queue interrupted: 1 of 3 item(s) written this run are kept; run the same command again to resume" in err, err
-    monkeypatch.setattr(images, "save_images", real)
+    monkeypatch.setattr(outputs, "save_images", real)
     code, out, err = run_dmap(*args)  # the same command: only the two missing items
     assert code == 0, err
     assert "Skipping 1 item(s)" in out and "item 2 of 2, the last one" in out, out

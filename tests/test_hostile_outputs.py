@@ -134,8 +134,8 @@ def _pipeline_must_not_start(monkeypatch):
 @pytest.mark.parametrize("suffix", ["png", "jpg", "jpeg", "webp", "JPG"])
 def test_13_image_bytes_are_the_format_the_suffix_names_with_readable_metadata(tmp_path, suffix):
     """`-o out.jpg` wrote PNG bytes under a .jpg name."""
-    from dm_cli.io.images import read_image_metadata, save_images
-    from dm_cli.run.queue import is_complete
+    from dm_cli.io.images import read_image_metadata
+    from dm_cli.io.outputs import is_complete, save_images
 
     image = Image.new("RGB", (32, 32), (200, 30, 40))
     written = save_images([image], str(tmp_path / f"out.{suffix}"), METADATA)
@@ -152,7 +152,7 @@ def test_13_image_bytes_are_the_format_the_suffix_names_with_readable_metadata(t
 
 
 def test_13_no_suffix_is_a_png_under_the_name_given(tmp_path):
-    from dm_cli.io.images import save_images
+    from dm_cli.io.outputs import save_images
 
     image = Image.new("RGB", (8, 8))
     assert save_images([image], str(tmp_path / "out"), METADATA) == [str(tmp_path / "out")]
@@ -224,8 +224,7 @@ def test_13_a_run_writes_the_format_its_output_names(tmp_path, capsys):
 
 def test_13_png_bytes_under_a_jpeg_name_do_not_count_as_a_finished_queue_item(tmp_path):
     """What an older dmap wrote for `-o x.jpg`: resuming must redo it as a real JPEG, not skip it."""
-    from dm_cli.io.images import save_images
-    from dm_cli.run.queue import is_complete
+    from dm_cli.io.outputs import is_complete, save_images
 
     save_images([Image.new("RGB", (32, 32))], str(tmp_path / "x.png"), METADATA)
     (tmp_path / "x.png").rename(tmp_path / "x.jpg")

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from dm_cli.errors import UsageError
+from dm_cli.io.outputs import is_complete
 from dm_cli.run.distributed import Ranks, select_gpus
 from dm_cli.run.queue import (
     MANIFEST,
@@ -13,7 +14,6 @@ from dm_cli.run.queue import (
     append_record,
     chunk_size_for,
     chunks,
-    is_complete,
     items_for_rank,
     merge_records,
     previous_records,

@@ -1,7 +1,8 @@
-"""Single-image outputs: the format a name's suffix says, names the file system takes, and the files
-of many images (`out-0.png`, ...) made on demand, so that a huge count costs nothing until it is written.
+"""Single-image outputs, one part of dm_cli.io.outputs: the format a name's suffix says, names the file
+system takes, the files of many images (`out-0.png`, ...) made on demand, so that a huge count costs
+nothing until it is written, and how the run's metadata is put into (and read from) a Pillow image.
 
-Plain functions, no torch; Pillow only when an image is written or read.
+Plain functions, no torch; Pillow only when an image is encoded or read. The writers are dm_cli.io.outputs.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dm_cli.errors import UsageError
-from dm_cli.io.atomic import atomic_write
-from dm_cli.io.video import EXIF_IMAGE_DESCRIPTION, VIDEO_SUFFIXES
+from dm_cli.io.video import VIDEO_SUFFIXES
 
-# The formats a single image is written in, by the output's suffix (no suffix: PNG, see image_format).
+# The formats a single image is written in, by the output's suffix; the first is the default (no suffix).
 IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
+DEFAULT_IMAGE_SUFFIX = next(iter(IMAGE_FORMATS))
+DEFAULT_IMAGE_FORMAT = IMAGE_FORMATS[DEFAULT_IMAGE_SUFFIX]
 IMAGE_SUFFIXES_TEXT = ".png, .jpg, .jpeg or .webp"
+EXIF_IMAGE_DESCRIPTION = 0x010E  # where a WebP (still or animated) holds the metadata, as JSON
 # atomic_write's temporary file beside an output is named ".NAME.<8 random characters>.tmp" (14 bytes
 # more than NAME): a name is kept this much under the file system's limit so its temporary fits too.
 TEMP_NAME_RESERVE = 32
@@ -28,13 +31,14 @@ METADATA_RESERVE = 8192
 
 
 def image_format(output: str | os.PathLike, where: str = "--output", videos: bool = False) -> str:
-    """The format an image output's suffix names: PNG, JPEG or WEBP (no suffix: PNG, the name kept as given).
+    """The format an image output's suffix names: PNG, JPEG or WEBP (no suffix: the default, PNG, the name kept
+    as given).
 
     Anything else is a UsageError naming the supported suffixes. `videos=True` (before the pipeline is known:
     `dmap run` checks its options first) also lets the video suffixes through, as "VIDEO"."""
     suffix = Path(output).suffix.lower()
     if not suffix:
-        return "PNG"
+        return DEFAULT_IMAGE_FORMAT
     if suffix in IMAGE_FORMATS:
         return IMAGE_FORMATS[suffix]
     if videos and suffix in VIDEO_SUFFIXES:
@@ -107,13 +111,13 @@ def check_metadata_room(output: str, prompt: str, negative_prompt: str | None, w
 
 
 class ImagePaths(Sequence):
-    """The files `count` images are written to: `output` itself for one, else out-0.png, out-1.png, ...
-    (the output's suffix, .png without one). Names are made when asked for, each in O(1): a large count
-    costs nothing until the images exist."""
+    """The files `count` outputs are written to: `output` itself for one, else out-0.png, out-1.png, ...
+    (the output's suffix; without one `default_suffix`: .png for images, none for videos' frame folders).
+    Names are made when asked for, each in O(1): a large count costs nothing until the outputs exist."""
 
-    def __init__(self, output: str | os.PathLike, count: int):
+    def __init__(self, output: str | os.PathLike, count: int, default_suffix: str = DEFAULT_IMAGE_SUFFIX):
         self.path, self.count = Path(output), count
-        self.suffix = self.path.suffix or ".png"
+        self.suffix = self.path.suffix or default_suffix
 
     def __len__(self) -> int:
         return self.count
@@ -166,8 +170,8 @@ class ImagePaths(Sequence):
         return folder.resolve() == other.resolve()
 
 
-def image_paths(output: str | os.PathLike, count: int) -> ImagePaths:
-    return ImagePaths(output, count)
+def image_paths(output: str | os.PathLike, count: int, default_suffix: str = DEFAULT_IMAGE_SUFFIX) -> ImagePaths:
+    return ImagePaths(output, count, default_suffix)
 
 
 def existing_image_paths(output: str | os.PathLike, count: int) -> list[Path]:
@@ -175,24 +179,14 @@ def existing_image_paths(output: str | os.PathLike, count: int) -> list[Path]:
     return ImagePaths(output, count).existing()
 
 
-def save_images(images: list, output: str, metadata: dict[str, str]) -> list[str]:
-    """Each image in the format its suffix names (`image_format`), with the run's metadata, written to a temp
-    file beside it and renamed when complete: PNG text chunks; a JPEG (quality 95) comment holding the
-    metadata as JSON; a lossless WebP with the JSON in EXIF ImageDescription (as dmap's animated WebP)."""
-    fmt = image_format(output)
-    options = _image_save_options(fmt, metadata)
-    written = []
-    for image, path in zip(images, image_paths(output, len(images))):
-        if fmt == "JPEG" and image.mode not in ("RGB", "L"):
-            image = image.convert("RGB")
-        if str(path.parent) and not path.parent.exists():
-            raise UsageError(f"Cannot write {path}: folder {path.parent} does not exist.")
-        atomic_write(path, lambda tmp, image=image: image.save(tmp, format=fmt, **options))
-        written.append(str(path))
-    return written
+def metadata_json(metadata: dict[str, str], ascii: bool = True) -> str:
+    """The metadata as the JSON dmap writes (keys sorted): a JPEG comment, EXIF, a GIF or MP4 comment, a sidecar."""
+    return json.dumps(metadata, sort_keys=True, ensure_ascii=ascii)
 
 
-def _image_save_options(fmt: str, metadata: dict[str, str]) -> dict:
+def image_save_options(fmt: str, metadata: dict[str, str]) -> dict:
+    """Pillow's save options that put the metadata into an image of `fmt`: PNG text chunks; a JPEG (quality 95)
+    comment holding the JSON (UTF-8); lossless WebP with the JSON in EXIF ImageDescription; a GIF comment."""
     if fmt == "PNG":
         from PIL.PngImagePlugin import PngInfo
 
@@ -200,12 +194,14 @@ def _image_save_options(fmt: str, metadata: dict[str, str]) -> dict:
         for key, value in metadata.items():
             info.add_text(key, value)
         return {"pnginfo": info}
-    text = json.dumps(metadata, sort_keys=True, ensure_ascii=fmt != "JPEG")
+    text = metadata_json(metadata, ascii=fmt != "JPEG")
     if fmt == "JPEG":
         comment = text.encode("utf-8")
         if len(comment) > JPEG_COMMENT_MAX:  # check_metadata_room refused such prompts before any work
             raise UsageError(f"The metadata ({len(comment)} bytes) does not fit a JPEG comment: write .png or .webp.")
         return {"quality": 95, "comment": comment}
+    if fmt == "GIF":
+        return {"comment": text.encode("utf-8")}
     from PIL import Image
 
     exif = Image.Exif()
@@ -214,11 +210,11 @@ def _image_save_options(fmt: str, metadata: dict[str, str]) -> dict:
 
 
 def read_image_metadata(image) -> dict[str, str]:
-    """The metadata `save_images` wrote into an open PIL image (PNG, JPEG or WebP); {} when there is none."""
+    """The metadata `image_save_options` put into an open PIL image (PNG, JPEG, WebP or GIF); {} when there is none."""
     text = getattr(image, "text", None)
     if image.format == "PNG":
         return dict(text or {})
-    raw = image.info.get("comment") if image.format == "JPEG" else image.getexif().get(EXIF_IMAGE_DESCRIPTION)
+    raw = image.info.get("comment") if image.format in ("JPEG", "GIF") else image.getexif().get(EXIF_IMAGE_DESCRIPTION)
     if isinstance(raw, bytes):
         raw = raw.decode("utf-8", errors="replace")
     try:

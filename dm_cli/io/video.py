@@ -1,32 +1,35 @@
-"""Write generated videos: MP4, animated WebP or GIF, or a folder of PNG frames, with their metadata.
+"""Video outputs, one part of dm_cli.io.outputs: which kind a name is, its sidecar, and what Pillow cannot do.
 
 - `.mp4`: diffusers' `export_to_video` (imageio with the ffmpeg binary that the pinned `imageio-ffmpeg`
   wheel ships: no system ffmpeg), then the metadata is added as the container's `comment` tag by a
-  stream copy with the same binary (no re-encoding);
+  stream copy with the same binary (no re-encoding); read back (and decoded whole, for resume) with it;
 - `.webp`: animated, lossless (frames read back are the generated pixels), metadata in EXIF
   ImageDescription; `.gif`: animated (256-colour palette), metadata in the GIF comment — both with
-  Pillow, no extra dependency;
+  Pillow (dm_cli.io.images has the metadata encodings), no extra dependency;
 - a folder (`out/`, or a path without a suffix): `frame-00000.png`, ... with PNG text metadata.
 
 Every output also gets a JSON sidecar (`out.mp4.json`; `out/metadata.json` for a folder). Files are
 written under a temporary name beside the result and renamed when complete; a folder is filled
-under a temporary name and renamed into place.
+under a temporary name and renamed into place. The writers are dm_cli.io.outputs.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 from dm_cli.errors import UsageError
-from dm_cli.io.atomic import _umask, atomic_write
+from dm_cli.io.atomic import _umask
 from dm_cli.io.swap import TEMP_MARK, hidden_name, publish
 
 VIDEO_SUFFIXES = (".mp4", ".webp", ".gif")
-EXIF_IMAGE_DESCRIPTION = 0x010E
+FRAME_FORMAT, FRAME_SUFFIX = "PNG", ".png"  # a frames folder's files (dm_cli.io.atomic knows their names too)
+FRAME_NAME = re.compile(r"frame-([0-9]{5,})" + re.escape(FRAME_SUFFIX))
+FOLDER_SIDECAR = "metadata.json"
 
 
 def video_kind(output: str) -> str:
@@ -41,7 +44,7 @@ def video_kind(output: str) -> str:
 
 
 def sidecar_path(output: str) -> Path:
-    return Path(output) / "metadata.json" if video_kind(output) == "frames" else Path(output + ".json")
+    return Path(output) / FOLDER_SIDECAR if video_kind(output) == "frames" else Path(output + ".json")
 
 
 def to_uint8(frames):
@@ -51,62 +54,35 @@ def to_uint8(frames):
     return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
 
-def save_video(frames, output: str, fps: int, metadata: dict[str, str], overwrite: bool = False) -> list[str]:
-    """Write uint8 frames (F, H, W, 3) to `output`; returns the written paths (the video, then the sidecar).
-
-    A frames folder that exists and is not empty is replaced only with `overwrite` (after the new one is complete).
-    """
-    kind = video_kind(output)
-    path = Path(output.rstrip("/" + os.sep)) if kind == "frames" else Path(output)
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"Cannot write {output}: folder {parent} does not exist.")
-    if fps < 1:
-        raise UsageError(f"--fps must be at least 1 (got {fps}).")
-    from PIL import Image
-
-    images = [Image.fromarray(frame) for frame in frames]
-    text = json.dumps(metadata, sort_keys=True)
-    if kind == "frames":
-        _write_frames(images, path, metadata, text, overwrite)
-        return [str(path), str(path / "metadata.json")]
-    if kind == "mp4":
-        atomic_write(path, lambda tmp: _write_mp4(images, tmp, fps, text))
-    elif kind == "webp":
-        exif = Image.Exif()
-        exif[EXIF_IMAGE_DESCRIPTION] = text
-        atomic_write(path, lambda tmp: images[0].save(
-            tmp, format="WEBP", save_all=True, append_images=images[1:], duration=_duration_ms(fps), loop=0,
-            lossless=True, exif=exif.tobytes()))
-    else:
-        atomic_write(path, lambda tmp: images[0].save(
-            tmp, format="GIF", save_all=True, append_images=images[1:], duration=_duration_ms(fps), loop=0,
-            comment=text.encode("utf-8")))
-    sidecar = Path(output + ".json")
-    atomic_write(sidecar, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))
-    return [str(path), str(sidecar)]
-
-
-def _duration_ms(fps: int) -> int:
+def duration_ms(fps: int) -> int:
     return max(1, round(1000 / fps))
 
 
-def _write_frames(images, folder: Path, metadata: dict[str, str], text: str, overwrite: bool) -> None:
-    from PIL.PngImagePlugin import PngInfo
+def frame_name(index: int) -> str:
+    return f"frame-{index:05d}{FRAME_SUFFIX}"
 
+
+def frame_files(folder: Path) -> list[Path]:
+    """A frames folder's frames in order; a gap in their numbers (a frame lost) is a ValueError."""
+    numbered = sorted((int(m.group(1)), name) for name in os.listdir(folder) if (m := FRAME_NAME.fullmatch(name)))
+    if [number for number, _ in numbered] != list(range(len(numbered))):
+        raise ValueError(f"{folder}: the frames are not numbered 0 to {len(numbered) - 1}")
+    return [folder / name for _, name in numbered]
+
+
+def write_frames_folder(images, folder: Path, text: str, options: dict, overwrite: bool) -> None:
+    """Each PIL image as a frame (`options`: Pillow's, with the metadata) and `text` as metadata.json, filled in
+    a hidden folder that is then claimed atomically (or swapped in whole with `overwrite`)."""
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"{folder} exists and is not a folder: give a folder for the frames.")
     if folder.exists() and any(folder.iterdir()) and not overwrite:
         raise UsageError(f"{folder} exists and is not an empty folder: give a new folder or add --overwrite.")
-    info = PngInfo()
-    for key, value in metadata.items():
-        info.add_text(key, value)
     staging = hidden_name(folder, TEMP_MARK)  # a kill leaves a folder the next shard/run of it removes
     staging.mkdir()
     try:
         for index, image in enumerate(images):
-            image.save(staging / f"frame-{index:05d}.png", format="PNG", pnginfo=info)
-        (staging / "metadata.json").write_text(text + "\n", encoding="utf-8")
+            image.save(staging / frame_name(index), format=FRAME_FORMAT, **options)
+        (staging / FOLDER_SIDECAR).write_text(text + "\n", encoding="utf-8")
         os.chmod(staging, 0o777 & ~_umask())
         if folder.exists() and not overwrite:
             try:
@@ -120,7 +96,7 @@ def _write_frames(images, folder: Path, metadata: dict[str, str], text: str, ove
         raise
 
 
-def _write_mp4(images, tmp: str, fps: int, comment: str) -> None:
+def write_mp4(images, tmp: str, fps: int, comment: str) -> None:
     """export_to_video encodes (H.264 via imageio-ffmpeg); a stream copy adds the comment tag."""
     try:
         import imageio_ffmpeg
@@ -141,31 +117,27 @@ def _write_mp4(images, tmp: str, fps: int, comment: str) -> None:
             os.unlink(encoded)
 
 
-def read_metadata(path: str) -> dict:
-    """The metadata a written video carries in the file itself (tests and users' scripts)."""
-    kind = video_kind(path)
-    if kind == "frames":
-        from PIL import Image
-
-        first = sorted(Path(path).glob("frame-*.png"))[0]
-        with Image.open(first) as image:
-            return dict(image.text)
-    if kind == "webp":
-        from PIL import Image
-
-        with Image.open(path) as image:
-            return json.loads(image.getexif()[EXIF_IMAGE_DESCRIPTION])
-    if kind == "gif":
-        from PIL import Image
-
-        with Image.open(path) as image:
-            return json.loads(image.info["comment"])
+def read_mp4_metadata(path: str | os.PathLike) -> dict:
+    """The JSON in an MP4's comment tag ({} when there is none), read with imageio-ffmpeg's binary."""
     import imageio_ffmpeg
 
-    done = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-loglevel", "error", "-i", path, "-f", "ffmetadata", "-"],
-                          capture_output=True, text=True)
+    done = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-loglevel", "error", "-i", str(path), "-f", "ffmetadata",
+                           "-"], capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith("comment="):
             return json.loads(line[len("comment="):].replace("\\=", "=").replace("\\;", ";").replace("\\#", "#")
                               .replace("\\\\", "\\"))
     return {}
+
+
+def probe_mp4(path: str | os.PathLike) -> tuple[int, tuple[int, int]]:
+    """(frames, (width, height)) of an MP4's video, decoding every frame: a damaged file is a ValueError."""
+    import imageio_ffmpeg
+
+    done = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-loglevel", "error", "-xerror", "-i", str(path),
+                           "-map", "0:v:0", "-f", "framemd5", "-"], capture_output=True, text=True)
+    size = re.search(r"^#dimensions 0: (\d+)x(\d+)$", done.stdout, re.MULTILINE)
+    if done.returncode != 0 or done.stderr.strip() or size is None:
+        raise ValueError(f"{path}: ffmpeg cannot decode it: {done.stderr.strip()[:200]}")
+    frames = sum(1 for line in done.stdout.splitlines() if line and not line.startswith("#"))
+    return frames, (int(size.group(1)), int(size.group(2)))

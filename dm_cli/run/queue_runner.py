@@ -14,18 +14,19 @@ from pathlib import Path
 from typing import Callable
 
 from dm_cli.errors import UsageError
+from dm_cli.io.outputs import is_complete
 from dm_cli.run.distributed import Ranks, select_gpus
 from dm_cli.run.queue import (
     MANIFEST,
     QueueItem,
     append_record,
-    is_complete,
     items_for_rank,
     merge_records,
     previous_records,
     rank_manifest_name,
     read_prompts,
     remove_stale_temporaries,
+    resume_keys,
     write_manifest,
 )
 from dm_cli.run.request import RunRequest
@@ -124,9 +125,11 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
     todo: list[QueueItem] = []
     records: dict[int, dict] = {}
     jobs = {}
+    matched = resume_keys()
     for item in mine:
         job = jobs[item.index] = pipeline.job_for(item)
-        done, why = is_complete(folder / item.output, pipeline.metadata(job)) if request.resume else (False, "--no-resume")
+        done, why = is_complete(folder / item.output, pipeline.metadata(job), matched) if request.resume \
+            else (False, "--no-resume")
         if done:
             result.skipped.append(item.index)
             records[item.index] = _record(item, job, pipeline.plan_digest, None, ranks.rank, resumed=True)
@@ -141,7 +144,7 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
     if events.on_start is not None:
         events.on_start(result)
     manifest = folder / (MANIFEST if not ranks.distributed else rank_manifest_name(ranks.rank))
-    from dm_cli.io.images import save_images
+    from dm_cli.io.outputs import save_images
 
     by_index = {item.index: item for item in todo}
     try:
