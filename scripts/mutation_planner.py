@@ -38,14 +38,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PLANNER = REPO / "dm_cli" / "planner.py"
+PLANNER = REPO / "dm_cli" / "planning" / "search.py"
 TESTS = ["tests/test_planner.py", "tests/test_planner_search.py", "tests/test_planner_kernels.py"]
 
 # The fill's test for room on a GPU (`_FillState.room`), which several mutants change.
 ROOM = ("total = (self.weights[key] + add_weights + self.reserves.get(key, 0) + max(self.acts[key], add_act)\n"
         "                 + device.overhead)")
 
-# (name, what it changes, exact text in planner.py, replacement)
+# (name, what it changes, exact text in planning/search.py, replacement)
 MUTANTS: list[tuple[str, str, str, str]] = [
     # --- the four the issue names -------------------------------------------------------------------
     ("no-skip-fill", "auto never tries the fill that offloads a block missing the last GPU and goes on",
@@ -144,7 +144,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
 def mutate(source: str, old: str, new: str, name: str) -> str:
     count = source.count(old)
     if count != 1:
-        raise SystemExit(f"mutant {name}: its text occurs {count} times in planner.py (update the script)")
+        raise SystemExit(f"mutant {name}: its text occurs {count} times in planning/search.py (update the script)")
     return source.replace(old, new)
 
 
@@ -197,7 +197,7 @@ def main() -> int:
         tests = args.tests or TESTS
         for name in ["tests/conftest.py", *tests]:
             shutil.copy(REPO / name, root / name)
-        target = root / "dm_cli" / "planner.py"
+        target = root / "dm_cli" / "planning" / "search.py"
         where = imported_from(root)
         if Path(where).resolve() != target.resolve():
             print(f"the tests would import {where}, not the copy", file=sys.stderr)

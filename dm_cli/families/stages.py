@@ -1,11 +1,48 @@
-"""The stages of a pipeline: which components run together, in which order (encode, denoise, decode).
+"""The stages of a pipeline: which components run together, in which order, and what each hands the next.
 
-Plain data, no torch: the planner places per stage, the stage loop runs them.
+A family declares its stages (`Family.declared_stages`; by default encode / denoise / decode around its
+denoiser, `default_stages`): each names the components it runs, the values it consumes and the values it
+produces (text to image: PROMPT -> encode -> EMBEDS -> denoise -> LATENTS -> decode -> IMAGES). A component
+may serve several stages (a VAE that encodes an input image before the denoiser and decodes after it).
+The planner places per stage, the plan file records each stage's values, and the stage loop runs a stage
+by its kind (`Stage.kind`: what it produces), never by its name.
+
+Plain data, no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# The values stages hand each other (the stage loop's Carry has one field of each name but the inputs).
+PROMPT = "prompt"  # the job's prompt and negative prompt: there from the start
+IMAGE = "image"  # the job's input image (image-to-image families): there from the start, the family reads it
+EMBEDS = "embeds"  # the prompt embeddings (Family.encode)
+IMAGE_LATENTS = "image_latents"  # the input image in latent space (Family.encode_image), where denoising starts
+LATENTS = "latents"  # the denoised latents
+IMAGES = "images"  # the output: PIL images, or one frame array per video
+INPUTS = (PROMPT, IMAGE)
+VALUES = (PROMPT, IMAGE, EMBEDS, IMAGE_LATENTS, LATENTS, IMAGES)
+
+# What runs a stage, by the one value it produces: the stage loop has one runner per kind.
+ENCODE = "encode"  # PROMPT -> EMBEDS: Family.encode
+ENCODE_IMAGE = "encode_image"  # IMAGE -> IMAGE_LATENTS: Family.encode_image
+DENOISE = "denoise"  # EMBEDS (and IMAGE_LATENTS) -> LATENTS: the pipeline's own __call__
+DECODE = "decode"  # LATENTS -> IMAGES: Family.decode
+KIND_OF = {EMBEDS: ENCODE, IMAGE_LATENTS: ENCODE_IMAGE, LATENTS: DENOISE, IMAGES: DECODE}
+
+# What the stages `default_stages` names consume and produce: also what a plan file written before stages
+# recorded their values means by these names.
+NAMED_VALUES = {
+    "encode": ((PROMPT,), (EMBEDS,)),
+    "denoise": ((EMBEDS,), (LATENTS,)),
+    "decode": ((LATENTS,), (IMAGES,)),
+}
+
+
+def stage_kind(produces) -> str | None:
+    """The kind of a stage that produces `produces`; None: no runner makes that (the stage cannot run)."""
+    return KIND_OF.get(produces[0]) if len(produces) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -15,6 +52,34 @@ class Stage:
     # The components run one after another and never together (Wan 2.2's two experts, switched at a
     # boundary step): the planner may load them one at a time, as consecutive sub-stages of this stage.
     exclusive: bool = False
+    consumes: tuple[str, ...] = ()  # values (PROMPT, EMBEDS, ...) an earlier stage or the job provides
+    produces: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> str | None:
+        return stage_kind(self.produces)
+
+
+def named_stage(name: str, components, exclusive: bool = False) -> Stage:
+    """A stage of one of today's names (encode, denoise, decode), consuming and producing what that name does."""
+    consumes, produces = NAMED_VALUES.get(name, ((), ()))
+    return Stage(name, tuple(components), exclusive, consumes, produces)
+
+
+def declared(stages, components: list[str]) -> list[Stage]:
+    """A family's declared stages for the components a pipeline has: components it lacks left out, stages
+    left with none dropped. ValueError for a component no stage runs (the planner must place every one)."""
+    present = set(components)
+    out = []
+    for stage in stages:
+        kept = tuple(c for c in stage.components if c in present)
+        if kept:
+            out.append(Stage(stage.name, kept, stage.exclusive and len(kept) > 1, stage.consumes, stage.produces))
+    used = {c for stage in out for c in stage.components}
+    missing = [c for c in components if c not in used]
+    if missing:
+        raise ValueError(f"no declared stage runs {', '.join(missing)} (stages: {', '.join(s.name for s in stages)})")
+    return out
 
 
 def default_stages(components: list[str], offload_seq: list[str] | None,
@@ -41,8 +106,8 @@ def default_stages(components: list[str], offload_seq: list[str] | None,
     decode = tuple(c for c in order[end:] if c not in extra)
     stages = []
     if encode:
-        stages.append(Stage("encode", encode))
-    stages.append(Stage("denoise", denoise, exclusive=end - pivot > 1))
+        stages.append(named_stage("encode", encode))
+    stages.append(named_stage("denoise", denoise, exclusive=end - pivot > 1))
     if decode:
-        stages.append(Stage("decode", decode))
+        stages.append(named_stage("decode", decode))
     return stages

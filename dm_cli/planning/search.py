@@ -1,7 +1,7 @@
 """The pure planner: (component blocks with bytes and activations, stages, devices, strategy, mode) -> placement.
 
 No torch, no I/O. Everything here is plain data so that planning is fast, cacheable and testable by
-hand. `plans.py` turns skeletons and meta traces into the inputs and the result into a Plan.
+hand. `make.py` turns skeletons and meta traces into the inputs and the result into a Plan.
 
 Model of memory on a device during a stage:
     weights of every block placed there
@@ -13,11 +13,11 @@ Model of memory on a device during a stage:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from dm_cli.devices import covers
-from dm_cli.families.stages import Stage
+from dm_cli.families.stages import Stage, stage_kind
 
 STRATEGIES = ("auto", "sequential", "balanced", "balanced_low_0")
 MODES = ("auto", "resident", "staged")
@@ -82,8 +82,9 @@ class ComponentPlacement:
     activation_by_device: dict[str, int]
     offloaded_bytes: int  # on cpu or disk
     hops: int  # device changes along the execution path
-    stage: str
+    stage: str  # the first stage that runs it
     disk_bytes: int = 0
+    stages: tuple[str, ...] = ()  # every stage that runs it, when more than `stage` (a VAE that encodes and decodes)
 
     @property
     def devices(self) -> list[int | str]:
@@ -116,10 +117,17 @@ class StagePlacement:
     components: list[str]
     use: dict[str, DeviceUse]  # device name -> breakdown (only devices used in this stage)
     note: str = ""  # how this stage's components are loaded, when that is not obvious (experts)
+    consumes: tuple[str, ...] = ()  # the values the stage takes and makes (dm_cli.families.stages)
+    produces: tuple[str, ...] = ()
 
     @property
     def peak_bytes(self) -> dict[str, int]:
         return {device: use.peak for device, use in self.use.items()}
+
+    @property
+    def kind(self) -> str | None:
+        """What runs the stage (dm_cli.families.stages.stage_kind); None: nothing dmap run knows."""
+        return stage_kind(self.produces)
 
 
 @dataclass
@@ -833,7 +841,9 @@ def _together_note(stage: Stage) -> str:
 class _Pipeline:
     """One `plan_pipeline` call: its components, stages and devices, planned resident or staged.
 
-    A residency is (stage or sub-stage, the maps of its components, its note), in run order.
+    A residency is (stage or sub-stage, the maps of its components, its note), in run order. A component
+    may serve several stages (a VAE that encodes before the denoiser and decodes after it): it has one
+    device map, loaded once when resident, loaded again for each of its stages when staged.
     """
 
     def __init__(self, components: list[ComponentInput], stages: list[Stage], devices: list[Device],
@@ -854,7 +864,7 @@ class _Pipeline:
 
     def resident(self) -> Placement:
         """Every component loaded at once, for the whole run."""
-        ordered = [self.by_comp[n] for stage in self.stages for n in stage.components]
+        ordered = [self.by_comp[n] for n in dict.fromkeys(n for stage in self.stages for n in stage.components)]
         maps = self.place(ordered)
         return self.finish("resident", [(stage, maps, _together_note(stage)) for stage in self.stages], [])
 
@@ -862,6 +872,10 @@ class _Pipeline:
         """Each stage's components loaded for that stage only; an exclusive stage's as `exclusive` decides."""
         residencies, notes = [], []
         for stage in self.stages:
+            placed = {n: maps[n] for _, maps, _ in residencies for n in maps}
+            if any(n in placed for n in stage.components):
+                residencies.append((stage, self.around(stage, placed), ""))
+                continue
             if not stage.exclusive:
                 residencies.append((stage, self.place([self.by_comp[n] for n in stage.components]), ""))
                 continue
@@ -891,6 +905,22 @@ class _Pipeline:
         return parts, (f"{' and '.join(stage.components)} do not fit together: they are loaded one at a time, "
                        f"{stage.components[0]} freed before {stage.components[1]} loads.")
 
+    def around(self, stage: Stage, placed: dict[str, dict]) -> dict[str, dict]:
+        """A stage with components an earlier stage placed: those keep their maps (one map per component), the
+        others are placed in the room the kept ones leave (their whole peak taken from each device they use)."""
+        kept = [self.by_comp[n] for n in stage.components if n in placed]
+        maps = {c.name: placed[c.name] for c in kept}
+        rest = [self.by_comp[n] for n in stage.components if n not in placed]
+        if rest:
+            use = _evaluate(kept, maps, self.by_dev)
+            room = [replace(d, capacity=max(0, d.capacity - use[d.name].peak), overhead=0)
+                    if d.name in use and d.capacity is not None else d for d in self.devices]
+            maps.update(_place_residency(rest, room, self.strategy)[0])
+        comps = [self.by_comp[n] for n in stage.components]
+        if not _fits(_evaluate(comps, maps, self.by_dev), self.by_dev):
+            raise _no_fit(comps, self.devices, self.strategy)
+        return maps
+
     def one_at_a_time(self, stage: Stage) -> list[tuple[Stage, dict, str]]:
         """An exclusive stage as consecutive sub-stages: each loads after the previous one is freed."""
         parts = []
@@ -898,7 +928,7 @@ class _Pipeline:
             maps = self.place([self.by_comp[name]])
             note = (f"loads after {stage.components[index - 1]} is freed at the switch" if index
                     else f"freed at the switch, before {stage.components[1]} loads")
-            parts.append((Stage(stage.name, (name,)), maps, note))
+            parts.append((replace(stage, components=(name,), exclusive=False), maps, note))
         return parts
 
     def stage_use(self, kind: str, stage: Stage, maps: dict[str, dict]) -> dict[str, DeviceUse]:
@@ -918,11 +948,12 @@ class _Pipeline:
         comp_map = _expand(comp, maps[comp.name])
         alone = _evaluate([comp], maps, self.by_dev)
         off, disk = _offloaded(comp, maps[comp.name], self.by_dev)
-        stage_of = {name: stage.name for stage in self.stages for name in stage.components}
+        stages = tuple(dict.fromkeys(stage.name for stage in self.stages if comp.name in stage.components))
         return ComponentPlacement(
             comp.name, comp.cls, comp.weights_bytes, comp_map, _exec_device(comp_map, self.by_dev),
             {k: v.activations for k, v in alone.items() if v.activations}, off,
-            _hops(comp, maps[comp.name], self.by_dev), stage_of.get(comp.name, ""), disk,
+            _hops(comp, maps[comp.name], self.by_dev), stages[0] if stages else "", disk,
+            stages if len(stages) > 1 else (),
         )
 
     def finish(self, kind: str, residencies: list[tuple[Stage, dict, str]], notes: list[str]) -> Placement:
@@ -930,7 +961,8 @@ class _Pipeline:
         maps: dict[str, dict] = {}
         for _, comp_maps, _ in residencies:
             maps.update(comp_maps)
-        stage_out = [StagePlacement(stage.name, list(stage.components), self.stage_use(kind, stage, maps), note)
+        stage_out = [StagePlacement(stage.name, list(stage.components), self.stage_use(kind, stage, maps), note,
+                                    stage.consumes, stage.produces)
                      for stage, _, note in residencies]
         placements = {comp.name: self.component_placement(comp, maps) for comp in self.components}
         gpu_names = {d.name for d in self.devices if d.is_gpu}

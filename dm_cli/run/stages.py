@@ -2,9 +2,11 @@
 
 One family-agnostic piece for every run mode. `dmap run` runs one Job through all the plan's
 stages (`StageLoop.run_job`); a queue runner can hold a stage loaded and run many jobs through it
-(`load_stage`, `run_stage` per job, `unload_stage`). What a stage does is the family's
-(`Family.encode`, the pipeline's own `__call__` from embeddings with `output_type="latent"`,
-`Family.decode`); which components it loads and where is the plan's.
+(`load_stage`, `run_stage` per job, `unload_stage`). Which runner runs a stage is its kind, what it
+produces (`dm_cli.families.stages`: the plan records what each stage consumes and produces), never its
+name; what a runner does is the family's (`Family.encode`, `Family.encode_image`, the pipeline's own
+`__call__` from embeddings with `output_type="latent"`, `Family.decode`); which components it loads and
+where is the plan's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Callable, Iterator
 
 from dm_cli.errors import DoesNotFitError, UsageError
 from dm_cli.families import Embeds, Family, Job
+from dm_cli.families.stages import DECODE, DENOISE, ENCODE, ENCODE_IMAGE, IMAGE_LATENTS, INPUTS, KIND_OF
 from dm_cli.run.loading import build_pipeline, execution_device, free_components, load_component, placeholder
 from dm_cli.run.meter import MemoryMeter, RssSampler
 from dm_cli.units import format_size
@@ -40,11 +43,19 @@ class StageResult:
 
 @dataclass
 class Carry:
-    """What one job hands from stage to stage."""
+    """What one job hands from stage to stage: one field per value a stage produces (dm_cli.families.stages)."""
 
     embeds: Embeds | None = None
+    image_latents: object = None
     latents: object = None
     images: list = field(default_factory=list)
+
+    def has(self, value: str) -> bool:
+        """Whether `value` is there for a stage that consumes it (the job's inputs always are)."""
+        if value in INPUTS:
+            return True
+        got = getattr(self, value, None)
+        return got is not None and not (isinstance(got, list) and not got)
 
 
 class StageLoop:
@@ -174,11 +185,12 @@ class StageLoop:
         return self.family.encode(self.pipe, job, device)
 
     def denoise(self, names: list[str], job: Job, embeds: Embeds, on_step: Callable[..., None] | None,
-                switch: Callable[[int], None] | None = None):
+                switch: Callable[[int], None] | None = None, image_latents=None):
         """The pipeline's own __call__ from embeddings, to latents (diffusers' math stays diffusers').
 
         `switch(step)` runs at the end of every step (the expert switch of `run_experts`); the
         activation tracker stops `tracked_steps` steps after it last started (`_tracking_from`).
+        `image_latents`: an encoded input image the denoising starts from (`Family.image_kwargs`).
         """
         import torch
 
@@ -188,6 +200,8 @@ class StageLoop:
         self.pipe._dmap_device = device
         kwargs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in embeds.tensors.items()}
         kwargs.update(self.family.call_kwargs(self.pipe, job))
+        if image_latents is not None:  # the stage consumes an encoded input image: denoising starts from it
+            kwargs.update(self.family.image_kwargs(self.pipe, job, image_latents.to(device)))
         params = pyinspect.signature(type(self.pipe).__call__).parameters
         if "max_sequence_length" in params and job.max_sequence_length:
             kwargs["max_sequence_length"] = job.max_sequence_length
@@ -217,6 +231,12 @@ class StageLoop:
         """The denoiser of each step for families with experts (Wan 2.2), else None."""
         return self.family.step_components(self.pipe, job) if self.family.experts else None
 
+    def encode_image(self, names: list[str], job: Job):
+        """The job's input image in latent space (`Family.encode_image`), on the stage's device."""
+        device = self._device(names)
+        self.pipe._dmap_device = device
+        return self.family.encode_image(self.pipe, job, device)
+
     def decode(self, names: list[str], job: Job, latents) -> list:
         if latents is None:
             raise UsageError("The plan runs decode before denoise: the stages are out of order.")
@@ -228,11 +248,18 @@ class StageLoop:
             self.meter.current.pop()
 
     def run_stage(self, stage_plan, job: Job, carry: Carry, on_step=None, result: StageResult | None = None) -> StageResult:
-        """Run one planned stage of `job` (its components must be loaded), measuring its peaks."""
+        """Run one planned stage of `job` (its components must be loaded) with the runner of its kind,
+        measuring its peaks."""
         import torch
 
         name = stage_plan.name
         names = list(stage_plan.components)
+        runner = self._runner(stage_plan)
+        missing = [value for value in stage_plan.consumes if not carry.has(value)]
+        if missing:
+            makers = [s.name for s in self.plan.stages if missing[0] in s.produces]
+            before = makers[0] if makers else f"any stage that makes its {missing[0]}"
+            raise UsageError(f"The plan runs {name} before {before}: the stages are out of order.")
         stage = result or StageResult(name, names, planned_peak={str(k): int(v) for k, v in stage_plan.peak_bytes.items()})
         meter = self.meter
         self._reset_peaks()
@@ -246,20 +273,10 @@ class StageLoop:
             with torch.inference_mode(False), torch.no_grad(), (rss or contextlib.nullcontext()):
                 if track:
                     meter.start()
-                if name == "encode":
-                    self.status("Encoding the prompt…")
-                    carry.embeds = self.encode(names, job)
-                elif name == "denoise":
-                    self.status(None)  # the denoise progress bar takes over
-                    carry.latents = self.denoise(names, job, carry.embeds, on_step)
-                    carry.embeds = None
-                    if track and self.tracked_steps is not None and job.steps > self.tracked_steps:
-                        stage.tracked = f"first {self.tracked_steps} of {job.steps} steps"
-                elif name == "decode":
-                    self.status("Decoding the latents…")
-                    carry.images = self.decode(names, job, carry.latents)
-                else:
-                    raise UsageError(f"The plan has a stage '{name}' that dmap run does not know (encode, denoise, decode).")
+                runner(self, stage_plan, job, carry, on_step)
+                if track and runner is StageLoop._run_denoise and self.tracked_steps is not None \
+                        and job.steps > self.tracked_steps:
+                    stage.tracked = f"first {self.tracked_steps} of {job.steps} steps"
                 meter.stop()
             self.status(None)
         except torch.OutOfMemoryError as error:
@@ -272,6 +289,34 @@ class StageLoop:
         stage.run_s = time.perf_counter() - start
         self._measured(stage, rss)
         return stage
+
+    # --- the runner of each stage kind (what the stage produces) ------------------------------------
+
+    def _runner(self, stage_plan) -> Callable:
+        runner = RUNNERS.get(stage_plan.kind)
+        if runner is None:
+            made = ", ".join(stage_plan.produces) or "nothing"
+            raise UsageError(f"The plan has a stage '{stage_plan.name}' that makes {made}, which dmap run cannot run "
+                             f"(its stages make {', '.join(KIND_OF)}).")
+        return runner
+
+    def _run_encode(self, stage_plan, job: Job, carry: Carry, on_step) -> None:
+        self.status("Encoding the prompt…")
+        carry.embeds = self.encode(list(stage_plan.components), job)
+
+    def _run_encode_image(self, stage_plan, job: Job, carry: Carry, on_step) -> None:
+        self.status("Encoding the input image…")
+        carry.image_latents = self.encode_image(list(stage_plan.components), job)
+
+    def _run_denoise(self, stage_plan, job: Job, carry: Carry, on_step) -> None:
+        self.status(None)  # the denoise progress bar takes over
+        carry.latents = self.denoise(list(stage_plan.components), job, carry.embeds, on_step,
+                                     image_latents=_consumed_image(stage_plan, carry))
+        carry.embeds = carry.image_latents = None  # consumed: nothing later reads them
+
+    def _run_decode(self, stage_plan, job: Job, carry: Carry, on_step) -> None:
+        self.status("Decoding the latents…")
+        carry.images = self.decode(list(stage_plan.components), job, carry.latents)
 
     def _measured(self, stage: StageResult, rss=None) -> None:
         """Peak per device since the last reset: weights resident after the load + tracked activations
@@ -346,7 +391,7 @@ class StageLoop:
             run_s, peak = 0.0, {}
             try:
                 for n, job in enumerate(jobs):
-                    self.run_stage(stage_plan, job, carries[n], on_step if stage_plan.name == "denoise" else None, stage)
+                    self.run_stage(stage_plan, job, carries[n], on_step if stage_plan.kind == DENOISE else None, stage)
                     seconds[n] += stage.run_s
                     run_s += stage.run_s
                     peak = {d: max(peak.get(d, 0), stage.measured_peak.get(d, 0)) for d in {*peak, *stage.measured_peak}}
@@ -361,12 +406,13 @@ class StageLoop:
             results.append(stage)
 
     def stage_groups(self) -> list[list]:
-        """The plan's stages as they run: consecutive denoise sub-stages of a staged plan (experts loaded
-        one at a time, `run_experts`) form one group, every other stage a group of its own."""
+        """The plan's stages as they run: consecutive denoise sub-stages (the same name) of a staged plan
+        (experts loaded one at a time, `run_experts`) form one group, every other stage a group of its own."""
         staged = self.plan.mode != "resident"
         groups: list[list] = []
         for stage in self.plan.stages:
-            if staged and groups and stage.name == "denoise" and groups[-1][0].name == "denoise":
+            if staged and groups and stage.kind == DENOISE and groups[-1][0].kind == DENOISE \
+                    and stage.name == groups[-1][0].name:
                 groups[-1].append(stage)
             else:
                 groups.append([stage])
@@ -421,11 +467,12 @@ class StageLoop:
             with torch.inference_mode(False), torch.no_grad():
                 if track:
                     self.meter.start()
-                carry.latents = self.denoise(results[order[0]].components, job, carry.embeds, on_step, switch)
-                carry.embeds = None
+                carry.latents = self.denoise(results[order[0]].components, job, carry.embeds, on_step, switch,
+                                             _consumed_image(parts[0], carry))
+                carry.embeds = carry.image_latents = None
                 self.meter.stop()
         except torch.OutOfMemoryError as error:
-            raise _oom(error, "denoise", results[state["part"]].planned_peak) from None
+            raise _oom(error, parts[0].name, results[state["part"]].planned_peak) from None
         finish(state["part"])
         how = "tracked" if track else ("process peak RSS" if sampled else "CUDA: max_memory_allocated"
                                                                      if self.measure else "not measured")
@@ -433,6 +480,15 @@ class StageLoop:
             used = order.count(part)
             stage.tracked = f"{how}, {used} of {job.steps} steps" if used else "not run (its expert has no step)"
         return results
+
+
+RUNNERS: dict[str, Callable] = {ENCODE: StageLoop._run_encode, ENCODE_IMAGE: StageLoop._run_encode_image,
+                                 DENOISE: StageLoop._run_denoise, DECODE: StageLoop._run_decode}
+
+
+def _consumed_image(stage_plan, carry: Carry):
+    """The encoded input image when the stage consumes it, else None."""
+    return carry.image_latents if IMAGE_LATENTS in stage_plan.consumes else None
 
 
 def _stage_result(stage_plan) -> StageResult:
