@@ -1,6 +1,6 @@
 """dmap: plan, shard and run big diffusion models across GPUs, CPU and disk.
 
-The Python API is `plan`, `load` and `dispatch` (the names in `__all__`; README "Python API"):
+The Python API is `plan`, `load` and `dispatch` (the names in `__all__`; docs/commands.md, "Python API"):
 
     plan = dm_cli.plan("path/to/flux", max_memory="0=16GB,1=16GB")   # -> Plan
     with dm_cli.load("path/to/flux", plan) as pipe:                   # -> dm_cli.run.session.Pipeline

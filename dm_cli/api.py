@@ -30,13 +30,15 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          max_sequence_length: int | None = None, strategy: str = "auto", mode: str = "auto", dtype: str | None = None,
          overhead: str | None = None, component: str | None = None, check: bool = True, use_cache: bool = True,
          num_frames: int | None = None, fps: int | None = None, weights: str | None = None,
-         on_progress: Callable[[str], None] | None = None):
+         on_progress: Callable[[str], None] | None = None, **settings):
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
     None: the pipeline's default size (the one `dmap run` uses); 0 plans weights only. Raises
     `DoesNotFitError` (with the nearest change that fits) when nothing fits. `on_progress(message)`
     hears each step as it starts (resolving, sizing and tracing each component, the split check).
+    `settings` are the pipeline family's own (true_cfg_scale=..., guidance_scale_2=...: see
+    `dm_cli.families.Setting`), checked as `load` and `dmap run` check them.
     """
     from dm_cli.inputs import InputSpec
     from dm_cli.model.demo import source_root
@@ -49,7 +51,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
                        pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"),
                        num_frames=num_frames, fps=fps)
     options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype is not None else None,
-                          overhead, component, check, use_cache, weights, on_progress=on_progress)
+                          overhead, component, check, use_cache, weights, on_progress=on_progress, settings=settings)
     return make_named_plan(root, spec, options)
 
 
@@ -59,22 +61,25 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
 def load(source: str | None = None, plan=None, *, simulate: bool = False, max_memory: str | None = None,
          mode: str = "auto", strategy: str = "auto", dtype: str | None = None, overhead: str | None = None,
          height: int | None = None, width: int | None = None, guidance_scale: float | None = None,
-         max_sequence_length: int | None = None, true_cfg_scale: float | None = None, weights: str | None = None,
-         num_frames: int | None = None, fps: int | None = None, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None) -> "Pipeline":
+         max_sequence_length: int | None = None, weights: str | None = None, num_frames: int | None = None,
+         fps: int | None = None, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,
+         **settings) -> Pipeline:
     """A pipeline placed per `plan` (a Plan, a plan JSON path, or None: plan here with the options).
 
     SOURCE None is the bundled random-weight demo. A plan made for another model, size or dtype is
     refused (UsageError); one naming GPUs this machine lacks too, unless `simulate` (every planned
     device on the CPU, with the split check active). `weights` ("fp8", "transformer=fp8", ...) plans
     low-precision storage, or must match the given plan's. Nothing is loaded yet: resident components
-    load on the first `generate` and stay; staged ones load per stage and chunk.
+    load on the first `generate` and stay; staged ones load per stage and chunk. `settings` are the pipeline
+    family's own (true_cfg_scale=4.0 for Qwen-Image, guidance_scale_2=3.0 for Wan 2.2: `dm_cli.families.Setting`),
+    the defaults of every `generate` call.
     """
     from dm_cli.run.request import RunRequest
 
     device_map = plan if isinstance(plan, (str, Path)) else strategy
     request = RunRequest(source=source, prompt="", device_map=str(device_map), max_memory=max_memory, mode=mode,
                          dtype=dtype, overhead=overhead, height=height, width=width, guidance_scale=guidance_scale,
-                         max_sequence_length=max_sequence_length, true_cfg_scale=true_cfg_scale, weights=weights,
+                         max_sequence_length=max_sequence_length, settings=settings, weights=weights,
                          num_frames=num_frames, fps=fps, simulate=simulate, output=None)
     return Pipeline(request, None if isinstance(plan, (str, Path)) else plan, on_plan, on_status)
 

@@ -6,7 +6,7 @@ Shared by the tracer (activation estimates), the planner and the runner. No torc
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from dm_cli.errors import UsageError
 from dm_cli.units import shorten
@@ -116,3 +116,52 @@ class InputSpec:
         fields = {k: data[k] for k in ("height", "width", "batch_size", "num_images", "guidance_scale",
                                         "max_sequence_length", "num_frames", "fps") if k in data}
         return cls(**fields)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation request: everything that changes pixels or memory, but the prompt and the seed.
+
+    None: not given; `Family.settle` fills the pipeline's (or the demo's, or the plan file's) default,
+    and `Family.validate` applies the pipeline's rules, the same for `dmap plan`, `dmap run`, the
+    Python API, queue items and plan files. `settings` are the family's own (`Family.settings`: Qwen-Image's
+    true_cfg_scale, Wan 2.2's guidance_scale_2), as sorted (name, value) pairs so the request stays hashable.
+    """
+
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    max_sequence_length: int | None = None
+    num_images: int | None = None
+    batch_size: int = 1
+    settings: tuple[tuple[str, object], ...] = ()
+    images: tuple = ()  # input images (editing, image-to-video): room for them, no family reads them yet
+
+    def __post_init__(self) -> None:
+        """The counts' bounds (LIMITS) before anything else looks at them."""
+        check_counts(steps=self.steps, num_images=self.num_images, height=self.height, width=self.width,
+                     max_sequence_length=self.max_sequence_length, num_frames=self.num_frames, fps=self.fps)
+        if self.guidance_scale is not None and (isinstance(self.guidance_scale, bool) or not isinstance(
+                self.guidance_scale, (int, float)) or not math.isfinite(self.guidance_scale)):
+            raise UsageError(f"--guidance-scale must be a finite number, not {shorten(self.guidance_scale, quote=True)}.")
+
+    def setting(self, name: str, default=None):
+        return dict(self.settings).get(name, default)
+
+    def with_settings(self, values: dict) -> "Generation":
+        """These settings over the ones already given (None leaves a setting as it is)."""
+        merged = {**dict(self.settings), **{k: v for k, v in values.items() if v is not None}}
+        return replace(self, settings=tuple(sorted(merged.items())))
+
+    @property
+    def weights_only(self) -> bool:
+        return self.height == 0 or self.width == 0
+
+    def inputs(self) -> InputSpec:
+        """What the tracer and the planner read of it (the pixel bound is checked there)."""
+        return InputSpec(self.height, self.width, self.batch_size, self.num_images or 1, self.guidance_scale,
+                         self.max_sequence_length, self.num_frames, self.fps)

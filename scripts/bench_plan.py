@@ -255,7 +255,7 @@ def main() -> int:
     parser.add_argument("--preset", default=None, help="Run only the cases of this preset (e.g. qwen-image).")
     args = parser.parse_args()
     numbers = range(1, len(CASES) + 1) if args.only is None else [int(n) for n in args.only.split(",")]
-    cases = [(n, CASES[n - 1]) for n in numbers if args.preset in (None, CASES[n - 1].preset)]  # the README's case numbers
+    cases = [(n, CASES[n - 1]) for n in numbers if args.preset in (None, CASES[n - 1].preset)]  # the case numbers of docs/performance.md
     rows, violations = [], []
     for done, (number, case) in enumerate(cases, 1):
         print(f"[{done}/{len(cases)}] case {number}: {case.model} {case.budget} {case.label}", file=sys.stderr)

@@ -13,7 +13,7 @@ fresh subprocess with ONE torch thread (OMP_NUM_THREADS=1), in one invocation:
 3. `dmap run --prompts queue.txt --device-map plan.json`: one process, stage-major (one chunk);
 4. the same queue under `torchrun --standalone --nproc-per-node 1` and `--nproc-per-node 2`
    (`--rank-steps` denoising steps, default more than above: with 2 cores, 2 ranks can only help
-   the part of the work that is not loading, see the README).
+   the part of the work that is not loading, see docs/performance.md).
 
 "process s" is the wall time of the whole subprocess(es) (interpreter start, imports, exit: what a
 user waits for); "in-process s" starts after the imports (for the recipe: its own clock; for dmap:

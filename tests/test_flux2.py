@@ -118,6 +118,7 @@ def test_checkpoint_storing_lm_head_is_counted_as_transformers_loads_it(tmp_path
 def test_flux2_family_matches_before_flux_and_knows_its_defaults():
     from dm_cli.families import family_for
     from dm_cli.families.flux2 import out_layers
+    from dm_cli.inputs import Generation
 
     for cls in ("Flux2Pipeline", "Flux2KleinPipeline"):
         family = family_for(cls)
@@ -128,7 +129,7 @@ def test_flux2_family_matches_before_flux_and_knows_its_defaults():
     assert (family.default_steps, family.default_guidance, family.default_max_sequence_length) == (50, 4.0, 512)
     assert family.default_image_size({}, {"block_out_channels": [128, 256, 512, 512]}) == 1024
     assert family.size_multiple({}, {"block_out_channels": [128, 256, 512, 512]}) == 16
-    assert family.refuse("blurry", None)  # no negative prompt: guidance is distilled
+    assert family.refusal(Generation(negative_prompt="blurry"))  # no negative prompt: guidance is distilled
     # the hidden states the pipelines stack: their defaults, and diffusers' tests' choice for the tiny twins
     configs = {p: json.loads((PRESETS_DIR / p / "text_encoder" / "config.json").read_text())
                for p in ("flux.2-dev", "flux.2-klein-4b", "tiny-flux2", "tiny-flux2-klein")}

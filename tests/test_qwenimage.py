@@ -114,7 +114,8 @@ def test_true_cfg_runs_the_transformer_twice_per_step(folder, tmp_path, monkeypa
     monkeypatch.setattr(diffusers.QwenImageTransformer2DModel, "forward", counting)
     for negative, scale, per_step in ((NEGATIVE, None, 2), (None, None, 1), (NEGATIVE, 1.0, 1)):
         calls.clear()
-        run(RunRequest(source=str(folder), prompt=PROMPT, negative_prompt=negative, true_cfg_scale=scale, steps=STEPS,
+        run(RunRequest(source=str(folder), prompt=PROMPT, negative_prompt=negative, steps=STEPS,
+                       settings={} if scale is None else {"true_cfg_scale": scale},
                        height=SIZE, width=SIZE, max_memory="cpu=8GB", output=None))
         assert calls == [1] * (STEPS * per_step), (negative, scale, calls)
 

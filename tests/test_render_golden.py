@@ -58,7 +58,7 @@ def run_result():
     ]
     return RunResult(source="flux", pipeline_class="FluxPipeline", demo=False, plan=flux_plan(),
                      plan_digest="5d41402abc4b2a76", planned_here=True, simulate=True, seed=0, steps=28,
-                     guidance_scale=3.5, true_cfg_scale=None, height=512, width=512, num_images=1,
+                     guidance_scale=3.5, height=512, width=512, num_images=1,
                      images=["fox.png"], latents_path=None, stages=stages, split_check=True)
 
 

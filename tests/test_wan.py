@@ -130,7 +130,8 @@ def test_video_outputs_round_trip_with_metadata(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from dm_cli.io.video import read_metadata, save_video, to_uint8
+    from dm_cli.io.outputs import read_metadata, save_video
+    from dm_cli.io.video import to_uint8
 
     frames = to_uint8(np.random.default_rng(0).random((5, 16, 32, 3)))
     meta = {"prompt": "a fox; x=1", "seed": "7"}
@@ -164,7 +165,8 @@ def test_mp4_through_export_to_video_with_metadata(tmp_path):
     import imageio.v3 as iio
     import numpy as np
 
-    from dm_cli.io.video import read_metadata, save_video, to_uint8
+    from dm_cli.io.outputs import read_metadata, save_video
+    from dm_cli.io.video import to_uint8
 
     frames = to_uint8(np.random.default_rng(1).random((9, 32, 48, 3)))
     save_video(frames, str(tmp_path / "v.mp4"), 16, {"prompt": "a fox", "steps": "2"})
@@ -220,7 +222,7 @@ def _frames(folder):
 def test_run_unsplit_is_pixel_identical_and_switches_experts_mid_run(tiny_wan, oracle_frames, tmp_path):
     import numpy as np
 
-    from dm_cli.io.video import read_metadata
+    from dm_cli.io.outputs import read_metadata
 
     result, calls = _run(tiny_wan, tmp_path, "frames/", max_memory="cpu=8GB")
     assert result.plan.mode == "resident" and not result.simulate
@@ -296,7 +298,7 @@ def test_run_refuses_bad_frames_and_image_outputs_before_any_work(tiny_wan, tmp_
 def test_cli_run_writes_an_mp4_with_its_sidecar_and_refuses_to_overwrite(tiny_wan, tmp_path):
     pytest.importorskip("imageio_ffmpeg")
 
-    from dm_cli.io.video import read_metadata
+    from dm_cli.io.outputs import read_metadata
 
     out = tmp_path / "fox.mp4"
     args = ["run", tiny_wan, "--prompt", PROMPT, "--frames", FRAMES, "--height", SIZE, "--width", SIZE, "--steps", 2,
@@ -317,7 +319,7 @@ def test_guidance_scale_2_guides_the_low_noise_expert_as_the_pipeline_does(tiny_
     torch = pytest.importorskip("torch")
     import diffusers
 
-    from dm_cli.io.video import read_metadata
+    from dm_cli.io.outputs import read_metadata
 
     pipe = diffusers.WanPipeline.from_pretrained(tiny_wan)
     pipe.set_progress_bar_config(disable=True)
@@ -328,16 +330,18 @@ def test_guidance_scale_2_guides_the_low_noise_expert_as_the_pipeline_does(tiny_
 
     expected, plain = latents(guidance_scale_2=50.0), latents()
     assert not torch.equal(expected, plain)
-    result, _ = _run(tiny_wan, tmp_path, "g2/", max_memory="cpu=8GB", guidance_scale_2=50.0)
+    result, _ = _run(tiny_wan, tmp_path, "g2/", max_memory="cpu=8GB", settings={"guidance_scale_2": 50.0})
     assert torch.equal(result.latents, expected)
-    assert read_metadata(str(tmp_path / "g2"))["guidance_scale_2"] == "50.0" and result.guidance_scale_2 == 50.0
+    assert read_metadata(str(tmp_path / "g2"))["guidance_scale_2"] == "50.0" and result.settings["guidance_scale_2"] == 50.0
 
 
 def test_guidance_scale_2_is_refused_where_there_is_no_second_expert():
     from dm_cli.families import family_for
+    from dm_cli.inputs import Generation
 
-    assert "two experts" in family_for("FluxPipeline").refuse(None, None, 2.0)
-    assert family_for("WanPipeline").refuse(None, None, 2.0) is None
+    asked = Generation().with_settings({"guidance_scale_2": 2.0})
+    assert "two experts" in family_for("FluxPipeline").refusal(asked)
+    assert family_for("WanPipeline").refusal(asked) is None
     code, _, err = run_dmap("run", "--prompts", "q.txt", "--guidance-scale-2", "2")
     assert code == 2 and "--guidance-scale-2" in err and "not --prompts" in err
 

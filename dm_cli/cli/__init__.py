@@ -17,6 +17,7 @@ from dm_cli.cli import inspect as inspect_command
 from dm_cli.cli import plan as plan_command
 from dm_cli.cli import run as run_command
 from dm_cli.cli import shard as shard_command
+from dm_cli.cli._cli_utils import refresh_family_options, with_family_settings
 from dm_cli.version import __version__
 
 app = typer.Typer(
@@ -48,8 +49,8 @@ def _root(
 
 app.command("inspect", help=inspect_command.__doc__)(inspect_command.inspect)
 app.command("shard", help=shard_command.__doc__)(shard_command.shard)
-app.command("plan", help=plan_command.__doc__)(plan_command.plan)
-app.command("run", help=run_command.__doc__)(run_command.run)
+app.command("plan", help=plan_command.__doc__)(with_family_settings(plan_command.plan))
+app.command("run", help=run_command.__doc__)(with_family_settings(run_command.run))
 app.command("cache", help=cache_command.__doc__)(cache_command.cache)
 app.command("demo", help=demo_command.__doc__)(demo_command.demo)
 
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
     click_error, no_args_is_help = click_exception_types()
+    refresh_family_options()  # the families registered now (a test may add one) give dmap plan/run their options
     try:
         result = app(args=args, prog_name="dmap", standalone_mode=False)
     except typer.Exit as done:

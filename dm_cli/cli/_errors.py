@@ -1,4 +1,4 @@
-"""Turn exceptions into one sentence on stderr and the exit code the README's contracts give them."""
+"""Turn exceptions into one sentence on stderr and the exit code docs/CONTRACTS.md gives them."""
 
 from __future__ import annotations
 

@@ -4,67 +4,121 @@ With --prompts FILE, a whole queue: stage-major in chunks, resumable, spread ove
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
+
+from dm_cli.cli._cli_utils import (
+    BinaryOpt,
+    DtypeOpt,
+    FpsOpt,
+    FramesOpt,
+    GuidanceScaleOpt,
+    HeightOpt,
+    JsonOpt,
+    MaxMemoryOpt,
+    MaxSequenceLengthOpt,
+    ModeOpt,
+    OverheadOpt,
+    OverwriteOpt,
+    QuietOpt,
+    RunNumImagesOpt,
+    RunOutputOpt,
+    RunSeedOpt,
+    RunSourceArg,
+    WeightsOpt,
+    WidthOpt,
+)
+
+# the options only `dmap run` takes (the shared ones are in _cli_utils)
+PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="What to draw.")]
+PromptsOpt = Annotated[str | None, typer.Option(
+    "--prompts", help="A queue: a text file (one prompt a line) or JSONL (prompt, negative_prompt, "
+                      "seed, steps, guidance_scale, output per line); item i gets seed --seed + i.")]
+NegativePromptOpt = Annotated[str | None, typer.Option(
+    "--negative-prompt", help="What to avoid (CFG and true-CFG pipelines).")]
+DeviceMapOpt = Annotated[str, typer.Option(
+    "--device-map", "-d", help="auto | balanced | balanced_low_0 | sequential (plan now), or a plan JSON from dmap plan.")]
+StepsOpt = Annotated[int | None, typer.Option("--steps", min=1, help="Denoising steps (default: the pipeline's).")]
+SaveLatentsOpt = Annotated[str | None, typer.Option(
+    "--save-latents", help="Also write the final latents (safetensors).")]
+SimulateOpt = Annotated[bool, typer.Option(
+    "--simulate", help="Run every planned device on this CPU with the split check (plans for GPUs you lack).")]
+TrackActivationsOpt = Annotated[bool, typer.Option(
+    "--track-activations", help="Measure activations op by op on CPU (slower; default: the process's peak RSS).")]
+ResumeOpt = Annotated[bool, typer.Option(
+    "--resume/--no-resume", help="--prompts: skip items whose PNG is complete and made for them (default), or redo all.")]
+ChunkSizeOpt = Annotated[int | None, typer.Option(
+    "--chunk-size", min=1, help="--prompts, staged: prompts per chunk (default: what --chunk-memory holds).")]
+ChunkMemoryOpt = Annotated[str | None, typer.Option(
+    "--chunk-memory", help="--prompts, staged: RAM for embeddings and latents waiting between "
+                           "stages (default: 10% of available RAM).")]
+GpusPerRankOpt = Annotated[int | None, typer.Option(
+    "--gpus-per-rank", min=0, help="Under torchrun: local rank r uses GPUs r*K .. r*K+K-1 of its node.")]
 
 
 def run(
     ctx: typer.Context,
-    source: str | None = typer.Argument(None, metavar="SOURCE", help="Pipeline folder, preset or Hub repo id (default: the bundled random-weight FLUX demo)."),
-    prompt: str | None = typer.Option(None, "--prompt", "-p", help="What to draw."),
-    prompts: str | None = typer.Option(None, "--prompts",
-                                       help="A queue: a text file (one prompt a line) or JSONL (prompt, negative_prompt, "
-                                            "seed, steps, guidance_scale, output per line); item i gets seed --seed + i."),
-    negative_prompt: str | None = typer.Option(None, "--negative-prompt", help="What to avoid (CFG and true-CFG pipelines)."),
-    device_map: str = typer.Option("auto", "--device-map", "-d",
-                                   help="auto | balanced | balanced_low_0 | sequential (plan now), or a plan JSON from dmap plan."),
-    max_memory: str | None = typer.Option(None, "--max-memory", "-m",
-                                          help="Devices to plan for, e.g. 0=16GB,1=16GB,cpu=64GB (default: this machine)."),
-    mode: str = typer.Option("auto", "--mode", help="auto | resident | staged (when planning here)."),
-    overhead: str | None = typer.Option(None, "--overhead", help="Per-device overhead when planning, e.g. 0=600MB."),
-    steps: int | None = typer.Option(None, "--steps", min=1, help="Denoising steps (default: the pipeline's)."),
-    guidance_scale: float | None = typer.Option(None, "--guidance-scale", help="Guidance (default: the pipeline's)."),
-    true_cfg_scale: float | None = typer.Option(
-        None, "--true-cfg-scale", help="True CFG with --negative-prompt: a second denoiser call per step (Qwen-Image; default 4.0)."),
-    guidance_scale_2: float | None = typer.Option(
-        None, "--guidance-scale-2", help="Two-expert pipelines (Wan 2.2 A14B): guidance of the low-noise expert "
-                                         "(default: --guidance-scale)."),
-    seed: int = typer.Option(0, "--seed", help="Random seed, 0 to 2^64-1: same seed, same image."),
-    height: int | None = typer.Option(None, "--height", help="Image height in pixels (default: the pipeline's)."),
-    width: int | None = typer.Option(None, "--width", help="Image width in pixels (default: the pipeline's)."),
-    num_images: int | None = typer.Option(None, "--num-images", min=1, help="Images for the prompt (out-0.png, out-1.png, ...; default 1, or the plan's)."),
-    max_sequence_length: int | None = typer.Option(None, "--max-sequence-length", help="T5 tokens (FLUX, SD3)."),
-    frames: int | None = typer.Option(None, "--frames", help="Video pipelines: frames to generate, 4k+1 for Wan (default: the pipeline's, 81)."),
-    fps: int | None = typer.Option(None, "--fps", help="Video pipelines: frames per second of the video (default: the pipeline's, 16 for Wan)."),
-    output: str | None = typer.Option(None, "--output", "-o",
-                                      help="Image to write, in the format its suffix names: .png (default dmap.png), .jpg/.jpeg or .webp "
-                                           "(prompt, seed and plan in its metadata); videos: "
-                                           "out.mp4 (the default dmap.mp4), out.webp, out.gif or a folder out/ of PNG frames, "
-                                           "each with a JSON sidecar; with --prompts the folder (default dmap-out)."),
-    save_latents: str | None = typer.Option(None, "--save-latents", help="Also write the final latents (safetensors)."),
-    dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: the plan's, as stored)."),
-    weights: str | None = typer.Option(None, "--weights", "-w",
-                                       help="Store weights as fp8 | int8, compute in --dtype (every component but the VAE), or per component: transformer=fp8 (default: the plan's)."),
-    simulate: bool = typer.Option(False, "--simulate",
-                                  help="Run every planned device on this CPU with the split check (plans for GPUs you lack)."),
-    overwrite: bool = typer.Option(False, "--overwrite",
-                                   help="Replace --output (and --save-latents) if they exist; with --prompts: --no-resume."),
-    track_activations: bool = typer.Option(False, "--track-activations",
-                                           help="Measure activations op by op on CPU (slower; default: the process's peak RSS)."),
-    resume: bool = typer.Option(True, "--resume/--no-resume",
-                                help="--prompts: skip items whose PNG is complete and made for them (default), or redo all."),
-    chunk_size: int | None = typer.Option(None, "--chunk-size", min=1,
-                                          help="--prompts, staged: prompts per chunk (default: what --chunk-memory holds)."),
-    chunk_memory: str | None = typer.Option(None, "--chunk-memory",
-                                            help="--prompts, staged: RAM for embeddings and latents waiting between "
-                                                 "stages (default: 10% of available RAM)."),
-    gpus_per_rank: int | None = typer.Option(None, "--gpus-per-rank", min=0,
-                                             help="Under torchrun: local rank r uses GPUs r*K .. r*K+K-1 of its node."),
-    as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and the written paths: no plan, tables or progress."),
-    binary: bool = typer.Option(False, "--binary", help="Print sizes in GiB instead of GB."),
+    source: RunSourceArg = None,
+    prompt: PromptOpt = None,
+    prompts: PromptsOpt = None,
+    negative_prompt: NegativePromptOpt = None,
+    device_map: DeviceMapOpt = "auto",
+    max_memory: MaxMemoryOpt = None,
+    mode: ModeOpt = "auto",
+    overhead: OverheadOpt = None,
+    steps: StepsOpt = None,
+    guidance_scale: GuidanceScaleOpt = None,
+    seed: RunSeedOpt = 0,
+    height: HeightOpt = None,
+    width: WidthOpt = None,
+    num_images: RunNumImagesOpt = None,
+    max_sequence_length: MaxSequenceLengthOpt = None,
+    frames: FramesOpt = None,
+    fps: FpsOpt = None,
+    output: RunOutputOpt = None,
+    save_latents: SaveLatentsOpt = None,
+    dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
+    simulate: SimulateOpt = False,
+    overwrite: OverwriteOpt = False,
+    track_activations: TrackActivationsOpt = False,
+    resume: ResumeOpt = True,
+    chunk_size: ChunkSizeOpt = None,
+    chunk_memory: ChunkMemoryOpt = None,
+    gpus_per_rank: GpusPerRankOpt = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    binary: BinaryOpt = False,
+    settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
-    from dm_cli.errors import UsageError
+    _refuse_early(ctx, prompt, prompts, dtype, steps=steps, num_images=num_images, height=height, width=width,
+                  max_sequence_length=max_sequence_length, frames=frames, fps=fps)
+    # the RunRequest's fields but its output, which differs between one prompt and a queue
+    fields = {
+        "source": source, "prompt": prompt or "", "negative_prompt": negative_prompt, "device_map": device_map,
+        "max_memory": max_memory, "overhead": overhead, "mode": mode, "steps": steps,
+        "guidance_scale": guidance_scale, "seed": seed, "height": height, "width": width, "num_images": num_images,
+        "max_sequence_length": max_sequence_length, "num_frames": frames, "fps": fps, "save_latents": save_latents,
+        "dtype": dtype, "simulate": simulate, "overwrite": overwrite, "track_activations": track_activations,
+        "weights": weights,
+        "settings": dict(settings or {}),
+    }
+    if prompts is not None:
+        from dm_cli.run.queue_runner import QueueRequest
 
+        _refuse_single_only(fields)
+        queue = QueueRequest(prompts=prompts, run=_request(fields, output=None), output_dir=output or "dmap-out",
+                             resume=resume and not overwrite, chunk_size=chunk_size, chunk_memory=chunk_memory,
+                             gpus_per_rank=gpus_per_rank)
+        return _run_queue(queue, as_json, quiet, binary)
+    return _run_one(fields, output, gpus_per_rank, as_json, quiet, binary)
+
+
+def _refuse_early(ctx, prompt, prompts, dtype, *, steps, num_images, height, width, max_sequence_length, frames,
+                  fps) -> None:
+    """What no run could use, refused before outputs, plans or SOURCE are touched: cheap, and the user
+    hears of a typo before minutes of loading rather than after."""
     if (prompt is None) == (prompts is None):
         from dm_cli.cli._errors import usage_error
 
@@ -83,41 +137,41 @@ def run(
     if dtype is not None:
         parse_dtype(dtype)
 
-    def _request(output):
-        """The run options, one RunRequest for one prompt and for a queue alike."""
-        from dm_cli.run.request import RunRequest
 
-        return RunRequest(
-            source=source, prompt=prompt or "", negative_prompt=negative_prompt, device_map=device_map,
-            max_memory=max_memory, overhead=overhead, mode=mode, steps=steps, guidance_scale=guidance_scale,
-            true_cfg_scale=true_cfg_scale, guidance_scale_2=guidance_scale_2, seed=seed, height=height, width=width,
-            num_images=num_images, max_sequence_length=max_sequence_length, num_frames=frames, fps=fps, output=output,
-            save_latents=save_latents, dtype=dtype, simulate=simulate, overwrite=overwrite,
-            track_activations=track_activations, weights=weights,
-        )
+def _request(fields: dict, output: str | None):
+    """The run options, one RunRequest for one prompt and for a queue alike."""
+    from dm_cli.run.request import RunRequest
 
-    if prompts is not None:
-        from dm_cli.run.queue_runner import QueueRequest
+    return RunRequest(**fields, output=output)
 
-        if num_images not in (None, 1):
-            raise UsageError("--num-images is for one prompt: with --prompts, repeat a line with another seed instead.")
-        if save_latents or frames or fps or guidance_scale_2 is not None or track_activations:
-            raise UsageError("--save-latents, --frames, --fps, --guidance-scale-2 and --track-activations are for one "
-                             "prompt, not --prompts.")
-        queue = QueueRequest(prompts=prompts, run=_request(output=None), output_dir=output or "dmap-out",
-                             resume=resume and not overwrite, chunk_size=chunk_size, chunk_memory=chunk_memory,
-                             gpus_per_rank=gpus_per_rank)
-        return _run_queue(queue, as_json, quiet, binary)
+
+def _refuse_single_only(fields: dict) -> None:
+    """Options that only make sense for one prompt, refused with --prompts rather than silently ignored."""
+    from dm_cli.errors import UsageError
+
+    if fields["num_images"] not in (None, 1):
+        raise UsageError("--num-images is for one prompt: with --prompts, repeat a line with another seed instead.")
+    if (fields["save_latents"] or fields["num_frames"] or fields["fps"] or "guidance_scale_2" in fields["settings"]
+            or fields["track_activations"]):
+        raise UsageError("--save-latents, --frames, --fps, --guidance-scale-2 and --track-activations are for one "
+                         "prompt, not --prompts.")
+
+
+def _run_one(fields: dict, output: str | None, gpus_per_rank: int | None, as_json: bool, quiet: bool,
+             binary: bool) -> int:
+    """One prompt: the GPUs of this rank chosen and the outputs checked before anything is loaded, then
+    the run, printed as JSON or drawn live by the renderer."""
     if gpus_per_rank is not None:
         from dm_cli.run.distributed import Ranks, select_gpus
 
         select_gpus(Ranks.from_env(), gpus_per_rank)
     from dm_cli.run.checks import check_run_request
 
-    check_run_request(output or "dmap.png", save_latents, num_images, seed, device_map)  # before anything is loaded
+    check_run_request(output or "dmap.png", fields["save_latents"], fields["num_images"], fields["seed"],
+                      fields["device_map"])  # before anything is loaded
     from dm_cli.run.single import run as run_pipeline
 
-    request = _request(output=output or "dmap.png")
+    request = _request(fields, output=output or "dmap.png")
     if as_json:
         result = run_pipeline(request)
         from dm_cli.cli._output import print_json

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from dm_cli.errors import UsageError
 from dm_cli.families.calls import CallSpec, block_scale
-from dm_cli.inputs import InputSpec
+from dm_cli.inputs import Generation, InputSpec
+from dm_cli.units import shorten
 
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
 # `related` prefix is a prefix of another's (Flux of Flux2, StableDiffusion of StableDiffusion3) comes after it.
@@ -32,6 +34,44 @@ GUIDANCE_SEPARATE = "separate"  # true CFG: a second call per step with the nega
 GUIDANCE_DISTILLED = "distilled"  # guidance is an input of the model: one call, batch unchanged (FLUX)
 
 DENOISER_NAMES = ("transformer", "unet", "prior", "decoder")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A setting a family adds to its generations (Qwen-Image's true_cfg_scale, Wan 2.2's guidance_scale_2).
+
+    Declared once in the family module, it becomes an option of `dmap plan` and `dmap run`, a keyword of
+    `dm_cli.plan`, `dm_cli.load` and `Pipeline.generate`, a queue JSONL key, an image metadata entry and part
+    of the resume key, and it reaches the pipeline's __call__ as `argument`.
+    """
+
+    name: str
+    type: type = float  # float, int or str
+    default: object = None  # None: not passed, the pipeline's own default applies
+    help: str = ""
+    argument: str | None = None  # the pipeline __call__ keyword (None: `name`)
+    for_whom: str = ""  # refusing it elsewhere: "--NAME is for <for_whom>, not FLUX: <instead>."
+    instead: str = ""
+    needs_component: str | None = None  # a component the pipeline must have for it (Wan 2.2's transformer_2)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def check(self, value, where: str | None = None):
+        """`value` as this setting's type (a finite number for float), else UsageError naming `where`."""
+        where = where or self.flag
+        if self.type is str:
+            if not isinstance(value, str):
+                raise UsageError(f"{where} must be a string.")
+            return value
+        if self.type is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UsageError(f"{where} must be a whole number, not {shorten(value, quote=True)}.")
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UsageError(f"{where} must be a finite number, not {shorten(value, quote=True)}.")
+        return float(value)
 
 
 @dataclass(frozen=True)
@@ -47,9 +87,19 @@ class Job:
     width: int
     num_images: int = 1
     max_sequence_length: int | None = None
-    true_cfg_scale: float | None = None  # families with GUIDANCE_SEPARATE only
     num_frames: int | None = None  # video families only
-    guidance_scale_2: float | None = None  # families with two experts (Wan 2.2): the second expert's guidance
+    settings: tuple[tuple[str, object], ...] = ()  # the family's own settings (Family.settings), given or default
+
+    def setting(self, name: str, default=None):
+        return dict(self.settings).get(name, default)
+
+    @classmethod
+    def of(cls, generation: Generation, prompt: str, seed: int) -> "Job":
+        """The job of a settled generation."""
+        return cls(prompt=prompt, negative_prompt=generation.negative_prompt, seed=seed, steps=generation.steps,
+                   guidance_scale=generation.guidance_scale, height=generation.height, width=generation.width,
+                   num_images=generation.num_images, max_sequence_length=generation.max_sequence_length,
+                   num_frames=generation.num_frames, settings=generation.settings)
 
 
 def denormalized(vae, latents):
@@ -99,7 +149,7 @@ class Family:
     guidance: str = GUIDANCE_BATCH
     default_steps: int = 50
     default_guidance: float = 7.5
-    default_true_cfg_scale: float | None = None  # true-CFG families (Qwen-Image): the pipeline's true_cfg_scale
+    settings: tuple[Setting, ...] = ()  # the family's own generation settings (see Setting)
     default_max_sequence_length: int | None = None  # T5/LLM tokens; None: the family has no such knob
     default_sample_size: int | None = None  # latent size of the default image; None: denoiser config sample_size
     negative_prompt: bool = True  # False: a negative prompt is refused (guidance-distilled)
@@ -109,6 +159,9 @@ class Family:
     # component -> tensors the pipeline's __call__ reads while that component is not loaded (for
     # `dmap run`'s meta placeholders; e.g. FLUX.2 [klein] un-normalises latents with the VAE's batch norm)
     placeholder_tensors: dict[str, tuple[str, ...]] = {}
+    # The family's stages (dm_cli.families.stages.Stage: name, components, what each consumes and produces), in
+    # run order; () declares the default: encode / denoise / decode around `denoiser` and `experts` (`stages`).
+    declared_stages: tuple = ()
 
     # --- matching -------------------------------------------------------------------------------
 
@@ -166,25 +219,75 @@ class Family:
         return math.lcm(8, self.vae_scale(vae_config))
 
     def check_inputs(self, inputs: InputSpec, vae_config: dict | None) -> None:
-        """Raise UsageError (one sentence) for inputs the pipeline refuses; images take no --frames."""
+        """The family's own rules on frames (UsageError, one sentence); images take no --frames."""
         if self.default_num_frames is None and (inputs.num_frames is not None or inputs.fps is not None):
-            from dm_cli.errors import UsageError
-
             raise UsageError(f"{self.title()} pipelines make images, not videos: drop --frames and --fps.")
 
-    # --- run ------------------------------------------------------------------------------------
+    # --- one generation: defaults and rules, for plan and run alike ------------------------------
 
-    def refuse(self, negative_prompt: str | None, true_cfg_scale: float | None,
-               guidance_scale_2: float | None = None) -> str | None:
+    def settle(self, generation: Generation, denoiser_config: dict, vae_config: dict | None,
+               defaults: dict | None = None) -> Generation:
+        """Every default filled in: given, else `defaults` (the demo's, a plan file's), else the pipeline's."""
+        defaults = defaults or {}
+
+        def pick(name: str, fallback):
+            given = getattr(generation, name)
+            if given is not None:
+                return given
+            return defaults[name] if defaults.get(name) is not None else fallback
+
+        height, width = self.default_size(denoiser_config, vae_config)
+        video = self.default_num_frames is not None
+        settled = replace(
+            generation, height=pick("height", height), width=pick("width", width),
+            num_frames=pick("num_frames", self.default_num_frames) if video else generation.num_frames,
+            fps=pick("fps", self.default_fps) if video else generation.fps,
+            steps=pick("steps", self.default_steps), guidance_scale=pick("guidance_scale", self.default_guidance),
+            max_sequence_length=pick("max_sequence_length", self.default_max_sequence_length),
+            num_images=pick("num_images", 1))
+        declared = {s.name: s.default for s in self.settings if s.default is not None}
+        return replace(settled, settings=()).with_settings({**declared, **dict(generation.settings)})
+
+    def validate(self, generation: Generation, pipeline_class: str, denoiser_config: dict, vae_config: dict | None,
+                 components: tuple[str, ...] = ()) -> None:
+        """The pipeline's rules on a settled generation, one sentence each (UsageError): the same check for
+        `dmap plan`, `dmap run`, the API and every queue item."""
+        refusal = self.refusal(generation, components)
+        if refusal:
+            raise UsageError(refusal)
+        if not generation.weights_only:
+            multiple = self.size_multiple(denoiser_config, vae_config)
+            for flag, value in (("--height", generation.height), ("--width", generation.width)):
+                if value < multiple or value % multiple:
+                    lower = max(multiple, value - value % multiple)
+                    raise UsageError(f"{flag} {value} is not a multiple of {multiple}, which {pipeline_class} needs "
+                                     f"for this model: use {lower} or {lower + multiple}.")
+        self.check_inputs(generation.inputs(), vae_config)
+
+    def refusal(self, generation: Generation, components: tuple[str, ...] = ()) -> str | None:
         """A sentence when the request asks for something this family cannot do, else None."""
-        if guidance_scale_2 is not None and not self.experts:
-            return (f"--guidance-scale-2 is for pipelines with two experts such as Wan 2.2 A14B, not {self.title()}: "
-                    "use --guidance-scale.")
-        if negative_prompt and not self.negative_prompt:
+        declared = {s.name: s for s in self.settings}
+        for name, value in generation.settings:
+            setting = declared.get(name)
+            if setting is None:
+                other = next((s for f in all_families() for s in f.settings if s.name == name), None)
+                if other is None:
+                    return f"Unknown setting '{name}': the settings are {', '.join(sorted(all_settings())) or 'none'}."
+                return f"{other.flag} is for {other.for_whom}, not {self.title()}: {other.instead}."
+            setting.check(value)
+            if setting.needs_component and components and setting.needs_component not in components:
+                return (f"{setting.flag} sets the guidance of {setting.needs_component}, which this pipeline does not "
+                        f"have (one expert, as Wan 2.1): {setting.instead}.")
+        if generation.negative_prompt and not self.negative_prompt:
             return f"{self.title()} pipelines ignore negative prompts (guidance is distilled): drop --negative-prompt."
-        if true_cfg_scale is not None and self.default_true_cfg_scale is None:  # Wan's separate calls are plain CFG
-            return f"--true-cfg-scale is for true-CFG pipelines such as Qwen-Image, not {self.title()}: use --guidance-scale."
         return None
+
+    def setting_kwargs(self, job: "Job") -> dict:
+        """The family's settings as the pipeline's __call__ keywords (those given or with a default)."""
+        values = dict(job.settings)
+        return {s.argument or s.name: values[s.name] for s in self.settings if values.get(s.name) is not None}
+
+    # --- run ------------------------------------------------------------------------------------
 
     def title(self) -> str:
         return self.name.upper() if len(self.name) <= 4 else self.name
@@ -195,7 +298,7 @@ class Family:
 
     def call_kwargs(self, pipe, job: Job) -> dict:
         """Guidance arguments of the pipeline's __call__ when it denoises from embeddings."""
-        return {"guidance_scale": job.guidance_scale}
+        return {"guidance_scale": job.guidance_scale, **self.setting_kwargs(job)}
 
     def decode(self, pipe, latents, job: Job, device) -> list:
         """The pipeline's own decode tail (unpack, unscale, VAE decode, postprocess to PIL; video
@@ -206,10 +309,41 @@ class Family:
         """Families with `experts`: the denoiser component that runs at each step (None: `denoiser` always)."""
         return None
 
+    # --- stages ---------------------------------------------------------------------------------
+
+    def stages(self, components: list[str], offload_seq: list[str] | None) -> list:
+        """The stages of a pipeline with these components, in run order: `declared_stages` (each with the
+        components the pipeline has), else encode (what runs before the denoiser in `offload_seq`), denoise
+        (`denoiser` and `experts`), decode (what runs after it)."""
+        from dm_cli.families.stages import declared, default_stages
+
+        if self.declared_stages:
+            return declared(self.declared_stages, components)
+        return default_stages(components, offload_seq, (self.denoiser, *self.experts))
+
+    def encode_image(self, pipe, job: Job, device):
+        """Families with an image-encode stage (consumes IMAGE, produces IMAGE_LATENTS): the input image in
+        latent space, as the pipeline's own VAE encode computes it."""
+        raise NotImplementedError(f"the {self.name} family declares no image-encode stage")
+
+    def image_kwargs(self, pipe, job: Job, image_latents) -> dict:
+        """Families whose denoise consumes IMAGE_LATENTS: the pipeline __call__ arguments that start the
+        denoising from them (an img2img pipeline's `image`, a text-to-image one's `latents`)."""
+        raise NotImplementedError(f"the {self.name} family declares no denoising from an input image")
+
 
 @lru_cache(maxsize=None)
 def all_families() -> tuple[Family, ...]:
     return tuple(importlib.import_module(f"{__name__}.{module}").FAMILY for module in FAMILY_MODULES)
+
+
+def all_settings() -> dict[str, Setting]:
+    """Every registered family's settings by name (one declaration per name: the first family's)."""
+    found: dict[str, Setting] = {}
+    for family in all_families():
+        for setting in family.settings:
+            found.setdefault(setting.name, setting)
+    return found
 
 
 def family_for(pipeline_class: str | None, component_cls: str | None = None, config: dict | None = None) -> Family | None:
@@ -224,7 +358,7 @@ def default_size(pipeline_class: str | None, components) -> tuple[int, int]:
     """(height, width) a pipeline makes when neither is given: its family's rule on the denoiser and VAE
     configs, as its __call__ computes it (Wan: 480x832). The one default `dmap plan` and `dmap run`
     share; 1024x1024 for what no family knows."""
-    family, denoiser, vae = _family_parts(pipeline_class, components)
+    family, denoiser, vae = family_parts(pipeline_class, components)
     if family is None or denoiser is None:
         return FALLBACK_IMAGE_SIZE, FALLBACK_IMAGE_SIZE
     return family.default_size(denoiser.config or {}, vae.config if vae is not None else None)
@@ -232,11 +366,11 @@ def default_size(pipeline_class: str | None, components) -> tuple[int, int]:
 
 def source_family(pipeline_class: str | None, components) -> Family | None:
     """The family of a pipeline class, or of a lone component folder (by its denoiser or VAE class)."""
-    return _family_parts(pipeline_class, components)[0]
+    return family_parts(pipeline_class, components)[0]
 
 
-def _family_parts(pipeline_class: str | None, components):
-    """(family, denoiser component, vae component) of a pipeline or of a lone component folder."""
+def family_parts(pipeline_class: str | None, components):
+    """(family, denoiser component, vae component) of a pipeline or of a lone component folder (None: unknown)."""
     by_name = {c.name: c for c in components}
     if pipeline_class:
         family = family_for(pipeline_class)
@@ -268,16 +402,16 @@ def offload_sequence(pipeline_class: str | None) -> list[str] | None:
 
 
 def pipeline_stages(pipeline_class: str | None, components: list[str]):
-    """encode / denoise / decode of a pipeline's components (planner Stages), in offload order.
-
-    The denoiser is the family's; for an unknown family, the first component with a name diffusers
-    gives denoisers (transformer, unet, prior, decoder).
+    """The stages of a pipeline's components (dm_cli.families.stages.Stage), in run order: as its family
+    declares them (`Family.stages`); for an unknown family, encode / denoise / decode in offload order
+    around the first component with a name diffusers gives denoisers (transformer, unet, prior, decoder).
     """
     from dm_cli.families.stages import default_stages
 
     family = family_for(pipeline_class)
-    denoisers = (family.denoiser, *family.experts) if family is not None else DENOISER_NAMES
-    return default_stages(components, offload_sequence(pipeline_class), denoisers)
+    if family is not None:
+        return family.stages(components, offload_sequence(pipeline_class))
+    return default_stages(components, offload_sequence(pipeline_class), DENOISER_NAMES)
 
 
 def unknown_family_warning(pipeline_class: str) -> str:
@@ -285,4 +419,4 @@ def unknown_family_warning(pipeline_class: str) -> str:
     return (f"dmap has no family for {pipeline_class}: it does not know what the pipeline feeds its components (activations "
             "are estimated only where a forward can be called with generic inputs), takes the stage order from "
             "diffusers' model_cpu_offload_seq, and dmap run cannot run it; a family module in dm_cli/families adds all "
-            "three (README: Adding a pipeline family).")
+            "three (docs/adding-a-family.md).")

@@ -5,7 +5,7 @@ then unconditional), never on a doubled batch."""
 
 from __future__ import annotations
 
-from dm_cli.families import GUIDANCE_SEPARATE, Embeds, Family, Job, denormalized, packed_latents
+from dm_cli.families import GUIDANCE_SEPARATE, Embeds, Family, Job, Setting, denormalized, packed_latents
 from dm_cli.families.calls import CallSpec, TensorSpec, sibling_config, vae_config
 from dm_cli.inputs import InputSpec
 
@@ -25,7 +25,9 @@ class QwenImageFamily(Family):
     guidance = GUIDANCE_SEPARATE
     default_steps = 50
     default_guidance = 1.0  # guidance_scale only matters for guidance-distilled checkpoints (guidance_embeds)
-    default_true_cfg_scale = 4.0
+    settings = (Setting("true_cfg_scale", float, 4.0,
+                        "True CFG with --negative-prompt: a second denoiser call per step (Qwen-Image; default 4.0).",
+                        for_whom="true-CFG pipelines such as Qwen-Image", instead="use --guidance-scale"),)
     default_max_sequence_length = 512
     default_sample_size = 128
 
@@ -80,7 +82,7 @@ class QwenImageFamily(Family):
 
     def true_cfg(self, job: Job) -> bool:
         """QwenImagePipeline's do_true_cfg: true_cfg_scale > 1 and a negative prompt (even an empty one)."""
-        return (job.true_cfg_scale or 0) > 1 and job.negative_prompt is not None
+        return (job.setting("true_cfg_scale") or 0) > 1 and job.negative_prompt is not None
 
     def encode(self, pipe, job: Job, device) -> Embeds:
         max_seq = job.max_sequence_length or self.default_max_sequence_length
@@ -95,7 +97,7 @@ class QwenImageFamily(Family):
 
     def call_kwargs(self, pipe, job: Job) -> dict:
         distilled = bool(pipe.transformer.config.guidance_embeds)
-        return {"true_cfg_scale": job.true_cfg_scale, "guidance_scale": job.guidance_scale if distilled else None}
+        return {"true_cfg_scale": job.setting("true_cfg_scale"), "guidance_scale": job.guidance_scale if distilled else None}
 
     def decode(self, pipe, latents, job: Job, device) -> list:
         vae = pipe.vae

@@ -14,7 +14,7 @@ Facts from diffusers 0.42's `pipeline_wan.py`:
 from __future__ import annotations
 
 from dm_cli.errors import UsageError
-from dm_cli.families import GUIDANCE_SEPARATE, Embeds, Family, Job, denormalized
+from dm_cli.families import GUIDANCE_SEPARATE, Embeds, Family, Job, Setting, denormalized
 from dm_cli.families.calls import CallSpec, TensorSpec, vae_config
 from dm_cli.inputs import InputSpec
 
@@ -41,6 +41,10 @@ class WanFamily(Family):
     default_num_frames = 81
     default_fps = 16
     default_height, default_width = 480, 832
+    settings = (Setting("guidance_scale_2", float, None,
+                        "Two-expert pipelines (Wan 2.2 A14B): guidance of the low-noise expert (default: --guidance-scale).",
+                        for_whom="pipelines with two experts such as Wan 2.2 A14B", instead="use --guidance-scale",
+                        needs_component="transformer_2"),)
 
     def title(self) -> str:
         return "Wan"
@@ -60,7 +64,7 @@ class WanFamily(Family):
         return 16  # WanPipeline.check_inputs (8x spatial compression x 2x2 patches)
 
     def check_inputs(self, inputs: InputSpec, vae_config_: dict | None) -> None:
-        """Frames t*k + 1 (t the VAE's temporal compression), height and width multiples of 16."""
+        """Frames t*k + 1 (t the VAE's temporal compression); sizes are `size_multiple`'s (16)."""
         temporal, _ = vae_factors(vae_config_)
         frames = inputs.num_frames
         if frames is not None and frames < 1:
@@ -71,14 +75,6 @@ class WanFamily(Family):
                              f"frames into one): use {max(lower, 1)} or {lower + temporal}.")
         if inputs.fps is not None and inputs.fps < 1:
             raise UsageError(f"--fps must be at least 1 (got {inputs.fps}).")
-        if inputs.weights_only:
-            return
-        multiple = self.size_multiple({}, vae_config_)
-        for flag, value in (("--height", inputs.height), ("--width", inputs.width)):
-            if value % multiple:
-                lower = max(multiple, value - value % multiple)
-                raise UsageError(f"{flag} {value} is not a multiple of {multiple}, which WanPipeline needs: "
-                                 f"use {lower} or {lower + multiple}.")
 
     # --- the tracer's view ----------------------------------------------------------------------
 
@@ -126,10 +122,9 @@ class WanFamily(Family):
         return Embeds({"prompt_embeds": pe, "negative_prompt_embeds": npe} if do_cfg else {"prompt_embeds": pe})
 
     def call_kwargs(self, pipe, job: Job) -> dict:
-        kwargs = {"guidance_scale": job.guidance_scale, "num_frames": job.num_frames or self.default_num_frames}
-        if job.guidance_scale_2 is not None:  # else the pipeline uses guidance_scale for both experts
-            kwargs["guidance_scale_2"] = job.guidance_scale_2
-        return kwargs
+        # guidance_scale_2 only when given: else the pipeline uses guidance_scale for both experts
+        return {"guidance_scale": job.guidance_scale, "num_frames": job.num_frames or self.default_num_frames,
+                **self.setting_kwargs(job)}
 
     def step_components(self, pipe, job: Job) -> list[str] | None:
         """`transformer` while t >= boundary_ratio * num_train_timesteps, then `transformer_2` (as __call__ does)."""

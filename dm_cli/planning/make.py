@@ -1,7 +1,7 @@
 """`dmap plan`: resolve a SOURCE, size and trace its components, place them, check the split.
 
 The Plan (and its `dmap-plan` JSON v1, docs/CONTRACTS.md) lives here, with the orchestration around the
-pure planner (`planner.py`): skeletons, meta traces (`trace.py`), local devices, suggestions when a
+pure planner (`search.py`): skeletons, meta traces (`trace.py`), local devices, suggestions when a
 plan does not fit, and the split check.
 """
 
@@ -17,8 +17,15 @@ from typing import Callable
 
 from dm_cli.devices import device_key, device_label, device_rank, is_gpu
 from dm_cli.errors import CheckpointError, DoesNotFitError, UsageError
-from dm_cli.families import default_size, family_for, pipeline_stages, source_family, unknown_family_warning
-from dm_cli.inputs import InputSpec
+from dm_cli.families import (
+    FALLBACK_IMAGE_SIZE,
+    family_for,
+    family_parts,
+    pipeline_stages,
+    unknown_family_warning,
+)
+from dm_cli.families.stages import NAMED_VALUES
+from dm_cli.inputs import Generation, InputSpec
 from dm_cli.io.atomic import atomic_write
 from dm_cli.model.weight_formats import (
     STORAGE_DTYPES,
@@ -79,6 +86,7 @@ class PlanOptions:
     use_cache: bool = True
     weights: str | None = None  # --weights spec: fp8, int8, transformer=fp8,text_encoder=fp8
     on_progress: Callable[[str], None] | None = None  # hears each step (resolving, sizing, each trace, the check)
+    settings: dict = field(default_factory=dict)  # the family's own (Family.settings): checked as dmap run checks them
 
 
 @dataclass
@@ -136,6 +144,7 @@ class Plan:
                     "device_map": c.device_map,
                     "execution_device": c.execution_device,
                     "stage": c.stage,
+                    **({"stages": list(c.stages)} if c.stages else {}),
                     "offloaded_bytes": c.offloaded_bytes,
                     "disk_bytes": c.disk_bytes,
                     "hops": c.hops,
@@ -154,6 +163,8 @@ class Plan:
                     "breakdown": {k: {"weights": u.weights, "reserve": u.reserve, "activations": u.activations,
                                       "overhead": u.overhead} for k, u in s.use.items()},
                     "note": s.note,
+                    "consumes": list(s.consumes),
+                    "produces": list(s.produces),
                 }
                 for s in self.stages
             ],
@@ -204,6 +215,7 @@ class Plan:
                  for k, v in _object(c.get("activation_bytes", {}), f"{where} activation_bytes").items()},
                 _count(c.get("offloaded_bytes", 0), f"{where} offloaded_bytes"), _count(c.get("hops", 0), f"{where} hops"),
                 _text(c.get("stage", ""), f"{where} stage"), _count(c.get("disk_bytes", 0), f"{where} disk_bytes"),
+                _names(c.get("stages", []), f"{where} stages"),
             )
         raw_stages = data.get("stages")
         if not isinstance(raw_stages, list) or not raw_stages:
@@ -214,7 +226,7 @@ class Plan:
             raise ValueError("'warnings' must be a list")
         inputs = InputSpec.from_json(_object(data.get("inputs", {}), "'inputs'"))
         if inputs.height is not None and inputs.width is not None:
-            _check_inputs(inputs)  # as dmap plan checks them (multiples of 8, weights only as 0x0)
+            _check_weights_only(inputs)  # the family's rules are the run's to apply (Family.validate)
         return cls(
             _text(data.get("source", "?"), "'source'"), dtype, strategy, mode,
             devices, inputs, components, stages,
@@ -247,7 +259,16 @@ def _stage(data, components: dict, known: set) -> StagePlacement:
         use[str(_plan_device(key, f"stage {name!r}", known))] = DeviceUse(*(_count(value.get(part, 0), f"stage {name!r} {part}")
                                                 for part in ("weights", "reserve", "activations", "overhead")))
     note = data.get("note") or ""
-    return StagePlacement(name, list(members), use, _text(note, f"stage {name!r} note"))
+    # what the stage takes and makes; a plan written before stages recorded it means what the name did then
+    consumes, produces = NAMED_VALUES.get(name, ((), ())) if "produces" not in data else (
+        _names(data.get("consumes", []), f"stage {name!r} consumes"), _names(data["produces"], f"stage {name!r} produces"))
+    return StagePlacement(name, list(members), use, _text(note, f"stage {name!r} note"), consumes, produces)
+
+
+def _names(value, what: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{what} must be a list of names")
+    return tuple(value)
 
 
 def _object(value, what: str) -> dict:
@@ -534,8 +555,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     source = resolve_source(source_spec)
     comps = [source.component(options.component)] if options.component else list(source.components)
     options = replace(options, inputs=default_inputs(source, comps, options.inputs))
-    _check_inputs(options.inputs)
-    _check_family_inputs(source, comps, options.inputs)
+    _check_family_inputs(source, comps, options)
     if options.dtype is not None:  # "" is an unknown dtype, not the default
         options = replace(options, dtype=parse_dtype(options.dtype))
     budgets = parse_device_spec(options.max_memory) if options.max_memory is not None else local_devices()
@@ -586,37 +606,43 @@ def make_named_plan(root: str, spec: str, options: PlanOptions) -> Plan:
     return plan
 
 
-def _check_inputs(inputs: InputSpec) -> None:
+def _check_weights_only(inputs: InputSpec) -> None:
     """What InputSpec alone cannot refuse (it checks each field's range, fps included): fields that go together."""
     if (inputs.height == 0) != (inputs.width == 0):
         raise UsageError("Give --height 0 and --width 0 together for a weights-only plan.")
-    if inputs.height % 8 or inputs.width % 8:
-        raise UsageError(f"--height and --width must be multiples of 8 (got {inputs.height}x{inputs.width}).")
 
 
 def default_inputs(source, comps, inputs: InputSpec) -> InputSpec:
-    """The pipeline's own defaults where the user gave none, the ones dmap run uses: its size (--width
-    defaults to --height), and for video families its frames."""
-    components = source.components if source.pipeline_class else comps
-    height, width = inputs.height, inputs.width
-    if height is None or width is None:
-        default_height, default_width = default_size(source.pipeline_class, components)
-        width = width if width is not None else (height if height is not None else default_width)
-        height = height if height is not None else default_height
-    family = source_family(source.pipeline_class, components)
-    frames = inputs.num_frames
-    if frames is None and family is not None and family.default_num_frames is not None:
-        frames = family.default_num_frames
-    return replace(inputs, height=height, width=width, num_frames=frames)
+    """The pipeline's own defaults where the user gave none, the ones dmap run uses (`Family.settle`): its
+    size and, for video families, its frames."""
+    if 0 in (inputs.height, inputs.width) and None in (inputs.height, inputs.width):
+        return replace(inputs, height=0, width=0)  # --height 0 (or --width 0) alone: weights only
+    family, denoiser, vae = family_parts(source.pipeline_class, source.components if source.pipeline_class else comps)
+    if family is None or denoiser is None:
+        return replace(inputs, height=FALLBACK_IMAGE_SIZE if inputs.height is None else inputs.height,
+                       width=FALLBACK_IMAGE_SIZE if inputs.width is None else inputs.width)
+    settled = family.settle(Generation(height=inputs.height, width=inputs.width, num_frames=inputs.num_frames),
+                            denoiser.config or {}, vae.config if vae is not None else None)
+    return replace(inputs, height=settled.height, width=settled.width, num_frames=settled.num_frames)
 
 
-def _check_family_inputs(source, comps, inputs: InputSpec) -> None:
-    """The family's own rules (Wan: 4k+1 frames, sizes multiple of 16); images take no --frames."""
-    family = source_family(source.pipeline_class, source.components if source.pipeline_class else comps)
-    if family is not None:
-        vae = next((c.config for c in source.components if c.name == "vae"), None)
-        family.check_inputs(inputs, vae)
-    elif inputs.num_frames is not None or inputs.fps is not None:
+def _check_family_inputs(source, comps, options: PlanOptions) -> None:
+    """The family's rules (`Family.validate`, as dmap run applies them); multiples of 8 for what no family knows."""
+    inputs = options.inputs
+    _check_weights_only(inputs)
+    family, denoiser, vae = family_parts(source.pipeline_class, source.components if source.pipeline_class else comps)
+    if family is not None and denoiser is not None:
+        generation = Generation(height=inputs.height, width=inputs.width, num_frames=inputs.num_frames, fps=inputs.fps,
+                                guidance_scale=inputs.guidance_scale, max_sequence_length=inputs.max_sequence_length,
+                                num_images=inputs.num_images).with_settings(options.settings)
+        family.validate(generation, source.pipeline_class or denoiser.cls, denoiser.config or {},
+                        vae.config if vae is not None else None, tuple(c.name for c in source.components))
+        return
+    if options.settings:
+        raise UsageError(f"dmap knows no pipeline family in {source.spec}: drop --{next(iter(options.settings))}.")
+    if inputs.height % 8 or inputs.width % 8:
+        raise UsageError(f"--height and --width must be multiples of 8 (got {inputs.height}x{inputs.width}).")
+    if inputs.num_frames is not None or inputs.fps is not None:
         raise UsageError(f"dmap knows no video pipeline in {source.spec}: drop --frames and --fps.")
 
 

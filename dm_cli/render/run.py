@@ -97,7 +97,7 @@ class RunView:
             f"{result.pipeline_class} from {result.source}: {result.width}x{result.height}"
             f"{f', {result.num_frames} frames at {result.fps} fps' if result.num_frames else ''}, {result.steps} steps, "
             f"guidance {result.guidance_scale}"
-            f"{f' (low-noise expert {result.guidance_scale_2})' if result.guidance_scale_2 is not None else ''}, "
+            f"{f' (low-noise expert {expert})' if (expert := result.settings.get('guidance_scale_2')) is not None else ''}, "
             f"seed {result.seed}, {where}; plan {result.plan_digest}"
         )
         stage_rows = [[s.name, ", ".join(s.components), f"{s.load_s:.2f}", f"{s.run_s:.2f}", f"{s.wall_s:.2f}",

@@ -8,9 +8,9 @@ Plain data and file handling, no torch. The generation itself is the runner's st
   `00000.png`, `00001.png`, ... unless its line gives `output` (.png, .jpg, .jpeg or .webp: the format
   written; .png added to any other name); every name is checked against the file system's
   limits when the file is read, with `output_dir` (`check_output_names`);
-- `is_complete` says whether an item's image exists, decodes, and was made for this item (its text
-  metadata names the same prompt, seed, steps, guidance, size and source), so a restarted run skips
-  exactly the finished items;
+- `resume_keys` are the metadata keys that `dm_cli.io.outputs.is_complete` compares to say whether an
+  item's output exists, decodes, and was made for this item (the same prompt, seed, steps, guidance,
+  size, source and family settings), so a restarted run skips exactly the finished items;
 - `append_record` adds one line to a manifest with a single O_APPEND write and an fsync, so a
   killed run leaves whole lines (a torn last line is ignored on reading); `write_manifest` writes
   the merged, ordered manifest atomically at the end.
@@ -26,15 +26,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dm_cli.errors import UsageError
+from dm_cli.families import all_settings
 from dm_cli.io.atomic import atomic_write
+from dm_cli.io.images import DEFAULT_IMAGE_SUFFIX
 from dm_cli.run.checks import check_seed
 
 MANIFEST = "manifest.jsonl"
 MAX_PROMPTS_BYTES = 1 << 30  # millions of prompts; never a whole disk
 JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "output"}
-# What a finished PNG must say in its metadata to count as this item's output (see is_complete).
-MATCHED_METADATA = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "height", "width", "source",
-                    "tiled_decode")  # a tiled decode changes pixels at the tile seams
 
 
 @dataclass(frozen=True)
@@ -48,13 +47,14 @@ class QueueItem:
     negative_prompt: str | None = None
     steps: int | None = None
     guidance_scale: float | None = None
+    settings: tuple[tuple[str, object], ...] = ()  # the family's own (dm_cli.families.Setting), from its JSONL keys
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "settings": dict(self.settings)}
 
 
 def default_output_name(index: int) -> str:
-    return f"{index:05d}.png"
+    return f"{index:05d}{DEFAULT_IMAGE_SUFFIX}"
 
 
 def read_prompts(path: str | os.PathLike, base_seed: int = 0,
@@ -112,9 +112,13 @@ def _jsonl_item(line: str, index: int, base_seed: int, where: str) -> QueueItem:
         raise UsageError(f"{where} is not a JSON object ({error}).") from None
     if not isinstance(data, dict):
         raise UsageError(f"{where} is not a JSON object: write {{\"prompt\": \"...\"}}.")
-    unknown = sorted(set(data) - JSONL_KEYS)
+    declared = all_settings()  # the families' own settings are keys too (true_cfg_scale, guidance_scale_2, ...)
+    unknown = sorted(set(data) - JSONL_KEYS - set(declared))
     if unknown:
-        raise UsageError(f"{where} has unknown key(s) {', '.join(unknown)}: use {', '.join(sorted(JSONL_KEYS))}.")
+        raise UsageError(f"{where} has unknown key(s) {', '.join(unknown)}: use "
+                         f"{', '.join(sorted(JSONL_KEYS | set(declared)))}.")
+    settings = tuple(sorted((name, declared[name].check(data[name], f"{where}: '{name}'"))
+                            for name in data if name in declared and data[name] is not None))
     prompt = data.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise UsageError(f"{where} needs a non-empty string 'prompt'.")
@@ -134,7 +138,8 @@ def _jsonl_item(line: str, index: int, base_seed: int, where: str) -> QueueItem:
         guidance = float(guidance)
     output = data.get("output")
     output = default_output_name(index) if output is None else _output_name(output, where)
-    return QueueItem(index, prompt.strip(), check_seed(seed, f"{where}: the seed"), output, negative or None, steps, guidance)
+    return QueueItem(index, prompt.strip(), check_seed(seed, f"{where}: the seed"), output, negative or None, steps, guidance,
+                     settings)
 
 
 def _is_int(value) -> bool:
@@ -154,7 +159,7 @@ def _output_name(value, where: str) -> str:
     from dm_cli.io.images import IMAGE_FORMATS
 
     if Path(name).suffix.lower() not in IMAGE_FORMATS:
-        name += ".png"  # as before .jpg/.webp were written: shot.001 and x.v2 stay PNGs named shot.001.png
+        name += DEFAULT_IMAGE_SUFFIX  # as before .jpg/.webp were written: shot.001 and x.v2 stay PNGs named shot.001.png
     return name
 
 
@@ -180,39 +185,12 @@ def items_for_rank(items: list[QueueItem], rank: int, world_size: int) -> list[Q
 # --- resume -------------------------------------------------------------------------------------
 
 
-def is_complete(path: Path, expected: dict[str, str]) -> tuple[bool, str]:
-    """(done, why): the PNG exists, decodes whole, and its metadata says it was made for `expected`.
+def resume_keys() -> tuple[str, ...]:
+    """The metadata keys an item's finished output must agree on (`dm_cli.io.outputs.is_complete`): those every
+    output has (MATCHED_METADATA) and every family's own settings, which change pixels too."""
+    from dm_cli.io.outputs import MATCHED_METADATA
 
-    `expected` is the metadata the runner writes for the item (`dm_cli.run.request.job_metadata`); the
-    keys in MATCHED_METADATA must agree (not the plan digest or dmap version: another plan or
-    release makes the same image, unless it decodes in tiles, which `tiled_decode` says), and the
-    image must have the expected size.
-    """
-    from PIL import Image
-
-    from dm_cli.io.images import image_format, read_image_metadata
-
-    if not path.is_file():
-        return False, "missing"
-    try:
-        with Image.open(path) as image:
-            image.load()  # decodes every pixel: a truncated or corrupt file fails here
-            text = read_image_metadata(image)  # PNG text, a JPEG comment or WebP EXIF (as written)
-            size, fmt = image.size, image.format
-    except Exception:  # noqa: BLE001 - any unreadable file is simply not a finished output
-        return False, "unreadable"
-    try:
-        wanted = image_format(path)
-    except UsageError:
-        wanted = None
-    if fmt != wanted:  # the format the name says (an older dmap wrote PNG bytes under any name)
-        return False, "made in another format"
-    for key in MATCHED_METADATA:
-        if text.get(key) != expected.get(key):
-            return False, f"made for another {key.replace('_', ' ')}"
-    if size != (int(expected["width"]), int(expected["height"])):
-        return False, "made for another size"
-    return True, "complete"
+    return (*MATCHED_METADATA, *all_settings())
 
 
 def remove_stale_temporaries(folder: Path, item: QueueItem) -> None:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from dm_cli.errors import CheckpointError, SourceError, UsageError
-from dm_cli.families import Family, Job, default_size, family_for, supported_pipelines
-from dm_cli.inputs import InputSpec
+from dm_cli.families import Family, Job, family_for, supported_pipelines
+from dm_cli.inputs import Generation, InputSpec
 from dm_cli.io.images import check_image_output, check_metadata_room, existing_image_paths
 from dm_cli.model.sources import config_digest
 from dm_cli.units import parse_dtype
@@ -51,8 +51,7 @@ class RunRequest:
     mode: str = "auto"
     steps: int | None = None
     guidance_scale: float | None = None
-    true_cfg_scale: float | None = None  # true-CFG families (Qwen-Image)
-    guidance_scale_2: float | None = None  # two-expert families (Wan 2.2): the low-noise expert's guidance
+    settings: dict = field(default_factory=dict)  # the family's own (Family.settings): true_cfg_scale, ...
     seed: int = 0
     height: int | None = None
     width: int | None = None
@@ -67,6 +66,13 @@ class RunRequest:
     weights: str | None = None  # --weights spec (fp8, int8, transformer=fp8,...); None: the plan's
     overwrite: bool = False  # replace an existing --output / --save-latents
     track_activations: bool = False  # per-op activation tracking on CPU (always on under simulate)
+
+    def generation(self) -> Generation:
+        """What the request asks the pipeline for, unsettled (None: the default)."""
+        return Generation(height=self.height, width=self.width, num_frames=self.num_frames, fps=self.fps,
+                          steps=self.steps, guidance_scale=self.guidance_scale, negative_prompt=self.negative_prompt,
+                          max_sequence_length=self.max_sequence_length, num_images=self.num_images
+                          ).with_settings(self.settings)
 
 
 # --- plan handling -------------------------------------------------------------------------
@@ -217,18 +223,6 @@ def _mps_available() -> bool:
 # --- settling the request ------------------------------------------------------------------
 
 
-def check_image_size(family: Family, pipeline_class: str, height: int, width: int, denoiser_config: dict,
-                     vae_config: dict | None) -> None:
-    multiple = family.size_multiple(denoiser_config, vae_config)
-    for flag, value in (("--height", height), ("--width", width)):
-        if value < multiple or value % multiple:
-            lower = max(multiple, value - value % multiple)
-            raise UsageError(
-                f"{flag} {value} is not a multiple of {multiple}, which {pipeline_class} needs for this model: "
-                f"use {lower} or {lower + multiple}."
-            )
-
-
 def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda message: None):
     """Resolve SOURCE (the demo when None), refuse what cannot run; (source, family, demo, defaults, notices)."""
     from dm_cli.model.demo import DEMO_NOTICE, is_demo, source_root
@@ -246,42 +240,31 @@ def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda m
     family = family_for(source.pipeline_class)
     if family is None or not family.runs(source.pipeline_class):
         raise UsageError(f"dmap run does not support {source.pipeline_class}: it runs {', '.join(supported_pipelines())}.")
-    refusal = family.refuse(request.negative_prompt, request.true_cfg_scale, request.guidance_scale_2)
-    if refusal:
+    refusal = family.refusal(request.generation(), tuple(c.name for c in source.components))
+    if refusal:  # before a plan file is read or anything is shown (Family.validate says the same later)
         raise UsageError(refusal)
     return source, family, demo, defaults, notices
 
 
-def settle_job(request: RunRequest, source, family: Family, defaults: dict) -> Job:
-    """Every default filled in (the demo's, else the family's), sizes checked: the Job the stages run."""
+def settle_generation(generation: Generation, source, family: Family, defaults: dict) -> Generation:
+    """Every default filled in (given, else the demo's or the plan file's, else the family's) and the family's
+    rules checked: `Family.settle` and `Family.validate`, as `dmap plan` applies them."""
     comps = {c.name: c for c in source.components}
     denoiser, vae = comps.get(family.denoiser), comps.get("vae")
     if denoiser is None or vae is None:
         raise SourceError(f"{source.spec} has no {family.denoiser} or no vae: dmap run needs both.")
-    default_height, default_width = default_size(source.pipeline_class, source.components)  # the one dmap plan uses
-    height = request.height or defaults.get("height") or default_height
-    width = request.width or defaults.get("width") or default_width
-    check_image_size(family, source.pipeline_class, height, width, denoiser.config or {}, vae.config)
-    frames = request.num_frames or defaults.get("num_frames") or family.default_num_frames
-    family.check_inputs(InputSpec(height, width, num_frames=frames if family.default_num_frames else request.num_frames,
-                                  fps=request.fps), vae.config)
-    guidance = request.guidance_scale if request.guidance_scale is not None else (
-        defaults.get("guidance_scale") or family.default_guidance)
-    missing_experts = [name for name in family.experts if name not in comps]
-    if request.guidance_scale_2 is not None and missing_experts:
-        raise UsageError(f"--guidance-scale-2 sets the guidance of {missing_experts[0]}, which {source.spec} does not "
-                         "have (one expert, as Wan 2.1): use --guidance-scale.")
-    num_images = request.num_images or defaults.get("num_images") or 1
-    refuse_existing_outputs(request, family, num_images)
-    return Job(
-        prompt=request.prompt, negative_prompt=request.negative_prompt, seed=request.seed,
-        steps=request.steps or defaults.get("steps") or family.default_steps, guidance_scale=guidance,
-        height=height, width=width, num_images=num_images,
-        max_sequence_length=(request.max_sequence_length or defaults.get("max_sequence_length")
-                             or family.default_max_sequence_length),
-        true_cfg_scale=request.true_cfg_scale if request.true_cfg_scale is not None else family.default_true_cfg_scale,
-        num_frames=frames, guidance_scale_2=request.guidance_scale_2,
-    )
+    settled = family.settle(generation, denoiser.config or {}, vae.config, defaults)
+    if settled.weights_only:
+        raise UsageError("--height 0 and --width 0 make a weights-only plan; dmap run needs an image size.")
+    family.validate(settled, source.pipeline_class, denoiser.config or {}, vae.config, tuple(comps))
+    return settled
+
+
+def settle_job(request: RunRequest, source, family: Family, defaults: dict) -> Job:
+    """The request's generation settled and checked, its outputs refused if they exist: the Job the stages run."""
+    generation = settle_generation(request.generation(), source, family, defaults)
+    refuse_existing_outputs(request, family, generation.num_images)
+    return Job.of(generation, request.prompt, request.seed)
 
 
 def refuse_existing_outputs(request: RunRequest, family: Family, num_images: int) -> None:

@@ -68,34 +68,54 @@ class Pipeline:
         # before the libraries' first import: some of them warn while importing (torchvision fallbacks)
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-        from dm_cli.inputs import InputSpec, check_counts
-        from dm_cli.planning.make import load_plan
-        from dm_cli.units import parse_dtype
-
-        # the counts and dtype before SOURCE is resolved: the rule dmap plan and dmap run apply (inputs.LIMITS)
-        check_counts(steps=request.steps, num_images=request.num_images, height=request.height,
-                     width=request.width, max_sequence_length=request.max_sequence_length,
-                     num_frames=request.num_frames, fps=request.fps)
-        if request.dtype is not None:
-            parse_dtype(request.dtype)
         from dm_cli.model.models import quiet_libraries
-        from dm_cli.planning.search import STRATEGIES
-        from dm_cli.run.checks import device_map_refusal
-        from dm_cli.run.request import (
-            TRACKED_STEPS,
-            check_component_files,
-            check_devices_present,
-            check_plan_matches,
-            check_tiled_decode,
-            inputs_from_plan,
-            make_run_plan,
-            plan_digest,
-            prepare,
-            settle_job,
-        )
+        from dm_cli.run.request import TRACKED_STEPS, check_component_files, check_tiled_decode, plan_digest
         from dm_cli.run.stages import StageLoop
 
         status = on_status or (lambda message: None)
+        plan, where = self._settle(request, plan, status)
+        # missing or corrupt weights are bad input: say so before importing the libraries or planning
+        largest = {c.name: check_component_files(c) for c in self.source.components}
+        status("Importing torch, diffusers and transformers…")
+        quiet_libraries()
+        if plan is not None:
+            check_tiled_decode(plan, self.source, where)
+        self.planned_here = plan is None
+        self.plan = plan = self._checked_plan(plan, request, status, on_plan)
+        self.simulate = request.simulate
+        self.plan_digest = plan_digest(plan)
+        self.staged = plan.mode != "resident"
+        # measure=False: no activation tracker (Python work on every op) nor RSS sampling; `dmap run --prompt`
+        # measures each stage, a queue only wants its images
+        self._loop = StageLoop(self.source, plan, self.family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
+                               largest_shard=largest, track_activations=request.simulate or request.track_activations,
+                               on_status=on_status, measure=measure)
+        # per stage of the plan, over every generate(): how often its components were loaded, and the time
+        # spent loading and running them (what a queue saves by loading once per chunk)
+        self.stage_totals: dict[str, dict] = {s.name: {"loads": 0, "load_s": 0.0, "run_s": 0.0} for s in plan.stages}
+        if not self.staged:
+            self.stage_totals["load"] = {"loads": 0, "load_s": 0.0, "run_s": 0.0}
+
+    def _settle(self, request, plan, status):
+        """Resolve SOURCE, read the plan file, settle and check the generation against both, before torch is
+        imported: (the plan or None, what to call it in messages)."""
+        from dm_cli.families import Job
+        from dm_cli.planning.make import load_plan
+        from dm_cli.planning.search import STRATEGIES
+        from dm_cli.run.checks import device_map_refusal
+        from dm_cli.run.request import (
+            check_devices_present,
+            check_plan_matches,
+            inputs_from_plan,
+            prepare,
+            refuse_existing_outputs,
+            settle_generation,
+        )
+        from dm_cli.units import parse_dtype
+
+        request.generation()  # the counts' bounds (inputs.LIMITS) before SOURCE is resolved, as dmap plan
+        if request.dtype is not None:
+            parse_dtype(request.dtype)
         is_file = plan is None and (request.device_map.endswith(".json") or Path(request.device_map).is_file())
         if plan is None and not is_file and request.device_map not in STRATEGIES:
             raise UsageError(device_map_refusal(request.device_map))
@@ -107,27 +127,30 @@ class Pipeline:
             check_devices_present(plan)
         if plan is not None:  # a plan's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
             defaults = {**defaults, **inputs_from_plan(plan)}
-        # Settle the inputs first: the plan is made for (and checked against) them.
-        self.defaults = job = settle_job(request, source, family, defaults)
-        inputs = InputSpec(height=job.height, width=job.width, batch_size=1, num_images=job.num_images,
-                           guidance_scale=job.guidance_scale, max_sequence_length=job.max_sequence_length,
-                           num_frames=job.num_frames)
-        self.fps = (request.fps or family.default_fps) if job.num_frames else None  # video families
+        # Settle the generation first: the plan is made for (and checked against) it.
+        self.generation = settle_generation(request.generation(), source, family, defaults)
+        refuse_existing_outputs(request, family, self.generation.num_images)
+        self.defaults = Job.of(self.generation, request.prompt, request.seed)
+        self.fps = self.generation.fps if self.generation.num_frames else None  # video families
+        where = request.device_map if is_file else "The plan"
         if plan is not None:
-            check_plan_matches(plan, source, inputs, request.dtype, request.device_map if is_file else "The plan",
-                               request.weights)
-        # missing or corrupt weights are bad input: say so before importing the libraries or planning
-        largest = {c.name: check_component_files(c) for c in source.components}
-        status("Importing torch, diffusers and transformers…")
-        quiet_libraries()
-        if plan is not None:
-            check_tiled_decode(plan, source, request.device_map if is_file else "The plan")
-        self.planned_here = plan is None
+            check_plan_matches(plan, source, self._inputs(), request.dtype, where, request.weights)
+        return plan, where
+
+    def _inputs(self):
+        """The settled generation as the planner sees it (dmap run makes batch 1)."""
+        from dataclasses import replace as replaced
+
+        return replaced(self.generation.inputs(), batch_size=1, fps=None)
+
+    def _checked_plan(self, plan, request, status, on_plan):
+        """The given plan, or one made here; its devices and int8 placements checked before anything loads."""
+        from dm_cli.run.request import check_devices_present, make_run_plan
+
         if plan is None:
-            status(f"Planning {source.spec} (meta-device traces are cached after the first run)…")
-            plan = make_run_plan(source, request, inputs)
+            status(f"Planning {self.source.spec} (meta-device traces are cached after the first run)…")
+            plan = make_run_plan(self.source, request, self._inputs())
         status(None)
-        self.plan = plan
         if not request.simulate:
             check_devices_present(plan)  # a plan made here: before it is shown
         if on_plan is not None:
@@ -139,36 +162,52 @@ class Pipeline:
                 problem = int8_offload_problem(name, fmt, plan.components[name].device_map)
                 if problem:
                     raise UsageError(problem)
-        self.simulate = request.simulate
-        self.plan_digest = plan_digest(plan)
-        self.staged = plan.mode != "resident"
-        # measure=False: no activation tracker (Python work on every op) nor RSS sampling; `dmap run --prompt`
-        # measures each stage, a queue only wants its images
-        self._loop = StageLoop(source, plan, family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
-                               largest_shard=largest, track_activations=request.simulate or request.track_activations,
-                               on_status=on_status, measure=measure)
-        # per stage of the plan, over every generate(): how often its components were loaded, and the time
-        # spent loading and running them (what a queue saves by loading once per chunk)
-        self.stage_totals: dict[str, dict] = {s.name: {"loads": 0, "load_s": 0.0, "run_s": 0.0} for s in plan.stages}
-        if not self.staged:
-            self.stage_totals["load"] = {"loads": 0, "load_s": 0.0, "run_s": 0.0}
+        return plan
 
     # --- what a queue needs to know before it starts -------------------------------------------
 
-    def job_for(self, item: QueueItem):
-        """The settled generation of one queue item (its own seed, steps, guidance, negative prompt)."""
+    def job_for(self, item: QueueItem, settings: dict | None = None):
+        """The settled job of one queue item: the run's generation with the item's own seed, steps, guidance,
+        negative prompt and settings (`settings`: a generate() call's, under the item's), checked as
+        `dmap plan` and `dmap run` check theirs."""
+        from dm_cli.families import Job
         from dm_cli.inputs import check_count
 
         job = self.defaults
         if item.steps is not None:  # a queue line's steps get --steps' bound
             check_count("steps", item.steps, f"Item {item.index}: 'steps'")
-        negative = item.negative_prompt or job.negative_prompt  # the item's, else the run's (--negative-prompt)
-        refusal = self.family.refuse(negative, job.true_cfg_scale)
-        if refusal:
-            raise UsageError(f"Item {item.index}: {refusal}")
-        return replace(job, prompt=item.prompt, negative_prompt=negative, seed=item.seed,
-                        steps=item.steps or job.steps,
-                        guidance_scale=job.guidance_scale if item.guidance_scale is None else item.guidance_scale)
+        generation = self.generation_of(job)
+        generation = replace(generation, negative_prompt=item.negative_prompt or job.negative_prompt,
+                             steps=item.steps or job.steps,
+                             guidance_scale=job.guidance_scale if item.guidance_scale is None else item.guidance_scale)
+        generation = generation.with_settings({**(settings or {}), **dict(item.settings)})
+        try:
+            self._validate(generation)
+        except UsageError as error:
+            raise UsageError(f"Item {item.index}: {error}") from None
+        return Job.of(generation, item.prompt, item.seed)
+
+    def generation_of(self, job):
+        """The settled generation a job was made from."""
+        from dm_cli.inputs import Generation
+
+        return getattr(self, "generation", None) or Generation(
+            height=job.height, width=job.width, num_frames=job.num_frames, steps=job.steps,
+            guidance_scale=job.guidance_scale, negative_prompt=job.negative_prompt,
+            max_sequence_length=job.max_sequence_length, num_images=job.num_images, settings=job.settings)
+
+    def _validate(self, generation) -> None:
+        """`Family.validate` with this SOURCE's configs (without a SOURCE, as in tests: the family's refusals)."""
+        source = getattr(self, "source", None)
+        if source is None:
+            refusal = self.family.refusal(generation)
+            if refusal:
+                raise UsageError(refusal)
+            return
+        comps = {c.name: c for c in source.components}
+        vae = comps.get("vae")
+        self.family.validate(generation, source.pipeline_class, (comps[self.family.denoiser].config or {}),
+                             vae.config if vae is not None else None, tuple(comps))
 
     def metadata(self, job) -> dict[str, str]:
         from dm_cli.run.outputs import job_metadata
@@ -212,15 +251,18 @@ class Pipeline:
     def generate(self, prompts: str | Iterable, *, seed: int = 0, negative_prompt: str | None = None,
                  steps: int | None = None, guidance_scale: float | None = None, chunk_size: int | None = None,
                  chunk_memory: int | None = None, on_step: Callable[[int, int], None] | None = None,
-                 on_chunk: Callable[[int, int], None] | None = None) -> Iterator[Generated]:
+                 on_chunk: Callable[[int, int], None] | None = None, **settings) -> Iterator[Generated]:
         """Images for each prompt, in order: prompt i gets seed `seed + i` (QueueItems carry their own).
+
+        `settings`: the family's own (`dm_cli.families.Setting`: true_cfg_scale=..., guidance_scale_2=...),
+        over the ones `load` was given; a QueueItem's own settings win over them.
 
         Staged plans run stage-major: each chunk of prompts is encoded with the text encoders loaded
         once, denoised with the denoiser loaded once, decoded with the VAE loaded once; each image is
         yielded as soon as it is decoded. Same pixels as one prompt at a time with the same seeds.
         """
         items = _items(prompts, seed, negative_prompt, steps, guidance_scale)
-        jobs = [(item, self.job_for(item)) for item in items]
+        jobs = [(item, self.job_for(item, settings)) for item in items]
         if not jobs:
             return
         if chunk_size is None:

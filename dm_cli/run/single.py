@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from dm_cli.errors import UsageError
-from dm_cli.io.images import save_images
-from dm_cli.run.outputs import save_latents, save_videos
+from dm_cli.families import all_settings
+from dm_cli.io.outputs import save_images, save_latents, save_videos
 from dm_cli.run.request import RunRequest, output_path
 from dm_cli.run.session import Pipeline, frozen_gc
 from dm_cli.run.stages import StageResult
@@ -26,7 +26,6 @@ class RunResult:
     seed: int
     steps: int
     guidance_scale: float
-    true_cfg_scale: float | None
     height: int
     width: int
     num_images: int
@@ -40,7 +39,7 @@ class RunResult:
     latents: object = field(default=None, repr=False)
     num_frames: int | None = None  # video families
     fps: int | None = None
-    guidance_scale_2: float | None = None  # two-expert families
+    settings: dict = field(default_factory=dict)  # the family's own (Family.settings), settled
 
     def device_peaks(self) -> dict[str, tuple[int, int]]:
         """device -> (measured peak over all stages, planned peak over all stages)."""
@@ -57,7 +56,7 @@ class RunResult:
             "source": self.source, "pipeline": self.pipeline_class, "demo_random_weights": self.demo,
             "plan_digest": self.plan_digest, "planned_here": self.planned_here, "mode": self.plan.mode,
             "simulate": self.simulate, "seed": self.seed, "steps": self.steps, "guidance_scale": self.guidance_scale,
-            "true_cfg_scale": self.true_cfg_scale, "guidance_scale_2": self.guidance_scale_2, "height": self.height, "width": self.width,
+            **{name: self.settings.get(name) for name in all_settings()}, "height": self.height, "width": self.width,
             "num_images": self.num_images, "images": self.images, "num_frames": self.num_frames, "fps": self.fps,
             "latents": self.latents_path,
             "stages": [asdict(s) for s in self.stages],
@@ -95,9 +94,9 @@ def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunR
         source=pipeline.source.spec, pipeline_class=pipeline.source.pipeline_class, demo=pipeline.demo,
         plan=pipeline.plan, plan_digest=pipeline.plan_digest, planned_here=pipeline.planned_here,
         simulate=request.simulate, seed=job.seed, steps=job.steps, guidance_scale=job.guidance_scale,
-        true_cfg_scale=job.true_cfg_scale, height=job.height, width=job.width, num_images=job.num_images, images=[],
+        height=job.height, width=job.width, num_images=job.num_images, images=[],
         latents_path=None, stages=[], notices=pipeline.notices, num_frames=job.num_frames, fps=pipeline.fps,
-        guidance_scale_2=job.guidance_scale_2,
+        settings=dict(job.settings),
     )
     if freeze:  # what the stages free is collected without walking the libraries (see run())
         gc.freeze()
