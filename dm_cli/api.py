@@ -17,10 +17,13 @@ Everything else in dm_cli may change.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import UsageError
 from dm_cli.run.session import Pipeline
+
+if TYPE_CHECKING:  # annotations only: the plan module costs start-up time
+    from dm_cli.planning.make import Plan
 
 # --- plan ---------------------------------------------------------------------------------------
 
@@ -30,7 +33,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          max_sequence_length: int | None = None, strategy: str = "auto", mode: str = "auto", dtype: str | None = None,
          overhead: str | None = None, component: str | None = None, check: bool = True, use_cache: bool = True,
          num_frames: int | None = None, fps: int | None = None, weights: str | None = None,
-         on_progress: Callable[[str], None] | None = None, **settings):
+         on_progress: Callable[[str], None] | None = None, **settings) -> Plan:
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -58,7 +61,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
 # --- load ---------------------------------------------------------------------------------------
 
 
-def load(source: str | None = None, plan=None, *, simulate: bool = False, max_memory: str | None = None,
+def load(source: str | None = None, plan: Plan | str | Path | None = None, *, simulate: bool = False, max_memory: str | None = None,
          mode: str = "auto", strategy: str = "auto", dtype: str | None = None, overhead: str | None = None,
          height: int | None = None, width: int | None = None, guidance_scale: float | None = None,
          max_sequence_length: int | None = None, weights: str | None = None, num_frames: int | None = None,
@@ -87,7 +90,7 @@ def load(source: str | None = None, plan=None, *, simulate: bool = False, max_me
 # --- dispatch -----------------------------------------------------------------------------------
 
 
-def dispatch(pipe, plan):
+def dispatch(pipe, plan: Plan | str | Path):
     """Place an existing diffusers pipeline's components per `plan` (a Plan or a plan JSON path).
 
     A component on one device is moved there (with an accelerate hook that brings its inputs

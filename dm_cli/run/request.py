@@ -15,7 +15,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import CheckpointError, SourceError, UsageError
 from dm_cli.families import Family, Job, family_for, supported_pipelines
@@ -23,6 +23,10 @@ from dm_cli.inputs import Generation, InputSpec
 from dm_cli.io.images import check_image_output, check_metadata_room, existing_image_paths
 from dm_cli.model.sources import config_digest
 from dm_cli.units import parse_dtype
+
+if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
+    from dm_cli.model.sources import Source
+    from dm_cli.planning.make import Plan
 
 # Peak host RAM during a component's load may exceed the largest shard by this much: the Python
 # heap, safetensors' mmap bookkeeping and one tensor in flight during a dtype cast.
@@ -78,7 +82,7 @@ class RunRequest:
 # --- plan handling -------------------------------------------------------------------------
 
 
-def plan_digest(plan) -> str:
+def plan_digest(plan: Plan) -> str:
     """A hash of what decides the placement (model, dtype, mode, inputs, device maps, stages): the same plan
     made twice on this machine has the same digest, whatever memory happened to be free."""
     data = plan.to_json()
@@ -90,7 +94,7 @@ def plan_digest(plan) -> str:
     return hashlib.sha256(json.dumps(decisive, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def make_run_plan(source, request: RunRequest, inputs: InputSpec):
+def make_run_plan(source: Source, request: RunRequest, inputs: InputSpec) -> Plan:
     """Plan with dmap's planner (`dm_cli.planning.make.make_plan`) for these inputs and devices."""
     from dm_cli.planning.make import PlanOptions, make_named_plan
 
@@ -101,7 +105,7 @@ def make_run_plan(source, request: RunRequest, inputs: InputSpec):
     return make_named_plan(str(source.root), source.spec, options)
 
 
-def check_plan_matches(plan, source, inputs: InputSpec, dtype: str | None, where: str,
+def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, dtype: str | None, where: str,
                        weights: str | None = None) -> None:
     """A plan made for another model, other inputs, another dtype or other weight storage is refused,
     with every mismatch at once."""
@@ -140,7 +144,7 @@ def check_plan_matches(plan, source, inputs: InputSpec, dtype: str | None, where
                          + f". Plan again with dmap plan {source.spec} --output PLAN.json, or run without --device-map.")
 
 
-def check_tiled_decode(plan, source, where: str) -> None:
+def check_tiled_decode(plan: Plan, source: Source, where: str) -> None:
     """A plan that decodes a component in tiles needs a class that can (diffusers' enable_tiling())."""
     from dm_cli.planning.trace import can_tile
 
@@ -152,7 +156,7 @@ def check_tiled_decode(plan, source, where: str) -> None:
                              f"plan again with dmap plan {source.spec} --output PLAN.json.")
 
 
-def inputs_from_plan(plan) -> dict:
+def inputs_from_plan(plan: Plan) -> dict:
     """What a plan file says about the run's inputs: the defaults `dmap run -d PLAN.json` takes from it."""
     given = {"height": plan.inputs.height, "width": plan.inputs.width, "num_images": plan.inputs.num_images,
              "guidance_scale": plan.inputs.guidance_scale, "max_sequence_length": plan.inputs.max_sequence_length,
@@ -184,7 +188,7 @@ def cuda_devices_without_torch() -> int | None:
     return 0
 
 
-def check_devices_present(plan) -> None:
+def check_devices_present(plan: Plan) -> None:
     """Without --simulate, every device the plan names must exist here. Checked before the plan is shown
     and, when the answer is known without it (no GPU driver, `cuda_devices_without_torch`), before torch
     is imported."""
@@ -246,7 +250,7 @@ def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda m
     return source, family, demo, defaults, notices
 
 
-def settle_generation(generation: Generation, source, family: Family, defaults: dict) -> Generation:
+def settle_generation(generation: Generation, source: Source, family: Family, defaults: dict) -> Generation:
     """Every default filled in (given, else the demo's or the plan file's, else the family's) and the family's
     rules checked: `Family.settle` and `Family.validate`, as `dmap plan` applies them."""
     comps = {c.name: c for c in source.components}
@@ -260,7 +264,7 @@ def settle_generation(generation: Generation, source, family: Family, defaults: 
     return settled
 
 
-def settle_job(request: RunRequest, source, family: Family, defaults: dict) -> Job:
+def settle_job(request: RunRequest, source: Source, family: Family, defaults: dict) -> Job:
     """The request's generation settled and checked, its outputs refused if they exist: the Job the stages run."""
     generation = settle_generation(request.generation(), source, family, defaults)
     refuse_existing_outputs(request, family, generation.num_images)

@@ -11,11 +11,15 @@ import contextlib
 import gc
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from dm_cli.errors import UsageError
 from dm_cli.run.checks import check_seed
 from dm_cli.run.queue import QueueItem, chunk_size_for, chunks, default_output_name
+
+if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
+    from dm_cli.planning.make import Plan
+    from dm_cli.run.request import RunRequest
 
 # What embeddings and latents waiting between stages may take by default: this share of the RAM
 # available when the queue starts (the components themselves need the rest).
@@ -61,7 +65,7 @@ class Pipeline:
     starts from. Use as a context manager, or call `close()`, to free resident components.
     """
 
-    def __init__(self, request, plan=None, on_plan: Callable | None = None,
+    def __init__(self, request: RunRequest, plan: Plan | None = None, on_plan: Callable | None = None,
                  on_status: Callable[[str | None], None] | None = None, measure: bool = False):
         import os
 
@@ -96,7 +100,7 @@ class Pipeline:
         if not self.staged:
             self.stage_totals["load"] = {"loads": 0, "load_s": 0.0, "run_s": 0.0}
 
-    def _settle(self, request, plan, status):
+    def _settle(self, request: RunRequest, plan: Plan | None, status) -> tuple[Plan | None, str]:
         """Resolve SOURCE, read the plan file, settle and check the generation against both, before torch is
         imported: (the plan or None, what to call it in messages)."""
         from dm_cli.families import Job
@@ -143,7 +147,7 @@ class Pipeline:
 
         return replaced(self.generation.inputs(), batch_size=1, fps=None)
 
-    def _checked_plan(self, plan, request, status, on_plan):
+    def _checked_plan(self, plan: Plan | None, request: RunRequest, status, on_plan) -> Plan:
         """The given plan, or one made here; its devices and int8 placements checked before anything loads."""
         from dm_cli.run.request import check_devices_present, make_run_plan
 

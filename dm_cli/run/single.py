@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import UsageError
 from dm_cli.families import all_settings
@@ -13,13 +13,16 @@ from dm_cli.run.request import RunRequest, output_path
 from dm_cli.run.session import Pipeline, frozen_gc
 from dm_cli.run.stages import StageResult
 
+if TYPE_CHECKING:  # annotations only: the plan module costs start-up time
+    from dm_cli.planning.make import Plan
+
 
 @dataclass
 class RunResult:
     source: str
     pipeline_class: str
     demo: bool
-    plan: object  # dm_cli.planning.make.Plan
+    plan: Plan
     plan_digest: str
     planned_here: bool
     simulate: bool
