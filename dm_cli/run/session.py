@@ -180,8 +180,7 @@ class Pipeline:
         job = self.defaults
         if item.steps is not None:  # a queue line's steps get --steps' bound
             check_count("steps", item.steps, f"Item {item.index}: 'steps'")
-        generation = self.generation_of(job)
-        generation = replace(generation, negative_prompt=item.negative_prompt or job.negative_prompt,
+        generation = replace(self.generation, negative_prompt=item.negative_prompt or job.negative_prompt,
                              steps=item.steps or job.steps,
                              guidance_scale=job.guidance_scale if item.guidance_scale is None else item.guidance_scale)
         generation = generation.with_settings({**(settings or {}), **dict(item.settings)})
@@ -191,26 +190,11 @@ class Pipeline:
             raise UsageError(f"Item {item.index}: {error}") from None
         return Job.of(generation, item.prompt, item.seed)
 
-    def generation_of(self, job):
-        """The settled generation a job was made from."""
-        from dm_cli.inputs import Generation
-
-        return getattr(self, "generation", None) or Generation(
-            height=job.height, width=job.width, num_frames=job.num_frames, steps=job.steps,
-            guidance_scale=job.guidance_scale, negative_prompt=job.negative_prompt,
-            max_sequence_length=job.max_sequence_length, num_images=job.num_images, settings=job.settings)
-
     def _validate(self, generation) -> None:
-        """`Family.validate` with this SOURCE's configs (without a SOURCE, as in tests: the family's refusals)."""
-        source = getattr(self, "source", None)
-        if source is None:
-            refusal = self.family.refusal(generation)
-            if refusal:
-                raise UsageError(refusal)
-            return
-        comps = {c.name: c for c in source.components}
+        """`Family.validate` with this SOURCE's configs, as `dmap plan` and the run's own generation get it."""
+        comps = {c.name: c for c in self.source.components}
         vae = comps.get("vae")
-        self.family.validate(generation, source.pipeline_class, (comps[self.family.denoiser].config or {}),
+        self.family.validate(generation, self.source.pipeline_class, (comps[self.family.denoiser].config or {}),
                              vae.config if vae is not None else None, tuple(comps))
 
     def metadata(self, job) -> dict[str, str]:
