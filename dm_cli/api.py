@@ -1,15 +1,15 @@
 """dmap's Python API: `dm_cli.plan`, `dm_cli.load`, `dm_cli.dispatch` (the names in `dm_cli.__all__`).
 
 - `plan(source, max_memory=..., height=..., ...)` -> `Plan`: what `dmap plan` prints and writes.
-- `load(source, plan)` -> `Pipeline`: keeps components placed per the plan (resident) or loads them
-  per stage (staged); `Pipeline.generate(prompts, ...)` yields `Generated` (PIL images and their
+- `load(source, plan)` -> `Session`: keeps components placed per the plan (resident) or loads them
+  per stage (staged); `Session.generate(prompts, ...)` yields `Generated` (PIL images and their
   metadata), stage-major in staged mode (each stage's components loaded once per chunk of prompts),
   and can be called again without reloading resident components.
 - `dispatch(pipe, plan)`: places an existing diffusers pipeline's components per the plan, for
   users who call `pipe(...)` themselves.
 
-`dmap run` is a thin layer over the same `Pipeline`: `--prompts` goes through `load` and
-`generate` (`dm_cli.run.queue_runner`), `--prompt` through `Pipeline.run_job` with every stage
+`dmap run` is a thin layer over the same `Session`: `--prompts` goes through `load` and
+`generate` (`dm_cli.run.queue_runner`), `--prompt` through `Session.run_job` with every stage
 measured (`dm_cli.run.single`), so the CLI and a script get the same images for the same seeds.
 Everything else in dm_cli may change.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import UsageError
-from dm_cli.run.session import Pipeline
+from dm_cli.run.session import Session
 
 if TYPE_CHECKING:  # annotations only: the plan module costs start-up time
     from dm_cli.planning.make import Plan
@@ -33,7 +33,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          max_sequence_length: int | None = None, strategy: str = "auto", mode: str = "auto", dtype: str | None = None,
          overhead: str | None = None, component: str | None = None, check: bool = True, use_cache: bool = True,
          num_frames: int | None = None, fps: int | None = None, weights: str | None = None,
-         on_progress: Callable[[str], None] | None = None, **settings) -> Plan:
+         negative_prompt: str | None = None, on_progress: Callable[[str], None] | None = None, **settings) -> Plan:
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -41,9 +41,9 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     `DoesNotFitError` (with the nearest change that fits) when nothing fits. `on_progress(message)`
     hears each step as it starts (resolving, sizing and tracing each component, the split check).
     `settings` are the pipeline family's own (true_cfg_scale=..., guidance_scale_2=...: see
-    `dm_cli.families.Setting`), checked as `load` and `dmap run` check them.
+    `dm_cli.families.Setting`), checked as `load` and `dmap run` check them; so is `negative_prompt`.
     """
-    from dm_cli.inputs import InputSpec
+    from dm_cli.inputs import InputSpec, PlacementSpec
     from dm_cli.model.demo import source_root
     from dm_cli.planning.make import PlanOptions, make_named_plan
     from dm_cli.units import parse_dtype
@@ -53,8 +53,10 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     inputs = InputSpec(pick(height, "height"), pick(width, "width"), batch_size, num_images,
                        pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"),
                        num_frames=num_frames, fps=fps)
-    options = PlanOptions(max_memory, strategy, mode, inputs, parse_dtype(dtype) if dtype is not None else None,
-                          overhead, component, check, use_cache, weights, on_progress=on_progress, settings=settings)
+    placement = PlacementSpec(max_memory, strategy, mode, overhead, parse_dtype(dtype) if dtype is not None else None,
+                              weights)
+    options = PlanOptions(placement, inputs, component, check, use_cache, on_progress=on_progress, settings=settings,
+                          negative_prompt=negative_prompt)
     return make_named_plan(root, spec, options)
 
 
@@ -65,8 +67,8 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
          mode: str = "auto", strategy: str = "auto", dtype: str | None = None, overhead: str | None = None,
          height: int | None = None, width: int | None = None, guidance_scale: float | None = None,
          max_sequence_length: int | None = None, weights: str | None = None, num_frames: int | None = None,
-         fps: int | None = None, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,
-         **settings) -> Pipeline:
+         fps: int | None = None, negative_prompt: str | None = None, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,
+         **settings) -> Session:
     """A pipeline placed per `plan` (a Plan, a plan JSON path, or None: plan here with the options).
 
     SOURCE None is the bundled random-weight demo. A plan made for another model, size or dtype is
@@ -75,16 +77,17 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
     low-precision storage, or must match the given plan's. Nothing is loaded yet: resident components
     load on the first `generate` and stay; staged ones load per stage and chunk. `settings` are the pipeline
     family's own (true_cfg_scale=4.0 for Qwen-Image, guidance_scale_2=3.0 for Wan 2.2: `dm_cli.families.Setting`),
-    the defaults of every `generate` call.
+    the defaults of every `generate` call, as `negative_prompt` is.
     """
     from dm_cli.run.request import RunRequest
 
     device_map = plan if isinstance(plan, (str, Path)) else strategy
-    request = RunRequest(source=source, prompt="", device_map=str(device_map), max_memory=max_memory, mode=mode,
-                         dtype=dtype, overhead=overhead, height=height, width=width, guidance_scale=guidance_scale,
-                         max_sequence_length=max_sequence_length, settings=settings, weights=weights,
-                         num_frames=num_frames, fps=fps, simulate=simulate, output=None)
-    return Pipeline(request, None if isinstance(plan, (str, Path)) else plan, on_plan, on_status)
+    request = RunRequest.of(source, "", device_map=str(device_map), max_memory=max_memory, mode=mode,
+                            dtype=dtype, overhead=overhead, height=height, width=width, guidance_scale=guidance_scale,
+                            max_sequence_length=max_sequence_length, settings=settings, weights=weights,
+                            num_frames=num_frames, fps=fps, negative_prompt=negative_prompt, simulate=simulate,
+                            output=None)
+    return Session(request, None if isinstance(plan, (str, Path)) else plan, on_plan, on_status)
 
 
 # --- dispatch -----------------------------------------------------------------------------------

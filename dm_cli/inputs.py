@@ -57,6 +57,38 @@ def check_counts(**values) -> None:
 
 
 @dataclass(frozen=True)
+class InputImage:
+    """An input image of a generation (a reference, the image to edit, a video's first frame), as the plan
+    and the run know it: its size, and for a run the file and its digest (the metadata and the resume key
+    name it, so a changed input is not "complete"). `path` None: a size only (`dmap plan --image-size`).
+    Pixels are read at run time by dm_cli.io.input_images, never here."""
+
+    width: int
+    height: int
+    path: str | None = None
+    digest: str | None = None  # sha256 of the file's bytes
+
+    def __post_init__(self) -> None:
+        check_count("width", self.width, "an input image's width")
+        check_count("height", self.height, "an input image's height")
+        if self.width < 1 or self.height < 1:
+            raise UsageError(f"An input image of {self.width}x{self.height} pixels has no pixels.")
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.width, self.height
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data) -> "InputImage":
+        if not isinstance(data, dict) or not {"width", "height"} <= set(data):
+            raise UsageError("An input image must be given as {\"width\": W, \"height\": H}.")
+        return cls(data["width"], data["height"], data.get("path"), data.get("digest"))
+
+
+@dataclass(frozen=True)
 class InputSpec:
     """The inputs a plan is made for. height == width == 0 means weights only (no activations).
 
@@ -71,6 +103,8 @@ class InputSpec:
     max_sequence_length: int | None = None  # None: the pipeline's default (T5 tokens)
     num_frames: int | None = None  # video pipelines: frames to generate (None: the pipeline's default; images: unused)
     fps: int | None = None  # video pipelines: frames per second of the written video (no effect on memory)
+    # input images as (width, height), in order (references, the image to edit, a first and a last frame)
+    image_sizes: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         """Refuse what no pipeline can take, what no run could use (LIMITS) and what would write invalid
@@ -109,12 +143,21 @@ class InputSpec:
         return self.batch_size * self.num_images
 
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        del data["image_sizes"]
+        if self.image_sizes:  # only then: a text-to-image plan file stays as it was
+            data["image_sizes"] = [list(size) for size in self.image_sizes]
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "InputSpec":
         fields = {k: data[k] for k in ("height", "width", "batch_size", "num_images", "guidance_scale",
                                         "max_sequence_length", "num_frames", "fps") if k in data}
+        sizes = data.get("image_sizes") or ()
+        if not isinstance(sizes, (list, tuple)) or not all(
+                isinstance(s, (list, tuple)) and len(s) == 2 for s in sizes):
+            raise UsageError("A plan's image_sizes must be a list of [width, height] pairs.")
+        fields["image_sizes"] = tuple(InputImage(w, h).size for w, h in sizes)
         return cls(**fields)
 
 
@@ -139,7 +182,7 @@ class Generation:
     num_images: int | None = None
     batch_size: int = 1
     settings: tuple[tuple[str, object], ...] = ()
-    images: tuple = ()  # input images (editing, image-to-video): room for them, no family reads them yet
+    images: tuple[InputImage, ...] = ()  # input images (editing, references, image-to-video), in order
 
     def __post_init__(self) -> None:
         """The counts' bounds (LIMITS) before anything else looks at them."""
@@ -164,4 +207,23 @@ class Generation:
     def inputs(self) -> InputSpec:
         """What the tracer and the planner read of it (the pixel bound is checked there)."""
         return InputSpec(self.height, self.width, self.batch_size, self.num_images or 1, self.guidance_scale,
-                         self.max_sequence_length, self.num_frames, self.fps)
+                         self.max_sequence_length, self.num_frames, self.fps,
+                         tuple(image.size for image in self.images))
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    """Where a generation runs and how its weights are held: the devices and their budgets, the planner's
+    strategy and mode, per-device overhead, the compute dtype and the weight storage. One type for
+    `dmap plan` (`PlanOptions.placement`), `dmap run` (`RunRequest.placement`), the Python API and a plan
+    file (`Plan.placement`: what it was made with). Strings as the command line takes them; the planner
+    parses and checks them (`dm_cli.planning.make.make_plan`), one sentence each.
+    """
+
+    max_memory: str | None = None  # device spec "0=16GB,1=16GB,cpu=64GB"; None: this machine's devices
+    strategy: str = "auto"  # auto | balanced | balanced_low_0 | sequential
+    mode: str = "auto"  # auto | resident | staged
+    overhead: str | None = None  # per-device overhead "0=600MB,cpu=0"; None: 600 MB per GPU
+    dtype: str | None = None  # compute dtype (a torch name or alias); None: as stored (bf16 for config-only sources)
+    weights: str | None = None  # weight storage "fp8", "int8", "transformer=fp8,text_encoder=int8"; None: the dtype
+

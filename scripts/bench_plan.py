@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dm_cli.families import family_for  # noqa: E402
-from dm_cli.inputs import InputSpec  # noqa: E402
+from dm_cli.inputs import InputSpec, PlacementSpec  # noqa: E402
 from dm_cli.model.sources import resolve_source  # noqa: E402
 from dm_cli.model.weight_formats import STORAGE_DTYPES, parse_weights_spec  # noqa: E402
 from dm_cli.planning.make import DEFAULT_GPU_OVERHEAD, PlanOptions, make_plan, prepare_component  # noqa: E402
@@ -98,6 +98,8 @@ CASES = [
     Case("qwen-image", "bf16", "0=48GB,1=24GB,cpu=64GB", 1024),
     Case("qwen-image", "bf16", "0=24GB,cpu=64GB", 1024),
     Case("qwen-image", "bf16", "0=24GB,cpu=64GB", 1024, weights="fp8"),
+    Case("z-image", "bf16", "0=12GB,cpu=32GB", 1024),
+    Case("z-image", "bf16", "0=8GB,1=8GB", 1024),
 ]
 
 _META_MODELS: dict = {}
@@ -204,7 +206,7 @@ def run_case(case: Case, check_anchors: bool) -> dict:
     inputs = case.inputs
     budgets = parse_device_spec(case.budget)
     started = time.perf_counter()
-    plan = make_plan(case.preset, PlanOptions(case.budget, inputs=inputs, dtype=case.dtype, weights=case.weights))
+    plan = make_plan(case.preset, PlanOptions(PlacementSpec(case.budget, dtype=case.dtype, weights=case.weights), inputs=inputs))
     elapsed = time.perf_counter() - started
     source = resolve_source(case.preset)
     denoiser = family_for(source.pipeline_class).denoiser
@@ -212,13 +214,11 @@ def run_case(case: Case, check_anchors: bool) -> dict:
     prepared_all = [prepare_component(c, source.pipeline_class, inputs, plan.dtype, weights=formats)
                     for c in source.components]
     prepared = next(p for p in prepared_all if p.spec.name == denoiser)
-    alone = make_plan(case.preset, PlanOptions(case.budget, inputs=inputs, dtype=case.dtype, component=denoiser,
-                                               weights=case.weights))
+    alone = make_plan(case.preset, PlanOptions(PlacementSpec(case.budget, dtype=case.dtype, weights=case.weights), inputs=inputs, component=denoiser))
     dmap_alone = evaluate_map(prepared, alone.components[denoiser].device_map, budgets)
     dmap_alone["check"] = not alone.check.get("problems")
     # the same accounting as accelerate: weights only, no activations, no GPU overhead
-    bare = make_plan(case.preset, PlanOptions(case.budget, inputs=InputSpec(0, 0, num_frames=case.frames), dtype=case.dtype,
-                                              component=denoiser, weights=case.weights))
+    bare = make_plan(case.preset, PlanOptions(PlacementSpec(case.budget, dtype=case.dtype, weights=case.weights), inputs=InputSpec(0, 0, num_frames=case.frames), component=denoiser))
     dmap_bare = evaluate_map(prepared, bare.components[denoiser].device_map, budgets)
     dmap_bare["check"] = not bare.check.get("problems")
     anchors = {}

@@ -45,7 +45,7 @@ def main() -> int:
     if not (root / "transformer").is_dir():
         write_configs(configs, root)
         write_random_pipeline(root, root, seed=0, max_shard_size="200MB", dtype="bfloat16")
-    request = RunRequest(source=str(root), prompt="a red fox in the snow", max_memory=f"0={args.gpu_budget},cpu=64GB",
+    request = RunRequest.of(source=str(root), prompt="a red fox in the snow", max_memory=f"0={args.gpu_budget},cpu=64GB",
                          mode="staged", steps=args.steps, height=args.size, width=args.size,
                          output=str(root.parent / "gpu-check.png"), overwrite=True)
     result = run(request, on_plan=lambda plan: print(json.dumps(

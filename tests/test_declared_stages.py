@@ -22,6 +22,7 @@ from dm_cli.families.stages import (
     declared,
     default_stages,
 )
+from dm_cli.inputs import PlacementSpec
 from dm_cli.planning.search import Block, ComponentInput, Device, plan_pipeline
 
 PROMPT_TEXT = "a red fox in the snow"
@@ -119,8 +120,7 @@ def test_a_vae_that_encodes_before_the_denoiser_and_decodes_after_plans_and_runs
     expected = _oracle(sd15)
     loaded = _recording_loads(monkeypatch)
     for mode, vae_loads in (("staged", 2), ("resident", 1)):
-        plan = make_plan(str(sd15), PlanOptions(max_memory="cpu=8GB", mode=mode, inputs=InputSpec(SIZE, SIZE),
-                                                check=False))
+        plan = make_plan(str(sd15), PlanOptions(PlacementSpec("cpu=8GB", mode=mode), inputs=InputSpec(SIZE, SIZE), check=False))
         assert plan.mode == mode
         assert [(s.name, s.components) for s in plan.stages] == IMG2IMG_STAGES  # both of the VAE's, in order
         assert plan.components["vae"].stage == "encode_image"
@@ -140,7 +140,7 @@ def test_a_vae_that_encodes_before_the_denoiser_and_decodes_after_plans_and_runs
         plan_path.write_text(json.dumps(data))
         loaded.clear()
         out = tmp_path / f"{mode}.png"
-        result = run(RunRequest(source=str(sd15), prompt=PROMPT_TEXT, device_map=str(plan_path), steps=STEPS,
+        result = run(RunRequest.of(source=str(sd15), prompt=PROMPT_TEXT, device_map=str(plan_path), steps=STEPS,
                                 seed=SEED, output=str(out)))
         assert loaded.count("vae") == vae_loads and loaded.count("unet") == 1
         ran = [s.name for s in result.stages if s.name != "load"]

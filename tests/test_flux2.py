@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dm_cli.inputs import InputSpec
+from dm_cli.inputs import InputSpec, PlacementSpec
 from dm_cli.model.inspection import inspect_source
 from dm_cli.model.sources import PRESETS_DIR
 
@@ -157,7 +157,7 @@ def test_klein_true_cfg_is_separate_calls_only_when_not_distilled():
 def test_plan_traces_every_component_at_1024(preset):
     from dm_cli.planning.make import PlanOptions, make_plan
 
-    plan = make_plan(preset, PlanOptions("0=40GB,1=40GB,2=40GB,3=40GB,cpu=200GB"))
+    plan = make_plan(preset, PlanOptions(PlacementSpec("0=40GB,1=40GB,2=40GB,3=40GB,cpu=200GB")))
     assert not [w for w in plan.warnings if "meta device" in w or "registration order" in w], plan.warnings
     assert all(plan.activation_peaks[name] > 0 for name in plan.components), plan.activation_peaks  # all traced
     assert plan.check["ran"] and not plan.check["problems"]
@@ -334,7 +334,7 @@ def dmap_image(folder, tmp_path, plan=None, simulate=False, name="out.png"):
     if plan is not None:
         device_map = str(tmp_path / f"plan-{name}.json")
         (tmp_path / f"plan-{name}.json").write_text(json.dumps(plan))
-    result = run(RunRequest(source=str(folder), prompt=PROMPT, device_map=device_map, steps=STEPS, height=SIZE,
+    result = run(RunRequest.of(source=str(folder), prompt=PROMPT, device_map=device_map, steps=STEPS, height=SIZE,
                             width=SIZE, seed=SEED, output=str(tmp_path / name), simulate=simulate,
                             max_sequence_length=TOKENS,
                             max_memory=None if plan is not None else "cpu=8GB"))

@@ -74,6 +74,7 @@ generations = st.fixed_dictionaries({
     "fps": st.sampled_from([None, None, None, 8]),
     "guidance_scale": st.sampled_from([None, 1.0, 3.5]),
     "max_sequence_length": st.sampled_from([None, 64, 256]),
+    "negative_prompt": st.sampled_from([None, None, "blurry"]),
     "settings": st.one_of(st.just({}), st.just({}), st.just({}), st.dictionaries(
         st.sampled_from(sorted(all_settings())), st.sampled_from([1.0, 2.5, 5.0]), max_size=2)),
 })
@@ -83,7 +84,8 @@ def _cli_args(folder, ask: dict, video: bool) -> list[str]:
     output = folder / ("never.mp4" if video else "never.png")  # never written: the run stops at the weights
     args = ["run", str(folder), "--prompt", "a fox", "--max-memory", "cpu=64GB", "-o", str(output)]
     flags = {"height": "--height", "width": "--width", "num_frames": "--frames", "fps": "--fps",
-             "guidance_scale": "--guidance-scale", "max_sequence_length": "--max-sequence-length"}
+             "guidance_scale": "--guidance-scale", "max_sequence_length": "--max-sequence-length",
+             "negative_prompt": "--negative-prompt"}
     for key, flag in flags.items():
         if ask[key] is not None:
             args += [flag, str(ask[key])]
@@ -122,3 +124,12 @@ def test_an_unknown_setting_is_one_sentence_naming_the_settings(twin_folders, ac
     folder = twin_folders["qwen-image"]
     message = _outcome(lambda: dm_cli.load(str(folder), true_cfg=2.0))
     assert message.startswith("Unknown setting 'true_cfg'") and "true_cfg_scale" in message
+
+
+def test_plan_refuses_a_negative_prompt_as_run_does(twin_folders, accepting):
+    """dmap plan took no --negative-prompt, so a plan for FLUX with one was written and the run refused it."""
+    code, _, err = run_dmap("plan", "flux", "--negative-prompt", "blurry", "-q")
+    assert code == 2 and "ignore negative prompts" in err, err
+    folder = twin_folders["qwen-image"]
+    assert _outcome(lambda: dm_cli.plan(str(folder), max_memory="cpu=64GB", negative_prompt="blurry",
+                                        check=False)) == ACCEPTED

@@ -128,7 +128,7 @@ def launch(monkeypatch):
         raise AssertionError("a pipeline was loaded")
 
     monkeypatch.setattr(dist, "init_process_group", must_not_join)
-    monkeypatch.setattr(dm_cli.api, "Pipeline", must_not_load)
+    monkeypatch.setattr(dm_cli.api, "Session", must_not_load)
     for key in TORCHRUN_KEYS:
         monkeypatch.delenv(key, raising=False)
     for key, value in LAUNCH.items():

@@ -98,7 +98,7 @@ def test_5_absurd_counts_for_a_queue_are_exit_2_before_anything_loads(tmp_path, 
     def refuse(*a, **k):
         raise AssertionError("the pipeline was made: the bad input should have been caught before")
 
-    monkeypatch.setattr(dm_cli.run.session.Pipeline, "__init__", refuse)
+    monkeypatch.setattr(dm_cli.run.session.Session, "__init__", refuse)
     (tmp_path / "p.txt").write_text("a fox\n")
     code, out, err = cli(capsys, "run", "--prompts", tmp_path / "p.txt", "-o", tmp_path / "out", *args)
     assert code == 2 and "at most" in err, err
@@ -133,7 +133,7 @@ def test_5_the_python_api_has_the_same_bounds():
     with pytest.raises(UsageError, match="at most 1024"):
         dm_cli.plan("tiny-flux", max_memory="0=80GB", batch_size=10**18)
     with pytest.raises(UsageError, match="steps must be a whole number >= 1 \\(at most 10000\\)"):
-        _items(["a fox"], 0, None, 10**20, None)  # what Pipeline.generate(prompts, steps=...) checks first
+        _items(["a fox"], 0, None, 10**20, None)  # what Session.generate(prompts, steps=...) checks first
     with pytest.raises(UsageError, match="at most 4096"):
         dm_cli.load(None, max_sequence_length=10**9)
 
@@ -142,14 +142,14 @@ def test_5_a_queue_item_gets_the_same_steps_bound():
     from dm_cli.errors import UsageError
     from dm_cli.families import Job, family_for
     from dm_cli.run.queue import QueueItem
-    from dm_cli.run.session import Pipeline
+    from dm_cli.run.session import Session
 
     class Fake:
         defaults = Job("a", None, 0, 4, 3.5, 64, 64)
         family = family_for("FluxPipeline")
 
     with pytest.raises(UsageError, match="Item 3: 'steps' must be a whole number >= 1 \\(at most 10000\\)"):
-        Pipeline.job_for(Fake(), QueueItem(3, "a fox", 0, "item-3.png", steps=10**20))
+        Session.job_for(Fake(), QueueItem(3, "a fox", 0, "item-3.png", steps=10**20))
 
 
 # --- 6. a plan file passes the checks of the command line that could have written it -----------------

@@ -125,7 +125,7 @@ def _pipeline_must_not_start(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the pipeline started: the bad queue should have been caught before")
 
-    monkeypatch.setattr(dm_cli.run.session.Pipeline, "__init__", refuse)
+    monkeypatch.setattr(dm_cli.run.session.Session, "__init__", refuse)
 
 
 # --- 13: the format the suffix names ----------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 from conftest import run_dmap
 
 from dm_cli.errors import DoesNotFitError, UsageError
-from dm_cli.inputs import InputSpec
+from dm_cli.inputs import InputSpec, PlacementSpec
 from dm_cli.model.skeleton import skeleton_for_component
 from dm_cli.model.sources import resolve_source
 from dm_cli.planning.make import PlanOptions, load_plan, make_plan, write_plan
@@ -70,12 +70,12 @@ def test_does_not_fit_exit_3_with_shortfall_and_nearest_change():
     assert code == 3
     assert "does not fit" in err and "more on GPU 0" in err and "cpu=" in err
     with pytest.raises(DoesNotFitError) as info:
-        make_plan("tiny-sd15", PlanOptions("0=30KB", inputs=InputSpec(0, 0), dtype="fp32"))
+        make_plan("tiny-sd15", PlanOptions(PlacementSpec("0=30KB", dtype="fp32"), inputs=InputSpec(0, 0)))
     assert info.value.details["shortfall_bytes"]["0"] > 0
 
 
 def test_sdxl_unet_fp32_splits_on_6_and_10_gib():
-    plan = make_plan("sdxl", PlanOptions("0=6GiB,1=10GiB", component="unet", dtype="fp32"))
+    plan = make_plan("sdxl", PlanOptions(PlacementSpec("0=6GiB,1=10GiB", dtype="fp32"), component="unet"))
     unet = plan.components["unet"]
     assert set(unet.device_map.values()) == {0, 1} and unet.offloaded_bytes == 0
     assert plan.check["ran"] and plan.check["components"] == ["unet"] and plan.check["problems"] == []
@@ -86,8 +86,7 @@ def test_sdxl_unet_fp32_splits_on_6_and_10_gib():
 
 
 def test_sdxl_unet_on_5_and_5_gib_offloads_nothing_where_accelerate_offloads_6_5_gib():
-    plan = make_plan("sdxl", PlanOptions("0=5GiB,1=5GiB,cpu=30GiB", component="unet", dtype="fp32",
-                                         inputs=InputSpec(0, 0), check=False))
+    plan = make_plan("sdxl", PlanOptions(PlacementSpec("0=5GiB,1=5GiB,cpu=30GiB", dtype="fp32"), component="unet", inputs=InputSpec(0, 0), check=False))
     assert plan.offloaded_bytes == 0
     assert set(plan.components["unet"].device_map.values()) == {0, 1}
 
@@ -108,7 +107,7 @@ def test_sdxl_unet_on_5_and_5_gib_offloads_nothing_where_accelerate_offloads_6_5
 def test_sdxl_unet_at_1024_explains_what_activations_cost():
     # weights alone (4.8 GB of up_blocks.0 the largest block) fit two 5 GiB GPUs; with the 1024x1024
     # activations and 600 MB of overhead per GPU they do not, and the plan says what that costs
-    plan = make_plan("sdxl", PlanOptions("0=5GiB,1=5GiB,cpu=30GiB", component="unet", dtype="fp32", check=False))
+    plan = make_plan("sdxl", PlanOptions(PlacementSpec("0=5GiB,1=5GiB,cpu=30GiB", dtype="fp32"), component="unet", check=False))
     assert plan.offloaded_bytes > 0
     explained = [w for w in plan.warnings if w.startswith("Weights alone would offload")]
     assert len(explained) == 1 and "activations for 1024x1024" in explained[0] and "GPU overhead" in explained[0], \
@@ -116,7 +115,7 @@ def test_sdxl_unet_at_1024_explains_what_activations_cost():
 
 
 def test_flux_dev_bf16_on_two_16gb_gpus_at_1024_is_staged_with_no_offload():
-    plan = make_plan("flux", PlanOptions("0=16GB,1=16GB", inputs=InputSpec(1024, 1024), dtype="bf16"))
+    plan = make_plan("flux", PlanOptions(PlacementSpec("0=16GB,1=16GB", dtype="bf16"), inputs=InputSpec(1024, 1024)))
     assert plan.mode == "staged"
     assert plan.offloaded_bytes == 0
     assert plan.check["ran"] and plan.check["problems"] == []
@@ -132,7 +131,7 @@ def test_flux_dev_bf16_on_two_16gb_gpus_at_1024_is_staged_with_no_offload():
 
 
 def test_write_plan_is_atomic(tmp_path):
-    plan = make_plan("tiny-sd15", PlanOptions("0=1MB", inputs=InputSpec(0, 0), dtype="fp32", check=False))
+    plan = make_plan("tiny-sd15", PlanOptions(PlacementSpec("0=1MB", dtype="fp32"), inputs=InputSpec(0, 0), check=False))
     target = tmp_path / "p.json"
     write_plan(plan, target)
     assert json.loads(target.read_text())["components"]["unet"]["device_map"] == {"": 0}
@@ -140,10 +139,9 @@ def test_write_plan_is_atomic(tmp_path):
 
 
 def test_does_not_fit_suggests_a_smaller_resolution():
-    options = PlanOptions("0=1GB", inputs=InputSpec(768, 768), dtype="fp32", overhead="0=0", check=False)
+    options = PlanOptions(PlacementSpec("0=1GB", dtype="fp32", overhead="0=0"), inputs=InputSpec(768, 768), check=False)
     fitting = make_plan("tiny-sd15", options)
     peak = max(max(s.peak_bytes.values()) for s in fitting.stages)
     with pytest.raises(DoesNotFitError) as info:
-        make_plan("tiny-sd15", PlanOptions(f"0={peak}", inputs=InputSpec(1024, 1024), dtype="fp32", overhead="0=0",
-                                           check=False))
+        make_plan("tiny-sd15", PlanOptions(PlacementSpec(f"0={peak}", dtype="fp32", overhead="0=0"), inputs=InputSpec(1024, 1024), check=False))
     assert "fits at 768x768" in str(info.value)

@@ -18,7 +18,7 @@ from conftest import PRESETS  # noqa: E402
 
 from dm_cli.families import all_families, family_for  # noqa: E402
 from dm_cli.families.calls import TensorSpec, call_spec  # noqa: E402
-from dm_cli.inputs import InputSpec  # noqa: E402
+from dm_cli.inputs import InputSpec, PlacementSpec  # noqa: E402
 from dm_cli.model.skeleton import skeleton_for_component  # noqa: E402
 from dm_cli.model.sources import resolve_source  # noqa: E402
 from dm_cli.planning.make import PlanOptions, make_plan, prepare_component  # noqa: E402
@@ -165,8 +165,7 @@ def test_tiny_split_plan_passes_the_check_on_meta_and_on_cpu(preset, name):
     assert share < weights
     activations = max(b.activation for b in blocks)
     spec = ",".join(f"{i}={(share + activations) // 1000 + 1}KB" for i in range(4))
-    options = PlanOptions(max_memory=spec, component=name, dtype="fp32", inputs=INPUTS, check=True,
-                          overhead="0=0,1=0,2=0,3=0")
+    options = PlanOptions(PlacementSpec(spec, dtype="fp32", overhead="0=0,1=0,2=0,3=0"), component=name, inputs=INPUTS, check=True)
     plan = make_plan(preset, options)
     placed = plan.components[name]
     assert len(set(placed.device_map.values())) >= 2, placed.device_map

@@ -217,15 +217,15 @@ def test_queue_notices_print_as_text_not_markup(capsys):
 
 
 def test_a_queue_item_takes_the_runs_negative_prompt_and_steps_unless_it_has_its_own():
-    """Pipeline.job_for settles an item against the run's job (--negative-prompt, --steps): the one place it
+    """Session.job_for settles an item against the run's job (--negative-prompt, --steps): the one place it
     happens, for the CLI queue and the API alike; the refusal sees the prompt that will really be used."""
     from dm_cli.errors import UsageError
     from dm_cli.families import Job, family_for
     from dm_cli.inputs import Generation
     from dm_cli.model.sources import resolve_source
-    from dm_cli.run.session import Pipeline
+    from dm_cli.run.session import Session
 
-    pipe = object.__new__(Pipeline)  # job_for needs only the family and the run's settled job
+    pipe = object.__new__(Session)  # job_for needs only the family and the run's settled job
     pipe.family = family_for("StableDiffusionPipeline")
     pipe.source = resolve_source("tiny-sd15")  # its configs: the rules the run applies to each item
     pipe.generation = Generation(height=64, width=64, steps=5, guidance_scale=7.5, negative_prompt="blur", num_images=1)

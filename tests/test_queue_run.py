@@ -42,7 +42,7 @@ def references(tmp_path_factory):
         patch.setenv("DMAP_CACHE_DIR", _cache_dir(tmp_path_factory))
         patch.setenv("HF_HUB_OFFLINE", "1")
         for i, prompt in enumerate(PROMPTS):
-            run(RunRequest(source=None, prompt=prompt, seed=SEED + i, steps=STEPS, height=SIZE, width=SIZE,
+            run(RunRequest.of(source=None, prompt=prompt, seed=SEED + i, steps=STEPS, height=SIZE, width=SIZE,
                            mode="staged", output=str(folder / f"{i}.png")))
     return [_pixels(folder / f"{i}.png") for i in range(len(PROMPTS))]
 
@@ -161,7 +161,7 @@ def test_queue_takes_weights_like_a_single_run(tmp_path, capsys):
     assert _cli("run", "--prompts", queue, "--output", out, "--weights", "fp8", "--json", *RUN_ARGS) == 0
     assert json.loads(capsys.readouterr().out)["generated"] == [0, 1]
     for i, prompt in enumerate(PROMPTS[:2]):
-        single = run(RunRequest(source=None, prompt=prompt, seed=SEED + i, steps=STEPS, height=SIZE, width=SIZE,
+        single = run(RunRequest.of(source=None, prompt=prompt, seed=SEED + i, steps=STEPS, height=SIZE, width=SIZE,
                                 mode="staged", weights="fp8", output=str(tmp_path / f"single-{i}.png")))
         assert single.plan.weights.get("transformer") == "fp8"
         assert np.array_equal(_pixels(out / f"{i:05d}.png"), _pixels(tmp_path / f"single-{i}.png"))

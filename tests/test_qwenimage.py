@@ -87,7 +87,7 @@ def test_run_is_pixel_identical_to_diffusers_unsplit_and_split(folder, tmp_path,
         plan_path = tmp_path / f"plan-{n_devices}.json"
         plan_path.write_text(json.dumps(hand_plan(folder, n_devices)))
         out = tmp_path / f"{n_devices}.png"
-        result = run(RunRequest(source=str(folder), prompt=PROMPT, negative_prompt=negative, device_map=str(plan_path),
+        result = run(RunRequest.of(source=str(folder), prompt=PROMPT, negative_prompt=negative, device_map=str(plan_path),
                                 steps=STEPS, height=SIZE, width=SIZE, seed=SEED, output=str(out), simulate=simulate))
         with Image.open(out) as image:
             pixels, text = np.array(image), dict(image.text)
@@ -114,7 +114,7 @@ def test_true_cfg_runs_the_transformer_twice_per_step(folder, tmp_path, monkeypa
     monkeypatch.setattr(diffusers.QwenImageTransformer2DModel, "forward", counting)
     for negative, scale, per_step in ((NEGATIVE, None, 2), (None, None, 1), (NEGATIVE, 1.0, 1)):
         calls.clear()
-        run(RunRequest(source=str(folder), prompt=PROMPT, negative_prompt=negative, steps=STEPS,
+        run(RunRequest.of(source=str(folder), prompt=PROMPT, negative_prompt=negative, steps=STEPS,
                        settings={} if scale is None else {"true_cfg_scale": scale},
                        height=SIZE, width=SIZE, max_memory="cpu=8GB", output=None))
         assert calls == [1] * (STEPS * per_step), (negative, scale, calls)
@@ -171,3 +171,27 @@ def test_activation_estimate_of_a_reduced_qwen_image_transformer_matches_a_cpu_m
                                                                 "QwenImagePipeline", 256)
     assert measured > 1_000_000
     assert 0.8 <= estimated / measured <= 1.2, (estimated, measured)
+
+
+def test_true_cfg_scale_reaches_the_api_and_queue_items(folder, tmp_path):
+    """`true_cfg_scale` given to dm_cli.load(...).generate() and in a JSONL queue item: diffusers' pixels for it."""
+    from PIL import Image
+
+    import dm_cli
+
+    pipe = diffusers.QwenImagePipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    expected = np.array(pipe(PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=9.0, num_inference_steps=STEPS,
+                             generator=torch.Generator().manual_seed(SEED), height=SIZE, width=SIZE).images[0])
+    assert not np.array_equal(expected, oracle(folder, NEGATIVE))  # 9.0 is not the default 4.0's image
+    with dm_cli.load(str(folder), max_memory="cpu=8GB", height=SIZE, width=SIZE) as session:
+        (out,) = session.generate([PROMPT], seed=SEED, negative_prompt=NEGATIVE, steps=STEPS, true_cfg_scale=9.0)
+    assert np.array_equal(np.array(out.image), expected) and out.metadata["true_cfg_scale"] == "9.0"
+    line = {"prompt": PROMPT, "negative_prompt": NEGATIVE, "seed": SEED, "true_cfg_scale": 9.0, "output": "q.png"}
+    (tmp_path / "queue.jsonl").write_text(json.dumps(line) + "\n")
+    code, _, err = run_dmap("run", str(folder), "--prompts", str(tmp_path / "queue.jsonl"), "--steps", STEPS,
+                            "--height", SIZE, "--width", SIZE, "--max-memory", "cpu=8GB", "--output", str(tmp_path / "q"),
+                            "--json")
+    assert code == 0, err
+    with Image.open(tmp_path / "q" / "q.png") as image:
+        assert np.array_equal(np.array(image), expected) and image.text["true_cfg_scale"] == "9.0"

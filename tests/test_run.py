@@ -102,7 +102,7 @@ def dmap_run(folder, plan, tmp_path, simulate=False, name="out.png", **extra):
 
     plan_path = tmp_path / f"plan-{name}.json"
     plan_path.write_text(json.dumps(plan))
-    request = RunRequest(source=str(folder), prompt=PROMPT, device_map=str(plan_path), steps=STEPS, height=SIZE,
+    request = RunRequest.of(source=str(folder), prompt=PROMPT, device_map=str(plan_path), steps=STEPS, height=SIZE,
                          width=SIZE, seed=SEED, output=str(tmp_path / name), simulate=simulate, **extra)
     return run(request)
 
@@ -174,7 +174,7 @@ def test_refusals(folders, tmp_path):
     with pytest.raises(UsageError, match="height=32"):
         plan_path = tmp_path / "p.json"
         plan_path.write_text(json.dumps(hand_plan(flux)))
-        run(RunRequest(source=str(flux), prompt=PROMPT, device_map=str(plan_path), height=64, width=64, output=None))
+        run(RunRequest.of(source=str(flux), prompt=PROMPT, device_map=str(plan_path), height=64, width=64, output=None))
     assert not (tmp_path / "out.png").exists()
 
 
@@ -199,7 +199,7 @@ def test_missing_tokenizer_corrupt_weights_unsupported_pipeline(folders, tmp_pat
     index["_class_name"] = "StableDiffusionUpscalePipeline"
     (broken / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(UsageError, match="StableDiffusionUpscalePipeline"):
-        run(RunRequest(source=str(broken), prompt=PROMPT, device_map=str(tmp_path / "x.json")))
+        run(RunRequest.of(source=str(broken), prompt=PROMPT, device_map=str(tmp_path / "x.json")))
 
 
 def test_cli_plans_then_runs_split_under_simulate(folders, tmp_path):
@@ -245,7 +245,7 @@ def _run_steps(folder, plan, tmp_path, steps, simulate, name):
 
     plan_path = tmp_path / f"plan-{name}.json"
     plan_path.write_text(json.dumps(plan))
-    return run(RunRequest(source=str(folder), prompt=PROMPT, device_map=str(plan_path), steps=steps, height=SIZE,
+    return run(RunRequest.of(source=str(folder), prompt=PROMPT, device_map=str(plan_path), steps=steps, height=SIZE,
                           width=SIZE, seed=SEED, output=str(tmp_path / name), simulate=simulate, track_activations=True))
 
 
@@ -256,7 +256,7 @@ def test_height_and_width_must_be_multiples_the_pipeline_accepts(folders, tmp_pa
     from dm_cli.run.single import run
 
     with pytest.raises(UsageError, match=r"--height 36 is not a multiple of 8.*use 32 or 40"):
-        run(RunRequest(source=str(folders("tiny-sd15")), prompt=PROMPT, height=36, width=32, output=None))
+        run(RunRequest.of(source=str(folders("tiny-sd15")), prompt=PROMPT, height=36, width=32, output=None))
     code, _, stderr = run_dmap("run", folders("tiny-flux"), "--prompt", PROMPT, "--height", 32, "--width", 33,
                                "--output", tmp_path / "no.png")
     assert code == 2 and "--width 33 is not a multiple of 2" in stderr and not (tmp_path / "no.png").exists()

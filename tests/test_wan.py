@@ -6,7 +6,7 @@ import pytest
 from conftest import run_dmap
 
 from dm_cli.errors import UsageError
-from dm_cli.inputs import InputSpec
+from dm_cli.inputs import InputSpec, PlacementSpec
 from dm_cli.model.sources import resolve_source
 from dm_cli.planning.make import PlanOptions, make_plan
 
@@ -43,7 +43,7 @@ def test_bad_video_inputs_are_one_sentence_and_exit_2(args, message):
 
 def test_frames_on_an_image_pipeline_is_refused():
     with pytest.raises(UsageError, match="make images, not videos"):
-        make_plan("tiny-sd15", PlanOptions("0=1GB", inputs=InputSpec(64, 64, num_frames=9)))
+        make_plan("tiny-sd15", PlanOptions(PlacementSpec("0=1GB"), inputs=InputSpec(64, 64, num_frames=9)))
 
 
 def test_trace_feeds_5d_latents_and_activations_follow_frames():
@@ -85,7 +85,7 @@ def test_a_split_separating_scale_shift_table_from_proj_out_passes_the_check():
 def wan_plans():
     """dmap plan wan2.2 at its defaults (480x832, 81 frames) on the three device sets of the issue."""
     specs = {"2x24": "0=24GB,1=24GB,cpu=128GB", "1x80": "0=80GB", "4x16": "0=16GB,1=16GB,2=16GB,3=16GB"}
-    return {name: make_plan("wan2.2", PlanOptions(spec, inputs=InputSpec(None, None), dtype="bf16"))
+    return {name: make_plan("wan2.2", PlanOptions(PlacementSpec(spec, dtype="bf16"), inputs=InputSpec(None, None)))
             for name, spec in specs.items()}
 
 
@@ -207,7 +207,7 @@ def _run(folder, tmp_path, name, steps=STEPS, **extra):
     from dm_cli.run.single import run
 
     calls = []
-    request = RunRequest(source=str(folder), prompt=PROMPT, steps=steps, height=SIZE, width=SIZE, seed=SEED,
+    request = RunRequest.of(source=str(folder), prompt=PROMPT, steps=steps, height=SIZE, width=SIZE, seed=SEED,
                          num_frames=FRAMES, output=str(tmp_path / name), **extra)
     return run(request, on_step=lambda *args: calls.append(args)), calls
 
@@ -289,9 +289,9 @@ def test_run_refuses_bad_frames_and_image_outputs_before_any_work(tiny_wan, tmp_
     from dm_cli.run.single import run
 
     with pytest.raises(UsageError, match="--frames 8 is not 4k\\+1"):
-        run(RunRequest(source=str(tiny_wan), prompt=PROMPT, num_frames=8, output=str(tmp_path / "a.mp4")))
+        run(RunRequest.of(source=str(tiny_wan), prompt=PROMPT, num_frames=8, output=str(tmp_path / "a.mp4")))
     with pytest.raises(UsageError, match="out.mp4, out.webp"):
-        run(RunRequest(source=str(tiny_wan), prompt=PROMPT, num_frames=9, output=str(tmp_path / "a.png")))
+        run(RunRequest.of(source=str(tiny_wan), prompt=PROMPT, num_frames=9, output=str(tmp_path / "a.png")))
     assert not list(tmp_path.iterdir())
 
 
@@ -333,6 +333,18 @@ def test_guidance_scale_2_guides_the_low_noise_expert_as_the_pipeline_does(tiny_
     result, _ = _run(tiny_wan, tmp_path, "g2/", max_memory="cpu=8GB", settings={"guidance_scale_2": 50.0})
     assert torch.equal(result.latents, expected)
     assert read_metadata(str(tmp_path / "g2"))["guidance_scale_2"] == "50.0" and result.settings["guidance_scale_2"] == 50.0
+    # the same setting through dm_cli.load(...).generate() and in a JSONL queue item
+    import dm_cli
+    from dm_cli.run.queue import read_prompts
+
+    (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": PROMPT, "seed": SEED, "steps": STEPS,
+                                                        "guidance_scale_2": 50.0}) + "\n")
+    (item,) = read_prompts(tmp_path / "q.jsonl")
+    with dm_cli.load(str(tiny_wan), max_memory="cpu=8GB", height=SIZE, width=SIZE, num_frames=FRAMES) as session:
+        (api,) = session.generate([PROMPT], seed=SEED, steps=STEPS, guidance_scale_2=50.0)
+        (queued,) = session.generate([item])  # a QueueItem carries its own steps and seed
+    assert torch.equal(api.latents, expected) and api.metadata["guidance_scale_2"] == "50.0"
+    assert torch.equal(queued.latents, expected) and queued.metadata["guidance_scale_2"] == "50.0"
 
 
 def test_guidance_scale_2_is_refused_where_there_is_no_second_expert():
@@ -358,7 +370,7 @@ def test_api_generate_runs_a_staged_plans_experts_one_at_a_time(tiny_wan, tmp_pa
         assert [s.components for s in pipe.plan.stages if s.name == "denoise"] == [["transformer"], ["transformer_2"]]
         (out,) = pipe.generate([PROMPT], seed=SEED, steps=STEPS)
         assert pipe.stage_totals["denoise"]["loads"] == 2
-    single = run(RunRequest(source=str(tiny_wan), prompt=PROMPT, steps=STEPS, height=SIZE, width=SIZE, seed=SEED,
+    single = run(RunRequest.of(source=str(tiny_wan), prompt=PROMPT, steps=STEPS, height=SIZE, width=SIZE, seed=SEED,
                             num_frames=FRAMES, output=str(tmp_path / "v/"), **devices))
     assert torch.equal(out.latents, single.latents)
 

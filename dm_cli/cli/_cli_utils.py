@@ -60,6 +60,8 @@ NumImagesOpt = Annotated[int | None, typer.Option("--num-images", help=_NUM_IMAG
 RunNumImagesOpt = Annotated[int | None, typer.Option("--num-images", min=1, help=_NUM_IMAGES_HELP)]
 """`dmap run`: the same option, bounded by click (min=1) as it always was."""
 
+NegativePromptOpt = Annotated[str | None, typer.Option(
+    "--negative-prompt", help="What to avoid (CFG and true-CFG pipelines).")]
 GuidanceScaleOpt = Annotated[float | None, typer.Option(
     "--guidance-scale", help="Guidance (CFG) scale (default: the pipeline's).")]
 

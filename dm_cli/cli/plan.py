@@ -16,6 +16,7 @@ from dm_cli.cli._cli_utils import (
     MaxMemoryOpt,
     MaxSequenceLengthOpt,
     ModeOpt,
+    NegativePromptOpt,
     NoCacheOpt,
     NumImagesOpt,
     OverheadOpt,
@@ -38,6 +39,7 @@ def plan(
     batch_size: int = typer.Option(1, "--batch-size", help="Prompts per call."),
     num_images: NumImagesOpt = 1,
     guidance_scale: GuidanceScaleOpt = None,
+    negative_prompt: NegativePromptOpt = None,
     max_sequence_length: MaxSequenceLengthOpt = None,
     frames: FramesOpt = None,
     fps: FpsOpt = None,
@@ -67,7 +69,7 @@ def plan(
                            num_images=num_images, guidance_scale=guidance_scale,
                            max_sequence_length=max_sequence_length, strategy=strategy, mode=mode, dtype=dtype,
                            overhead=overhead, component=component, check=not no_check, use_cache=not no_cache,
-                           num_frames=frames, fps=fps, weights=weights, on_progress=progress, **(settings or {}))
+                           num_frames=frames, fps=fps, weights=weights, negative_prompt=negative_prompt, on_progress=progress, **(settings or {}))
     if output:
         write_plan(result, output)
     if as_json:

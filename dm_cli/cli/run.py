@@ -19,6 +19,7 @@ from dm_cli.cli._cli_utils import (
     MaxMemoryOpt,
     MaxSequenceLengthOpt,
     ModeOpt,
+    NegativePromptOpt,
     OverheadOpt,
     OverwriteOpt,
     QuietOpt,
@@ -35,8 +36,6 @@ PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="What to d
 PromptsOpt = Annotated[str | None, typer.Option(
     "--prompts", help="A queue: a text file (one prompt a line) or JSONL (prompt, negative_prompt, "
                       "seed, steps, guidance_scale, output per line); item i gets seed --seed + i.")]
-NegativePromptOpt = Annotated[str | None, typer.Option(
-    "--negative-prompt", help="What to avoid (CFG and true-CFG pipelines).")]
 DeviceMapOpt = Annotated[str, typer.Option(
     "--device-map", "-d", help="auto | balanced | balanced_low_0 | sequential (plan now), or a plan JSON from dmap plan.")]
 StepsOpt = Annotated[int | None, typer.Option("--steps", min=1, help="Denoising steps (default: the pipeline's).")]
@@ -142,7 +141,7 @@ def _request(fields: dict, output: str | None):
     """The run options, one RunRequest for one prompt and for a queue alike."""
     from dm_cli.run.request import RunRequest
 
-    return RunRequest(**fields, output=output)
+    return RunRequest.of(**fields, output=output)
 
 
 def _refuse_single_only(fields: dict) -> None:

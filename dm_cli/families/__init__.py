@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from dm_cli.errors import UsageError
-from dm_cli.families.calls import CallSpec, block_scale
-from dm_cli.inputs import Generation, InputSpec
+from dm_cli.families.calls import CallSpec, Component, block_scale
+from dm_cli.inputs import Generation, InputImage, InputSpec
 from dm_cli.units import shorten
 
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
@@ -41,7 +41,7 @@ class Setting:
     """A setting a family adds to its generations (Qwen-Image's true_cfg_scale, Wan 2.2's guidance_scale_2).
 
     Declared once in the family module, it becomes an option of `dmap plan` and `dmap run`, a keyword of
-    `dm_cli.plan`, `dm_cli.load` and `Pipeline.generate`, a queue JSONL key, an image metadata entry and part
+    `dm_cli.plan`, `dm_cli.load` and `Session.generate`, a queue JSONL key, an image metadata entry and part
     of the resume key, and it reaches the pipeline's __call__ as `argument`.
     """
 
@@ -89,6 +89,7 @@ class Job:
     max_sequence_length: int | None = None
     num_frames: int | None = None  # video families only
     settings: tuple[tuple[str, object], ...] = ()  # the family's own settings (Family.settings), given or default
+    images: tuple[InputImage, ...] = ()  # input images, in order (read with dm_cli.io.input_images.read_image)
 
     def setting(self, name: str, default=None):
         return dict(self.settings).get(name, default)
@@ -99,7 +100,7 @@ class Job:
         return cls(prompt=prompt, negative_prompt=generation.negative_prompt, seed=seed, steps=generation.steps,
                    guidance_scale=generation.guidance_scale, height=generation.height, width=generation.width,
                    num_images=generation.num_images, max_sequence_length=generation.max_sequence_length,
-                   num_frames=generation.num_frames, settings=generation.settings)
+                   num_frames=generation.num_frames, settings=generation.settings, images=generation.images)
 
 
 def denormalized(vae, latents):
@@ -177,7 +178,7 @@ class Family:
 
     # --- what the pipeline feeds its models (the tracer's view) ----------------------------------
 
-    def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
+    def call_spec(self, comp: Component, inputs: InputSpec) -> CallSpec | None:
         """The call the pipeline makes to `comp` for `inputs`; None when the family does not know it."""
         raise NotImplementedError
 
@@ -192,7 +193,7 @@ class Family:
         """Denoiser calls per step: 2 under true CFG (separate conditional and unconditional calls)."""
         return 1
 
-    def max_sequence_length(self, comp, inputs: InputSpec) -> int | None:
+    def max_sequence_length(self, comp: Component, inputs: InputSpec) -> int | None:
         if inputs.max_sequence_length:
             return int(inputs.max_sequence_length)
         return self.default_max_sequence_length

@@ -9,10 +9,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from dm_cli.inputs import InputSpec
 
 CLIP_TOKENS = 77
+
+
+class Component(Protocol):
+    """What a family reads of a pipeline component: `dm_cli.model.sources.ComponentSource` has it (the families
+    wing sits beside the model wing, not above it, so it names the shape and not the class)."""
+
+    name: str
+    cls: str
+    config: dict | None
+    folder: Path | None
 
 
 @dataclass(frozen=True)
@@ -46,7 +57,7 @@ class CallSpec:
         return {"method": self.method, "kwargs": view(self.kwargs), "upcast_fp16": self.upcast_fp16}
 
 
-def sibling_config(comp, name: str) -> dict | None:
+def sibling_config(comp: Component, name: str) -> dict | None:
     """config.json of another component of the same pipeline folder (e.g. the VAE's), if present."""
     folder = getattr(comp, "folder", None)
     if folder is None:
@@ -60,7 +71,7 @@ def sibling_config(comp, name: str) -> dict | None:
         return None
 
 
-def vae_config(comp) -> dict | None:
+def vae_config(comp: Component) -> dict | None:
     """The VAE config of `comp`'s pipeline (its own when it is the VAE)."""
     config = comp.config or {}
     return config if config.get("_class_name", "").startswith("Autoencoder") else sibling_config(comp, "vae")
@@ -72,12 +83,12 @@ def block_scale(vae: dict | None) -> int:
     return 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8
 
 
-def vae_scale_factor(comp, config: dict | None = None) -> int:
+def vae_scale_factor(comp: Component, config: dict | None = None) -> int:
     """`block_scale` of the VAE: `config` when it is the VAE's own, else the pipeline's VAE."""
     return block_scale(config if (config or {}).get("_class_name", "").startswith("Autoencoder") else vae_config(comp))
 
 
-def call_spec(comp, pipeline_class: str | None, inputs: InputSpec) -> CallSpec | None:
+def call_spec(comp: Component, pipeline_class: str | None, inputs: InputSpec) -> CallSpec | None:
     """The call the pipeline makes to this component for `inputs`; None when dmap does not know it.
 
     The component's family knows; for a pipeline no family matches, the shared component calls
@@ -93,7 +104,7 @@ def call_spec(comp, pipeline_class: str | None, inputs: InputSpec) -> CallSpec |
 # --- calls of components many families share ----------------------------------------------------
 
 
-def component_call(comp, inputs: InputSpec, *, latent_hw: tuple[int, int] | None = None,
+def component_call(comp: Component, inputs: InputSpec, *, latent_hw: tuple[int, int] | None = None,
                    clip_hidden_states: bool = False, seq: int | None = None, upcast_fp16: bool = False) -> CallSpec | None:
     """VAE decode, CLIP and T5 text encoders, called as the diffusers pipelines call them."""
     config = comp.config or {}

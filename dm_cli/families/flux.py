@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dm_cli.families import GUIDANCE_DISTILLED, Embeds, Family, Job, packed_latents
-from dm_cli.families.calls import CallSpec, TensorSpec, component_call, vae_config
+from dm_cli.families.calls import CallSpec, Component, TensorSpec, component_call, vae_config
 from dm_cli.inputs import InputSpec
 
 
@@ -21,7 +21,7 @@ class FluxFamily(Family):
     default_sample_size = 128
     negative_prompt = False
 
-    def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
+    def call_spec(self, comp: Component, inputs: InputSpec) -> CallSpec | None:
         config = comp.config or {}
         factor = self.vae_scale(vae_config(comp))
         latent_h, latent_w, tokens = packed_latents(inputs, factor)

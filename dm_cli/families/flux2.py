@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dm_cli.families import GUIDANCE_DISTILLED, Embeds, Family, Job, packed_latents
-from dm_cli.families.calls import CallSpec, TensorSpec, component_call, vae_config
+from dm_cli.families.calls import CallSpec, Component, TensorSpec, component_call, vae_config
 from dm_cli.inputs import InputSpec
 
 # text_encoder_out_layers defaults of the pipelines' __call__
@@ -30,7 +30,7 @@ DEFAULT_OUT_LAYERS = {"Flux2Pipeline": (10, 20, 30), "Flux2KleinPipeline": (9, 1
 TEXT_ENCODERS = ("Mistral3ForConditionalGeneration", "Qwen3ForCausalLM")
 
 
-def _model_index(comp) -> dict:
+def _model_index(comp: Component) -> dict:
     folder = getattr(comp, "folder", None)
     if folder is None:
         return {}
@@ -81,7 +81,7 @@ class Flux2Family(Family):
         return model_index.get("_class_name") == "Flux2KleinPipeline" and not model_index.get("is_distilled", False) \
             and guidance_scale > 1.0
 
-    def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
+    def call_spec(self, comp: Component, inputs: InputSpec) -> CallSpec | None:
         config = comp.config or {}
         factor = self.vae_scale(vae_config(comp))
         latent_h, latent_w, tokens = packed_latents(inputs, factor)

@@ -6,7 +6,7 @@ then unconditional), never on a doubled batch."""
 from __future__ import annotations
 
 from dm_cli.families import GUIDANCE_SEPARATE, Embeds, Family, Job, Setting, denormalized, packed_latents
-from dm_cli.families.calls import CallSpec, TensorSpec, sibling_config, vae_config
+from dm_cli.families.calls import CallSpec, Component, TensorSpec, sibling_config, vae_config
 from dm_cli.inputs import InputSpec
 
 # QwenImagePipeline: the prompt template's system part is this many tokens, dropped after encoding;
@@ -44,7 +44,7 @@ class QwenImageFamily(Family):
         They run one after the other on the same shapes, so the activation peak is one call's."""
         return 2
 
-    def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
+    def call_spec(self, comp: Component, inputs: InputSpec) -> CallSpec | None:
         config = comp.config or {}
         images, prompts = inputs.effective_batch, inputs.batch_size
         seq = self.max_sequence_length(comp, inputs)

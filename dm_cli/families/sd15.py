@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dm_cli.families import GUIDANCE_BATCH, Embeds, Family, Job
-from dm_cli.families.calls import CallSpec, component_call
+from dm_cli.families.calls import CallSpec, Component, component_call
 from dm_cli.families.unet import unet_call, uses_cfg
 from dm_cli.inputs import InputSpec
 
@@ -22,7 +22,7 @@ class SD15Family(Family):
     def title(self) -> str:
         return "Stable Diffusion"
 
-    def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
+    def call_spec(self, comp: Component, inputs: InputSpec) -> CallSpec | None:
         if comp.cls in self.denoiser_classes:
             return unet_call(self, comp, inputs)
         return component_call(comp, inputs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dm_cli.families import GUIDANCE_BATCH, Embeds, Family, Job, pooled_embeds
-from dm_cli.families.calls import CLIP_TOKENS, CallSpec, TensorSpec, component_call, vae_config
+from dm_cli.families.calls import CLIP_TOKENS, CallSpec, Component, TensorSpec, component_call, vae_config
 from dm_cli.inputs import InputSpec
 
 
@@ -21,7 +21,7 @@ class SD3Family(Family):
     def size_multiple(self, denoiser_config: dict, vae_config_: dict | None) -> int:
         return self.vae_scale(vae_config_) * int((denoiser_config or {}).get("patch_size", 2))
 
-    def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
+    def call_spec(self, comp: Component, inputs: InputSpec) -> CallSpec | None:
         config = comp.config or {}
         seq = self.max_sequence_length(comp, inputs)
         if comp.cls in self.denoiser_classes:

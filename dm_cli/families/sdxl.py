@@ -4,7 +4,7 @@ conditioning, CFG by batch doubling, a VAE that decodes in float32 when loaded i
 from __future__ import annotations
 
 from dm_cli.families import GUIDANCE_BATCH, Embeds, Family, Job, pooled_embeds
-from dm_cli.families.calls import CallSpec, component_call
+from dm_cli.families.calls import CallSpec, Component, component_call
 from dm_cli.families.unet import unet_call, uses_cfg
 from dm_cli.inputs import InputSpec
 
@@ -25,7 +25,7 @@ class SDXLFamily(Family):
             return super().matches(pipeline_class, component_cls, config)
         return component_cls in self.denoiser_classes and (config or {}).get("addition_embed_type") == "text_time"
 
-    def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
+    def call_spec(self, comp: Component, inputs: InputSpec) -> CallSpec | None:
         if comp.cls in self.denoiser_classes:
             return unet_call(self, comp, inputs)
         upcast = bool((comp.config or {}).get("force_upcast", True))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dm_cli.families.calls import CLIP_TOKENS, CallSpec, TensorSpec, vae_config
+from dm_cli.families.calls import CLIP_TOKENS, CallSpec, Component, TensorSpec, vae_config
 from dm_cli.inputs import InputSpec
 
 
-def unet_call(family, comp, inputs: InputSpec) -> CallSpec:
+def unet_call(family, comp: Component, inputs: InputSpec) -> CallSpec:
     """UNet2DConditionModel as StableDiffusion(XL)Pipeline calls it: latents, timestep, CLIP states."""
     config = comp.config or {}
     factor = family.vae_scale(vae_config(comp))

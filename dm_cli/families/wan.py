@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dm_cli.errors import UsageError
 from dm_cli.families import GUIDANCE_SEPARATE, Embeds, Family, Job, Setting, denormalized
-from dm_cli.families.calls import CallSpec, TensorSpec, vae_config
+from dm_cli.families.calls import CallSpec, Component, TensorSpec, vae_config
 from dm_cli.inputs import InputSpec
 
 TRANSFORMER = "WanTransformer3DModel"
@@ -86,7 +86,7 @@ class WanFamily(Family):
     def frames(self, inputs: InputSpec) -> int:
         return int(inputs.num_frames or self.default_num_frames)
 
-    def call_spec(self, comp, inputs: InputSpec) -> CallSpec | None:
+    def call_spec(self, comp: Component, inputs: InputSpec) -> CallSpec | None:
         config = comp.config or {}
         seq = self.max_sequence_length(comp, inputs)
         if comp.cls == TRANSFORMER:

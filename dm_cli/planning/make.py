@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from dm_cli.devices import device_key, device_label, device_rank, is_gpu
 from dm_cli.errors import CheckpointError, DoesNotFitError, UsageError
@@ -25,7 +25,7 @@ from dm_cli.families import (
     unknown_family_warning,
 )
 from dm_cli.families.stages import NAMED_VALUES
-from dm_cli.inputs import Generation, InputSpec
+from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec
 from dm_cli.io.atomic import atomic_write
 from dm_cli.model.weight_formats import (
     STORAGE_DTYPES,
@@ -64,6 +64,9 @@ from dm_cli.units import (
     shorten,
 )
 
+if TYPE_CHECKING:  # annotations only
+    from dm_cli.model.sources import ComponentSource
+
 PLAN_FORMAT = "dmap-plan"
 PLAN_VERSION = 1
 # Version 2 is version 1 plus `tiled_decode`, written only when a component decodes in tiles: a reader
@@ -73,20 +76,19 @@ TILED_PLAN_VERSION = 2
 # CUDA context (~300-600 MB) plus cuBLAS workspaces and caching-allocator slack, per GPU.
 DEFAULT_GPU_OVERHEAD = 600 * 10**6
 
+
 @dataclass
 class PlanOptions:
-    max_memory: str | None = None  # device spec; None: read the local devices
-    strategy: str = "auto"
-    mode: str = "auto"
+    """What `make_plan` is asked: where (the placement), for what (the inputs), and how to work."""
+
+    placement: PlacementSpec = field(default_factory=PlacementSpec)  # devices, strategy, mode, overhead, dtype, weights
     inputs: InputSpec = field(default_factory=InputSpec)
-    dtype: str | None = None  # torch name; None: as stored (bf16 for config-only sources)
-    overhead: str | None = None  # "0=600MB,cpu=0"
     component: str | None = None  # plan one component only
     check: bool = True
     use_cache: bool = True
-    weights: str | None = None  # --weights spec: fp8, int8, transformer=fp8,text_encoder=fp8
     on_progress: Callable[[str], None] | None = None  # hears each step (resolving, sizing, each trace, the check)
     settings: dict = field(default_factory=dict)  # the family's own (Family.settings): checked as dmap run checks them
+    negative_prompt: str | None = None  # checked as dmap run checks it (FLUX refuses one); true CFG is planned anyway
 
 
 @dataclass
@@ -108,6 +110,15 @@ class Plan:
     # components that decode in tiles (diffusers' enable_tiling()) -> the untiled decode's activation estimate
     # (0 when the plan file does not say); absent: untiled
     tiled_decode: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def placement(self) -> PlacementSpec:
+        """What the plan was made with, as a request would give it (sizes in bytes): a plan file's devices,
+        strategy, mode, overhead, dtype and weight storage."""
+        devices = ",".join(d.name if d.capacity is None else f"{d.name}={d.capacity}B" for d in self.devices)
+        overhead = ",".join(f"{d.name}={d.overhead}B" for d in self.devices if d.capacity is not None)
+        weights = ",".join(f"{name}={fmt}" for name, fmt in sorted(self.weights.items()) if fmt)
+        return PlacementSpec(devices or None, self.strategy, self.mode, overhead or None, self.dtype, weights or None)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -424,7 +435,7 @@ def parse_overhead(spec: str | None, budgets: list[DeviceBudget], weights_only: 
 # --- components -----------------------------------------------------------------------------------
 
 
-def _splittable(comp) -> bool:
+def _splittable(comp: ComponentSource) -> bool:
     """The VAE is never split (AutoencoderKL does not split cleanly across GPUs)."""
     return not (comp.name == "vae" or comp.cls.startswith("Autoencoder"))
 
@@ -441,7 +452,7 @@ class TraceFacts:
     warning: str | None
 
 
-def trace_facts(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str, use_cache: bool = True,
+def trace_facts(comp: ComponentSource, pipeline_class: str | None, inputs: InputSpec, dtype: str, use_cache: bool = True,
                 tiled: bool = False, on_progress: Callable[[str], None] | None = None) -> TraceFacts:
     """The meta trace of one component: execution order, activation peaks, what must not be split
     (`tiled`: of its decode with diffusers' enable_tiling())."""
@@ -466,7 +477,7 @@ class PreparedComponent:
     effective_dtype: str | None = None  # the dtype its tensors are sized at (None: as stored)
 
 
-def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str | None,
+def prepare_component(comp: ComponentSource, pipeline_class: str | None, inputs: InputSpec, dtype: str | None,
                       use_cache: bool = True, weights: dict[str, str | None] | None = None,
                       on_progress: Callable[[str], None] | None = None) -> PreparedComponent:
     """Skeleton + trace -> the planner's ComponentInput (blocks in execution order with activations).
@@ -507,7 +518,7 @@ def prepare_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype
     return PreparedComponent(comp, skeleton, trace_dtype, facts, spec, warnings, fmt, effective)
 
 
-def _overflow_refusal(comp, inputs: InputSpec) -> str:
+def _overflow_refusal(comp: ComponentSource, inputs: InputSpec) -> str:
     """A trace that overflowed (torch's storage size, a Python int to C) has no activation estimate, and
     its tensors are beyond any device: planning on without the estimate would report a fit."""
     what = f"{inputs.height}x{inputs.width}" + (f", {inputs.num_frames} frames" if inputs.num_frames else "")
@@ -516,7 +527,7 @@ def _overflow_refusal(comp, inputs: InputSpec) -> str:
             "or --num-images.")
 
 
-def _component_spec(comp, skeleton, facts: TraceFacts, inputs: InputSpec, effective: str | None, fmt: str | None,
+def _component_spec(comp: ComponentSource, skeleton, facts: TraceFacts, inputs: InputSpec, effective: str | None, fmt: str | None,
                     trace_dtype: str) -> tuple[ComponentInput, list[str]]:
     """The planner's view of one component for one trace: blocks in execution order with their activations."""
     peaks = {} if inputs.weights_only else facts.module_peaks
@@ -546,23 +557,24 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     """Resolve, size, trace, place and check: the one core call of `dmap plan`."""
     from dm_cli.model.sources import config_digest, resolve_source
 
-    if options.strategy not in STRATEGIES:
-        raise UsageError(f"Unknown strategy '{options.strategy}': use {', '.join(STRATEGIES)}.")
-    if options.mode not in MODES:
-        raise UsageError(f"Unknown mode '{options.mode}': use {', '.join(MODES)}.")
+    if options.placement.strategy not in STRATEGIES:
+        raise UsageError(f"Unknown strategy '{options.placement.strategy}': use {', '.join(STRATEGIES)}.")
+    if options.placement.mode not in MODES:
+        raise UsageError(f"Unknown mode '{options.placement.mode}': use {', '.join(MODES)}.")
     progress = options.on_progress or (lambda message: None)
     progress(f"Resolving {source_spec}")
     source = resolve_source(source_spec)
     comps = [source.component(options.component)] if options.component else list(source.components)
     options = replace(options, inputs=default_inputs(source, comps, options.inputs))
     _check_family_inputs(source, comps, options)
-    if options.dtype is not None:  # "" is an unknown dtype, not the default
-        options = replace(options, dtype=parse_dtype(options.dtype))
-    budgets = parse_device_spec(options.max_memory) if options.max_memory is not None else local_devices()
-    overhead = parse_overhead(options.overhead, budgets, options.inputs.weights_only)
+    if options.placement.dtype is not None:  # "" is an unknown dtype, not the default
+        options = replace(options, placement=replace(options.placement, dtype=parse_dtype(options.placement.dtype)))
+    asked = options.placement
+    budgets = parse_device_spec(asked.max_memory) if asked.max_memory is not None else local_devices()
+    overhead = parse_overhead(asked.overhead, budgets, options.inputs.weights_only)
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
-    formats = parse_weights_spec(options.weights, [c.name for c in comps])
-    prepared = [prepare_component(c, source.pipeline_class, options.inputs, options.dtype, options.use_cache, formats,
+    formats = parse_weights_spec(asked.weights, [c.name for c in comps])
+    prepared = [prepare_component(c, source.pipeline_class, options.inputs, asked.dtype, options.use_cache, formats,
                                   on_progress=options.on_progress) for c in comps]
     specs = [p.spec for p in prepared]
     stages = pipeline_stages(source.pipeline_class, [c.name for c in comps])
@@ -576,8 +588,8 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         raise _does_not_fit(source_spec, source, comps, stages, devices, options, formats, choice.specs,
                             choice.warnings) from None
     placement, specs = choice.placement, choice.specs
-    dtype = options.dtype or (prepared[0].dtype if prepared else "bfloat16")
-    plan = Plan(source_spec, dtype, options.strategy, placement.mode, devices, options.inputs, placement.components,
+    dtype = asked.dtype or (prepared[0].dtype if prepared else "bfloat16")
+    plan = Plan(source_spec, dtype, asked.strategy, placement.mode, devices, options.inputs, placement.components,
                 placement.stages, source.pipeline_class,
                 [w for p in prepared for w in p.warnings] + placement.warnings + choice.warnings,
                 activation_peaks={s.name: s.activation_peak for s in specs},
@@ -634,7 +646,9 @@ def _check_family_inputs(source, comps, options: PlanOptions) -> None:
     if family is not None and denoiser is not None:
         generation = Generation(height=inputs.height, width=inputs.width, num_frames=inputs.num_frames, fps=inputs.fps,
                                 guidance_scale=inputs.guidance_scale, max_sequence_length=inputs.max_sequence_length,
-                                num_images=inputs.num_images).with_settings(options.settings)
+                                num_images=inputs.num_images, negative_prompt=options.negative_prompt,
+                                images=tuple(InputImage(w, h) for w, h in inputs.image_sizes)
+                                ).with_settings(options.settings)
         family.validate(generation, source.pipeline_class or denoiser.cls, denoiser.config or {},
                         vae.config if vae is not None else None, tuple(c.name for c in source.components))
         return
@@ -863,7 +877,7 @@ def _does_not_fit(source_spec, source, comps, stages, devices, options, formats,
                 continue
             smaller = replace(options.inputs, height=size, width=size)
             try:
-                trial_specs = [prepare_component(c, source.pipeline_class, smaller, options.dtype, options.use_cache,
+                trial_specs = [prepare_component(c, source.pipeline_class, smaller, options.placement.dtype, options.use_cache,
                                                  formats).spec for c in comps]
             except Exception:  # a failed trace only loses a suggestion
                 break
@@ -916,7 +930,7 @@ def total_ram() -> int | None:
 def _plan_or_none(specs, stages, devices, options: PlanOptions) -> Placement | None:
     """plan_pipeline, None where nothing fits: the tiling choice and the suggestions try many variants."""
     try:
-        return plan_pipeline(specs, stages, devices, options.strategy, options.mode)
+        return plan_pipeline(specs, stages, devices, options.placement.strategy, options.placement.mode)
     except NoFit:
         return None
 

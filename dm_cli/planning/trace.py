@@ -24,13 +24,16 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from dm_cli.devices import map_entry, normalise_map
 from dm_cli.families.calls import CallSpec, TensorSpec, call_spec, generic_argument
 from dm_cli.inputs import InputSpec
 from dm_cli.io.cache import cache_key, read_cached, write_cached
 from dm_cli.planning.storages import LiveStorages
+
+if TYPE_CHECKING:  # annotations only
+    from dm_cli.model.sources import ComponentSource
 
 TRACE_FORMAT_VERSION = 2  # 2: lists given to modules are no longer copied (the Wan VAE cache)
 WEIGHTS_ONLY_SIZE = 64  # pixels: order and split checks do not depend on size; small fits every model (tiny SD3 pos_embed too)
@@ -476,7 +479,7 @@ _MODEL_CACHE: "OrderedDict[str, object]" = OrderedDict()
 _MODEL_CACHE_SIZE = 3
 
 
-def _meta_model(comp, dtype: str):
+def _meta_model(comp: ComponentSource, dtype: str):
     """The component on meta, cast as loading casts it; a few kept in memory for repeated checks."""
     from dm_cli.model.skeleton import build_on_meta, guess_library
 
@@ -526,7 +529,7 @@ def _materialise(value, dtype, device):
     return value
 
 
-def _generic_call(model, comp, inputs: InputSpec) -> CallSpec | None:
+def _generic_call(model, comp: ComponentSource, inputs: InputSpec) -> CallSpec | None:
     """Plausible arguments for an unknown model's forward, from its signature and config."""
     try:
         signature = inspect.signature(model.forward)
@@ -549,7 +552,7 @@ def _generic_call(model, comp, inputs: InputSpec) -> CallSpec | None:
     return CallSpec("forward", kwargs, description="generic inputs from the forward signature")
 
 
-def _full_config(model, comp) -> dict:
+def _full_config(model, comp: ComponentSource) -> dict:
     """The built model's config (class defaults filled in) over the component's config.json."""
     config = getattr(model, "config", None)
     if config is None:
@@ -559,7 +562,7 @@ def _full_config(model, comp) -> dict:
     return full
 
 
-def _resolve_call(model, comp, pipeline_class, inputs: InputSpec) -> CallSpec | None:
+def _resolve_call(model, comp: ComponentSource, pipeline_class, inputs: InputSpec) -> CallSpec | None:
     spec = call_spec(comp, pipeline_class, inputs)
     if spec is None:
         spec = _generic_call(model, dataclasses.replace(comp, config=_full_config(model, comp)), inputs)
@@ -589,7 +592,7 @@ def _run(model, spec: CallSpec, dtype: str, session: _Session):
 # --- public API --------------------------------------------------------------------------------
 
 
-def _trace_key(comp, pipeline_class, spec_shapes, dtype, weights_only, tiled=False) -> str:
+def _trace_key(comp: ComponentSource, pipeline_class, spec_shapes, dtype, weights_only, tiled=False) -> str:
     return cache_key({"library": comp.library, "class": comp.cls, "config": comp.config, "pipeline": pipeline_class,
                       "call": spec_shapes, "dtype": dtype, "weights_only": weights_only, "tiled": tiled,
                       "format": TRACE_FORMAT_VERSION})
@@ -608,7 +611,7 @@ def compute_dtype(spec: CallSpec | None, dtype: str) -> str:
     return dtype
 
 
-def trace_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str,
+def trace_component(comp: ComponentSource, pipeline_class: str | None, inputs: InputSpec, dtype: str,
                     use_cache: bool = True, tiled: bool = False,
                     on_progress: Callable[[str], None] | None = None) -> ComponentTrace:
     """Execution order, activation peaks and unsplittable modules of one component for `inputs`.
@@ -648,7 +651,7 @@ def trace_component(comp, pipeline_class: str | None, inputs: InputSpec, dtype: 
     return trace
 
 
-def trace_message(comp, spec: CallSpec | None, inputs: InputSpec, tiled: bool = False) -> str:
+def trace_message(comp: ComponentSource, spec: CallSpec | None, inputs: InputSpec, tiled: bool = False) -> str:
     """What a trace about to run is, for progress: component, class and the call (shapes)."""
     if inputs.weights_only:
         what = "execution order only (weights-only plan)"
@@ -659,7 +662,7 @@ def trace_message(comp, spec: CallSpec | None, inputs: InputSpec, tiled: bool = 
     return f"Tracing {comp.name} ({comp.cls}) on the meta device{' with tiling' if tiled else ''}: {what}"
 
 
-def _torch_dtype_name(dtype: str | None, comp) -> str:
+def _torch_dtype_name(dtype: str | None, comp: ComponentSource) -> str:
     """bf16/fp16/fp32 or torch spellings -> torch name; None: the checkpoint's dominant dtype."""
     from dm_cli.units import parse_dtype
 
@@ -680,7 +683,7 @@ def model_tiles(model) -> bool:
         and callable(getattr(model, "disable_tiling", None))
 
 
-def can_tile(comp) -> bool:
+def can_tile(comp: ComponentSource) -> bool:
     """Whether the component's class decodes in tiles when asked (`enable_tiling()`); built on meta, no weights."""
     from dm_cli.errors import SourceError
 
@@ -692,7 +695,7 @@ def can_tile(comp) -> bool:
         return False
 
 
-def _trace_uncached(comp, pipeline_class, inputs: InputSpec, dtype: str, tiled: bool = False) -> ComponentTrace:
+def _trace_uncached(comp: ComponentSource, pipeline_class, inputs: InputSpec, dtype: str, tiled: bool = False) -> ComponentTrace:
     from dm_cli.errors import SourceError
 
     if comp.config is None:
@@ -740,7 +743,7 @@ def _trace_uncached(comp, pipeline_class, inputs: InputSpec, dtype: str, tiled: 
     )
 
 
-def check_device_map(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str,
+def check_device_map(comp: ComponentSource, pipeline_class: str | None, inputs: InputSpec, dtype: str,
                      device_map: dict) -> list[str]:
     """Simulate `device_map` on the meta device; one message per op that mixes two devices ([] = it runs)."""
     dtype = _torch_dtype_name(dtype, comp)

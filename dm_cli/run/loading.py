@@ -15,10 +15,14 @@ import gc
 import inspect as pyinspect
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dm_cli.devices import device_of, execution_device_key, normalise_map, torch_device
 from dm_cli.errors import CheckpointError, SourceError
 from dm_cli.model.weight_formats import int8_offload_problem
+
+if TYPE_CHECKING:  # annotations only
+    from dm_cli.model.sources import ComponentSource
 
 
 def execution_device(device_map: dict, simulate: bool):
@@ -26,7 +30,7 @@ def execution_device(device_map: dict, simulate: bool):
     return torch_device(execution_device_key(device_map), simulate)
 
 
-def load_component(comp, device_map: dict, dtype: str | None, simulate: bool, weights: str | None = None):
+def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, simulate: bool, weights: str | None = None):
     """One component on its planned devices. Under simulate every virtual device is the CPU.
 
     `weights` (fp8, int8) stores the tensors `weight_formats` names in low precision: such a
@@ -41,7 +45,7 @@ def load_component(comp, device_map: dict, dtype: str | None, simulate: bool, we
     on_accelerator = any(not isinstance(v, str) or v == "mps" for v in device_map.values())
     cpu_only = simulate or not on_accelerator and set(device_map.values()) == {"cpu"}
     problem = None if simulate else int8_offload_problem(comp.name, weights, device_map)
-    assert problem is None, problem  # the run refuses such a plan before it loads anything (api.Pipeline)
+    assert problem is None, problem  # the run refuses such a plan before it loads anything (api.Session)
     try:
         if weights is not None:
             model = _load_streamed(comp, device_map, torch_dtype, weights, resident=cpu_only)
@@ -64,7 +68,7 @@ def load_component(comp, device_map: dict, dtype: str | None, simulate: bool, we
     return model
 
 
-def _from_pretrained(comp, device_map, torch_dtype):
+def _from_pretrained(comp: ComponentSource, device_map, torch_dtype):
     from dm_cli.model.models import component_class, is_transformers_model
 
     cls = component_class(comp.library, comp.cls)
@@ -73,7 +77,7 @@ def _from_pretrained(comp, device_map, torch_dtype):
     return cls.from_pretrained(comp.folder, dtype=torch_dtype if torch_dtype is not None else "auto", device_map=device_map)
 
 
-def _load_streamed(comp, device_map: dict, torch_dtype, weights: str | None = None, resident: bool = False):
+def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights: str | None = None, resident: bool = False):
     """Build empty, put each tensor on its device, and stream cpu/disk blocks from the ORIGINAL safetensors.
 
     accelerate's own disk offload re-saves every tensor as .dat; here offloaded blocks are read from
@@ -149,7 +153,7 @@ def _load_streamed(comp, device_map: dict, torch_dtype, weights: str | None = No
     return model
 
 
-def _checkpoint_keys(model, keys: list[str], comp) -> dict[str, str]:
+def _checkpoint_keys(model, keys: list[str], comp: ComponentSource) -> dict[str, str]:
     """Model tensor name -> checkpoint key. transformers 5 renames legacy checkpoint keys while loading
     (Mistral-3 saves `language_model.model.*` for `model.language_model.*`): the same renamings, by
     transformers' own `rename_source_key`. A key that needs a converter (merged or split tensors) is refused."""
@@ -208,7 +212,7 @@ def free_components(models: list) -> None:
 # --- the pipeline object ---------------------------------------------------------------------
 
 
-def placeholder(comp, torch_dtype, real_tensors: tuple[str, ...] = ()):
+def placeholder(comp: ComponentSource, torch_dtype, real_tensors: tuple[str, ...] = ()):
     """The component on the meta device: its config and dtype for the pipeline, no memory.
 
     `real_tensors` (the family's `placeholder_tensors`): small tensors the pipeline reads while the

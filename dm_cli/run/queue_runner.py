@@ -113,10 +113,10 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
 
 
 def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget, result: QueueResult) -> None:
-    from dm_cli.run.session import Pipeline
+    from dm_cli.run.session import Session
 
     started = time.perf_counter()
-    pipeline = Pipeline(request.run, on_plan=events.on_plan, on_status=events.on_status)
+    pipeline = Session(request.run, on_plan=events.on_plan, on_status=events.on_status)
     if pipeline.defaults.num_frames:
         pipeline.close()
         raise UsageError(f"--prompts writes images; {pipeline.source.pipeline_class} makes videos: run one prompt at a time.")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import CheckpointError, SourceError, UsageError
 from dm_cli.families import Family, Job, family_for, supported_pipelines
-from dm_cli.inputs import Generation, InputSpec
+from dm_cli.inputs import Generation, InputSpec, PlacementSpec
 from dm_cli.io.images import check_image_output, check_metadata_room, existing_image_paths
 from dm_cli.model.sources import config_digest
 from dm_cli.units import parse_dtype
@@ -42,41 +42,47 @@ TRACKED_STEPS: int | None = 2
 # --- request / result ----------------------------------------------------------------------
 
 
+# The names `RunRequest.of` sorts flat options into (the command line's, the API's, the tests')
+GENERATION_FIELDS = ("height", "width", "num_frames", "fps", "steps", "guidance_scale", "negative_prompt",
+                     "max_sequence_length", "num_images", "images")
+PLACEMENT_FIELDS = ("max_memory", "mode", "overhead", "dtype", "weights")
+
+
 @dataclass
 class RunRequest:
-    """Everything `dmap run` was asked for. None means: the pipeline's (or the demo's) default."""
+    """Everything `dmap run` was asked for: a prompt and a seed, one generation (`inputs.Generation`, unsettled:
+    None is the pipeline's, the demo's or the plan file's default), one placement (`inputs.PlacementSpec`) or a
+    plan file, and where the outputs go."""
 
     source: str | None
     prompt: str
-    negative_prompt: str | None = None
-    device_map: str = "auto"  # auto|balanced|balanced_low_0|sequential or a plan JSON path
-    max_memory: str | None = None
-    overhead: str | None = None  # per-device overhead for the planner, e.g. 0=600MB
-    mode: str = "auto"
-    steps: int | None = None
-    guidance_scale: float | None = None
-    settings: dict = field(default_factory=dict)  # the family's own (Family.settings): true_cfg_scale, ...
     seed: int = 0
-    height: int | None = None
-    width: int | None = None
-    num_images: int | None = None
-    max_sequence_length: int | None = None
-    num_frames: int | None = None  # video families
-    fps: int | None = None  # video families: frames per second of the written video
+    generation: Generation = field(default_factory=Generation)
+    placement: PlacementSpec = field(default_factory=PlacementSpec)
+    plan_file: str | None = None  # --device-map PLAN.json: follow it (else plan here with `placement`)
     output: str | None = "dmap.png"  # video families: "dmap.png" is read as the default, dmap.mp4
     save_latents: str | None = None
-    dtype: str | None = None
     simulate: bool = False
-    weights: str | None = None  # --weights spec (fp8, int8, transformer=fp8,...); None: the plan's
     overwrite: bool = False  # replace an existing --output / --save-latents
     track_activations: bool = False  # per-op activation tracking on CPU (always on under simulate)
 
-    def generation(self) -> Generation:
-        """What the request asks the pipeline for, unsettled (None: the default)."""
-        return Generation(height=self.height, width=self.width, num_frames=self.num_frames, fps=self.fps,
-                          steps=self.steps, guidance_scale=self.guidance_scale, negative_prompt=self.negative_prompt,
-                          max_sequence_length=self.max_sequence_length, num_images=self.num_images
-                          ).with_settings(self.settings)
+    @classmethod
+    def of(cls, source: str | None, prompt: str, *, device_map: str = "auto", settings: dict | None = None,
+           **options) -> "RunRequest":
+        """A request from flat options, as `dmap run` and `dm_cli.load` take them: the generation's names
+        (GENERATION_FIELDS, `settings`: the family's own), the placement's (PLACEMENT_FIELDS), `device_map` (a
+        strategy, else a plan file) and the request's own (seed, output, ...)."""
+        from dm_cli.planning.search import STRATEGIES
+
+        generation = Generation(**{k: options.pop(k) for k in GENERATION_FIELDS if k in options})
+        placement = {k: options.pop(k) for k in PLACEMENT_FIELDS if k in options}
+        strategy, plan_file = (device_map, None) if device_map in STRATEGIES else ("auto", device_map)
+        return cls(source, prompt, generation=generation.with_settings(settings or {}),
+                   placement=PlacementSpec(strategy=strategy, **placement), plan_file=plan_file, **options)
+
+    @property
+    def negative_prompt(self) -> str | None:
+        return self.generation.negative_prompt
 
 
 # --- plan handling -------------------------------------------------------------------------
@@ -98,17 +104,13 @@ def make_run_plan(source: Source, request: RunRequest, inputs: InputSpec) -> Pla
     """Plan with dmap's planner (`dm_cli.planning.make.make_plan`) for these inputs and devices."""
     from dm_cli.planning.make import PlanOptions, make_named_plan
 
-    options = PlanOptions(max_memory=request.max_memory, strategy=request.device_map, mode=request.mode,
-                          overhead=request.overhead,
-                          inputs=inputs, dtype=parse_dtype(request.dtype) if request.dtype else None,
-                          weights=request.weights)
-    return make_named_plan(str(source.root), source.spec, options)
+    return make_named_plan(str(source.root), source.spec, PlanOptions(request.placement, inputs))
 
 
-def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, dtype: str | None, where: str,
-                       weights: str | None = None) -> None:
-    """A plan made for another model, other inputs, another dtype or other weight storage is refused,
-    with every mismatch at once."""
+def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement: PlacementSpec, where: str) -> None:
+    """A plan made for another model, other inputs, another dtype or other weight storage (what `placement`
+    asks beside the plan file) is refused, with every mismatch at once."""
+    dtype, weights = placement.dtype, placement.weights
     problems: list[str] = []
     ours = config_digest(source)
     names = {c.name for c in source.components}
@@ -244,7 +246,7 @@ def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda m
     family = family_for(source.pipeline_class)
     if family is None or not family.runs(source.pipeline_class):
         raise UsageError(f"dmap run does not support {source.pipeline_class}: it runs {', '.join(supported_pipelines())}.")
-    refusal = family.refusal(request.generation(), tuple(c.name for c in source.components))
+    refusal = family.refusal(request.generation, tuple(c.name for c in source.components))
     if refusal:  # before a plan file is read or anything is shown (Family.validate says the same later)
         raise UsageError(refusal)
     return source, family, demo, defaults, notices
@@ -266,7 +268,7 @@ def settle_generation(generation: Generation, source: Source, family: Family, de
 
 def settle_job(request: RunRequest, source: Source, family: Family, defaults: dict) -> Job:
     """The request's generation settled and checked, its outputs refused if they exist: the Job the stages run."""
-    generation = settle_generation(request.generation(), source, family, defaults)
+    generation = settle_generation(request.generation, source, family, defaults)
     refuse_existing_outputs(request, family, generation.num_images)
     return Job.of(generation, request.prompt, request.seed)
 

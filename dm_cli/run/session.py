@@ -1,7 +1,7 @@
 """A SOURCE loaded per its plan, ready to generate: the session the one-prompt run, the queue, torchrun
 ranks and `dm_cli.load` share.
 
-`Pipeline` settles the request (SOURCE, defaults, plan) once, keeps resident components loaded, and
+`Session` settles the request (SOURCE, defaults, plan) once, keeps resident components loaded, and
 runs the stage loop (`dm_cli.run.stages`) for each prompt or chunk of prompts.
 """
 
@@ -58,7 +58,7 @@ class Generated:
         return self.images[0]
 
 
-class Pipeline:
+class Session:
     """A SOURCE with its plan, ready to generate; components load per the plan's mode.
 
     `defaults` is the settled generation (steps, guidance, size, sequence length) each prompt
@@ -105,7 +105,6 @@ class Pipeline:
         imported: (the plan or None, what to call it in messages)."""
         from dm_cli.families import Job
         from dm_cli.planning.make import load_plan
-        from dm_cli.planning.search import STRATEGIES
         from dm_cli.run.checks import device_map_refusal
         from dm_cli.run.request import (
             check_devices_present,
@@ -117,28 +116,27 @@ class Pipeline:
         )
         from dm_cli.units import parse_dtype
 
-        request.generation()  # the counts' bounds (inputs.LIMITS) before SOURCE is resolved, as dmap plan
-        if request.dtype is not None:
-            parse_dtype(request.dtype)
-        is_file = plan is None and (request.device_map.endswith(".json") or Path(request.device_map).is_file())
-        if plan is None and not is_file and request.device_map not in STRATEGIES:
-            raise UsageError(device_map_refusal(request.device_map))
+        if request.placement.dtype is not None:
+            parse_dtype(request.placement.dtype)
+        plan_file = request.plan_file if plan is None else None
+        if plan_file is not None and not (plan_file.endswith(".json") or Path(plan_file).is_file()):
+            raise UsageError(device_map_refusal(plan_file))
         source, family, demo, defaults, notices = prepare(request, status)
         self.source, self.family, self.demo, self.notices = source, family, demo, notices
-        if is_file:
-            plan = load_plan(request.device_map)
+        if plan_file is not None:
+            plan = load_plan(plan_file)
         if plan is not None and not request.simulate:  # before anything is shown or torch is imported
             check_devices_present(plan)
         if plan is not None:  # a plan's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
             defaults = {**defaults, **inputs_from_plan(plan)}
         # Settle the generation first: the plan is made for (and checked against) it.
-        self.generation = settle_generation(request.generation(), source, family, defaults)
+        self.generation = settle_generation(request.generation, source, family, defaults)
         refuse_existing_outputs(request, family, self.generation.num_images)
         self.defaults = Job.of(self.generation, request.prompt, request.seed)
         self.fps = self.generation.fps if self.generation.num_frames else None  # video families
-        where = request.device_map if is_file else "The plan"
+        where = plan_file or "The plan"
         if plan is not None:
-            check_plan_matches(plan, source, self._inputs(), request.dtype, where, request.weights)
+            check_plan_matches(plan, source, self._inputs(), request.placement, where)
         return plan, where
 
     def _inputs(self):
@@ -296,7 +294,7 @@ class Pipeline:
         """Free whatever is loaded (resident components)."""
         self._loop.close()
 
-    def __enter__(self) -> "Pipeline":
+    def __enter__(self) -> "Session":
         return self
 
     def __exit__(self, *exc) -> None:

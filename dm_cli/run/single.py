@@ -10,7 +10,7 @@ from dm_cli.errors import UsageError
 from dm_cli.families import all_settings
 from dm_cli.io.outputs import save_images, save_latents, save_videos
 from dm_cli.run.request import RunRequest, output_path
-from dm_cli.run.session import Pipeline, frozen_gc
+from dm_cli.run.session import Session, frozen_gc
 from dm_cli.run.stages import StageResult
 
 if TYPE_CHECKING:  # annotations only: the plan module costs start-up time
@@ -90,8 +90,8 @@ def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
 
 
 def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunResult:
-    """One prompt through the session (`dm_cli.run.session.Pipeline`), every stage measured."""
-    pipeline = Pipeline(request, on_plan=on_plan, on_status=on_status, measure=True)
+    """One prompt through the session (`dm_cli.run.session.Session`), every stage measured."""
+    pipeline = Session(request, on_plan=on_plan, on_status=on_status, measure=True)
     job = pipeline.defaults
     result = RunResult(
         source=pipeline.source.spec, pipeline_class=pipeline.source.pipeline_class, demo=pipeline.demo,
