@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dm_cli.errors import UsageError
+from dm_cli.inputs import PlacementSpec
 from dm_cli.model.weight_formats import parse_weights_spec
 
 torch = pytest.importorskip("torch")
@@ -120,8 +121,7 @@ def test_planned_bytes_are_the_bytes_after_casting(preset, fmt):
     from dm_cli.planning.make import PlanOptions, make_plan
 
     source = resolve_source(preset)
-    plan = make_plan(preset, PlanOptions(max_memory="cpu=10GB", inputs=InputSpec(0, 0), check=False,
-                                         weights=f"{fmt},vae={fmt}")).to_json()
+    plan = make_plan(preset, PlanOptions(PlacementSpec("cpu=10GB", weights=f"{fmt},vae={fmt}"), inputs=InputSpec(0, 0), check=False)).to_json()
     for name, planned in plan["components"].items():
         model = _build(source.component(name), torch.bfloat16)
         if fmt == "fp8":
@@ -140,8 +140,8 @@ def test_compute_copy_of_the_largest_layer_is_in_the_peak():
     from dm_cli.planning.make import PlanOptions, make_plan
 
     inputs = InputSpec(64, 64)
-    plain = make_plan("tiny-flux", PlanOptions(max_memory="cpu=10GB", inputs=inputs, check=False)).to_json()
-    fp8 = make_plan("tiny-flux", PlanOptions(max_memory="cpu=10GB", inputs=inputs, check=False, weights="fp8")).to_json()
+    plain = make_plan("tiny-flux", PlanOptions(PlacementSpec("cpu=10GB"), inputs=inputs, check=False)).to_json()
+    fp8 = make_plan("tiny-flux", PlanOptions(PlacementSpec("cpu=10GB", weights="fp8"), inputs=inputs, check=False)).to_json()
     model = _build(resolve_source("tiny-flux").component("transformer"), torch.bfloat16)
     _cast_like_diffusers(model, torch.bfloat16)
     largest = max(sum(p.numel() * 2 for p in m.parameters(recurse=False)) for m in model.modules()
@@ -169,7 +169,7 @@ def test_inspect_weights_matches_plan():
     from dm_cli.planning.make import PlanOptions, make_plan
 
     with pytest.raises(UsageError, match="names component 'unet'"):
-        make_plan("tiny-sd3", PlanOptions(max_memory="cpu=1GB", weights="unet=fp8"))
+        make_plan("tiny-sd3", PlanOptions(PlacementSpec("cpu=1GB", weights="unet=fp8")))
 
 
 def oracle(folder, fmt, dtype):
@@ -208,7 +208,7 @@ def test_run_is_pixel_identical_to_diffusers_with_the_same_casting(preset, fmt, 
     folder = folders(preset)
     expected = oracle(folder, fmt, dtype)
     # planned here by dmap (unsplit on the cpu), then a 2-device split under --simulate
-    unsplit = run(RunRequest(source=str(folder), prompt=PROMPT, max_memory="cpu=4GB", steps=STEPS, height=SIZE,
+    unsplit = run(RunRequest.of(source=str(folder), prompt=PROMPT, max_memory="cpu=4GB", steps=STEPS, height=SIZE,
                              width=SIZE, seed=SEED, output=str(tmp_path / "a.png"), dtype=dtype, weights=fmt))
     assert {c["storage_dtype"] for n, c in unsplit.plan.to_json()["components"].items() if n != "vae"} == {STORAGE[fmt]}
     split = dmap_run(folder, _with_storage(hand_plan(folder, 2), fmt, dtype), tmp_path, simulate=True, name="b.png")
@@ -259,7 +259,7 @@ def test_int8_without_torchao_plans_and_refuses_to_run(folders, tmp_path, monkey
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao -> ImportError
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)
-    plan = make_plan("tiny-flux", PlanOptions(max_memory="cpu=1GB", inputs=InputSpec(0, 0), check=False, weights="int8"))
+    plan = make_plan("tiny-flux", PlanOptions(PlacementSpec("cpu=1GB", weights="int8"), inputs=InputSpec(0, 0), check=False))
     assert plan.to_json()["components"]["transformer"]["storage_dtype"] == "int8"
     folder = folders("tiny-flux")
     with pytest.raises(UsageError, match="--weights int8 needs torchao"):
@@ -289,7 +289,7 @@ def test_shard_fp8_writes_a_checkpoint_diffusers_loads_dmap_plans_from_and_runs(
         fp8 = {n for n, e in header.items() if e.dtype == "float8_e4m3fn"}
         assert fp8 == (set() if comp.name == "vae" else cast & set(header)), comp.name
         assert {e.dtype for n, e in header.items() if n not in fp8} <= {"float32", "int64"}  # skipped modules kept
-    plan = make_plan(str(out), PlanOptions(max_memory="cpu=1GB", inputs=InputSpec(0, 0), check=False)).to_json()
+    plan = make_plan(str(out), PlanOptions(PlacementSpec("cpu=1GB"), inputs=InputSpec(0, 0), check=False)).to_json()
     assert plan["dtype"] == "float32"
     for comp in written.components:  # planned from the checkpoint's real sizes, fp8 found without --weights
         skeleton, checkpoint = skeleton_for_component(comp)
@@ -297,7 +297,7 @@ def test_shard_fp8_writes_a_checkpoint_diffusers_loads_dmap_plans_from_and_runs(
         planned = plan["components"][comp.name]
         assert planned["weights_bytes"] == sum(e.nbytes for e in checkpoint.tensors.values()) + non_persistent
         assert planned["storage_dtype"] == ("float32" if comp.name == "vae" else "float8_e4m3fn")
-    run(RunRequest(source=str(out), prompt=PROMPT, max_memory="cpu=4GB", steps=STEPS, height=SIZE, width=SIZE,
+    run(RunRequest.of(source=str(out), prompt=PROMPT, max_memory="cpu=4GB", steps=STEPS, height=SIZE, width=SIZE,
                    seed=SEED, output=str(tmp_path / "fp8.png")))
     pixels = _png(tmp_path / "fp8.png")[0]
     assert np.array_equal(pixels, oracle(out, "fp8", "float32"))  # diffusers loads the fp8 checkpoint
@@ -318,7 +318,7 @@ def test_tiny_flux2_fp8_run_is_pixel_identical_unsplit_and_split(folders, tmp_pa
     _fp8_like_diffusers(pipe.text_encoder, torch.float32)
     expected = np.array(pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(SEED), num_inference_steps=STEPS,
                              height=SIZE, width=SIZE, max_sequence_length=TOKENS, text_encoder_out_layers=(1,)).images[0])
-    run(RunRequest(source=str(folder), prompt=PROMPT, max_memory="cpu=8GB", steps=STEPS, height=SIZE, width=SIZE,
+    run(RunRequest.of(source=str(folder), prompt=PROMPT, max_memory="cpu=8GB", steps=STEPS, height=SIZE, width=SIZE,
                    seed=SEED, output=str(tmp_path / "a.png"), weights="fp8", max_sequence_length=TOKENS))
     split = dmap_run(folder, _with_storage(split_plan(folder, 2), "fp8", "float32"), tmp_path, simulate=True,
                      name="b.png")
