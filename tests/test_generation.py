@@ -22,7 +22,8 @@ from dm_cli.model.sources import PRESETS_DIR
 
 # one tiny twin per registered family (the test fails when a family is added without one)
 TWINS = {"flux": "tiny-flux", "flux2": "tiny-flux2", "qwen-image": "tiny-qwenimage", "sd15": "tiny-sd15",
-         "sd3": "tiny-sd3", "sdxl": "tiny-sdxl", "wan": "tiny-wan"}
+         "sd3": "tiny-sd3", "sdxl": "tiny-sdxl", "wan": "tiny-wan",
+         "z-image": "tiny-zimage"}
 ACCEPTED = "accepted: the rules let this generation through"
 
 

@@ -41,6 +41,9 @@ PRESETS = {
     "tiny-wan": "tiny-wan",
     "qwen-image": "qwen-image",
     "tiny-qwenimage": "tiny-qwenimage",
+    "z-image": "z-image-turbo",
+    "z-image-turbo": "z-image-turbo",
+    "tiny-zimage": "tiny-zimage",
 }
 
 # The bundled random-weight demo pipeline (dm_cli.model.demo), generated into the cache on first use: a SOURCE name like a
