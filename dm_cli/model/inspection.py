@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dm_cli.errors import SourceError, UsageError
 from dm_cli.model.demo import resolve
 from dm_cli.model.skeleton import ModuleSize, Skeleton, as_loaded
-from dm_cli.model.sources import Source
+from dm_cli.model.sources import GGUF_SUFFIX, Source, gguf_file
 from dm_cli.model.weight_formats import STORAGE_DTYPES, component_format, parse_weights_spec
 
 
@@ -55,6 +56,7 @@ class InspectReport:
     dtype: str | None  # requested dtype; None = as stored / bf16 for configs
     components: list[ComponentReport]
     notes: list[str] = field(default_factory=list)
+    gguf: dict | None = None  # a GGUF file: dm_cli.model.gguf_files.summary (format, metadata, types, tensors)
 
     @property
     def total_params(self) -> int:
@@ -69,7 +71,7 @@ class InspectReport:
         return [p for c in self.components for p in c.problems]
 
     def to_json(self) -> dict:
-        return {
+        document = {
             "source": self.source,
             "kind": self.kind,
             "pipeline_class": self.pipeline_class,
@@ -79,6 +81,9 @@ class InspectReport:
             "problems": self.problems,
             "notes": self.notes,
         }
+        if self.gguf is not None:
+            document["gguf"] = self.gguf
+        return document
 
 
 def module_tree(skeleton: Skeleton, dtype: str | None, depth: int, weights: str | None = None) -> list[dict]:
@@ -103,6 +108,9 @@ def module_tree(skeleton: Skeleton, dtype: str | None, depth: int, weights: str 
 def inspect_source(spec: str, dtype: str | None = None, component: str | None = None, depth: int = 0,
                    use_cache: bool = True, weights: str | None = None) -> InspectReport:
     """`weights`: a --weights spec (fp8, int8, transformer=fp8,...): sizes with those tensors in low precision."""
+    gguf = gguf_file(spec)
+    if gguf is not None:
+        return inspect_gguf(spec, gguf, dtype=dtype, component=component, depth=depth, weights=weights)
     source: Source = resolve(spec)
     comps = [source.component(component)] if component else source.components
     formats = parse_weights_spec(weights, [c.name for c in comps])
@@ -139,3 +147,25 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
         )
     return InspectReport(spec, source.kind, source.pipeline_class, dtype, reports, notes)
 
+
+
+def inspect_gguf(spec: str, path, dtype: str | None = None, component: str | None = None, depth: int = 0,
+                 weights: str | None = None) -> InspectReport:
+    """A GGUF file from its header alone: one component, every tensor as stored (quantized blocks), by ggml type."""
+    from dm_cli.model.gguf_files import module_rows, read_gguf_header, summary, type_summary
+
+    for option, value in (("--dtype", dtype), ("--weights", weights)):
+        if value is not None:
+            raise UsageError(f"{option} does not apply to a GGUF file: its tensors are sized as stored, quantized.")
+    header = read_gguf_header(path)
+    name = path.name[: -len(GGUF_SUFFIX)] or path.name
+    if component is not None and component != name:
+        raise SourceError(f"{spec} has no component '{component}': it has {name}.")
+    types = type_summary(header.tensors)
+    params = {t: row["params"] for t, row in types.items()}
+    report = ComponentReport(
+        name=name, library=None, cls="?", dtype=max(params, key=params.get) if params else "-",
+        params=sum(params.values()), bytes=header.data_bytes, buffers_bytes=0, num_blocks=0, largest_block=None,
+        no_split_modules=[], weights=str(path), tree=module_rows(header.tensors, depth) if depth > 0 else [],
+    )
+    return InspectReport(spec, "gguf", None, None, [report], gguf=summary(header))

@@ -56,6 +56,8 @@ WEIGHTLESS_HINTS = ("Tokenizer", "Scheduler", "FeatureExtractor", "ImageProcesso
 # Listed by some pipelines but optional at load time (diffusers loads them as None when absent).
 OPTIONAL_COMPONENTS = ("safety_checker", "feature_extractor", "image_encoder")
 
+GGUF_SUFFIX = ".gguf"  # llama.cpp's format (quantized community checkpoints): inspect only, header first
+
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(/[\w.-]+)?$")
 _HUB_PART_RE = re.compile(r"^(?!\.\.?$)[\w.-]+$")  # a plain name: never "." or ".."
 
@@ -157,7 +159,15 @@ def resolve_source(spec: str) -> Source:
 def _looks_like_path(spec: str) -> bool:
     """./x, ../x, /x, ~/x, or a name ending like a weight or config file: a path, never a preset or repo id."""
     return spec.startswith((".", "/", "~", os.sep)) or spec.endswith(
-        (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt")) or spec.count("/") > 2
+        (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", GGUF_SUFFIX)) or spec.count("/") > 2
+
+
+def gguf_file(spec: str) -> Path | None:
+    """The GGUF file a SOURCE names (`dmap inspect` reads its header: dm_cli.model.gguf_files), else None.
+
+    Anything at that path but a folder counts: a FIFO or device named `x.gguf` is refused by the reader."""
+    path = Path(spec).expanduser()
+    return path if path.name.lower().endswith(GGUF_SUFFIX) and path.exists() and not path.is_dir() else None
 
 
 def _resolve_path(spec: str, path: Path) -> Source:
@@ -168,6 +178,9 @@ def _resolve_path(spec: str, path: Path) -> Source:
         raise SourceError(f"An interrupted `dmap shard --in-place` of {spec} left its weights half-swapped; the verified "
                           f"new files and the old ones are in {swap}: run the same dmap shard command again to finish.")
     if path.is_file():
+        if path.name.lower().endswith(GGUF_SUFFIX):
+            raise SourceError(f"'{spec}' is a GGUF file: `dmap inspect` reads its header; plan, run and shard need "
+                              "safetensors weights for now.")
         if path.name.endswith(".json") and "index" in path.name:
             return _weights_only(spec, path)
         if path.suffix == ".safetensors":

@@ -34,6 +34,8 @@ def render_inspect(report, binary: bool = False) -> None:
             print_table(out, f"{comp.name} modules",
                         [Col("module"), Col("class"), Col("params", number=True, drop=1), Col("size", number=True)],
                         tree_rows, hidden, label=f"{comp.name} modules")
+    if report.gguf is not None:
+        _gguf_tables(out, report.gguf, hidden, binary)
     print_hidden(out, hidden)
     for note in report.notes:
         out.print(f"note: {note}")
@@ -43,5 +45,23 @@ def render_inspect(report, binary: bool = False) -> None:
         err.print(f"{len(problems)} checkpoint problem(s):", style="bold red")
         for problem in problems:
             err.print(f"  - {problem}")
+    elif report.gguf is not None:
+        out.print(f"GGUF header checked: {report.gguf['tensor_count']} tensors, in order, aligned and inside the file "
+                  "(no tensor data read).")
     elif any(c.weights for c in report.components):
         out.print("Checkpoint checked: index, shards and headers agree.")
+
+
+def _gguf_tables(out, gguf: dict, hidden: list, binary: bool) -> None:
+    """A GGUF file: its ggml types (tensors, params and bytes as stored), then its format and main metadata."""
+    rows: list = [[name, str(row["tensors"]), num(row["params"]), format_size(row["bytes"], binary)]
+                  for name, row in gguf["types"].items()]
+    print_table(out, "ggml types", [Col("type"), Col("tensors", number=True), Col("params", number=True, drop=1),
+                                    Col("size", number=True)], rows, hidden, label="ggml types")
+    facts = [f"GGUF version {gguf['version']}", f"{gguf['byte_order']}-endian", f"alignment {gguf['alignment']}",
+             f"{gguf['metadata_count']} metadata entries"]
+    out.print(", ".join(facts))
+    for key, value in gguf["metadata"].items():
+        if isinstance(value, dict):
+            value = f"an array of {value['length']} {value['array']}"
+        out.print(f"{key}: {value}")  # inert: the console shows control characters escaped
