@@ -33,7 +33,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          max_sequence_length: int | None = None, strategy: str = "auto", mode: str = "auto", dtype: str | None = None,
          overhead: str | None = None, component: str | None = None, check: bool = True, use_cache: bool = True,
          num_frames: int | None = None, fps: int | None = None, weights: str | None = None,
-         negative_prompt: str | None = None, on_progress: Callable[[str], None] | None = None, **settings) -> Plan:
+         negative_prompt: str | None = None, image=None, image_size=None,
+         on_progress: Callable[[str], None] | None = None, **settings) -> Plan:
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -42,6 +43,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     hears each step as it starts (resolving, sizing and tracing each component, the split check).
     `settings` are the pipeline family's own (true_cfg_scale=..., guidance_scale_2=...: see
     `dm_cli.families.Setting`), checked as `load` and `dmap run` check them; so is `negative_prompt`.
+    `image` (paths or PIL images, one or a list) and `image_size` ("WxH", one or a list): the input images
+    (references, the image to edit), of which a plan needs only the sizes; images first, then sizes.
     """
     from dm_cli.inputs import InputSpec, PlacementSpec
     from dm_cli.model.demo import source_root
@@ -52,12 +55,24 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     pick = lambda given, key: defaults.get(key) if given is None else given  # noqa: E731 - the demo's defaults
     inputs = InputSpec(pick(height, "height"), pick(width, "width"), batch_size, num_images,
                        pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"),
-                       num_frames=num_frames, fps=fps)
+                       num_frames=num_frames, fps=fps, image_sizes=_image_sizes(image, image_size))
     placement = PlacementSpec(max_memory, strategy, mode, overhead, parse_dtype(dtype) if dtype is not None else None,
                               weights)
     options = PlanOptions(placement, inputs, component, check, use_cache, on_progress=on_progress, settings=settings,
                           negative_prompt=negative_prompt)
     return make_named_plan(root, spec, options)
+
+
+def _image_sizes(image, image_size) -> tuple[tuple[int, int], ...]:
+    """(width, height) of each input image: the images' (read as `dmap run` reads them), then the sizes'."""
+    from dm_cli.run.request import input_images
+
+    sizes = [i.size for i in input_images(image)]
+    if image_size is not None:
+        from dm_cli.io.input_images import parse_image_size
+
+        sizes += [parse_image_size(text).size for text in ([image_size] if isinstance(image_size, str) else image_size)]
+    return tuple(sizes)
 
 
 # --- load ---------------------------------------------------------------------------------------
@@ -67,7 +82,7 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
          mode: str = "auto", strategy: str = "auto", dtype: str | None = None, overhead: str | None = None,
          height: int | None = None, width: int | None = None, guidance_scale: float | None = None,
          max_sequence_length: int | None = None, weights: str | None = None, num_frames: int | None = None,
-         fps: int | None = None, negative_prompt: str | None = None, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,
+         fps: int | None = None, negative_prompt: str | None = None, image=None, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,
          **settings) -> Session:
     """A pipeline placed per `plan` (a Plan, a plan JSON path, or None: plan here with the options).
 
@@ -77,7 +92,8 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
     low-precision storage, or must match the given plan's. Nothing is loaded yet: resident components
     load on the first `generate` and stay; staged ones load per stage and chunk. `settings` are the pipeline
     family's own (true_cfg_scale=4.0 for Qwen-Image, guidance_scale_2=3.0 for Wan 2.2: `dm_cli.families.Setting`),
-    the defaults of every `generate` call, as `negative_prompt` is.
+    the defaults of every `generate` call, as `negative_prompt` and `image` (input images: paths or PIL images,
+    one or a list) are.
     """
     from dm_cli.run.request import RunRequest
 
@@ -85,8 +101,8 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
     request = RunRequest.of(source, "", device_map=str(device_map), max_memory=max_memory, mode=mode,
                             dtype=dtype, overhead=overhead, height=height, width=width, guidance_scale=guidance_scale,
                             max_sequence_length=max_sequence_length, settings=settings, weights=weights,
-                            num_frames=num_frames, fps=fps, negative_prompt=negative_prompt, simulate=simulate,
-                            output=None)
+                            num_frames=num_frames, fps=fps, negative_prompt=negative_prompt, images=image, simulate=simulate,
+                            output=None, per_prompt_images=True)
     return Session(request, None if isinstance(plan, (str, Path)) else plan, on_plan, on_status)
 
 

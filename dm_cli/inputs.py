@@ -6,7 +6,7 @@ Shared by the tracer (activation estimates), the planner and the runner. No torc
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from dm_cli.errors import UsageError
 from dm_cli.units import shorten
@@ -66,7 +66,9 @@ class InputImage:
     width: int
     height: int
     path: str | None = None
-    digest: str | None = None  # sha256 of the file's bytes
+    digest: str | None = None  # sha256 of the file's bytes (of the RGB pixels for an image given in memory)
+    # an image given in memory (the API's `image=` PIL image), already RGB: read instead of `path`
+    pixels: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_count("width", self.width, "an input image's width")
@@ -79,7 +81,7 @@ class InputImage:
         return self.width, self.height
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {"width": self.width, "height": self.height, "path": self.path, "digest": self.digest}
 
     @classmethod
     def from_json(cls, data) -> "InputImage":

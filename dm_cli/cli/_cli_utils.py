@@ -45,6 +45,8 @@ ComponentOpt = Annotated[str | None, typer.Option("--component", "-c", help="Onl
 
 # ---- what the pipeline is asked for --------------------------------------------------------
 
+ImageOpt = Annotated[list[str] | None, typer.Option(
+    "--image", metavar="PATH", help="An input image (editing, references, image-to-video); repeat for several, in order.")]
 HeightOpt = Annotated[int | None, typer.Option(
     "--height", help="Height in pixels (default: the pipeline's, e.g. 1024 for FLUX, 480 for Wan); dmap plan: "
                      "0 = weights only (no activations, no GPU overhead unless --overhead).")]
@@ -172,7 +174,7 @@ def _refresh(wrapper) -> None:
     own = [p.replace(annotation=hints.get(p.name, p.annotation))
            for p in inspect.signature(command).parameters.values() if p.name != "settings"]
     extra = [inspect.Parameter(s.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
-                               annotation=Annotated[s.type | None, typer.Option(s.flag, help=s.help)])
+                               annotation=Annotated[s.type | None, typer.Option(s.flags, help=s.help)])
              for s in all_settings().values()]
     wrapper.__signature__ = inspect.Signature(own + extra, return_annotation=inspect.Signature.empty)
     wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}

@@ -12,6 +12,7 @@ from dm_cli.cli._cli_utils import (
     FramesOpt,
     GuidanceScaleOpt,
     HeightOpt,
+    ImageOpt,
     JsonOpt,
     MaxMemoryOpt,
     MaxSequenceLengthOpt,
@@ -40,6 +41,9 @@ def plan(
     num_images: NumImagesOpt = 1,
     guidance_scale: GuidanceScaleOpt = None,
     negative_prompt: NegativePromptOpt = None,
+    image: ImageOpt = None,
+    image_size: list[str] | None = typer.Option(None, "--image-size", metavar="WxH",
+                                                help="An input image's size only (a plan needs no pixels); repeatable."),
     max_sequence_length: MaxSequenceLengthOpt = None,
     frames: FramesOpt = None,
     fps: FpsOpt = None,
@@ -69,7 +73,8 @@ def plan(
                            num_images=num_images, guidance_scale=guidance_scale,
                            max_sequence_length=max_sequence_length, strategy=strategy, mode=mode, dtype=dtype,
                            overhead=overhead, component=component, check=not no_check, use_cache=not no_cache,
-                           num_frames=frames, fps=fps, weights=weights, negative_prompt=negative_prompt, on_progress=progress, **(settings or {}))
+                           num_frames=frames, fps=fps, weights=weights, negative_prompt=negative_prompt, image=image, image_size=image_size,
+                           on_progress=progress, **(settings or {}))
     if output:
         write_plan(result, output)
     if as_json:

@@ -15,6 +15,7 @@ from dm_cli.cli._cli_utils import (
     FramesOpt,
     GuidanceScaleOpt,
     HeightOpt,
+    ImageOpt,
     JsonOpt,
     MaxMemoryOpt,
     MaxSequenceLengthOpt,
@@ -62,6 +63,7 @@ def run(
     prompt: PromptOpt = None,
     prompts: PromptsOpt = None,
     negative_prompt: NegativePromptOpt = None,
+    image: ImageOpt = None,
     device_map: DeviceMapOpt = "auto",
     max_memory: MaxMemoryOpt = None,
     mode: ModeOpt = "auto",
@@ -100,14 +102,14 @@ def run(
         "guidance_scale": guidance_scale, "seed": seed, "height": height, "width": width, "num_images": num_images,
         "max_sequence_length": max_sequence_length, "num_frames": frames, "fps": fps, "save_latents": save_latents,
         "dtype": dtype, "simulate": simulate, "overwrite": overwrite, "track_activations": track_activations,
-        "weights": weights,
+        "weights": weights, "images": image or None,
         "settings": dict(settings or {}),
     }
     if prompts is not None:
         from dm_cli.run.queue_runner import QueueRequest
 
         _refuse_single_only(fields)
-        queue = QueueRequest(prompts=prompts, run=_request(fields, output=None), output_dir=output or "dmap-out",
+        queue = QueueRequest(prompts=prompts, run=_request(fields, output=None, per_prompt_images=True), output_dir=output or "dmap-out",
                              resume=resume and not overwrite, chunk_size=chunk_size, chunk_memory=chunk_memory,
                              gpus_per_rank=gpus_per_rank)
         return _run_queue(queue, as_json, quiet, binary)
@@ -137,11 +139,11 @@ def _refuse_early(ctx, prompt, prompts, dtype, *, steps, num_images, height, wid
         parse_dtype(dtype)
 
 
-def _request(fields: dict, output: str | None):
-    """The run options, one RunRequest for one prompt and for a queue alike."""
+def _request(fields: dict, output: str | None, per_prompt_images: bool = False):
+    """The run options, one RunRequest for one prompt and for a queue alike (whose items may bring their images)."""
     from dm_cli.run.request import RunRequest
 
-    return RunRequest.of(**fields, output=output)
+    return RunRequest.of(**fields, output=output, per_prompt_images=per_prompt_images)
 
 
 def _refuse_single_only(fields: dict) -> None:

@@ -25,8 +25,9 @@ from dm_cli.inputs import Generation, InputImage, InputSpec
 from dm_cli.units import shorten
 
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
-# `related` prefix is a prefix of another's (Flux of Flux2, StableDiffusion of StableDiffusion3) comes after it.
-FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux2", "flux", "qwenimage", "wan", "zimage")
+# `related` prefix is a prefix of another's (Flux of Flux2, FluxKontext, FluxImg2Img; StableDiffusion of
+# StableDiffusion3) comes after it.
+FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux2", "flux_kontext", "flux_img2img", "flux", "qwenimage", "wan", "zimage")
 
 # How guidance multiplies the denoiser's work per step.
 GUIDANCE_BATCH = "batch"  # classifier-free guidance: one call on a doubled batch (SD, SDXL, SD3)
@@ -46,7 +47,7 @@ class Setting:
     """
 
     name: str
-    type: type = float  # float, int or str
+    type: type = float  # float, int, str or bool (a bool is an on/off pair of flags: --NAME / --no-NAME)
     default: object = None  # None: not passed, the pipeline's own default applies
     help: str = ""
     argument: str | None = None  # the pipeline __call__ keyword (None: `name`)
@@ -58,9 +59,18 @@ class Setting:
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
+    @property
+    def flags(self) -> str:
+        """The command-line declaration: `--NAME`, or `--NAME/--no-NAME` for a bool."""
+        return f"{self.flag}/--no-{self.flag[2:]}" if self.type is bool else self.flag
+
     def check(self, value, where: str | None = None):
         """`value` as this setting's type (a finite number for float), else UsageError naming `where`."""
         where = where or self.flag
+        if self.type is bool:
+            if not isinstance(value, bool):
+                raise UsageError(f"{where} must be true or false, not {shorten(value, quote=True)}.")
+            return value
         if self.type is str:
             if not isinstance(value, str):
                 raise UsageError(f"{where} must be a string.")
@@ -163,6 +173,10 @@ class Family:
     # The family's stages (dm_cli.families.stages.Stage: name, components, what each consumes and produces), in
     # run order; () declares the default: encode / denoise / decode around `denoiser` and `experts` (`stages`).
     declared_stages: tuple = ()
+    # How many input images (Generation.images: references, the image to edit, a first frame) the pipeline
+    # takes; 0: none (text to image or video), and --image is refused.
+    max_input_images = 0
+    min_input_images = 0  # 1: the pipeline cannot run without one (image-to-image)
 
     # --- matching -------------------------------------------------------------------------------
 
@@ -250,9 +264,10 @@ class Family:
         return replace(settled, settings=()).with_settings({**declared, **dict(generation.settings)})
 
     def validate(self, generation: Generation, pipeline_class: str, denoiser_config: dict, vae_config: dict | None,
-                 components: tuple[str, ...] = ()) -> None:
+                 components: tuple[str, ...] = (), per_prompt_images: bool = False) -> None:
         """The pipeline's rules on a settled generation, one sentence each (UsageError): the same check for
-        `dmap plan`, `dmap run`, the API and every queue item."""
+        `dmap plan`, `dmap run`, the API and every queue item. `per_prompt_images`: the generation is a session's
+        default, and its input images may come with each prompt (`generate(image=...)`, a queue item's "image")."""
         refusal = self.refusal(generation, components)
         if refusal:
             raise UsageError(refusal)
@@ -264,6 +279,8 @@ class Family:
                     raise UsageError(f"{flag} {value} is not a multiple of {multiple}, which {pipeline_class} needs "
                                      f"for this model: use {lower} or {lower + multiple}.")
         self.check_inputs(generation.inputs(), vae_config)
+        if len(generation.images) < self.min_input_images and not generation.weights_only and not per_prompt_images:
+            raise UsageError(f"{self.title()} needs an input image: add --image PATH.")  # last: what else is wrong first
 
     def refusal(self, generation: Generation, components: tuple[str, ...] = ()) -> str | None:
         """A sentence when the request asks for something this family cannot do, else None."""
@@ -279,6 +296,11 @@ class Family:
             if setting.needs_component and components and setting.needs_component not in components:
                 return (f"{setting.flag} sets the guidance of {setting.needs_component}, which this pipeline does not "
                         f"have (one expert, as Wan 2.1): {setting.instead}.")
+        if len(generation.images) > self.max_input_images:
+            if not self.max_input_images:
+                return f"{self.title()} pipelines take no input image: drop --image."
+            return (f"{self.title()} takes at most {self.max_input_images} input image(s), not "
+                    f"{len(generation.images)}: drop some --image.")
         if generation.negative_prompt and not self.negative_prompt:
             return f"{self.title()} pipelines ignore negative prompts (guidance is distilled): drop --negative-prompt."
         return None

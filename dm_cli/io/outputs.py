@@ -44,6 +44,7 @@ LATENTS_SUFFIX = ".safetensors"
 # not the plan digest or dmap version: another plan or release makes the same pixels.
 MATCHED_METADATA = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "height", "width", "source",
                     "tiled_decode",  # a tiled decode changes pixels at the tile seams
+                    "input_images",  # editing, references, image-to-video: each input's size and digest
                     "num_frames", "fps")  # videos (images have neither)
 
 

@@ -26,6 +26,8 @@ def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, d
     for name, value in job.settings:  # the family's own (Family.settings), given or by default
         if value is not None:
             meta[name] = str(value)
+    if job.images:  # what the run read: a changed input image is another job (the resume key has it)
+        meta["input_images"] = ",".join(f"{image.width}x{image.height}:{image.digest}" for image in job.images)
     if tiled_decode:
         meta["tiled_decode"] = ",".join(sorted(tiled_decode))
     if demo:

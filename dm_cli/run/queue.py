@@ -22,7 +22,7 @@ import glob
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from dm_cli.errors import UsageError
@@ -33,7 +33,7 @@ from dm_cli.run.checks import check_seed
 
 MANIFEST = "manifest.jsonl"
 MAX_PROMPTS_BYTES = 1 << 30  # millions of prompts; never a whole disk
-JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "output"}
+JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "output", "image"}
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,11 @@ class QueueItem:
     steps: int | None = None
     guidance_scale: float | None = None
     settings: tuple[tuple[str, object], ...] = ()  # the family's own (dm_cli.families.Setting), from its JSONL keys
+    images: tuple = ()  # input images (dm_cli.inputs.InputImage), from the JSONL key "image"; (): the run's
 
     def to_json(self) -> dict:
-        return {**asdict(self), "settings": dict(self.settings)}
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**data, "settings": dict(self.settings), "images": [image.to_json() for image in self.images]}
 
 
 def default_output_name(index: int) -> str:
@@ -139,7 +141,20 @@ def _jsonl_item(line: str, index: int, base_seed: int, where: str) -> QueueItem:
     output = data.get("output")
     output = default_output_name(index) if output is None else _output_name(output, where)
     return QueueItem(index, prompt.strip(), check_seed(seed, f"{where}: the seed"), output, negative or None, steps, guidance,
-                     settings)
+                     settings, _item_images(data.get("image"), where))
+
+
+def _item_images(value, where: str) -> tuple:
+    """A JSONL item's "image": a path or a list of paths (relative to the current folder, as --image), each read
+    as hostile input before anything loads."""
+    if value is None:
+        return ()
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
+        raise UsageError(f"{where}: 'image' must be a path or a list of paths.")
+    from dm_cli.run.request import input_images
+
+    return input_images(paths, f"{where}: 'image'")
 
 
 def _is_int(value) -> bool:

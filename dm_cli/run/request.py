@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import CheckpointError, SourceError, UsageError
 from dm_cli.families import Family, Job, family_for, supported_pipelines
-from dm_cli.inputs import Generation, InputSpec, PlacementSpec
+from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec
 from dm_cli.io.images import check_image_output, check_metadata_room, existing_image_paths
 from dm_cli.model.sources import config_digest
 from dm_cli.units import parse_dtype
@@ -44,7 +44,7 @@ TRACKED_STEPS: int | None = 2
 
 # The names `RunRequest.of` sorts flat options into (the command line's, the API's, the tests')
 GENERATION_FIELDS = ("height", "width", "num_frames", "fps", "steps", "guidance_scale", "negative_prompt",
-                     "max_sequence_length", "num_images", "images")
+                     "max_sequence_length", "num_images")
 PLACEMENT_FIELDS = ("max_memory", "mode", "overhead", "dtype", "weights")
 
 
@@ -65,16 +65,20 @@ class RunRequest:
     simulate: bool = False
     overwrite: bool = False  # replace an existing --output / --save-latents
     track_activations: bool = False  # per-op activation tracking on CPU (always on under simulate)
+    # the input images may come with each prompt (dm_cli.load's generate(image=...), queue items): a family that
+    # needs one checks each prompt's, not the session's default generation
+    per_prompt_images: bool = False
 
     @classmethod
     def of(cls, source: str | None, prompt: str, *, device_map: str = "auto", settings: dict | None = None,
            **options) -> "RunRequest":
         """A request from flat options, as `dmap run` and `dm_cli.load` take them: the generation's names
-        (GENERATION_FIELDS, `settings`: the family's own), the placement's (PLACEMENT_FIELDS), `device_map` (a
+        (GENERATION_FIELDS, `images`, `settings`: the family's own), the placement's (PLACEMENT_FIELDS), `device_map` (a
         strategy, else a plan file) and the request's own (seed, output, ...)."""
         from dm_cli.planning.search import STRATEGIES
 
-        generation = Generation(**{k: options.pop(k) for k in GENERATION_FIELDS if k in options})
+        images = input_images(options.pop("images", None))  # paths and PIL images read here, before SOURCE
+        generation = Generation(images=images, **{k: options.pop(k) for k in GENERATION_FIELDS if k in options})
         placement = {k: options.pop(k) for k in PLACEMENT_FIELDS if k in options}
         strategy, plan_file = (device_map, None) if device_map in STRATEGIES else ("auto", device_map)
         return cls(source, prompt, generation=generation.with_settings(settings or {}),
@@ -83,6 +87,38 @@ class RunRequest:
     @property
     def negative_prompt(self) -> str | None:
         return self.generation.negative_prompt
+
+
+def input_images(values, where: str = "--image") -> tuple[InputImage, ...]:
+    """Input images as a generation holds them: each a path (read as hostile input by
+    `dm_cli.io.input_images.describe_image`: its size after EXIF orientation and its digest), an in-memory PIL
+    image (the API's `image=`), or an InputImage; one value or a list of them, in order."""
+    import os
+
+    if values is None:
+        return ()
+    if isinstance(values, (str, os.PathLike, InputImage)) or hasattr(values, "getpixel"):
+        values = [values]
+    out = []
+    for value in values:
+        if isinstance(value, InputImage):
+            out.append(value)
+        elif isinstance(value, (str, os.PathLike)):
+            from dm_cli.io.input_images import describe_image
+
+            out.append(describe_image(value, where))
+        elif hasattr(value, "getpixel"):  # a PIL image
+            out.append(in_memory_image(value))
+        else:
+            raise UsageError(f"{where} takes image paths or PIL images, not a {type(value).__name__}.")
+    return tuple(out)
+
+
+def in_memory_image(image) -> InputImage:
+    """A PIL image given in memory, converted to RGB as diffusers' load_image does; its digest is the pixels'."""
+    rgb = image.convert("RGB") if image.mode != "RGB" else image
+    digest = hashlib.sha256(f"{rgb.width}x{rgb.height}:".encode() + rgb.tobytes()).hexdigest()
+    return InputImage(rgb.width, rgb.height, None, digest, pixels=rgb)
 
 
 # --- plan handling -------------------------------------------------------------------------
@@ -100,9 +136,18 @@ def plan_digest(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(decisive, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def make_run_plan(source: Source, request: RunRequest, inputs: InputSpec) -> Plan:
-    """Plan with dmap's planner (`dm_cli.planning.make.make_plan`) for these inputs and devices."""
+def make_run_plan(source: Source, request: RunRequest, inputs: InputSpec, family: Family | None = None) -> Plan:
+    """Plan with dmap's planner (`dm_cli.planning.make.make_plan`) for these inputs and devices.
+
+    A session whose prompts bring their own input images (`per_prompt_images`) and gave none is planned for
+    the images the family needs, each of the output's size (what an image-to-image pipeline resizes it to)."""
+    from dataclasses import replace
+
     from dm_cli.planning.make import PlanOptions, make_named_plan
+
+    needed = family.min_input_images if family is not None and request.per_prompt_images else 0
+    if needed and not inputs.image_sizes:
+        inputs = replace(inputs, image_sizes=((inputs.width, inputs.height),) * needed)
 
     return make_named_plan(str(source.root), source.spec, PlanOptions(request.placement, inputs))
 
@@ -252,7 +297,8 @@ def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda m
     return source, family, demo, defaults, notices
 
 
-def settle_generation(generation: Generation, source: Source, family: Family, defaults: dict) -> Generation:
+def settle_generation(generation: Generation, source: Source, family: Family, defaults: dict,
+                      per_prompt_images: bool = False) -> Generation:
     """Every default filled in (given, else the demo's or the plan file's, else the family's) and the family's
     rules checked: `Family.settle` and `Family.validate`, as `dmap plan` applies them."""
     comps = {c.name: c for c in source.components}
@@ -262,13 +308,13 @@ def settle_generation(generation: Generation, source: Source, family: Family, de
     settled = family.settle(generation, denoiser.config or {}, vae.config, defaults)
     if settled.weights_only:
         raise UsageError("--height 0 and --width 0 make a weights-only plan; dmap run needs an image size.")
-    family.validate(settled, source.pipeline_class, denoiser.config or {}, vae.config, tuple(comps))
+    family.validate(settled, source.pipeline_class, denoiser.config or {}, vae.config, tuple(comps), per_prompt_images)
     return settled
 
 
 def settle_job(request: RunRequest, source: Source, family: Family, defaults: dict) -> Job:
     """The request's generation settled and checked, its outputs refused if they exist: the Job the stages run."""
-    generation = settle_generation(request.generation, source, family, defaults)
+    generation = settle_generation(request.generation, source, family, defaults, request.per_prompt_images)
     refuse_existing_outputs(request, family, generation.num_images)
     return Job.of(generation, request.prompt, request.seed)
 

@@ -130,7 +130,7 @@ class Session:
         if plan is not None:  # a plan's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
             defaults = {**defaults, **inputs_from_plan(plan)}
         # Settle the generation first: the plan is made for (and checked against) it.
-        self.generation = settle_generation(request.generation, source, family, defaults)
+        self.generation = settle_generation(request.generation, source, family, defaults, request.per_prompt_images)
         refuse_existing_outputs(request, family, self.generation.num_images)
         self.defaults = Job.of(self.generation, request.prompt, request.seed)
         self.fps = self.generation.fps if self.generation.num_frames else None  # video families
@@ -151,7 +151,7 @@ class Session:
 
         if plan is None:
             status(f"Planning {self.source.spec} (meta-device traces are cached after the first run)…")
-            plan = make_run_plan(self.source, request, self._inputs())
+            plan = make_run_plan(self.source, request, self._inputs(), self.family)
         status(None)
         if not request.simulate:
             check_devices_present(plan)  # a plan made here: before it is shown
@@ -179,7 +179,7 @@ class Session:
         if item.steps is not None:  # a queue line's steps get --steps' bound
             check_count("steps", item.steps, f"Item {item.index}: 'steps'")
         generation = replace(self.generation, negative_prompt=item.negative_prompt or job.negative_prompt,
-                             steps=item.steps or job.steps,
+                             steps=item.steps or job.steps, images=item.images or self.generation.images,
                              guidance_scale=job.guidance_scale if item.guidance_scale is None else item.guidance_scale)
         generation = generation.with_settings({**(settings or {}), **dict(item.settings)})
         try:
@@ -235,19 +235,20 @@ class Session:
     # --- generating ----------------------------------------------------------------------------
 
     def generate(self, prompts: str | Iterable, *, seed: int = 0, negative_prompt: str | None = None,
-                 steps: int | None = None, guidance_scale: float | None = None, chunk_size: int | None = None,
+                 steps: int | None = None, guidance_scale: float | None = None, image=None, chunk_size: int | None = None,
                  chunk_memory: int | None = None, on_step: Callable[[int, int], None] | None = None,
                  on_chunk: Callable[[int, int], None] | None = None, **settings) -> Iterator[Generated]:
         """Images for each prompt, in order: prompt i gets seed `seed + i` (QueueItems carry their own).
 
         `settings`: the family's own (`dm_cli.families.Setting`: true_cfg_scale=..., guidance_scale_2=...),
-        over the ones `load` was given; a QueueItem's own settings win over them.
+        over the ones `load` was given; a QueueItem's own settings win over them. `image`: input images for every
+        prompt (a path, a PIL image, or a list of them, in order; None: the ones `load` was given).
 
         Staged plans run stage-major: each chunk of prompts is encoded with the text encoders loaded
         once, denoised with the denoiser loaded once, decoded with the VAE loaded once; each image is
         yielded as soon as it is decoded. Same pixels as one prompt at a time with the same seeds.
         """
-        items = _items(prompts, seed, negative_prompt, steps, guidance_scale)
+        items = _items(prompts, seed, negative_prompt, steps, guidance_scale, image)
         jobs = [(item, self.job_for(item, settings)) for item in items]
         if not jobs:
             return
@@ -301,8 +302,11 @@ class Session:
         self.close()
 
 
-def _items(prompts, seed: int, negative_prompt, steps, guidance_scale) -> list[QueueItem]:
+def _items(prompts, seed: int, negative_prompt, steps, guidance_scale, image=None) -> list[QueueItem]:
     from dm_cli.inputs import check_count
+    from dm_cli.run.request import input_images
+
+    images = input_images(image, "image")  # read once, before anything runs
 
     if steps is not None:  # generate(steps=...) gets --steps' bound before anything runs
         check_count("steps", steps, "steps")
@@ -314,7 +318,8 @@ def _items(prompts, seed: int, negative_prompt, steps, guidance_scale) -> list[Q
             items.append(entry)
         elif isinstance(entry, str):
             items.append(QueueItem(index, entry, check_seed(seed + index, f"Prompt {index}: the seed"),
-                                   default_output_name(index), negative_prompt, steps, guidance_scale))
+                                   default_output_name(index), negative_prompt, steps, guidance_scale,
+                                   images=images))
         else:
             raise UsageError(f"Prompt {index} is a {type(entry).__name__}: give strings (or dm_cli.run.queue.QueueItem).")
     return items

@@ -1,0 +1,174 @@
+"""Input images (`--image PATH`: the image to edit, a reference, a video's first frame), read as hostile input.
+
+Pixels come out as diffusers' `load_image` makes them (Pillow's open, `ImageOps.exif_transpose`, `convert("RGB")`:
+16-bit, CMYK, palette and alpha images converted by Pillow, an animated file's first frame), but the file is
+treated like every other file dmap reads: a regular file of at most MAX_INPUT_FILE_BYTES (never a FIFO or a
+device), one of the raster formats of INPUT_FORMATS (never a format whose plugin runs a program, as EPS runs
+Ghostscript), at most MAX_INPUT_PIXELS pixels and MAX_INPUT_SIDE pixels a side (checked from the header, before
+any pixel is decoded: a decompression bomb is refused, whatever Pillow's own MAX_IMAGE_PIXELS says), and decoded
+in full (a truncated file is refused, not padded with grey). Each refusal is one sentence (UsageError, exit 2)
+naming the option and the path, with control characters shown escaped.
+
+The bytes are read once: the digest (`InputImage.digest`, in the metadata and the resume key) is of the very
+bytes decoded, and `open_input` refuses a file that changed after `describe_image` read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import warnings
+
+from dm_cli.errors import CheckpointError, UsageError
+from dm_cli.inputs import LIMITS, InputImage
+from dm_cli.units import format_size
+
+# The largest input a run reads: a file of 512 MiB, and 2**27 pixels (134 million: 16384 x 8192, an 11585-pixel
+# square), decoded to 384 MiB of RGB. Below Pillow's own bomb error (2 x its MAX_IMAGE_PIXELS, 179 million), so
+# every image is refused by this bound and this sentence, not by Pillow's. Sides up to LIMITS (16384), as outputs.
+MAX_INPUT_FILE_BYTES = 512 * 2**20
+MAX_INPUT_PIXELS = 2**27
+MAX_INPUT_SIDE = min(LIMITS["width"], LIMITS["height"])
+# Raster formats whose Pillow plugins decode in-process (no EPS: Ghostscript; no PDF, no fonts, no plugins
+# that shell out). What Pillow lacks a codec for (AVIF without libavif) is refused as not an image.
+INPUT_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF", "PPM", "TGA", "AVIF")
+
+
+def shown_path(path) -> str:
+    """A path for a message: control characters and lone surrogates escaped (`\\x1b`), never raw, at most
+    about 120 characters."""
+    text = os.fsdecode(path) if isinstance(path, (bytes, os.PathLike)) else str(path)
+    text = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= 120 else f"{text[:80]}...{text[-32:]}"
+
+
+def read_image(path, where: str = "--image"):
+    """The RGB PIL image of the file at `path`, as diffusers' load_image reads it; UsageError (one sentence
+    naming `where` and the path) for anything that is not a readable image within the bounds."""
+    return _decode(_read_bytes(path, where), path, where)
+
+
+def describe_image(path, where: str = "--image") -> InputImage:
+    """What a plan and a run know of an input image: its size after EXIF orientation, its path and the sha256 of
+    its bytes. Refuses exactly what `read_image` refuses: the bounds come from the header, but a truncated file
+    shows only when decoded, so the image is decoded in full (and its pixels dropped)."""
+    data = _read_bytes(path, where)
+    image = _decode(data, path, where)
+    return InputImage(image.width, image.height, os.fspath(path), hashlib.sha256(data).hexdigest())
+
+
+def open_input(image: InputImage, where: str = "--image"):
+    """The RGB pixels of an input image at run time: its in-memory pixels (the API's PIL image), else its file,
+    which must still have the digest `describe_image` recorded (else the metadata would name another image)."""
+    if image.pixels is not None:
+        return image.pixels
+    if image.path is None:
+        raise UsageError(f"{where} gives only a size ({image.width}x{image.height}): a run needs the image file.")
+    data = _read_bytes(image.path, where)
+    if image.digest is not None and hashlib.sha256(data).hexdigest() != image.digest:
+        raise UsageError(f"{where} {shown_path(image.path)} changed after dmap read it (its sha256 differs): "
+                         "run again to read the new image.")
+    decoded = _decode(data, image.path, where)
+    if decoded.size != image.size:
+        raise UsageError(f"{where} {shown_path(image.path)} is {decoded.width}x{decoded.height} pixels now, "
+                         f"not {image.width}x{image.height}: run again to read the new image.")
+    return decoded
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]{1,6})\s*[xX]\s*([0-9]{1,6})\s*$")
+
+
+def parse_image_size(text, where: str = "--image-size") -> InputImage:
+    """An input image's size only (`dmap plan --image-size 1024x768`: WIDTHxHEIGHT), for plans made before the
+    image exists."""
+    match = _SIZE_RE.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise UsageError(f"{where} must be WIDTHxHEIGHT in pixels, such as 1024x768, not {shown_path(text)!r}.")
+    width, height = int(match.group(1)), int(match.group(2))
+    _check_bounds(width, height, f"{where} {width}x{height}")
+    return InputImage(width, height)
+
+
+# --- the reader ----------------------------------------------------------------------------------------
+
+
+def _read_bytes(path, where: str) -> bytes:
+    from dm_cli.io.checkpoint import open_regular
+
+    shown = shown_path(path)
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise UsageError(f"{where} takes a file path, not a {type(path).__name__}.") from None
+    if not path:
+        raise UsageError(f"{where} needs a file path, not an empty string.")
+    if not os.path.lexists(path):
+        raise UsageError(f"{where} {shown} does not exist.")
+    if os.path.isdir(path):
+        raise UsageError(f"{where} {shown} is a folder, not an image file.")
+    try:
+        handle, size = open_regular(path, "input image")
+    except CheckpointError:
+        raise UsageError(f"{where} {shown} is not a regular file (a FIFO, device or dangling link): give an image "
+                         "file.") from None
+    if size > MAX_INPUT_FILE_BYTES:
+        handle.close()
+        raise UsageError(f"{where} {shown} is {format_size(size)}, more than the {format_size(MAX_INPUT_FILE_BYTES)} "
+                         "an input image may have.")
+    try:
+        with handle:
+            data = handle.read(MAX_INPUT_FILE_BYTES + 1)
+    except OSError as error:
+        raise UsageError(f"{where} {shown} cannot be read: {error.strerror or error}.") from None
+    if len(data) > MAX_INPUT_FILE_BYTES:  # it grew while read
+        raise UsageError(f"{where} {shown} is more than the {format_size(MAX_INPUT_FILE_BYTES)} an input image may have.")
+    return data
+
+
+def _check_bounds(width: int, height: int, what: str) -> None:
+    if width < 1 or height < 1:
+        raise UsageError(f"{what} has no pixels.")
+    if width > MAX_INPUT_SIDE or height > MAX_INPUT_SIDE or width * height > MAX_INPUT_PIXELS:
+        raise UsageError(f"{what} is {width}x{height} pixels, more than an input image may have (at most "
+                         f"{MAX_INPUT_SIDE} a side and {MAX_INPUT_PIXELS:,} pixels): give a smaller image.")
+
+
+def _decode(data: bytes, path, where: str):
+    """Header first (format, bounds), then the first frame decoded in full, EXIF-transposed and converted to RGB."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    shown = shown_path(path)
+    with warnings.catch_warnings():
+        # the bounds below are dmap's (Pillow warns from 89 million pixels, before MAX_INPUT_PIXELS)
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            Image.init()
+            image = Image.open(io.BytesIO(data), formats=[f for f in INPUT_FORMATS if f in Image.OPEN])
+        except Image.DecompressionBombError:
+            raise UsageError(f"{where} {shown} declares more pixels than an input image may have (at most "
+                             f"{MAX_INPUT_PIXELS:,}): give a smaller image.") from None
+        except UnidentifiedImageError:
+            raise UsageError(f"{where} {shown} is not an image dmap reads ({', '.join(INPUT_FORMATS[:-1])} or "
+                             f"{INPUT_FORMATS[-1]}).") from None
+        except (OSError, ValueError, SyntaxError, EOFError) as error:
+            raise UsageError(f"{where} {shown} is truncated or damaged ({_reason(error)}): give a complete "
+                             "image file.") from None
+        _check_bounds(image.width, image.height, f"{where} {shown}")
+        try:
+            image.load()  # the first frame (an animated file's, as load_image takes it), decoded in full
+            image = ImageOps.exif_transpose(image)
+            return image if image.mode == "RGB" else image.convert("RGB")
+        except (OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError) as error:
+            raise UsageError(f"{where} {shown} is truncated or damaged ({_reason(error)}): give a complete "
+                             "image file.") from None
+        except Image.DecompressionBombError:  # a frame or a tile larger than the header said
+            raise UsageError(f"{where} {shown} decodes to more pixels than an input image may have (at most "
+                             f"{MAX_INPUT_PIXELS:,}): give a smaller image.") from None
+
+
+def _reason(error: BaseException) -> str:
+    text = shown_path(str(error) or type(error).__name__).rstrip(".")
+    return text[:100]
