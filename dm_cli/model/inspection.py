@@ -57,6 +57,7 @@ class InspectReport:
     components: list[ComponentReport]
     notes: list[str] = field(default_factory=list)
     gguf: dict | None = None  # a GGUF file: dm_cli.model.gguf_files.summary (format, metadata, types, tensors)
+    single_file: dict | None = None  # an original-layout single file: dm_cli.model.single_file.recognize
 
     @property
     def total_params(self) -> int:
@@ -83,6 +84,8 @@ class InspectReport:
         }
         if self.gguf is not None:
             document["gguf"] = self.gguf
+        if self.single_file is not None:
+            document["single_file"] = self.single_file
         return document
 
 
@@ -116,11 +119,16 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
     formats = parse_weights_spec(weights, [c.name for c in comps])
     reports = []
     notes = list(source.notes)
+    single = None
     for comp in comps:
         loaded = as_loaded(comp, use_cache=use_cache)
         checkpoint = loaded.checkpoint
         if loaded.note is not None:  # with weights, what loads; config only, as built (and say what plan counts)
             notes.append(loaded.note)
+        if source.kind == "weights" and comp.config is None and checkpoint is not None and checkpoint.index is None:
+            from dm_cli.model.single_file import recognize  # one .safetensors file without a config: its layout
+
+            single = recognize(checkpoint.tensors)
         comp, skeleton = (loaded.comp, loaded.skeleton) if comp.weights is not None else (comp, loaded.as_built)
         fmt = component_format(formats, comp.name, skeleton)
         if skeleton.note:
@@ -145,7 +153,7 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
                 storage_dtype=STORAGE_DTYPES[fmt] if fmt else None,
             )
         )
-    return InspectReport(spec, source.kind, source.pipeline_class, dtype, reports, notes)
+    return InspectReport(spec, source.kind, source.pipeline_class, dtype, reports, notes, single_file=single)
 
 
 

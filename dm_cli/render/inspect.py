@@ -36,6 +36,9 @@ def render_inspect(report, binary: bool = False) -> None:
                         tree_rows, hidden, label=f"{comp.name} modules")
     if report.gguf is not None:
         _gguf_tables(out, report.gguf, hidden, binary)
+    single = getattr(report, "single_file", None)
+    if single is not None:
+        _single_file_table(out, single, hidden, binary)
     print_hidden(out, hidden)
     for note in report.notes:
         out.print(f"note: {note}")
@@ -65,3 +68,17 @@ def _gguf_tables(out, gguf: dict, hidden: list, binary: bool) -> None:
         if isinstance(value, dict):
             value = f"an array of {value['length']} {value['array']}"
         out.print(f"{key}: {value}")  # inert: the console shows control characters escaped
+
+
+def _single_file_table(out, single: dict, hidden: list, binary: bool) -> None:
+    """An original-layout single file: what it is, then the parts it holds (by key prefix), each as stored."""
+    out.print(f"recognized: {single['summary']}")
+    rows: list = [[part["name"], part["prefix"] or ("(the rest)" if part["name"] == "other" else "(none)"),
+                   _dtype(part["dtype"] or "-"), num(part["params"]), format_size(part["bytes"], binary),
+                   f"{part['config']['preset']}/{part['config']['component']}" if part["config"] else "-"]
+                  for part in single["parts"]]
+    print_table(out, "parts in the file", [Col("part"), Col("key prefix", drop=2), Col("dtype", drop=3),
+                                           Col("params", number=True, drop=1), Col("size", number=True),
+                                           Col("config", drop=1)], rows, hidden, label="parts in the file")
+    for note in single["notes"]:
+        out.print(f"note: {note}")
