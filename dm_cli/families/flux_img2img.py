@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dm_cli.families import Job, Setting
 from dm_cli.families.flux import FluxFamily
-from dm_cli.families.stages import EMBEDS, IMAGE, IMAGE_LATENTS, IMAGES, LATENTS, PROMPT, Stage
+from dm_cli.families.stages import image_to_image_stages
 from dm_cli.inputs import Generation
 
 DEFAULT_STRENGTH = 0.6  # FluxImg2ImgPipeline.__call__'s strength
@@ -41,12 +41,7 @@ class FluxImg2ImgFamily(FluxFamily):
                 for_whom="FLUX.1 image-to-image (FluxImg2ImgPipeline)",
                 instead="drop --strength, or run a FluxImg2ImgPipeline folder (the flux-dev-img2img preset)"),
     )
-    declared_stages = (
-        Stage("encode", ("text_encoder", "text_encoder_2"), consumes=(PROMPT,), produces=(EMBEDS,)),
-        Stage("encode_image", ("vae",), consumes=(IMAGE,), produces=(IMAGE_LATENTS,)),
-        Stage("denoise", ("transformer",), consumes=(EMBEDS, IMAGE_LATENTS), produces=(LATENTS,)),
-        Stage("decode", ("vae",), consumes=(LATENTS,), produces=(IMAGES,)),
-    )
+    declared_stages = image_to_image_stages(("text_encoder", "text_encoder_2"))
 
     def title(self) -> str:
         return "FLUX.1 image-to-image"

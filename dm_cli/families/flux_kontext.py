@@ -19,7 +19,7 @@ from __future__ import annotations
 from dm_cli.families import Job, Setting
 from dm_cli.families.calls import CallSpec, Component, TensorSpec, vae_config
 from dm_cli.families.flux import FluxFamily
-from dm_cli.families.stages import EMBEDS, IMAGE, IMAGE_LATENTS, IMAGES, LATENTS, PROMPT, Stage
+from dm_cli.families.stages import image_to_image_stages
 from dm_cli.inputs import LIMITS, Generation, InputSpec
 
 # diffusers.pipelines.flux.pipeline_flux_kontext.PREFERRED_KONTEXT_RESOLUTIONS as (width, height), copied so
@@ -81,12 +81,7 @@ class FluxKontextFamily(FluxFamily):
                 "multiple of 16).",
                 argument="_auto_resize", for_whom="FLUX.1 Kontext (FluxKontextPipeline)", instead="drop --auto-resize / --no-auto-resize"),
     )
-    declared_stages = (
-        Stage("encode", ("text_encoder", "text_encoder_2"), consumes=(PROMPT,), produces=(EMBEDS,)),
-        Stage("encode_image", ("vae",), consumes=(IMAGE,), produces=(IMAGE_LATENTS,)),
-        Stage("denoise", ("transformer",), consumes=(EMBEDS, IMAGE_LATENTS), produces=(LATENTS,)),
-        Stage("decode", ("vae",), consumes=(LATENTS,), produces=(IMAGES,)),
-    )
+    declared_stages = image_to_image_stages(("text_encoder", "text_encoder_2"))
 
     def title(self) -> str:
         return "FLUX.1 Kontext"

@@ -66,6 +66,15 @@ def named_stage(name: str, components, exclusive: bool = False) -> Stage:
     return Stage(name, tuple(components), exclusive, consumes, produces)
 
 
+def image_to_image_stages(encoders: tuple[str, ...], denoiser: str = "transformer", vae: str = "vae") -> tuple:
+    """The stages of a pipeline that VAE-encodes an input image before its denoiser and decodes after it (the
+    same VAE in two stages): encode, encode_image, denoise, decode."""
+    return (Stage("encode", encoders, consumes=(PROMPT,), produces=(EMBEDS,)),
+            Stage("encode_image", (vae,), consumes=(IMAGE,), produces=(IMAGE_LATENTS,)),
+            Stage("denoise", (denoiser,), consumes=(EMBEDS, IMAGE_LATENTS), produces=(LATENTS,)),
+            Stage("decode", (vae,), consumes=(LATENTS,), produces=(IMAGES,)))
+
+
 def declared(stages, components: list[str]) -> list[Stage]:
     """A family's declared stages for the components a pipeline has: components it lacks left out, stages
     left with none dropped. ValueError for a component no stage runs (the planner must place every one)."""

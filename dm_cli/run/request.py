@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import CheckpointError, SourceError, UsageError
-from dm_cli.families import Family, Job, family_for, supported_pipelines
+from dm_cli.families import Family, family_for, supported_pipelines
 from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec
 from dm_cli.io.images import check_image_output, check_metadata_room, existing_image_paths
 from dm_cli.model.sources import config_digest
@@ -310,13 +310,6 @@ def settle_generation(generation: Generation, source: Source, family: Family, de
         raise UsageError("--height 0 and --width 0 make a weights-only plan; dmap run needs an image size.")
     family.validate(settled, source.pipeline_class, denoiser.config or {}, vae.config, tuple(comps), per_prompt_images)
     return settled
-
-
-def settle_job(request: RunRequest, source: Source, family: Family, defaults: dict) -> Job:
-    """The request's generation settled and checked, its outputs refused if they exist: the Job the stages run."""
-    generation = settle_generation(request.generation, source, family, defaults, request.per_prompt_images)
-    refuse_existing_outputs(request, family, generation.num_images)
-    return Job.of(generation, request.prompt, request.seed)
 
 
 def refuse_existing_outputs(request: RunRequest, family: Family, num_images: int) -> None:
