@@ -34,7 +34,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          overhead: str | None = None, component: str | None = None, check: bool = True, use_cache: bool = True,
          num_frames: int | None = None, fps: int | None = None, weights: str | None = None,
          negative_prompt: str | None = None, image=None, image_size=None,
-         on_progress: Callable[[str], None] | None = None, **settings) -> Plan:
+         on_progress: Callable[[str], None] | None = None, world_size: int = 1, parallel: str | None = None,
+         device_tflops: float = 100.0, link_gbps: float = 25.0, **settings) -> Plan:
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -45,10 +46,14 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     `dm_cli.families.Setting`), checked as `load` and `dmap run` check them; so is `negative_prompt`.
     `image` (paths or PIL images, one or a list) and `image_size` ("WxH", one or a list): the input images
     (references, the image to edit), of which a plan needs only the sizes; images first, then sizes.
+    `world_size` > 1 with `parallel` ("cfg", "context", "cfg+context" or "auto", the default above one rank) adds
+    `Plan.parallel`: how that many torchrun ranks share each denoising step, with per-rank memory and step times
+    predicted at `device_tflops` per GPU and `link_gbps` between GPUs (dm_cli.planning.parallel).
     """
     from dm_cli.inputs import InputSpec, PlacementSpec
     from dm_cli.model.demo import source_root
     from dm_cli.planning.make import PlanOptions, make_named_plan
+    from dm_cli.planning.parallel import ParallelRequest
     from dm_cli.units import parse_dtype
 
     spec, root, defaults = source_root(source)
@@ -59,7 +64,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     placement = PlacementSpec(max_memory, strategy, mode, overhead, parse_dtype(dtype) if dtype is not None else None,
                               weights)
     options = PlanOptions(placement, inputs, component, check, use_cache, on_progress=on_progress, settings=settings,
-                          negative_prompt=negative_prompt)
+                          negative_prompt=negative_prompt,
+                          parallel=ParallelRequest(world_size, parallel, device_tflops, link_gbps))
     return make_named_plan(root, spec, options)
 
 

@@ -100,6 +100,8 @@ CASES = [
     Case("qwen-image", "bf16", "0=24GB,cpu=64GB", 1024, weights="fp8"),
     Case("z-image", "bf16", "0=12GB,cpu=32GB", 1024),
     Case("z-image", "bf16", "0=8GB,1=8GB", 1024),
+    Case("ltx-2", "bf16", "0=24GB,1=24GB,cpu=64GB", 512, 768, 121),  # video + audio: the joint transformer
+    Case("ltx-2", "bf16", "0=80GB", 512, 768, 121),
 ]
 
 _META_MODELS: dict = {}

@@ -1,7 +1,7 @@
 """Benchmark: `dmap run` vs diffusers' own pipeline call vs the hand-written staged recipe.
 
 A mid-size Stable Diffusion 1.5-architecture pipeline with random weights (UNet at 3/10 of SD 1.5's
-widths, ~77M parameters, fp32; a 4-layer CLIP text encoder; a small VAE), 128x128, classifier-free
+widths, ~77M parameters, fp32; a 4-layer CLIP text encoder; a small VAE), 256x256 (--size), classifier-free
 guidance 7.5, seed 0, on the CPU, at 8 and at 50 denoising steps: the denoiser dominates (each step
 runs the UNet on a batch of 2). Every run is a fresh subprocess; kinds alternate, REPEATS times each,
 all in one invocation; the PNGs are compared pixel for pixel with diffusers' own call.
@@ -19,13 +19,26 @@ dmap's own modules too for dmap) and ends when the PNG is written: loading, plan
 denoising step, decode, rendering the summary. "CPU s" is the CPU time (user + system) of that part:
 with one torch thread it is the work itself, and it barely moves when other jobs share the machine,
 where wall time moves by tens of percent; "wall s" is the same part on the clock; "process s" is
-the whole subprocess (interpreter start, imports, exit). Ratios are against diffusers' own call in
-the same column and step count; medians over the runs.
+the whole subprocess (interpreter start, imports, exit) on the clock, "process CPU s" its CPU time
+(the parent's RUSAGE_CHILDREN delta). Ratios are against diffusers' own call in the same column and
+step count; medians over the runs.
+
+Phases (a second table, dmap's plain run beside diffusers' own call, CPU and wall, medians): timestamps
+(perf_counter and os.times) taken inside the subprocess. diffusers' side: from_pretrained, __call__,
+save. dmap's side: the CLI runs as a user's `dmap run` does, with `dm_cli.run.single.run`,
+`check_component_files`, `make_run_plan`, `StageLoop.__init__` and `save_images` wrapped to timestamp
+their calls and the run's own `on_status` / `on_step` callbacks (what the renderer draws) wrapped to
+timestamp each status message: resolving SOURCE and settling, the safetensors header checks, planning
+(the inline plan), the pipeline object (placeholders, tokenizers, scheduler), loading each stage's
+components, encode, denoise, decode, writing the PNG with its metadata, rendering the summary; plus
+importing dm_cli's modules (outside the in-process clock) and the interpreter with the shared imports
+(process wall minus everything timed inside).
 
 torch runs on ONE intra-op thread by default (--threads N to change; 0 = torch's default), so a
 neighbour on another core does not turn thread barriers into noise.
 
-Usage: .venv/bin/python scripts/bench_run.py [--repeats N] [--threads N] [--steps 8,50]
+Usage: .venv/bin/python scripts/bench_run.py [--repeats N] [--threads N] [--steps 8,50] [--size 256]
+       [--rows call,recipe,dmap,tracker]
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -40,7 +54,8 @@ import tempfile
 import time
 from pathlib import Path
 
-PROMPT, SEED, SIZE, GUIDANCE = "a red fox in the snow", 0, 128, 7.5
+PROMPT, SEED, GUIDANCE = "a red fox in the snow", 0, 7.5
+SIZE = 256  # --size: every side is given the size (the models' configs do not depend on it)
 UNET_WIDTHS = [96, 192, 384, 384]
 CROSS_DIM = 384
 
@@ -73,7 +88,7 @@ CONFIGS = {
     "vae": {
         "_class_name": "AutoencoderKL", "act_fn": "silu", "block_out_channels": [32, 64, 64, 64],
         "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4, "in_channels": 3,
-        "out_channels": 3, "latent_channels": 4, "layers_per_block": 1, "norm_num_groups": 32, "sample_size": SIZE,
+        "out_channels": 3, "latent_channels": 4, "layers_per_block": 1, "norm_num_groups": 32, "sample_size": 128,
         "scaling_factor": 0.18215,
     },
 }
@@ -81,6 +96,9 @@ CONFIGS = {
 # The same imports on every side before the in-process clock starts.
 PRELUDE = r"""
 import json, os, resource, sys, time, warnings
+MARKS = []  # (phase, wall, cpu) at its end, in order
+def mark(phase):
+    MARKS.append((phase, time.perf_counter(), time.process_time()))
 warnings.simplefilter("ignore")
 import torch
 if THREADS:
@@ -95,28 +113,99 @@ from transformers import CLIPTextModel, CLIPTokenizer
 DONE = r"""
 wall = time.perf_counter() - t
 cpu = sum(os.times()[:2]) - cpu0
-print(json.dumps({"wall": wall, "cpu": cpu, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"wall": wall, "cpu": cpu, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "marks": MARKS, "t0": [t, cpu0]}))
 """
 
 DMAP = r"""
+mark("shared imports")
 from dm_cli.cli import main  # dmap's own modules: outside the in-process clock, inside the process one
 import dm_cli.cli.run, dm_cli.planning.make, dm_cli.render.plan, dm_cli.render.run, dm_cli.run.request
+import dm_cli.run.single, dm_cli.run.stages
+mark("importing dm_cli")
+install_marks()
 t, cpu0 = time.perf_counter(), sum(os.times()[:2])
 try:
     main(ARGS)
 except SystemExit as done:
     if done.code:
         sys.exit(done.code)
+finish_marks()
 """ + DONE
 
 DIFFUSERS_CALL = r"""
+mark("shared imports")
 t, cpu0 = time.perf_counter(), sum(os.times()[:2])
 pipe = StableDiffusionPipeline.from_pretrained(FOLDER)
 pipe.set_progress_bar_config(disable=True)
+mark("from_pretrained")
+def timed(inner, before, after):  # the parts of __call__, timestamped
+    def call(*args, **kwargs):
+        mark(before)
+        out = inner(*args, **kwargs)
+        mark(after)
+        return out
+    return call
+pipe.encode_prompt = timed(pipe.encode_prompt, "__call__: checks, before encode", "__call__: encode")
+pipe.vae.decode = timed(pipe.vae.decode, "__call__: denoise (and preparing latents)", "__call__: decode")
 image = pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE,
              generator=torch.Generator().manual_seed(SEED)).images[0]
+mark("__call__: to PIL")
 image.save(OUT)
+mark("save")
 """ + DONE
+
+# dmap's phases: wrappers that timestamp (`mark`) the end of each phase of a CLI run, the renderer's
+# callbacks included. What a status message starts ends at the next message.
+MARKS_DMAP = r"""
+def install_marks():
+    import functools
+    import dm_cli.run.request as request, dm_cli.run.single as single, dm_cli.run.stages as stages
+    state = {"phase": "settle (SOURCE, defaults)"}
+
+    def switch(phase):
+        mark(state["phase"])
+        state["phase"] = phase
+
+    def wrap(owner, name, before=None, after=None):
+        inner = getattr(owner, name)
+        @functools.wraps(inner)
+        def outer(*args, **kwargs):
+            before and before()
+            out = inner(*args, **kwargs)
+            after and after()
+            return out
+        setattr(owner, name, outer)
+
+    def status_phase(message):
+        if message is not None and message.startswith("Loading "):
+            switch("load " + message.split()[1])
+        elif message is None and state["phase"].startswith("load "):
+            switch("between stages (free, glue)")
+
+    def run(request_, on_plan=None, on_step=None, on_status=None):
+        def status(message):
+            status_phase(message)
+            on_status is not None and on_status(message)
+        result = original(request_, on_plan, on_step, status)
+        switch("rendering (summary, CLI exit)")
+        return result
+
+    original = single.run
+    single.run = run
+    checks = lambda: state["phase"] != "header checks" and switch("header checks")
+    wrap(request, "check_component_files", before=checks)
+    wrap(request, "make_run_plan", before=lambda: switch("planning (inline plan)"),
+         after=lambda: switch("plan checked and shown"))
+    wrap(stages.StageLoop, "__init__", before=lambda: switch("pipeline object (placeholders, tokenizers, scheduler)"),
+         after=lambda: switch("run start"))
+    for name in ("encode", "denoise", "decode"):
+        wrap(stages.StageLoop, name, before=lambda name=name: switch(name),
+             after=lambda: switch("between stages (free, glue)"))
+    wrap(single, "save_images", before=lambda: switch("write PNG (metadata)"), after=lambda: switch("run end"))
+    globals()["finish_marks"] = lambda: mark(state["phase"])
+"""
+DMAP = MARKS_DMAP + DMAP
 
 # diffusers' "distributed inference" recipe, written by hand for this pipeline.
 RECIPE = r"""
@@ -157,24 +246,44 @@ def build_pipeline(folder: Path) -> Path:
     return folder
 
 
-def _run_args(folder: Path, steps: int, out: str, device_map: str | None) -> list[str]:
-    args = ["run", str(folder), "--prompt", PROMPT, "--seed", str(SEED), "--steps", str(steps), "--height", str(SIZE),
-            "--width", str(SIZE), "--guidance-scale", str(GUIDANCE), "--output", out, "--overwrite"]
-    return args + (["--device-map", device_map] if device_map else [])
+def _run_args(folder: Path, steps: int, out: str, size: int, extra: tuple[str, ...] = ()) -> list[str]:
+    return ["run", str(folder), "--prompt", PROMPT, "--seed", str(SEED), "--steps", str(steps), "--height", str(size),
+            "--width", str(size), "--guidance-scale", str(GUIDANCE), "--output", out, "--overwrite", *extra]
 
 
-def _once(code: str, folder: Path, steps: int, out: str, threads: int, args: list[str] | None = None) -> dict:
+def _once(code: str, folder: Path, steps: int, out: str, threads: int, size: int, args: list[str] | None = None) -> dict:
     header = (f"PROMPT, SEED, STEPS, SIZE, GUIDANCE, FOLDER, OUT, THREADS, ARGS = {PROMPT!r}, {SEED}, {steps}, "
-              f"{SIZE}, {GUIDANCE}, {str(folder)!r}, {out!r}, {threads}, {args!r}\n")
+              f"{size}, {GUIDANCE}, {str(folder)!r}, {out!r}, {threads}, {args!r}\n")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", header + PRELUDE + code], capture_output=True, text=True, check=False,
                           env={**os.environ, "COLUMNS": "120"})
     process_wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"benchmark run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["process"] = process_wall
+    result["process_cpu"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    result["phases"] = _phases(result)
     return result
+
+
+def _phases(result: dict) -> dict[str, tuple[float, float]]:
+    """Phase -> (CPU s, wall s) from the subprocess's marks (each mark ends its phase; a name may recur)."""
+    marks = result["marks"]
+    _, wall0, cpu0 = marks[0]  # "shared imports" ends: what came before is the interpreter and the shared imports
+    phases: dict[str, list[float]] = {}
+    previous = (wall0, cpu0)
+    for name, wall, cpu in marks[1:]:
+        entry = phases.setdefault(name, [0.0, 0.0])
+        entry[0] += cpu - previous[1]
+        entry[1] += wall - previous[0]
+        previous = (wall, cpu)
+    timed_cpu, timed_wall = previous[1] - cpu0, previous[0] - wall0
+    phases = {"interpreter, shared imports, exit": [result["process_cpu"] - timed_cpu, result["process"] - timed_wall],
+              **phases}
+    return {name: (cpu, wall) for name, (cpu, wall) in phases.items()}
 
 
 def _pixels(path: str):
@@ -185,30 +294,79 @@ def _pixels(path: str):
         return np.array(image)
 
 
+DMAP_ROW = "dmap run (plans inline, warm cache)"
+COLUMNS = ("cpu", "wall", "process_cpu", "process")
+
+
+def _kinds(folder: Path, threads: int, size: int, rows: set[str]) -> dict:
+    kinds = {
+        "call": (BASE_ROW, lambda steps, out: _once(DIFFUSERS_CALL, folder, steps, out, threads, size)),
+        "recipe": ("diffusers staged recipe (hand-written)",
+                   lambda steps, out: _once(RECIPE, folder, steps, out, threads, size)),
+        "dmap": (DMAP_ROW, lambda steps, out: _once(DMAP, folder, steps, out, threads, size,
+                                                    _run_args(folder, steps, out, size))),
+        "tracker": ("dmap run --track-activations (per-op tracker, the old CPU default)",
+                    lambda steps, out: _once(DMAP, folder, steps, out, threads, size,
+                                             _run_args(folder, steps, out, size, ("--track-activations",)))),
+    }
+    return {label: call for key, (label, call) in kinds.items() if key in rows | {"call"}}
+
+
+def _print_ratios(step_counts: list[int], kinds: dict, runs: dict, outputs: dict, stat=statistics.median) -> None:
+    import numpy as np
+
+    print("| steps | runner | in-process CPU s | ratio | in-process wall s | ratio | process CPU s | ratio "
+          "| process wall s | ratio | peak RSS | same pixels |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
+    for steps in step_counts:
+        reference = _pixels(outputs[(steps, BASE_ROW)])
+        med = {(k, col): stat(r[col] for r in runs[(steps, k)]) for k in kinds for col in COLUMNS}
+        rss = {k: max(r["rss"] for r in runs[(steps, k)]) for k in kinds}
+        for k in kinds:
+            same = "yes" if np.array_equal(_pixels(outputs[(steps, k)]), reference) else "NO"
+            cells = " | ".join(f"{med[(k, col)]:.2f} | {med[(k, col)] / med[(BASE_ROW, col)]:.3f}" for col in COLUMNS)
+            print(f"| {steps} | {k} | {cells} | {rss[k] / 1e6:.0f} MB | {same} |")
+
+
+def _print_phases(step_counts: list[int], runs: dict) -> None:
+    """dmap's phases beside diffusers' own call's, medians of CPU and wall seconds per phase."""
+    print("\n| steps | runner | phase | CPU s | wall s |")
+    print("|---:|---|---|---:|---:|")
+    for steps in step_counts:
+        for kind in (BASE_ROW, DMAP_ROW):
+            if (steps, kind) not in runs:
+                continue
+            results = runs[(steps, kind)]
+            names = list(dict.fromkeys(name for r in results for name in r["phases"]))
+            short = "diffusers call" if kind == BASE_ROW else "dmap run"
+            for name in names:
+                cpu = statistics.median(r["phases"].get(name, (0.0, 0.0))[0] for r in results)
+                wall = statistics.median(r["phases"].get(name, (0.0, 0.0))[1] for r in results)
+                print(f"| {steps} | {short} | {name} | {cpu:.3f} | {wall:.3f} |")
+            print(f"| {steps} | {short} | **whole process** | "
+                  f"{statistics.median(r['process_cpu'] for r in results):.3f} | "
+                  f"{statistics.median(r['process'] for r in results):.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every run (0: torch default)")
     parser.add_argument("--steps", default="8,50", help="comma-separated step counts")
+    parser.add_argument("--size", type=int, default=SIZE, help="height and width (128: the older table's case)")
+    parser.add_argument("--rows", default="call,recipe,dmap,tracker",
+                        help="which rows besides diffusers' call: recipe, dmap, tracker (comma-separated)")
     parser.add_argument("--model-dir", default=None, help="where to build (or find) the bench pipeline")
     options = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-run-"))
-    threads = options.threads
+    threads, size = options.threads, options.size
     step_counts = [int(s) for s in options.steps.split(",")]
     folder = build_pipeline(Path(options.model_dir or tmp / "sd15-mid"))  # outside any timing
-    kinds = {
-        BASE_ROW: lambda steps, out: _once(DIFFUSERS_CALL, folder, steps, out, threads),
-        "diffusers staged recipe (hand-written)": lambda steps, out: _once(RECIPE, folder, steps, out, threads),
-        "dmap run (plans inline, warm cache)":
-            lambda steps, out: _once(DMAP, folder, steps, out, threads, _run_args(folder, steps, out, None)),
-        "dmap run --track-activations (per-op tracker, the old CPU default)":
-            lambda steps, out: _once(DMAP, folder, steps, out, threads,
-                                     _run_args(folder, steps, out, None) + ["--track-activations"]),
-    }
+    kinds = _kinds(folder, threads, size, set(options.rows.split(",")))
     warm = str(tmp / "warm.png")  # warms dmap's cache and the OS page cache
-    _once(DMAP, folder, 1, warm, threads, _run_args(folder, 1, warm, None))
-    _once(DIFFUSERS_CALL, folder, 1, warm, threads)
-    runs = {(steps, k): [] for steps in step_counts for k in kinds}
+    _once(DMAP, folder, 1, warm, threads, size, _run_args(folder, 1, warm, size))
+    _once(DIFFUSERS_CALL, folder, 1, warm, threads, size)
+    runs: dict[tuple, list] = {(steps, k): [] for steps in step_counts for k in kinds}
     outputs: dict[tuple, str] = {}
     for i in range(options.repeats):
         for steps in step_counts:
@@ -216,24 +374,16 @@ def main() -> None:
                 out = str(tmp / f"{steps}-{n}-{i}.png")
                 runs[(steps, kind)].append(call(steps, out))
                 outputs.setdefault((steps, kind), out)
-    import numpy as np
-
-    print(f"SD 1.5-architecture pipeline, random weights: UNet widths {UNET_WIDTHS} (fp32), {SIZE}x{SIZE}, CFG "
+    print(f"SD 1.5-architecture pipeline, random weights: UNet widths {UNET_WIDTHS} (fp32), {size}x{size}, CFG "
           f"{GUIDANCE}, seed {SEED}, CPU, torch threads {threads or 'default'}; {options.repeats} runs of each "
           "(subprocesses, alternating)\n")
-    print("| steps | runner | in-process CPU s | ratio | in-process wall s | ratio | process wall s | ratio "
-          "| peak RSS | same pixels |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|:---:|")
-    for steps in step_counts:
-        reference = _pixels(outputs[(steps, BASE_ROW)])
-        med = {(k, col): statistics.median(r[col] for r in runs[(steps, k)]) for k in kinds
-               for col in ("cpu", "wall", "process")}
-        rss = {k: max(r["rss"] for r in runs[(steps, k)]) for k in kinds}
-        for k in kinds:
-            same = "yes" if np.array_equal(_pixels(outputs[(steps, k)]), reference) else "NO"
-            cells = " | ".join(f"{med[(k, col)]:.2f} | {med[(k, col)] / med[(BASE_ROW, col)]:.3f}"
-                               for col in ("cpu", "wall", "process"))
-            print(f"| {steps} | {k} | {cells} | {rss[k] / 1e6:.0f} MB | {same} |")
+    _print_ratios(step_counts, kinds, runs, outputs)
+    print("\nBest of the runs (on a shared machine the CPU time of the same denoising loop moves by 10-30%):\n")
+    _print_ratios(step_counts, kinds, runs, outputs, min)
+    _print_phases(step_counts, runs)
+    if os.environ.get("BENCH_RAW"):
+        Path(os.environ["BENCH_RAW"]).write_text(json.dumps({f"{s}|{k}": v for (s, k), v in runs.items()}))
+
 
 if __name__ == "__main__":
     main()

@@ -23,7 +23,8 @@ from dm_cli.model.sources import PRESETS_DIR
 # one tiny twin per registered family (the test fails when a family is added without one)
 TWINS = {"flux": "tiny-flux", "flux2": "tiny-flux2", "qwen-image": "tiny-qwenimage", "sd15": "tiny-sd15",
          "sd3": "tiny-sd3", "sdxl": "tiny-sdxl", "wan": "tiny-wan",
-         "z-image": "tiny-zimage", "flux-kontext": "tiny-flux-kontext", "flux-img2img": "tiny-flux-img2img"}
+         "z-image": "tiny-zimage", "flux-kontext": "tiny-flux-kontext", "flux-img2img": "tiny-flux-img2img",
+         "ltx-2": "tiny-ltx2"}
 ACCEPTED = "accepted: the rules let this generation through"
 
 

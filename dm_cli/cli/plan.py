@@ -58,6 +58,11 @@ def plan(
     no_check: bool = typer.Option(False, "--no-check", help="Skip the split check on the meta device."),
     binary: BinaryOpt = False,
     no_cache: NoCacheOpt = False,
+    world_size: int = typer.Option(1, "--world-size", help="torchrun ranks to plan for (rank r on GPU r); 1: one process."),
+    parallel: str | None = typer.Option(None, "--parallel", help="none | cfg | context | cfg+context | auto "
+                                        "(default: none for one rank, auto above): how the ranks share each step."),
+    device_tflops: float = typer.Option(100.0, "--device-tflops", help="--parallel auto: TFLOP/s one GPU sustains."),
+    link_gbps: float = typer.Option(25.0, "--link-gbps", help="--parallel auto: GB/s between two GPUs."),
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     from dm_cli.api import plan as make_plan
@@ -74,7 +79,8 @@ def plan(
                            max_sequence_length=max_sequence_length, strategy=strategy, mode=mode, dtype=dtype,
                            overhead=overhead, component=component, check=not no_check, use_cache=not no_cache,
                            num_frames=frames, fps=fps, weights=weights, negative_prompt=negative_prompt, image=image, image_size=image_size,
-                           on_progress=progress, **(settings or {}))
+                           on_progress=progress, world_size=world_size, parallel=parallel,
+                           device_tflops=device_tflops, link_gbps=link_gbps, **(settings or {}))
     if output:
         write_plan(result, output)
     if as_json:

@@ -27,7 +27,7 @@ from dm_cli.units import shorten
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
 # `related` prefix is a prefix of another's (Flux of Flux2, FluxKontext, FluxImg2Img; StableDiffusion of
 # StableDiffusion3) comes after it.
-FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux2", "flux_kontext", "flux_img2img", "flux", "qwenimage", "wan", "zimage")
+FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux2", "flux_kontext", "flux_img2img", "flux", "qwenimage", "wan", "zimage", "ltx2")
 
 # How guidance multiplies the denoiser's work per step.
 GUIDANCE_BATCH = "batch"  # classifier-free guidance: one call on a doubled batch (SD, SDXL, SD3)

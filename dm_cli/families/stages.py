@@ -21,15 +21,20 @@ EMBEDS = "embeds"  # the prompt embeddings (Family.encode)
 IMAGE_LATENTS = "image_latents"  # the input image in latent space (Family.encode_image), where denoising starts
 LATENTS = "latents"  # the denoised latents
 IMAGES = "images"  # the output: PIL images, or one frame array per video
+AUDIO_LATENTS = "audio_latents"  # the denoised audio latents (LTX-2: made by the denoise stage beside LATENTS)
+AUDIO = "audio"  # the output's audio track: one waveform per video and its sample rate (Family.decode_audio)
 INPUTS = (PROMPT, IMAGE)
-VALUES = (PROMPT, IMAGE, EMBEDS, IMAGE_LATENTS, LATENTS, IMAGES)
+VALUES = (PROMPT, IMAGE, EMBEDS, IMAGE_LATENTS, LATENTS, IMAGES, AUDIO_LATENTS, AUDIO)
+# Values a stage may make beside the one that names its kind (LTX-2's denoise: LATENTS and AUDIO_LATENTS)
+RIDERS = (AUDIO_LATENTS,)
 
 # What runs a stage, by the one value it produces: the stage loop has one runner per kind.
 ENCODE = "encode"  # PROMPT -> EMBEDS: Family.encode
 ENCODE_IMAGE = "encode_image"  # IMAGE -> IMAGE_LATENTS: Family.encode_image
 DENOISE = "denoise"  # EMBEDS (and IMAGE_LATENTS) -> LATENTS: the pipeline's own __call__
 DECODE = "decode"  # LATENTS -> IMAGES: Family.decode
-KIND_OF = {EMBEDS: ENCODE, IMAGE_LATENTS: ENCODE_IMAGE, LATENTS: DENOISE, IMAGES: DECODE}
+DECODE_AUDIO = "decode_audio"  # AUDIO_LATENTS -> AUDIO: Family.decode_audio (the audio VAE and the vocoder)
+KIND_OF = {EMBEDS: ENCODE, IMAGE_LATENTS: ENCODE_IMAGE, LATENTS: DENOISE, IMAGES: DECODE, AUDIO: DECODE_AUDIO}
 
 # What the stages `default_stages` names consume and produce: also what a plan file written before stages
 # recorded their values means by these names.
@@ -41,8 +46,9 @@ NAMED_VALUES = {
 
 
 def stage_kind(produces) -> str | None:
-    """The kind of a stage that produces `produces`; None: no runner makes that (the stage cannot run)."""
-    return KIND_OF.get(produces[0]) if len(produces) == 1 else None
+    """The kind of a stage that produces `produces` (RIDERS aside); None: no runner makes that (the stage cannot run)."""
+    main = [value for value in produces if value not in RIDERS]
+    return KIND_OF.get(main[0]) if len(main) == 1 else None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from dm_cli.io.images import (
 from dm_cli.io.video import (
     FOLDER_SIDECAR,
     FRAME_FORMAT,
+    audio_of,
     duration_ms,
     frame_files,
     probe_mp4,
@@ -37,6 +38,7 @@ from dm_cli.io.video import (
     video_kind,
     write_frames_folder,
     write_mp4,
+    write_wav,
 )
 
 LATENTS_SUFFIX = ".safetensors"
@@ -109,20 +111,26 @@ def _video_writer(kind: str) -> Callable[..., list[str]]:
         _check_folder(path, output)
         if fps < 1:
             raise UsageError(f"--fps must be at least 1 (got {fps}).")
+        import numpy as np
         from PIL import Image
 
-        images = [Image.fromarray(frame) for frame in frames]
+        audio = audio_of(frames)  # LTX-2: the video's audio track (in the MP4, else a WAV beside the frames)
+        if audio is not None:
+            metadata = {**metadata, "audio_sample_rate": str(audio[1]), "audio_channels": str(audio[0].shape[0])}
+        images = [Image.fromarray(np.asarray(frame)) for frame in frames]
         text = metadata_json(metadata)
         if kind == "frames":
-            write_frames_folder(images, path, text, image_save_options(FRAME_FORMAT, metadata), overwrite)
+            write_frames_folder(images, path, text, image_save_options(FRAME_FORMAT, metadata), overwrite, audio)
             return [str(path), str(path / FOLDER_SIDECAR)]
         if kind == "mp4":
-            atomic_write(path, lambda tmp: write_mp4(images, tmp, fps, text))
+            atomic_write(path, lambda tmp: write_mp4(images, tmp, fps, text, audio))
         else:
             fmt = kind.upper()
             options = {**image_save_options(fmt, metadata), "save_all": True, "append_images": images[1:],
                        "duration": duration_ms(fps), "loop": 0}
             atomic_write(path, lambda tmp: images[0].save(tmp, format=fmt, **options))
+            if audio is not None:  # WebP and GIF hold no audio: the track goes beside them
+                atomic_write(Path(output + ".wav"), lambda tmp: write_wav(tmp, *audio))
         sidecar = sidecar_path(output)
         atomic_write(sidecar, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))
         return [str(path), str(sidecar)]

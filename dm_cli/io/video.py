@@ -70,9 +70,10 @@ def frame_files(folder: Path) -> list[Path]:
     return [folder / name for _, name in numbered]
 
 
-def write_frames_folder(images, folder: Path, text: str, options: dict, overwrite: bool) -> None:
+def write_frames_folder(images, folder: Path, text: str, options: dict, overwrite: bool, audio=None) -> None:
     """Each PIL image as a frame (`options`: Pillow's, with the metadata) and `text` as metadata.json, filled in
-    a hidden folder that is then claimed atomically (or swapped in whole with `overwrite`)."""
+    a hidden folder that is then claimed atomically (or swapped in whole with `overwrite`). `audio`: (waveform,
+    sample rate), written as AUDIO_NAME beside the frames."""
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"{folder} exists and is not a folder: give a folder for the frames.")
     if folder.exists() and any(folder.iterdir()) and not overwrite:
@@ -83,6 +84,8 @@ def write_frames_folder(images, folder: Path, text: str, options: dict, overwrit
         for index, image in enumerate(images):
             image.save(staging / frame_name(index), format=FRAME_FORMAT, **options)
         (staging / FOLDER_SIDECAR).write_text(text + "\n", encoding="utf-8")
+        if audio is not None:
+            write_wav(staging / AUDIO_NAME, *audio)
         os.chmod(staging, 0o777 & ~_umask())
         if folder.exists() and not overwrite:
             try:
@@ -96,25 +99,31 @@ def write_frames_folder(images, folder: Path, text: str, options: dict, overwrit
         raise
 
 
-def write_mp4(images, tmp: str, fps: int, comment: str) -> None:
-    """export_to_video encodes (H.264 via imageio-ffmpeg); a stream copy adds the comment tag."""
+def write_mp4(images, tmp: str, fps: int, comment: str, audio=None) -> None:
+    """export_to_video encodes (H.264 via imageio-ffmpeg); a stream copy adds the comment tag. `audio`:
+    (waveform, sample rate), muxed in the same step as an AAC track."""
     try:
         import imageio_ffmpeg
         from diffusers.utils import export_to_video
     except ImportError as error:
         raise UsageError(f"Writing MP4 needs imageio and imageio-ffmpeg ({error}): reinstall dmap's pinned "
                          "requirements, or write .webp, .gif or a folder of PNG frames.") from None
-    encoded = tmp + ".encode.mp4"
+    encoded, wav = tmp + ".encode.mp4", tmp + ".audio.wav"
     try:
         export_to_video(images, encoded, fps=fps)
         ffmpeg = imageio_ffmpeg.get_ffmpeg_exe()
-        done = subprocess.run([ffmpeg, "-y", "-loglevel", "error", "-i", encoded, "-map", "0", "-c", "copy",
+        streams = ["-i", encoded, "-map", "0", "-c", "copy"]
+        if audio is not None:
+            write_wav(wav, *audio)
+            streams = ["-i", encoded, "-i", wav, "-map", "0:v", "-map", "1:a", "-c:v", "copy", "-c:a", "aac"]
+        done = subprocess.run([ffmpeg, "-y", "-loglevel", "error", *streams,
                                "-metadata", f"comment={comment}", "-f", "mp4", tmp], capture_output=True, text=True)
         if done.returncode != 0:
             raise UsageError(f"ffmpeg could not write the MP4 metadata: {done.stderr.strip()[:200]}")
     finally:
-        if os.path.exists(encoded):
-            os.unlink(encoded)
+        for path in (encoded, wav):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def read_mp4_metadata(path: str | os.PathLike) -> dict:
@@ -141,3 +150,73 @@ def probe_mp4(path: str | os.PathLike) -> tuple[int, tuple[int, int]]:
         raise ValueError(f"{path}: ffmpeg cannot decode it: {done.stderr.strip()[:200]}")
     frames = sum(1 for line in done.stdout.splitlines() if line and not line.startswith("#"))
     return frames, (int(size.group(1)), int(size.group(2)))
+
+
+# --- audio tracks (LTX-2): a video's frames carry their waveform to the writers -----------------------
+
+AUDIO_NAME = "audio.wav"  # a frames folder's audio track, beside the PNGs
+
+
+def with_audio(frames, wave, sample_rate: int):
+    """`frames` (uint8, (F, H, W, 3)) as an array that also carries `wave` (float, (channels, samples)) and its
+    sample rate: every writer takes it where it takes frames."""
+    import numpy as np
+
+    out = np.asarray(frames).view(_frames_class())
+    out.audio, out.sample_rate = np.asarray(wave, dtype=np.float32), int(sample_rate)
+    return out
+
+
+_FRAMES_CLASS: list = []  # made on first use: numpy is not imported with dm_cli.io.video
+
+
+def _frames_class():
+    if not _FRAMES_CLASS:
+        import numpy as np
+
+        class VideoFrames(np.ndarray):
+            """uint8 frames with an audio track (`audio`, `sample_rate`); slices and single frames drop it."""
+
+            def __array_finalize__(self, obj):
+                self.audio = self.sample_rate = None
+
+        _FRAMES_CLASS.append(VideoFrames)
+    return _FRAMES_CLASS[0]
+
+
+def audio_of(frames) -> tuple | None:
+    """(waveform (channels, samples) float32, sample rate) of frames made by `with_audio`, else None."""
+    wave = getattr(frames, "audio", None)
+    return None if wave is None else (wave, frames.sample_rate)
+
+
+def write_wav(path, wave, sample_rate: int) -> None:
+    """A 32-bit float WAV (format 3, IEEE float): the samples exactly as generated, channels interleaved."""
+    import struct
+
+    import numpy as np
+
+    samples = np.ascontiguousarray(np.asarray(wave, dtype="<f4").T)  # (samples, channels)
+    channels = samples.shape[1] if samples.ndim == 2 else 1
+    data = samples.tobytes()
+    header = b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVE"
+    header += b"fmt " + struct.pack("<IHHIIHH", 16, 3, channels, sample_rate, sample_rate * channels * 4, channels * 4, 32)
+    header += b"data" + struct.pack("<I", len(data))
+    with open(path, "wb") as handle:
+        handle.write(header + data)
+
+
+def read_wav(path) -> tuple:
+    """(waveform (channels, samples) float32, sample rate) of a WAV `write_wav` wrote; ValueError otherwise."""
+    import struct
+
+    import numpy as np
+
+    raw = Path(path).read_bytes()
+    if raw[:4] != b"RIFF" or raw[8:12] != b"WAVE" or raw[12:16] != b"fmt ":
+        raise ValueError(f"{path}: not a WAV file")
+    _, fmt, channels, rate, _, _, bits = struct.unpack("<IHHIIHH", raw[16:36])
+    if fmt != 3 or bits != 32 or raw[36:40] != b"data":
+        raise ValueError(f"{path}: not a 32-bit float WAV")
+    size = struct.unpack("<I", raw[40:44])[0]
+    return np.frombuffer(raw[44:44 + size], dtype="<f4").reshape(-1, channels).T.copy(), rate

@@ -105,7 +105,7 @@ def build_model(library: str | None, class_name: str, config: dict, device: str 
             diffusers_logging.set_verbosity(previous)
 
     if device == "meta":
-        with torch.device("meta"):
+        with torch.device("meta"), _skipped_init(transformers_style):
             model = construct()
     elif device == "empty":
         from accelerate import init_empty_weights
@@ -117,6 +117,19 @@ def build_model(library: str | None, class_name: str, config: dict, device: str 
     if device is not None and hasattr(model, "tie_weights"):
         model.tie_weights()
     return model
+
+
+def _skipped_init(transformers_style: bool):
+    """diffusers' `no_init_weights` for a diffusers model built on meta: its torch.nn.init calls would only
+    fill meta tensors, which hold no values (a third of a UNet's build). Transformers models keep theirs
+    (their init also fills buffers, and building one on meta is rare: text encoders get no placeholder)."""
+    import contextlib
+
+    if transformers_style:
+        return contextlib.nullcontext()
+    from diffusers.models.modeling_utils import no_init_weights
+
+    return no_init_weights()
 
 
 # What transformers says while building a config whose RoPE settings predate its standardisation

@@ -236,13 +236,17 @@ def _fp32_when(tensor_name: str, rules: list[tuple[str, tuple[str, ...]]]) -> tu
 
 
 def _no_split_modules(model) -> list[str]:
+    """Blocks that must stay on one device; models that declare none (LTX-2's transformer) still name their
+    repeated blocks for regional compilation, and those are the units a split may cut between."""
+    declared: list[str] = []
     getter = getattr(model, "_get_no_split_modules", None)
     if getter is not None:
         try:
-            return sorted(getter("auto"))
+            declared = sorted(getter("auto"))
         except Exception:  # older signatures or models that raise for missing attributes
-            pass
-    return sorted(getattr(model, "_no_split_modules", None) or [])
+            declared = []
+    declared = declared or sorted(getattr(model, "_no_split_modules", None) or [])
+    return declared or sorted(getattr(model, "_repeated_blocks", None) or [])
 
 
 def skeleton_from_model(name: str, library: str | None, model) -> Skeleton:

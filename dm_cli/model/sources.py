@@ -48,6 +48,8 @@ PRESETS = {
     "z-image": "z-image-turbo",
     "z-image-turbo": "z-image-turbo",
     "tiny-zimage": "tiny-zimage",
+    "ltx-2": "ltx-2",
+    "tiny-ltx2": "tiny-ltx2",
 }
 
 # The bundled random-weight demo pipeline (dm_cli.model.demo), generated into the cache on first use: a SOURCE name like a

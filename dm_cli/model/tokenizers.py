@@ -218,6 +218,37 @@ def write_pixtral_processor(folder: str | Path, encoder_config: dict) -> Path:
     return folder
 
 
+_GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def write_gemma_tokenizer(folder: str | Path, vocab_size: int, model_max_length: int = 1024) -> Path:
+    """A Gemma tokenizer (BPE with byte fallback, spaces as "▁", as Gemma's own): the specials, the 256 byte
+    tokens, then each word of _WORDS merged left to right, bare and followed by "▁"."""
+    from transformers import GemmaTokenizer
+
+    vocab = {token: i for i, token in enumerate(_GEMMA_SPECIALS)}
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    vocab.setdefault("▁", len(vocab))
+    merges: list[tuple[str, str]] = []
+    for word in _WORDS + [w + "▁" for w in _WORDS]:  # the pre-tokenizer keeps each space after its word
+        symbols = list(word)
+        for symbol in symbols:
+            vocab.setdefault(symbol, len(vocab))
+        while len(symbols) > 1:
+            pair = (symbols[0], symbols[1])
+            if pair not in merges:
+                merges.append(pair)
+            vocab.setdefault(pair[0] + pair[1], len(vocab))
+            symbols = [pair[0] + pair[1]] + symbols[2:]
+    _check_vocab("Gemma", vocab, vocab_size)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def write_tokenizer_for(tokenizer_class: str, folder: str | Path, encoder_config: dict) -> Path:
     """The tokenizer a pipeline pairs with a text encoder, sized to that encoder's vocabulary."""
     vocab_size = int(encoder_config.get("vocab_size", 1000))
@@ -228,6 +259,9 @@ def write_tokenizer_for(tokenizer_class: str, folder: str | Path, encoder_config
         return write_t5_tokenizer(folder, vocab_size)
     if "Qwen2Tokenizer" in tokenizer_class:
         return write_qwen2_tokenizer(folder, vocab_size)
+    if "GemmaTokenizer" in tokenizer_class:  # LTX-2's Gemma-3 (its vocabulary is the text config's)
+        text = encoder_config.get("text_config") or {}
+        return write_gemma_tokenizer(folder, int(text.get("vocab_size", vocab_size)))
     if tokenizer_class == "PixtralProcessor":
         return write_pixtral_processor(folder, encoder_config)
     raise ValueError(f"no offline tokenizer for {tokenizer_class}")

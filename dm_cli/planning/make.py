@@ -37,6 +37,7 @@ from dm_cli.model.weight_formats import (
     storage_dtype,
     transient_by_key,
 )
+from dm_cli.planning.parallel import ParallelLayout, ParallelRequest
 from dm_cli.planning.search import (
     MODES,
     STRATEGIES,
@@ -89,6 +90,7 @@ class PlanOptions:
     on_progress: Callable[[str], None] | None = None  # hears each step (resolving, sizing, each trace, the check)
     settings: dict = field(default_factory=dict)  # the family's own (Family.settings): checked as dmap run checks them
     negative_prompt: str | None = None  # checked as dmap run checks it (FLUX refuses one); true CFG is planned anyway
+    parallel: ParallelRequest = field(default_factory=ParallelRequest)  # --world-size, --parallel (planning/parallel.py)
 
 
 @dataclass
@@ -110,6 +112,7 @@ class Plan:
     # components that decode in tiles (diffusers' enable_tiling()) -> the untiled decode's activation estimate
     # (0 when the plan file does not say); absent: untiled
     tiled_decode: dict[str, int] = field(default_factory=dict)
+    parallel: ParallelLayout | None = None  # --world-size > 1: how the ranks share each step (written only then)
 
     @property
     def placement(self) -> PlacementSpec:
@@ -183,6 +186,7 @@ class Plan:
             "hops": self.hops,
             "check": self.check,
             "warnings": self.warnings,
+            **({"parallel": self.parallel.to_json()} if self.parallel is not None else {}),
         }
 
     @classmethod
@@ -249,7 +253,17 @@ class Plan:
             {n: format_of(c.get("storage_dtype")) for n, c in raw_components.items()},
             {n: _count(c.get("untiled_activation_peak_bytes", 0), f"component {n!r} untiled_activation_peak_bytes")
              for n, c in raw_components.items() if _flag(c.get("tiled_decode", False), f"component {n!r} tiled_decode")},
+            _parallel(data, known) if "parallel" in data else None,
         )
+
+
+def _parallel(data: dict, known: set) -> ParallelLayout:
+    """The plan's `parallel`, checked, each rank's GPU among its 'devices' (rank r on GPU r)."""
+    layout = ParallelLayout.from_json(data["parallel"])
+    missing = [r for r in range(layout.world_size) if r not in known]
+    if missing:
+        raise ValueError(f"'parallel' puts rank {missing[0]} on GPU {missing[0]}, which its 'devices' do not list")
+    return layout
 
 
 def _stage(data, components: dict, known: set) -> StagePlacement:
@@ -573,6 +587,9 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     budgets = parse_device_spec(asked.max_memory) if asked.max_memory is not None else local_devices()
     overhead = parse_overhead(asked.overhead, budgets, options.inputs.weights_only)
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
+    parallel = _parallel_request(source, comps, devices, options)  # refused before any trace
+    if parallel is not None:
+        options, asked = parallel[0], parallel[0].placement
     formats = parse_weights_spec(asked.weights, [c.name for c in comps])
     prepared = [prepare_component(c, source.pipeline_class, options.inputs, asked.dtype, options.use_cache, formats,
                                   on_progress=options.on_progress) for c in comps]
@@ -604,7 +621,78 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
             plan.warnings.append(f"{problem} dmap run refuses this plan (except with --simulate).")
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
+    if parallel is not None:
+        plan.parallel = _parallel_layout(plan, prepared, *parallel)
     return plan
+
+
+# --- parallel within a step (planning/parallel.py) ---------------------------------------------------
+
+
+def _parallel_request(source, comps, devices: list[Device], options: PlanOptions):
+    """For --world-size > 1: (options, family, guidance, denoiser shape), every refusal that needs no trace
+    said first (one sentence, exit 2); the plan is staged (each rank loads the denoiser after the encoders are
+    freed). None for one rank."""
+    from dm_cli.planning.parallel import candidates, denoiser_shape, guidance_branches
+
+    request = options.parallel.settled()
+    if not request.active:
+        return None
+    world = request.world_size
+    if options.component:
+        raise UsageError(f"--world-size {world} plans a whole pipeline's denoise over ranks: drop --component.")
+    if options.inputs.weights_only:
+        raise UsageError(f"--world-size {world} needs an input size: a weights-only plan has no steps to share.")
+    family, denoiser, _ = family_parts(source.pipeline_class, source.components if source.pipeline_class else comps)
+    if family is None or denoiser is None:
+        raise UsageError(f"dmap knows no pipeline family in {source.spec}, so it cannot tell its guidance branches "
+                         "or attention: drop --world-size.")
+    gpus = {d.key for d in devices if isinstance(d.key, int)}
+    missing = [r for r in range(world) if r not in gpus]
+    if missing:
+        raise UsageError(f"--world-size {world} puts rank r on GPU r, and --max-memory (or this machine) lists "
+                         f"{len(gpus)} GPU(s), without GPU {missing[0]}: list one GPU per rank.")
+    placement = options.placement
+    if placement.mode == "resident":
+        raise UsageError(f"--world-size {world} plans the stages one after another (every rank loads the denoiser "
+                         "whole once the encoders are freed): use --mode staged or auto.")
+    guidance = guidance_branches(family, options.inputs, options.negative_prompt, options.settings)
+    element = 4 if placement.dtype == "float32" else 2
+    shape = denoiser_shape(denoiser, source.pipeline_class, options.inputs, family, element)
+    candidates(request, guidance, shape)  # an explicit choice that cannot run is refused here
+    options = replace(options, placement=replace(placement, mode="staged"), parallel=request)
+    return options, family, guidance, shape
+
+
+def _parallel_layout(plan: Plan, prepared: list[PreparedComponent], options: PlanOptions, family, guidance,
+                     shape) -> ParallelLayout:
+    """The layout for the traced plan: the denoiser's weights and activations, each rank's budget and the
+    peaks of the other stages as the single-process plan places them."""
+    from dm_cli.planning.parallel import DenoiserLoad, Rank, choose_layout
+
+    experts = [n for n in (family.denoiser, *family.experts) if n in plan.components]
+    placed = [plan.components[n] for n in experts]
+    params = max(sum(t.numel for t in p.skeleton.tensors) for p in prepared if p.spec.name in experts)
+    split_peaks: dict[int, int] = {}
+    other_peaks: dict[int, int] = {}
+    for stage in plan.stages:
+        denoise = any(n in stage.components for n in experts)
+        for key, use in stage.use.items():
+            gpu = device_key(key)
+            if isinstance(gpu, int):
+                split_peaks[gpu] = max(split_peaks.get(gpu, 0), use.peak)
+                if not denoise:
+                    other_peaks[gpu] = max(other_peaks.get(gpu, 0), use.peak)
+    load = DenoiserLoad(tuple(c.weights_bytes for c in placed), max(plan.activation_peaks.get(n, 0) for n in experts),
+                        params, max(c.hops for c in placed), max(c.offloaded_bytes for c in placed), split_peaks)
+    by_key = {d.key: d for d in plan.devices}
+    ranks = [Rank(r, by_key[r].capacity or 0, by_key[r].overhead, other_peaks.get(r, 0))
+             for r in range(options.parallel.world_size)]
+    layout = choose_layout(options.parallel, guidance, shape, load, ranks)
+    if layout.layout != "split":
+        plan.warnings.append(f"The plan records a {layout.title} layout for {layout.world_size} torchrun ranks "
+                             "('parallel'); dmap run does not follow it yet: it runs the single-process placement.")
+    return layout
 
 
 def make_named_plan(root: str, spec: str, options: PlanOptions) -> Plan:

@@ -100,6 +100,8 @@ def render_plan(plan, binary: bool = False, output: str | None = None, hidden: l
     _print_memory(out, plan, size, hidden)
     _print_components(out, plan, size, hidden)
     _print_split_maps(out, plan, hidden)
+    if getattr(plan, "parallel", None) is not None:
+        _print_parallel(out, plan.parallel, size, hidden)
     if own_note:
         print_hidden(out, hidden)
     _print_notes(out, plan, size)
@@ -183,6 +185,25 @@ def _print_split_maps(out, plan, hidden: list) -> None:
                     [Col("modules"), Col("entries", number=True), Col("device")],
                     [[modules_text, str(count), device_label(str(device))] for modules_text, count, device in runs],
                     hidden, label=f"{name} device_map")
+
+
+def _print_parallel(out, layout, size, hidden: list) -> None:
+    """--world-size > 1: the layout the ranks would share each step in, each rank's peak, the predicted step
+    of every layout compared (and why the others were not), the reason, and the numbers behind the times."""
+    rows = [[str(rank), f"GPU {rank}", size(peak)] for rank, peak in sorted(layout.per_rank_peak_bytes.items(),
+                                                                            key=lambda item: int(item[0]))]
+    title = (f"Parallel: {layout.title}, world size {layout.world_size} = cfg {layout.cfg} x ulysses "
+             f"{layout.ulysses} x ring {layout.ring}" + (", experts one at a time" if layout.experts != "together" else ""))
+    out.print(title)
+    print_table(out, "Peak per rank", [Col("rank"), Col("device"), Col("peak", number=True)], rows, hidden,
+                label="ranks")
+    for name, seconds in layout.predicted_step_s.items():
+        out.print(f"  {name}: predicted {seconds:.3g} s/step" + (" (chosen)" if name == layout.layout else ""))
+    for name, why in layout.rejected.items():
+        out.print(f"  {name}: not planned: {why}")
+    out.print(f"Parallel: {layout.reason}.")
+    out.print(f"Time model: {layout.device_tflops:g} TFLOP/s per GPU (--device-tflops), {layout.link_gbps:g} GB/s "
+              "between GPUs (--link-gbps).")
 
 
 def _print_notes(out, plan, size) -> None:

@@ -19,7 +19,17 @@ from typing import Callable, Iterator
 
 from dm_cli.errors import DoesNotFitError, UsageError
 from dm_cli.families import Embeds, Family, Job
-from dm_cli.families.stages import DECODE, DENOISE, ENCODE, ENCODE_IMAGE, IMAGE_LATENTS, INPUTS, KIND_OF
+from dm_cli.families.stages import (
+    AUDIO_LATENTS,
+    DECODE,
+    DECODE_AUDIO,
+    DENOISE,
+    ENCODE,
+    ENCODE_IMAGE,
+    IMAGE_LATENTS,
+    INPUTS,
+    KIND_OF,
+)
 from dm_cli.run.loading import build_pipeline, execution_device, free_components, load_component, placeholder
 from dm_cli.run.meter import MemoryMeter, RssSampler
 from dm_cli.units import format_size
@@ -49,6 +59,8 @@ class Carry:
     image_latents: object = None
     latents: object = None
     images: list = field(default_factory=list)
+    audio_latents: object = None  # LTX-2: the denoised audio latents
+    audio: object = None  # (one waveform per video, sample rate): joined to `images` once both are there
 
     def has(self, value: str) -> bool:
         """Whether `value` is there for a stage that consumes it (the job's inputs always are)."""
@@ -185,12 +197,13 @@ class StageLoop:
         return self.family.encode(self.pipe, job, device)
 
     def denoise(self, names: list[str], job: Job, embeds: Embeds, on_step: Callable[..., None] | None,
-                switch: Callable[[int], None] | None = None, image_latents=None):
+                switch: Callable[[int], None] | None = None, image_latents=None, whole: bool = False):
         """The pipeline's own __call__ from embeddings, to latents (diffusers' math stays diffusers').
 
         `switch(step)` runs at the end of every step (the expert switch of `run_experts`); the
         activation tracker stops `tracked_steps` steps after it last started (`_tracking_from`).
         `image_latents`: an encoded input image the denoising starts from (`Family.image_kwargs`).
+        `whole`: every output of the call (LTX-2: video and audio latents), not just the first.
         """
         import torch
 
@@ -225,7 +238,7 @@ class StageLoop:
             generator=torch.Generator().manual_seed(job.seed), output_type="latent", callback_on_step_end=step_end,
             return_dict=False, **kwargs,
         )
-        return out[0]
+        return out if whole else out[0]
 
     def _step_components(self, job: Job) -> list[str] | None:
         """The denoiser of each step for families with experts (Wan 2.2), else None."""
@@ -310,13 +323,27 @@ class StageLoop:
 
     def _run_denoise(self, stage_plan, job: Job, carry: Carry, on_step) -> None:
         self.status(None)  # the denoise progress bar takes over
-        carry.latents = self.denoise(list(stage_plan.components), job, carry.embeds, on_step,
-                                     image_latents=_consumed_image(stage_plan, carry))
+        whole = AUDIO_LATENTS in stage_plan.produces
+        out = self.denoise(list(stage_plan.components), job, carry.embeds, on_step,
+                           image_latents=_consumed_image(stage_plan, carry), whole=whole)
+        carry.latents, carry.audio_latents = (out[0], out[1]) if whole else (out, None)
         carry.embeds = carry.image_latents = None  # consumed: nothing later reads them
 
     def _run_decode(self, stage_plan, job: Job, carry: Carry, on_step) -> None:
         self.status("Decoding the latents…")
         carry.images = self.decode(list(stage_plan.components), job, carry.latents)
+        _join_audio(carry)
+
+    def _run_decode_audio(self, stage_plan, job: Job, carry: Carry, on_step) -> None:
+        self.status("Decoding the audio…")
+        names = list(stage_plan.components)
+        self.meter.current.append(str(next(iter(self.device_map(names[0]).values()))))
+        try:
+            carry.audio = self.family.decode_audio(self.pipe, carry.audio_latents, job, self._device(names))
+        finally:
+            self.meter.current.pop()
+        carry.audio_latents = None
+        _join_audio(carry)
 
     def _measured(self, stage: StageResult, rss=None) -> None:
         """Peak per device since the last reset: weights resident after the load + tracked activations
@@ -483,7 +510,19 @@ class StageLoop:
 
 
 RUNNERS: dict[str, Callable] = {ENCODE: StageLoop._run_encode, ENCODE_IMAGE: StageLoop._run_encode_image,
-                                 DENOISE: StageLoop._run_denoise, DECODE: StageLoop._run_decode}
+                                 DENOISE: StageLoop._run_denoise, DECODE: StageLoop._run_decode,
+                                 DECODE_AUDIO: StageLoop._run_decode_audio}
+
+
+def _join_audio(carry: Carry) -> None:
+    """Each video's frames carry its waveform once both are decoded (dm_cli.io.video.with_audio): the writers put
+    it in the MP4, or as a WAV beside a frames folder."""
+    if carry.audio is not None and carry.images:
+        from dm_cli.io.video import with_audio
+
+        waves, rate = carry.audio
+        carry.images = [with_audio(frames, wave, rate) for frames, wave in zip(carry.images, waves)]
+        carry.audio = None
 
 
 def _consumed_image(stage_plan, carry: Carry):
