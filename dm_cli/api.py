@@ -33,9 +33,9 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          max_sequence_length: int | None = None, strategy: str = "auto", mode: str = "auto", dtype: str | None = None,
          overhead: str | None = None, component: str | None = None, check: bool = True, use_cache: bool = True,
          num_frames: int | None = None, fps: int | None = None, weights: str | None = None,
-         negative_prompt: str | None = None, image=None, image_size=None,
+         negative_prompt: str | None = None, image=None, image_size=None, last_image=None, last_image_size=None,
          on_progress: Callable[[str], None] | None = None, world_size: int = 1, parallel: str | None = None,
-         device_tflops: float = 100.0, link_gbps: float = 25.0, **settings) -> Plan:
+         device_tflops: float = 100.0, link_gbps: float = 25.0, pipeline: str | None = None, **settings) -> Plan:
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -45,10 +45,13 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     `settings` are the pipeline family's own (true_cfg_scale=..., guidance_scale_2=...: see
     `dm_cli.families.Setting`), checked as `load` and `dmap run` check them; so is `negative_prompt`.
     `image` (paths or PIL images, one or a list) and `image_size` ("WxH", one or a list): the input images
-    (references, the image to edit), of which a plan needs only the sizes; images first, then sizes.
+    (references, the image to edit), of which a plan needs only the sizes; images first, then sizes. `last_image`
+    (a path or PIL image) or `last_image_size` ("WxH"): a first-last-frame video's last frame (Wan 2.2 image-to-video).
     `world_size` > 1 with `parallel` ("cfg", "context", "cfg+context" or "auto", the default above one rank) adds
     `Plan.parallel`: how that many torchrun ranks share each denoising step, with per-rank memory and step times
     predicted at `device_tflops` per GPU and `link_gbps` between GPUs (dm_cli.planning.parallel).
+    `pipeline` (a preset or a folder): SOURCE is a single file (original-layout safetensors or GGUF) holding one
+    component, the rest of the pipeline comes from here.
     """
     from dm_cli.inputs import InputSpec, PlacementSpec
     from dm_cli.model.demo import source_root
@@ -60,12 +63,13 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     pick = lambda given, key: defaults.get(key) if given is None else given  # noqa: E731 - the demo's defaults
     inputs = InputSpec(pick(height, "height"), pick(width, "width"), batch_size, num_images,
                        pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"),
-                       num_frames=num_frames, fps=fps, image_sizes=_image_sizes(image, image_size))
+                       num_frames=num_frames, fps=fps, image_sizes=_image_sizes(image, image_size),
+                       last_image_size=_last_image_size(last_image, last_image_size))
     placement = PlacementSpec(max_memory, strategy, mode, overhead, parse_dtype(dtype) if dtype is not None else None,
                               weights)
     options = PlanOptions(placement, inputs, component, check, use_cache, on_progress=on_progress, settings=settings,
                           negative_prompt=negative_prompt,
-                          parallel=ParallelRequest(world_size, parallel, device_tflops, link_gbps))
+                          parallel=ParallelRequest(world_size, parallel, device_tflops, link_gbps), pipeline=pipeline)
     return make_named_plan(root, spec, options)
 
 
@@ -81,6 +85,28 @@ def _image_sizes(image, image_size) -> tuple[tuple[int, int], ...]:
     return tuple(sizes)
 
 
+def _last_image_size(last_image, last_image_size) -> tuple[int, int] | None:
+    """(width, height) of a video's last frame: the image's (read as `dmap run` reads it), else the size's."""
+    from dm_cli.run.request import last_input_image
+
+    if last_image is not None and last_image_size is not None:
+        raise UsageError("Give last_image or last_image_size, not both (a video has one last frame).")
+    from dm_cli.io.input_images import parse_image_size
+
+    if last_image_size is not None:
+        return parse_image_size(last_image_size, "--last-image-size").size
+    if isinstance(last_image, str) and not Path(last_image).exists() and _is_size(last_image):
+        return parse_image_size(last_image, "--last-image").size  # `dmap plan --last-image 832x480`: a size
+    last = last_input_image(last_image)
+    return last.size if last is not None else None
+
+
+def _is_size(text: str) -> bool:
+    import re
+
+    return re.fullmatch(r"\d+x\d+", text.strip(), re.IGNORECASE) is not None
+
+
 # --- load ---------------------------------------------------------------------------------------
 
 
@@ -88,8 +114,8 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
          mode: str = "auto", strategy: str = "auto", dtype: str | None = None, overhead: str | None = None,
          height: int | None = None, width: int | None = None, guidance_scale: float | None = None,
          max_sequence_length: int | None = None, weights: str | None = None, num_frames: int | None = None,
-         fps: int | None = None, negative_prompt: str | None = None, image=None, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,
-         **settings) -> Session:
+         fps: int | None = None, negative_prompt: str | None = None, image=None, last_image=None, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,
+         parallel: str | None = None, pipeline: str | None = None, **settings) -> Session:
     """A pipeline placed per `plan` (a Plan, a plan JSON path, or None: plan here with the options).
 
     SOURCE None is the bundled random-weight demo. A plan made for another model, size or dtype is
@@ -99,7 +125,11 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
     load on the first `generate` and stay; staged ones load per stage and chunk. `settings` are the pipeline
     family's own (true_cfg_scale=4.0 for Qwen-Image, guidance_scale_2=3.0 for Wan 2.2: `dm_cli.families.Setting`),
     the defaults of every `generate` call, as `negative_prompt` and `image` (input images: paths or PIL images,
-    one or a list) are.
+    one or a list) and `last_image` (a first-last-frame video's last frame, Wan 2.2 image-to-video) are. `parallel` ("cfg", "context", "cfg+context", "auto"; None: the plan's `parallel`, "none": one
+    process per image): under torchrun, how the ranks share each denoising step; every rank calls `generate` with
+    the same prompts and seeds, and only rank 0's `Generated` carry images (the others' have none).
+    `pipeline` (a folder with weights): SOURCE is a single file (original-layout safetensors or GGUF) holding one
+    component, loaded as diffusers' `from_single_file` loads it.
     """
     from dm_cli.run.request import RunRequest
 
@@ -108,7 +138,7 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
                             dtype=dtype, overhead=overhead, height=height, width=width, guidance_scale=guidance_scale,
                             max_sequence_length=max_sequence_length, settings=settings, weights=weights,
                             num_frames=num_frames, fps=fps, negative_prompt=negative_prompt, images=image, simulate=simulate,
-                            output=None, per_prompt_images=True)
+                            last_image=last_image, output=None, per_prompt_images=True, parallel=parallel, pipeline=pipeline)
     return Session(request, None if isinstance(plan, (str, Path)) else plan, on_plan, on_status)
 
 

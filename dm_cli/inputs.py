@@ -107,6 +107,8 @@ class InputSpec:
     fps: int | None = None  # video pipelines: frames per second of the written video (no effect on memory)
     # input images as (width, height), in order (references, the image to edit, a first and a last frame)
     image_sizes: tuple[tuple[int, int], ...] = ()
+    # the last frame of a first-last-frame video (Wan 2.2 image-to-video's `last_image`), as (width, height)
+    last_image_size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         """Refuse what no pipeline can take, what no run could use (LIMITS) and what would write invalid
@@ -146,9 +148,11 @@ class InputSpec:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        del data["image_sizes"]
+        del data["image_sizes"], data["last_image_size"]
         if self.image_sizes:  # only then: a text-to-image plan file stays as it was
             data["image_sizes"] = [list(size) for size in self.image_sizes]
+        if self.last_image_size:
+            data["last_image_size"] = list(self.last_image_size)
         return data
 
     @classmethod
@@ -160,6 +164,11 @@ class InputSpec:
                 isinstance(s, (list, tuple)) and len(s) == 2 for s in sizes):
             raise UsageError("A plan's image_sizes must be a list of [width, height] pairs.")
         fields["image_sizes"] = tuple(InputImage(w, h).size for w, h in sizes)
+        last = data.get("last_image_size")
+        if last is not None:
+            if not isinstance(last, (list, tuple)) or len(last) != 2:
+                raise UsageError("A plan's last_image_size must be a [width, height] pair.")
+            fields["last_image_size"] = InputImage(*last).size
         return cls(**fields)
 
 
@@ -185,6 +194,7 @@ class Generation:
     batch_size: int = 1
     settings: tuple[tuple[str, object], ...] = ()
     images: tuple[InputImage, ...] = ()  # input images (editing, references, image-to-video), in order
+    last_image: InputImage | None = None  # the video's last frame (Wan 2.2 first-last-frame image-to-video)
 
     def __post_init__(self) -> None:
         """The counts' bounds (LIMITS) before anything else looks at them."""
@@ -210,7 +220,8 @@ class Generation:
         """What the tracer and the planner read of it (the pixel bound is checked there)."""
         return InputSpec(self.height, self.width, self.batch_size, self.num_images or 1, self.guidance_scale,
                          self.max_sequence_length, self.num_frames, self.fps,
-                         tuple(image.size for image in self.images))
+                         tuple(image.size for image in self.images),
+                         self.last_image.size if self.last_image is not None else None)
 
 
 @dataclass(frozen=True)

@@ -45,10 +45,11 @@ class Case:
     width: int | None = None
     frames: int | None = None  # video pipelines (Wan)
     weights: str | None = None  # --weights (fp8: accelerate is then given a flat fp8 size, its only way)
+    images: tuple[tuple[int, int], ...] = ()  # input images as (width, height): references, images to edit
 
     @property
     def inputs(self) -> InputSpec:
-        return InputSpec(self.size, self.width or self.size, num_frames=self.frames)
+        return InputSpec(self.size, self.width or self.size, num_frames=self.frames, image_sizes=self.images)
 
     @property
     def model(self) -> str:
@@ -57,7 +58,7 @@ class Case:
     @property
     def label(self) -> str:
         size = f"{self.size}²" if not self.width else f"{self.size}x{self.width}"
-        return size + (f"x{self.frames}f" if self.frames else "")
+        return size + (f"x{self.frames}f" if self.frames else "") + (f" +{len(self.images)} img" if self.images else "")
 
 
 CASES = [
@@ -102,6 +103,15 @@ CASES = [
     Case("z-image", "bf16", "0=8GB,1=8GB", 1024),
     Case("ltx-2", "bf16", "0=24GB,1=24GB,cpu=64GB", 512, 768, 121),  # video + audio: the joint transformer
     Case("ltx-2", "bf16", "0=80GB", 512, 768, 121),
+    # FLUX.2 [dev] with 3 references of 1024x1024: 3 x 4096 reference tokens after the 4096 generated ones
+    Case("flux2", "bf16", "0=40GB,1=40GB,2=40GB,3=40GB", 1024, images=((1024, 1024),) * 3),
+    # Wan 2.2 image-to-video from an 832x480 first frame: I2V-A14B's two experts (the conditioning video's channels
+    # concatenated, 36 in), and TI2V-5B at 720p (one timestep per latent token, the Wan 2.2 VAE) on one 24 GB card
+    Case("wan2.2-i2v", "bf16", "0=24GB,1=24GB,cpu=128GB", 480, 832, 81, images=((832, 480),)),
+    Case("wan2.2-ti2v", "bf16", "0=24GB,cpu=64GB", 704, 1280, 121, images=((1280, 704),)),
+    # Qwen-Image-Edit-2511 at 1024x1024 with 1, 2 and 3 images of 1024x1024: each adds 4096 tokens to the transformer's
+    # sequence (its VAE-size latents) and 196 vision tokens to the prompt (384x384 through Qwen2.5-VL)
+    *(Case("qwen-image-edit", "bf16", "0=24GB,1=24GB,cpu=64GB", 1024, images=((1024, 1024),) * n) for n in (1, 2, 3)),
 ]
 
 _META_MODELS: dict = {}

@@ -167,8 +167,10 @@ def reduced_qwenimage_config(heads: int, layers: int) -> dict:
     return dict(QWEN_IMAGE_TRANSFORMER, num_attention_heads=heads, num_layers=layers)
 
 
-def family_call_peaks(cls: str, config: dict, pipeline_class: str, size: int, threads: int | None = 1) -> tuple[int, int]:
-    """(measured, estimated) activation peak of one denoiser call with the inputs the family specifies."""
+def family_call_peaks(cls: str, config: dict, pipeline_class: str, size: int, threads: int | None = 1,
+                      inputs=None) -> tuple[int, int]:
+    """(measured, estimated) activation peak of one denoiser call with the inputs the family specifies for
+    `inputs` (an InputSpec; None: `size` x `size`, the family's defaults otherwise)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -179,7 +181,7 @@ def family_call_peaks(cls: str, config: dict, pipeline_class: str, size: int, th
     from dm_cli.planning.trace import trace_component
 
     comp = ComponentSource("transformer", "diffusers", cls, config, None, None)
-    inputs = InputSpec(size, size)
+    inputs = InputSpec(size, size) if inputs is None else inputs
     spec = call_spec(comp, pipeline_class, inputs)
     previous_threads = torch.get_num_threads()
     if threads:

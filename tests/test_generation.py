@@ -22,9 +22,10 @@ from dm_cli.model.sources import PRESETS_DIR
 
 # one tiny twin per registered family (the test fails when a family is added without one)
 TWINS = {"flux": "tiny-flux", "flux2": "tiny-flux2", "qwen-image": "tiny-qwenimage", "sd15": "tiny-sd15",
-         "sd3": "tiny-sd3", "sdxl": "tiny-sdxl", "wan": "tiny-wan",
+         "sd3": "tiny-sd3", "sdxl": "tiny-sdxl", "wan": "tiny-wan", "wan-i2v": "tiny-wan-i2v",
          "z-image": "tiny-zimage", "flux-kontext": "tiny-flux-kontext", "flux-img2img": "tiny-flux-img2img",
-         "ltx-2": "tiny-ltx2"}
+         "ltx-2": "tiny-ltx2", "qwen-image-edit-plus": "tiny-qwenimage-edit", "qwen-image-edit": "tiny-qwenimage-edit-single",
+         "qwen-image-img2img": "tiny-qwenimage-img2img"}
 ACCEPTED = "accepted: the rules let this generation through"
 
 

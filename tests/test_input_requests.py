@@ -98,3 +98,40 @@ def test_an_input_image_s_digest_is_metadata_and_part_of_the_resume_key(tmp_path
                                 "a fox", 0), "src", "FluxKontextPipeline", "d", False)
     done, why = is_complete(out, other, resume_keys())
     assert not done and "input images" in why, why
+
+
+def test_a_queue_with_images_gives_the_same_images_in_one_process_and_on_two_torchrun_ranks(tmp_path_factory):
+    """Two JSONL items, each with its own input image (tiny FLUX.1 img2img, random weights): the images one process
+    writes, and the ones two CPU ranks under torchrun write (item i on rank i % 2), are the same pixels."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+    import torch
+    from conftest import REPO
+
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
+
+    root = tmp_path_factory.mktemp("queue-images")
+    folder = write_random_pipeline(PRESETS_DIR / "tiny-flux-img2img", root / "img2img", seed=0)
+    for name, colour in (("red.png", (200, 40, 20)), ("blue.png", (20, 60, 220))):
+        Image.new("RGB", (32, 32), colour).save(root / name)
+    items = [{"prompt": "a fox", "image": str(root / "red.png")}, {"prompt": "a fox", "image": str(root / "blue.png")}]
+    (root / "q.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    args = ["--prompts", str(root / "q.jsonl"), "--height", "32", "--width", "32", "--steps", "2", "-q"]
+    code, _, err = run_dmap("run", str(folder), *args, "--output", str(root / "one"))
+    assert code == 0, err
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONPATH": str(REPO)}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "dm_cli",
+              "run", str(folder), *args, "--output", str(root / "two")]
+    done = subprocess.run(launch, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    one, two = sorted((root / "one").glob("*.png")), sorted((root / "two").glob("*.png"))
+    assert [p.name for p in one] == [p.name for p in two] and len(one) == 2
+    pixels = [[np.array(Image.open(p)) for p in side] for side in (one, two)]
+    assert all(np.array_equal(a, b) for a, b in zip(*pixels))
+    assert not np.array_equal(*pixels[0])  # the two items' own images made two different pictures
+    ranks = [json.loads(line)["rank"] for line in (root / "two" / "manifest.jsonl").read_text().splitlines()]
+    assert ranks == [0, 1]

@@ -45,11 +45,17 @@ def test_the_tiny_text_encoder_feeds_the_connectors_what_they_expect():
     assert text["num_hidden_layers"] + 1 == connectors["text_proj_in_factor"]
 
 
+_WRITTEN: dict = {}  # the random-weight twin, written once per session for this module and tests/test_ltx2_i2v.py
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     from dm_cli.model.demo import write_random_pipeline
 
-    return write_random_pipeline(PRESETS_DIR / "tiny-ltx2", tmp_path_factory.mktemp("ltx2") / "tiny", seed=0)
+    if "tiny" not in _WRITTEN:  # tmp_path_factory's folders live for the session
+        _WRITTEN["tiny"] = write_random_pipeline(PRESETS_DIR / "tiny-ltx2", tmp_path_factory.mktemp("ltx2") / "tiny",
+                                                 seed=0)
+    return _WRITTEN["tiny"]
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +78,17 @@ def _run(folder, output, **extra):
     return run(RunRequest.of(source=str(folder), prompt=PROMPT, output=str(output), **options))
 
 
-def hand_plan(folder, tmp_path):
+TEXT_TO_VIDEO_STAGES = [("encode", ["text_encoder"], ["prompt"], ["embeds"]),
+                        ("denoise", ["connectors", "transformer"], ["embeds"], ["latents", "audio_latents"]),
+                        ("decode", ["vae"], ["latents"], ["images"]),
+                        ("decode_audio", ["audio_vae", "vocoder"], ["audio_latents"], ["audio"])]
+
+
+def hand_plan(folder, tmp_path, stages=TEXT_TO_VIDEO_STAGES):
     """The transformer cut between its two blocks: block 1 on device 1, everything else on device 0 (the root mixes
     the output norm with scale_shift_table and the timestep embedding, so those stay together); the rest whole on
-    device 1."""
+    device 1. `stages` (name, components, consumes, produces): by default the four of a plan made before LTX-2 took
+    a first frame (no encode_image), which text-to-video still runs."""
     from dm_cli.model.skeleton import build_on_meta
     from dm_cli.model.sources import resolve_source
 
@@ -89,10 +102,6 @@ def hand_plan(folder, tmp_path):
             maps["transformer"].update({f"{name}.{i}": i for i in range(len(child))})
         else:  # parameterless ones too (norm_out): their hook brings block 1's output back to device 0
             maps["transformer"][name] = 0
-    stages = [("encode", ["text_encoder"], ["prompt"], ["embeds"]),
-              ("denoise", ["connectors", "transformer"], ["embeds"], ["latents", "audio_latents"]),
-              ("decode", ["vae"], ["latents"], ["images"]),
-              ("decode_audio", ["audio_vae", "vocoder"], ["audio_latents"], ["audio"])]
     plan = {
         "format": "dmap-plan", "version": 1, "source": str(folder), "dtype": "float32", "strategy": "auto",
         "mode": "staged", "devices": {"0": {"capacity_bytes": 10**9}, "1": {"capacity_bytes": 10**9},
@@ -114,7 +123,7 @@ def test_run_is_pixel_and_audio_identical_unsplit_and_split(folder, oracle, tmp_
 
     frames, audio, rate = oracle
     assert frames.std() > 0 and audio.std() > 0 and audio.shape[0] == 2  # not silence any run would match
-    for name, extra in (("unsplit", {"max_memory": "cpu=8GB"}),
+    for name, extra in (("unsplit", {"max_memory": "cpu=8GB", "mode": "staged"}),
                         ("split", {"device_map": hand_plan(folder, tmp_path), "simulate": True})):
         result = _run(folder, tmp_path / name, **extra)
         got = np.stack([np.array(Image.open(p)) for p in sorted((tmp_path / name).glob("frame-*.png"))])
@@ -123,7 +132,12 @@ def test_run_is_pixel_and_audio_identical_unsplit_and_split(folder, oracle, tmp_
         assert got_rate == rate and np.array_equal(wave, audio), (name, np.abs(wave - audio).max())
         meta = read_metadata(str(tmp_path / name))
         assert meta["audio_sample_rate"] == str(rate) and meta["fps"] == "24" and meta["frame_rate"] == "24.0"
-        assert [s.name for s in result.plan.stages] == ["encode", "denoise", "decode", "decode_audio"]
+        assert [s.name for s in result.plan.stages] == (  # the hand plan: one written before encode_image
+            ["encode", "denoise", "decode", "decode_audio"] if extra.get("simulate") else
+            ["encode", "encode_image", "denoise", "decode", "decode_audio"])
+        if not extra.get("simulate"):  # staged, no first frame: the image-encode stage loads nothing, decode does
+            loads = {s.name: s.load_s for s in result.stages}
+            assert loads["encode_image"] == 0.0 and loads["decode"] > 0.0, loads
         if extra.get("simulate"):
             assert result.plan.components["transformer"].is_split
             assert result.split_check and result.split_problems == [], result.split_problems
@@ -181,8 +195,9 @@ def test_plan_of_the_tiny_twin_declares_the_audio_stages_and_traces_every_compon
                               "--json")
     assert code == 0, err
     plan = json.loads(out)
-    assert [s["name"] for s in plan["stages"]] == ["encode", "denoise", "decode", "decode_audio"]
-    assert [s["produces"] for s in plan["stages"]][1:] == [["latents", "audio_latents"], ["images"], ["audio"]]
+    assert [s["name"] for s in plan["stages"]] == ["encode", "encode_image", "denoise", "decode", "decode_audio"]
+    assert [s["produces"] for s in plan["stages"]][1:] == [["image_latents"], ["latents", "audio_latents"], ["images"],
+                                                           ["audio"]]
     assert plan["check"]["ran"] and plan["check"]["problems"] == []
     assert all(c["activation_peak_bytes"] > 0 for c in plan["components"].values())
     assert not [w for w in plan["warnings"] if "meta device" in w or "no family" in w], plan["warnings"]

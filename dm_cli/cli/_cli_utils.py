@@ -132,6 +132,19 @@ BinaryOpt = Annotated[bool, typer.Option("--binary", help="Print sizes in GiB in
 NoCacheOpt = Annotated[bool, typer.Option(
     "--no-cache", help="Rebuild skeletons (and, for dmap plan, traces) instead of using the cache.")]
 
+PipelineOpt = Annotated[str | None, typer.Option(
+    "--pipeline", help="SOURCE is a single file (original-layout .safetensors or .gguf) holding one component: the "
+                       "rest of the pipeline (plan: a preset or a folder; run: a folder with weights).")]
+
+LastImageOpt = Annotated[str | None, typer.Option(
+    "--last-image", metavar="PATH", help="The video's last frame (Wan 2.2 image-to-video from a first and a last "
+                                         "frame, with --image); for dmap plan a path or its size WxH.")]
+
+ParallelOpt = Annotated[str | None, typer.Option(
+    "--parallel", help="How torchrun ranks share each denoising step: none | cfg | context | cfg+context | auto "
+                       "(plan: for --world-size, default none for one rank, auto above; run: under torchrun, default "
+                       "the plan file's 'parallel', else none).")]
+
 
 # ---- the families' own settings (dm_cli.families.Setting) -----------------------------------------
 

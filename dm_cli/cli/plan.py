@@ -14,6 +14,7 @@ from dm_cli.cli._cli_utils import (
     HeightOpt,
     ImageOpt,
     JsonOpt,
+    LastImageOpt,
     MaxMemoryOpt,
     MaxSequenceLengthOpt,
     ModeOpt,
@@ -22,6 +23,8 @@ from dm_cli.cli._cli_utils import (
     NumImagesOpt,
     OverheadOpt,
     OverwriteOpt,
+    ParallelOpt,
+    PipelineOpt,
     PlanOutputOpt,
     QuietOpt,
     SourceArg,
@@ -42,6 +45,9 @@ def plan(
     guidance_scale: GuidanceScaleOpt = None,
     negative_prompt: NegativePromptOpt = None,
     image: ImageOpt = None,
+    last_image: LastImageOpt = None,
+    last_image_size: str | None = typer.Option(None, "--last-image-size", metavar="WxH",
+                                               help="The last frame's size only (a plan needs no pixels)."),
     image_size: list[str] | None = typer.Option(None, "--image-size", metavar="WxH",
                                                 help="An input image's size only (a plan needs no pixels); repeatable."),
     max_sequence_length: MaxSequenceLengthOpt = None,
@@ -59,10 +65,10 @@ def plan(
     binary: BinaryOpt = False,
     no_cache: NoCacheOpt = False,
     world_size: int = typer.Option(1, "--world-size", help="torchrun ranks to plan for (rank r on GPU r); 1: one process."),
-    parallel: str | None = typer.Option(None, "--parallel", help="none | cfg | context | cfg+context | auto "
-                                        "(default: none for one rank, auto above): how the ranks share each step."),
+    parallel: ParallelOpt = None,
     device_tflops: float = typer.Option(100.0, "--device-tflops", help="--parallel auto: TFLOP/s one GPU sustains."),
     link_gbps: float = typer.Option(25.0, "--link-gbps", help="--parallel auto: GB/s between two GPUs."),
+    pipeline: PipelineOpt = None,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     from dm_cli.api import plan as make_plan
@@ -79,8 +85,9 @@ def plan(
                            max_sequence_length=max_sequence_length, strategy=strategy, mode=mode, dtype=dtype,
                            overhead=overhead, component=component, check=not no_check, use_cache=not no_cache,
                            num_frames=frames, fps=fps, weights=weights, negative_prompt=negative_prompt, image=image, image_size=image_size,
+                           last_image=last_image, last_image_size=last_image_size,
                            on_progress=progress, world_size=world_size, parallel=parallel,
-                           device_tflops=device_tflops, link_gbps=link_gbps, **(settings or {}))
+                           device_tflops=device_tflops, link_gbps=link_gbps, pipeline=pipeline, **(settings or {}))
     if output:
         write_plan(result, output)
     if as_json:

@@ -17,12 +17,15 @@ from dm_cli.cli._cli_utils import (
     HeightOpt,
     ImageOpt,
     JsonOpt,
+    LastImageOpt,
     MaxMemoryOpt,
     MaxSequenceLengthOpt,
     ModeOpt,
     NegativePromptOpt,
     OverheadOpt,
     OverwriteOpt,
+    ParallelOpt,
+    PipelineOpt,
     QuietOpt,
     RunNumImagesOpt,
     RunOutputOpt,
@@ -64,6 +67,7 @@ def run(
     prompts: PromptsOpt = None,
     negative_prompt: NegativePromptOpt = None,
     image: ImageOpt = None,
+    last_image: LastImageOpt = None,
     device_map: DeviceMapOpt = "auto",
     max_memory: MaxMemoryOpt = None,
     mode: ModeOpt = "auto",
@@ -88,6 +92,8 @@ def run(
     chunk_size: ChunkSizeOpt = None,
     chunk_memory: ChunkMemoryOpt = None,
     gpus_per_rank: GpusPerRankOpt = None,
+    parallel: ParallelOpt = None,
+    pipeline: PipelineOpt = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     binary: BinaryOpt = False,
@@ -102,7 +108,7 @@ def run(
         "guidance_scale": guidance_scale, "seed": seed, "height": height, "width": width, "num_images": num_images,
         "max_sequence_length": max_sequence_length, "num_frames": frames, "fps": fps, "save_latents": save_latents,
         "dtype": dtype, "simulate": simulate, "overwrite": overwrite, "track_activations": track_activations,
-        "weights": weights, "images": image or None,
+        "weights": weights, "images": image or None, "last_image": last_image, "parallel": parallel, "pipeline": pipeline,
         "settings": dict(settings or {}),
     }
     if prompts is not None:
@@ -156,6 +162,10 @@ def _refuse_single_only(fields: dict) -> None:
             or fields["track_activations"]):
         raise UsageError("--save-latents, --frames, --fps, --guidance-scale-2 and --track-activations are for one "
                          "prompt, not --prompts.")
+    if fields["parallel"] not in (None, "none"):
+        raise UsageError("--parallel shares one image's steps among the torchrun ranks; with --prompts the ranks "
+                         "already share the queue (one prompt each at a time): drop --parallel.")
+    fields["parallel"] = "none"  # a queue ignores a plan file's 'parallel': its ranks take prompts, not steps
 
 
 def _run_one(fields: dict, output: str | None, gpus_per_rank: int | None, as_json: bool, quiet: bool,
@@ -173,6 +183,11 @@ def _run_one(fields: dict, output: str | None, gpus_per_rank: int | None, as_jso
     from dm_cli.run.single import run as run_pipeline
 
     request = _request(fields, output=output or "dmap.png")
+    from dm_cli.run.distributed import Ranks
+
+    if not Ranks.from_env().is_main:  # torchrun's other ranks (sharing each step: rank 0 writes) report nothing
+        run_pipeline(request)
+        return 0
     if as_json:
         result = run_pipeline(request)
         from dm_cli.cli._output import print_json

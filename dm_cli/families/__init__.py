@@ -27,7 +27,7 @@ from dm_cli.units import shorten
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
 # `related` prefix is a prefix of another's (Flux of Flux2, FluxKontext, FluxImg2Img; StableDiffusion of
 # StableDiffusion3) comes after it.
-FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux2", "flux_kontext", "flux_img2img", "flux", "qwenimage", "wan", "zimage", "ltx2")
+FAMILY_MODULES = ("sd3", "sdxl", "sd15", "flux2", "flux_kontext", "flux_img2img", "flux", "qwenimage_edit", "qwenimage", "wan_i2v", "wan", "zimage", "ltx2")
 
 # How guidance multiplies the denoiser's work per step.
 GUIDANCE_BATCH = "batch"  # classifier-free guidance: one call on a doubled batch (SD, SDXL, SD3)
@@ -100,6 +100,7 @@ class Job:
     num_frames: int | None = None  # video families only
     settings: tuple[tuple[str, object], ...] = ()  # the family's own settings (Family.settings), given or default
     images: tuple[InputImage, ...] = ()  # input images, in order (read with dm_cli.io.input_images.read_image)
+    last_image: InputImage | None = None  # a first-last-frame video's last frame (Wan 2.2 image-to-video)
 
     def setting(self, name: str, default=None):
         return dict(self.settings).get(name, default)
@@ -110,7 +111,8 @@ class Job:
         return cls(prompt=prompt, negative_prompt=generation.negative_prompt, seed=seed, steps=generation.steps,
                    guidance_scale=generation.guidance_scale, height=generation.height, width=generation.width,
                    num_images=generation.num_images, max_sequence_length=generation.max_sequence_length,
-                   num_frames=generation.num_frames, settings=generation.settings, images=generation.images)
+                   num_frames=generation.num_frames, settings=generation.settings, images=generation.images,
+                   last_image=generation.last_image)
 
 
 def denormalized(vae, latents):
@@ -177,6 +179,7 @@ class Family:
     # takes; 0: none (text to image or video), and --image is refused.
     max_input_images = 0
     min_input_images = 0  # 1: the pipeline cannot run without one (image-to-image)
+    takes_last_image = False  # True: a video's last frame (Generation.last_image, --last-image) is conditioned on too
 
     # --- matching -------------------------------------------------------------------------------
 
@@ -232,6 +235,11 @@ class Family:
         if self.packs_latents:  # 2x2 latent patches: twice the VAE's scale (see packed_latents())
             return self.vae_scale(vae_config) * 2
         return math.lcm(8, self.vae_scale(vae_config))
+
+    def reference_tokens(self, inputs: InputSpec, vae_config: dict | None) -> tuple[int, ...]:
+        """Tokens each input image of `inputs` adds to the denoiser's sequence, in order (FLUX.2's references);
+        () where input images add none (image-to-image, image-to-video: the same sequence)."""
+        return ()
 
     def check_inputs(self, inputs: InputSpec, vae_config: dict | None) -> None:
         """The family's own rules on frames (UsageError, one sentence); images take no --frames."""
@@ -301,6 +309,9 @@ class Family:
                 return f"{self.title()} pipelines take no input image: drop --image."
             return (f"{self.title()} takes at most {self.max_input_images} input image(s), not "
                     f"{len(generation.images)}: drop some --image.")
+        if generation.last_image is not None and not self.takes_last_image:
+            return (f"{self.title()} pipelines take no last frame (--last-image is for WanImageToVideoPipeline, Wan 2.2 I2V-A14B): "
+                    "drop --last-image.")
         if generation.negative_prompt and not self.negative_prompt:
             return f"{self.title()} pipelines ignore negative prompts (guidance is distilled): drop --negative-prompt."
         return None
@@ -349,6 +360,12 @@ class Family:
         latent space, as the pipeline's own VAE encode computes it."""
         raise NotImplementedError(f"the {self.name} family declares no image-encode stage")
 
+    def denoising_pipeline(self, pipe, job: Job, image_latents=None):
+        """The pipeline object whose __call__ denoises `job` (from `image_latents`, when its stage consumes them):
+        `pipe` (built from model_index.json's class), or another class over the same components (LTX-2's and Wan 2.2
+        TI2V-5B's image-to-video)."""
+        return pipe
+
     def image_kwargs(self, pipe, job: Job, image_latents) -> dict:
         """Families whose denoise consumes IMAGE_LATENTS: the pipeline __call__ arguments that start the
         denoising from them (an img2img pipeline's `image`, a text-to-image one's `latents`)."""
@@ -357,7 +374,9 @@ class Family:
 
 @lru_cache(maxsize=None)
 def all_families() -> tuple[Family, ...]:
-    return tuple(importlib.import_module(f"{__name__}.{module}").FAMILY for module in FAMILY_MODULES)
+    """Each module's FAMILY, or its FAMILIES in order (one module per model family with variants: qwenimage_edit)."""
+    modules = [importlib.import_module(f"{__name__}.{module}") for module in FAMILY_MODULES]
+    return tuple(family for module in modules for family in getattr(module, "FAMILIES", (module.FAMILY,)))
 
 
 def all_settings() -> dict[str, Setting]:

@@ -88,7 +88,7 @@ class FluxKontextFamily(FluxFamily):
 
     # --- the tracer's view ------------------------------------------------------------------------
 
-    def reference_tokens(self, inputs: InputSpec, factor: int) -> tuple[int, int, int]:
+    def reference_geometry(self, inputs: InputSpec, factor: int) -> tuple[int, int, int]:
         """(reference width, height, packed tokens) of the reference as the pipeline resizes it (no image: 0s).
         The plan sees the default resize (auto_resize on): InputSpec carries no family settings."""
         if not inputs.image_sizes:
@@ -96,12 +96,17 @@ class FluxKontextFamily(FluxFamily):
         width, height = reference_size(*inputs.image_sizes[0], factor)
         return width, height, (height // factor // 2) * (width // factor // 2)
 
+    def reference_tokens(self, inputs: InputSpec, vae_config: dict | None) -> tuple[int, ...]:
+        """The one reference's packed tokens, appended to the generated ones (Family.reference_tokens)."""
+        tokens = self.reference_geometry(inputs, self.vae_scale(vae_config))[2]
+        return (tokens,) if tokens else ()
+
     def call_spec(self, comp: Component, inputs: InputSpec) -> CallSpec | None:
         spec = super().call_spec(comp, inputs)
         if spec is None or inputs.weights_only or not inputs.image_sizes:
             return spec  # without a reference, Kontext is FLUX.1's text-to-image call
         factor = self.vae_scale(vae_config(comp))
-        ref_w, ref_h, ref_tokens = self.reference_tokens(inputs, factor)
+        ref_w, ref_h, ref_tokens = self.reference_geometry(inputs, factor)
         if comp.cls in self.denoiser_classes:
             kwargs = dict(spec.kwargs)
             images, tokens, channels = kwargs["hidden_states"].shape

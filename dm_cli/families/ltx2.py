@@ -1,4 +1,5 @@
-"""LTX-2 (Lightricks; diffusers' LTX2Pipeline): text to video with its synchronized audio track.
+"""LTX-2 (Lightricks; diffusers' LTX2Pipeline and LTX2ImageToVideoPipeline): text or a first frame to video with
+its synchronized audio track.
 
 What LTX2Pipeline feeds its models (diffusers 0.42.1, `pipelines/ltx2/pipeline_ltx2.py`):
 - text encoder (Gemma-3): `input_ids (B, L)` left-padded to `max_sequence_length` (1024) with its mask,
@@ -16,17 +17,39 @@ What LTX2Pipeline feeds its models (diffusers 0.42.1, `pipelines/ltx2/pipeline_l
   mel spectrogram `(B, 2, 4A - 3, 64)`; vocoder: the spectrogram to a waveform `(B, 2, samples)` at its
   `output_sampling_rate`.
 - frames must be t*k + 1 (8k + 1); height and width multiples of 32 (check_inputs).
+
+Image-to-video (LTX2ImageToVideoPipeline, the same components): `--image` on any LTX-2 folder (model_index naming
+either class) selects it. The pipeline re-compresses the first frame with H.264 (`image_crf`, 33 for Gemma-3
+checkpoints; PyAV), resizes it to height x width (bilinear), VAE-encodes it (the distribution's mode) into latent
+frame 0 and keeps that frame clean: a conditioning mask gives its tokens timestep 0, so the video timestep becomes
+one per token `(2B, F' * H' * W')` and the AdaLN modulation per token (the audio keeps one per sample). No tokens
+are added. dmap runs the encode as its own stage (`encode_image`, the VAE serving it and the decode) and hands the
+encoded frame to the pipeline's own __call__ as unpacked latents with `noise_scale=1`: the pipeline's two-stage
+path then draws the same noise and mixes it in with the same mask, bit for bit (see `image_kwargs`). The VAE is
+traced once, for its decode: encoding the one first frame at height x width needs 0.98x the decode of a single
+frame (bf16, 512x768 on the meta device) and less than any longer decode, so the decode's peak covers both stages.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from importlib.util import find_spec
 
 from dm_cli.errors import UsageError
 from dm_cli.families import GUIDANCE_BATCH, Embeds, Family, Job, Setting
 from dm_cli.families.calls import CallSpec, Component, TensorSpec, sibling_config
-from dm_cli.families.stages import AUDIO, AUDIO_LATENTS, EMBEDS, IMAGES, LATENTS, PROMPT, Stage
-from dm_cli.inputs import InputSpec
+from dm_cli.families.stages import (
+    AUDIO,
+    AUDIO_LATENTS,
+    EMBEDS,
+    IMAGE,
+    IMAGE_LATENTS,
+    IMAGES,
+    LATENTS,
+    PROMPT,
+    Stage,
+)
+from dm_cli.inputs import Generation, InputSpec
 
 TRANSFORMER = "LTX2VideoTransformer3DModel"
 VAE = "AutoencoderKLLTX2Video"
@@ -36,6 +59,9 @@ CONNECTORS = "LTX2TextConnectors"
 TEXT_ENCODERS = ("Gemma3ForConditionalGeneration",)
 AUDIO_COMPRESSION = 4  # the audio VAE's temporal and mel compression (LATENT_DOWNSAMPLE_FACTOR)
 AUDIO_GUIDANCE = 7.0  # LTX2Pipeline.__call__'s audio_guidance_scale: with it CFG is on whatever guidance_scale is
+TEXT_TO_VIDEO, IMAGE_TO_VIDEO = "LTX2Pipeline", "LTX2ImageToVideoPipeline"
+DEFAULT_IMAGE_CRF = 33  # diffusers.pipelines.ltx2.utils.DEFAULT_IMAGE_CRF (Gemma-3 checkpoints: LTX-2 to 2.3)
+MAX_CRF = 51  # libx264's range
 
 
 def vae_factors(vae: dict | None) -> tuple[int, int]:
@@ -51,7 +77,8 @@ def vae_factors(vae: dict | None) -> tuple[int, int]:
 
 class LTX2Family(Family):
     name = "ltx-2"
-    pipelines = ("LTX2Pipeline",)
+    pipelines = (TEXT_TO_VIDEO, IMAGE_TO_VIDEO)
+    max_input_images = 1  # the first frame: LTX2ImageToVideoPipeline
     related = ("LTX2",)
     denoiser_classes = (TRANSFORMER,)
     offload_seq = "text_encoder->connectors->transformer->vae->audio_vae->vocoder"
@@ -64,12 +91,19 @@ class LTX2Family(Family):
     default_height, default_width = 512, 768
     settings = (Setting("frame_rate", float, None,
                         "LTX-2: the frame rate the video and its audio are generated for (default: --fps, 24).",
-                        for_whom="LTX-2, whose audio length follows the frame rate", instead="use --fps"),)
+                        for_whom="LTX-2, whose audio length follows the frame rate", instead="use --fps"),
+                Setting("image_crf", int, None,
+                        "LTX-2 image-to-video: the H.264 CRF the first frame is re-compressed with before it is encoded, "
+                        "as the model was trained (default: the pipeline's, 33, which needs PyAV); 0 skips it.",
+                        for_whom="LTX-2 image-to-video (--image)", instead="drop --image-crf"))
     # __call__ un-normalises both outputs with the VAEs' statistics while only the denoise stage is loaded
     placeholder_tensors = {"vae": ("latents_mean", "latents_std"), "audio_vae": ("latents_mean", "latents_std")}
     declared_stages = (
         Stage("encode", ("text_encoder",), consumes=(PROMPT,), produces=(EMBEDS,)),
-        Stage("denoise", ("connectors", "transformer"), consumes=(EMBEDS,), produces=(LATENTS, AUDIO_LATENTS)),
+        # the first frame (--image); without one it makes an empty tensor and loads nothing (run/stages.py)
+        Stage("encode_image", ("vae",), consumes=(IMAGE,), produces=(IMAGE_LATENTS,)),
+        Stage("denoise", ("connectors", "transformer"), consumes=(EMBEDS, IMAGE_LATENTS),
+              produces=(LATENTS, AUDIO_LATENTS)),
         Stage("decode", ("vae",), consumes=(LATENTS,), produces=(IMAGES,)),
         Stage("decode_audio", ("audio_vae", "vocoder"), consumes=(AUDIO_LATENTS,), produces=(AUDIO,)),
     )
@@ -94,6 +128,27 @@ class LTX2Family(Family):
             settled = replace(settled, settings=()).with_settings(
                 {**dict(settled.settings), "frame_rate": float(settled.fps or self.default_fps)})
         return settled
+
+    def refusal(self, generation: Generation, components: tuple[str, ...] = ()) -> str | None:
+        refused = super().refusal(generation, components)
+        crf = generation.setting("image_crf")
+        if refused or crf is None:
+            return refused
+        if not 0 <= crf <= MAX_CRF:
+            return f"--image-crf must be from 0 (no re-compression) to {MAX_CRF}, not {crf}."
+        return None
+
+    def validate(self, generation: Generation, pipeline_class: str, denoiser_config: dict, vae_config: dict | None,
+                 components: tuple[str, ...] = (), per_prompt_images: bool = False) -> None:
+        """The base rules; a first frame to re-compress (a run's file, not a plan's size) needs PyAV, as diffusers'
+        apply_image_conditioning_crf does: said before anything loads."""
+        super().validate(generation, pipeline_class, denoiser_config, vae_config, components, per_prompt_images)
+        files = [image for image in generation.images if image.path is not None or image.pixels is not None]
+        crf = generation.setting("image_crf")
+        if files and (DEFAULT_IMAGE_CRF if crf is None else crf) and find_spec("av") is None:
+            raise UsageError(f"LTX-2 re-compresses the first frame with H.264 (CRF {crf or DEFAULT_IMAGE_CRF}, as it "
+                             "was trained) through PyAV, which is not installed: pip install av, or skip the "
+                             "re-compression with --image-crf 0.")
 
     def check_inputs(self, inputs: InputSpec, vae_config_: dict | None) -> None:
         """Frames t*k + 1 (t the video VAE's temporal compression, 8 for LTX-2); sizes are multiples of 32."""
@@ -167,6 +222,7 @@ class LTX2Family(Family):
         tokens = (frames // patch_t) * (height // patch) * (width // patch)
         batch = inputs.effective_batch * self.cfg_batch(inputs)
         caption = int(config.get("caption_channels", 3840))
+        first_frame = bool(inputs.image_sizes) and not inputs.weights_only
         kwargs = {
             "hidden_states": TensorSpec((batch, tokens, int(config.get("in_channels", 128)))),
             "audio_hidden_states": TensorSpec((batch, audio, int(config.get("audio_in_channels", 128)))),
@@ -179,9 +235,12 @@ class LTX2Family(Family):
             "num_frames": frames, "height": height, "width": width, "fps": float(inputs.fps or self.default_fps),
             "audio_num_frames": audio, "use_cross_timestep": True, "return_dict": False,
         }
+        if first_frame:  # LTX2ImageToVideoPipeline: a timestep per video token (0 on the first frame's), the audio's own
+            kwargs.update(timestep=TensorSpec((batch, tokens)), audio_timestep=TensorSpec((batch,)))
+        conditioned = f" (latent frame 0 the first frame, {tokens // frames} tokens at timestep 0)" if first_frame else ""
         return CallSpec("forward", kwargs, description=(
-            f"{self.frames(inputs)} frames -> {tokens} video tokens ({frames}x{height}x{width}) + {audio} audio tokens, "
-            f"{seq} text tokens, batch {batch} (CFG), then 2 guidance calls on batch {batch // 2} per step"))
+            f"{self.frames(inputs)} frames -> {tokens} video tokens ({frames}x{height}x{width}){conditioned} + {audio} "
+            f"audio tokens, {seq} text tokens, batch {batch} (CFG), then 2 guidance calls on batch {batch // 2} per step"))
 
     # --- run ------------------------------------------------------------------------------------
 
@@ -195,8 +254,56 @@ class LTX2Family(Family):
                        "negative_prompt_attention_mask": nmask})
 
     def call_kwargs(self, pipe, job: Job) -> dict:
+        """Guidance, frames and frame_rate; image_crf is spent by `encode_image` (the text-to-video call has none)."""
+        settings = {k: v for k, v in self.setting_kwargs(job).items() if k != "image_crf"}
         return {"guidance_scale": job.guidance_scale, "num_frames": job.num_frames or self.default_num_frames,
-                **self.setting_kwargs(job)}
+                **settings}
+
+    def encode_image(self, pipe, job: Job, device):
+        """The first frame as LTX2ImageToVideoPipeline encodes it: H.264 re-compressed at `image_crf`, resized to
+        height x width (bilinear), VAE-encoded (the distribution's mode: no generator draw), in float32 and not yet
+        normalised: `(1, C, 1, H', W')`. No first frame: an empty tensor (text-to-video; the VAE is not loaded)."""
+        import torch
+
+        if not job.images:
+            return torch.zeros(0)
+        import numpy as np
+        import PIL.Image
+        from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import retrieve_latents
+        from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf, resolve_default_image_crf
+        from diffusers.video_processor import VideoProcessor
+
+        from dm_cli.io.input_images import open_input
+
+        image = open_input(job.images[0])
+        crf = job.setting("image_crf")
+        crf = resolve_default_image_crf(pipe.text_encoder) if crf is None else crf
+        if crf != 0:
+            image = PIL.Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), crf))
+        processor = VideoProcessor(vae_scale_factor=pipe.vae_spatial_compression_ratio, resample="bilinear")  # I2V's
+        pixels = processor.preprocess(image, height=job.height, width=job.width)
+        pixels = pixels.to(device=device, dtype=pipe.vae.dtype)  # prompt_embeds' dtype in the pipeline: the run's
+        encoded = pipe.vae.encode(pixels[0].unsqueeze(0).unsqueeze(2))
+        return retrieve_latents(encoded, None, "argmax").to(torch.float32)
+
+    def image_kwargs(self, pipe, job: Job, image_latents) -> dict:
+        """The encoded first frame as __call__'s unpacked `latents`, repeated over the latent frames (and videos),
+        with `noise_scale=1`: prepare_latents then normalises them, draws the noise of the shape and generator it
+        draws without latents and keeps frame 0 clean with the conditioning mask ((1 - m) * noise + m * latents,
+        the same values as its own m * latents + (1 - m) * noise); noise_scale reaches nothing else here."""
+        if not image_latents.numel():
+            return {}
+        temporal, _ = vae_factors(dict(pipe.vae.config))
+        frames = ((job.num_frames or self.default_num_frames) - 1) // temporal + 1
+        return {"latents": image_latents.repeat(job.num_images, 1, frames, 1, 1), "noise_scale": 1.0}
+
+    def denoising_pipeline(self, pipe, job: Job, image_latents):
+        """The pipeline whose __call__ denoises this job: LTX2ImageToVideoPipeline with a first frame, else
+        LTX2Pipeline, over the loaded components (an LTX-2 folder's model_index names one of them)."""
+        if job.images and image_latents is None:
+            raise UsageError("This plan has no encode_image stage (LTX-2 plans made before image-to-video): plan again "
+                             "to run with --image.")
+        return denoising_pipeline(pipe, image_latents is not None and bool(image_latents.numel()))
 
     def decode(self, pipe, latents, job: Job, device) -> list:
         """The video tail of __call__ (its output_type="latent" latents are un-normalised already)."""
@@ -220,6 +327,24 @@ class LTX2Family(Family):
         waves = pipe.vocoder(mel)
         rate = int(getattr(pipe.vocoder.config, "output_sampling_rate", None) or audio_vae.config.sample_rate)
         return [waves[i].float().cpu().numpy() for i in range(waves.shape[0])], rate
+
+
+def denoising_pipeline(pipe, first_frame: bool):
+    """`pipe` as LTX2ImageToVideoPipeline (`first_frame`) or LTX2Pipeline: itself when it is that class, else that
+    class built over its components, its execution device the stage loop's (as dm_cli.run.loading builds it)."""
+    import inspect
+
+    import diffusers
+
+    wanted = getattr(diffusers, IMAGE_TO_VIDEO if first_frame else TEXT_TO_VIDEO)
+    if isinstance(pipe, wanted):
+        return pipe
+    staged = type(wanted.__name__, (wanted,), {"_execution_device": property(lambda self: self._dmap_device)})
+    accepted = inspect.signature(wanted.__init__).parameters
+    other = staged(**{name: module for name, module in pipe.components.items() if name in accepted})
+    other._dmap_device = getattr(pipe, "_dmap_device", "cpu")
+    other.set_progress_bar_config(disable=True)
+    return other
 
 
 FAMILY = LTX2Family()

@@ -8,13 +8,15 @@ Facts from diffusers 0.42's `pipeline_wan.py`:
 - Wan 2.2 A14B has two experts: `transformer` for the steps with t >= boundary_ratio * 1000 (high
   noise), `transformer_2` for the rest (`guidance_scale_2`, default `guidance_scale`, for those);
 - the text encoder (UMT5) gets `input_ids` and a mask of max_sequence_length (512) tokens;
-- the VAE decodes the latent frames one by one with a feature cache and concatenates the output.
+- the VAE decodes the latent frames one by one with a feature cache and concatenates the output;
+- Wan 2.2 TI2V-5B is a WanPipeline with `expand_timesteps` and the Wan 2.2 VAE (16x16x4, 48 channels): one timestep
+  per latent token, and with a first frame it runs as WanImageToVideoPipeline (dm_cli.families.wan_i2v).
 """
 
 from __future__ import annotations
 
 from dm_cli.errors import UsageError
-from dm_cli.families import GUIDANCE_SEPARATE, Embeds, Family, Job, Setting, denormalized
+from dm_cli.families import GUIDANCE_SEPARATE, Embeds, Family, Job, Setting, denormalized, family_for
 from dm_cli.families.calls import CallSpec, Component, TensorSpec, vae_config
 from dm_cli.inputs import InputSpec
 
@@ -26,6 +28,17 @@ def vae_factors(vae: dict | None) -> tuple[int, int]:
     """(temporal, spatial) compression of the Wan VAE, as the pipeline reads them (class defaults 4 and 8)."""
     config = vae or {}
     return int(config.get("scale_factor_temporal") or 4), int(config.get("scale_factor_spatial") or 8)
+
+
+def wan22_vae(vae: dict | None) -> bool:
+    """The Wan 2.2 VAE (16x16 spatial, 4 temporal, 48 latent channels): Wan 2.2 TI2V-5B's, whose pipelines expand
+    the timestep to one per latent token (`expand_timesteps`) and may start from a first frame."""
+    return vae_factors(vae)[1] == 16
+
+
+def image_to_video() -> Family:
+    """The family of WanImageToVideoPipeline (dm_cli.families.wan_i2v), which also runs TI2V-5B's image-to-video."""
+    return family_for("WanImageToVideoPipeline")
 
 
 class WanFamily(Family):
@@ -41,6 +54,7 @@ class WanFamily(Family):
     default_num_frames = 81
     default_fps = 16
     default_height, default_width = 480, 832
+    max_input_images = 1  # Wan 2.2 TI2V-5B's first frame (as WanImageToVideoPipeline); the others refuse one
     settings = (Setting("guidance_scale_2", float, None,
                         "Two-expert pipelines (Wan 2.2 A14B): guidance of the low-noise expert (default: --guidance-scale).",
                         for_whom="pipelines with two experts such as Wan 2.2 A14B", instead="use --guidance-scale",
@@ -61,7 +75,10 @@ class WanFamily(Family):
         return self.default_height, self.default_width
 
     def size_multiple(self, denoiser_config, vae_config_) -> int:
-        return 16  # WanPipeline.check_inputs (8x spatial compression x 2x2 patches)
+        """WanPipeline.check_inputs' 16; the VAE's spatial compression x the patch (WanImageToVideoPipeline rounds
+        down to it): 8 x 2 = 16, 32 for the Wan 2.2 VAE."""
+        patch = (denoiser_config or {}).get("patch_size") or [1, 2, 2]
+        return max(16, vae_factors(vae_config_)[1] * int(patch[1]))
 
     def check_inputs(self, inputs: InputSpec, vae_config_: dict | None) -> None:
         """Frames t*k + 1 (t the VAE's temporal compression); sizes are `size_multiple`'s (16)."""
@@ -75,6 +92,13 @@ class WanFamily(Family):
                              f"frames into one): use {max(lower, 1)} or {lower + temporal}.")
         if inputs.fps is not None and inputs.fps < 1:
             raise UsageError(f"--fps must be at least 1 (got {inputs.fps}).")
+        self.check_images(inputs, vae_config_)
+
+    def check_images(self, inputs: InputSpec, vae_config_: dict | None) -> None:
+        """Of text-to-video pipelines, only TI2V-5B (the Wan 2.2 VAE) makes a video from a first frame."""
+        if inputs.image_sizes and not wan22_vae(vae_config_):
+            raise UsageError("Wan text-to-video pipelines take no input image (of WanPipelines only Wan 2.2 TI2V-5B, "
+                             "with the Wan 2.2 VAE, starts from one): drop --image, or use a WanImageToVideoPipeline.")
 
     # --- the tracer's view ----------------------------------------------------------------------
 
@@ -91,9 +115,14 @@ class WanFamily(Family):
         seq = self.max_sequence_length(comp, inputs)
         if comp.cls == TRANSFORMER:
             shape = self.latent_shape(inputs, vae_config(comp), int(config.get("in_channels", 16)))
+            timestep = TensorSpec((shape[0],))
+            if wan22_vae(vae_config(comp)):  # expand_timesteps: one timestep per latent token (TI2V-5B)
+                patch = config.get("patch_size") or [1, 2, 2]
+                tokens = shape[2] // int(patch[0]) * (shape[3] // int(patch[1])) * (shape[4] // int(patch[2]))
+                timestep = TensorSpec((shape[0], tokens))
             kwargs = {
                 "hidden_states": TensorSpec(shape),
-                "timestep": TensorSpec((shape[0],)),
+                "timestep": timestep,
                 "encoder_hidden_states": TensorSpec((shape[0], seq, int(config.get("text_dim", 4096)))),
                 "return_dict": False,
             }
@@ -137,6 +166,24 @@ class WanFamily(Family):
         scheduler.set_timesteps(job.steps, device="cpu")
         boundary = ratio * scheduler.config.num_train_timesteps
         return ["transformer" if t >= boundary else "transformer_2" for t in scheduler.timesteps]
+
+    # --- image-to-video of TI2V-5B (one transformer): WanImageToVideoPipeline's, through its family ------------------
+
+    def stages(self, components: list[str], offload_seq: list[str] | None) -> list:
+        """Two experts (Wan 2.2 A14B, text only): encode / denoise / decode. One transformer (Wan 2.1, TI2V-5B): also
+        the VAE encode of a first frame before the denoise, as image-to-video runs it (nothing without an image)."""
+        if "transformer_2" in components:
+            return super().stages(components, offload_seq)
+        return image_to_video().stages(components, offload_seq)
+
+    def encode_image(self, pipe, job: Job, device):
+        return image_to_video().encode_image(pipe, job, device)
+
+    def denoising_pipeline(self, pipe, job: Job, image_latents=None):
+        return image_to_video().denoising_pipeline(pipe, job, image_latents)
+
+    def image_kwargs(self, pipe, job: Job, image_latents) -> dict:
+        return image_to_video().image_kwargs(pipe, job, image_latents)
 
     def decode(self, pipe, latents, job: Job, device) -> list:
         from dm_cli.io.video import to_uint8

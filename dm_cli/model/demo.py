@@ -334,7 +334,7 @@ def write_random_pipeline(
                 shutil.copyfile(src, target / name / "scheduler_config.json")
             continue
         if "Tokenizer" in cls or cls.endswith("Processor"):
-            encoder = "text_encoder" + name.removeprefix("tokenizer")
+            encoder = "text_encoder" + name.removeprefix("tokenizer").removeprefix("processor")  # processor: a VLM's
             encoder_config = json.loads((config_root / encoder / "config.json").read_text())
             write_tokenizer_for(cls, target / name, encoder_config)
             continue

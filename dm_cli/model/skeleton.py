@@ -27,6 +27,7 @@ class TensorInfo:
     kind: str  # "param", "buffer" (persistent) or "buffer_np" (non-persistent: not in checkpoints)
     fp32_when: tuple[str, ...] = ()  # target dtypes for which this tensor stays float32
     low_precision: tuple[str, ...] = ()  # weight formats that store it in low precision (weight_formats.py)
+    quantized_bytes: int = 0  # > 0: a GGUF tensor that stays quantized once loaded (dtype is its ggml type)
 
     @property
     def numel(self) -> int:
@@ -44,6 +45,8 @@ class TensorInfo:
         return "float32" if target in self.fp32_when else target
 
     def bytes_at(self, target: str | None, weights: str | None = None) -> int:
+        if self.quantized_bytes:
+            return self.quantized_bytes
         if weights is not None and weights in self.low_precision and self.dtype in FLOATING_DTYPES:
             return low_precision_bytes(weights, self.shape, self.numel)
         return self.numel * DTYPE_BYTES[self.dtype_at(target)]
@@ -81,13 +84,18 @@ class Skeleton:
         return sum(t.bytes_at(dtype, weights) for t in self.tensors)
 
     def default_dtype(self) -> str | None:
-        """Stored dtype for checkpoints (None: as stored), bfloat16 for config-only skeletons."""
-        return None if self.stored else "bfloat16"
+        """Stored dtype for checkpoints (None: as stored), bfloat16 for config-only skeletons and for quantized
+        (GGUF) ones, whose plain tensors diffusers casts to the compute dtype."""
+        return None if self.stored and not self.quantized else "bfloat16"
+
+    @property
+    def quantized(self) -> bool:
+        return any(t.quantized_bytes for t in self.tensors)
 
     def dominant_dtype(self, dtype: str | None, weights: str | None = None) -> str:
         counts: dict[str, int] = {}
         for t in self.tensors:
-            if t.kind == "param":
+            if t.kind == "param" and not t.quantized_bytes:
                 d = t.dtype_at(dtype, weights)
                 counts[d] = counts.get(d, 0) + t.numel
         return max(counts, key=counts.get) if counts else (dtype or "float32")
@@ -181,6 +189,22 @@ class Skeleton:
             tie_groups=[list(g) for g in data["tie_groups"]],
             stored=bool(data.get("stored")),
         )
+
+    def with_single_file(self, stored: dict) -> "Skeleton":
+        """Same skeleton, each tensor as a single file stores it (`single_file_weights.StoredTensor` by diffusers'
+        name): a plain dtype, or a GGUF type with its quantized bytes. diffusers' GGUF loader dequantizes the
+        tensors of modules kept in float32 (`_keep_in_fp32_modules`) to float32 at load."""
+        tensors = []
+        for t in self.tensors:
+            kept = stored.get(t.name)
+            if kept is None:
+                tensors.append(t)
+            elif kept.quantized_bytes and t.fp32_when:
+                tensors.append(replace(t, dtype="float32"))
+            else:
+                tensors.append(replace(t, dtype=kept.dtype, low_precision=() if kept.quantized_bytes else t.low_precision,
+                                       quantized_bytes=kept.quantized_bytes))
+        return replace(self, tensors=tensors, stored=True)
 
     def with_checkpoint_dtypes(self, stored: dict[str, str]) -> "Skeleton":
         """Same skeleton, dtypes as a checkpoint stores them (names it lacks keep the built dtype)."""
@@ -425,6 +449,8 @@ def skeleton_for_component(comp, use_cache: bool = True):
 def _skeleton_of(comp, checkpoint, use_cache: bool) -> Skeleton:
     if comp.config is not None:
         skeleton = load_skeleton(comp.name, comp.library, comp.cls, comp.config, use_cache=use_cache)
+        if getattr(comp, "single_file", None) is not None:
+            return skeleton.with_single_file(comp.single_file.tensors)
         if checkpoint is not None:
             skeleton = skeleton.with_checkpoint_dtypes({n: e.dtype for n, e in checkpoint.tensors.items()})
         elif getattr(comp, "legacy_weights", None) and comp.folder is not None:

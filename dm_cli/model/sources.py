@@ -43,8 +43,20 @@ PRESETS = {
     "wan2.2": "wan2.2-t2v-a14b",
     "wan2.2-t2v-a14b": "wan2.2-t2v-a14b",
     "tiny-wan": "tiny-wan",
+    "wan2.2-i2v": "wan2.2-i2v-a14b",
+    "wan2.2-i2v-a14b": "wan2.2-i2v-a14b",
+    "wan2.2-ti2v": "wan2.2-ti2v-5b",
+    "wan2.2-ti2v-5b": "wan2.2-ti2v-5b",
+    "tiny-wan-i2v": "tiny-wan-i2v",
+    "tiny-wan-ti2v": "tiny-wan-ti2v",
     "qwen-image": "qwen-image",
     "tiny-qwenimage": "tiny-qwenimage",
+    "qwen-image-edit": "qwen-image-edit-2511",
+    "qwen-image-edit-2511": "qwen-image-edit-2511",
+    "tiny-qwenimage-edit": "tiny-qwenimage-edit",
+    "tiny-qwenimage-edit-single": "tiny-qwenimage-edit-single",
+    "qwen-image-img2img": "qwen-image-img2img",
+    "tiny-qwenimage-img2img": "tiny-qwenimage-img2img",
     "z-image": "z-image-turbo",
     "z-image-turbo": "z-image-turbo",
     "tiny-zimage": "tiny-zimage",
@@ -79,6 +91,9 @@ class ComponentSource:
     folder: Path | None
     weights: Path | None  # index JSON or single .safetensors file
     legacy_weights: list[Path] = field(default_factory=list)  # .bin/.pt files, for shard
+    # `dmap plan FILE --pipeline P`: a single_file_weights.SingleFileWeights, the weights as the file stores them (not
+    # imported here: that module resolves sources)
+    single_file: object | None = None
 
 
 @dataclass
@@ -185,8 +200,8 @@ def _resolve_path(spec: str, path: Path) -> Source:
                           f"new files and the old ones are in {swap}: run the same dmap shard command again to finish.")
     if path.is_file():
         if path.name.lower().endswith(GGUF_SUFFIX):
-            raise SourceError(f"'{spec}' is a GGUF file: `dmap inspect` reads its header; plan, run and shard need "
-                              "safetensors weights for now.")
+            raise SourceError(f"'{spec}' is a GGUF file: `dmap plan` and `dmap run` take it with the rest of its "
+                              "pipeline (--pipeline PRESET or FOLDER); `dmap shard` needs safetensors weights.")
         if path.name.endswith(".json") and "index" in path.name:
             return _weights_only(spec, path)
         if path.suffix == ".safetensors":
@@ -352,4 +367,8 @@ def config_digest(source: Source) -> str:
         "components": {c.name: [c.cls, {k: v for k, v in (c.config or {}).items() if k not in volatile}]
                        for c in source.components},
     }
+    files = {c.name: [c.single_file.format, c.single_file.path.name, c.single_file.path.stat().st_size]
+             for c in source.components if c.single_file is not None}
+    if files:  # only then: digests of plans without single files stay what they were
+        blob["single_file"] = files
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]

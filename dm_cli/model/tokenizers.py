@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import string
+from functools import lru_cache
 from pathlib import Path
 
 # Common English words get their own tokens so prompts do not tokenize into single bytes only.
@@ -218,6 +219,82 @@ def write_pixtral_processor(folder: str | Path, encoder_config: dict) -> Path:
     return folder
 
 
+# Qwen2-VL's vision tokens and the text encoder config keys that give their ids (its vision tower finds the image's
+# place by `image_token_id`, so the offline tokenizer must put them exactly there)
+_QWEN_VL_TOKENS = {"<|vision_start|>": "vision_start_token_id", "<|vision_end|>": "vision_end_token_id",
+                   "<|vision_pad|>": "vision_token_id", "<|image_pad|>": "image_token_id", "<|video_pad|>": "video_token_id"}
+# Qwen2.5-VL-7B-Instruct's image processor bounds (min_pixels, max_pixels), as Qwen-Image-Edit's processor has them
+_QWEN_VL_PIXELS = (3136, 12845056)
+
+
+def write_qwen2_vl_processor(folder: str | Path, encoder_config: dict) -> Path:
+    """A Qwen2VLProcessor folder (Qwen-Image-Edit's `processor`): the Qwen2 tokenizer with the vision tokens at the
+    ids the text encoder's config names, and a Qwen2VLImageProcessor config sized to its vision tower (patch, merge,
+    temporal patch). `Qwen2VLProcessor.from_pretrained` loads it where torchvision is installed; without it,
+    `qwen2_vl_processor` does (PIL, no video processor)."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    text = encoder_config.get("text_config") or {}
+    vision = encoder_config.get("vision_config") or {}
+    vocab_size = int(encoder_config.get("vocab_size") or text.get("vocab_size", 152064))
+    vocab, merges = _byte_level_vocab_and_merges(_QWEN_SPECIALS)
+    fixed = {token: encoder_config.get(key) for token, key in _QWEN_VL_TOKENS.items()}
+    if not all(isinstance(i, int) and len(vocab) <= i < vocab_size for i in fixed.values()):
+        raise ValueError(f"the text encoder's vision token ids {sorted(map(str, fixed.values()))} do not fit the offline "
+                         f"Qwen2-VL tokenizer ({len(vocab)} ids) and the vocabulary ({vocab_size})")
+    vocab.update(fixed)  # sparse ids: the BPE model keeps them, and the added tokens below take them
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                               unk_token=None, model_max_length=32768)
+    tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in [*_QWEN_SPECIALS, *fixed]])
+    tokenizer.chat_template = _QWEN_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    low, high = _QWEN_VL_PIXELS
+    Qwen2VLImageProcessorPil(patch_size=int(vision.get("patch_size", 14)),
+                             merge_size=int(vision.get("spatial_merge_size", 2)),
+                             temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
+                             min_pixels=low, max_pixels=high).save_pretrained(folder)
+    return folder
+
+
+def qwen2_vl_processor(folder: str | Path):
+    """Qwen2VLProcessor without torchvision, which transformers 5 needs for its video half: the same class with
+    transformers' PIL image processor (`Qwen2VLImageProcessorPil`, the slow one) and the folder's tokenizer, and
+    no video processor (Qwen-Image-Edit passes images only). Same tokens and pixel values as the processor a
+    pipeline without torchvision would have, had transformers built one."""
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return _image_only_qwen2_vl()(Qwen2VLImageProcessorPil.from_pretrained(folder), Qwen2Tokenizer.from_pretrained(folder))
+
+
+@lru_cache(maxsize=1)
+def _image_only_qwen2_vl():
+    from transformers import Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        """transformers' Qwen2VLProcessor whose sub-processors are the image processor and the tokenizer only."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return ImageOnlyQwen2VLProcessor
+
+
+def torchvision_free_processor(class_name: str, folder: str | Path):
+    """A processor class that needs torchvision, built without it where dmap knows how (Qwen2VLProcessor), else None."""
+    if class_name in ("Qwen2VLProcessor", "Qwen2_5_VLProcessor"):
+        return qwen2_vl_processor(folder)
+    return None
+
+
 _GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
 
 
@@ -262,6 +339,8 @@ def write_tokenizer_for(tokenizer_class: str, folder: str | Path, encoder_config
     if "GemmaTokenizer" in tokenizer_class:  # LTX-2's Gemma-3 (its vocabulary is the text config's)
         text = encoder_config.get("text_config") or {}
         return write_gemma_tokenizer(folder, int(text.get("vocab_size", vocab_size)))
+    if tokenizer_class in ("Qwen2VLProcessor", "Qwen2_5_VLProcessor"):  # Qwen-Image-Edit's (Qwen2.5-VL's)
+        return write_qwen2_vl_processor(folder, encoder_config)
     if tokenizer_class == "PixtralProcessor":
         return write_pixtral_processor(folder, encoder_config)
     raise ValueError(f"no offline tokenizer for {tokenizer_class}")

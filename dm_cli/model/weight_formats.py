@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from dm_cli.devices import covers
 from dm_cli.errors import UsageError
-from dm_cli.units import DTYPE_ALIASES
+from dm_cli.units import DTYPE_ALIASES, DTYPE_BYTES
 
 # format name -> dtype the bulk of the converted tensors is stored in
 STORAGE_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
@@ -123,10 +123,11 @@ def low_precision_bytes(fmt: str, shape: tuple[int, ...], numel: int) -> int:
 def layer_compute_bytes(tensors, fmt: str | None, compute_dtype: str | None) -> dict[str, int]:
     """Layer prefix -> bytes of its compute copy (the upcast weights while its forward runs)."""
     layers: dict[str, int] = {}
-    if not fmt:
-        return layers
     for tensor in tensors:
-        if fmt in tensor.low_precision:
+        if tensor.quantized_bytes:  # GGUF: diffusers dequantizes the weight for each forward
+            prefix = tensor.name.rpartition(".")[0]
+            layers[prefix] = layers.get(prefix, 0) + tensor.numel * DTYPE_BYTES[compute_dtype or "bfloat16"]
+        elif fmt and fmt in tensor.low_precision:
             prefix = tensor.name.rpartition(".")[0]
             layers[prefix] = layers.get(prefix, 0) + tensor.bytes_at(compute_dtype)
     return layers

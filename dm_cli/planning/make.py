@@ -91,6 +91,7 @@ class PlanOptions:
     settings: dict = field(default_factory=dict)  # the family's own (Family.settings): checked as dmap run checks them
     negative_prompt: str | None = None  # checked as dmap run checks it (FLUX refuses one); true CFG is planned anyway
     parallel: ParallelRequest = field(default_factory=ParallelRequest)  # --world-size, --parallel (planning/parallel.py)
+    pipeline: str | None = None  # --pipeline: SOURCE is a single file, the rest of the pipeline comes from here
 
 
 @dataclass
@@ -113,6 +114,8 @@ class Plan:
     # (0 when the plan file does not say); absent: untiled
     tiled_decode: dict[str, int] = field(default_factory=dict)
     parallel: ParallelLayout | None = None  # --world-size > 1: how the ranks share each step (written only then)
+    # what the input images add to the denoiser's sequence (`input_image_report`; written only when they add any)
+    input_images: dict = field(default_factory=dict)
 
     @property
     def placement(self) -> PlacementSpec:
@@ -187,6 +190,7 @@ class Plan:
             "check": self.check,
             "warnings": self.warnings,
             **({"parallel": self.parallel.to_json()} if self.parallel is not None else {}),
+            **({"input_images": self.input_images} if self.input_images else {}),
         }
 
     @classmethod
@@ -254,6 +258,7 @@ class Plan:
             {n: _count(c.get("untiled_activation_peak_bytes", 0), f"component {n!r} untiled_activation_peak_bytes")
              for n, c in raw_components.items() if _flag(c.get("tiled_decode", False), f"component {n!r} tiled_decode")},
             _parallel(data, known) if "parallel" in data else None,
+            dict(_object(data.get("input_images", {}), "'input_images'")),
         )
 
 
@@ -512,6 +517,8 @@ def prepare_component(comp: ComponentSource, pipeline_class: str | None, inputs:
         listed = "; ".join(str(p) for p in checkpoint.problems)
         raise CheckpointError(f"Component '{comp.name}' has {len(checkpoint.problems)} checkpoint problem(s): {listed}.")
     fmt = component_format(weights or {}, comp.name, skeleton)
+    if fmt and skeleton.quantized:
+        raise UsageError(f"'{comp.name}' comes from a GGUF file, quantized already: drop --weights {comp.name}={fmt}.")
     effective = dtype if dtype is not None else skeleton.default_dtype()
     if fmt and effective is None:
         effective = skeleton.compute_dtype()  # a checkpoint stored in fp8 runs in its other tensors' dtype
@@ -519,6 +526,8 @@ def prepare_component(comp: ComponentSource, pipeline_class: str | None, inputs:
     warnings: list[str] = [skeleton.note] if skeleton.note and not skeleton.stored else []
     if tie_note:
         warnings.append(tie_note)
+    if skeleton.quantized:
+        warnings.append(_gguf_note(comp, skeleton, trace_dtype))
     if comp.config is None:
         facts = TraceFacts(None, {}, 0, [], {}, "no config: registration order, no activation estimate")
     else:
@@ -539,6 +548,14 @@ def _overflow_refusal(comp: ComponentSource, inputs: InputSpec) -> str:
     return (f"{comp.name} ({comp.cls}) does not fit: its activations for {what} at batch {inputs.effective_batch} "
             "are too large to count (its trace on the meta device overflowed); use a smaller size, --batch-size "
             "or --num-images.")
+
+
+def _gguf_note(comp: ComponentSource, skeleton, compute_dtype: str) -> str:
+    """What a plan says of a GGUF component: its types, and the per-layer dequantization it counts."""
+    types = ", ".join(f"{count} {name}" for name, count in sorted(comp.single_file.quant_types().items()))
+    largest = max(layer_compute_bytes(skeleton.tensors, None, compute_dtype).values(), default=0)
+    return (f"{comp.name}: GGUF tensors ({types}) stay quantized; diffusers dequantizes each layer's weight to "
+            f"{compute_dtype} while it runs (largest {format_size(largest)}), counted in its block's activations.")
 
 
 def _component_spec(comp: ComponentSource, skeleton, facts: TraceFacts, inputs: InputSpec, effective: str | None, fmt: str | None,
@@ -569,7 +586,8 @@ def _component_spec(comp: ComponentSource, skeleton, facts: TraceFacts, inputs: 
 
 def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     """Resolve, size, trace, place and check: the one core call of `dmap plan`."""
-    from dm_cli.model.sources import config_digest, resolve_source
+    from dm_cli.model.single_file_weights import resolve_with_pipeline
+    from dm_cli.model.sources import config_digest
 
     if options.placement.strategy not in STRATEGIES:
         raise UsageError(f"Unknown strategy '{options.placement.strategy}': use {', '.join(STRATEGIES)}.")
@@ -577,7 +595,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         raise UsageError(f"Unknown mode '{options.placement.mode}': use {', '.join(MODES)}.")
     progress = options.on_progress or (lambda message: None)
     progress(f"Resolving {source_spec}")
-    source = resolve_source(source_spec)
+    source = resolve_with_pipeline(source_spec, options.pipeline)
     comps = [source.component(options.component)] if options.component else list(source.components)
     options = replace(options, inputs=default_inputs(source, comps, options.inputs))
     _check_family_inputs(source, comps, options)
@@ -619,6 +637,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         problem = int8_offload_problem(name, fmt, plan.components[name].device_map)
         if problem:
             plan.warnings.append(f"{problem} dmap run refuses this plan (except with --simulate).")
+    plan.input_images = input_image_report(source, comps, prepared, options)
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
     if parallel is not None:
@@ -690,9 +709,26 @@ def _parallel_layout(plan: Plan, prepared: list[PreparedComponent], options: Pla
              for r in range(options.parallel.world_size)]
     layout = choose_layout(options.parallel, guidance, shape, load, ranks)
     if layout.layout != "split":
-        plan.warnings.append(f"The plan records a {layout.title} layout for {layout.world_size} torchrun ranks "
-                             "('parallel'); dmap run does not follow it yet: it runs the single-process placement.")
+        plan.warnings.append(f"The plan records a {layout.title} layout for {layout.world_size} ranks ('parallel'): "
+                             f"run it with torchrun --nproc-per-node {layout.world_size} -m dm_cli run -d PLAN.json.")
     return layout
+
+
+def input_image_report(source, comps, prepared: list[PreparedComponent], options: PlanOptions) -> dict:
+    """What the input images add to the denoiser's sequence (`Family.reference_tokens`): the tokens of each, and
+    the denoiser's activations with them (the plan's trace) and without them (a second trace); {} when they add
+    none (no images, a weights-only plan, image-to-image)."""
+    inputs = options.inputs
+    family, denoiser, vae = family_parts(source.pipeline_class, source.components if source.pipeline_class else comps)
+    if inputs.weights_only or not inputs.image_sizes or family is None or denoiser is None:
+        return {}
+    tokens = family.reference_tokens(inputs, vae.config if vae is not None else None)
+    prep = next((p for p in prepared if p.spec.name == denoiser.name), None)
+    if not tokens or prep is None:
+        return {}
+    bare = trace_facts(denoiser, source.pipeline_class, replace(inputs, image_sizes=()), prep.dtype, options.use_cache)
+    return {"component": denoiser.name, "tokens": list(tokens), "activation_peak_bytes": prep.spec.activation_peak,
+            "activation_peak_without_bytes": bare.activation_peak}
 
 
 def make_named_plan(root: str, spec: str, options: PlanOptions) -> Plan:
@@ -735,7 +771,8 @@ def _check_family_inputs(source, comps, options: PlanOptions) -> None:
         generation = Generation(height=inputs.height, width=inputs.width, num_frames=inputs.num_frames, fps=inputs.fps,
                                 guidance_scale=inputs.guidance_scale, max_sequence_length=inputs.max_sequence_length,
                                 num_images=inputs.num_images, negative_prompt=options.negative_prompt,
-                                images=tuple(InputImage(w, h) for w, h in inputs.image_sizes)
+                                images=tuple(InputImage(w, h) for w, h in inputs.image_sizes),
+                                last_image=InputImage(*inputs.last_image_size) if inputs.last_image_size else None,
                                 ).with_settings(options.settings)
         family.validate(generation, source.pipeline_class or denoiser.cls, denoiser.config or {},
                         vae.config if vae is not None else None, tuple(c.name for c in source.components))
@@ -972,6 +1009,7 @@ def _does_not_fit(source_spec, source, comps, stages, devices, options, formats,
             if fits(devices, trial_specs) is not None:
                 suggestions.append(f"fits at {size}x{size}")
                 break
+    suggestions += _fewer_or_smaller_images(source, comps, options, formats, lambda s: fits(devices, s) is not None)
     names = "+".join(s.name for s in specs) if len(specs) <= 3 else f"{len(specs)} components"
     spec_text = ",".join(f"{d.name}={format_size(d.capacity)}" if d.capacity is not None else d.name for d in devices)
     where = f"{options.inputs.height}x{options.inputs.width}" if not options.inputs.weights_only else "weights only"
@@ -985,6 +1023,33 @@ def _does_not_fit(source_spec, source, comps, stages, devices, options, formats,
         "; no single change found that fits: add devices or a disk")
     message += "." + "".join(f" {note}" for note in notes)
     return DoesNotFitError(message, {"shortfall_bytes": shortfall, "suggestions": suggestions})
+
+
+def _fewer_or_smaller_images(source, comps, options: PlanOptions, formats, fits: Callable) -> list[str]:
+    """For input images that lengthen the denoiser's sequence (`Family.reference_tokens`): the most of them that
+    fit (as many as the family needs at least), else all of them at 512x512; [] when neither fits or none apply."""
+    inputs = options.inputs
+    family, _, vae = family_parts(source.pipeline_class, source.components if source.pipeline_class else comps)
+    if inputs.weights_only or family is None or not inputs.image_sizes or not comps or comps[0].config is None:
+        return []
+    if not family.reference_tokens(inputs, vae.config if vae is not None else None):
+        return []
+
+    def trial(sizes) -> bool:
+        smaller = replace(inputs, image_sizes=tuple(sizes))
+        try:
+            return fits([prepare_component(c, source.pipeline_class, smaller, options.placement.dtype, options.use_cache,
+                                           formats).spec for c in comps])
+        except Exception:  # a failed trace only loses a suggestion
+            return False
+
+    sizes = inputs.image_sizes
+    for count in range(len(sizes) - 1, max(family.min_input_images, 0) - 1, -1):
+        if trial(sizes[:count]):
+            return [f"fits with {count} input image(s) (the first {count})" if count else "fits without input images"]
+    if any(w * h > 512 * 512 for w, h in sizes) and trial([(512, 512)] * len(sizes)):
+        return [f"fits with the {len(sizes)} input image(s) at 512x512"]
+    return []
 
 
 def _cpu_suggestion(cpu: Device | None, needed: int) -> str | None:

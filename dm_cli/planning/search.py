@@ -199,7 +199,8 @@ def component_blocks(
     peaks = module_peaks or {}
     blocks = [Block(name, nbytes, _peak_of(name, peaks)) for name, nbytes in order]
     blocks = _tie_aliases(blocks, tie_groups)
-    return _merge_groups(blocks, same_device_groups or {}), warnings
+    root_tensors = {name for name, _ in tree.direct.get("", [])} if tree.children[""] else set()
+    return _merge_groups(blocks, same_device_groups or {}, root_tensors), warnings
 
 
 def _enclosing(name: str, modules) -> str:
@@ -309,8 +310,13 @@ def _tie_aliases(blocks: list[Block], tie_groups) -> list[Block]:
     return blocks
 
 
-def _merge_groups(blocks: list[Block], groups: dict[str, list[list[str]]]) -> list[Block]:
-    """Children that a split module's forward combines must share a device: merge their run of blocks."""
+def _merge_groups(blocks: list[Block], groups: dict[str, list[list[str]]],
+                  root_tensors: set[str] | frozenset = frozenset()) -> list[Block]:
+    """Children that a split module's forward combines must share a device: merge their run of blocks.
+
+    In the root's groups, the root itself ("": its inputs and own tensors) stands for the root's own
+    tensor entries (`root_tensors`): LTX-2 adds its scale_shift_table to time_embed's output and
+    modulates the last block's output with it, so all three share a device."""
     names = [b.name for b in blocks]
 
     def index_of(member: str) -> int | None:
@@ -326,6 +332,8 @@ def _merge_groups(blocks: list[Block], groups: dict[str, list[list[str]]]) -> li
         for group in parent_groups:
             members = [m for m in group if m != parent]
             indices = [i for i in (index_of(m) for m in members) if i is not None]
+            if not parent and "" in group:
+                indices += [i for i, name in enumerate(names) if name in root_tensors]
             if len(set(indices)) > 1:
                 spans.append((min(indices), max(indices)))
     if not spans:

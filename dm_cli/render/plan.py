@@ -230,6 +230,12 @@ def _print_notes(out, plan, size) -> None:
                 out.print(_offload_sentence(name, comp, size))
     else:
         out.print("Nothing offloaded to cpu or disk.")
+    report = getattr(plan, "input_images", None)
+    if report:
+        tokens = report["tokens"]
+        out.print(f"Input images: {len(tokens)} add {' + '.join(f'{t:,}' for t in tokens)} tokens to {report['component']}'s "
+                  f"sequence: its activations {size(report['activation_peak_bytes'])}, "
+                  f"{size(report['activation_peak_without_bytes'])} without them.")
     for warning in plan.warnings:
         out.print(Text.assemble(("warning:", "yellow"), f" {warning}"))
 

@@ -133,10 +133,12 @@ class RunView:
             self.console.print("Split check problems (this plan would fail on real devices):", style="bold red")
             for problem in result.split_problems:
                 self.console.print(f"  {problem}")
-        for path in result.images:
-            self.console.print(f"Wrote {path}" + (f" ({written(path, result, self.binary)})" if detail else ""))
+        for path in result.images:  # whole on one line, however long: scripts read the path after --quiet
+            self.console.print(f"Wrote {path}" + (f" ({written(path, result, self.binary)})" if detail else ""),
+                               soft_wrap=True, markup=False, highlight=False)
         if result.latents_path:
-            self.console.print(f"Wrote latents to {result.latents_path}")
+            self.console.print(f"Wrote latents to {result.latents_path}", soft_wrap=True, markup=False,
+                               highlight=False)
 
 
 def tracking_note(result) -> str:

@@ -7,7 +7,8 @@ LOCAL_WORLD_SIZE; each process then:
 1. picks its group of GPUs before CUDA initialises (`select_gpus`: local rank r with K GPUs per
    rank sees GPUs r*K .. r*K+K-1 of the node, renumbered 0..K-1, through CUDA_VISIBLE_DEVICES);
 2. joins a gloo process group (`Ranks.join`), which only carries small Python objects: no
-   tensors, no NCCL, so CPU-only launches work the same way;
+   tensors, no NCCL, so CPU-only launches work the same way (`dmap run --parallel`, dm_cli.run.parallel,
+   exchanges tensors every step: over gloo on CPUs, NCCL on GPUs);
 3. generates its share of the queue (`queue.items_for_rank`);
 4. sends its manifest records to rank 0 (`Ranks.gather`), which writes the merged manifest.
 
@@ -128,15 +129,17 @@ class Ranks:
             timeout = _timeout(env)
         return cls(rank, world_size, local_rank, local_world_size, timeout)
 
-    def join(self) -> None:
-        """Join the gloo group torchrun's rendezvous set up (MASTER_ADDR/MASTER_PORT); no-op alone."""
+    def join(self, backend: str = "gloo") -> None:
+        """Join the group torchrun's rendezvous set up (MASTER_ADDR/MASTER_PORT); no-op alone. `backend`: gloo for
+        a queue's small objects and CPU tensors; "cpu:gloo,cuda:nccl" when ranks exchange tensors on GPUs
+        (dm_cli.run.parallel)."""
         if not self.distributed:
             return
         import torch.distributed as dist
 
         if dist.is_initialized():
             return
-        dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size,
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.timeout_s))
 
     def gather(self, obj) -> list | None:

@@ -47,7 +47,9 @@ def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, s
     problem = None if simulate else int8_offload_problem(comp.name, weights, device_map)
     assert problem is None, problem  # the run refuses such a plan before it loads anything (api.Session)
     try:
-        if weights is not None:
+        if comp.single_file is not None:
+            model = _from_single_file(comp, {"": "cpu"} if cpu_only else device_map, torch_dtype)
+        elif weights is not None:
             model = _load_streamed(comp, device_map, torch_dtype, weights, resident=cpu_only)
         elif cpu_only:
             model = _from_pretrained(comp, {"": "cpu"}, torch_dtype)
@@ -75,6 +77,27 @@ def _from_pretrained(comp: ComponentSource, device_map, torch_dtype):
     if not is_transformers_model(cls):
         return cls.from_pretrained(comp.folder, torch_dtype=torch_dtype, device_map=device_map)
     return cls.from_pretrained(comp.folder, dtype=torch_dtype if torch_dtype is not None else "auto", device_map=device_map)
+
+
+def _from_single_file(comp: ComponentSource, device_map: dict, torch_dtype):
+    """`from_single_file` with the pipeline's own config for the component, offline: diffusers renames the original
+    layout; a GGUF file stays quantized (`GGUFQuantizationConfig`, dequantized per layer at the run dtype)."""
+    import torch
+
+    from dm_cli.model.models import component_class
+    from dm_cli.model.single_file_weights import GGUF
+
+    if "disk" in device_map.values():
+        raise CheckpointError(f"Component '{comp.name}' comes from the single file {comp.single_file.path.name}, which "
+                              "dmap cannot offload to disk: plan with more GPU or CPU memory.")
+    kwargs = {}
+    if comp.single_file.format == GGUF:
+        from diffusers import GGUFQuantizationConfig
+
+        kwargs["quantization_config"] = GGUFQuantizationConfig(compute_dtype=torch_dtype or torch.bfloat16)
+    cls = component_class(comp.library, comp.cls)
+    return cls.from_single_file(str(comp.single_file.path), config=str(comp.folder.parent), subfolder=comp.name,
+                                torch_dtype=torch_dtype, device_map=device_map, local_files_only=True, **kwargs)
 
 
 def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights: str | None = None, resident: bool = False):
@@ -314,9 +337,12 @@ def _load_weightless(source, name, library, class_name):
             except ImportError:
                 if not class_name.endswith("Processor"):
                     raise
-                # a processor whose image half needs a missing backend (PixtralProcessor: torchvision):
-                # text-to-image only tokenizes, and its tokenizer loads without it
-                return transformers.AutoTokenizer.from_pretrained(folder)
+                # a processor whose image half needs a missing backend (torchvision): dmap's PIL one where it has
+                # one (Qwen2VLProcessor); else (PixtralProcessor) text-to-image only tokenizes, and its tokenizer loads
+                from dm_cli.model.tokenizers import torchvision_free_processor
+
+                processor = torchvision_free_processor(class_name, folder)
+                return processor if processor is not None else transformers.AutoTokenizer.from_pretrained(folder)
         except (OSError, ValueError, TypeError, ImportError) as error:
             raise SourceError(f"Tokenizer '{name}' of {source.spec} cannot be loaded from {folder}: {error}") from error
     return None  # feature extractors, image encoders: not used for text-to-image

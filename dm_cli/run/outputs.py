@@ -28,6 +28,8 @@ def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, d
             meta[name] = str(value)
     if job.images:  # what the run read: a changed input image is another job (the resume key has it)
         meta["input_images"] = ",".join(f"{image.width}x{image.height}:{image.digest}" for image in job.images)
+    if job.last_image is not None:  # a first-last-frame video's last frame: part of the resume key too
+        meta["last_image"] = f"{job.last_image.width}x{job.last_image.height}:{job.last_image.digest}"
     if tiled_decode:
         meta["tiled_decode"] = ",".join(sorted(tiled_decode))
     if demo:

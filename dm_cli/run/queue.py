@@ -33,7 +33,7 @@ from dm_cli.run.checks import check_seed
 
 MANIFEST = "manifest.jsonl"
 MAX_PROMPTS_BYTES = 1 << 30  # millions of prompts; never a whole disk
-JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "output", "image"}
+JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "output", "image", "last_image"}
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,13 @@ class QueueItem:
     guidance_scale: float | None = None
     settings: tuple[tuple[str, object], ...] = ()  # the family's own (dm_cli.families.Setting), from its JSONL keys
     images: tuple = ()  # input images (dm_cli.inputs.InputImage), from the JSONL key "image"; (): the run's
+    last_image: object = None  # a video's last frame (InputImage), from the JSONL key "last_image"; None: the run's
 
     def to_json(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        return {**data, "settings": dict(self.settings), "images": [image.to_json() for image in self.images]}
+        last = self.last_image.to_json() if self.last_image is not None else None
+        return {**data, "settings": dict(self.settings), "images": [image.to_json() for image in self.images],
+                "last_image": last}
 
 
 def default_output_name(index: int) -> str:
@@ -141,7 +144,7 @@ def _jsonl_item(line: str, index: int, base_seed: int, where: str) -> QueueItem:
     output = data.get("output")
     output = default_output_name(index) if output is None else _output_name(output, where)
     return QueueItem(index, prompt.strip(), check_seed(seed, f"{where}: the seed"), output, negative or None, steps, guidance,
-                     settings, _item_images(data.get("image"), where))
+                     settings, _item_images(data.get("image"), where), _item_last_image(data.get("last_image"), where))
 
 
 def _item_images(value, where: str) -> tuple:
@@ -155,6 +158,17 @@ def _item_images(value, where: str) -> tuple:
     from dm_cli.run.request import input_images
 
     return input_images(paths, f"{where}: 'image'")
+
+
+def _item_last_image(value, where: str):
+    """A JSONL item's "last_image": one path (as --last-image), read as hostile input before anything loads."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise UsageError(f"{where}: 'last_image' must be a path.")
+    from dm_cli.run.request import last_input_image
+
+    return last_input_image(value, f"{where}: 'last_image'")
 
 
 def _is_int(value) -> bool:
@@ -205,7 +219,7 @@ def resume_keys() -> tuple[str, ...]:
     output has (MATCHED_METADATA) and every family's own settings, which change pixels too."""
     from dm_cli.io.outputs import MATCHED_METADATA
 
-    return (*MATCHED_METADATA, *all_settings())
+    return (*MATCHED_METADATA, "last_image", *all_settings())  # last_image: Wan's first-last-frame video
 
 
 def remove_stale_temporaries(folder: Path, item: QueueItem) -> None:

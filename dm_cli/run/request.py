@@ -68,17 +68,22 @@ class RunRequest:
     # the input images may come with each prompt (dm_cli.load's generate(image=...), queue items): a family that
     # needs one checks each prompt's, not the session's default generation
     per_prompt_images: bool = False
+    # --parallel (dm_cli.run.parallel): how torchrun ranks share each step; None follows the plan file's `parallel`
+    parallel: str | None = None
+    pipeline: str | None = None  # --pipeline: SOURCE is a single file, the rest of the pipeline comes from here
 
     @classmethod
     def of(cls, source: str | None, prompt: str, *, device_map: str = "auto", settings: dict | None = None,
            **options) -> "RunRequest":
         """A request from flat options, as `dmap run` and `dm_cli.load` take them: the generation's names
-        (GENERATION_FIELDS, `images`, `settings`: the family's own), the placement's (PLACEMENT_FIELDS), `device_map` (a
+        (GENERATION_FIELDS, `images`, `last_image`, `settings`: the family's own), the placement's (PLACEMENT_FIELDS), `device_map` (a
         strategy, else a plan file) and the request's own (seed, output, ...)."""
         from dm_cli.planning.search import STRATEGIES
 
         images = input_images(options.pop("images", None))  # paths and PIL images read here, before SOURCE
-        generation = Generation(images=images, **{k: options.pop(k) for k in GENERATION_FIELDS if k in options})
+        last = last_input_image(options.pop("last_image", None))
+        generation = Generation(images=images, last_image=last,
+                                **{k: options.pop(k) for k in GENERATION_FIELDS if k in options})
         placement = {k: options.pop(k) for k in PLACEMENT_FIELDS if k in options}
         strategy, plan_file = (device_map, None) if device_map in STRATEGIES else ("auto", device_map)
         return cls(source, prompt, generation=generation.with_settings(settings or {}),
@@ -112,6 +117,16 @@ def input_images(values, where: str = "--image") -> tuple[InputImage, ...]:
         else:
             raise UsageError(f"{where} takes image paths or PIL images, not a {type(value).__name__}.")
     return tuple(out)
+
+
+def last_input_image(value, where: str = "--last-image") -> InputImage | None:
+    """A video's last frame (`--last-image`, the API's `last_image=`, a queue item's "last_image"): one path, PIL
+    image or InputImage, read as `input_images` reads each; None: none."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        raise UsageError(f"{where} takes one image (the video's last frame), not a list.")
+    return input_images(value, where)[0]
 
 
 def in_memory_image(image) -> InputImage:
@@ -149,7 +164,9 @@ def make_run_plan(source: Source, request: RunRequest, inputs: InputSpec, family
     if needed and not inputs.image_sizes:
         inputs = replace(inputs, image_sizes=((inputs.width, inputs.height),) * needed)
 
-    return make_named_plan(str(source.root), source.spec, PlanOptions(request.placement, inputs))
+    single = next((c.single_file for c in source.components if c.single_file is not None), None)
+    root, pipeline = (str(single.path), str(source.root)) if single is not None else (str(source.root), None)
+    return make_named_plan(root, source.spec, PlanOptions(request.placement, inputs, pipeline=pipeline))
 
 
 def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement: PlacementSpec, where: str) -> None:
@@ -277,15 +294,19 @@ def _mps_available() -> bool:
 def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda message: None):
     """Resolve SOURCE (the demo when None), refuse what cannot run; (source, family, demo, defaults, notices)."""
     from dm_cli.model.demo import DEMO_NOTICE, is_demo, source_root
-    from dm_cli.model.sources import preset_refusal, resolve_source
+    from dm_cli.model.single_file_weights import resolve_with_pipeline, without_weights
+    from dm_cli.model.sources import preset_refusal
 
     demo = is_demo(request.source)
     spec, root, defaults = source_root(request.source, status)
-    source = resolve_source(root)
+    source = resolve_with_pipeline(root, request.pipeline)
     source.spec = spec
     notices = [DEMO_NOTICE] if demo else []
     if source.kind != "pipeline":
         raise UsageError(f"dmap run needs a pipeline folder (model_index.json); {request.source} is a single {source.kind}.")
+    missing = without_weights(source)
+    if missing:
+        raise UsageError(missing)
     if source.preset and all(c.weights is None for c in source.components):
         raise UsageError(preset_refusal(source.preset))
     family = family_for(source.pipeline_class)
@@ -340,6 +361,8 @@ def check_component_files(comp) -> int:
     """Headers of a component's safetensors validated; returns the largest shard's size."""
     from dm_cli.io.checkpoint import open_checkpoint
 
+    if comp.single_file is not None:  # its header was read (and checked) when SOURCE was resolved
+        return comp.single_file.path.stat().st_size
     if comp.weights is None:
         raise CheckpointError(
             f"Component '{comp.name}' has no safetensors weights in {comp.folder}: add them (dmap shard converts .bin files) "

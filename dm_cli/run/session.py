@@ -78,6 +78,12 @@ class Session:
 
         status = on_status or (lambda message: None)
         plan, where = self._settle(request, plan, status)
+        from dm_cli.run.parallel import step_sharing
+
+        # torchrun ranks sharing each step (--parallel, or the plan file's `parallel`): None for one process per image;
+        # refused (one sentence) before anything is imported or planned
+        self.sharing = step_sharing(request.parallel, plan, self)
+        self.is_main = self.sharing is None or self.sharing.is_main  # rank 0 decodes and gets the images
         # missing or corrupt weights are bad input: say so before importing the libraries or planning
         largest = {c.name: check_component_files(c) for c in self.source.components}
         status("Importing torch, diffusers and transformers…")
@@ -91,9 +97,12 @@ class Session:
         self.staged = plan.mode != "resident"
         # measure=False: no activation tracker (Python work on every op) nor RSS sampling; `dmap run --prompt`
         # measures each stage, a queue only wants its images
-        self._loop = StageLoop(self.source, plan, self.family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
-                               largest_shard=largest, track_activations=request.simulate or request.track_activations,
-                               on_status=on_status, measure=measure)
+        from dm_cli.run.parallel import ParallelStageLoop
+
+        loop, shared = (StageLoop, {}) if self.sharing is None else (ParallelStageLoop, {"sharing": self.sharing})
+        self._loop = loop(self.source, plan, self.family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
+                          largest_shard=largest, track_activations=request.simulate or request.track_activations,
+                          on_status=on_status, measure=measure, **shared)
         # per stage of the plan, over every generate(): how often its components were loaded, and the time
         # spent loading and running them (what a queue saves by loading once per chunk)
         self.stage_totals: dict[str, dict] = {s.name: {"loads": 0, "load_s": 0.0, "run_s": 0.0} for s in plan.stages}
@@ -180,6 +189,7 @@ class Session:
             check_count("steps", item.steps, f"Item {item.index}: 'steps'")
         generation = replace(self.generation, negative_prompt=item.negative_prompt or job.negative_prompt,
                              steps=item.steps or job.steps, images=item.images or self.generation.images,
+                             last_image=item.last_image or self.generation.last_image,
                              guidance_scale=job.guidance_scale if item.guidance_scale is None else item.guidance_scale)
         generation = generation.with_settings({**(settings or {}), **dict(item.settings)})
         try:
@@ -235,20 +245,22 @@ class Session:
     # --- generating ----------------------------------------------------------------------------
 
     def generate(self, prompts: str | Iterable, *, seed: int = 0, negative_prompt: str | None = None,
-                 steps: int | None = None, guidance_scale: float | None = None, image=None, chunk_size: int | None = None,
+                 steps: int | None = None, guidance_scale: float | None = None, image=None, last_image=None,
+                 chunk_size: int | None = None,
                  chunk_memory: int | None = None, on_step: Callable[[int, int], None] | None = None,
                  on_chunk: Callable[[int, int], None] | None = None, **settings) -> Iterator[Generated]:
         """Images for each prompt, in order: prompt i gets seed `seed + i` (QueueItems carry their own).
 
         `settings`: the family's own (`dm_cli.families.Setting`: true_cfg_scale=..., guidance_scale_2=...),
         over the ones `load` was given; a QueueItem's own settings win over them. `image`: input images for every
-        prompt (a path, a PIL image, or a list of them, in order; None: the ones `load` was given).
+        prompt (a path, a PIL image, or a list of them, in order; None: the ones `load` was given); `last_image`: the
+        last frame of every video (Wan 2.2 image-to-video; None: the one `load` was given).
 
         Staged plans run stage-major: each chunk of prompts is encoded with the text encoders loaded
         once, denoised with the denoiser loaded once, decoded with the VAE loaded once; each image is
         yielded as soon as it is decoded. Same pixels as one prompt at a time with the same seeds.
         """
-        items = _items(prompts, seed, negative_prompt, steps, guidance_scale, image)
+        items = _items(prompts, seed, negative_prompt, steps, guidance_scale, image, last_image)
         jobs = [(item, self.job_for(item, settings)) for item in items]
         if not jobs:
             return
@@ -274,7 +286,7 @@ class Session:
                         totals["run_s"] += result.run_s
 
     def _generated(self, item: QueueItem, job, carry, seconds: float) -> Generated:
-        if carry.latents is None or not carry.images:
+        if carry.latents is None or (not carry.images and self.is_main):  # other ranks of a shared step decode nothing
             raise UsageError("The plan has no denoise or decode stage: nothing was generated.")
         return Generated(item.index, item.prompt, item.seed, list(carry.images), self.metadata(job), seconds,
                          carry.latents)
@@ -302,11 +314,12 @@ class Session:
         self.close()
 
 
-def _items(prompts, seed: int, negative_prompt, steps, guidance_scale, image=None) -> list[QueueItem]:
+def _items(prompts, seed: int, negative_prompt, steps, guidance_scale, image=None, last_image=None) -> list[QueueItem]:
     from dm_cli.inputs import check_count
-    from dm_cli.run.request import input_images
+    from dm_cli.run.request import input_images, last_input_image
 
     images = input_images(image, "image")  # read once, before anything runs
+    last = last_input_image(last_image, "last_image")
 
     if steps is not None:  # generate(steps=...) gets --steps' bound before anything runs
         check_count("steps", steps, "steps")
@@ -319,7 +332,7 @@ def _items(prompts, seed: int, negative_prompt, steps, guidance_scale, image=Non
         elif isinstance(entry, str):
             items.append(QueueItem(index, entry, check_seed(seed + index, f"Prompt {index}: the seed"),
                                    default_output_name(index), negative_prompt, steps, guidance_scale,
-                                   images=images))
+                                   images=images, last_image=last))
         else:
             raise UsageError(f"Prompt {index} is a {type(entry).__name__}: give strings (or dm_cli.run.queue.QueueItem).")
     return items

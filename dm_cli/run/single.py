@@ -108,8 +108,10 @@ def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunR
     finally:
         pipeline.close()
     result.split_check, result.split_problems = pipeline.split_check, pipeline.split_problems
-    if carry.latents is None or not carry.images:
+    if carry.latents is None or (not carry.images and pipeline.is_main):  # a shared step's other ranks decode nothing
         raise UsageError("The plan has no denoise or decode stage: nothing was generated.")
+    if not pipeline.is_main:  # rank 0 writes the outputs (dm_cli.run.parallel)
+        return result
     result.images_data = carry.images
     result.latents = carry.latents.detach().to("cpu")
     metadata = pipeline.metadata(job)

@@ -215,7 +215,10 @@ class StageLoop:
         kwargs.update(self.family.call_kwargs(self.pipe, job))
         if image_latents is not None:  # the stage consumes an encoded input image: denoising starts from it
             kwargs.update(self.family.image_kwargs(self.pipe, job, image_latents.to(device)))
-        params = pyinspect.signature(type(self.pipe).__call__).parameters
+        # a family may denoise with another pipeline class over the same components (LTX-2's image-to-video)
+        pipe = getattr(self.family, "denoising_pipeline", lambda pipe, job, image_latents: pipe)(
+            self.pipe, job, image_latents)
+        params = pyinspect.signature(type(pipe).__call__).parameters
         if "max_sequence_length" in params and job.max_sequence_length:
             kwargs["max_sequence_length"] = job.max_sequence_length
         # embeddings are already repeated per image (or video): one per prompt embedding
@@ -233,7 +236,7 @@ class StageLoop:
                 switch(step)
             return callback_kwargs
 
-        out = self.pipe(
+        out = pipe(
             prompt=None, height=job.height, width=job.width, num_inference_steps=job.steps,
             generator=torch.Generator().manual_seed(job.seed), output_type="latent", callback_on_step_end=step_end,
             return_dict=False, **kwargs,
@@ -411,7 +414,10 @@ class StageLoop:
             stage = _stage_result(stage_plan)
             start = time.perf_counter()
             stage.resident_before = self.meter.resident()
-            if staged:
+            # the image-encode stage of a family that takes input images has nothing to encode when no job brings
+            # one (LTX-2 text-to-video, Kontext from text): it runs (Family.encode_image says so) without its components
+            needed = stage_plan.kind != ENCODE_IMAGE or not self.family.max_input_images or any(j.images for j in jobs)
+            if staged and needed:
                 self.load_stage(stage.components, stage)
                 stage.load_s = time.perf_counter() - start
             stage.resident_after_load = self.meter.resident()
@@ -426,7 +432,7 @@ class StageLoop:
                         carry, carries[n] = carries[n], None  # nothing of a yielded job stays here
                         yield n, carry, seconds[n]
             finally:
-                if staged:
+                if staged and needed:
                     self.unload_stage(stage.components)
             stage.run_s, stage.measured_peak = run_s, peak
             stage.wall_s = time.perf_counter() - start

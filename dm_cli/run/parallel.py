@@ -1,0 +1,387 @@
+"""Parallel within a step under torchrun: CFG-parallel and context parallel (Ulysses) for one image at a time.
+
+`dmap run --parallel cfg|context|cfg+context|auto` (or a plan file's `parallel`, dm_cli.planning.parallel) under
+`torchrun --nproc-per-node N`: every rank runs the same denoising loop on the same latents (same seed), and the
+ranks share the work inside each denoiser call.
+
+- **cfg** (2 ranks per image): the two guidance branches on two ranks. A doubled batch ([uncond, cond] in one
+  call: SD, SDXL, SD3, Z-Image, LTX-2): rank b of the pair runs half b of every batched input and the halves
+  of the output are all-gathered (`BatchHalves`). Two separate calls per step (Qwen-Image's true CFG, Wan's
+  cond and uncond calls): branch 0 runs the first (cond) call, branch 1 the second (uncond); branch 1 answers
+  the first call with an empty tensor that it fills in place at the second call, after the exchange
+  (`SeparateCalls`: both pipelines only hold the first call's output between the two calls).
+- **context** (Ulysses degree u): diffusers' `ContextParallelConfig(ulysses_degree=u)` through
+  `enable_parallelism` on denoisers with a `_cp_plan`: the sequence is split over the ranks, attention heads
+  exchanged all-to-all, the output gathered inside the model's forward.
+- **cfg+context**: ranks r and r+u form a CFG pair, ranks of one branch a Ulysses group (a (cfg, ring, ulysses)
+  device mesh).
+
+The text encoders run once, on rank 0 (as the plan places them), and their embeddings are broadcast to the
+other ranks: a second copy of a large encoder per rank is what users ask to avoid, and encoding is a small part
+of a step-bound run. The VAE decodes once, on rank 0, which writes the outputs; the other ranks load only the
+denoiser (whole, on GPU r under CUDA) and return no images.
+
+On a machine without an accelerator diffusers' `_resolve_parallel_config` cannot run: it picks the rank's
+device as `rank % torch.accelerator.device_count()`, a ZeroDivisionError with no accelerator. `enable_context`
+then builds the same `ParallelConfig` with the CPU as the device (everything else, the all-to-all over gloo
+included, is diffusers' own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dm_cli.errors import UsageError
+from dm_cli.families.stages import DECODE, DECODE_AUDIO, ENCODE, ENCODE_IMAGE
+from dm_cli.run.distributed import Ranks
+from dm_cli.run.stages import StageLoop
+
+RUN_CHOICES = ("none", "cfg", "context", "cfg+context", "auto")
+LAUNCH = "launch it with torchrun --nproc-per-node N (N = 2 for cfg, the Ulysses degree for context)"
+
+
+@dataclass(frozen=True)
+class StepSharing:
+    """How this torchrun launch shares each denoising step: layout, degrees, and where this rank stands."""
+
+    layout: str  # cfg, context or cfg+context
+    cfg: int
+    ulysses: int
+    ranks: Ranks
+    guidance: str = ""  # "batch" or "separate" (cfg): how the pipeline runs its two branches
+
+    @property
+    def branch(self) -> int:
+        """The CFG branch this rank computes (0: the first half or the first call; 1: the other)."""
+        return self.ranks.rank // self.ulysses if self.cfg == 2 else 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.ranks.is_main
+
+    def describe(self) -> str:
+        from dm_cli.planning.parallel import layout_title
+
+        return f"{layout_title(self.layout, self.cfg, self.ulysses)} over {self.ranks.world_size} torchrun ranks"
+
+
+# --- settling the choice ------------------------------------------------------------------------------
+
+
+def step_sharing(choice: str | None, plan, session, ranks: Ranks | None = None) -> StepSharing | None:
+    """The sharing this run uses: `choice` (--parallel; None: follow the plan file's `parallel` when torchrun
+    started as many ranks as it records), or None for one process per image. Refusals are one sentence."""
+    ranks = ranks or Ranks.from_env()
+    recorded = getattr(plan, "parallel", None)
+    if choice is None and recorded is not None and recorded.layout != "split":
+        if ranks.world_size == 1:
+            session.notices.append(f"The plan shares each step over {recorded.world_size} torchrun ranks "
+                                   f"({recorded.title}); this is one process, so it runs the single-process "
+                                   f"placement: launch with torchrun --nproc-per-node {recorded.world_size} to share.")
+            return None
+        if ranks.world_size != recorded.world_size:
+            raise UsageError(f"The plan shares each step over {recorded.world_size} ranks ({recorded.title}) but "
+                             f"torchrun started {ranks.world_size}: launch with --nproc-per-node "
+                             f"{recorded.world_size}, or give --parallel none.")
+        choice = recorded.layout
+    if choice in (None, "none"):
+        return None
+    if choice not in RUN_CHOICES:
+        raise UsageError(f"--parallel must be {', '.join(RUN_CHOICES[:-1])} or auto, not {choice!r}.")
+    if ranks.world_size == 1:
+        raise UsageError(f"--parallel {choice} shares each step among torchrun ranks and this is one process: {LAUNCH}.")
+    layout, guidance = _layout(choice, ranks.world_size, session)
+    sharing = StepSharing(layout.layout, layout.cfg, layout.ulysses, ranks, guidance.kind)
+    session.notices.append(f"Each denoising step is shared: {sharing.describe()}; rank 0 encodes, decodes and "
+                           "writes the outputs.")
+    return sharing
+
+
+def _layout(choice: str, world_size: int, session):
+    """(candidate, guidance) for `choice` on this SOURCE and generation; auto prefers cfg+context, then cfg
+    (one exchange per step), then context."""
+    from dm_cli.planning.parallel import ParallelRequest, candidates, denoiser_shape, guidance_branches
+
+    family, generation = session.family, session.generation
+    inputs = session._inputs()
+    comp = next(c for c in session.source.components if c.name == family.denoiser)
+    guidance = guidance_branches(family, inputs, generation.negative_prompt, dict(generation.settings))
+    shape = denoiser_shape(comp, session.source.pipeline_class, inputs, family, 4)
+    found, refused = candidates(ParallelRequest(world_size, choice).settled(), guidance, shape)
+    found = [c for c in found if c.layout != "split"]
+    if not found:
+        raise UsageError(f"--parallel auto finds no layout for {world_size} ranks: " + " ".join(refused.values()))
+    order = ("cfg+context", "cfg", "context")
+    return min(found, key=lambda c: order.index(c.layout)), guidance
+
+
+def check_job(sharing: StepSharing, family, job) -> None:
+    """A job (a generate() call may change guidance) must still have two guidance branches under cfg."""
+    if sharing.cfg != 2:
+        return
+    from dm_cli.inputs import InputSpec
+    from dm_cli.planning.parallel import guidance_branches
+
+    inputs = InputSpec(job.height, job.width, 1, job.num_images, job.guidance_scale, job.max_sequence_length,
+                       job.num_frames)
+    guidance = guidance_branches(family, inputs, job.negative_prompt, dict(job.settings))
+    if guidance.branches != 2:
+        raise UsageError(guidance.why_not)
+
+
+# --- the process group and the mesh ------------------------------------------------------------------------
+
+
+def join(sharing: StepSharing, cuda: bool):
+    """Join the group (gloo for objects; NCCL for tensors on GPUs) and build the (cfg, ring, ulysses) mesh:
+    (mesh, the CFG pair's group, whether this call joined)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    owner = not dist.is_initialized()  # a script that joined first keeps its group after the session
+    sharing.ranks.join("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(sharing.ranks.local_rank % torch.cuda.device_count())
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (sharing.cfg, 1, sharing.ulysses),
+                            mesh_dim_names=("cfg", "ring", "ulysses"))
+    return mesh, (mesh["cfg"].get_group() if sharing.cfg == 2 else dist.group.WORLD), owner
+
+
+def broadcast(value, sharing: StepSharing):
+    """Rank 0's `value` on every rank (tensors through the CPU: they may sit on rank 0's GPUs)."""
+    import torch
+    import torch.distributed as dist
+
+    box = [_to_cpu(value) if sharing.is_main else None]
+    dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))
+    return box[0]
+
+
+def _to_cpu(value):
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    if hasattr(value, "tensors") and isinstance(value.tensors, dict):  # families.Embeds
+        return type(value)(_to_cpu(value.tensors))
+    return value
+
+
+def _gather(tensor, group):
+    """Every member's `tensor` of `group`, in rank order."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return parts
+
+
+# --- CFG-parallel: the two shapes of guidance -------------------------------------------------------------
+
+
+def _main_input(args, kwargs):
+    for key in ("hidden_states", "sample", "x"):
+        if key in kwargs:
+            return kwargs[key]
+    return args[0] if args else None
+
+
+def _batch_of(value) -> int | None:
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return value.shape[0] if getattr(value, "dim", lambda: 0)() > 0 else None
+
+
+def _half(value, batch: int, branch: int):
+    """`value`'s half for `branch` when it is batched (first dimension or length `batch`), else itself."""
+    import torch
+
+    size = batch // 2
+    if isinstance(value, torch.Tensor):
+        return value[branch * size:(branch + 1) * size] if value.dim() > 0 and value.shape[0] == batch else value
+    if isinstance(value, (list, tuple)) and len(value) == batch and all(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(value[branch * size:(branch + 1) * size])
+    if isinstance(value, dict):
+        return {k: _half(v, batch, branch) for k, v in value.items()}
+    return value
+
+
+def _joined(value, half: int, group):
+    """The all-gathered halves of an output value (a batched tensor, or a list of per-sample tensors)."""
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == half:
+        return torch.cat(_gather(value, group), dim=0)
+    if isinstance(value, list) and len(value) == half and all(isinstance(v, torch.Tensor) for v in value):
+        return [t for part in _gather(torch.stack(value), group) for t in part.unbind(0)]
+    return value
+
+
+class BatchHalves:
+    """A denoiser forward that runs this rank's half of a CFG-doubled batch and all-gathers the outputs."""
+
+    def __init__(self, forward, branch: int, group):
+        self.forward, self.branch, self.group = forward, branch, group
+
+    def __call__(self, *args, **kwargs):
+        batch = _batch_of(_main_input(args, kwargs))
+        if batch is None or batch % 2:  # not a doubled batch (guidance off for this call): every rank runs it
+            return self.forward(*args, **kwargs)
+        out = self.forward(*[_half(a, batch, self.branch) for a in args],
+                           **{k: _half(v, batch, self.branch) for k, v in kwargs.items()})
+        if isinstance(out, tuple):
+            return tuple(_joined(v, batch // 2, self.group) for v in out)
+        for key in list(out.keys()):  # a diffusers BaseOutput
+            out[key] = _joined(out[key], batch // 2, self.group)
+        return out
+
+
+class SeparateCalls:
+    """Two denoiser calls per step (cond, then uncond) shared by a CFG pair: branch 0 runs the first, branch 1
+    the second. Branch 1 answers the first call with an empty tensor and fills it in place at the second call,
+    after the exchange; branch 0 answers the second call with branch 1's output. One object for every expert
+    (Wan 2.2): a step's two calls go to the same one."""
+
+    def __init__(self, branch: int, group):
+        self.branch, self.group = branch, group
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls, self.first, self.timestep = 0, None, None
+
+    def wrap(self, forward, dtype):
+        def call(*args, **kwargs):
+            return self._call(forward, dtype, args, kwargs)
+        return call
+
+    def _call(self, forward, dtype, args, kwargs):
+        import torch
+
+        if kwargs.get("return_dict", True):
+            raise RuntimeError("CFG-parallel over separate calls needs the pipeline's return_dict=False calls.")
+        timestep = kwargs.get("timestep")
+        if self.calls == 0:
+            self.calls, self.timestep = 1, timestep
+            if self.branch == 0:
+                out = forward(*args, **kwargs)
+                self.first = out[0]
+                return out
+            self.first = torch.empty(0, dtype=dtype, device=_main_input(args, kwargs).device)
+            return (self.first,)
+        if timestep is not None and self.timestep is not None and not torch.equal(timestep, self.timestep):
+            raise RuntimeError("CFG-parallel expected the second (uncond) call of a step and got another step's "
+                               "call: this pipeline does not make two calls every step.")
+        mine = self.first if self.branch == 0 else forward(*args, **kwargs)[0]
+        cond, uncond = _gather(mine, self.group)
+        if self.branch == 1:
+            if cond.dtype != self.first.dtype:
+                raise RuntimeError(f"The denoiser returned {cond.dtype}, not its weights' {self.first.dtype}.")
+            self.first.resize_(cond.shape).copy_(cond)
+        self.reset()
+        return (uncond if self.branch == 0 else mine,)
+
+
+# --- context parallel -----------------------------------------------------------------------------------
+
+
+def enable_context(model, sharing: StepSharing, mesh, cuda: bool) -> None:
+    """diffusers' Ulysses context parallel on `model` over this rank's Ulysses group of `mesh`."""
+    from diffusers import ContextParallelConfig
+
+    if not getattr(model, "_cp_plan", None):
+        raise UsageError(f"{type(model).__name__} has no _cp_plan in this diffusers, so it cannot run context "
+                         "parallel: use --parallel cfg.")
+    config = ContextParallelConfig(ulysses_degree=sharing.ulysses, mesh=mesh["ring", "ulysses"])
+    if not cuda:
+        model._resolve_parallel_config = lambda given: _cpu_parallel_config(model, given, sharing)
+    model.enable_parallelism(config=config)
+
+
+def _cpu_parallel_config(model, config, sharing: StepSharing):
+    """diffusers' `_resolve_parallel_config` with the CPU as the device (see the module's doc)."""
+    import torch
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+    config = ParallelConfig(context_parallel_config=config)
+    config.setup(sharing.ranks.rank, sharing.ranks.world_size, torch.device("cpu"),
+                 mesh=config.context_parallel_config.mesh)
+    model._parallel_config = config
+    return config
+
+
+# --- the stage loop ------------------------------------------------------------------------------------
+
+
+class ParallelStageLoop(StageLoop):
+    """The stage loop of one rank of a shared step: encoders and VAE on rank 0 only (embeddings broadcast,
+    images decoded once), the denoiser whole on every rank with CFG-parallel and/or context parallel."""
+
+    def __init__(self, *args, sharing: StepSharing, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sharing = sharing
+        self.denoisers = {self.family.denoiser, *self.family.experts}
+        self.mesh, self.cfg_group, self.owns_group = join(sharing, self.cuda)
+        self.separate = SeparateCalls(sharing.branch, self.cfg_group) if sharing.guidance == "separate" else None
+
+    def device_map(self, name: str) -> dict:
+        """The denoiser whole on this rank's GPU (rank r on GPU r); everything else as planned."""
+        if name in self.denoisers and self.cuda:
+            import torch
+
+            return {"": torch.cuda.current_device()}
+        return super().device_map(name)
+
+    def load_stage(self, names: list[str], stage=None) -> None:
+        mine = [n for n in names if self.sharing.is_main or n in self.denoisers]
+        fresh = [n for n in mine if n not in self.loaded]
+        super().load_stage(mine, stage)
+        for name in fresh:
+            if name in self.denoisers:
+                self._share(self.loaded[name])
+
+    def _share(self, model) -> None:
+        if self.sharing.ulysses > 1:
+            enable_context(model, self.sharing, self.mesh, self.cuda)
+        if self.sharing.cfg == 2:
+            dtype = next(model.parameters()).dtype
+            model.forward = (self.separate.wrap(model.forward, dtype) if self.separate is not None
+                             else BatchHalves(model.forward, self.sharing.branch, self.cfg_group))
+
+    def _runner(self, stage_plan):
+        if stage_plan.kind in (ENCODE, ENCODE_IMAGE):
+            return ParallelStageLoop._run_once_and_share
+        if stage_plan.kind in (DECODE, DECODE_AUDIO):
+            return ParallelStageLoop._run_on_main
+        return super()._runner(stage_plan)
+
+    def _run_once_and_share(self, stage_plan, job, carry, on_step) -> None:
+        """Encode on rank 0; every rank gets what the stage produces (embeddings, image latents)."""
+        if self.sharing.is_main:
+            super()._runner(stage_plan)(self, stage_plan, job, carry, on_step)
+        made = broadcast({value: getattr(carry, value) for value in stage_plan.produces}, self.sharing)
+        for value, data in made.items():
+            setattr(carry, value, data)
+
+    def _run_on_main(self, stage_plan, job, carry, on_step) -> None:
+        """Decode on rank 0 only (it writes the outputs); the other ranks keep the latents and make no images."""
+        if self.sharing.is_main:
+            super()._runner(stage_plan)(self, stage_plan, job, carry, on_step)
+
+    def denoise(self, names, job, embeds, on_step, switch=None, image_latents=None, whole: bool = False):
+        check_job(self.sharing, self.family, job)
+        if self.separate is not None:
+            self.separate.reset()
+        out = super().denoise(names, job, embeds, on_step, switch, image_latents, whole)
+        if self.separate is not None and self.separate.calls:
+            raise RuntimeError("CFG-parallel over separate calls ended a denoise between a step's two calls.")
+        return out
+
+    def close(self) -> None:
+        super().close()
+        if self.owns_group:
+            self.sharing.ranks.leave()

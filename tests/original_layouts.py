@@ -1,0 +1,110 @@
+"""diffusers' tensor names back to the original (community) layouts, for tests that write single files: the inverse
+of diffusers' `convert_wan_transformer_to_diffusers` and `convert_flux2_transformer_checkpoint_to_diffusers`
+(0.42.1). The tests check each inverse by running diffusers' own conversion back.
+
+`to_original(names_and_shapes, layout)` returns {original name: shape}; FLUX.2's fused projections (q, k, v of the
+double blocks) are concatenated along rows, as the original checkpoints store them.
+"""
+
+WAN_RENAMES = [  # diffusers -> Wan (convert_wan_transformer_to_diffusers, read backwards)
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("attn2", "cross_attn"), ("attn1", "self_attn"),
+    (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
+    ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"),
+    ("norm2", "norm__swap"), ("norm3", "norm2"), ("norm__swap", "norm3"),
+]
+
+FLUX2_TOP = [  # diffusers -> BFL FLUX.2, outside the blocks
+    ("x_embedder", "img_in"), ("context_embedder", "txt_in"),
+    ("time_guidance_embed.timestep_embedder.linear_1", "time_in.in_layer"),
+    ("time_guidance_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+    ("time_guidance_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
+    ("time_guidance_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
+    ("double_stream_modulation_img.linear", "double_stream_modulation_img.lin"),
+    ("double_stream_modulation_txt.linear", "double_stream_modulation_txt.lin"),
+    ("single_stream_modulation.linear", "single_stream_modulation.lin"),
+    ("proj_out", "final_layer.linear"), ("norm_out.linear", "final_layer.adaLN_modulation.1"),
+]
+FLUX2_DOUBLE = {
+    "attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm", "attn.to_out.0": "img_attn.proj",
+    "ff.linear_in": "img_mlp.0", "ff.linear_out": "img_mlp.2", "attn.norm_added_q": "txt_attn.norm.query_norm",
+    "attn.norm_added_k": "txt_attn.norm.key_norm", "attn.to_add_out": "txt_attn.proj",
+    "ff_context.linear_in": "txt_mlp.0", "ff_context.linear_out": "txt_mlp.2",
+    "attn.to_q": "img_attn.qkv", "attn.to_k": "img_attn.qkv", "attn.to_v": "img_attn.qkv",
+    "attn.add_q_proj": "txt_attn.qkv", "attn.add_k_proj": "txt_attn.qkv", "attn.add_v_proj": "txt_attn.qkv",
+}
+FLUX2_SINGLE = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2", "attn.norm_q": "norm.query_norm",
+                "attn.norm_k": "norm.key_norm"}
+NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+
+def wan_name(name: str) -> str:
+    if name == "scale_shift_table":
+        return "head.modulation"
+    if name.startswith("proj_out."):
+        return "head.head." + name.removeprefix("proj_out.")
+    name = name.replace("scale_shift_table", "modulation")
+    for new, old in WAN_RENAMES:
+        name = name.replace(new, old)
+    return "model.diffusion_model." + name  # ComfyUI's prefix
+
+
+def flux2_name(name: str) -> str:
+    for prefix, table, new_prefix in (("transformer_blocks.", FLUX2_DOUBLE, "double_blocks."),
+                                      ("single_transformer_blocks.", FLUX2_SINGLE, "single_blocks.")):
+        if name.startswith(prefix):
+            index, inner = name.removeprefix(prefix).split(".", 1)
+            module, param = inner.rsplit(".", 1)
+            param = "scale" if module.rsplit(".", 1)[-1] in NORMS else param
+            return f"{new_prefix}{index}.{table[module]}.{param}"
+    for new, old in FLUX2_TOP:
+        if name.startswith(new + "."):
+            return old + name[len(new):]
+    return name
+
+
+def to_original(shapes: dict[str, tuple[int, ...]], layout: str) -> dict[str, tuple[int, ...]]:
+    """{diffusers name: shape} -> {original name: shape}; fused q/k/v stack their rows."""
+    rename = {"wan": wan_name, "flux2": flux2_name}[layout]
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        original = rename(name)
+        if original in out:  # q, k, v of one fused projection
+            out[original] = (out[original][0] + shape[0], *shape[1:])
+        else:
+            out[original] = tuple(shape)
+    return out
+
+
+def header_only_gguf(path, shapes: dict[str, tuple[int, ...]], quant):
+    """A GGUF file of these tensors (original names, outermost dim first) whose data is a hole: matrices whose rows
+    hold whole blocks in `quant` (a gguf.GGMLQuantizationType), the rest F32 (biases, norms) or F16 (convolutions),
+    as the community quantizations store them. Only headers are read by `dmap plan`."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "model")
+    block, type_size = gguf.GGML_QUANT_SIZES[quant]
+    total = 0
+    for name, shape in shapes.items():
+        if len(shape) == 2 and shape[-1] % block == 0:
+            nbytes = shape[0] * shape[1] // block * type_size
+            writer.add_tensor_info(name, (shape[0], shape[1] // block * type_size), np.dtype(np.uint8), nbytes,
+                                   raw_dtype=quant)
+        else:
+            kind = np.float32 if len(shape) < 2 else np.float16
+            nbytes = int(np.prod(shape)) * np.dtype(kind).itemsize
+            writer.add_tensor_info(name, shape, np.dtype(kind), nbytes)
+        total += gguf.GGUFWriter.ggml_pad(nbytes, writer.data_alignment)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    start = gguf.GGUFWriter.ggml_pad(path.stat().st_size, writer.data_alignment)
+    with open(path, "r+b") as handle:
+        handle.truncate(start + total)
+    return path

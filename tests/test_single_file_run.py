@@ -1,0 +1,166 @@
+"""`dmap plan FILE --pipeline P` and `dmap run FILE --pipeline FOLDER`: one component from a community single file
+(Wan's original-layout safetensors, a GGUF with Q8_0 and Q4_K tensors), the rest of the pipeline from a folder,
+loaded the way diffusers' `from_single_file` loads it; pixel-identical to diffusers doing that itself.
+
+The files are written here from a tiny random Wan 2.2 pipeline (its FFN widened to 256 so that one weight has rows
+a K-quant can hold) through the inverse of diffusers' `convert_wan_transformer_to_diffusers`, checked by running
+diffusers' own conversion back. gguf's writer quantizes Q8_0; it cannot quantize K-quants, so the Q4_K blocks are
+random codes under small scales, which any reader dequantizes alike.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import run_dmap
+from original_layouts import wan_name
+
+PROMPT, SIZE, FRAMES, STEPS, SEED = "a red fox in the snow", 32, 9, 4, 7
+
+
+def _q4_k(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Q4_K blocks (144 bytes per 256 weights): f16 scale and min, 12 bytes of 6-bit sub-scales, 128 of codes."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    blocks[..., 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
+@pytest.fixture(scope="module")
+def wan_files(tmp_path_factory):
+    """(pipeline folder, original-layout .safetensors, .gguf) of one tiny random Wan 2.2."""
+    torch = pytest.importorskip("torch")
+    import gguf
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+    from safetensors.torch import load_file, save_file
+
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
+
+    root = tmp_path_factory.mktemp("single-file-run")
+    configs = shutil.copytree(PRESETS_DIR / "tiny-wan", root / "configs")
+    for name in ("transformer", "transformer_2"):
+        config = json.loads((configs / name / "config.json").read_text())
+        (configs / name / "config.json").write_text(json.dumps({**config, "ffn_dim": 256}))
+    folder = write_random_pipeline(configs, root / "tiny-wan", seed=0)
+    state = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    original = {wan_name(k): v for k, v in state.items()}
+    back = convert_wan_transformer_to_diffusers(dict(original))
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    save_file(original, root / "wan-high-noise.safetensors")
+    writer = gguf.GGUFWriter(str(root / "wan-high-noise-Q8_0.gguf"), "wan")
+    for position, (name, tensor) in enumerate(original.items()):
+        array = tensor.float().numpy()
+        if array.ndim == 2 and array.shape[1] % 256 == 0:
+            writer.add_tensor(name, _q4_k(*array.shape, position),
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        elif array.ndim == 2 and array.shape[1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return folder, root / "wan-high-noise.safetensors", root / "wan-high-noise-Q8_0.gguf"
+
+
+def _diffusers_latents(folder, file):
+    """What diffusers gives loading the same file its own way."""
+    import diffusers
+    import torch
+
+    kwargs = {}
+    if file.suffix == ".gguf":
+        kwargs["quantization_config"] = diffusers.GGUFQuantizationConfig(compute_dtype=torch.float32)
+    transformer = diffusers.WanTransformer3DModel.from_single_file(
+        str(file), config=str(folder), subfolder="transformer", torch_dtype=torch.float32, local_files_only=True,
+        **kwargs)
+    pipe = diffusers.WanPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(PROMPT, num_frames=FRAMES, height=SIZE, width=SIZE, num_inference_steps=STEPS,
+                generator=torch.Generator().manual_seed(SEED), output_type="latent").frames
+
+
+def _dmap_latents(folder, file, tmp_path, **extra):
+    from safetensors.torch import load_file
+
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
+
+    tmp_path.mkdir()
+    request = RunRequest.of(source=str(file), pipeline=str(folder), prompt=PROMPT, steps=STEPS, height=SIZE,
+                            width=SIZE, seed=SEED, num_frames=FRAMES, output=str(tmp_path / "v.webp"),
+                            save_latents=str(tmp_path / "latents.safetensors"), **extra)
+    result = run(request)
+    return result, load_file(tmp_path / "latents.safetensors")["latents"]
+
+
+@pytest.mark.parametrize("which", ["safetensors", "gguf"])
+def test_run_is_identical_to_diffusers_from_single_file_unsplit_and_split(wan_files, which, tmp_path):
+    import torch
+
+    folder, safetensors_file, gguf_file = wan_files
+    file = safetensors_file if which == "safetensors" else gguf_file
+    expected = _diffusers_latents(folder, file)
+    result, latents = _dmap_latents(folder, file, tmp_path / "whole", max_memory="cpu=8GB")
+    assert torch.equal(latents, expected)
+    result, latents = _dmap_latents(folder, file, tmp_path / "split", max_memory="0=400KB,1=400KB,cpu=1GB",
+                                    overhead="0=0,1=0", simulate=True)
+    assert result.plan.components["transformer"].is_split, result.plan.components["transformer"]
+    assert result.split_check and result.split_problems == []
+    assert torch.equal(latents, expected)
+
+
+def _loaded_bytes(folder, file, dtype):
+    """Bytes of the transformer as diffusers' from_single_file holds it (GGUF: quantized data as stored)."""
+    import diffusers
+
+    kwargs = {"quantization_config": diffusers.GGUFQuantizationConfig(compute_dtype=dtype)} if file.suffix == ".gguf" else {}
+    model = diffusers.WanTransformer3DModel.from_single_file(str(file), config=str(folder), subfolder="transformer",
+                                                             torch_dtype=dtype, local_files_only=True, **kwargs)
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors), {getattr(t, "quant_type", None) for t in tensors}
+
+
+@pytest.mark.parametrize("which,dtype", [("safetensors", "float32"), ("gguf", "bfloat16")])
+def test_plan_counts_what_from_single_file_holds(wan_files, which, dtype):
+    import gguf
+    import torch
+
+    folder, safetensors_file, gguf_file = wan_files
+    file = safetensors_file if which == "safetensors" else gguf_file
+    code, out, err = run_dmap("plan", file, "--pipeline", folder, "-m", "cpu=8GB", "--frames", FRAMES,
+                              "--height", SIZE, "--width", SIZE, "--dtype", dtype, "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    expected, quant_types = _loaded_bytes(folder, file, getattr(torch, dtype))
+    assert plan["components"]["transformer"]["weights_bytes"] == expected
+    if which == "gguf":  # both types really are kept quantized, and the plan says what it counted for them
+        assert {gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K} <= quant_types
+        assert any("Q4_K" in w and "dequantizes" in w for w in plan["warnings"]), plan["warnings"]
+
+
+def test_refusals_are_one_sentence(wan_files, tmp_path):
+    folder, safetensors_file, gguf_file = wan_files
+    code, _, err = run_dmap("run", gguf_file, "--pipeline", "tiny-wan", "-p", "x", "-o", tmp_path / "a.png")
+    assert code == 2 and "does not match the pipeline's transformer" in err and "ffn" in err  # the preset's FFN is 32
+    configs_only = folder.parent / "configs"  # the preset's configs with this file's FFN: no weights
+    code, _, err = run_dmap("run", gguf_file, "--pipeline", configs_only, "-p", "x", "-o", tmp_path / "a.png")
+    assert code == 2 and "no weights for text_encoder, transformer_2, vae" in err and "Traceback" not in err
+    code, _, err = run_dmap("plan", folder, "--pipeline", "tiny-wan")
+    assert code == 2 and "single-file SOURCE" in err
+    code, _, err = run_dmap("plan", gguf_file, "--pipeline", folder, "--weights", "transformer=fp8")
+    assert code == 2 and "GGUF" in err
+    import torch
+    from safetensors.torch import save_file
+
+    wrong = tmp_path / "sd.safetensors"
+    save_file({"model.diffusion_model.blocks.0.self_attn.q.weight": torch.zeros(3, 3)}, wrong)
+    code, _, err = run_dmap("plan", wrong, "--pipeline", folder)
+    assert code == 2 and "does not" in err and "Traceback" not in err, err
+    code, _, err = run_dmap("plan", gguf_file)
+    assert code == 2 and "--pipeline" in err
