@@ -140,6 +140,19 @@ def packed_latents(inputs: InputSpec, factor: int) -> tuple[int, int, int]:
     return latent_h, latent_w, (latent_h // 2) * (latent_w // 2)
 
 
+def check_video_length(inputs: InputSpec, temporal: int, model: str) -> None:
+    """A video family's rule on --frames (t*k + 1, t the VAE's temporal compression) and --fps, one sentence each."""
+    frames = inputs.num_frames
+    if frames is not None and frames < 1:
+        raise UsageError(f"--frames must be at least 1 (got {frames}).")
+    if frames is not None and (frames - 1) % temporal:
+        lower = frames - (frames - 1) % temporal
+        raise UsageError(f"--frames {frames} is not {temporal}k+1, which {model} needs (its VAE compresses {temporal} "
+                         f"frames into one): use {max(lower, 1)} or {lower + temporal}.")
+    if inputs.fps is not None and inputs.fps < 1:
+        raise UsageError(f"--fps must be at least 1 (got {inputs.fps}).")
+
+
 def pooled_embeds(do_cfg: bool, pe, npe, ppe, nppe) -> Embeds:
     """__call__ arguments from an encode_prompt that returns pooled embeddings (SDXL, SD3), negatives under CFG."""
     out = {"prompt_embeds": pe, "pooled_prompt_embeds": ppe}

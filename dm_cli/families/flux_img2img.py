@@ -23,6 +23,42 @@ from dm_cli.inputs import Generation
 DEFAULT_STRENGTH = 0.6  # FluxImg2ImgPipeline.__call__'s strength
 
 
+def strength_refusal(generation: Generation) -> str | None:
+    """An image-to-image pipeline's rules on --strength (FLUX.1 and Qwen-Image alike), one sentence."""
+    strength = generation.setting("strength", DEFAULT_STRENGTH)
+    if not 0.0 <= strength <= 1.0:
+        return f"--strength must be from 0 to 1, not {strength}."
+    steps = generation.steps
+    if steps is not None and denoising_steps(steps, strength) < 1:
+        return (f"--strength {strength} leaves none of the {steps} steps to run (the pipeline runs about "
+                f"steps x strength of them): raise --strength.")
+    return None
+
+
+def noised_image_latents(pipe, job: Job, device, calculate_shift, retrieve_timesteps):
+    """The input image resized, VAE-sampled and noised to the first step `strength` leaves, as the flow-matching
+    image-to-image pipelines (FluxImg2ImgPipeline, QwenImageImg2ImgPipeline) do before their loop: their timesteps
+    (`calculate_shift`, `retrieve_timesteps` from the pipeline's module), their prepare_latents, the run's seed.
+    Returns what that prepare_latents returns."""
+    import numpy as np
+    import torch
+
+    from dm_cli.io.input_images import open_input
+
+    image = pipe.image_processor.preprocess(open_input(job.images[0]), height=job.height, width=job.width)
+    image = image.to(dtype=torch.float32)
+    steps, config, factor = job.steps, pipe.scheduler.config, pipe.vae_scale_factor
+    mu = calculate_shift((job.height // factor // 2) * (job.width // factor // 2),
+                         config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                         config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+    # the scheduler's state is the pipeline's own: its __call__ sets the same timesteps again before its loop
+    _, count = retrieve_timesteps(pipe.scheduler, steps, device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    timesteps, _ = pipe.get_timesteps(count, job.setting("strength", DEFAULT_STRENGTH), device)
+    batch = job.num_images or 1
+    return pipe.prepare_latents(image, timesteps[:1].repeat(batch), batch, pipe.transformer.config.in_channels // 4,
+                                job.height, job.width, pipe.vae.dtype, device, torch.Generator().manual_seed(job.seed))
+
+
 def denoising_steps(steps: int, strength: float) -> int:
     """The steps FluxImg2ImgPipeline runs of `steps` at `strength` (its get_timesteps)."""
     start = int(max(steps - min(steps * strength, steps), 0))
@@ -47,42 +83,13 @@ class FluxImg2ImgFamily(FluxFamily):
         return "FLUX.1 image-to-image"
 
     def refusal(self, generation: Generation, components: tuple[str, ...] = ()) -> str | None:
-        refused = super().refusal(generation, components)
-        if refused:
-            return refused
-        strength = generation.setting("strength", DEFAULT_STRENGTH)
-        if not 0.0 <= strength <= 1.0:
-            return f"--strength must be from 0 to 1, not {strength}."
-        steps = generation.steps
-        if steps is not None and denoising_steps(steps, strength) < 1:
-            return (f"--strength {strength} leaves none of the {steps} steps to run (the pipeline runs about "
-                    f"steps x strength of them): raise --strength.")
-        return None
+        return super().refusal(generation, components) or strength_refusal(generation)
 
     def encode_image(self, pipe, job: Job, device):
-        """The input image resized, VAE-sampled and noised to the first step `strength` leaves, as
-        FluxImg2ImgPipeline.__call__ does before its loop (its timesteps, its prepare_latents, the run's seed)."""
-        import numpy as np
-        import torch
+        """The input image noised to the first step `strength` leaves, as FluxImg2ImgPipeline.__call__ does."""
         from diffusers.pipelines.flux.pipeline_flux_img2img import calculate_shift, retrieve_timesteps
 
-        from dm_cli.io.input_images import open_input
-
-        image = pipe.image_processor.preprocess(open_input(job.images[0]), height=job.height, width=job.width)
-        image = image.to(dtype=torch.float32)
-        steps, config = job.steps, pipe.scheduler.config
-        factor = pipe.vae_scale_factor
-        mu = calculate_shift((job.height // factor // 2) * (job.width // factor // 2),
-                             config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
-        # the scheduler's state is the pipeline's own: its __call__ sets the same timesteps again before its loop
-        _, count = retrieve_timesteps(pipe.scheduler, steps, device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-        timesteps, _ = pipe.get_timesteps(count, job.setting("strength", DEFAULT_STRENGTH), device)
-        batch = job.num_images or 1
-        latents, _ = pipe.prepare_latents(image, timesteps[:1].repeat(batch), batch,
-                                          pipe.transformer.config.in_channels // 4, job.height, job.width,
-                                          pipe.vae.dtype, device, torch.Generator().manual_seed(job.seed))
-        return latents
+        return noised_image_latents(pipe, job, device, calculate_shift, retrieve_timesteps)[0]
 
     def image_kwargs(self, pipe, job: Job, image_latents) -> dict:
         """The prepared latents as `latents` (taken as they are); `image` only for the pipeline's preprocess, which

@@ -36,7 +36,7 @@ from dataclasses import replace
 from importlib.util import find_spec
 
 from dm_cli.errors import UsageError
-from dm_cli.families import GUIDANCE_BATCH, Embeds, Family, Job, Setting
+from dm_cli.families import GUIDANCE_BATCH, Embeds, Family, Job, Setting, check_video_length
 from dm_cli.families.calls import CallSpec, Component, TensorSpec, sibling_config
 from dm_cli.families.stages import (
     AUDIO,
@@ -152,16 +152,7 @@ class LTX2Family(Family):
 
     def check_inputs(self, inputs: InputSpec, vae_config_: dict | None) -> None:
         """Frames t*k + 1 (t the video VAE's temporal compression, 8 for LTX-2); sizes are multiples of 32."""
-        temporal, _ = vae_factors(vae_config_)
-        frames = inputs.num_frames
-        if frames is not None and frames < 1:
-            raise UsageError(f"--frames must be at least 1 (got {frames}).")
-        if frames is not None and (frames - 1) % temporal:
-            lower = frames - (frames - 1) % temporal
-            raise UsageError(f"--frames {frames} is not {temporal}k+1, which LTX-2 needs (its VAE compresses "
-                             f"{temporal} frames into one): use {max(lower, 1)} or {lower + temporal}.")
-        if inputs.fps is not None and inputs.fps < 1:
-            raise UsageError(f"--fps must be at least 1 (got {inputs.fps}).")
+        check_video_length(inputs, vae_factors(vae_config_)[0], "LTX-2")
 
     # --- the tracer's view ----------------------------------------------------------------------
 

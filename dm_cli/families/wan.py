@@ -16,7 +16,16 @@ Facts from diffusers 0.42's `pipeline_wan.py`:
 from __future__ import annotations
 
 from dm_cli.errors import UsageError
-from dm_cli.families import GUIDANCE_SEPARATE, Embeds, Family, Job, Setting, denormalized, family_for
+from dm_cli.families import (
+    GUIDANCE_SEPARATE,
+    Embeds,
+    Family,
+    Job,
+    Setting,
+    check_video_length,
+    denormalized,
+    family_for,
+)
 from dm_cli.families.calls import CallSpec, Component, TensorSpec, vae_config
 from dm_cli.inputs import InputSpec
 
@@ -82,16 +91,7 @@ class WanFamily(Family):
 
     def check_inputs(self, inputs: InputSpec, vae_config_: dict | None) -> None:
         """Frames t*k + 1 (t the VAE's temporal compression); sizes are `size_multiple`'s (16)."""
-        temporal, _ = vae_factors(vae_config_)
-        frames = inputs.num_frames
-        if frames is not None and frames < 1:
-            raise UsageError(f"--frames must be at least 1 (got {frames}).")
-        if frames is not None and (frames - 1) % temporal:
-            lower = frames - (frames - 1) % temporal
-            raise UsageError(f"--frames {frames} is not {temporal}k+1, which Wan needs (its VAE compresses {temporal} "
-                             f"frames into one): use {max(lower, 1)} or {lower + temporal}.")
-        if inputs.fps is not None and inputs.fps < 1:
-            raise UsageError(f"--fps must be at least 1 (got {inputs.fps}).")
+        check_video_length(inputs, vae_factors(vae_config_)[0], "Wan")
         self.check_images(inputs, vae_config_)
 
     def check_images(self, inputs: InputSpec, vae_config_: dict | None) -> None:
