@@ -109,8 +109,8 @@ def cut_maps(comp, pipeline_class):
     trace = trace_component(comp, pipeline_class, inputs_for(pipeline_class), "fp32")
     order = trace.execution_order
     # children whose outputs the root's own forward joins (Z-Image's refiners, its embedders; LTX-2's time_embed
-    # and, through its weightless norm_out, its last block: the good cut is then after that block): the root has no
-    # hook to move them, so neither map cuts there (the planner keeps each such group on one device too)
+    # and its weightless norm_out): the root has no hook to move them, so neither map cuts there (the planner keeps
+    # each such group on one device too, and gives a weightless one a key there)
     joined = {p for group in trace.same_device_groups.get("", []) for p in group if p}
     leaves, _ = component_blocks(skeleton.modules, [(t.name, t.bytes_at("float32")) for t in skeleton.tensors], [],
                                  order)
@@ -141,6 +141,10 @@ def cut_maps(comp, pipeline_class):
     parts = list(dict.fromkeys(part(b.name) for b in leaves))  # in execution order
     cut = max([parts.index(part(target))] + [i for i, name in enumerate(parts) if name in joined])
     good = {name: (0 if i <= cut else 1) for i, name in enumerate(parts)}
+    # joined modules without tensors (LTX-2's norm_out, whose output the root modulates with its own table) get a
+    # key beside the root's tensors, as the planner gives them: their hook moves the last block's output back
+    good.update({name: 0 for name in joined if name not in good and name in classes and not inside(name)
+                 and name not in keys})
     assert 0 < len(parts) - 1 - cut, "the good map must split"
     return target, bad, good
 

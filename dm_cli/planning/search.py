@@ -34,6 +34,9 @@ class Block:
     bytes: int
     activation: int = 0  # peak live activation bytes while this block runs (from the meta trace)
     extra_keys: tuple[str, ...] = ()  # more device_map keys that must share this block's device
+    # modules without tensors whose output this block's module combines (LTX-2's norm_out): each gets a
+    # device_map key on this block's execution device, so that accelerate's hook moves its inputs there
+    weightless: tuple[str, ...] = ()
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -200,7 +203,8 @@ def component_blocks(
     blocks = [Block(name, nbytes, _peak_of(name, peaks)) for name, nbytes in order]
     blocks = _tie_aliases(blocks, tie_groups)
     root_tensors = {name for name, _ in tree.direct.get("", [])} if tree.children[""] else set()
-    return _merge_groups(blocks, same_device_groups or {}, root_tensors), warnings
+    weightless = {prefix for prefix in tree.cls_of if prefix and prefix not in tree.subtree_bytes}
+    return _merge_groups(blocks, same_device_groups or {}, root_tensors, weightless), warnings
 
 
 def _enclosing(name: str, modules) -> str:
@@ -311,12 +315,14 @@ def _tie_aliases(blocks: list[Block], tie_groups) -> list[Block]:
 
 
 def _merge_groups(blocks: list[Block], groups: dict[str, list[list[str]]],
-                  root_tensors: set[str] | frozenset = frozenset()) -> list[Block]:
+                  root_tensors: set[str] | frozenset = frozenset(),
+                  weightless: set[str] | frozenset = frozenset()) -> list[Block]:
     """Children that a split module's forward combines must share a device: merge their run of blocks.
 
     In the root's groups, the root itself ("": its inputs and own tensors) stands for the root's own
-    tensor entries (`root_tensors`): LTX-2 adds its scale_shift_table to time_embed's output and
-    modulates the last block's output with it, so all three share a device."""
+    tensor entries (`root_tensors`): LTX-2 adds its scale_shift_table to time_embed's output, so the two
+    share a device. A member without tensors (`weightless`: LTX-2's norm_out, whose output the root
+    modulates with them) is no block: it joins the group's block as a hook on that block's device."""
     names = [b.name for b in blocks]
 
     def index_of(member: str) -> int | None:
@@ -326,16 +332,22 @@ def _merge_groups(blocks: list[Block], groups: dict[str, list[list[str]]],
         return None
 
     spans: list[tuple[int, int]] = []
+    hooks: dict[int, list[str]] = {}  # block index -> weightless members to hook on its device
     for parent, parent_groups in groups.items():
         if any(parent == n or parent.startswith(n + ".") for n in names if n):
             continue  # the parent is inside one block already
         for group in parent_groups:
             members = [m for m in group if m != parent]
-            indices = [i for i in (index_of(m) for m in members) if i is not None]
+            indices = [i for i in (index_of(m) for m in members if m not in weightless) if i is not None]
             if not parent and "" in group:
                 indices += [i for i, name in enumerate(names) if name in root_tensors]
+            if indices:
+                for member in members:
+                    if member in weightless and member not in hooks.get(min(indices), []):
+                        hooks.setdefault(min(indices), []).append(member)
             if len(set(indices)) > 1:
                 spans.append((min(indices), max(indices)))
+    blocks = [replace(b, weightless=(*b.weightless, *hooks[i])) if i in hooks else b for i, b in enumerate(blocks)]
     if not spans:
         return blocks
     spans.sort()
@@ -351,7 +363,8 @@ def _merge_groups(blocks: list[Block], groups: dict[str, list[list[str]]],
         out.extend(blocks[cursor:start])
         run = blocks[start:end + 1]
         keys = tuple(k for b in run for k in b.keys)
-        out.append(Block(keys[0], sum(b.bytes for b in run), max(b.activation for b in run), keys[1:]))
+        out.append(Block(keys[0], sum(b.bytes for b in run), max(b.activation for b in run), keys[1:],
+                         tuple(w for b in run for w in b.weightless)))
         cursor = end + 1
     out.extend(blocks[cursor:])
     return out
@@ -839,6 +852,10 @@ def _expand(comp: ComponentInput, comp_map: dict[str, int | str]) -> dict[str, i
     for block in comp.blocks:
         for key in block.keys:
             out[key] = comp_map[block.name]
+    main = next((device for device in out.values() if device not in ("cpu", "disk")), "cpu")
+    for block in comp.blocks:
+        for key in block.weightless:  # a hook that moves inputs: where the block computes, offloaded or not
+            out[key] = main if comp_map[block.name] in ("cpu", "disk") else comp_map[block.name]
     return out
 
 

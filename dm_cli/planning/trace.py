@@ -35,8 +35,9 @@ from dm_cli.planning.storages import LiveStorages
 if TYPE_CHECKING:  # annotations only
     from dm_cli.model.sources import ComponentSource
 
-TRACE_FORMAT_VERSION = 3  # 2: lists given to modules are no longer copied (the Wan VAE cache); 3: weightless
-# modules are no provenance boundary (LTX-2's norm_out)
+TRACE_FORMAT_VERSION = 4  # 2: lists given to modules are no longer copied (the Wan VAE cache); 3: weightless
+# modules are no provenance boundary; 4: they are again, and the planner gives a hook (a device_map key) to each
+# one a split module's forward combines (LTX-2's norm_out)
 WEIGHTS_ONLY_SIZE = 64  # pixels: order and split checks do not depend on size; small fits every model (tiny SD3 pos_embed too)
 _TAG = "_dmap_tag"
 _META = "meta"  # the one place a trace counts activations against
@@ -201,16 +202,11 @@ class _Session:
                 if track_memory:
                     self.memory.skip(tensor)
         if tag_mode == "provenance":
-            # accelerate hooks only modules with tensors below them: a weightless one (LTX-2's norm_out, a
-            # LayerNorm without affine) hands its inputs on where they are, so they keep their provenance
-            # and what it combines counts for its nearest hooked ancestor (`combine`)
-            below = {""}
-            for owner in self.holds_tensors:
-                parts = owner.split(".")
-                below.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
+            # every module is a possible hook point: one without tensors (LTX-2's norm_out, a LayerNorm without
+            # affine) that a split module combines gets its own device_map key from the planner
+            # (search.component_blocks), so that accelerate moves its inputs as this trace assumes
             for prefix in self.classes:
-                if prefix in below:
-                    self.recolor[prefix] = frozenset((prefix,))
+                self.recolor[prefix] = frozenset((prefix,))
             for name, tensor in self._named_tensors():
                 self.set_tag(tensor, frozenset((self.weight_owner.get(id(tensor), ""),)))
                 self.tagged.append(tensor)
@@ -391,7 +387,6 @@ class _Session:
         op = _op_name(func)
         where = self.stack[-1][0] if self.stack else ""
         if self.tag_mode == "provenance":
-            where = next((frame[0] for frame in reversed(self.stack) if frame[0] in self.recolor), "")
             units = frozenset(self._unit(where, c) for c in union)
             if len(units) > 1:
                 self.groups.setdefault(where, []).append(units)
