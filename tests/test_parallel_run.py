@@ -29,6 +29,9 @@ CASES = {
     "flux-context": ("tiny-flux", "context", {"height": 32, "width": 32, "mode": "resident"}, {"steps": 2}),
     "wan-context": ("tiny-wan", "context", {"height": 32, "width": 32, "num_frames": 9, "mode": "resident"},
                     {"steps": 4}),
+    # 4 ranks: 2 CFG branches x Ulysses 2 within each (tiny Qwen-Image's 3 heads take no Ulysses 2)
+    "wan-cfg+context": ("tiny-wan", "cfg+context", {"height": 32, "width": 32, "num_frames": 9, "mode": "resident"},
+                        {"steps": 4}),
 }
 DENOISERS = {"tiny-qwenimage": "QwenImageTransformer2DModel", "tiny-sdxl": "UNet2DConditionModel",
              "tiny-wan": "WanTransformer3DModel", "tiny-flux": "FluxTransformer2DModel"}
@@ -109,9 +112,9 @@ def _worker(spec: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _torchrun(args: list, tmp_path: Path, timeout: int = 600) -> str:
+def _torchrun(args: list, tmp_path: Path, timeout: int = 600, ranks: int = 2) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                            *map(str, args)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout
@@ -146,10 +149,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _launch(folders, tmp_path_factory, cases) -> Path:
-    """`cases` on 2 ranks (one torchrun launch): the folder with each case's images and per-rank calls."""
+def _launch(folders, tmp_path_factory, cases, ranks: int = 2) -> Path:
+    """`cases` on `ranks` ranks (one torchrun launch): the folder with each case's images and per-rank calls."""
     out = tmp_path_factory.mktemp("ranks")
-    _torchrun([__file__, json.dumps({case: folders[CASES[case][0]] for case in cases}), out], out)
+    _torchrun([__file__, json.dumps({case: folders[CASES[case][0]] for case in cases}), out], out, ranks=ranks)
     return out
 
 
@@ -171,8 +174,8 @@ def ranks_of(request):
     return lambda case: request.getfixturevalue("launched_wan" if case.startswith("wan") else "launched")
 
 
-def _rank_calls(out: Path, case: str) -> list[list]:
-    return [json.loads(Path(out, f"{case}-rank{r}.json").read_text()) for r in (0, 1)]
+def _rank_calls(out: Path, case: str, ranks: int = 2) -> list[list]:
+    return [json.loads(Path(out, f"{case}-rank{r}.json").read_text()) for r in range(ranks)]
 
 
 @pytest.mark.parametrize("case", ["qwen-cfg", "sdxl-cfg", pytest.param("wan-cfg", marks=pytest.mark.slow)])
@@ -210,6 +213,23 @@ def test_context_parallel_ulysses_2_equals_one_rank(ranks_of, folders, case):
     assert not any(cp for _, cp in single_calls)
     shared = np.load(launched / f"{case}.npy")
     assert np.array_equal(shared, np.stack(alone)), f"largest difference {np.abs(shared.astype(int) - alone).max()}"
+
+
+@pytest.mark.slow
+def test_cfg_and_context_together_on_four_ranks_equal_one_rank(folders, tmp_path_factory, one_thread):
+    """Wan 2.2 (two calls per step, through the expert switch) on 2 x 2 ranks: each CFG pair of ranks runs one
+    branch with Ulysses 2 inside it."""
+    case = "wan-cfg+context"
+    launched = _launch(folders, tmp_path_factory, [case], ranks=4)
+    alone, single_calls = _generate(folders[CASES[case][0]], case, "none")
+    ranks = _rank_calls(launched, case, ranks=4)
+    assert [r["images"] for r in ranks] == [len(alone), 0, 0, 0]  # rank 0 decodes and writes
+    # alone: two calls per step; each rank joins one branch's call per step, with context parallel on
+    assert len(single_calls) == 2 * CASES[case][3]["steps"] and not any(cp for _, cp in single_calls)
+    assert all(len(r["calls"]) == len(single_calls) // 2 and all(cp for _, cp in r["calls"]) for r in ranks), ranks
+    shared = np.load(launched / f"{case}.npy")
+    difference = np.abs(shared.astype(int) - np.stack(alone)).max()
+    assert difference == 0, f"largest difference {difference}"
 
 
 @pytest.mark.slow
