@@ -35,7 +35,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          num_frames: int | None = None, fps: int | None = None, weights: str | None = None,
          negative_prompt: str | None = None, image=None, image_size=None, last_image=None, last_image_size=None,
          on_progress: Callable[[str], None] | None = None, world_size: int = 1, parallel: str | None = None,
-         device_tflops: float = 100.0, link_gbps: float = 25.0, pipeline: str | None = None, **settings) -> Plan:
+         device_tflops: float = 100.0, link_gbps: float = 25.0, pipeline: str | None = None,
+         component_files: dict | None = None, lora=None, **settings) -> Plan:
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -51,10 +52,15 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     `Plan.parallel`: how that many torchrun ranks share each denoising step, with per-rank memory and step times
     predicted at `device_tflops` per GPU and `link_gbps` between GPUs (dm_cli.planning.parallel).
     `pipeline` (a preset or a folder): SOURCE is a single file (original-layout safetensors or GGUF) holding one
-    component, the rest of the pipeline comes from here.
+    component, the rest of the pipeline comes from here. `component_files` ({"transformer_2": "LOW.gguf"}): these
+    components from these single files (each checked against its config; SOURCE's file then goes to the first
+    matching component they do not name). `lora`: LoRA adapters, one or a list of "[COMPONENT=]FILE[:SCALE]"
+    strings (as `--lora`): their bytes are counted beside the layers they patch.
     """
     from dm_cli.inputs import InputSpec, PlacementSpec
     from dm_cli.model.demo import source_root
+    from dm_cli.model.lora import read_loras
+    from dm_cli.model.single_file_weights import parse_component_files
     from dm_cli.planning.make import PlanOptions, make_named_plan
     from dm_cli.planning.parallel import ParallelRequest
     from dm_cli.units import parse_dtype
@@ -63,26 +69,34 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     pick = lambda given, key: defaults.get(key) if given is None else given  # noqa: E731 - the demo's defaults
     inputs = InputSpec(pick(height, "height"), pick(width, "width"), batch_size, num_images,
                        pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"),
-                       num_frames=num_frames, fps=fps, image_sizes=_image_sizes(image, image_size),
+                       num_frames=num_frames, fps=fps, **_input_image_fields(image, image_size),
                        last_image_size=_last_image_size(last_image, last_image_size))
     placement = PlacementSpec(max_memory, strategy, mode, overhead, parse_dtype(dtype) if dtype is not None else None,
                               weights)
     options = PlanOptions(placement, inputs, component, check, use_cache, on_progress=on_progress, settings=settings,
                           negative_prompt=negative_prompt,
-                          parallel=ParallelRequest(world_size, parallel, device_tflops, link_gbps), pipeline=pipeline)
+                          parallel=ParallelRequest(world_size, parallel, device_tflops, link_gbps),
+                          pipeline=pipeline,
+                          component_files=tuple(parse_component_files(component_files).items()), loras=read_loras(lora, "lora"))
     return make_named_plan(root, spec, options)
 
 
-def _image_sizes(image, image_size) -> tuple[tuple[int, int], ...]:
-    """(width, height) of each input image: the images' (read as `dmap run` reads them), then the sizes'."""
+def _input_image_fields(image, image_size) -> dict:
+    """InputSpec's `image_sizes` ((width, height) of each input image: the images' (read as `dmap run` reads them),
+    then the sizes') and, when an image is a keyframe (`PATH@FRAME`, LTX-2), `image_frames`."""
     from dm_cli.run.request import input_images
 
-    sizes = [i.size for i in input_images(image)]
+    images = input_images(image)
+    sizes = [i.size for i in images]
+    frames = [i.frame for i in images]
     if image_size is not None:
         from dm_cli.io.input_images import parse_image_size
 
         sizes += [parse_image_size(text).size for text in ([image_size] if isinstance(image_size, str) else image_size)]
-    return tuple(sizes)
+    fields = {"image_sizes": tuple(sizes)}
+    if any(frame is not None for frame in frames):
+        fields["image_frames"] = tuple(frames)
+    return fields
 
 
 def _last_image_size(last_image, last_image_size) -> tuple[int, int] | None:
@@ -115,7 +129,8 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
          height: int | None = None, width: int | None = None, guidance_scale: float | None = None,
          max_sequence_length: int | None = None, weights: str | None = None, num_frames: int | None = None,
          fps: int | None = None, negative_prompt: str | None = None, image=None, last_image=None, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,
-         parallel: str | None = None, pipeline: str | None = None, **settings) -> Session:
+         parallel: str | None = None, pipeline: str | None = None, component_files: dict | None = None,
+         lora=None, **settings) -> Session:
     """A pipeline placed per `plan` (a Plan, a plan JSON path, or None: plan here with the options).
 
     SOURCE None is the bundled random-weight demo. A plan made for another model, size or dtype is
@@ -129,7 +144,10 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
     process per image): under torchrun, how the ranks share each denoising step; every rank calls `generate` with
     the same prompts and seeds, and only rank 0's `Generated` carry images (the others' have none).
     `pipeline` (a folder with weights): SOURCE is a single file (original-layout safetensors or GGUF) holding one
-    component, loaded as diffusers' `from_single_file` loads it.
+    component, loaded as diffusers' `from_single_file` loads it; `component_files` ({"transformer_2": "LOW.gguf"}):
+    these components from these single files, loaded the same way. `lora`: LoRA adapters, one or a list of
+    "[COMPONENT=]FILE[:SCALE]" strings (as `--lora`), loaded into the denoiser by diffusers' `load_lora_weights`
+    each time it loads, at their scales (`set_adapters`), unfused.
     """
     from dm_cli.run.request import RunRequest
 
@@ -138,7 +156,8 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
                             dtype=dtype, overhead=overhead, height=height, width=width, guidance_scale=guidance_scale,
                             max_sequence_length=max_sequence_length, settings=settings, weights=weights,
                             num_frames=num_frames, fps=fps, negative_prompt=negative_prompt, images=image, simulate=simulate,
-                            last_image=last_image, output=None, per_prompt_images=True, parallel=parallel, pipeline=pipeline)
+                            last_image=last_image, output=None, per_prompt_images=True, parallel=parallel, pipeline=pipeline,
+                            component_files=component_files, loras=lora)
     return Session(request, None if isinstance(plan, (str, Path)) else plan, on_plan, on_status)
 
 

@@ -69,25 +69,100 @@ class InputImage:
     digest: str | None = None  # sha256 of the file's bytes (of the RGB pixels for an image given in memory)
     # an image given in memory (the API's `image=` PIL image), already RGB: read instead of `path`
     pixels: object = field(default=None, compare=False, repr=False)
+    # a keyframe (`--image PATH@FRAME[:STRENGTH]`, LTX-2 only): the video frame it conditions and how strongly
+    # (None: a plain input image; the family says what a frame index means and which ones it takes)
+    frame: int | None = None
+    strength: float | None = None
 
     def __post_init__(self) -> None:
         check_count("width", self.width, "an input image's width")
         check_count("height", self.height, "an input image's height")
         if self.width < 1 or self.height < 1:
             raise UsageError(f"An input image of {self.width}x{self.height} pixels has no pixels.")
+        if self.frame is not None and (isinstance(self.frame, bool) or not isinstance(self.frame, int)
+                                       or not 0 <= self.frame < LIMITS["num_frames"]):
+            raise UsageError(f"An input image's frame index must be a whole number from 0 to {LIMITS['num_frames'] - 1}, "
+                             f"not {shorten(self.frame, quote=True)}.")
+        if self.strength is not None:
+            if self.frame is None:
+                raise UsageError("An input image's strength goes with its frame index (PATH@FRAME:STRENGTH).")
+            if isinstance(self.strength, bool) or not isinstance(self.strength, (int, float)) or not (
+                    math.isfinite(self.strength) and 0 < self.strength <= 1):
+                raise UsageError("A keyframe's strength must be a number above 0 and at most 1 (1: kept as given), "
+                                 f"not {shorten(self.strength, quote=True)}.")
 
     @property
     def size(self) -> tuple[int, int]:
         return self.width, self.height
 
+    @property
+    def label(self) -> str:
+        """What the metadata and the resume key say of it: WxH:sha256, and @FRAME[:STRENGTH] for a keyframe."""
+        text = f"{self.width}x{self.height}:{self.digest}"
+        if self.frame is not None:
+            text += f"@{self.frame}" + (f":{self.strength:g}" if self.strength is not None else "")
+        return text
+
     def to_json(self) -> dict:
-        return {"width": self.width, "height": self.height, "path": self.path, "digest": self.digest}
+        data = {"width": self.width, "height": self.height, "path": self.path, "digest": self.digest}
+        if self.frame is not None:  # only then: a plain image's record stays as it was
+            data["frame"] = self.frame
+            if self.strength is not None:
+                data["strength"] = self.strength
+        return data
 
     @classmethod
     def from_json(cls, data) -> "InputImage":
         if not isinstance(data, dict) or not {"width", "height"} <= set(data):
             raise UsageError("An input image must be given as {\"width\": W, \"height\": H}.")
-        return cls(data["width"], data["height"], data.get("path"), data.get("digest"))
+        return cls(data["width"], data["height"], data.get("path"), data.get("digest"), frame=data.get("frame"),
+                   strength=data.get("strength"))
+
+
+@dataclass(frozen=True)
+class LoraLayer:
+    """One layer a LoRA patches: its module path inside the component, the shapes of its lora_A and lora_B
+    weights (checked against the layer's own weight before anything loads) and their bytes as stored."""
+
+    module: str
+    a_shape: tuple[int, ...]
+    b_shape: tuple[int, ...]
+    numel: int
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter (`--lora [COMPONENT=]FILE[:SCALE]`) as the plan and the run know it: the file, its sha256
+    (the metadata and the resume key name it), its scale, the component it patches and the layers it patches
+    (read by dm_cli.model.lora from the safetensors header; the tensors are loaded at run time by diffusers).
+
+    `component`: the one the user named (`transformer_2=FILE`), else the one its keys name (`transformer.`,
+    `unet.`), else None (bare peft keys: the pipeline's denoiser, settled by `dm_cli.model.lora.settle_targets`).
+    `layers` empty: keys in a layout diffusers converts while loading (kohya, original), counted per component."""
+
+    path: str
+    digest: str
+    scale: float = 1.0
+    component: str | None = None
+    tensors: int = 0
+    stored_bytes: int = 0
+    layers: tuple[LoraLayer, ...] = field(default=(), compare=False, repr=False)
+    keys_component: str | None = None  # the component its key prefixes name (None: bare peft keys or a foreign layout)
+    numel: int = 0  # elements of every tensor: the bytes it takes at the run dtype are numel * that dtype's size
+
+    @property
+    def name(self) -> str:
+        import os
+
+        return os.path.basename(self.path)
+
+    def key(self) -> str:
+        """What changes pixels: the component it patches, the file's digest and the scale (the resume key)."""
+        return f"{self.component}:{self.digest}:{self.scale:g}"
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "component": self.component, "scale": self.scale, "digest": self.digest,
+                "tensors": self.tensors, "stored_bytes": self.stored_bytes}
 
 
 @dataclass(frozen=True)
@@ -109,6 +184,9 @@ class InputSpec:
     image_sizes: tuple[tuple[int, int], ...] = ()
     # the last frame of a first-last-frame video (Wan 2.2 image-to-video's `last_image`), as (width, height)
     last_image_size: tuple[int, int] | None = None
+    # the frame index of each input image, by position in image_sizes (LTX-2's keyframes: InputImage.frame; None:
+    # a plain image); () when no image has one. Positions past image_sizes' end are ignored.
+    image_frames: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         """Refuse what no pipeline can take, what no run could use (LIMITS) and what would write invalid
@@ -119,6 +197,9 @@ class InputSpec:
             if value is None and name not in ("batch_size", "num_images"):
                 continue  # the pipeline's default, settled by the planner
             check_count(name, value)
+        for frame in self.image_frames:
+            if frame is not None:
+                InputImage(1, 1, frame=frame)  # the same bounds as an input image's
         if self.guidance_scale is not None and (isinstance(self.guidance_scale, bool) or not isinstance(
                 self.guidance_scale, (int, float)) or not math.isfinite(self.guidance_scale)):
             raise UsageError(f"--guidance-scale must be a finite number, not {self.guidance_scale!r}.")
@@ -148,11 +229,13 @@ class InputSpec:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        del data["image_sizes"], data["last_image_size"]
+        del data["image_sizes"], data["last_image_size"], data["image_frames"]
         if self.image_sizes:  # only then: a text-to-image plan file stays as it was
             data["image_sizes"] = [list(size) for size in self.image_sizes]
         if self.last_image_size:
             data["last_image_size"] = list(self.last_image_size)
+        if any(frame is not None for frame in self.image_frames):  # keyframes (LTX-2) only
+            data["image_frames"] = list(self.image_frames)
         return data
 
     @classmethod
@@ -169,6 +252,10 @@ class InputSpec:
             if not isinstance(last, (list, tuple)) or len(last) != 2:
                 raise UsageError("A plan's last_image_size must be a [width, height] pair.")
             fields["last_image_size"] = InputImage(*last).size
+        frames = data.get("image_frames") or ()
+        if not isinstance(frames, (list, tuple)):
+            raise UsageError("A plan's image_frames must be a list of frame indices (or nulls).")
+        fields["image_frames"] = tuple(frames)
         return cls(**fields)
 
 
@@ -195,6 +282,7 @@ class Generation:
     settings: tuple[tuple[str, object], ...] = ()
     images: tuple[InputImage, ...] = ()  # input images (editing, references, image-to-video), in order
     last_image: InputImage | None = None  # the video's last frame (Wan 2.2 first-last-frame image-to-video)
+    loras: tuple[LoraAdapter, ...] = ()  # LoRA adapters (--lora), in order: the pixels and the denoiser's bytes change
 
     def __post_init__(self) -> None:
         """The counts' bounds (LIMITS) before anything else looks at them."""
@@ -221,7 +309,9 @@ class Generation:
         return InputSpec(self.height, self.width, self.batch_size, self.num_images or 1, self.guidance_scale,
                          self.max_sequence_length, self.num_frames, self.fps,
                          tuple(image.size for image in self.images),
-                         self.last_image.size if self.last_image is not None else None)
+                         self.last_image.size if self.last_image is not None else None,
+                         tuple(image.frame for image in self.images) if any(
+                             image.frame is not None for image in self.images) else ())
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """LTX-2 image-to-video: `--image` on any LTX-2 folder runs LTX2ImageToVideoPipeline, its first frame VAE-encoded in
 its own stage; pixel- and audio-sample-identical to diffusers' own LTX2ImageToVideoPipeline call, unsplit and under
---simulate with the transformer split on two devices; the plan traces the per-token timestep; the activation
-estimates of the transformer (image-to-video) and of both decodes within 20% of the CPU profiler."""
+--simulate with the transformer split on two devices, and with the pipeline's default H.264 re-compression (PyAV); the
+plan traces the per-token timestep; the activation estimates of the transformer (image-to-video) and of both decodes
+within 20% of the CPU profiler."""
 
 import json
 from importlib.util import find_spec
@@ -37,7 +38,7 @@ def first_frame(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oracle(folder, first_frame):  # noqa: F811
-    """diffusers' own call. image_crf=0: its default H.264 re-compression needs PyAV, which the test machine lacks."""
+    """diffusers' own call, image_crf=0 (no re-compression: the run's own path; the default is tested below)."""
     from PIL import Image
 
     from dm_cli.io.video import to_uint8
@@ -77,7 +78,8 @@ def test_first_frame_run_is_pixel_and_audio_identical_unsplit_and_split(folder, 
             assert loads["encode_image"] > 0 and loads["decode"] > 0, loads
 
 
-def test_a_text_to_video_plan_refuses_a_first_frame_and_the_crf_is_checked(folder, first_frame, tmp_path):  # noqa: F811
+def test_a_text_to_video_plan_refuses_a_first_frame_and_the_crf_is_checked(folder, first_frame, tmp_path,  # noqa: F811
+                                                                           monkeypatch):
     from dm_cli.errors import UsageError
 
     with pytest.raises(UsageError, match="no encode_image stage.*plan again"):
@@ -85,10 +87,35 @@ def test_a_text_to_video_plan_refuses_a_first_frame_and_the_crf_is_checked(folde
              device_map=hand_plan(folder, tmp_path))  # a plan made before image-to-video
     code, _, err = run_dmap("plan", "ltx-2", "--image-size", "768x512", "--image-crf", "60", "--max-memory", "0=80GB")
     assert code == 2 and "--image-crf must be from 0" in err and len(err.strip().splitlines()) == 1, err
-    if find_spec("av") is None:  # the pipeline's default re-compression: refused before anything loads
-        with pytest.raises(UsageError, match="PyAV.*--image-crf 0"):
+    with monkeypatch.context() as patch:  # a machine without PyAV: the default re-compression is refused up front
+        patch.setattr("dm_cli.families.ltx2.find_spec", lambda name: None)
+        with pytest.raises(UsageError, match="PyAV, which is not installed: pip install av.*--image-crf 0"):
             _run(folder, tmp_path / "no-av", images=[str(first_frame)], max_memory="cpu=8GB")
     assert not (tmp_path / "old").exists() and not (tmp_path / "no-av").exists()
+
+
+def test_the_default_crf_re_compresses_through_pyav_as_diffusers_does(folder, first_frame, oracle, tmp_path):  # noqa: F811
+    """No --image-crf: the pipeline's default (33 for Gemma-3 checkpoints) through PyAV (a pinned dependency), pixel-
+    and audio-identical to diffusers' own call with its default image_crf, and unlike the run without it."""
+    from PIL import Image
+
+    from dm_cli.io.outputs import read_metadata
+    from dm_cli.io.video import AUDIO_NAME, read_wav, to_uint8
+
+    assert find_spec("av") is not None, "PyAV is pinned (scripts/requirements-pinned.txt): pip install av==18.1.0"
+    pipe = diffusers.LTX2ImageToVideoPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(image=Image.open(first_frame).convert("RGB"), prompt=PROMPT, num_frames=FRAMES, height=SIZE, width=SIZE,
+               num_inference_steps=STEPS, max_sequence_length=SEQ, generator=torch.Generator().manual_seed(SEED),
+               output_type="np")
+    frames, audio = to_uint8(out.frames[0]), out.audio[0].float().numpy()
+    assert not np.array_equal(frames, oracle[0])  # the re-compression changed the first frame, and so the video
+    _run(folder, tmp_path / "crf", images=[str(first_frame)], max_memory="cpu=8GB", mode="staged")
+    got = np.stack([np.array(Image.open(p)) for p in sorted((tmp_path / "crf").glob("frame-*.png"))])
+    assert np.array_equal(got, frames), np.abs(got.astype(int) - frames).max()
+    wave, _ = read_wav(tmp_path / "crf" / AUDIO_NAME)
+    assert np.array_equal(wave, audio), np.abs(wave - audio).max()
+    assert "image_crf" not in read_metadata(str(tmp_path / "crf"))  # the pipeline's default (its text encoder's)
 
 
 def test_plan_with_a_first_frame_traces_a_timestep_per_video_token():

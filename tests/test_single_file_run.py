@@ -164,3 +164,182 @@ def test_refusals_are_one_sentence(wan_files, tmp_path):
     assert code == 2 and "does not" in err and "Traceback" not in err, err
     code, _, err = run_dmap("plan", gguf_file)
     assert code == 2 and "--pipeline" in err
+
+
+# --- both experts from files: --component-file transformer_2=FILE ----------------------------------------------
+
+
+def _write_q8_0_gguf(path, original):
+    """Every matrix whose rows hold whole Q8_0 blocks in Q8_0 (gguf's own quantizer), the rest F32."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "wan")
+    for name, tensor in original.items():
+        array = tensor.float().numpy()
+        if array.ndim == 2 and array.shape[1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def expert_files(wan_files):
+    """(high-noise expert as ComfyUI safetensors, low-noise expert as a Q8_0 GGUF), both unlike the folder's own
+    experts (the high one perturbed, the low one quantized): a run that took either from the folder would differ."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = wan_files[0]
+    root = folder.parent
+    high = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    generator = torch.Generator().manual_seed(3)
+    high = {wan_name(k): v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in high.items()}
+    save_file(high, root / "wan-high-perturbed.safetensors")
+    low = load_file(folder / "transformer_2" / "diffusion_pytorch_model.safetensors")
+    _write_q8_0_gguf(root / "wan-low-Q8_0.gguf", {wan_name(k): v for k, v in low.items()})
+    return root / "wan-high-perturbed.safetensors", root / "wan-low-Q8_0.gguf"
+
+
+def _single_file_model(folder, file, subfolder, dtype=None):
+    import diffusers
+    import torch
+
+    dtype = dtype or torch.float32
+    kwargs = {"quantization_config": diffusers.GGUFQuantizationConfig(compute_dtype=dtype)} if file.suffix == ".gguf" else {}
+    return diffusers.WanTransformer3DModel.from_single_file(str(file), config=str(folder), subfolder=subfolder,
+                                                            torch_dtype=dtype, local_files_only=True, **kwargs)
+
+
+def _diffusers_two_experts(folder, high, low):
+    import diffusers
+    import torch
+
+    pipe = diffusers.WanPipeline.from_pretrained(folder, transformer=_single_file_model(folder, high, "transformer"),
+                                                 transformer_2=_single_file_model(folder, low, "transformer_2"),
+                                                 torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(PROMPT, num_frames=FRAMES, height=SIZE, width=SIZE, num_inference_steps=STEPS,
+                generator=torch.Generator().manual_seed(SEED), output_type="latent").frames
+
+
+def test_both_experts_from_files_are_identical_to_diffusers_unsplit_and_split(wan_files, expert_files, tmp_path):
+    import torch
+
+    folder = wan_files[0]
+    high, low = expert_files
+    expected = _diffusers_two_experts(folder, high, low)
+    files = {"transformer_2": str(low)}
+    result, latents = _dmap_latents(folder, high, tmp_path / "whole", max_memory="cpu=8GB", component_files=files)
+    assert torch.equal(latents, expected)
+    _, folder_only = _dmap_latents(folder, wan_files[1], tmp_path / "folder-low", max_memory="cpu=8GB")
+    assert not torch.equal(folder_only, expected)  # the second file really is what the run used
+    result, latents = _dmap_latents(folder, high, tmp_path / "split", max_memory="0=400KB,1=400KB,cpu=1GB",
+                                    overhead="0=0,1=0", simulate=True, component_files=files)
+    for name in ("transformer", "transformer_2"):
+        assert result.plan.components[name].is_split, result.plan.components[name]
+    assert result.split_check and result.split_problems == []
+    assert torch.equal(latents, expected)
+
+
+def test_source_file_goes_to_the_first_component_the_files_leave(wan_files, expert_files, tmp_path):
+    """`dmap run LOW --pipeline P --component-file transformer=HIGH`: SOURCE's file fills transformer_2."""
+    import torch
+
+    folder = wan_files[0]
+    high, low = expert_files
+    _, latents = _dmap_latents(folder, low, tmp_path / "swapped", max_memory="cpu=8GB",
+                               component_files={"transformer": str(high)})
+    assert torch.equal(latents, _diffusers_two_experts(folder, high, low))
+
+
+def test_plan_sizes_both_files_as_stored_and_names_them(wan_files, expert_files, tmp_path):
+    import torch
+
+    folder = wan_files[0]
+    high, low = expert_files
+    code, out, err = run_dmap("plan", high, "--pipeline", folder, "--component-file", f"transformer_2={low}",
+                              "-m", "cpu=8GB", "--frames", FRAMES, "--height", SIZE, "--width", SIZE,
+                              "--dtype", "float32", "--json", "-o", tmp_path / "plan.json")
+    assert code == 0, err
+    plan = json.loads(out)
+    for name, file in (("transformer", high), ("transformer_2", low)):  # (bf16: see test_plan_counts_what_...)
+        model = _single_file_model(folder, file, name, torch.float32)
+        built = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        assert plan["components"][name]["weights_bytes"] == built, name
+    assert any(w.startswith("transformer_2: GGUF tensors") for w in plan["warnings"]), plan["warnings"]
+    # the plan is tied to both files: without the second one it is a plan for another model
+    code, _, err = run_dmap("plan", high, "--pipeline", folder, "-m", "cpu=8GB", "--frames", FRAMES, "--height", SIZE,
+                            "--width", SIZE, "--dtype", "float32", "--json")
+    assert code == 0 and json.loads(_)["config_digest"] != plan["config_digest"]
+    code, _, err = run_dmap("run", high, "--pipeline", folder, "-d", tmp_path / "plan.json", "-p", PROMPT,
+                            "--steps", 1, "-o", tmp_path / "v.webp")
+    assert code == 2 and "another model" in err, err
+
+
+def test_metadata_and_resume_key_carry_each_file_digest(wan_files, expert_files, tmp_path):
+    import hashlib
+
+    from dm_cli.io.outputs import MATCHED_METADATA
+
+    folder = wan_files[0]
+    high, low = expert_files
+    from dm_cli.api import load
+
+    with load(str(high), pipeline=str(folder), component_files={"transformer_2": str(low)}, max_memory="cpu=8GB",
+              num_frames=FRAMES, height=SIZE, width=SIZE) as session:
+        meta = session.metadata(session.defaults)
+    digests = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (high, low)}
+    assert meta["component_files"] == (f"transformer={high.name}:{digests[high]},"
+                                       f"transformer_2={low.name}:{digests[low]}")
+    assert "component_files" in MATCHED_METADATA
+    # the command line writes it into the video's sidecar; an output made with another second file is not complete
+    from dm_cli.io.outputs import is_complete
+
+    out = tmp_path / "fox.webp"
+    code, _, err = run_dmap("run", high, "--pipeline", folder, "--component-file", f"transformer_2={low}", "-p", PROMPT,
+                            "--frames", FRAMES, "--height", SIZE, "--width", SIZE, "--steps", 1, "-m", "cpu=8GB",
+                            "-o", out, "-q")
+    assert code == 0, err
+    written = json.loads((tmp_path / "fox.webp.json").read_text())
+    assert written["component_files"] == meta["component_files"]
+    other = {**written, "component_files": f"transformer={high.name}:{digests[high]},transformer_2=x.gguf:0"}
+    assert is_complete(out, written) == (True, "complete")
+    assert is_complete(out, other) == (False, "made for another component files")
+
+
+def test_component_file_refusals_are_one_sentence(wan_files, expert_files, tmp_path):
+    folder, safetensors_file, _ = wan_files
+    high, low = expert_files
+    common = ("--pipeline", folder, "-m", "cpu=8GB", "--frames", FRAMES, "--height", SIZE, "--width", SIZE)
+    cases = [
+        (["--component-file", f"transformer_3={low}"], "no weighted component of: its components are"),
+        (["--component-file", f"vae={low}"], "does not match the pipeline's vae"),
+        (["--component-file", str(low)], "give COMPONENT=FILE"),
+        (["--component-file", f"transformer_2={low}", "--component-file", f"transformer_2={high}"], "twice"),
+        (["--component-file", f"transformer_2={folder / 'model_index.json'}"], "not a .safetensors or .gguf"),
+    ]
+    for extra, message in cases:
+        code, _, err = run_dmap("plan", high, *common, *extra)
+        assert code == 2 and message in err and "Traceback" not in err, (extra, err)
+        assert len(err.strip().splitlines()) == 1, err
+    # a file that is not that component's model (the preset's FFN is 32, the file's 256)
+    code, _, err = run_dmap("plan", high, "--pipeline", "tiny-wan", "--component-file", f"transformer_2={low}")
+    assert code == 2 and "does not match the pipeline's" in err, err
+    # SOURCE itself must then be a pipeline (or a single file with --pipeline)
+    code, _, err = run_dmap("plan", high, "--component-file", f"transformer_2={low}")
+    assert code == 2 and "replaces components of a pipeline" in err, err
+    # SOURCE a pipeline folder: the named component alone comes from its file
+    code, out, err = run_dmap("plan", folder, "--component-file", f"transformer_2={low}", "-m", "cpu=8GB",
+                              "--frames", FRAMES, "--height", SIZE, "--width", SIZE, "--json")
+    assert code == 0, err
+    assert any(w.startswith("transformer_2: GGUF") for w in json.loads(out)["warnings"])
+    # both experts given as files with SOURCE's own: nothing is left for SOURCE's file
+    code, _, err = run_dmap("plan", safetensors_file, "--pipeline", folder, "--component-file", f"transformer={high}",
+                            "--component-file", f"transformer_2={low}")
+    assert code == 2 and "holds the pipeline's transformer, which --component-file gives" in err, err

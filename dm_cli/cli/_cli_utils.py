@@ -26,7 +26,8 @@ RunSourceArg = Annotated[str | None, typer.Argument(
 """`dmap run`: a whole pipeline, optional (the demo without it)."""
 
 ShardSourceArg = Annotated[str, typer.Argument(
-    metavar="SOURCE", help="Pipeline/component folder, .safetensors or .bin file, or index JSON.")]
+    metavar="SOURCE", help="Pipeline/component folder, .safetensors or .bin file, or index JSON (--to-diffusers: a "
+                           "single .safetensors or .gguf file).")]
 """`dmap shard`: weights on disk (no presets or Hub ids: there is nothing to rewrite)."""
 
 # ---- devices and planning ------------------------------------------------------------------
@@ -46,7 +47,8 @@ ComponentOpt = Annotated[str | None, typer.Option("--component", "-c", help="Onl
 # ---- what the pipeline is asked for --------------------------------------------------------
 
 ImageOpt = Annotated[list[str] | None, typer.Option(
-    "--image", metavar="PATH", help="An input image (editing, references, image-to-video); repeat for several, in order.")]
+    "--image", metavar="PATH", help="An input image (editing, references, image-to-video); repeat for several, in order. "
+                                    "LTX-2 keyframes: PATH@FRAME[:STRENGTH] conditions that video frame.")]
 HeightOpt = Annotated[int | None, typer.Option(
     "--height", help="Height in pixels (default: the pipeline's, e.g. 1024 for FLUX, 480 for Wan); dmap plan: "
                      "0 = weights only (no activations, no GPU overhead unless --overhead).")]
@@ -134,7 +136,19 @@ NoCacheOpt = Annotated[bool, typer.Option(
 
 PipelineOpt = Annotated[str | None, typer.Option(
     "--pipeline", help="SOURCE is a single file (original-layout .safetensors or .gguf) holding one component: the "
-                       "rest of the pipeline (plan: a preset or a folder; run: a folder with weights).")]
+                       "rest of the pipeline (plan: a preset or a folder; run: a folder with weights; shard "
+                       "--to-diffusers: a preset or folder whose first matching component's config the file takes, "
+                       "default the preset dmap recognizes it as).")]
+
+ComponentFileOpt = Annotated[list[str] | None, typer.Option(
+    "--component-file", metavar="COMPONENT=FILE", help="This component from this single file (original-layout "
+                                                       ".safetensors or .gguf), e.g. transformer_2=low_noise.gguf "
+                                                       "for Wan 2.2's second expert; repeatable.")]
+
+LoraOpt = Annotated[list[str] | None, typer.Option(
+    "--lora", metavar="[COMPONENT=]FILE[:SCALE]", help="A LoRA adapter (diffusers/peft .safetensors) for the denoiser, "
+                                                       "at SCALE (default 1.0); Wan 2.2's second expert: "
+                                                       "transformer_2=FILE; repeatable.")]
 
 LastImageOpt = Annotated[str | None, typer.Option(
     "--last-image", metavar="PATH", help="The video's last frame (Wan 2.2 image-to-video from a first and a last "

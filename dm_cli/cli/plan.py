@@ -6,6 +6,7 @@ import typer
 
 from dm_cli.cli._cli_utils import (
     BinaryOpt,
+    ComponentFileOpt,
     ComponentOpt,
     DtypeOpt,
     FpsOpt,
@@ -15,6 +16,7 @@ from dm_cli.cli._cli_utils import (
     ImageOpt,
     JsonOpt,
     LastImageOpt,
+    LoraOpt,
     MaxMemoryOpt,
     MaxSequenceLengthOpt,
     ModeOpt,
@@ -69,6 +71,8 @@ def plan(
     device_tflops: float = typer.Option(100.0, "--device-tflops", help="--parallel auto: TFLOP/s one GPU sustains."),
     link_gbps: float = typer.Option(25.0, "--link-gbps", help="--parallel auto: GB/s between two GPUs."),
     pipeline: PipelineOpt = None,
+    component_file: ComponentFileOpt = None,
+    lora: LoraOpt = None,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     from dm_cli.api import plan as make_plan
@@ -87,7 +91,8 @@ def plan(
                            num_frames=frames, fps=fps, weights=weights, negative_prompt=negative_prompt, image=image, image_size=image_size,
                            last_image=last_image, last_image_size=last_image_size,
                            on_progress=progress, world_size=world_size, parallel=parallel,
-                           device_tflops=device_tflops, link_gbps=link_gbps, pipeline=pipeline, **(settings or {}))
+                           device_tflops=device_tflops, link_gbps=link_gbps, pipeline=pipeline,
+                           component_files=component_file, lora=lora, **(settings or {}))
     if output:
         write_plan(result, output)
     if as_json:

@@ -10,6 +10,7 @@ import typer
 
 from dm_cli.cli._cli_utils import (
     BinaryOpt,
+    ComponentFileOpt,
     DtypeOpt,
     FpsOpt,
     FramesOpt,
@@ -18,6 +19,7 @@ from dm_cli.cli._cli_utils import (
     ImageOpt,
     JsonOpt,
     LastImageOpt,
+    LoraOpt,
     MaxMemoryOpt,
     MaxSequenceLengthOpt,
     ModeOpt,
@@ -94,6 +96,8 @@ def run(
     gpus_per_rank: GpusPerRankOpt = None,
     parallel: ParallelOpt = None,
     pipeline: PipelineOpt = None,
+    component_file: ComponentFileOpt = None,
+    lora: LoraOpt = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     binary: BinaryOpt = False,
@@ -109,6 +113,7 @@ def run(
         "max_sequence_length": max_sequence_length, "num_frames": frames, "fps": fps, "save_latents": save_latents,
         "dtype": dtype, "simulate": simulate, "overwrite": overwrite, "track_activations": track_activations,
         "weights": weights, "images": image or None, "last_image": last_image, "parallel": parallel, "pipeline": pipeline,
+        "component_files": component_file or None, "loras": lora or None,
         "settings": dict(settings or {}),
     }
     if prompts is not None:

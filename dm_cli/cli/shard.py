@@ -8,6 +8,7 @@ from dm_cli.cli._cli_utils import (
     BinaryOpt,
     JsonOpt,
     OverwriteOpt,
+    PipelineOpt,
     QuietOpt,
     ShardDtypeOpt,
     ShardOutputOpt,
@@ -26,16 +27,34 @@ def shard(
     overwrite: OverwriteOpt = False,
     in_place: bool = typer.Option(False, "--in-place", help="Replace the source weights, after the new ones are verified."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip re-reading and hashing every written tensor."),
+    to_diffusers: bool = typer.Option(
+        False, "--to-diffusers", help="SOURCE is a single file (original-layout .safetensors or .gguf): write it as a "
+                                      "diffusers component folder (config.json from the bundled preset or --pipeline, "
+                                      "diffusers-named shards). GGUF tensors are dequantized to --dtype (default bf16)."),
+    pipeline: PipelineOpt = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     binary: BinaryOpt = False,
 ) -> int:
-    from dm_cli.model.shard import shard as shard_source
     from dm_cli.render.shard import ShardProgressBar
 
+    if to_diffusers:
+        _refuse_with_to_diffusers(variant, in_place)
+    elif pipeline is not None:
+        from dm_cli.errors import UsageError
+
+        raise UsageError("--pipeline goes with --to-diffusers (dmap shard reshards a folder's own weights otherwise).")
     with ShardProgressBar(enabled=False if (quiet or as_json or dry_run) else None) as bar:
-        result = shard_source(source, max_shard_size, output=output, dtype=dtype, variant=variant, dry_run=dry_run,
-                              overwrite=overwrite, in_place=in_place, verify=not no_verify, progress=bar)
+        if to_diffusers:
+            from dm_cli.model.shard import shard_to_diffusers
+
+            result = shard_to_diffusers(source, max_shard_size, output=output, dtype=dtype, pipeline=pipeline,
+                                        dry_run=dry_run, overwrite=overwrite, verify=not no_verify, progress=bar)
+        else:
+            from dm_cli.model.shard import shard as shard_source
+
+            result = shard_source(source, max_shard_size, output=output, dtype=dtype, variant=variant, dry_run=dry_run,
+                                  overwrite=overwrite, in_place=in_place, verify=not no_verify, progress=bar)
     if as_json:
         from dm_cli.cli._output import print_json
 
@@ -46,7 +65,16 @@ def shard(
         from dm_cli.render.shard import render_shard
 
         render_shard(result, binary=binary)
+        for note in result.notes:
+            print(note)
     return 0
+
+
+def _refuse_with_to_diffusers(variant: str | None, in_place: bool) -> None:
+    from dm_cli.errors import UsageError
+
+    if variant is not None or in_place:
+        raise UsageError("--to-diffusers writes a new folder from one file: drop --variant and --in-place.")
 
 
 def _print_quiet(result) -> None:
@@ -59,6 +87,8 @@ def _print_quiet(result) -> None:
                   file=sys.stderr)
     for done in result.removed_stale:
         print(done, file=sys.stderr)
+    for note in result.notes:
+        print(note, file=sys.stderr)
     files = f"{result.file_count} weight file(s)"
     if result.dry_run:
         print(f"Would write {files} into {result.output} (dry run: nothing written).")

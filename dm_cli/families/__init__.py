@@ -193,6 +193,7 @@ class Family:
     max_input_images = 0
     min_input_images = 0  # 1: the pipeline cannot run without one (image-to-image)
     takes_last_image = False  # True: a video's last frame (Generation.last_image, --last-image) is conditioned on too
+    takes_keyframes = False  # True: input images may name the video frame they condition (`--image PATH@FRAME`: LTX-2)
 
     # --- matching -------------------------------------------------------------------------------
 
@@ -322,6 +323,12 @@ class Family:
                 return f"{self.title()} pipelines take no input image: drop --image."
             return (f"{self.title()} takes at most {self.max_input_images} input image(s), not "
                     f"{len(generation.images)}: drop some --image.")
+        keyframe = next((image for image in generation.images if image.frame is not None), None)
+        if keyframe is not None and not self.takes_keyframes:
+            return (f"{self.title()} pipelines take no frame index on an input image (PATH@FRAME is for LTX-2's "
+                    f"keyframes): drop @{keyframe.frame} from --image.")
+        if generation.last_image is not None and generation.last_image.frame is not None:
+            return f"--last-image is the video's last frame and takes no frame index: drop @{generation.last_image.frame}."
         if generation.last_image is not None and not self.takes_last_image:
             return (f"{self.title()} pipelines take no last frame (--last-image is for WanImageToVideoPipeline, Wan 2.2 I2V-A14B): "
                     "drop --last-image.")

@@ -1,5 +1,5 @@
-"""LTX-2 (Lightricks; diffusers' LTX2Pipeline and LTX2ImageToVideoPipeline): text or a first frame to video with
-its synchronized audio track.
+"""LTX-2 (Lightricks; diffusers' LTX2Pipeline, LTX2ImageToVideoPipeline and LTX2ConditionPipeline): text, a first
+frame or keyframes to video with its synchronized audio track.
 
 What LTX2Pipeline feeds its models (diffusers 0.42.1, `pipelines/ltx2/pipeline_ltx2.py`):
 - text encoder (Gemma-3): `input_ids (B, L)` left-padded to `max_sequence_length` (1024) with its mask,
@@ -28,6 +28,21 @@ encoded frame to the pipeline's own __call__ as unpacked latents with `noise_sca
 path then draws the same noise and mixes it in with the same mask, bit for bit (see `image_kwargs`). The VAE is
 traced once, for its decode: encoding the one first frame at height x width needs 0.98x the decode of a single
 frame (bf16, 512x768 on the meta device) and less than any longer decode, so the decode's peak covers both stages.
+
+Keyframes (LTX2ConditionPipeline): `--image PATH@FRAME[:STRENGTH]` conditions video frame FRAME on the image, with
+STRENGTH in (0, 1] (default 1: kept as given). A plain `--image PATH` alone stays LTX2ImageToVideoPipeline's first
+frame; any `@FRAME`, or more than one image, runs LTX2ConditionPipeline, where a plain path is frame 0. The pipeline
+takes a *latent* frame index k: frame 0 is latent frame 0, which the image replaces (its tokens keep timestep
+(1 - strength) * t); latent frame k >= 1 starts at frame (k - 1) * t + 1, so FRAME must be 0 or t*j + 1 up to
+--frames - t (t = 8: 0, 1, 9, ..., 113 of 121 frames), one image per frame (`check_keyframes`). A keyframe past
+frame 0 adds its own latent frame, H' * W' tokens, to the video sequence (appended after the F' * H' * W' generated
+ones, with their own positions): the trace counts them (`keyframe_tokens`, `Family.reference_tokens`) and passes the
+pipeline's explicit `video_coords`. dmap VAE-encodes every keyframe in the `encode_image` stage with the pipeline's
+own `preprocess_conditions` (H.264 at `image_crf`, resized to cover height x width and centre-cropped, bilinear) and
+the distribution's mode, one image at a time, as prepare_latents does (so the decode's peak still covers the stage);
+the denoise stage then calls the pipeline's own __call__ with its `conditions` (each at its latent index and
+strength; their pixels are a blank of the output size, crf 0) and a stand-in for the VAE whose `encode` hands back
+those latents in order (`EncodedConditions`): prepare_latents normalises, packs, appends and noises them itself.
 """
 
 from __future__ import annotations
@@ -59,7 +74,7 @@ CONNECTORS = "LTX2TextConnectors"
 TEXT_ENCODERS = ("Gemma3ForConditionalGeneration",)
 AUDIO_COMPRESSION = 4  # the audio VAE's temporal and mel compression (LATENT_DOWNSAMPLE_FACTOR)
 AUDIO_GUIDANCE = 7.0  # LTX2Pipeline.__call__'s audio_guidance_scale: with it CFG is on whatever guidance_scale is
-TEXT_TO_VIDEO, IMAGE_TO_VIDEO = "LTX2Pipeline", "LTX2ImageToVideoPipeline"
+TEXT_TO_VIDEO, IMAGE_TO_VIDEO, CONDITION = "LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline"
 DEFAULT_IMAGE_CRF = 33  # diffusers.pipelines.ltx2.utils.DEFAULT_IMAGE_CRF (Gemma-3 checkpoints: LTX-2 to 2.3)
 MAX_CRF = 51  # libx264's range
 
@@ -75,10 +90,55 @@ def vae_factors(vae: dict | None) -> tuple[int, int]:
     return int(temporal), int(spatial)
 
 
+def pipeline_kind(frames) -> str:
+    """The pipeline for input images with these frame indices (None: a plain path): LTX2Pipeline without any,
+    LTX2ImageToVideoPipeline for one plain image (the first frame), else LTX2ConditionPipeline (keyframes)."""
+    frames = list(frames)
+    if not frames:
+        return TEXT_TO_VIDEO
+    return IMAGE_TO_VIDEO if frames == [None] else CONDITION
+
+
+def latent_index(frame: int | None, temporal: int) -> int:
+    """LTX2VideoCondition.index (a latent frame) of a keyframe at video frame `frame` (checked: 0 or t*j + 1)."""
+    return 0 if not frame else (frame - 1) // temporal + 1
+
+
+def input_frames(inputs: InputSpec) -> list[int | None]:
+    """The frame index of each input image of `inputs`, in order (None: a plain path)."""
+    frames = list(inputs.image_frames[:len(inputs.image_sizes)])
+    return frames + [None] * (len(inputs.image_sizes) - len(frames))
+
+
+def check_keyframes(frames: list[int | None], num_frames: int, temporal: int, names: list[str]) -> None:
+    """LTX2ConditionPipeline's rule on frame indices, one sentence each: 0 or t*j + 1 up to num_frames - t (latent
+    frames it can condition; a later index it skips with a warning), and one image per frame."""
+    if pipeline_kind(frames) != CONDITION:
+        return
+    last = num_frames - temporal  # the first frame of the last latent frame
+    seen: dict[int, str] = {}
+    for frame, name in zip(frames, names):
+        at = frame or 0
+        if at and ((at - 1) % temporal or at > last):
+            lower = min(at - (at - 1) % temporal, last) if last >= 1 else 0
+            upper = lower + temporal if 1 <= lower and lower + temporal <= last else None
+            allowed = f"frame 0 or a frame {temporal}k+1 up to {last}" if last >= 1 else "frame 0"
+            raise UsageError(f"{name} is at frame {at}, which LTX-2 cannot condition: a keyframe goes at {allowed} for "
+                             f"--frames {num_frames} (where one of the VAE's latent frames of {temporal} frames starts): "
+                             f"use @{lower}" + (f" or @{upper}." if upper is not None else "."))
+        if at in seen:
+            raise UsageError(f"{seen[at]} and {name} are both at frame {at}: LTX-2 conditions a frame on one image, so "
+                             "give the others their own frame with PATH@FRAME.")
+        seen[at] = name
+
+
 class LTX2Family(Family):
     name = "ltx-2"
-    pipelines = (TEXT_TO_VIDEO, IMAGE_TO_VIDEO)
-    max_input_images = 1  # the first frame: LTX2ImageToVideoPipeline
+    pipelines = (TEXT_TO_VIDEO, IMAGE_TO_VIDEO, CONDITION)
+    # a first frame (LTX2ImageToVideoPipeline) or keyframes (LTX2ConditionPipeline: one per latent frame at most,
+    # check_keyframes; this bounds the list before that)
+    max_input_images = 64
+    takes_keyframes = True
     related = ("LTX2",)
     denoiser_classes = (TRANSFORMER,)
     offload_seq = "text_encoder->connectors->transformer->vae->audio_vae->vocoder"
@@ -93,8 +153,9 @@ class LTX2Family(Family):
                         "LTX-2: the frame rate the video and its audio are generated for (default: --fps, 24).",
                         for_whom="LTX-2, whose audio length follows the frame rate", instead="use --fps"),
                 Setting("image_crf", int, None,
-                        "LTX-2 image-to-video: the H.264 CRF the first frame is re-compressed with before it is encoded, "
-                        "as the model was trained (default: the pipeline's, 33, which needs PyAV); 0 skips it.",
+                        "LTX-2 image-to-video: the H.264 CRF each input image (first frame, keyframes) is re-compressed "
+                        "with before it is encoded, as the model was trained (default: the pipeline's, 33, through "
+                        "PyAV); 0 skips it.",
                         for_whom="LTX-2 image-to-video (--image)", instead="drop --image-crf"))
     # __call__ un-normalises both outputs with the VAEs' statistics while only the denoise stage is loaded
     placeholder_tensors = {"vae": ("latents_mean", "latents_std"), "audio_vae": ("latents_mean", "latents_std")}
@@ -140,19 +201,49 @@ class LTX2Family(Family):
 
     def validate(self, generation: Generation, pipeline_class: str, denoiser_config: dict, vae_config: dict | None,
                  components: tuple[str, ...] = (), per_prompt_images: bool = False) -> None:
-        """The base rules; a first frame to re-compress (a run's file, not a plan's size) needs PyAV, as diffusers'
-        apply_image_conditioning_crf does: said before anything loads."""
+        """The base rules, the keyframes' (`check_keyframes`, each named as given); an image to re-compress (a run's
+        file, not a plan's size) needs PyAV, as diffusers' apply_image_conditioning_crf does: said before anything
+        loads."""
+        read = any(image.digest or image.pixels is not None for image in generation.images)
+        if read and not generation.weights_only:  # a run's images, named by their paths, before the rest
+            from dm_cli.io.input_images import shown_path
+
+            inputs = generation.inputs()
+            check_video_length(inputs, vae_factors(vae_config)[0], "LTX-2")
+            names = [(f"--image {shown_path(image.path)}" if image.path else f"input image {n + 1}")
+                     + (f"@{image.frame}" if image.frame is not None else "") for n, image in enumerate(generation.images)]
+            check_keyframes(input_frames(inputs), self.frames(inputs), vae_factors(vae_config)[0], names)
         super().validate(generation, pipeline_class, denoiser_config, vae_config, components, per_prompt_images)
         files = [image for image in generation.images if image.path is not None or image.pixels is not None]
         crf = generation.setting("image_crf")
         if files and (DEFAULT_IMAGE_CRF if crf is None else crf) and find_spec("av") is None:
-            raise UsageError(f"LTX-2 re-compresses the first frame with H.264 (CRF {crf or DEFAULT_IMAGE_CRF}, as it "
-                             "was trained) through PyAV, which is not installed: pip install av, or skip the "
+            raise UsageError(f"LTX-2 re-compresses its conditioning images with H.264 (CRF {crf or DEFAULT_IMAGE_CRF}, "
+                             "as it was trained) through PyAV, which is not installed: pip install av, or skip the "
                              "re-compression with --image-crf 0.")
 
     def check_inputs(self, inputs: InputSpec, vae_config_: dict | None) -> None:
-        """Frames t*k + 1 (t the video VAE's temporal compression, 8 for LTX-2); sizes are multiples of 32."""
-        check_video_length(inputs, vae_factors(vae_config_)[0], "LTX-2")
+        """Frames t*k + 1 (t the video VAE's temporal compression, 8 for LTX-2); sizes are multiples of 32; keyframes
+        at frames the pipeline conditions (`check_keyframes`)."""
+        temporal = vae_factors(vae_config_)[0]
+        check_video_length(inputs, temporal, "LTX-2")
+        frames = input_frames(inputs)
+        if not inputs.weights_only and any(frame is not None for frame in frames):  # sizes alone carry no frame
+            check_keyframes(frames, self.frames(inputs), temporal, [f"input image {n + 1}" for n in range(len(frames))])
+
+    def reference_tokens(self, inputs: InputSpec, vae_config: dict | None) -> tuple[int, ...]:
+        """Tokens each keyframe past frame 0 appends to the video sequence (its latent frame); () when none does
+        (text-to-video, a first frame: the same sequence)."""
+        tokens = self.keyframe_tokens(inputs, vae_config)
+        return tuple(tokens) if any(tokens) else ()
+
+    def keyframe_tokens(self, inputs: InputSpec, vae: dict | None, patch: int = 1) -> list[int]:
+        """Tokens each input image appends to the video sequence, in order: a keyframe past frame 0 its latent frame
+        (H' * W' / patch^2, the transformer's patch_size; LTX-2's is 1), a first frame none."""
+        frames = input_frames(inputs)
+        if inputs.weights_only or pipeline_kind(frames) != CONDITION:
+            return [0] * len(frames)
+        _, height, width = self.latent_grid(inputs, vae)
+        return [(height // patch) * (width // patch) if frame else 0 for frame in frames]
 
     # --- the tracer's view ----------------------------------------------------------------------
 
@@ -213,9 +304,11 @@ class LTX2Family(Family):
         tokens = (frames // patch_t) * (height // patch) * (width // patch)
         batch = inputs.effective_batch * self.cfg_batch(inputs)
         caption = int(config.get("caption_channels", 3840))
-        first_frame = bool(inputs.image_sizes) and not inputs.weights_only
+        kind = TEXT_TO_VIDEO if inputs.weights_only else pipeline_kind(input_frames(inputs))
+        added = self.keyframe_tokens(inputs, sibling_config(comp, "vae"), patch)
+        total = tokens + sum(added)
         kwargs = {
-            "hidden_states": TensorSpec((batch, tokens, int(config.get("in_channels", 128)))),
+            "hidden_states": TensorSpec((batch, total, int(config.get("in_channels", 128)))),
             "audio_hidden_states": TensorSpec((batch, audio, int(config.get("audio_in_channels", 128)))),
             "encoder_hidden_states": TensorSpec((batch, seq, caption)),
             "audio_encoder_hidden_states": TensorSpec((batch, seq, caption)),
@@ -226,9 +319,14 @@ class LTX2Family(Family):
             "num_frames": frames, "height": height, "width": width, "fps": float(inputs.fps or self.default_fps),
             "audio_num_frames": audio, "use_cross_timestep": True, "return_dict": False,
         }
-        if first_frame:  # LTX2ImageToVideoPipeline: a timestep per video token (0 on the first frame's), the audio's own
-            kwargs.update(timestep=TensorSpec((batch, tokens)), audio_timestep=TensorSpec((batch,)))
-        conditioned = f" (latent frame 0 the first frame, {tokens // frames} tokens at timestep 0)" if first_frame else ""
+        if kind != TEXT_TO_VIDEO:  # a timestep per video token (0 on a kept frame's, keyframes' included), the audio's own
+            kwargs.update(timestep=TensorSpec((batch, total)), audio_timestep=TensorSpec((batch,)))
+        conditioned = f" (latent frame 0 the first frame, {tokens // frames} tokens at timestep 0)" if kind == IMAGE_TO_VIDEO else ""
+        if kind == CONDITION:  # LTX2ConditionPipeline passes every token's position, the appended keyframes' too
+            kwargs["video_coords"] = TensorSpec((batch, 3, total, 2), "float32")
+            appended = sum(1 for n in added if n)
+            conditioned = (f" + {sum(added)} keyframe tokens ({appended} keyframe(s) appended)" if appended else
+                           " (latent frame 0 a keyframe)")
         return CallSpec("forward", kwargs, description=(
             f"{self.frames(inputs)} frames -> {tokens} video tokens ({frames}x{height}x{width}){conditioned} + {audio} "
             f"audio tokens, {seq} text tokens, batch {batch} (CFG), then 2 guidance calls on batch {batch // 2} per step"))
@@ -253,11 +351,14 @@ class LTX2Family(Family):
     def encode_image(self, pipe, job: Job, device):
         """The first frame as LTX2ImageToVideoPipeline encodes it: H.264 re-compressed at `image_crf`, resized to
         height x width (bilinear), VAE-encoded (the distribution's mode: no generator draw), in float32 and not yet
-        normalised: `(1, C, 1, H', W')`. No first frame: an empty tensor (text-to-video; the VAE is not loaded)."""
+        normalised: `(1, C, 1, H', W')`. Keyframes: `encode_keyframes`. No image: an empty tensor (text-to-video;
+        the VAE is not loaded)."""
         import torch
 
         if not job.images:
             return torch.zeros(0)
+        if pipeline_kind(image.frame for image in job.images) == CONDITION:
+            return self.encode_keyframes(pipe, job, device)
         import numpy as np
         import PIL.Image
         from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import retrieve_latents
@@ -277,6 +378,39 @@ class LTX2Family(Family):
         encoded = pipe.vae.encode(pixels[0].unsqueeze(0).unsqueeze(2))
         return retrieve_latents(encoded, None, "argmax").to(torch.float32)
 
+    def encode_keyframes(self, pipe, job: Job, device):
+        """Every keyframe as LTX2ConditionPipeline.prepare_latents encodes it: its own preprocess_conditions (H.264
+        at `image_crf`, resized to cover height x width and centre-cropped), then one VAE encode per image (the
+        distribution's mode), in the VAE's dtype and not yet normalised: `(N, C, 1, H', W')`, in --image order."""
+        import torch
+        from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition, retrieve_latents
+        from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
+
+        from dm_cli.io.input_images import open_input
+
+        crf = job.setting("image_crf")
+        crf = resolve_default_image_crf(pipe.text_encoder) if crf is None else crf
+        temporal, _ = vae_factors(dict(pipe.vae.config))
+        conditions = [LTX2VideoCondition(frames=open_input(image), index=latent_index(image.frame, temporal), crf=crf)
+                      for image in job.images]
+        frames = job.num_frames or self.default_num_frames
+        pixels, _, _, _ = denoising_pipeline(pipe, CONDITION).preprocess_conditions(
+            conditions, job.height, job.width, frames, device=device)
+        return torch.cat([retrieve_latents(pipe.vae.encode(p), None, "argmax") for p in pixels])
+
+    def conditions(self, pipe, job: Job) -> list:
+        """__call__'s `conditions`: each input image at its latent index with its strength (default 1). Their pixels
+        are a blank of the output size (crf 0: nothing to re-compress): the VAE stand-in of the denoise stage
+        (`EncodedConditions`) hands back the latents encode_keyframes made instead of encoding them."""
+        import torch
+        from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
+
+        temporal, _ = vae_factors(dict(pipe.vae.config))
+        blank = torch.zeros(1, 3, job.height, job.width)
+        return [LTX2VideoCondition(frames=blank, index=latent_index(image.frame, temporal),
+                                   strength=1.0 if image.strength is None else float(image.strength), crf=0)
+                for image in job.images]
+
     def image_kwargs(self, pipe, job: Job, image_latents) -> dict:
         """The encoded first frame as __call__'s unpacked `latents`, repeated over the latent frames (and videos),
         with `noise_scale=1`: prepare_latents then normalises them, draws the noise of the shape and generator it
@@ -284,17 +418,26 @@ class LTX2Family(Family):
         the same values as its own m * latents + (1 - m) * noise); noise_scale reaches nothing else here."""
         if not image_latents.numel():
             return {}
+        if pipeline_kind(image.frame for image in job.images) == CONDITION:
+            return {"conditions": self.conditions(pipe, job)}
         temporal, _ = vae_factors(dict(pipe.vae.config))
         frames = ((job.num_frames or self.default_num_frames) - 1) // temporal + 1
         return {"latents": image_latents.repeat(job.num_images, 1, frames, 1, 1), "noise_scale": 1.0}
 
     def denoising_pipeline(self, pipe, job: Job, image_latents):
-        """The pipeline whose __call__ denoises this job: LTX2ImageToVideoPipeline with a first frame, else
+        """The pipeline whose __call__ denoises this job: LTX2ImageToVideoPipeline with a first frame,
+        LTX2ConditionPipeline with keyframes (its VAE a stand-in handing back the encoded keyframes), else
         LTX2Pipeline, over the loaded components (an LTX-2 folder's model_index names one of them)."""
         if job.images and image_latents is None:
             raise UsageError("This plan has no encode_image stage (LTX-2 plans made before image-to-video): plan again "
                              "to run with --image.")
-        return denoising_pipeline(pipe, image_latents is not None and bool(image_latents.numel()))
+        encoded = image_latents is not None and bool(image_latents.numel())
+        kind = pipeline_kind(image.frame for image in job.images) if encoded else TEXT_TO_VIDEO
+        if kind != CONDITION:
+            return denoising_pipeline(pipe, kind)
+        other = denoising_pipeline(pipe, CONDITION, fresh=True)
+        other.vae = EncodedConditions(other.vae, image_latents.to(getattr(pipe, "_dmap_device", "cpu")))
+        return other
 
     def decode(self, pipe, latents, job: Job, device) -> list:
         """The video tail of __call__ (its output_type="latent" latents are un-normalised already)."""
@@ -320,15 +463,16 @@ class LTX2Family(Family):
         return [waves[i].float().cpu().numpy() for i in range(waves.shape[0])], rate
 
 
-def denoising_pipeline(pipe, first_frame: bool):
-    """`pipe` as LTX2ImageToVideoPipeline (`first_frame`) or LTX2Pipeline: itself when it is that class, else that
-    class built over its components, its execution device the stage loop's (as dm_cli.run.loading builds it)."""
+def denoising_pipeline(pipe, kind: str, fresh: bool = False):
+    """`pipe` as the pipeline class `kind` (LTX2Pipeline, LTX2ImageToVideoPipeline or LTX2ConditionPipeline): itself
+    when it is that class (unless `fresh`), else that class built over its components, its execution device the
+    stage loop's (as dm_cli.run.loading builds it)."""
     import inspect
 
     import diffusers
 
-    wanted = getattr(diffusers, IMAGE_TO_VIDEO if first_frame else TEXT_TO_VIDEO)
-    if isinstance(pipe, wanted):
+    wanted = getattr(diffusers, kind)
+    if isinstance(pipe, wanted) and not fresh:
         return pipe
     staged = type(wanted.__name__, (wanted,), {"_execution_device": property(lambda self: self._dmap_device)})
     accepted = inspect.signature(wanted.__init__).parameters
@@ -336,6 +480,31 @@ def denoising_pipeline(pipe, first_frame: bool):
     other._dmap_device = getattr(pipe, "_dmap_device", "cpu")
     other.set_progress_bar_config(disable=True)
     return other
+
+
+class EncodedConditions:
+    """The VAE as LTX2ConditionPipeline.prepare_latents sees it in the denoise stage, where the VAE is not loaded
+    (its meta placeholder, or the resident VAE): `encode` hands back the keyframes encode_keyframes encoded, one
+    per call in --image order (prepare_latents encodes the conditions in that order); everything else (the
+    latents_mean and latents_std it normalises with, its config and dtype) is the VAE's own."""
+
+    def __init__(self, vae, latents):
+        self._vae = vae
+        self._latents = list(latents.split(1))
+
+    def encode(self, pixels):
+        from types import SimpleNamespace
+
+        if not self._latents:
+            raise RuntimeError("LTX2ConditionPipeline encoded more conditions than the encode_image stage made")
+        latents = self._latents.pop(0)
+        spatial = self._vae.spatial_compression_ratio
+        if tuple(pixels.shape[-2:]) != (latents.shape[-2] * spatial, latents.shape[-1] * spatial):
+            raise RuntimeError(f"a condition of {tuple(pixels.shape)} pixels does not match latents {tuple(latents.shape)}")
+        return SimpleNamespace(latents=latents)  # retrieve_latents returns .latents as they are
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_vae"], name)
 
 
 FAMILY = LTX2Family()

@@ -78,6 +78,28 @@ def open_input(image: InputImage, where: str = "--image"):
     return decoded
 
 
+# `PATH@FRAME` or `PATH@FRAME:STRENGTH` (LTX-2's keyframes): the suffix after the last '@'
+_KEYFRAME_RE = re.compile(r"^([0-9]{1,6})(?::([0-9]{0,3}(?:\.[0-9]{1,12})?))?$")
+
+
+def split_keyframe(text: str, where: str = "--image") -> tuple[str, int | None, float | None]:
+    """(path, frame, strength) of `PATH`, `PATH@FRAME` or `PATH@FRAME:STRENGTH`. '@' may be part of a real path:
+    the text is split only when it is not itself an existing file and the suffix after its last '@' is FRAME or
+    FRAME:STRENGTH (FRAME a whole number, STRENGTH a decimal number); a suffix that is neither, after an existing
+    file, is refused in one sentence (a typo, not a file name)."""
+    head, at, suffix = text.rpartition("@")
+    if not at or not head or os.path.lexists(text):
+        return text, None, None
+    match = _KEYFRAME_RE.match(suffix)
+    if match is None or match.group(2) == "":
+        if os.path.lexists(head):
+            raise UsageError(f"{where} {shown_path(text)}: after '@' give the frame index, a whole number, and "
+                             "optionally ':' and a strength (PATH@FRAME or PATH@FRAME:STRENGTH, such as a.png@9:0.8).")
+        return text, None, None
+    strength = float(match.group(2)) if match.group(2) is not None else None
+    return head, int(match.group(1)), strength
+
+
 _SIZE_RE = re.compile(r"^\s*([0-9]{1,6})\s*[xX]\s*([0-9]{1,6})\s*$")
 
 

@@ -47,6 +47,8 @@ LATENTS_SUFFIX = ".safetensors"
 MATCHED_METADATA = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "height", "width", "source",
                     "tiled_decode",  # a tiled decode changes pixels at the tile seams
                     "input_images",  # editing, references, image-to-video: each input's size and digest
+                    "component_files",  # components from single files (SOURCE's, --component-file's): name and sha256
+                    "lora",  # LoRA adapters: each one's component, sha256 and scale
                     "num_frames", "fps")  # videos (images have neither)
 
 

@@ -215,6 +215,7 @@ class ShardResult:
     seconds: float = 0.0
     verified: bool = False
     removed_stale: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # --to-diffusers: where config.json came from, what was dequantized
 
     @property
     def total_size(self) -> int:
@@ -242,6 +243,7 @@ class ShardResult:
             "copied_files": self.copied_files,
             "skipped_files": self.skipped_files,
             "removed_stale": self.removed_stale,
+            **({"notes": self.notes} if self.notes else {}),
         }
 
 
@@ -706,10 +708,182 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
         result.seconds = time.perf_counter() - started
         return result
 
+    _write_result(result, copies, legacy, {}, progress, verify, overwrite)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+# --- --to-diffusers: one single file as a diffusers component folder ------------------------------------------
+
+
+@dataclass(frozen=True)
+class _QuantizedRange:
+    """A GGUF quantized tensor as a byte range of its file (read when the writer gets to it, never mapped)."""
+
+    path: Path
+    begin: int
+    end: int
+    shape: tuple[int, ...]  # rows x bytes of blocks, as diffusers' GGUFParameter holds it
+    quant_type: int
+
+
+class _Dequantized(dict):
+    """The writer's in-memory tensors (what `_tensor_bytes` reads by name) for --to-diffusers: a GGUF quantized
+    tensor is read (one bounded read) and dequantized with diffusers' own `dequantize_gguf_tensor` only when the
+    writer asks for it."""
+
+    def __getitem__(self, name):
+        tensor = super().__getitem__(name)
+        if isinstance(tensor, _QuantizedRange):
+            import torch
+            from diffusers.quantizers.gguf.utils import GGUFParameter
+
+            with open(tensor.path, "rb") as handle:
+                handle.seek(tensor.begin)
+                raw = bytearray(handle.read(tensor.end - tensor.begin))
+            if len(raw) != tensor.end - tensor.begin:
+                raise CheckpointError(f"{tensor.path.name} ended before tensor '{name}': it changed while dmap read it.")
+            data = torch.frombuffer(raw, dtype=torch.uint8).reshape(tensor.shape)
+            tensor = GGUFParameter(data, quant_type=tensor.quant_type)
+        if getattr(tensor, "quant_type", None) is None:
+            return tensor
+        from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+        return dequantize_gguf_tensor(tensor)
+
+
+def shard_to_diffusers(file_spec: str, max_shard_size: int | str = "5GB", output: str | os.PathLike | None = None,
+                       dtype: str | None = None, pipeline: str | None = None, dry_run: bool = False,
+                       overwrite: bool = False, verify: bool = True, progress: Progress | None = None,
+                       min_shard_size: int = MIN_SHARD_SIZE) -> ShardResult:
+    """A single file (original-layout .safetensors or GGUF) as the diffusers component folder `from_pretrained`
+    loads: config.json from the bundled preset (or --pipeline's) config and diffusers-named shards, renamed by
+    diffusers' own `checkpoint_mapping_fn` and written by the shard writer (streamed, verified, renamed into place
+    when complete).
+
+    dtypes: a safetensors file's tensors keep their dtype unless `dtype`; GGUF quantized tensors are dequantized
+    (diffusers' `dequantize_gguf_tensor`) to `dtype`, bf16 by default, and its other floating tensors converted to it;
+    either way the tensors of the model's `_keep_in_fp32_modules` stay float32 (dequantized to it), as both
+    of diffusers' loaders keep them."""
+    from dm_cli.model.single_file_weights import GGUF, component_for_file, convert_file, is_single_file
+
+    started = time.perf_counter()
+    progress = progress or Progress()
+    limit = parse_size(max_shard_size)
+    if 0 < limit < min_shard_size:
+        raise UsageError(f"--max-shard-size {max_shard_size} is below the {format_size(min_shard_size)} minimum: use 0 "
+                         "for one file, or a size such as 500MB or 5GB.")
+    if dtype is not None and dtype.strip().lower() in FP8_NAMES:
+        raise UsageError("--to-diffusers writes bf16, fp16 or fp32 weights; fp8 storage is dmap shard --dtype fp8 of "
+                         "the folder it writes.")
+    target = parse_dtype(dtype) if dtype is not None else None
+    path = Path(file_spec).expanduser()
+    if not path.exists():
+        raise UsageError(f"{file_spec} does not exist: --to-diffusers converts one single file (.safetensors or .gguf).")
+    if not is_single_file(file_spec):
+        raise UsageError(f"--to-diffusers converts one single file (an original-layout .safetensors or a .gguf); "
+                         f"{file_spec} is not one.")
+    comp, where = component_for_file(path, pipeline)  # the file's header checked against the component's config
+    out_path = Path(output).expanduser().resolve() if output is not None else path.resolve().parent / (
+        f"{path.name.rsplit('.', 1)[0]}-diffusers")
+    _check_output_parent(out_path)
+    if out_path == path.resolve() or is_inside(path.resolve(), out_path):
+        raise UsageError(f"The output {out_path} is the source file or holds it: choose another --output.")
+    refuse_existing([out_path], overwrite)
+    if out_path.exists() and not out_path.is_dir():
+        raise UsageError(f"The output {out_path} exists and is not a folder.")
+
+    converted = convert_file(path, comp)
+    if converted.format == GGUF and target is None:
+        target = "bfloat16"
+    planned, in_memory, changed = _converted_tensors(converted, target)
+    _check_converted(converted, planned)
+    stem = "diffusion_pytorch_model"
+    shards, index_name = plan_shards(planned, limit, stem, None, {})
+    plan = ComponentPlan(comp.name, "diffusers", comp.cls, path.parent, [path], "", stem, None, shards, index_name, {},
+                         {}, changed)
+    result = ShardResult(file_spec, "to-diffusers", out_path, limit, target, None, dry_run, False, [plan])
+    result.notes = _to_diffusers_notes(converted, planned, comp, where, target)
+    if not dry_run:
+        config = json.dumps(dict(sorted(comp.config.items())), indent=2) + "\n"
+        _write_result(result, [], {path: in_memory}, {"config.json": config.encode("utf-8")}, progress, verify,
+                      overwrite)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _converted_tensors(converted, target: str | None) -> tuple[list[PlannedTensor], dict, int]:
+    """(the writer's tensors, those it reads from memory by name, how many change dtype or are dequantized): a
+    contiguous view of the file is a byte range (copied, or converted after a bounded read), a quantized tensor a
+    range read and dequantized when written, what the mapping computed (a concatenation) a tensor in memory."""
+    path = converted.path
+    in_memory = _Dequantized()
+    planned: list[PlannedTensor] = []
+    changed = 0
+    for name, tensor in converted.tensors.items():
+        quantized = getattr(tensor, "quant_type", None) is not None
+        stored = "float32" if quantized else str(tensor.dtype).removeprefix("torch.")
+        shape = _logical_shape(tensor) if quantized else tuple(tensor.shape)
+        span = converted.file_range(tensor.as_tensor() if quantized else tensor)
+        if span is not None and not quantized:
+            source = SourceTensor(name, stored, shape, path, span[0], span[1])
+        else:  # quantized, or computed by the mapping (a concatenation): one tensor at a time, in memory
+            in_memory[name] = tensor if span is None else _QuantizedRange(path, *span, tuple(tensor.shape),
+                                                                          int(tensor.quant_type))
+            source = SourceTensor(name, stored, shape, path, legacy=True)
+        out = stored
+        if converted.kept_in_fp32(name) and (quantized or stored in CONVERTIBLE):
+            out = "float32" if quantized else stored
+        elif target is not None and (quantized or stored in CONVERTIBLE):
+            out = target
+        changed += quantized or out != stored
+        planned.append(PlannedTensor(source, out))
+    return planned, in_memory, changed
+
+
+def _to_diffusers_notes(converted, planned: list[PlannedTensor], comp, where: str, target: str | None) -> list[str]:
+    notes = [f"config.json: the {comp.cls} config of '{comp.name}' from {where}."]
+    quantized = sum(getattr(t, "quant_type", None) is not None for t in converted.tensors.values())
+    kept = sum(converted.kept_in_fp32(t.name) for t in planned)
+    if quantized:
+        notes.append(f"{quantized} GGUF tensor(s) dequantized (diffusers' dequantize_gguf_tensor) to {target}"
+                     + (f"; {kept} tensor(s) of _keep_in_fp32_modules in float32 (or as stored)." if kept else "."))
+    elif kept and target not in (None, "float32"):
+        notes.append(f"{kept} tensor(s) of _keep_in_fp32_modules keep their dtype.")
+    return notes
+
+
+def _logical_shape(tensor) -> tuple[int, ...]:
+    """A GGUFParameter's weight shape (its data is rows x bytes of blocks)."""
+    import gguf
+
+    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor.quant_type)]
+    *rows, row_bytes = tensor.shape
+    return (*rows, row_bytes // type_size * block)
+
+
+def _check_converted(converted, planned: list[PlannedTensor]) -> None:
+    """What the mapping gave from the data is what it gave from the header (names and shapes the config builds)."""
+    from dm_cli.model.skeleton import load_skeleton
+
+    comp = converted.comp
+    built = {t.name: tuple(t.shape) for t in load_skeleton(comp.name, comp.library, comp.cls, comp.config).tensors
+             if t.kind != "buffer_np"}
+    got = {t.name: tuple(t.shape) for t in planned}
+    if got != built:
+        wrong = sorted(set(got) ^ set(built)) or sorted(n for n in got if got[n] != built[n])
+        raise SourceError(f"{converted.path.name} converts to tensors its config does not build (first: {wrong[0]}).")
+
+
+def _write_result(result: ShardResult, copies: list[tuple[Path, str]], legacy: dict, small: dict[str, bytes],
+                  progress: Progress, verify: bool, overwrite: bool) -> None:
+    """Write every planned shard (and the copies, and `small` files: relative path -> bytes) into a hidden temporary
+    folder, verify it, then rename it into place or swap it in (`--in-place`)."""
     out_path = result.output
     parent = out_path.parent
-    result.removed_stale += recover(out_path, overwrite or in_place)
+    result.removed_stale += recover(out_path, overwrite or result.in_place)
     copy_bytes = sum(p.stat().st_size for p, _ in copies)
+    copy_bytes += sum(len(data) for data in small.values())
     needed = sum(s.file_bytes for c in result.components for s in c.shards) + copy_bytes
     free = shutil.disk_usage(parent).free
     if needed > free:
@@ -721,6 +895,9 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
     try:
         progress.phase("write", needed)
         _copy_files(copies, temp, progress)
+        for rel, data in small.items():  # files written here, not copied (--to-diffusers: config.json)
+            _write_small(temp / rel, data)
+            progress.advance(len(data))
         finisher = _ShardFinisher(verify, progress)
         try:
             for comp in result.components:
@@ -743,7 +920,7 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
         result.bytes_written += copy_bytes
         _fsync_tree(temp)
         result.verified = verify
-        if in_place:
+        if result.in_place:
             swap_in_place(temp, out_path, _swap_folders(temp, result))
         else:
             publish(temp, out_path, overwrite)
@@ -752,8 +929,6 @@ def shard(source_spec: str, max_shard_size: int | str, output: str | os.PathLike
         if isinstance(error, OSError):
             raise _os_error(error, out_path) from error
         raise
-    result.seconds = time.perf_counter() - started
-    return result
 
 
 def _finish_interrupted_swaps(source_spec: str) -> list[str]:

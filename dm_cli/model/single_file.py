@@ -522,3 +522,19 @@ def recognize(tensors: Mapping) -> dict | None:
         "config_checks": next((row["checks"] for row in tried if row["preset"] == preset), []),
         "parts": parts, "notes": _notes(model_type, preset, source, component, tried),
     }
+
+
+def match_file(shapes: Mapping[str, tuple[int, ...]]):
+    """(model name, pipeline component, the bundled preset's Source or None) for a single file's (name -> shape),
+    as `recognize` names them, or None when diffusers' single-file loader does not know the layout."""
+    shapes = {name: tuple(shape) for name, shape in shapes.items()}
+    model_type = infer_model_type(shapes)
+    if model_type is None or (model_type == "v1" and K["v1"] not in shapes):
+        return None
+    name, component, _cls, _repo = MODEL_TYPES.get(model_type, (model_type, _TR, "?", None))
+    if model_type == "wan-t2v-14B" and not _any(shapes, "wan"):
+        name, component, _cls = WAN_VAE
+    prefix = COMFY_PREFIX if any(key.startswith(COMFY_PREFIX) for key in shapes) else ""
+    own = {key[len(prefix):]: shape for key, shape in shapes.items() if key.startswith(prefix)}
+    preset, source, _tried = _match_preset(model_type, component, own)
+    return _PRESET_NAMES.get(preset, name), component, source

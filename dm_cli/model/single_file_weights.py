@@ -1,5 +1,6 @@
 """A single-file checkpoint (original layout safetensors, or GGUF) standing in for one component of a pipeline:
-`dmap plan FILE --pipeline PRESET|FOLDER` and `dmap run FILE --pipeline FOLDER`.
+`dmap plan FILE --pipeline PRESET|FOLDER` and `dmap run FILE --pipeline FOLDER`, and more files for named components
+(`--component-file transformer_2=LOW.gguf`: Wan 2.2's second expert).
 
 What the file holds is read from its header alone (`read_safetensors_header`, `read_gguf_header`: the hostile-file
 rules of both readers apply), then renamed and reshaped the way diffusers' `from_single_file` does it: the same
@@ -11,10 +12,11 @@ dequantizes one layer at a time while it runs), the others are cast to the run d
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from dm_cli.errors import SourceError
+from dm_cli.errors import SourceError, UsageError
 from dm_cli.model.gguf_files import shown
 
 GGUF = "gguf"
@@ -35,6 +37,7 @@ class SingleFileWeights:
     path: Path
     format: str  # SAFETENSORS or GGUF
     tensors: dict[str, StoredTensor]  # diffusers' names
+    named: bool = False  # True: given by --component-file NAME=FILE (else SOURCE, for the first matching component)
 
     @property
     def quantized(self) -> bool:
@@ -154,25 +157,30 @@ def check_against(weights: SingleFileWeights, skeleton, component: str) -> None:
                       f"{shown(what, 200)}.")
 
 
-def attach_single_file(file_spec: str, source):
-    """The pipeline `source` with the component that `file_spec` holds taken from that file: the first component,
-    in the pipeline's order, that diffusers can load from a single file and whose tensors the file matches (for
-    Wan 2.2, whose experts share a class, the first: `transformer`). One sentence when none does."""
-    from dataclasses import replace
-
+def _single_file_for(path: Path, comp) -> SingleFileWeights:
+    """The file read as `comp` stores it and checked against its config (one sentence when it is not that)."""
     from dm_cli.model.skeleton import load_skeleton
 
+    weights = read_single_file(path, comp.cls, comp.config)
+    check_against(weights, load_skeleton(comp.name, comp.library, comp.cls, comp.config), comp.name)
+    return weights
+
+
+def attach_single_file(file_spec: str, source, skip=()):
+    """The pipeline `source` with the component that `file_spec` holds taken from that file: the first component,
+    in the pipeline's order, that diffusers can load from a single file and whose tensors the file matches (for
+    Wan 2.2, whose experts share a class, the first: `transformer`), leaving out the components in `skip` (those
+    --component-file names). One sentence when none does."""
+    from dataclasses import replace
+
     path = Path(file_spec).expanduser()
-    if source.kind != "pipeline":
-        raise SourceError(f"--pipeline must name a pipeline (a preset or a folder with model_index.json); "
-                          f"{shown(source.spec)} is a {source.kind}.")
+    _check_pipeline(source, "--pipeline")
     problems = []
     for position, comp in enumerate(source.components):
-        if comp.config is None or mapping_function(comp.cls) is None:
+        if comp.name in skip or comp.config is None or mapping_function(comp.cls) is None:
             continue
         try:
-            weights = read_single_file(path, comp.cls, comp.config)
-            check_against(weights, load_skeleton(comp.name, comp.library, comp.cls, comp.config), comp.name)
+            weights = _single_file_for(path, comp)
         except SourceError as error:
             problems.append(str(error))
             continue
@@ -180,23 +188,146 @@ def attach_single_file(file_spec: str, source):
         components[position] = replace(comp, weights=None, legacy_weights=[], single_file=weights)
         return replace(source, spec=file_spec, components=components,
                        notes=[*source.notes, f"'{comp.name}' from {shown(path.name)} ({weights.format})."])
+    for comp in source.components:  # the file is one that --component-file gives already
+        if comp.name in skip and comp.config is not None and mapping_function(comp.cls) is not None:
+            try:
+                _single_file_for(path, comp)
+            except SourceError:
+                continue
+            raise UsageError(f"{shown(path.name)} holds the pipeline's {comp.name}, which --component-file gives "
+                             f"(with {', '.join(skip)}): SOURCE's file needs a component of its own, drop one.")
     if problems:
         raise SourceError(problems[0])
     raise SourceError(f"No component of {shown(source.spec)} can be loaded from a single file by diffusers.")
 
 
-def resolve_with_pipeline(spec: str, pipeline: str | None):
+def _check_pipeline(source, option: str) -> None:
+    if source.kind != "pipeline":
+        raise SourceError(f"{option} must name a pipeline (a preset or a folder with model_index.json); "
+                          f"{shown(str(source.spec))} is a {source.kind}.")
+
+
+# --- --component-file NAME=FILE ------------------------------------------------------------------
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_named_file(value: str, option: str) -> tuple[str, str]:
+    """`NAME=FILE` as --component-file spells it: split at the first '=', NAME a component name (letters, digits,
+    underscores), FILE anything after it ('=' included)."""
+    name, sep, file = str(value).partition("=")
+    if not sep or not _NAME.fullmatch(name.strip()) or not file.strip():
+        raise UsageError(f"{option} {shown(str(value))}: give COMPONENT=FILE, e.g. transformer_2=low_noise.gguf.")
+    return name.strip(), file.strip()
+
+
+def parse_component_files(values) -> dict[str, str]:
+    """--component-file values (["transformer_2=LOW.gguf", ...]) or the API's {"transformer_2": "LOW.gguf"} as
+    {component: file}; a component named twice, or a file that is not a .safetensors or .gguf file: one sentence."""
+    import os
+
+    if not values:
+        return {}
+    if isinstance(values, dict):
+        pairs = [(str(k), v) for k, v in values.items()]
+    elif isinstance(values, (str, os.PathLike)):
+        pairs = [parse_named_file(os.fspath(values), "--component-file")]
+    else:
+        pairs = [parse_named_file(v, "--component-file") for v in values]
+    files: dict[str, str] = {}
+    for name, file in pairs:
+        if not isinstance(file, (str, os.PathLike)):
+            raise UsageError(f"component_files['{shown(name)}'] must be a path, not a {type(file).__name__}.")
+        file = os.fspath(file)
+        if name in files:
+            raise UsageError(f"--component-file names '{shown(name)}' twice: give one file per component.")
+        if not is_single_file(file):
+            raise UsageError(f"--component-file {shown(name)}={shown(file)}: not a .safetensors or .gguf file "
+                             "(a single file holding that component).")
+        files[name] = file
+    return files
+
+
+def attach_component_files(source, files: dict[str, str]):
+    """The pipeline `source` with each named component taken from its file (checked against that component's
+    config, as SOURCE's file is)."""
+    from dataclasses import replace
+
+    _check_pipeline(source, "--component-file")
+    names = [c.name for c in source.components]
+    components = list(source.components)
+    notes = list(source.notes)
+    for name, file in files.items():
+        if name not in names:
+            raise UsageError(f"--component-file names '{shown(name)}', which {shown(str(source.spec))} has no weighted "
+                             f"component of: its components are {', '.join(names)}.")
+        position = names.index(name)
+        comp = components[position]
+        if comp.config is None or mapping_function(comp.cls) is None:
+            raise SourceError(f"--component-file {shown(name)}: diffusers cannot load a {comp.cls} from a single file; "
+                              "give a pipeline folder with that component's weights instead.")
+        weights = replace(_single_file_for(Path(file).expanduser(), comp), named=True)
+        components[position] = replace(comp, weights=None, legacy_weights=[], single_file=weights)
+        notes.append(f"'{name}' from {shown(Path(file).name)} ({weights.format}, --component-file).")
+    return replace(source, components=components, notes=notes)
+
+
+def named_component_files(source) -> dict[str, str]:
+    """{component: file} of the components --component-file gave (what a plan made again from `source` needs)."""
+    return {c.name: str(c.single_file.path) for c in source.components
+            if c.single_file is not None and c.single_file.named}
+
+
+def resolve_with_pipeline(spec: str, pipeline: str | None, component_files=None):
     """SOURCE as `plan` and `run` take it: `resolve_source(spec)`, or with `--pipeline` the single file `spec` in the
-    pipeline `pipeline` names (a preset or a folder)."""
-    from dm_cli.errors import UsageError
+    pipeline `pipeline` names (a preset or a folder); with `component_files` (--component-file, as
+    `parse_component_files` takes them) those components from their files too (the SOURCE file then goes to the first
+    matching component they do not name)."""
     from dm_cli.model.demo import resolve
 
+    files = parse_component_files(component_files)
     if pipeline is None:
-        return resolve(spec)
+        source = resolve(spec)
+        if files and source.kind != "pipeline":
+            raise UsageError(f"--component-file replaces components of a pipeline, and {shown(spec)} is a {source.kind}: "
+                             "give the pipeline as SOURCE, or a single-file SOURCE with --pipeline.")
+        return attach_component_files(source, files) if files else source
     if not is_single_file(spec):
         raise UsageError(f"--pipeline goes with a single-file SOURCE (a .safetensors or .gguf file); {shown(spec)} "
                          "is not one: give the pipeline itself as SOURCE.")
-    return attach_single_file(spec, resolve(pipeline))
+    base = resolve(pipeline)
+    if files:
+        _check_pipeline(base, "--pipeline")
+        base = attach_component_files(base, files)
+    return attach_single_file(spec, base, skip=tuple(files))
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes, streamed (a run's metadata names each single file by it); remembered per process
+    for a file whose size and modification time have not changed."""
+    import hashlib
+    import os
+
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while chunk := handle.read(8 << 20):
+                digest.update(chunk)
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict[tuple, str] = {}
+
+
+def component_files_metadata(source) -> str | None:
+    """The run metadata's `component_files`: each component a single file gives (SOURCE's and --component-file's)
+    as `name=file-name:sha256`, so that a queue resumed with another file redoes its items."""
+    rows = [f"{c.name}={c.single_file.path.name}:{file_digest(c.single_file.path)}"
+            for c in source.components if c.single_file is not None]
+    return ",".join(rows) if rows else None
 
 
 def without_weights(source) -> str | None:
@@ -209,3 +340,181 @@ def without_weights(source) -> str | None:
         return None
     return (f"--pipeline {shown(source.preset or str(source.root))} has no weights for {', '.join(bare)}: dmap run takes "
             "them from a pipeline folder with weights (a preset gives configs only, which dmap plan needs).")
+
+
+# --- a single file's tensors, converted, for `dmap shard FILE --to-diffusers` ---------------------------------
+
+
+@dataclass
+class ConvertedFile:
+    """A single file converted by diffusers' own `checkpoint_mapping_fn` into the names of `comp` (a
+    sources.ComponentSource), without reading the file: every tensor is a view of a read-only memory map,
+    so renames and row splits stay views (byte ranges of the file) and only what the mapping computes (a
+    concatenation, a swap of halves) or GGUF dequantization touches the data, one tensor at a time."""
+
+    path: Path
+    format: str
+    comp: object
+    tensors: dict  # diffusers name -> torch tensor (GGUF quantized: diffusers' GGUFParameter)
+    base: int  # address of the map: a tensor whose data lies in [base, base + size) is a byte range of the file
+    size: int
+    keep_in_fp32: tuple[str, ...]  # the model's _keep_in_fp32_modules
+
+    def file_range(self, tensor) -> tuple[int, int] | None:
+        """(begin, end) in the file of a tensor that is a contiguous view of it, else None."""
+        if not tensor.is_contiguous():
+            return None
+        nbytes = tensor.numel() * tensor.element_size()
+        begin = tensor.data_ptr() - self.base
+        return (begin, begin + nbytes) if nbytes and 0 <= begin and begin + nbytes <= self.size else None
+
+    def kept_in_fp32(self, name: str) -> bool:
+        """diffusers' rule (`_keep_in_fp32_modules`): a module name among the tensor's dotted parts."""
+        parts = name.split(".")
+        return any(module in parts for module in self.keep_in_fp32)
+
+
+def component_for_file(path: Path, pipeline: str | None):
+    """(component, where its config comes from) for the component the file holds: with `pipeline` (a preset or a
+    folder) its first component the file matches, as `--pipeline` picks; without, the bundled preset that `dmap
+    inspect` recognizes the file as. A file already in diffusers' layout, or in a layout neither knows: one sentence."""
+    from dm_cli.model.demo import resolve
+
+    if pipeline is not None:
+        source = resolve(pipeline)
+        _check_pipeline(source, "--pipeline")
+        candidates = [c for c in source.components if c.config is not None and mapping_function(c.cls) is not None]
+        where = f"--pipeline {shown(pipeline)}"
+    else:
+        comp, where = _recognized_component(path)
+        candidates = [comp]
+    _refuse_diffusers_layout(path, candidates)
+    problems = []
+    for comp in candidates:
+        try:
+            _single_file_for(path, comp)
+            return comp, where
+        except SourceError as error:
+            problems.append(str(error))
+    raise SourceError(problems[0] if problems else f"No component of {shown(str(pipeline))} can be loaded from a "
+                      "single file by diffusers.")
+
+
+def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    if path.name.lower().endswith(".gguf"):
+        from dm_cli.model.gguf_files import read_gguf_header
+
+        return {t.name: t.shape for t in read_gguf_header(path).tensors}
+    from dm_cli.io.checkpoint import read_safetensors_header
+
+    return {name: tuple(e.shape) for name, e in read_safetensors_header(path).tensors.items()}
+
+
+def _recognized_component(path: Path):
+    from dm_cli.model.single_file import match_file
+
+    found = match_file(_file_shapes(path))
+    if found is None:
+        raise SourceError(f"{shown(path.name)} is in no original layout that diffusers' single-file loader knows (a "
+                          "diffusers-layout file needs no conversion: put it beside its config.json, or give "
+                          "--pipeline P if it is one component of P).")
+    model, component, source = found
+    if source is None:
+        raise SourceError(f"{shown(path.name)} is {model}, for which dmap bundles no config: give --pipeline with a "
+                          "folder that has its config.")
+    return source.component(component), f"preset {source.preset or source.spec}"
+
+
+def _refuse_diffusers_layout(path: Path, candidates) -> None:
+    """A file whose names and shapes are already a candidate's own (diffusers' layout): nothing to convert."""
+    from dm_cli.model.skeleton import load_skeleton
+
+    shapes = _file_shapes(path)
+    for comp in candidates:
+        built = {t.name: tuple(t.shape) for t in load_skeleton(comp.name, comp.library, comp.cls, comp.config).tensors
+                 if t.kind != "buffer_np"}
+        if built == shapes:
+            hint = "" if path.name.lower().endswith(".gguf") else "; `dmap shard` reshards it beside its config.json"
+            raise UsageError(f"{shown(path.name)} is already in diffusers' layout (the {comp.name}'s own names and "
+                             f"shapes): nothing to convert{hint}.")
+
+
+def convert_file(path: Path, comp) -> ConvertedFile:
+    """`path` converted into `comp`'s names by diffusers' mapping function, on views of a memory map."""
+    import warnings
+
+    import numpy as np
+
+    from dm_cli.model.models import component_class
+
+    fmt = GGUF if path.name.lower().endswith(".gguf") else SAFETENSORS
+    try:  # read-only and shared: a copy-on-write map of a 28 GB file would be charged 28 GB of commit
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as error:
+        raise SourceError(f"Cannot map {shown(path.name)}: {error}.") from None
+    with warnings.catch_warnings():  # torch warns that the views are read-only: diffusers' mappings never write
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        state = _gguf_views(path, mapped) if fmt == GGUF else _safetensors_views(path, mapped)
+    try:
+        converted = mapping_function(comp.cls)(state, config=comp.config)
+    except (KeyError, IndexError, ValueError, RuntimeError, TypeError) as error:
+        raise SourceError(f"{shown(path.name)} does not hold a {comp.cls} in a layout diffusers' single-file loader "
+                          f"knows ({type(error).__name__}: {shown(str(error), 120)}).") from None
+    keep = tuple(getattr(component_class(comp.library, comp.cls), "_keep_in_fp32_modules", None) or ())
+    return ConvertedFile(path, fmt, comp, converted, mapped.ctypes.data, mapped.size, keep)
+
+
+def _view(mapped, begin: int, end: int, dtype, shape):
+    """The bytes [begin, end) of the map as a tensor; a copy only where the dtype's alignment forbids a view."""
+    import torch
+
+    raw = torch.from_numpy(mapped[begin:end])
+    if begin == end:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        return raw.view(dtype).reshape(shape)
+    except RuntimeError:  # an offset that is not a multiple of the element size
+        return raw.clone().view(dtype).reshape(shape)
+
+
+def _safetensors_views(path: Path, mapped) -> dict:
+    import torch
+
+    from dm_cli.io.checkpoint import read_safetensors_header
+
+    header = read_safetensors_header(path)
+    if mapped.size != max((e.end for e in header.tensors.values()), default=mapped.size):
+        raise SourceError(f"{shown(path.name)} changed while dmap read it: its size no longer fits its header.")
+    return {name: _view(mapped, e.begin, e.end, getattr(torch, e.dtype), e.shape) for name, e in header.tensors.items()}
+
+
+def _gguf_views(path: Path, mapped) -> dict:
+    """As diffusers' `load_gguf_checkpoint` gives them (F32, F16 plain; quantized as GGUFParameter over their
+    blocks), but BF16 plain too (the same values) and never copied."""
+    import gguf
+    import torch
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    from dm_cli.model.gguf_files import read_gguf_header
+
+    header = read_gguf_header(path)
+    if header.byte_order != "little":
+        raise SourceError(f"{shown(path.name)} is a big-endian GGUF file, which diffusers' GGUF loader does not read.")
+    if mapped.size != header.file_size:
+        raise SourceError(f"{shown(path.name)} changed while dmap read it: its size no longer fits its header.")
+    plain = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    views = {}
+    for tensor in header.tensors:
+        begin, end = tensor.offset, tensor.offset + tensor.nbytes
+        if tensor.ggml_type in plain:
+            views[tensor.name] = _view(mapped, begin, end, plain[tensor.ggml_type], tensor.shape)
+            continue
+        qtype = getattr(gguf.GGMLQuantizationType, tensor.ggml_type, None)
+        if qtype is None or qtype not in _supported_quant_types():
+            raise SourceError(f"{shown(path.name)}: tensor '{shown(tensor.name)}' has ggml type {tensor.ggml_type}, which "
+                              "diffusers' GGUF loader does not support.")
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        *rows, inner = tensor.shape
+        data = _view(mapped, begin, end, torch.uint8, (*rows, inner // block * type_size))
+        views[tensor.name] = GGUFParameter(data, quant_type=qtype)
+    return views

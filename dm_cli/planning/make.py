@@ -92,6 +92,9 @@ class PlanOptions:
     negative_prompt: str | None = None  # checked as dmap run checks it (FLUX refuses one); true CFG is planned anyway
     parallel: ParallelRequest = field(default_factory=ParallelRequest)  # --world-size, --parallel (planning/parallel.py)
     pipeline: str | None = None  # --pipeline: SOURCE is a single file, the rest of the pipeline comes from here
+    # --component-file: (component, file) pairs, these components from these single files
+    component_files: tuple[tuple[str, str], ...] = ()
+    loras: tuple = ()  # LoRA adapters (dm_cli.inputs.LoraAdapter, --lora): their bytes beside the layers they patch
 
 
 @dataclass
@@ -116,6 +119,9 @@ class Plan:
     parallel: ParallelLayout | None = None  # --world-size > 1: how the ranks share each step (written only then)
     # what the input images add to the denoiser's sequence (`input_image_report`; written only when they add any)
     input_images: dict = field(default_factory=dict)
+    # the LoRA adapters counted (path, component, scale, digest, tensors, stored_bytes, bytes at the run dtype, fused):
+    # written only when there are some
+    loras: list[dict] = field(default_factory=list)
 
     @property
     def placement(self) -> PlacementSpec:
@@ -191,6 +197,7 @@ class Plan:
             "warnings": self.warnings,
             **({"parallel": self.parallel.to_json()} if self.parallel is not None else {}),
             **({"input_images": self.input_images} if self.input_images else {}),
+            **({"loras": self.loras} if self.loras else {}),
         }
 
     @classmethod
@@ -259,7 +266,31 @@ class Plan:
              for n, c in raw_components.items() if _flag(c.get("tiled_decode", False), f"component {n!r} tiled_decode")},
             _parallel(data, known) if "parallel" in data else None,
             dict(_object(data.get("input_images", {}), "'input_images'")),
+            _plan_loras(data.get("loras", []), set(components)),
         )
+
+
+def _plan_loras(value, components: set) -> list[dict]:
+    """A plan file's `loras`: what the run compares its own --lora against (component, digest, scale)."""
+    if not isinstance(value, list):
+        raise ValueError("'loras' must be a list")
+    out = []
+    for n, entry in enumerate(value):
+        where = f"lora {n}"
+        entry = _object(entry, where)
+        component = _text(entry.get("component"), f"{where} component")
+        if component not in components:
+            raise ValueError(f"{where} patches '{component}', which the plan does not place")
+        scale = entry.get("scale")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise ValueError(f"{where} scale must be a finite number")
+        out.append({"path": _text(entry.get("path", ""), f"{where} path"), "component": component, "scale": float(scale),
+                    "digest": _text(entry.get("digest"), f"{where} digest"),
+                    "tensors": _count(entry.get("tensors", 0), f"{where} tensors"),
+                    "stored_bytes": _count(entry.get("stored_bytes", 0), f"{where} stored_bytes"),
+                    "bytes": _count(entry.get("bytes", 0), f"{where} bytes"),
+                    "fused": _flag(entry.get("fused", False), f"{where} fused")})
+    return out
 
 
 def _parallel(data: dict, known: set) -> ParallelLayout:
@@ -494,11 +525,12 @@ class PreparedComponent:
     warnings: list[str]
     weights: str | None = None  # fp8 / int8 storage (weight_formats.py); None: the run dtype
     effective_dtype: str | None = None  # the dtype its tensors are sized at (None: as stored)
+    lora_bytes: tuple = ()  # (LoraAdapter, bytes it adds at the run dtype) for each LoRA patching it
 
 
 def prepare_component(comp: ComponentSource, pipeline_class: str | None, inputs: InputSpec, dtype: str | None,
                       use_cache: bool = True, weights: dict[str, str | None] | None = None,
-                      on_progress: Callable[[str], None] | None = None) -> PreparedComponent:
+                      on_progress: Callable[[str], None] | None = None, loras: tuple = ()) -> PreparedComponent:
     """Skeleton + trace -> the planner's ComponentInput (blocks in execution order with activations).
 
     `weights` (from `parse_weights_spec`) stores some tensors in fp8 or int8: they are counted at
@@ -536,9 +568,51 @@ def prepare_component(comp: ComponentSource, pipeline_class: str | None, inputs:
         raise DoesNotFitError(_overflow_refusal(comp, inputs))  # never planned as if it needed nothing
     if facts.warning:
         warnings.append(f"{comp.name}: {facts.warning}")
-    spec, block_warnings = _component_spec(comp, skeleton, facts, inputs, effective, fmt, trace_dtype)
+    extra, lora_bytes = lora_extra_bytes(comp, skeleton, loras, fmt, effective or trace_dtype)
+    spec, block_warnings = _component_spec(comp, skeleton, facts, inputs, effective, fmt, trace_dtype, extra)
     warnings += [f"{comp.name}: {w}" for w in block_warnings]
-    return PreparedComponent(comp, skeleton, trace_dtype, facts, spec, warnings, fmt, effective)
+    return PreparedComponent(comp, skeleton, trace_dtype, facts, spec, warnings, fmt, effective, lora_bytes)
+
+
+def lora_extra_bytes(comp: ComponentSource, skeleton, loras: tuple, fmt: str | None,
+                     dtype: str) -> tuple[dict[str, int], tuple]:
+    """What the LoRAs patching a component add, unfused: lora_A and lora_B live beside the layer they patch, in its
+    dtype (peft casts them to it), so their bytes go with that layer's weight (tensor name -> bytes) and the planner
+    puts them in the block that holds it. A LoRA in a layout diffusers converts while loading (kohya's) is spread
+    over the component's weights. Refused, one sentence each: layers that are not in the component (a LoRA for
+    another model), and storage peft cannot patch (GGUF, fp8, int8)."""
+    from dm_cli.model.lora import layer_problems
+    from dm_cli.units import DTYPE_BYTES
+
+    if not loras:
+        return {}, ()
+    names = ", ".join(lora.name for lora in loras)
+    if skeleton.quantized:
+        raise UsageError(f"--lora {names}: '{comp.name}' comes from a GGUF file, whose quantized layers dmap cannot "
+                         "patch with a LoRA; use the pipeline's own safetensors weights for it.")
+    if fmt:
+        raise UsageError(f"--lora {names}: peft cannot patch layers stored as {fmt} (it would cast the LoRA to "
+                         f"{fmt} too): drop --weights for '{comp.name}'.")
+    infos = {t.name: t for t in skeleton.tensors}
+    shapes = {t.name: t.shape for t in skeleton.tensors}
+    weights = [t for t in skeleton.tensors if t.kind == "param" and t.name.endswith(".weight") and len(t.shape) >= 2]
+    extra: dict[str, int] = {}
+    report = []
+    for lora in loras:
+        problem = layer_problems(lora, shapes)
+        if problem:
+            raise UsageError(problem)
+        if lora.layers:
+            added = {f"{layer.module}.weight": layer.numel * DTYPE_BYTES[infos[f"{layer.module}.weight"].dtype_at(dtype)]
+                     for layer in lora.layers}
+        else:  # a foreign layout: diffusers renames its keys only while loading
+            total = lora.numel * DTYPE_BYTES[dtype]
+            numels = sum(t.numel for t in weights) or 1
+            added = {t.name: total * t.numel // numels for t in weights}
+        for name, count in added.items():
+            extra[name] = extra.get(name, 0) + count
+        report.append((lora, sum(added.values())))
+    return extra, tuple(report)
 
 
 def _overflow_refusal(comp: ComponentSource, inputs: InputSpec) -> str:
@@ -559,10 +633,12 @@ def _gguf_note(comp: ComponentSource, skeleton, compute_dtype: str) -> str:
 
 
 def _component_spec(comp: ComponentSource, skeleton, facts: TraceFacts, inputs: InputSpec, effective: str | None, fmt: str | None,
-                    trace_dtype: str) -> tuple[ComponentInput, list[str]]:
-    """The planner's view of one component for one trace: blocks in execution order with their activations."""
+                    trace_dtype: str, extra: dict[str, int] | None = None) -> tuple[ComponentInput, list[str]]:
+    """The planner's view of one component for one trace: blocks in execution order with their activations.
+    `extra`: bytes held beside a tensor (a LoRA's, `lora_extra_bytes`), counted with it."""
     peaks = {} if inputs.weights_only else facts.module_peaks
-    tensor_bytes = [(t.name, t.bytes_at(effective, fmt)) for t in skeleton.tensors]
+    extra = extra or {}
+    tensor_bytes = [(t.name, t.bytes_at(effective, fmt) + extra.get(t.name, 0)) for t in skeleton.tensors]
     blocks, block_warnings = component_blocks(skeleton.modules, tensor_bytes, skeleton.no_split_modules,
                                               facts.execution_order, facts.unsplittable, peaks,
                                               facts.same_device_groups, skeleton.tie_groups)
@@ -595,7 +671,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         raise UsageError(f"Unknown mode '{options.placement.mode}': use {', '.join(MODES)}.")
     progress = options.on_progress or (lambda message: None)
     progress(f"Resolving {source_spec}")
-    source = resolve_with_pipeline(source_spec, options.pipeline)
+    source = resolve_with_pipeline(source_spec, options.pipeline, dict(options.component_files))
     comps = [source.component(options.component)] if options.component else list(source.components)
     options = replace(options, inputs=default_inputs(source, comps, options.inputs))
     _check_family_inputs(source, comps, options)
@@ -609,8 +685,10 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     if parallel is not None:
         options, asked = parallel[0], parallel[0].placement
     formats = parse_weights_spec(asked.weights, [c.name for c in comps])
+    loras = lora_targets(source, options.loras)
     prepared = [prepare_component(c, source.pipeline_class, options.inputs, asked.dtype, options.use_cache, formats,
-                                  on_progress=options.on_progress) for c in comps]
+                                  on_progress=options.on_progress,
+                                  loras=tuple(lora for lora in loras if lora.component == c.name)) for c in comps]
     specs = [p.spec for p in prepared]
     stages = pipeline_stages(source.pipeline_class, [c.name for c in comps])
     progress(f"Placing {len(specs)} component(s) on {', '.join(device_label(d.key) for d in devices)}")
@@ -638,11 +716,23 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         if problem:
             plan.warnings.append(f"{problem} dmap run refuses this plan (except with --simulate).")
     plan.input_images = input_image_report(source, comps, prepared, options)
+    plan.loras = [{**lora.to_json(), "bytes": count, "fused": False} for p in prepared for lora, count in p.lora_bytes]
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
     if parallel is not None:
         plan.parallel = _parallel_layout(plan, prepared, *parallel)
     return plan
+
+
+def lora_targets(source, loras: tuple) -> tuple:
+    """The LoRAs with the component each patches (`dm_cli.model.lora.settle_targets`), as `dmap run` settles them."""
+    if not loras:
+        return ()
+    from dm_cli.model.lora import settle_targets
+
+    family, denoiser, _ = family_parts(source.pipeline_class, source.components)
+    return settle_targets(tuple(loras), [c.name for c in source.components],
+                          denoiser.name if denoiser is not None else None, family.experts if family is not None else ())
 
 
 # --- parallel within a step (planning/parallel.py) ---------------------------------------------------
@@ -762,6 +852,12 @@ def default_inputs(source, comps, inputs: InputSpec) -> InputSpec:
     return replace(inputs, height=settled.height, width=settled.width, num_frames=settled.num_frames)
 
 
+def _padded_frames(inputs: InputSpec) -> tuple[int | None, ...]:
+    """The frame index of each of `inputs.image_sizes` (None: a plain image)."""
+    frames = inputs.image_frames[:len(inputs.image_sizes)]
+    return (*frames, *[None] * (len(inputs.image_sizes) - len(frames)))
+
+
 def _check_family_inputs(source, comps, options: PlanOptions) -> None:
     """The family's rules (`Family.validate`, as dmap run applies them); multiples of 8 for what no family knows."""
     inputs = options.inputs
@@ -771,7 +867,8 @@ def _check_family_inputs(source, comps, options: PlanOptions) -> None:
         generation = Generation(height=inputs.height, width=inputs.width, num_frames=inputs.num_frames, fps=inputs.fps,
                                 guidance_scale=inputs.guidance_scale, max_sequence_length=inputs.max_sequence_length,
                                 num_images=inputs.num_images, negative_prompt=options.negative_prompt,
-                                images=tuple(InputImage(w, h) for w, h in inputs.image_sizes),
+                                images=tuple(InputImage(w, h, frame=frame) for (w, h), frame in
+                                             zip(inputs.image_sizes, _padded_frames(inputs))),
                                 last_image=InputImage(*inputs.last_image_size) if inputs.last_image_size else None,
                                 ).with_settings(options.settings)
         family.validate(generation, source.pipeline_class or denoiser.cls, denoiser.config or {},

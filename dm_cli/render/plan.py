@@ -236,6 +236,13 @@ def _print_notes(out, plan, size) -> None:
         out.print(f"Input images: {len(tokens)} add {' + '.join(f'{t:,}' for t in tokens)} tokens to {report['component']}'s "
                   f"sequence: its activations {size(report['activation_peak_bytes'])}, "
                   f"{size(report['activation_peak_without_bytes'])} without them.")
+    for lora in getattr(plan, "loras", None) or []:
+        from dm_cli.io.input_images import shown_path
+
+        name = shown_path(lora["path"].replace("\\", "/").rsplit("/", 1)[-1])
+        out.print(Text.assemble(("LoRA ", "bold"), f"{name}: scale {lora['scale']:g} on {lora['component']}, "
+                                f"{lora['tensors']} tensors, {size(lora['bytes'])} counted beside the layers it patches "
+                                f"({'fused' if lora['fused'] else 'unfused'}), sha256 {lora['digest'][:12]}."))
     for warning in plan.warnings:
         out.print(Text.assemble(("warning:", "yellow"), f" {warning}"))
 

@@ -9,11 +9,12 @@ from dm_cli.version import __version__
 
 
 def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, demo: bool,
-                 fps: float | None = None, tiled_decode=()) -> dict[str, str]:
+                 fps: float | None = None, tiled_decode=(), loras=()) -> dict[str, str]:
     """The PNG text metadata of one generated job (what a queue's resume compares, see dm_cli.run.queue).
 
     `tiled_decode`: components the plan decodes in tiles (written only when there are some, so the
-    metadata of untiled images stays as it was): tiles change pixels at their seams."""
+    metadata of untiled images stays as it was): tiles change pixels at their seams. `loras` (dm_cli.inputs.LoraAdapter,
+    settled): "lora" is what the resume key compares (component, sha256, scale), "lora_files" names the files."""
     meta = {
         "prompt": job.prompt, "seed": str(job.seed), "steps": str(job.steps), "guidance_scale": str(job.guidance_scale),
         "source": source_spec, "pipeline": pipeline_class, "height": str(job.height), "width": str(job.width),
@@ -27,11 +28,14 @@ def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, d
         if value is not None:
             meta[name] = str(value)
     if job.images:  # what the run read: a changed input image is another job (the resume key has it)
-        meta["input_images"] = ",".join(f"{image.width}x{image.height}:{image.digest}" for image in job.images)
+        meta["input_images"] = ",".join(image.label for image in job.images)
     if job.last_image is not None:  # a first-last-frame video's last frame: part of the resume key too
         meta["last_image"] = f"{job.last_image.width}x{job.last_image.height}:{job.last_image.digest}"
     if tiled_decode:
         meta["tiled_decode"] = ",".join(sorted(tiled_decode))
+    if loras:
+        meta["lora"] = ",".join(lora.key() for lora in loras)
+        meta["lora_files"] = ",".join(lora.name for lora in loras)
     if demo:
         meta["weights"] = "random (dmap demo pipeline)"
     return meta

@@ -33,7 +33,7 @@ from dm_cli.run.checks import check_seed
 
 MANIFEST = "manifest.jsonl"
 MAX_PROMPTS_BYTES = 1 << 30  # millions of prompts; never a whole disk
-JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "output", "image", "last_image"}
+JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "output", "image", "last_image", "lora"}
 
 
 @dataclass(frozen=True)
@@ -50,12 +50,14 @@ class QueueItem:
     settings: tuple[tuple[str, object], ...] = ()  # the family's own (dm_cli.families.Setting), from its JSONL keys
     images: tuple = ()  # input images (dm_cli.inputs.InputImage), from the JSONL key "image"; (): the run's
     last_image: object = None  # a video's last frame (InputImage), from the JSONL key "last_image"; None: the run's
+    loras: tuple | None = None  # LoRA adapters (dm_cli.inputs.LoraAdapter), from the JSONL key "lora"; None: the run's
 
     def to_json(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         last = self.last_image.to_json() if self.last_image is not None else None
+        loras = [lora.to_json() for lora in self.loras] if self.loras is not None else None
         return {**data, "settings": dict(self.settings), "images": [image.to_json() for image in self.images],
-                "last_image": last}
+                "last_image": last, "loras": loras}
 
 
 def default_output_name(index: int) -> str:
@@ -92,10 +94,11 @@ def read_prompts(path: str | os.PathLike, base_seed: int = 0,
         raise UsageError(f"Prompts file {path} has no prompts: write one prompt per line (or one JSON object per line).")
     jsonl = path.suffix.lower() in (".jsonl", ".ndjson") or lines[0][1].startswith("{")
     items = []
+    read: dict = {}  # the LoRA files items name, each read (and hashed) once
     for index, (number, line) in enumerate(lines):
         where = f"{path}, line {number}"
         if jsonl:
-            items.append(_jsonl_item(line, index, base_seed, where))
+            items.append(_jsonl_item(line, index, base_seed, where, read))
         else:
             items.append(QueueItem(index, line, check_seed(base_seed + index, f"{where}: the seed"), default_output_name(index)))
     seen: dict[str, int] = {}
@@ -110,7 +113,7 @@ def read_prompts(path: str | os.PathLike, base_seed: int = 0,
     return items
 
 
-def _jsonl_item(line: str, index: int, base_seed: int, where: str) -> QueueItem:
+def _jsonl_item(line: str, index: int, base_seed: int, where: str, read: dict | None = None) -> QueueItem:
     try:
         data = json.loads(line)
     except ValueError as error:
@@ -144,7 +147,24 @@ def _jsonl_item(line: str, index: int, base_seed: int, where: str) -> QueueItem:
     output = data.get("output")
     output = default_output_name(index) if output is None else _output_name(output, where)
     return QueueItem(index, prompt.strip(), check_seed(seed, f"{where}: the seed"), output, negative or None, steps, guidance,
-                     settings, _item_images(data.get("image"), where), _item_last_image(data.get("last_image"), where))
+                     settings, _item_images(data.get("image"), where), _item_last_image(data.get("last_image"), where),
+                     _item_loras(data.get("lora"), where, {} if read is None else read))
+
+
+def _item_loras(value, where: str, read: dict) -> tuple | None:
+    """A JSONL item's "lora": "[COMPONENT=]FILE[:SCALE]" or a list of them, as --lora (read as hostile input, each
+    file once per queue); [] is no LoRA; None: the run's."""
+    if value is None:
+        return None
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not all(isinstance(text, str) and text for text in texts):
+        raise UsageError(f"{where}: 'lora' must be \"[COMPONENT=]FILE[:SCALE]\" or a list of them.")
+    from dm_cli.model.lora import read_loras
+
+    key = tuple(texts)
+    if key not in read:
+        read[key] = read_loras(list(texts), f"{where}: 'lora'")
+    return read[key]
 
 
 def _item_images(value, where: str) -> tuple:

@@ -71,6 +71,7 @@ class RunRequest:
     # --parallel (dm_cli.run.parallel): how torchrun ranks share each step; None follows the plan file's `parallel`
     parallel: str | None = None
     pipeline: str | None = None  # --pipeline: SOURCE is a single file, the rest of the pipeline comes from here
+    component_files: dict | None = None  # --component-file NAME=FILE: these components from these single files
 
     @classmethod
     def of(cls, source: str | None, prompt: str, *, device_map: str = "auto", settings: dict | None = None,
@@ -82,7 +83,10 @@ class RunRequest:
 
         images = input_images(options.pop("images", None))  # paths and PIL images read here, before SOURCE
         last = last_input_image(options.pop("last_image", None))
-        generation = Generation(images=images, last_image=last,
+        from dm_cli.model.lora import read_loras
+
+        loras = read_loras(options.pop("loras", None))
+        generation = Generation(images=images, last_image=last, loras=loras,
                                 **{k: options.pop(k) for k in GENERATION_FIELDS if k in options})
         placement = {k: options.pop(k) for k in PLACEMENT_FIELDS if k in options}
         strategy, plan_file = (device_map, None) if device_map in STRATEGIES else ("auto", device_map)
@@ -97,26 +101,40 @@ class RunRequest:
 def input_images(values, where: str = "--image") -> tuple[InputImage, ...]:
     """Input images as a generation holds them: each a path (read as hostile input by
     `dm_cli.io.input_images.describe_image`: its size after EXIF orientation and its digest), an in-memory PIL
-    image (the API's `image=`), or an InputImage; one value or a list of them, in order."""
+    image (the API's `image=`), or an InputImage; one value or a list of them, in order. A keyframe (LTX-2) is a
+    string `PATH@FRAME[:STRENGTH]` (`dm_cli.io.input_images.split_keyframe`) or, for the API, a dict
+    {"image": PATH or PIL image, "frame": N, "strength": S} (its path taken as it is, '@' and all)."""
     import os
 
     if values is None:
         return ()
-    if isinstance(values, (str, os.PathLike, InputImage)) or hasattr(values, "getpixel"):
+    if isinstance(values, (str, os.PathLike, InputImage, dict)) or hasattr(values, "getpixel"):
         values = [values]
-    out = []
-    for value in values:
-        if isinstance(value, InputImage):
-            out.append(value)
-        elif isinstance(value, (str, os.PathLike)):
-            from dm_cli.io.input_images import describe_image
+    return tuple(_input_image(value, where) for value in values)
 
-            out.append(describe_image(value, where))
-        elif hasattr(value, "getpixel"):  # a PIL image
-            out.append(in_memory_image(value))
-        else:
-            raise UsageError(f"{where} takes image paths or PIL images, not a {type(value).__name__}.")
-    return tuple(out)
+
+def _input_image(value, where: str, split: bool = True) -> InputImage:
+    import os
+    from dataclasses import replace
+
+    if isinstance(value, InputImage):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        from dm_cli.io.input_images import describe_image, split_keyframe
+
+        path, frame, strength = split_keyframe(value, where) if split and isinstance(value, str) else (value, None, None)
+        image = describe_image(path, where)
+        return replace(image, frame=frame, strength=strength) if frame is not None else image
+    if hasattr(value, "getpixel"):  # a PIL image
+        return in_memory_image(value)
+    if isinstance(value, dict):
+        unknown = sorted(set(map(str, value)) - {"image", "frame", "strength"})
+        if unknown or "image" not in value or isinstance(value["image"], dict):
+            raise UsageError(f"{where}: a keyframe is {{\"image\": PATH or PIL image, \"frame\": N, \"strength\": S}}"
+                             + (f", not with {', '.join(unknown)}." if unknown else "."))
+        return replace(_input_image(value["image"], where, split=False), frame=value.get("frame"),
+                       strength=value.get("strength"))
+    raise UsageError(f"{where} takes image paths or PIL images, not a {type(value).__name__}.")
 
 
 def last_input_image(value, where: str = "--last-image") -> InputImage | None:
@@ -148,6 +166,8 @@ def plan_digest(plan: Plan) -> str:
     decisive["stages"] = [[s["name"], s["components"]] for s in data["stages"]]
     if plan.tiled_decode:  # tiles change pixels at their seams (absent: the digests of untiled plans stay as they were)
         decisive["tiled_decode"] = sorted(plan.tiled_decode)
+    if plan.loras:  # their bytes sit beside the layers they patch (absent: the digests of plans without stay as they were)
+        decisive["loras"] = [[lora["component"], lora["digest"], lora["scale"], lora["fused"]] for lora in plan.loras]
     return hashlib.sha256(json.dumps(decisive, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -164,14 +184,21 @@ def make_run_plan(source: Source, request: RunRequest, inputs: InputSpec, family
     if needed and not inputs.image_sizes:
         inputs = replace(inputs, image_sizes=((inputs.width, inputs.height),) * needed)
 
-    single = next((c.single_file for c in source.components if c.single_file is not None), None)
+    from dm_cli.model.single_file_weights import named_component_files
+
+    single = next((c.single_file for c in source.components if c.single_file is not None and not c.single_file.named),
+                  None)
     root, pipeline = (str(single.path), str(source.root)) if single is not None else (str(source.root), None)
-    return make_named_plan(root, source.spec, PlanOptions(request.placement, inputs, pipeline=pipeline))
+    files = tuple(named_component_files(source).items())  # --component-file's, planned as given
+    return make_named_plan(root, source.spec, PlanOptions(request.placement, inputs, pipeline=pipeline,
+                                                          component_files=files, loras=request.generation.loras))
 
 
-def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement: PlacementSpec, where: str) -> None:
-    """A plan made for another model, other inputs, another dtype or other weight storage (what `placement`
-    asks beside the plan file) is refused, with every mismatch at once."""
+def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement: PlacementSpec, where: str,
+                       loras: tuple = ()) -> None:
+    """A plan made for another model, other inputs, another dtype, other weight storage (what `placement`
+    asks beside the plan file) or other LoRAs (`loras`, settled: their bytes are in the plan) is refused, with
+    every mismatch at once."""
     dtype, weights = placement.dtype, placement.weights
     problems: list[str] = []
     ours = config_digest(source)
@@ -203,6 +230,12 @@ def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement:
             stored, wanted = storage_dtype(plan.weights.get(name), plan.dtype), storage_dtype(fmt, plan.dtype)
             if stored != wanted:
                 problems.append(f"it stores '{name}' as {stored}, this run asks for {wanted} (drop --weights)")
+    planned_loras = sorted((lora["component"], lora["digest"], lora["scale"]) for lora in plan.loras)
+    if planned_loras != sorted((lora.component, lora.digest, lora.scale) for lora in loras):
+        shown = lambda items: ", ".join(f"{c}:{d[:12]}:{s:g}" for c, d, s in items) or "none"  # noqa: E731
+        problems.append(f"it was made for LoRA(s) {shown(planned_loras)}, this run asks for "
+                        f"{shown(sorted((lora.component, lora.digest, lora.scale) for lora in loras))} "
+                        "(give the plan's --lora)")
     if problems:
         raise UsageError(f"{where} does not match this run: " + "; ".join(problems)
                          + f". Plan again with dmap plan {source.spec} --output PLAN.json, or run without --device-map.")
@@ -299,7 +332,7 @@ def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda m
 
     demo = is_demo(request.source)
     spec, root, defaults = source_root(request.source, status)
-    source = resolve_with_pipeline(root, request.pipeline)
+    source = resolve_with_pipeline(root, request.pipeline, request.component_files)
     source.spec = spec
     notices = [DEMO_NOTICE] if demo else []
     if source.kind != "pipeline":

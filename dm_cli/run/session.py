@@ -86,6 +86,11 @@ class Session:
         self.is_main = self.sharing is None or self.sharing.is_main  # rank 0 decodes and gets the images
         # missing or corrupt weights are bad input: say so before importing the libraries or planning
         largest = {c.name: check_component_files(c) for c in self.source.components}
+        if any(c.single_file is not None for c in self.source.components):  # their sha256 goes into the metadata
+            from dm_cli.model.single_file_weights import component_files_metadata
+
+            status("Hashing the single files (sha256, for the outputs' metadata)…")
+            component_files_metadata(self.source)
         status("Importing torch, diffusers and transformers…")
         quiet_libraries()
         if plan is not None:
@@ -102,7 +107,7 @@ class Session:
         loop, shared = (StageLoop, {}) if self.sharing is None else (ParallelStageLoop, {"sharing": self.sharing})
         self._loop = loop(self.source, plan, self.family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
                           largest_shard=largest, track_activations=request.simulate or request.track_activations,
-                          on_status=on_status, measure=measure, **shared)
+                          on_status=on_status, measure=measure, loras=self.generation.loras, **shared)
         # per stage of the plan, over every generate(): how often its components were loaded, and the time
         # spent loading and running them (what a queue saves by loading once per chunk)
         self.stage_totals: dict[str, dict] = {s.name: {"loads": 0, "load_s": 0.0, "run_s": 0.0} for s in plan.stages}
@@ -140,12 +145,16 @@ class Session:
             defaults = {**defaults, **inputs_from_plan(plan)}
         # Settle the generation first: the plan is made for (and checked against) it.
         self.generation = settle_generation(request.generation, source, family, defaults, request.per_prompt_images)
+        if self.generation.loras:  # each LoRA with the component it patches, as the planner settles them
+            from dm_cli.planning.make import lora_targets
+
+            self.generation = replace(self.generation, loras=lora_targets(source, self.generation.loras))
         refuse_existing_outputs(request, family, self.generation.num_images)
         self.defaults = Job.of(self.generation, request.prompt, request.seed)
         self.fps = self.generation.fps if self.generation.num_frames else None  # video families
         where = plan_file or "The plan"
         if plan is not None:
-            check_plan_matches(plan, source, self._inputs(), request.placement, where)
+            check_plan_matches(plan, source, self._inputs(), request.placement, where, self.generation.loras)
         return plan, where
 
     def _inputs(self):
@@ -164,6 +173,12 @@ class Session:
         status(None)
         if not request.simulate:
             check_devices_present(plan)  # a plan made here: before it is shown
+        if self.generation.loras:  # what peft cannot patch, before anything loads
+            from dm_cli.run.adapters import lora_refusal
+
+            refusal = lora_refusal(plan, self.source, self.generation.loras, request.simulate)
+            if refusal:
+                raise UsageError(refusal)
         if on_plan is not None:
             on_plan(plan)
         if not request.simulate:
@@ -187,6 +202,8 @@ class Session:
         job = self.defaults
         if item.steps is not None:  # a queue line's steps get --steps' bound
             check_count("steps", item.steps, f"Item {item.index}: 'steps'")
+        if item.loras is not None:
+            self._check_item_loras(item)
         generation = replace(self.generation, negative_prompt=item.negative_prompt or job.negative_prompt,
                              steps=item.steps or job.steps, images=item.images or self.generation.images,
                              last_image=item.last_image or self.generation.last_image,
@@ -198,6 +215,21 @@ class Session:
             raise UsageError(f"Item {item.index}: {error}") from None
         return Job.of(generation, item.prompt, item.seed)
 
+    def _check_item_loras(self, item: QueueItem) -> None:
+        """A queue item's "lora" must be the run's (dmap loads one set of adapters per run, into the denoiser)."""
+        from dm_cli.planning.make import lora_targets
+
+        ours = sorted(lora.key() for lora in self.generation.loras)
+        try:
+            theirs = sorted(lora.key() for lora in lora_targets(self.source, item.loras))
+        except UsageError as error:
+            raise UsageError(f"Item {item.index}: {error}") from None
+        if theirs != ours:
+            names = ", ".join(f"{lora.name}:{lora.scale:g}" for lora in item.loras) or "none"
+            run = ", ".join(f"{lora.name}:{lora.scale:g}" for lora in self.generation.loras) or "none"
+            raise UsageError(f"Item {item.index} asks for LoRA(s) {names}, this run loads {run}: dmap loads one set "
+                             "of LoRAs per run; give such items a queue of their own, with its --lora.")
+
     def _validate(self, generation) -> None:
         """`Family.validate` with this SOURCE's configs, as `dmap plan` and the run's own generation get it."""
         comps = {c.name: c for c in self.source.components}
@@ -206,10 +238,15 @@ class Session:
                              vae.config if vae is not None else None, tuple(comps))
 
     def metadata(self, job) -> dict[str, str]:
+        from dm_cli.model.single_file_weights import component_files_metadata
         from dm_cli.run.outputs import job_metadata
 
-        return job_metadata(job, self.source.spec, self.source.pipeline_class, self.plan_digest, self.demo, self.fps,
-                            self.plan.tiled_decode)
+        meta = job_metadata(job, self.source.spec, self.source.pipeline_class, self.plan_digest, self.demo, self.fps,
+                            self.plan.tiled_decode, self.generation.loras)
+        files = component_files_metadata(self.source)  # single files (SOURCE's, --component-file's) by their sha256
+        if files:
+            meta["component_files"] = files
+        return meta
 
     def bytes_per_item(self) -> int:
         """Embeddings and latents one prompt holds between stages: what the pipeline feeds the denoiser per step."""

@@ -80,7 +80,7 @@ class StageLoop:
 
     def __init__(self, source, plan, family: Family, *, simulate: bool, tracked_steps: int | None,
                  largest_shard: dict[str, int] | None = None, track_activations: bool = False,
-                 on_status: Callable[[str | None], None] | None = None, measure: bool = True):
+                 on_status: Callable[[str | None], None] | None = None, measure: bool = True, loras: tuple = ()):
         import torch
 
         self.source = source
@@ -108,6 +108,7 @@ class StageLoop:
         self.status = on_status or (lambda message: None)
         # False: no tracker, no RSS sampling at all (a queue wants its images, not per-stage peaks)
         self.measure = measure
+        self.loras = tuple(loras)  # LoRA adapters (settled): loaded into their component each time it loads
 
     # --- loading ---------------------------------------------------------------------------------
 
@@ -127,6 +128,12 @@ class StageLoop:
                                        self.plan.weights.get(name))
                 if name in self.plan.tiled_decode:  # the plan needs it (checked: the class tiles, check_tiled_decode)
                     model.enable_tiling()
+                patching = [lora for lora in self.loras if lora.component == name]
+                if patching:  # before the meter counts the weights: the adapters sit beside the layers they patch
+                    from dm_cli.run.adapters import load_loras
+
+                    self.status(f"Loading {len(patching)} LoRA(s) into {name}…")
+                    load_loras(self.pipe, name, model, patching)
                 default_dev = str(next(iter(cmap.values())))
                 self.meter.register_weights(model, cmap, default_dev)
                 self._hooks[name] = self.meter.attach(model, cmap, default_dev)
