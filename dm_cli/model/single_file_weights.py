@@ -97,27 +97,17 @@ def _meta_safetensors(path: Path) -> dict:
 def _meta_gguf(path: Path) -> dict:
     """GGUF tensors on meta: plain types as their torch dtype, quantized ones as diffusers' GGUFParameter over
     their stored bytes (rows x bytes per row), exactly what `load_gguf_checkpoint` hands the mapping function."""
-    import gguf
     import torch
     from diffusers.quantizers.gguf.utils import GGUFParameter
 
     from dm_cli.model.gguf_files import read_gguf_header
 
     header = read_gguf_header(path)
-    plain = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     meta = {}
     for tensor in header.tensors:
-        if tensor.ggml_type in plain:
-            meta[tensor.name] = torch.empty(tensor.shape, dtype=plain[tensor.ggml_type], device="meta")
-            continue
-        qtype = getattr(gguf.GGMLQuantizationType, tensor.ggml_type, None)
-        if qtype is None or qtype not in _supported_quant_types():
-            raise SourceError(f"{shown(path.name)}: tensor '{shown(tensor.name)}' has ggml type {tensor.ggml_type}, which "
-                              "diffusers' GGUF loader does not support.")
-        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        *rows, inner = tensor.shape
-        data = torch.empty((*rows, inner // block * type_size), dtype=torch.uint8, device="meta")
-        meta[tensor.name] = GGUFParameter(data, quant_type=qtype)
+        dtype, shape, qtype = _gguf_storage(path, tensor)
+        data = torch.empty(shape, dtype=dtype, device="meta")
+        meta[tensor.name] = data if qtype is None else GGUFParameter(data, quant_type=qtype)
     return meta
 
 
@@ -491,8 +481,6 @@ def _safetensors_views(path: Path, mapped) -> dict:
 def _gguf_views(path: Path, mapped) -> dict:
     """As diffusers' `load_gguf_checkpoint` gives them (F32, F16 plain; quantized as GGUFParameter over their
     blocks), but BF16 plain too (the same values) and never copied."""
-    import gguf
-    import torch
     from diffusers.quantizers.gguf.utils import GGUFParameter
 
     from dm_cli.model.gguf_files import read_gguf_header
@@ -502,19 +490,27 @@ def _gguf_views(path: Path, mapped) -> dict:
         raise SourceError(f"{shown(path.name)} is a big-endian GGUF file, which diffusers' GGUF loader does not read.")
     if mapped.size != header.file_size:
         raise SourceError(f"{shown(path.name)} changed while dmap read it: its size no longer fits its header.")
-    plain = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     views = {}
     for tensor in header.tensors:
-        begin, end = tensor.offset, tensor.offset + tensor.nbytes
-        if tensor.ggml_type in plain:
-            views[tensor.name] = _view(mapped, begin, end, plain[tensor.ggml_type], tensor.shape)
-            continue
-        qtype = getattr(gguf.GGMLQuantizationType, tensor.ggml_type, None)
-        if qtype is None or qtype not in _supported_quant_types():
-            raise SourceError(f"{shown(path.name)}: tensor '{shown(tensor.name)}' has ggml type {tensor.ggml_type}, which "
-                              "diffusers' GGUF loader does not support.")
-        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        *rows, inner = tensor.shape
-        data = _view(mapped, begin, end, torch.uint8, (*rows, inner // block * type_size))
-        views[tensor.name] = GGUFParameter(data, quant_type=qtype)
+        dtype, shape, qtype = _gguf_storage(path, tensor)
+        data = _view(mapped, tensor.offset, tensor.offset + tensor.nbytes, dtype, shape)
+        views[tensor.name] = data if qtype is None else GGUFParameter(data, quant_type=qtype)
     return views
+
+
+def _gguf_storage(path, tensor):
+    """(torch dtype, shape, quant type or None) a GGUF tensor is held in as diffusers' GGUF loader holds it: plain
+    types as themselves, quantized ones as uint8 rows of blocks; a type that loader cannot read: one sentence."""
+    import gguf
+    import torch
+
+    plain = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    if tensor.ggml_type in plain:
+        return plain[tensor.ggml_type], tensor.shape, None
+    qtype = getattr(gguf.GGMLQuantizationType, tensor.ggml_type, None)
+    if qtype is None or qtype not in _supported_quant_types():
+        raise SourceError(f"{shown(path.name)}: tensor '{shown(tensor.name)}' has ggml type {tensor.ggml_type}, which "
+                          "diffusers' GGUF loader does not support.")
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    *rows, inner = tensor.shape
+    return torch.uint8, (*rows, inner // block * type_size), qtype
