@@ -68,8 +68,8 @@ def wan_files(tmp_path_factory):
     return folder, root / "wan-high-noise.safetensors", root / "wan-high-noise-Q8_0.gguf"
 
 
-def _diffusers_latents(folder, file):
-    """What diffusers gives loading the same file its own way."""
+def _diffusers_latents(folder, file, lora=None):
+    """What diffusers gives loading the same file its own way (and `lora`, (path, scale), by load_lora_weights)."""
     import diffusers
     import torch
 
@@ -81,6 +81,9 @@ def _diffusers_latents(folder, file):
         **kwargs)
     pipe = diffusers.WanPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pipe.load_lora_weights(str(lora[0]), adapter_name="a")
+        pipe.set_adapters(["a"], [lora[1]])
     return pipe(PROMPT, num_frames=FRAMES, height=SIZE, width=SIZE, num_inference_steps=STEPS,
                 generator=torch.Generator().manual_seed(SEED), output_type="latent").frames
 
@@ -111,6 +114,33 @@ def test_run_is_identical_to_diffusers_from_single_file_unsplit_and_split(wan_fi
     result, latents = _dmap_latents(folder, file, tmp_path / "split", max_memory="0=400KB,1=400KB,cpu=1GB",
                                     overhead="0=0,1=0", simulate=True)
     assert result.plan.components["transformer"].is_split, result.plan.components["transformer"]
+    assert result.split_check and result.split_problems == []
+    assert torch.equal(latents, expected)
+
+
+def test_a_gguf_base_takes_a_lora_identical_to_diffusers_unsplit_and_split(wan_files, tmp_path):
+    """diffusers patches GGUFLinear layers with peft (the adapter in float32 beside the quantized weight)."""
+    import diffusers
+    import torch
+    from test_lora import make_lora
+
+    folder, _, gguf_file = wan_files
+    lora = make_lora(diffusers.WanTransformer3DModel, folder / "transformer", tmp_path / "high.safetensors",
+                     diffusers.WanPipeline, seed=2, targets=("to_q", "to_k", "to_v", "ffn.net.2"))  # net.2: Q4_K
+    expected = _diffusers_latents(folder, gguf_file, (lora, 0.8))
+    assert not torch.equal(expected, _diffusers_latents(folder, gguf_file)), "the LoRA must change the video"
+    result, latents = _dmap_latents(folder, gguf_file, tmp_path / "whole", max_memory="cpu=8GB", dtype="float32",
+                                    loras=[f"{lora}:0.8"])
+    assert torch.equal(latents, expected)
+    from safetensors.torch import load_file
+
+    # peft keeps an adapter in float32 beside a quantized weight (it casts only to a floating layer's dtype)
+    itemsize = torch.empty(0, dtype=getattr(torch, result.plan.dtype)).element_size()
+    expected_bytes = sum(t.numel() * (4 if "net.2" in name else itemsize) for name, t in load_file(lora).items())
+    assert result.plan.loras[0]["bytes"] == expected_bytes, (result.plan.dtype, result.plan.loras[0])
+    result, latents = _dmap_latents(folder, gguf_file, tmp_path / "split", max_memory="0=500KB,1=500KB,cpu=1GB",
+                                    overhead="0=0,1=0", simulate=True, dtype="float32", loras=[f"{lora}:0.8"])
+    assert result.plan.components["transformer"].is_split
     assert result.split_check and result.split_problems == []
     assert torch.equal(latents, expected)
 
@@ -343,3 +373,46 @@ def test_component_file_refusals_are_one_sentence(wan_files, expert_files, tmp_p
     code, _, err = run_dmap("plan", safetensors_file, "--pipeline", folder, "--component-file", f"transformer={high}",
                             "--component-file", f"transformer_2={low}")
     assert code == 2 and "holds the pipeline's transformer, which --component-file gives" in err, err
+
+
+def test_gguf_blocks_streamed_from_the_cpu_keep_their_types_and_adapters(wan_files, tmp_path):
+    """diffusers' from_single_file loads a file whole on one device whatever its device_map: dmap dispatches it
+    itself (`dispatch_loaded`), blocks the plan puts on the cpu streamed by accelerate's offload hooks, which
+    must keep each GGUF tensor's quant type. On a CPU-only machine the execution device is the cpu, through the
+    same hooks."""
+    from dataclasses import replace
+
+    import diffusers
+    import torch
+    from test_lora import make_lora
+
+    from dm_cli.model.lora import read_lora
+    from dm_cli.run.adapters import load_loras
+    from dm_cli.run.loading import dispatch_loaded
+
+    folder, _, gguf_file = wan_files
+    lora = make_lora(diffusers.WanTransformer3DModel, folder / "transformer", tmp_path / "high.safetensors",
+                     diffusers.WanPipeline, seed=2, targets=("to_q", "ffn.net.2"))
+    adapter = replace(read_lora(f"{lora}:0.8"), component="transformer")
+
+    def loaded(device_map=None):
+        model = diffusers.WanTransformer3DModel.from_single_file(
+            str(gguf_file), config=str(folder), subfolder="transformer", torch_dtype=torch.float32,
+            local_files_only=True, quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=torch.float32))
+        if device_map is not None:
+            model = dispatch_loaded(model, device_map)
+        load_loras(diffusers.WanPipeline.from_pretrained(folder, transformer=None), "transformer", model, (adapter,))
+        return model
+
+    resident = loaded()
+    streamed = loaded({"": "cpu", "blocks.0": "cpu", "blocks.1": "cpu"})
+    ffn = streamed.blocks[0].ffn.net[2]
+    assert ffn.base_layer.weight.device.type == "meta" and ffn.base_layer.weight.quant_type is not None
+    assert ffn.lora_A["dmap_lora_0"].weight.device.type == "meta"
+    config = resident.config
+    generator = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(1, config.in_channels, 3, 8, 8, generator=generator), torch.tensor([500]),
+              torch.randn(1, 8, config.text_dim, generator=generator))
+    with torch.no_grad():
+        expected, got = resident(*inputs).sample, streamed(*inputs).sample
+    assert torch.equal(got, expected)

@@ -580,16 +580,13 @@ def lora_extra_bytes(comp: ComponentSource, skeleton, loras: tuple, fmt: str | N
     dtype (peft casts them to it), so their bytes go with that layer's weight (tensor name -> bytes) and the planner
     puts them in the block that holds it. A LoRA in a layout diffusers converts while loading (kohya's) is spread
     over the component's weights. Refused, one sentence each: layers that are not in the component (a LoRA for
-    another model), and storage peft cannot patch (GGUF, fp8, int8)."""
+    another model), and storage peft cannot patch (fp8, int8)."""
     from dm_cli.model.lora import layer_problems
     from dm_cli.units import DTYPE_BYTES
 
     if not loras:
         return {}, ()
     names = ", ".join(lora.name for lora in loras)
-    if skeleton.quantized:
-        raise UsageError(f"--lora {names}: '{comp.name}' comes from a GGUF file, whose quantized layers dmap cannot "
-                         "patch with a LoRA; use the pipeline's own safetensors weights for it.")
     if fmt:
         raise UsageError(f"--lora {names}: peft cannot patch layers stored as {fmt} (it would cast the LoRA to "
                          f"{fmt} too): drop --weights for '{comp.name}'.")
@@ -603,7 +600,7 @@ def lora_extra_bytes(comp: ComponentSource, skeleton, loras: tuple, fmt: str | N
         if problem:
             raise UsageError(problem)
         if lora.layers:
-            added = {f"{layer.module}.weight": layer.numel * DTYPE_BYTES[infos[f"{layer.module}.weight"].dtype_at(dtype)]
+            added = {f"{layer.module}.weight": layer.numel * _adapter_itemsize(infos[f"{layer.module}.weight"], dtype)
                      for layer in lora.layers}
         else:  # a foreign layout: diffusers renames its keys only while loading
             total = lora.numel * DTYPE_BYTES[dtype]
@@ -613,6 +610,14 @@ def lora_extra_bytes(comp: ComponentSource, skeleton, loras: tuple, fmt: str | N
             extra[name] = extra.get(name, 0) + count
         report.append((lora, sum(added.values())))
     return extra, tuple(report)
+
+
+def _adapter_itemsize(weight, dtype: str) -> int:
+    """Bytes per element of the adapter peft puts beside `weight`: its dtype at the run dtype; float32 beside a
+    GGUF-quantized weight (peft builds adapters in float32 and casts them only to a floating layer dtype)."""
+    from dm_cli.units import DTYPE_BYTES
+
+    return DTYPE_BYTES["float32"] if weight.quantized_bytes else DTYPE_BYTES[weight.dtype_at(dtype)]
 
 
 def _overflow_refusal(comp: ComponentSource, inputs: InputSpec) -> str:

@@ -1,43 +1,34 @@
 """LoRA adapters at run time: loaded into their component each time it loads, through diffusers' own
 `load_lora_weights` (key conversions, peft injection) and `set_adapters` (the scales), unfused.
 
-What peft cannot patch is refused before anything loads (`lora_refusal`): layers streamed block by block from
-cpu or disk to a GPU (accelerate's offload hooks hold them on the meta device), GGUF-quantized layers and layers
-stored in fp8 or int8 (peft casts the adapter to the layer's dtype). No Typer, no Rich.
+Blocks streamed from cpu or disk to their GPU (accelerate's offload hooks keep them on the meta device between
+forwards) take their adapters too: peft patches them while their weights stand in as one-element placeholders,
+and each adapter then lives on the cpu like the layer it patches, moved to the GPU with it for each forward
+(`_streamed_adapters`). What peft cannot patch is refused before anything loads (`lora_refusal`):
+layers stored in fp8 or int8 (peft casts the adapter to the layer's dtype). A GGUF-quantized layer takes
+its adapter as diffusers allows it: in float32 beside the quantized weight, which diffusers dequantizes per call.
+No Typer, no Rich.
 """
 
 from __future__ import annotations
 
-from dm_cli.devices import normalise_map
+import contextlib
+
 from dm_cli.errors import UsageError
 
 ADAPTER_PREFIX = "dmap_lora_"
 
 
-def lora_refusal(plan, source, loras: tuple, simulate: bool) -> str | None:
+def lora_refusal(plan, loras: tuple) -> str | None:
     """One sentence when a LoRA cannot patch its component as the plan places and stores it, else None."""
-    comps = {c.name: c for c in source.components}
     for lora in loras:
         name = lora.component
         if name not in plan.components:
             return f"--lora {lora.name} patches '{name}', which the plan does not place: plan again with this --lora."
-        comp = comps.get(name)
-        single = getattr(comp, "single_file", None)
-        if single is not None and getattr(single, "format", None) == "gguf":
-            return (f"--lora {lora.name}: '{name}' comes from the GGUF file {single.path.name}, whose quantized layers "
-                    "dmap cannot patch with a LoRA; use the pipeline's own safetensors weights for it.")
         fmt = plan.weights.get(name)
         if fmt:
             return (f"--lora {lora.name}: peft cannot patch layers stored as {fmt} (it would cast the LoRA to {fmt} "
                     f"too): plan '{name}' without --weights.")
-        if simulate:
-            continue  # every virtual device is the CPU, where the component is loaded whole
-        where = set(normalise_map(plan.components[name].device_map).values())
-        on_accelerator = any(not isinstance(d, str) or d == "mps" for d in where)
-        if "disk" in where or (on_accelerator and where & {"cpu"}):
-            return (f"--lora {lora.name} patches '{name}', which the plan streams from cpu or disk to its GPU block by "
-                    "block: dmap cannot add LoRA layers to streamed blocks; give the GPUs room for it (--max-memory), "
-                    "plan it all on the cpu, or run with --simulate.")
     return None
 
 
@@ -54,14 +45,19 @@ def load_loras(pipe, name: str, model, loras: tuple) -> None:
     adapters = []
     for index, lora in enumerate(loras):
         adapter = f"{ADAPTER_PREFIX}{index}"
+        # diffusers removes accelerate's hooks from a pipeline without an hf_device_map (and re-adds them as its own
+        # sequential offload, which needs a GPU): dmap's hooks are the plan's, they stay
+        device_map, pipe.hf_device_map = pipe.hf_device_map, {name: "dmap"}
         try:
-            with warnings.catch_warnings():  # peft's note on config/state-dict differences is not the user's to act on
-                warnings.simplefilter("ignore", RuntimeWarning)
+            with warnings.catch_warnings(), _streamed_adapters(model, lora.name):  # peft's note on config/state-dict differences
+                warnings.simplefilter("ignore", RuntimeWarning)     # is not the user's to act on
                 pipe.load_lora_weights(lora.path, adapter_name=adapter, use_safetensors=True, local_files_only=True,
                                        **kwargs)
         except (ValueError, KeyError, RuntimeError, OSError) as error:
             raise UsageError(f"--lora {shown(lora.name)} cannot be loaded into {name}: "
                              f"{str(error).splitlines()[0].rstrip('.')}.") from None
+        finally:
+            pipe.hf_device_map = device_map
         if adapter not in (getattr(model, "peft_config", None) or {}):  # the pipeline put it elsewhere, or nowhere
             raise UsageError(f"--lora {shown(lora.name)}: {type(pipe).__name__}.load_lora_weights did not load it "
                              f"into {name}.")
@@ -69,3 +65,68 @@ def load_loras(pipe, name: str, model, loras: tuple) -> None:
             raise UsageError(f"--lora {shown(lora.path)} changed after dmap read it (its sha256 differs): run again.")
         adapters.append(adapter)
     model.set_adapters(adapters, [lora.scale for lora in loras])
+
+
+# --- adapters of layers streamed from cpu or disk ------------------------------------------------------
+
+
+def _streamed_layers(model) -> list:
+    """(module, hook) for each module whose own tensors accelerate streams to its execution device on every
+    forward (dispatch_model hooks each layer of an offloaded block)."""
+    from accelerate.hooks import AlignDevicesHook, SequentialHook
+
+    out = []
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for each in hook.hooks if isinstance(hook, SequentialHook) else [hook]:
+            if isinstance(each, AlignDevicesHook) and each.offload:
+                out.append((module, each))
+    return out
+
+
+@contextlib.contextmanager
+def _streamed_adapters(model, lora_name: str):
+    """Around peft's injection: each streamed meta tensor a one-element cpu view of its shape and dtype (peft puts an
+    adapter on its layer's device and dtype, and meta adapters would lose their values); after it, the layers back
+    on meta and each new adapter module streamed like the layer it patches: its tensors kept on the cpu, moved to
+    the layer's execution device for each forward."""
+    import torch
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from accelerate.utils import named_module_tensors, set_module_tensor_to_device
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from dm_cli.model.lora import shown
+
+    layers = _streamed_layers(model)
+    for module, hook in layers:
+        for tensor_name, tensor in named_module_tensors(module, include_buffers=hook.offload_buffers,
+                                                        recurse=hook.place_submodules):
+            if tensor.device.type == "meta":
+                stand_in = torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
+                if getattr(tensor, "quant_type", None) is not None:  # a GGUF weight keeps its type
+                    stand_in = type(tensor)(stand_in, quant_type=tensor.quant_type)
+                set_module_tensor_to_device(module, tensor_name, "cpu", value=stand_in)
+    try:
+        yield
+    finally:
+        for module, hook in layers:
+            for tensor_name, _ in list(named_module_tensors(module, include_buffers=hook.offload_buffers,
+                                                            recurse=hook.place_submodules)):
+                set_module_tensor_to_device(module, tensor_name, "meta")
+    if any(hook.place_submodules and any(isinstance(m, BaseTunerLayer) for m in module.modules())
+           for module, hook in layers):  # accelerate streams that module whole, from a map without the adapters
+        raise UsageError(f"--lora {shown(lora_name)} patches a layer that accelerate streams as part of a larger "
+                         "module, which dmap cannot stream an adapter with: plan that block on a GPU.")
+    hooks = {id(module): hook for module, hook in layers}
+    for layer in model.modules():
+        hook = hooks.get(id(layer.get_base_layer())) if isinstance(layer, BaseTunerLayer) else None
+        if hook is None:
+            continue
+        for attr in layer.adapter_layer_names:
+            for adapter in (getattr(layer, attr, None) or {}).values():
+                if not isinstance(adapter, torch.nn.Module):
+                    raise UsageError(f"--lora {shown(lora_name)} patches an embedding of a streamed block, which dmap "
+                                     "cannot stream an adapter with: plan that block on a GPU.")
+                if not hasattr(adapter, "_hf_hook"):
+                    add_hook_to_module(adapter, AlignDevicesHook(execution_device=hook.execution_device, offload=True,
+                                                                 offload_buffers=True, place_submodules=True))

@@ -11,6 +11,7 @@ The only part of dmap that loads real weights. No Typer, no Rich.
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect as pyinspect
 import warnings
@@ -96,8 +97,61 @@ def _from_single_file(comp: ComponentSource, device_map: dict, torch_dtype):
 
         kwargs["quantization_config"] = GGUFQuantizationConfig(compute_dtype=torch_dtype or torch.bfloat16)
     cls = component_class(comp.library, comp.cls)
-    return cls.from_single_file(str(comp.single_file.path), config=str(comp.folder.parent), subfolder=comp.name,
-                                torch_dtype=torch_dtype, device_map=device_map, local_files_only=True, **kwargs)
+    model = cls.from_single_file(str(comp.single_file.path), config=str(comp.folder.parent), subfolder=comp.name,
+                                 torch_dtype=torch_dtype, local_files_only=True, **kwargs)
+    if set(normalise_map(device_map).values()) == {"cpu"}:
+        return model
+    return dispatch_loaded(model, device_map)
+
+
+def dispatch_loaded(model, device_map: dict):
+    """A component loaded whole on the cpu put where the plan says (diffusers' `from_single_file` takes a device_map
+    but loads everything on one device): blocks mapped to a GPU moved there, blocks mapped to the cpu kept in RAM
+    and streamed to the execution device for each forward by accelerate's offload hooks, as `_load_streamed` does."""
+    from accelerate import dispatch_model
+
+    _keep_gguf_quant_types(model)
+    device_map = normalise_map(device_map)
+    streamed = [key for key, device in device_map.items() if device == "cpu"]
+    kept = {name: tensor for name, tensor in model.state_dict().items()
+            if any(key == "" or name == key or name.startswith(f"{key}.") for key in streamed)}
+    main = execution_device(device_map, False)
+    dispatch_map = {key: ("disk" if device == "cpu" else device) for key, device in device_map.items()}
+    model = dispatch_model(model, dispatch_map, main_device=main.index if main.type == "cuda" else main.type,
+                           state_dict=kept, offload_index={}, offload_buffers=False, force_hooks=True)
+    model.hf_device_map = dict(device_map)
+    return model
+
+
+def _keep_gguf_quant_types(model) -> None:
+    """accelerate's hooks rebuild a parameter they move as `type(p)(value, requires_grad=...)`, which loses a
+    GGUFParameter's quant_type (diffusers cannot dequantize it then) and fails on a plain tensor: each GGUFParameter
+    swapped for a subclass that takes its quant_type from the value it is rebuilt from, each plain tensor made a
+    Parameter."""
+    import torch
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    hooked = _hooked_gguf_parameter()
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if isinstance(param, GGUFParameter) and not isinstance(param, hooked):
+                plain = torch.Tensor._make_subclass(torch.Tensor, param.data, False)
+                module._parameters[name] = hooked(plain, param.requires_grad, param.quant_type)
+            elif param is not None and not isinstance(param, torch.nn.Parameter):
+                # a weight diffusers' GGUF loader dequantized for a _keep_in_fp32_modules layer is a plain tensor
+                module._parameters[name] = torch.nn.Parameter(param, requires_grad=False)
+
+
+@functools.cache
+def _hooked_gguf_parameter():
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    class HookedGGUFParameter(GGUFParameter):
+        def __new__(cls, data, requires_grad=False, quant_type=None):
+            quant_type = quant_type if quant_type is not None else getattr(data, "quant_type", None)
+            return super().__new__(cls, data, requires_grad=requires_grad, quant_type=quant_type)
+
+    return HookedGGUFParameter
 
 
 def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights: str | None = None, resident: bool = False):

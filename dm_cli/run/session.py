@@ -176,7 +176,7 @@ class Session:
         if self.generation.loras:  # what peft cannot patch, before anything loads
             from dm_cli.run.adapters import lora_refusal
 
-            refusal = lora_refusal(plan, self.source, self.generation.loras, request.simulate)
+            refusal = lora_refusal(plan, self.generation.loras)
             if refusal:
                 raise UsageError(refusal)
         if on_plan is not None:
