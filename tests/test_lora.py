@@ -424,3 +424,72 @@ def test_sdxl_unet_lora_is_pixel_identical_to_diffusers(tmp_path):
     result = _run(folder, tmp_path, "sdxl.png", max_memory="cpu=8GB", loras=[f"{lora}:0.7"], height=64, width=64)
     assert result.plan.loras[0]["component"] == "unet"
     assert np.array_equal(_png(tmp_path / "sdxl.png")[0], expected)
+
+
+def _profiled_transformer_peak(folder, inputs, lora=None) -> int:
+    """The CPU profiler's activation peak of the FLUX transformer's denoising call (float32, one thread)."""
+    import sys
+
+    from conftest import REPO
+    from torch.profiler import ProfilerActivity, profile
+
+    from dm_cli.families.calls import TensorSpec, call_spec
+    from dm_cli.model.sources import resolve_source
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from measure_activations import profile_peak
+
+    comp = {c.name: c for c in resolve_source(str(folder)).components}["transformer"]
+    spec = call_spec(comp, "FluxPipeline", inputs)
+    pipe = diffusers.FluxPipeline.from_pretrained(folder)
+    if lora is not None:
+        pipe.load_lora_weights(str(lora), adapter_name="a")
+    method = getattr(pipe.transformer.eval(), spec.method)
+
+    def make(value):
+        if isinstance(value, TensorSpec):
+            return torch.ones(value.shape, dtype=torch.long) if value.kind == "long" else torch.randn(value.shape)
+        return value
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            method(**{k: make(v) for k, v in spec.kwargs.items()})  # warm-up outside the profiler
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                kwargs = {k: make(v) for k, v in spec.kwargs.items()}
+                out = method(**kwargs)
+                del out, kwargs
+    finally:
+        torch.set_num_threads(previous)
+    return profile_peak(prof)
+
+
+def test_lora_activations_are_counted_as_the_profiler_measures_them(flux, tmp_path):
+    """An unfused LoRA computes lora_B(lora_A(x)) * scale beside each patched layer's output: two more tensors of
+    the output's size, on top of what is live while the layer runs. Feed-forward LoRAs raise the transformer's peak,
+    attention LoRAs (whose layers run below the attention's own peak) do not: the estimate follows both."""
+    from dm_cli.inputs import InputSpec
+    from dm_cli.model.lora import read_lora
+    from dm_cli.model.sources import resolve_source
+    from dm_cli.planning.make import lora_targets, prepare_component
+
+    folder, attention = flux
+    feed_forward = make_lora(diffusers.FluxTransformer2DModel, folder / "transformer", tmp_path / "ff.safetensors",
+                             diffusers.FluxPipeline, seed=4,
+                             targets=("ff.net.0.proj", "ff.net.2", "proj_mlp", "proj_out", "ff_context.net.0.proj"))
+    source = resolve_source(str(folder))
+    comp = {c.name: c for c in source.components}["transformer"]
+    inputs = InputSpec(128, 128)
+
+    def estimated(lora=None):
+        loras = lora_targets(source, (read_lora(str(lora)),)) if lora else ()
+        return prepare_component(comp, "FluxPipeline", inputs, "float32", use_cache=False, loras=loras).spec.activation_peak
+
+    plain = _profiled_transformer_peak(folder, inputs)
+    assert estimated() == pytest.approx(plain, rel=0.01)
+    assert estimated(attention) == estimated()
+    assert _profiled_transformer_peak(folder, inputs, attention) == pytest.approx(plain, rel=0.01)
+    raised = _profiled_transformer_peak(folder, inputs, feed_forward)
+    assert raised > plain * 1.03, (raised, plain)
+    assert estimated(feed_forward) == pytest.approx(raised, rel=0.01)

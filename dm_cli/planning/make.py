@@ -500,6 +500,7 @@ class TraceFacts:
     unsplittable: list[str]
     same_device_groups: dict[str, list[list[str]]]
     warning: str | None
+    module_outputs: dict[str, int] = field(default_factory=dict)  # module -> bytes of its largest output
 
 
 def trace_facts(comp: ComponentSource, pipeline_class: str | None, inputs: InputSpec, dtype: str, use_cache: bool = True,
@@ -512,7 +513,7 @@ def trace_facts(comp: ComponentSource, pipeline_class: str | None, inputs: Input
                              on_progress=on_progress)
     return TraceFacts(list(result.execution_order) or None, dict(result.module_peaks), int(result.activation_peak),
                       list(result.unsplittable), dict(getattr(result, "same_device_groups", {}) or {}),
-                      result.fallback_warning)
+                      result.fallback_warning, dict(result.module_outputs))
 
 
 @dataclass
@@ -569,7 +570,9 @@ def prepare_component(comp: ComponentSource, pipeline_class: str | None, inputs:
     if facts.warning:
         warnings.append(f"{comp.name}: {facts.warning}")
     extra, lora_bytes = lora_extra_bytes(comp, skeleton, loras, fmt, effective or trace_dtype)
-    spec, block_warnings = _component_spec(comp, skeleton, facts, inputs, effective, fmt, trace_dtype, extra)
+    transients = {} if inputs.weights_only else lora_transients(loras, facts.module_outputs, skeleton, trace_dtype)
+    spec, block_warnings = _component_spec(comp, skeleton, facts, inputs, effective, fmt, trace_dtype, extra,
+                                           transients)
     warnings += [f"{comp.name}: {w}" for w in block_warnings]
     return PreparedComponent(comp, skeleton, trace_dtype, facts, spec, warnings, fmt, effective, lora_bytes)
 
@@ -612,6 +615,38 @@ def lora_extra_bytes(comp: ComponentSource, skeleton, loras: tuple, fmt: str | N
     return extra, tuple(report)
 
 
+def lora_transients(loras: tuple, outputs: dict[str, int], skeleton, compute_dtype: str) -> dict[str, int]:
+    """Layer -> bytes its unfused LoRAs add while it runs: peft computes `lora_B(lora_A(x)) * scale` beside the
+    layer's output and adds it in, two more tensors of the output's size (in the adapter's dtype; one adapter
+    at a time). A LoRA in a layout diffusers converts while loading names no layers here: it adds nothing."""
+    from dm_cli.units import DTYPE_BYTES
+
+    infos = {t.name: t for t in skeleton.tensors}
+    out: dict[str, int] = {}
+    for lora in loras:
+        for layer in lora.layers:
+            weight = infos.get(f"{layer.module}.weight")
+            ratio = _adapter_itemsize(weight, compute_dtype) / DTYPE_BYTES[compute_dtype] if weight else 1
+            added = int(2 * outputs.get(layer.module, 0) * max(1.0, ratio))
+            out[layer.module] = max(out.get(layer.module, 0), added)
+    return {layer: nbytes for layer, nbytes in out.items() if nbytes}
+
+
+def with_lora_peaks(module_peaks: dict[str, int], lora_layers: dict[str, int]) -> dict[str, int]:
+    """The trace's peaks with each patched layer's LoRA transients on top of what was live while it ran, and the
+    modules around it at least as high: the LoRA raises a block's peak only where it exceeds the block's own."""
+    peaks = dict(module_peaks)
+    for layer, added in lora_layers.items():
+        raised = module_peaks.get(layer, 0) + added
+        prefix = layer
+        while True:
+            peaks[prefix] = max(peaks.get(prefix, 0), raised)
+            if not prefix:
+                break
+            prefix = prefix.rpartition(".")[0]
+    return peaks
+
+
 def _adapter_itemsize(weight, dtype: str) -> int:
     """Bytes per element of the adapter peft puts beside `weight`: its dtype at the run dtype; float32 beside a
     GGUF-quantized weight (peft builds adapters in float32 and casts them only to a floating layer dtype)."""
@@ -638,16 +673,18 @@ def _gguf_note(comp: ComponentSource, skeleton, compute_dtype: str) -> str:
 
 
 def _component_spec(comp: ComponentSource, skeleton, facts: TraceFacts, inputs: InputSpec, effective: str | None, fmt: str | None,
-                    trace_dtype: str, extra: dict[str, int] | None = None) -> tuple[ComponentInput, list[str]]:
+                    trace_dtype: str, extra: dict[str, int] | None = None,
+                    lora_layers: dict[str, int] | None = None) -> tuple[ComponentInput, list[str]]:
     """The planner's view of one component for one trace: blocks in execution order with their activations.
-    `extra`: bytes held beside a tensor (a LoRA's, `lora_extra_bytes`), counted with it."""
-    peaks = {} if inputs.weights_only else facts.module_peaks
+    `extra`: bytes held beside a tensor (a LoRA's, `lora_extra_bytes`), counted with it; `lora_layers`: bytes a
+    LoRA adds while a layer runs (`lora_transients`), on top of what is live then (`with_lora_peaks`)."""
+    peaks = {} if inputs.weights_only else with_lora_peaks(facts.module_peaks, lora_layers or {})
     extra = extra or {}
     tensor_bytes = [(t.name, t.bytes_at(effective, fmt) + extra.get(t.name, 0)) for t in skeleton.tensors]
     blocks, block_warnings = component_blocks(skeleton.modules, tensor_bytes, skeleton.no_split_modules,
                                               facts.execution_order, facts.unsplittable, peaks,
                                               facts.same_device_groups, skeleton.tie_groups)
-    activation_peak = 0 if inputs.weights_only else facts.activation_peak
+    activation_peak = 0 if inputs.weights_only else max([facts.activation_peak, *peaks.values()])
     layers = {} if inputs.weights_only else layer_compute_bytes(skeleton.tensors, fmt, trace_dtype)
     if layers:
         extra = transient_by_key([b.keys for b in blocks], layers)

@@ -35,9 +35,9 @@ from dm_cli.planning.storages import LiveStorages
 if TYPE_CHECKING:  # annotations only
     from dm_cli.model.sources import ComponentSource
 
-TRACE_FORMAT_VERSION = 4  # 2: lists given to modules are no longer copied (the Wan VAE cache); 3: weightless
+TRACE_FORMAT_VERSION = 5  # 2: lists given to modules are no longer copied (the Wan VAE cache); 3: weightless
 # modules are no provenance boundary; 4: they are again, and the planner gives a hook (a device_map key) to each
-# one a split module's forward combines (LTX-2's norm_out)
+# one a split module's forward combines (LTX-2's norm_out); 5: module_outputs (a LoRA's transients scale with them)
 WEIGHTS_ONLY_SIZE = 64  # pixels: order and split checks do not depend on size; small fits every model (tiny SD3 pos_embed too)
 _TAG = "_dmap_tag"
 _META = "meta"  # the one place a trace counts activations against
@@ -56,6 +56,7 @@ class ComponentTrace:
     inputs: dict = field(default_factory=dict)  # the call that was traced (method, argument shapes)
     dtype: str = ""  # dtype the component ran in
     seconds: float = 0.0  # time the trace took (0 when it came from the cache)
+    module_outputs: dict[str, int] = field(default_factory=dict)  # module prefix -> bytes of its largest output
 
     def to_json(self) -> dict:
         return {
@@ -70,6 +71,7 @@ class ComponentTrace:
             "inputs": self.inputs,
             "dtype": self.dtype,
             "seconds": self.seconds,
+            "module_outputs": self.module_outputs,
         }
 
     @classmethod
@@ -86,6 +88,7 @@ class ComponentTrace:
             inputs=dict(data.get("inputs", {})),
             dtype=data.get("dtype", ""),
             seconds=float(data.get("seconds", 0.0)),
+            module_outputs={k: int(v) for k, v in data.get("module_outputs", {}).items()},
         )
 
 
@@ -179,6 +182,7 @@ class _Session:
         self.called: set[str] = set()
         self.stack: list[list] = []  # [prefix, peak while running]
         self.module_peaks: dict[str, int] = {}
+        self.module_outputs: dict[str, int] = {}
         # tags
         self.recolor: dict[str, frozenset] = {}  # module prefix -> tag its inputs get at entry
         self.tagged: list = []
@@ -318,6 +322,10 @@ class _Session:
     def _post_hook(self, prefix):
         def hook(module, args, kwargs_or_output, output=None):
             self.exit_module(prefix)
+            produced = kwargs_or_output if output is None else output
+            size = sum(t.numel() * t.element_size() for t in _iter_tensors(produced, self.torch))
+            if size > self.module_outputs.get(prefix, 0):
+                self.module_outputs[prefix] = size
             return None
 
         return hook
@@ -650,6 +658,7 @@ def trace_component(comp: ComponentSource, pipeline_class: str | None, inputs: I
     if weights_only:
         trace.activation_peak = 0
         trace.module_peaks = dict.fromkeys(trace.module_peaks, 0)
+        trace.module_outputs = {}
     trace.seconds = round(time.perf_counter() - start, 3)
     if use_cache and trace.fallback_warning is None:
         write_cached("traces", key, trace.to_json())
@@ -745,6 +754,7 @@ def _trace_uncached(comp: ComponentSource, pipeline_class, inputs: InputSpec, dt
         same_device_groups=groups,
         inputs=spec.shapes(),
         dtype=dtype,
+        module_outputs=dict(session.module_outputs),
     )
 
 
