@@ -127,6 +127,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-parallel-"))
     models = Path(options.model_dir or tmp)
     sd15, flux = build_pipeline(models / "sd15-mid"), build_flux(models / "flux-mid")  # outside any timing
+    # dm_cli's bytecode, as a wheel install has it (see bench_run.py)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "dm_cli")], check=True, stdout=subprocess.DEVNULL)
     load_before = os.getloadavg()
     cfg = _case("cfg", sd15, "cfg", options.cfg_size, options.steps, options.repeats, tmp,
                 ["--guidance-scale", str(GUIDANCE)])

@@ -362,6 +362,10 @@ def main() -> None:
     threads, size = options.threads, options.size
     step_counts = [int(s) for s in options.steps.split(",")]
     folder = build_pipeline(Path(options.model_dir or tmp / "sd15-mid"))  # outside any timing
+    # dm_cli's bytecode, as a wheel install has it (an editable install under PYTHONDONTWRITEBYTECODE, as on the
+    # machine these tables come from, would compile every dmap module from source in every process)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(__file__).resolve().parents[1] / "dm_cli")],
+                   check=True, stdout=subprocess.DEVNULL)
     kinds = _kinds(folder, threads, size, set(options.rows.split(",")))
     warm = str(tmp / "warm.png")  # warms dmap's cache and the OS page cache
     _once(DMAP, folder, 1, warm, threads, size, _run_args(folder, 1, warm, size))

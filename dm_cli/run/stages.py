@@ -90,10 +90,9 @@ class StageLoop:
         self.tracked_steps = tracked_steps
         self.largest_shard = largest_shard or {}
         self.components = {c.name: c for c in source.components}
-        torch_dtype = getattr(torch, plan.dtype) if plan.dtype else None
-        self.placeholders = {name: placeholder(self.components[name], torch_dtype, family.placeholder_tensors.get(name, ()))
-                             for name in plan.components}
-        self.pipe = build_pipeline(source, torch_dtype, self.placeholders)
+        self.torch_dtype = getattr(torch, plan.dtype) if plan.dtype else None
+        self.placeholders: dict[str, object] = {}  # built when first needed (`placeholder`)
+        self._pipe = None  # built when first needed (`pipe`): a resident plan's with its real components
         self.meter = MemoryMeter()
         self.loaded: dict[str, object] = {}
         self._hooks: dict[str, list] = {}
@@ -111,6 +110,24 @@ class StageLoop:
         self.loras = tuple(loras)  # LoRA adapters (settled): loaded into their component each time it loads
 
     # --- loading ---------------------------------------------------------------------------------
+
+    @property
+    def pipe(self):
+        """The pipeline object (tokenizers, scheduler, every model): the loaded components, a meta placeholder
+        for each of the others. Built on first use, so that a resident plan, which loads everything first,
+        never builds placeholders it would replace at once (a UNet's meta build is ~0.1 s)."""
+        if self._pipe is None:
+            models = {name: self.loaded[name] if name in self.loaded else self.placeholder(name)
+                      for name in self.plan.components}
+            self._pipe = build_pipeline(self.source, self.torch_dtype, models)
+        return self._pipe
+
+    def placeholder(self, name: str):
+        """Component `name` on the meta device, for the pipeline object while it is not loaded."""
+        if name not in self.placeholders:
+            self.placeholders[name] = placeholder(self.components[name], self.torch_dtype,
+                                                  self.family.placeholder_tensors.get(name, ()))
+        return self.placeholders[name]
 
     def device_map(self, name: str) -> dict:
         return self.plan.components[name].device_map
@@ -140,29 +157,34 @@ class StageLoop:
                 if self.simulate:
                     self._hooks[name] += self._split_check(model, cmap, name)
                 self.loaded[name] = model
-                setattr(self.pipe, name, model)
+                if self._pipe is not None:
+                    setattr(self._pipe, name, model)
         self.status(None)
         if stage is not None and rss is not None:
             stage.load_rss_delta = rss.peak - rss.start
             stage.largest_shard = max([self.largest_shard.get(n, 0) for n in names] + [stage.largest_shard])
 
-    def unload_stage(self, names: list[str]) -> None:
-        """Hooks off, placeholders back, memory returned to the devices."""
+    def unload_stage(self, names: list[str], last: bool = False) -> None:
+        """Hooks off, placeholders back (`last`: the pipeline object goes instead), memory returned to the
+        devices."""
         models = []
         for name in names:
             if name not in self.loaded:
                 continue
             for handle in self._hooks.pop(name, []):
                 handle.remove()
-            setattr(self.pipe, name, self.placeholders[name])
+            if not last:
+                setattr(self.pipe, name, self.placeholder(name))
             models.append(self.loaded.pop(name))
+        if last:
+            self._pipe = None  # rebuilt, with placeholders, if the loop runs again
         free_components(models)
         del models
 
     def close(self) -> None:
         self.meter.stop()  # an interrupted stage may have left the tracker on
         if self.loaded:
-            self.unload_stage(list(self.loaded))
+            self.unload_stage(list(self.loaded), last=True)
 
     def _split_check(self, model, device_map: dict, name: str) -> list:
         """The split check is active during each forward of the component (not the pipeline's glue around it)."""
