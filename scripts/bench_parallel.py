@@ -6,13 +6,13 @@
   (transformer 512 wide, 8 heads, 2 double + 4 single blocks, ~36M parameters; a 4-level VAE, 16 latent channels;
   tiny-flux's text encoders), 512x512 (--context-size, 1024 image + 64 text tokens), max_sequence_length 64.
 
-Every run is a fresh subprocess with one torch thread per rank (OMP_NUM_THREADS=1): `python -m dm_cli run ... --json`
-for 1 rank, `python -m torch.distributed.run --standalone --nproc-per-node 2 -m dm_cli run ... --parallel X --json`
+Every run is a fresh subprocess with one torch thread per rank (OMP_NUM_THREADS=1): `python ENTRY run ... --json`
+for 1 rank, `python -m torch.distributed.run --standalone --nproc-per-node 2 ENTRY run ... --parallel X --json`
 for 2; kinds alternate, --repeats times each, after one warm-up run of each (dmap's trace cache, the page cache).
 
 Columns (medians): "denoise s" is the denoise stage's run time as rank 0 reports it (what the ranks share);
 "in-process s" is every stage's load and run time (encode, denoise, decode: from the first load to the decoded
-image, after imports and planning); "process s" is the whole launch on the clock (interpreter, imports, planning,
+image, after imports and planning; ENTRY imports the libraries and the model classes first, `ENTRY` below); "process s" is the whole launch on the clock (interpreter, imports, planning,
 torchrun's start-up for 2 ranks, exit). Ratios are 1 rank / 2 ranks. The pixels of 2 ranks are compared with 1
 rank's (largest difference of 255). The machine's load average is printed before and after: two ranks need two
 free cores.
@@ -65,9 +65,24 @@ def build_flux(folder: Path) -> Path:
     return folder
 
 
+# What each launched process imports before dmap's CLI runs: the libraries and the model classes diffusers imports
+# lazily (about 1 s on this machine, inside the first load otherwise), so that "in-process" starts after imports
+# as it says, the same rule as bench_run.py's shared imports. The process column still counts them.
+ENTRY = """import runpy, sys
+import torch, diffusers, transformers
+from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel, StableDiffusionPipeline, UNet2DConditionModel
+from transformers import CLIPTextModel, T5EncoderModel
+sys.argv[0] = "dmap"
+runpy.run_module("dm_cli", run_name="__main__", alter_sys=False)
+"""
+
+
 def _launch(folder: Path, ranks: int, parallel: str, size: int, steps: int, out: Path, extra: list[str]) -> dict:
     """One image: the run's JSON plus the process wall time."""
-    run = ["-m", "dm_cli", "run", str(folder), "--prompt", PROMPT, "--seed", str(SEED), "--steps", str(steps),
+    entry = out.parent / "entry.py"
+    if not entry.is_file():
+        entry.write_text(ENTRY)
+    run = [str(entry), "run", str(folder), "--prompt", PROMPT, "--seed", str(SEED), "--steps", str(steps),
            "--height", str(size), "--width", str(size), "--output", str(out), "--overwrite", "--json", *extra]
     if ranks > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *run,
@@ -85,6 +100,31 @@ def _launch(folder: Path, ranks: int, parallel: str, size: int, steps: int, out:
     return {"denoise": sum(s["run_s"] for n, s in stages.items() if n == "denoise"),
             "in_process": sum(s["load_s"] + s["run_s"] for s in result["stages"]), "process": wall,
             "notices": result["notices"]}
+
+
+CEILING = """import sys, time, torch, diffusers
+torch.set_num_threads(1)
+unet = diffusers.UNet2DConditionModel.from_pretrained(sys.argv[1], subfolder="unet").eval()
+side = int(sys.argv[2]) // 8
+for batch in (2, 1):
+    x, e = torch.randn(batch, 4, side, side), torch.randn(batch, 77, unet.config.cross_attention_dim)
+    with torch.no_grad():
+        unet(x, 10, e)
+        start = time.perf_counter()
+        for _ in range(5):
+            unet(x, 10, e)
+    print((time.perf_counter() - start) / 5)
+"""
+
+
+def _cfg_ceiling(folder: Path, size: int) -> tuple[float, float]:
+    """(seconds of one UNet forward at batch 2, at batch 1), one thread: CFG-parallel's two ranks each run batch 1
+    where one rank runs batch 2, so their ratio bounds the denoise speed-up, whatever the exchange costs."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", CEILING, str(folder), str(size)], capture_output=True, text=True,
+                          env=env, check=True)
+    two, one = (float(line) for line in proc.stdout.split())
+    return two, one
 
 
 def _pixels(path: Path):
@@ -143,6 +183,9 @@ def main() -> None:
     print(_row(f"CFG-parallel, SD 1.5-arch UNet ~77M, {options.cfg_size}x{options.cfg_size}", *cfg))
     print(_row(f"context parallel (Ulysses 2), FLUX-arch ~36M, {options.context_size}x{options.context_size}",
                *context))
+    two, one = _cfg_ceiling(sd15, options.cfg_size)
+    print(f"\nCFG-parallel's ceiling on this machine: one UNet forward at batch 2 takes {two:.3f} s, at batch 1 "
+          f"{one:.3f} s, so two ranks can denoise at most {two / one:.2f}x faster than one.")
 
 
 if __name__ == "__main__":
