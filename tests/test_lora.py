@@ -216,7 +216,7 @@ def test_plan_counts_the_adapter_bytes_beside_the_layers_they_patch(flux, tmp_pa
     from dm_cli.model.skeleton import as_loaded
 
     skeleton = as_loaded(comp).skeleton
-    extra, report = lora_extra_bytes(comp, skeleton, (adapter,), None, "float32")
+    extra, report = lora_extra_bytes(comp, skeleton, (adapter,), "float32")
     assert sum(extra.values()) == added and report[0][1] == added
     assert all(name.endswith(".weight") and ".attn.to_" in name for name in extra)
     assert any(name.startswith("transformer_blocks.0.") for name in extra)
@@ -304,18 +304,55 @@ def test_parse_takes_the_scale_only_when_it_is_a_number(tmp_path):
         parse_lora(":0.5")
 
 
-def test_fp8_and_int8_storage_are_refused_before_anything_loads(flux, tmp_path):
+def _fp8_or_int8_oracle(folder, lora, fmt, dtype):
+    """diffusers' own: the transformer int8 by torchao then the LoRA (peft's torchao layer), or the LoRA then
+    `enable_layerwise_casting` to fp8 (the order diffusers documents: its default skip patterns keep the adapters
+    in the compute dtype)."""
+    from test_weight_formats import _quantize_int8
+
+    compute = getattr(torch, dtype)
+    pipe = diffusers.FluxPipeline.from_pretrained(folder, torch_dtype=compute)
+    pipe.set_progress_bar_config(disable=True)
+    if fmt == "int8":
+        _quantize_int8(pipe.transformer, "transformer", None)
+    pipe.load_lora_weights(str(lora), adapter_name="a")
+    pipe.set_adapters(["a"], [0.7])
+    if fmt == "fp8":
+        pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute)
+    image = pipe(PROMPT, generator=torch.Generator().manual_seed(SEED), num_inference_steps=STEPS,
+                 height=SIZE, width=SIZE).images[0]
+    return np.array(image)
+
+
+@pytest.mark.parametrize("fmt,dtype", [("fp8", "float32"), ("int8", "bfloat16")])
+def test_fp8_and_int8_bases_take_a_lora_identical_to_diffusers_unsplit_and_split(flux, fmt, dtype, tmp_path):
     folder, lora = flux
-    code, _, err = run_dmap("plan", folder, "--weights", "fp8", "--max-memory", "cpu=8GB", "--lora", lora)
-    assert code == 2 and "fp8" in err and "--weights" in err, err
-    code, _, err = run_dmap("run", folder, "-p", PROMPT, "--weights", "int8", "--height", SIZE, "--width", SIZE,
-                            "--lora", lora, "-o", tmp_path / "no.png")
-    assert code == 2 and "int8" in err, err
+    if fmt == "int8":
+        pytest.importorskip("torchao")
+    expected = _fp8_or_int8_oracle(folder, lora, fmt, dtype)
+    common = {"weights": f"transformer={fmt}", "dtype": dtype, "loras": [f"{lora}:0.7"]}
+    result = _run(folder, tmp_path, "whole.png", max_memory="cpu=8GB", **common)
+    assert result.plan.weights["transformer"] == fmt
+    assert np.array_equal(_png(tmp_path / "whole.png")[0], expected)
+    entry = result.plan.loras[0]
+    split = json.loads(_split_plan(folder, tmp_path, {k: entry[k] for k in ("path", "component", "scale", "digest")})
+                       .read_text())
+    split["dtype"] = dtype
+    for name, comp in split["components"].items():
+        comp["storage_dtype"] = {"fp8": "float8_e4m3fn", "int8": "int8"}[fmt] if name == "transformer" else dtype
+    path = tmp_path / "split-plan.json"
+    path.write_text(json.dumps(split))
+    result = _run(folder, tmp_path, "split.png", device_map=str(path), simulate=True, **common)
+    assert result.plan.components["transformer"].is_split
+    assert result.split_check and result.split_problems == [], result.split_problems
+    assert np.array_equal(_png(tmp_path / "split.png")[0], expected)
 
 
-def test_blocks_streamed_from_cpu_and_disk_take_their_adapters(flux, tmp_path):
+@pytest.mark.parametrize("fmt", [None, "fp8"])
+def test_blocks_streamed_from_cpu_and_disk_take_their_adapters(flux, fmt, tmp_path):
     """accelerate's offload hooks keep streamed layers on the meta device between forwards; their adapters are
-    streamed with them. On a CPU-only machine a cpu/disk map runs through the same hooks (execution device cpu)."""
+    streamed with them (beside fp8 weights too, in the compute dtype). On a CPU-only machine a cpu/disk map runs
+    through the same hooks (execution device cpu)."""
     from dataclasses import replace
 
     from test_run import _units, hand_plan
@@ -325,26 +362,33 @@ def test_blocks_streamed_from_cpu_and_disk_take_their_adapters(flux, tmp_path):
     from dm_cli.run.loading import load_component
 
     folder, lora = flux
-    expected = flux_oracle(folder, [(lora, 0.7)])
+    expected = _fp8_or_int8_oracle(folder, lora, fmt, "float32") if fmt else flux_oracle(folder, [(lora, 0.7)])
     config = diffusers.FluxTransformer2DModel.load_config(folder / "transformer")
     streamed = {u: ("disk" if "blocks" in u else "cpu") for u in _units(diffusers.FluxTransformer2DModel.from_config(config))}
     plan = hand_plan(folder)
     plan["components"]["transformer"]["device_map"] = streamed
+    if fmt:
+        plan["dtype"] = "float32"
+        for name, comp in plan["components"].items():
+            comp["storage_dtype"] = "float8_e4m3fn" if name == "transformer" else "float32"
     adapter = replace(read_lora(f"{lora}:0.7"), component="transformer")
     plan["loras"] = [adapter.to_json()]
     path = tmp_path / "streamed-plan.json"
     path.write_text(json.dumps(plan))
-    _run(folder, tmp_path, "streamed.png", device_map=str(path), loras=[f"{lora}:0.7"])
+    extra = {"weights": f"transformer={fmt}", "dtype": "float32"} if fmt else {}
+    _run(folder, tmp_path, "streamed.png", device_map=str(path), loras=[f"{lora}:0.7"], **extra)
     assert np.array_equal(_png(tmp_path / "streamed.png")[0], expected)
 
     from dm_cli.model.sources import resolve_source
 
     comp = {c.name: c for c in resolve_source(str(folder)).components}["transformer"]
-    model = load_component(comp, streamed, None, False)
-    load_loras(diffusers.FluxPipeline.from_pretrained(folder), "transformer", model, (adapter,))
+    model = load_component(comp, streamed, "float32", False, fmt)
+    load_loras(diffusers.FluxPipeline.from_pretrained(folder), "transformer", model, (adapter,), torch.float32)
     to_q = model.transformer_blocks[0].attn.to_q
     assert to_q.base_layer.weight.device.type == "meta"  # streamed: on the device only during its forward
+    assert to_q.base_layer.weight.dtype == (torch.float8_e4m3fn if fmt else torch.float32)
     assert to_q.lora_A["dmap_lora_0"].weight.device.type == "meta"
+    assert to_q.lora_A["dmap_lora_0"].weight.dtype == torch.float32
     assert to_q.lora_A["dmap_lora_0"]._hf_hook.offload  # streamed with it, from the cpu
 
 

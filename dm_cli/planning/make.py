@@ -569,7 +569,7 @@ def prepare_component(comp: ComponentSource, pipeline_class: str | None, inputs:
         raise DoesNotFitError(_overflow_refusal(comp, inputs))  # never planned as if it needed nothing
     if facts.warning:
         warnings.append(f"{comp.name}: {facts.warning}")
-    extra, lora_bytes = lora_extra_bytes(comp, skeleton, loras, fmt, effective or trace_dtype)
+    extra, lora_bytes = lora_extra_bytes(comp, skeleton, loras, effective or trace_dtype)
     transients = {} if inputs.weights_only else lora_transients(loras, facts.module_outputs, skeleton, trace_dtype)
     spec, block_warnings = _component_spec(comp, skeleton, facts, inputs, effective, fmt, trace_dtype, extra,
                                            transients)
@@ -577,22 +577,17 @@ def prepare_component(comp: ComponentSource, pipeline_class: str | None, inputs:
     return PreparedComponent(comp, skeleton, trace_dtype, facts, spec, warnings, fmt, effective, lora_bytes)
 
 
-def lora_extra_bytes(comp: ComponentSource, skeleton, loras: tuple, fmt: str | None,
-                     dtype: str) -> tuple[dict[str, int], tuple]:
+def lora_extra_bytes(comp: ComponentSource, skeleton, loras: tuple, dtype: str) -> tuple[dict[str, int], tuple]:
     """What the LoRAs patching a component add, unfused: lora_A and lora_B live beside the layer they patch, in its
     dtype (peft casts them to it), so their bytes go with that layer's weight (tensor name -> bytes) and the planner
     puts them in the block that holds it. A LoRA in a layout diffusers converts while loading (kohya's) is spread
-    over the component's weights. Refused, one sentence each: layers that are not in the component (a LoRA for
-    another model), and storage peft cannot patch (fp8, int8)."""
+    over the component's weights. Beside fp8 or int8 weights the adapters stay in the compute dtype (dm_cli.run.
+    adapters). Refused, one sentence: layers that are not in the component (a LoRA for another model)."""
     from dm_cli.model.lora import layer_problems
     from dm_cli.units import DTYPE_BYTES
 
     if not loras:
         return {}, ()
-    names = ", ".join(lora.name for lora in loras)
-    if fmt:
-        raise UsageError(f"--lora {names}: peft cannot patch layers stored as {fmt} (it would cast the LoRA to "
-                         f"{fmt} too): drop --weights for '{comp.name}'.")
     infos = {t.name: t for t in skeleton.tensors}
     shapes = {t.name: t.shape for t in skeleton.tensors}
     weights = [t for t in skeleton.tensors if t.kind == "param" and t.name.endswith(".weight") and len(t.shape) >= 2]

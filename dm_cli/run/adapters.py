@@ -1,12 +1,13 @@
 """LoRA adapters at run time: loaded into their component each time it loads, through diffusers' own
 `load_lora_weights` (key conversions, peft injection) and `set_adapters` (the scales), unfused.
 
-Blocks streamed from cpu or disk to their GPU (accelerate's offload hooks keep them on the meta device between
-forwards) take their adapters too: peft patches them while their weights stand in as one-element placeholders,
-and each adapter then lives on the cpu like the layer it patches, moved to the GPU with it for each forward
-(`_streamed_adapters`). What peft cannot patch is refused before anything loads (`lora_refusal`):
-layers stored in fp8 or int8 (peft casts the adapter to the layer's dtype). A GGUF-quantized layer takes
-its adapter as diffusers allows it: in float32 beside the quantized weight, which diffusers dequantizes per call.
+peft puts each adapter on the device and in the dtype of the layer it patches. Where that layer's weight is on
+the meta device (a block streamed from cpu or disk: accelerate's offload hooks keep it there between forwards) or
+in fp8 (`--weights fp8`), it stands in as a one-element view during the injection (`_stand_ins`): in its dtype for
+a streamed one, in the compute dtype for fp8 (an fp8 adapter would lose its precision, and CPUs have no fp8
+matmul), as diffusers gets by loading a LoRA before `enable_layerwise_casting`. The adapters of streamed layers
+are then streamed with them (`_stream_adapters`). int8 layers (torchao) take peft's own torchao LoRA layer; GGUF
+layers take the adapter in float32 beside the quantized weight, which diffusers dequantizes per call.
 No Typer, no Rich.
 """
 
@@ -25,18 +26,18 @@ def lora_refusal(plan, loras: tuple) -> str | None:
         name = lora.component
         if name not in plan.components:
             return f"--lora {lora.name} patches '{name}', which the plan does not place: plan again with this --lora."
-        fmt = plan.weights.get(name)
-        if fmt:
-            return (f"--lora {lora.name}: peft cannot patch layers stored as {fmt} (it would cast the LoRA to {fmt} "
-                    f"too): plan '{name}' without --weights.")
     return None
 
 
-def load_loras(pipe, name: str, model, loras: tuple) -> None:
-    """The LoRAs patching component `name` (just loaded as `model`) loaded by the pipeline's own
-    `load_lora_weights` (Wan 2.2's second expert: `load_into_transformer_2=True`) and weighted by `set_adapters`.
-    Each file must still have the sha256 it had when dmap read it (the metadata names that digest)."""
+def load_loras(pipe, name: str, model, loras: tuple, compute_dtype=None) -> None:
+    """The LoRAs patching component `name` (just loaded as `model`, running in `compute_dtype`; None: the model's
+    dtype) loaded by the pipeline's own `load_lora_weights` (Wan 2.2's second expert: `load_into_transformer_2=True`)
+    and weighted by `set_adapters`. Each file must still have the sha256 it had when dmap read it (the metadata
+    names that digest)."""
     import warnings
+
+    if compute_dtype is None:
+        compute_dtype = model.dtype  # diffusers' ModelMixin reports the compute dtype under layerwise casting
 
     from dm_cli.model.lora import file_digest, shown
 
@@ -49,8 +50,8 @@ def load_loras(pipe, name: str, model, loras: tuple) -> None:
         # sequential offload, which needs a GPU): dmap's hooks are the plan's, they stay
         device_map, pipe.hf_device_map = pipe.hf_device_map, {name: "dmap"}
         try:
-            with warnings.catch_warnings(), _streamed_adapters(model, lora.name):  # peft's note on config/state-dict differences
-                warnings.simplefilter("ignore", RuntimeWarning)     # is not the user's to act on
+            with warnings.catch_warnings(), _stand_ins(model, compute_dtype):
+                warnings.simplefilter("ignore")  # peft's notes (config/state-dict differences, torchao merging)
                 pipe.load_lora_weights(lora.path, adapter_name=adapter, use_safetensors=True, local_files_only=True,
                                        **kwargs)
         except (ValueError, KeyError, RuntimeError, OSError) as error:
@@ -58,6 +59,7 @@ def load_loras(pipe, name: str, model, loras: tuple) -> None:
                              f"{str(error).splitlines()[0].rstrip('.')}.") from None
         finally:
             pipe.hf_device_map = device_map
+        _stream_adapters(model, lora.name)
         if adapter not in (getattr(model, "peft_config", None) or {}):  # the pipeline put it elsewhere, or nowhere
             raise UsageError(f"--lora {shown(lora.name)}: {type(pipe).__name__}.load_lora_weights did not load it "
                              f"into {name}.")
@@ -85,34 +87,43 @@ def _streamed_layers(model) -> list:
 
 
 @contextlib.contextmanager
-def _streamed_adapters(model, lora_name: str):
-    """Around peft's injection: each streamed meta tensor a one-element cpu view of its shape and dtype (peft puts an
-    adapter on its layer's device and dtype, and meta adapters would lose their values); after it, the layers back
-    on meta and each new adapter module streamed like the layer it patches: its tensors kept on the cpu, moved to
-    the layer's execution device for each forward."""
+def _stand_ins(model, compute_dtype):
+    """Around peft's injection: each meta weight (streamed from cpu or disk) and each fp8 weight (stored low)
+    a one-element view of its shape, in its own dtype (a GGUF weight keeps its type) or, for fp8, the compute
+    dtype: peft puts each adapter on its layer's device and in its dtype, and a meta adapter would lose its
+    values, an fp8 one its precision (and CPUs have no fp8 matmul). The weights themselves come back after it."""
+    import torch
+
+    low = {torch.float8_e4m3fn, torch.float8_e5m2}
+    replaced = []
+    for module in model.modules():
+        for leaf, param in list(module._parameters.items()):
+            if param is None or (param.device.type != "meta" and param.dtype not in low):
+                continue
+            view = torch.zeros((), dtype=compute_dtype if param.dtype in low else param.dtype,
+                               device="cpu" if param.device.type == "meta" else param.device).expand(param.shape)
+            quant_type = getattr(param, "quant_type", None)
+            module._parameters[leaf] = (type(param)(view, quant_type=quant_type) if quant_type is not None
+                                        else torch.nn.Parameter(view, requires_grad=False))
+            replaced.append((module, leaf, param))
+    try:
+        yield
+    finally:
+        for module, leaf, param in replaced:
+            module._parameters[leaf] = param
+
+
+def _stream_adapters(model, lora_name: str) -> None:
+    """Each new adapter module of a layer accelerate streams to its execution device (dispatch_model hooks each
+    layer of an offloaded block) streamed like that layer: its tensors kept on the cpu, moved to the layer's
+    execution device for each forward."""
     import torch
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
-    from accelerate.utils import named_module_tensors, set_module_tensor_to_device
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     from dm_cli.model.lora import shown
 
     layers = _streamed_layers(model)
-    for module, hook in layers:
-        for tensor_name, tensor in named_module_tensors(module, include_buffers=hook.offload_buffers,
-                                                        recurse=hook.place_submodules):
-            if tensor.device.type == "meta":
-                stand_in = torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
-                if getattr(tensor, "quant_type", None) is not None:  # a GGUF weight keeps its type
-                    stand_in = type(tensor)(stand_in, quant_type=tensor.quant_type)
-                set_module_tensor_to_device(module, tensor_name, "cpu", value=stand_in)
-    try:
-        yield
-    finally:
-        for module, hook in layers:
-            for tensor_name, _ in list(named_module_tensors(module, include_buffers=hook.offload_buffers,
-                                                            recurse=hook.place_submodules)):
-                set_module_tensor_to_device(module, tensor_name, "meta")
     if any(hook.place_submodules and any(isinstance(m, BaseTunerLayer) for m in module.modules())
            for module, hook in layers):  # accelerate streams that module whole, from a map without the adapters
         raise UsageError(f"--lora {shown(lora_name)} patches a layer that accelerate streams as part of a larger "

@@ -150,7 +150,7 @@ class StageLoop:
                     from dm_cli.run.adapters import load_loras
 
                     self.status(f"Loading {len(patching)} LoRA(s) into {name}…")
-                    load_loras(self.pipe, name, model, patching)
+                    load_loras(self.pipe, name, model, patching, self.torch_dtype)
                 default_dev = str(next(iter(cmap.values())))
                 self.meter.register_weights(model, cmap, default_dev)
                 self._hooks[name] = self.meter.attach(model, cmap, default_dev)
