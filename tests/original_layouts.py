@@ -1,6 +1,7 @@
 """diffusers' tensor names back to the original (community) layouts, for tests that write single files: the inverse
-of diffusers' `convert_wan_transformer_to_diffusers` and `convert_flux2_transformer_checkpoint_to_diffusers`
-(0.42.1). The tests check each inverse by running diffusers' own conversion back.
+of diffusers' `convert_wan_transformer_to_diffusers`, `convert_flux2_transformer_checkpoint_to_diffusers` and
+`convert_flux_transformer_checkpoint_to_diffusers` (0.42.1). The tests check each inverse by running diffusers' own
+conversion back.
 
 `to_original(names_and_shapes, layout)` returns {original name: shape}; FLUX.2's fused projections (q, k, v of the
 double blocks) are concatenated along rows, as the original checkpoints store them.
@@ -108,3 +109,58 @@ def header_only_gguf(path, shapes: dict[str, tuple[int, ...]], quant):
     with open(path, "r+b") as handle:
         handle.truncate(start + total)
     return path
+
+
+FLUX1_TOP = [  # diffusers -> BFL FLUX.1, outside the blocks
+    ("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer"),
+    ("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+    ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
+    ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"),
+    ("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
+    ("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
+    ("context_embedder", "txt_in"), ("x_embedder", "img_in"), ("proj_out", "final_layer.linear"),
+]
+FLUX1_DOUBLE = {
+    "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin", "attn.to_out.0": "img_attn.proj",
+    "attn.to_add_out": "txt_attn.proj", "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
+    "attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+    "attn.norm_added_q": "txt_attn.norm.query_norm", "attn.norm_added_k": "txt_attn.norm.key_norm",
+}
+FLUX1_SINGLE = {"norm.linear": "modulation.lin", "proj_out": "linear2", "attn.norm_q": "norm.query_norm",
+                "attn.norm_k": "norm.key_norm"}
+FLUX1_FUSED = {  # fused original projection -> its parts in row order
+    "double": {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+               "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")},
+    "single": {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")},
+}
+
+
+def flux1_original(state: dict) -> dict:
+    """A diffusers FLUX.1 transformer state dict in BFL's layout (tensors): fused q/k/v (and, in single blocks, the
+    MLP input) concatenated along rows, the final modulation's halves swapped back (diffusers stores scale, shift)."""
+    import torch
+
+    out = {}
+    for name in ("norm_out.linear.weight", "norm_out.linear.bias"):
+        scale, shift = state[name].chunk(2, dim=0)
+        out["final_layer.adaLN_modulation.1." + name.rsplit(".", 1)[1]] = torch.cat([shift, scale], dim=0)
+    for new, old in FLUX1_TOP:
+        for param in ("weight", "bias"):
+            if f"{new}.{param}" in state:
+                out[f"{old}.{param}"] = state[f"{new}.{param}"]
+    blocks = {"double": ("transformer_blocks.", "double_blocks.", FLUX1_DOUBLE),
+              "single": ("single_transformer_blocks.", "single_blocks.", FLUX1_SINGLE)}
+    for kind, (prefix, original, table) in blocks.items():
+        indices = sorted({int(n.removeprefix(prefix).split(".")[0]) for n in state if n.startswith(prefix)})
+        for i in indices:
+            here = f"{prefix}{i}."
+            for module, target in table.items():
+                for param in ("weight", "bias"):
+                    if here + f"{module}.{param}" in state:
+                        leaf = "scale" if target.endswith("_norm") else param
+                        out[f"{original}{i}.{target}.{leaf}"] = state[here + f"{module}.{param}"]
+            for target, parts in FLUX1_FUSED[kind].items():
+                for param in ("weight", "bias"):
+                    out[f"{original}{i}.{target}.{param}"] = torch.cat([state[here + f"{p}.{param}"] for p in parts])
+    return out

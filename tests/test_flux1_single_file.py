@@ -1,0 +1,117 @@
+"""FLUX.1 from a community single file (BFL's original layout) and from a GGUF file (Q8_0 and Q4_K tensors),
+`dmap run FILE --pipeline FOLDER`: latents identical to diffusers loading the same file its own way
+(`from_single_file`, `GGUFQuantizationConfig`), unsplit and split on two simulated GPUs.
+
+diffusers' `convert_flux_transformer_checkpoint_to_diffusers` (0.42.1) splits each single block's fused projection
+with a hard-coded inner dimension of 3072, so the model here is FLUX.1's width (24 heads of 128) with one double
+and one single block (~0.5B parameters, bf16) around tiny-flux's other components: the smallest FLUX.1 the converter
+loads. Slow: it writes and loads about 1 GB several times.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+pytestmark = pytest.mark.slow
+
+PROMPT, SIZE, STEPS, SEED = "a red fox in the snow", 32, 2, 7
+
+
+def _q4_k(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Q4_K blocks (144 bytes per 256 weights) of random codes under small scales (gguf cannot quantize K-quants)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:2] = np.frombuffer(np.float16(0.0005).tobytes(), np.uint8)
+    blocks[..., 2:4] = np.frombuffer(np.float16(0.0002).tobytes(), np.uint8)
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
+@pytest.fixture(scope="module")
+def flux1_files(tmp_path_factory):
+    """(pipeline folder, BFL-layout .safetensors, .gguf) of one FLUX.1-wide random transformer."""
+    import gguf
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+    from original_layouts import flux1_original
+    from safetensors.torch import load_file, save_file
+
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
+
+    root = tmp_path_factory.mktemp("flux1-single-file")
+    configs = shutil.copytree(PRESETS_DIR / "tiny-flux", root / "configs")
+    config = json.loads((configs / "transformer" / "config.json").read_text())
+    config.update(num_attention_heads=24, attention_head_dim=128, axes_dims_rope=[16, 56, 56])
+    (configs / "transformer" / "config.json").write_text(json.dumps(config))
+    folder = write_random_pipeline(configs, root / "flux1", seed=0, dtype="bfloat16")
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    state = load_file(weights)
+    original = flux1_original(state)
+    back = convert_flux_transformer_checkpoint_to_diffusers(dict(original))
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    del back, state
+    save_file(original, root / "flux1-mid.safetensors")
+    writer = gguf.GGUFWriter(str(root / "flux1-mid-Q4_K.gguf"), "flux")
+    for position, (name, tensor) in enumerate(original.items()):
+        array = tensor.float().numpy()
+        if array.ndim == 2 and array.shape[1] % 256 == 0 and array.size >= 1 << 22:  # the big matrices
+            writer.add_tensor(name, _q4_k(*array.shape, position), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        elif array.ndim == 2 and array.shape[1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    del original
+    weights.unlink()  # the files stand in for it; nothing may read the folder's own transformer weights
+    return folder, root / "flux1-mid.safetensors", root / "flux1-mid-Q4_K.gguf"
+
+
+def _diffusers_latents(folder, file):
+    kwargs = {}
+    if file.suffix == ".gguf":
+        kwargs["quantization_config"] = diffusers.GGUFQuantizationConfig(compute_dtype=torch.bfloat16)
+    transformer = diffusers.FluxTransformer2DModel.from_single_file(
+        str(file), config=str(folder), subfolder="transformer", torch_dtype=torch.bfloat16, local_files_only=True,
+        **kwargs)
+    pipe = diffusers.FluxPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=STEPS,
+                generator=torch.Generator().manual_seed(SEED), output_type="latent").images
+
+
+def _dmap_latents(folder, file, tmp_path, **extra):
+    from safetensors.torch import load_file
+
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
+
+    tmp_path.mkdir()
+    request = RunRequest.of(source=str(file), pipeline=str(folder), prompt=PROMPT, steps=STEPS, height=SIZE,
+                            width=SIZE, seed=SEED, dtype="bfloat16", output=str(tmp_path / "fox.png"),
+                            save_latents=str(tmp_path / "latents.safetensors"), **extra)
+    result = run(request)
+    return result, load_file(tmp_path / "latents.safetensors")["latents"]
+
+
+@pytest.mark.parametrize("which", ["safetensors", "gguf"])
+def test_flux1_file_runs_identical_to_diffusers_unsplit_and_split(flux1_files, which, tmp_path):
+    folder, safetensors_file, gguf_file = flux1_files
+    file = safetensors_file if which == "safetensors" else gguf_file
+    expected = _diffusers_latents(folder, file)
+    result, latents = _dmap_latents(folder, file, tmp_path / "whole", max_memory="cpu=16GB")
+    assert result.plan.components["transformer"].weights_bytes < 1.1e9
+    assert torch.equal(latents, expected)
+    placed = result.plan.components["transformer"]  # each GPU: most of the weights (not all), the activations
+    budget = f"{int((placed.weights_bytes * 0.8 + max(placed.activation_by_device.values())) / 1e6)}MB"
+    result, latents = _dmap_latents(folder, file, tmp_path / "split", max_memory=f"0={budget},1={budget},cpu=16GB",
+                                    overhead="0=0,1=0", simulate=True)
+    assert result.plan.components["transformer"].is_split, result.plan.components["transformer"]
+    assert result.split_check and result.split_problems == []
+    assert torch.equal(latents, expected)
