@@ -121,6 +121,42 @@ def _measure(config: dict, size: int, batch: int, tokens: int) -> int:
     return profile_peak(prof)
 
 
+def spec_inputs(value):
+    """Tensors for a call spec's TensorSpecs (dm_cli.families.calls): random floats, zeros for integer inputs."""
+    import torch
+
+    from dm_cli.families.calls import TensorSpec
+
+    if isinstance(value, TensorSpec):
+        if value.kind == "long":
+            return torch.zeros(value.shape, dtype=torch.long)
+        return torch.rand(value.shape) if value.shape and len(value.shape) == 1 else torch.randn(value.shape)
+    if isinstance(value, dict):
+        return {k: spec_inputs(v) for k, v in value.items()}
+    return value
+
+
+def profiled_call_peak(method, spec_kwargs: dict, make=spec_inputs, threads: int | None = 1) -> int:
+    """The CPU profiler's activation peak of `method(**make(spec_kwargs))`, on `threads` torch threads, after a
+    warm-up call outside the profiler (one-time allocations, oneDNN caches, are not activations)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            method(**make(spec_kwargs))
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                kwargs = make(spec_kwargs)
+                out = method(**kwargs)
+                del out, kwargs
+    finally:
+        torch.set_num_threads(previous)
+    return profile_peak(prof)
+
+
 def profile_peak(prof) -> int:
     """Running maximum of self-allocated bytes over the profiler's events in start-time order."""
     events = [e for e in prof.events() if e.self_cpu_memory_usage]
@@ -172,9 +208,8 @@ def family_call_peaks(cls: str, config: dict, pipeline_class: str, size: int, th
     """(measured, estimated) activation peak of one denoiser call with the inputs the family specifies for
     `inputs` (an InputSpec; None: `size` x `size`, the family's defaults otherwise)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    from dm_cli.families.calls import TensorSpec, call_spec
+    from dm_cli.families.calls import call_spec
     from dm_cli.inputs import InputSpec
     from dm_cli.model.models import build_model
     from dm_cli.model.sources import ComponentSource
@@ -183,32 +218,10 @@ def family_call_peaks(cls: str, config: dict, pipeline_class: str, size: int, th
     comp = ComponentSource("transformer", "diffusers", cls, config, None, None)
     inputs = InputSpec(size, size) if inputs is None else inputs
     spec = call_spec(comp, pipeline_class, inputs)
-    previous_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = build_model("diffusers", cls, config).eval()
-
-    def make(value):
-        if isinstance(value, TensorSpec):
-            if value.kind == "long":
-                return torch.zeros(value.shape, dtype=torch.long)
-            return torch.rand(value.shape) if value.shape and len(value.shape) == 1 else torch.randn(value.shape)
-        if isinstance(value, dict):
-            return {k: make(v) for k, v in value.items()}
-        return value
-
-    try:
-        with torch.no_grad():
-            model(**make(spec.kwargs))  # warm-up outside the profiler
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                kwargs = make(spec.kwargs)
-                out = model(**kwargs)
-                del out, kwargs
-    finally:
-        torch.set_num_threads(previous_threads)
-    measured = profile_peak(prof)
-    del model, prof
+    measured = profiled_call_peak(model, spec.kwargs, threads=threads)
+    del model
     estimated = trace_component(comp, pipeline_class, inputs, "float32", use_cache=False).activation_peak
     return measured, estimated
 

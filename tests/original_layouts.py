@@ -164,3 +164,44 @@ def flux1_original(state: dict) -> dict:
                 for param in ("weight", "bias"):
                     out[f"{original}{i}.{target}.{param}"] = torch.cat([state[here + f"{p}.{param}"] for p in parts])
     return out
+
+
+def q4_k_codes(rows: int, cols: int, seed: int, scale: float = 0.002, minimum: float = 0.001):
+    """Q4_K blocks (144 bytes per 256 weights): f16 scale and min, 12 bytes of 6-bit sub-scales, 128 of codes, the
+    codes random (gguf's writer cannot quantize K-quants; any reader dequantizes these alike)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+    blocks[..., 2:4] = np.frombuffer(np.float16(minimum).tobytes(), np.uint8)
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
+def write_gguf(path, original: dict, arch: str, quant_of, q4_k_scales: tuple[float, float] = (0.002, 0.001)):
+    """A GGUF file of `original` ({name: tensor}, in the order given): `quant_of(array)` says "Q4_K" (random codes,
+    `q4_k_codes`), "Q8_0" (gguf's own quantizer) or None (F32) for each tensor."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for position, (name, tensor) in enumerate(original.items()):
+        array = tensor.float().numpy()
+        kind = quant_of(array)
+        if kind == "Q4_K":
+            writer.add_tensor(name, q4_k_codes(*array.shape, position, *q4_k_scales),
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        elif kind == "Q8_0":
+            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def q8_0_rows(array) -> str | None:
+    """Q8_0 for every matrix whose rows hold whole Q8_0 blocks (32 weights)."""
+    return "Q8_0" if array.ndim == 2 and array.shape[1] % 32 == 0 else None

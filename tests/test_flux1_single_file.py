@@ -11,7 +11,6 @@ loads. Slow: it writes and loads about 1 GB several times.
 import json
 import shutil
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -21,21 +20,11 @@ pytestmark = pytest.mark.slow
 PROMPT, SIZE, STEPS, SEED = "a red fox in the snow", 32, 2, 7
 
 
-def _q4_k(rows: int, cols: int, seed: int) -> np.ndarray:
-    """Q4_K blocks (144 bytes per 256 weights) of random codes under small scales (gguf cannot quantize K-quants)."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
-    blocks[..., 0:2] = np.frombuffer(np.float16(0.0005).tobytes(), np.uint8)
-    blocks[..., 2:4] = np.frombuffer(np.float16(0.0002).tobytes(), np.uint8)
-    return blocks.reshape(rows, cols // 256 * 144)
-
-
 @pytest.fixture(scope="module")
 def flux1_files(tmp_path_factory):
     """(pipeline folder, BFL-layout .safetensors, .gguf) of one FLUX.1-wide random transformer."""
-    import gguf
     from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
-    from original_layouts import flux1_original
+    from original_layouts import flux1_original, q8_0_rows, write_gguf
     from safetensors.torch import load_file, save_file
 
     from dm_cli.model.demo import write_random_pipeline
@@ -54,20 +43,12 @@ def flux1_files(tmp_path_factory):
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     del back, state
     save_file(original, root / "flux1-mid.safetensors")
-    writer = gguf.GGUFWriter(str(root / "flux1-mid-Q4_K.gguf"), "flux")
-    for position, (name, tensor) in enumerate(original.items()):
-        array = tensor.float().numpy()
+    def quant_of(array):
         if array.ndim == 2 and array.shape[1] % 256 == 0 and array.size >= 1 << 22:  # the big matrices
-            writer.add_tensor(name, _q4_k(*array.shape, position), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-        elif array.ndim == 2 and array.shape[1] % 32 == 0:
-            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            return "Q4_K"
+        return q8_0_rows(array)
+
+    write_gguf(root / "flux1-mid-Q4_K.gguf", original, "flux", quant_of, q4_k_scales=(0.0005, 0.0002))
     del original
     weights.unlink()  # the files stand in for it; nothing may read the folder's own transformer weights
     return folder, root / "flux1-mid.safetensors", root / "flux1-mid-Q4_K.gguf"

@@ -475,38 +475,19 @@ def _profiled_transformer_peak(folder, inputs, lora=None) -> int:
     import sys
 
     from conftest import REPO
-    from torch.profiler import ProfilerActivity, profile
 
-    from dm_cli.families.calls import TensorSpec, call_spec
+    from dm_cli.families.calls import call_spec
     from dm_cli.model.sources import resolve_source
 
     sys.path.insert(0, str(REPO / "scripts"))
-    from measure_activations import profile_peak
+    from measure_activations import profiled_call_peak
 
     comp = {c.name: c for c in resolve_source(str(folder)).components}["transformer"]
     spec = call_spec(comp, "FluxPipeline", inputs)
     pipe = diffusers.FluxPipeline.from_pretrained(folder)
     if lora is not None:
         pipe.load_lora_weights(str(lora), adapter_name="a")
-    method = getattr(pipe.transformer.eval(), spec.method)
-
-    def make(value):
-        if isinstance(value, TensorSpec):
-            return torch.ones(value.shape, dtype=torch.long) if value.kind == "long" else torch.randn(value.shape)
-        return value
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            method(**{k: make(v) for k, v in spec.kwargs.items()})  # warm-up outside the profiler
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                kwargs = {k: make(v) for k, v in spec.kwargs.items()}
-                out = method(**kwargs)
-                del out, kwargs
-    finally:
-        torch.set_num_threads(previous)
-    return profile_peak(prof)
+    return profiled_call_peak(getattr(pipe.transformer.eval(), spec.method), spec.kwargs)
 
 
 def test_lora_activations_are_counted_as_the_profiler_measures_them(flux, tmp_path):

@@ -154,7 +154,6 @@ def _measured_and_estimated(name: str, cls: str, config: dict, inputs, siblings:
     from pathlib import Path
 
     from conftest import REPO
-    from torch.profiler import ProfilerActivity, profile
 
     from dm_cli.families.calls import TensorSpec, call_spec
     from dm_cli.model.models import build_model
@@ -162,7 +161,7 @@ def _measured_and_estimated(name: str, cls: str, config: dict, inputs, siblings:
     from dm_cli.planning.trace import trace_component
 
     sys.path.insert(0, str(REPO / "scripts"))
-    from measure_activations import profile_peak
+    from measure_activations import profiled_call_peak
 
     with tempfile.TemporaryDirectory() as root:
         for sibling, sibling_config in {**siblings, name: config}.items():
@@ -173,8 +172,6 @@ def _measured_and_estimated(name: str, cls: str, config: dict, inputs, siblings:
         spec = call_spec(comp, "LTX2Pipeline", inputs)
         estimated = trace_component(comp, "LTX2Pipeline", inputs, "float32", use_cache=False).activation_peak
     torch.manual_seed(0)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
     model = build_model(library, cls, config).eval()
     method = getattr(model, spec.method)
 
@@ -185,16 +182,7 @@ def _measured_and_estimated(name: str, cls: str, config: dict, inputs, siblings:
             return torch.rand(value.shape) if len(value.shape) <= 2 else torch.randn(value.shape)
         return value
 
-    try:
-        with torch.no_grad():
-            method(**{k: make(v) for k, v in spec.kwargs.items()})  # warm-up outside the profiler
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                kwargs = {k: make(v) for k, v in spec.kwargs.items()}
-                out = method(**kwargs)
-                del out, kwargs
-    finally:
-        torch.set_num_threads(previous)
-    return profile_peak(prof), estimated
+    return profiled_call_peak(method, spec.kwargs, make=lambda kwargs: {k: make(v) for k, v in kwargs.items()}), estimated
 
 
 def _reduced_configs() -> dict:

@@ -11,28 +11,14 @@ import shutil
 
 import pytest
 from conftest import run_dmap
-from original_layouts import flux2_name, wan_name
+from original_layouts import flux2_name, q8_0_rows, wan_name, write_gguf
 
 pytest.importorskip("torch")
 
 
 def _gguf(path, original, quant_rows=True):
     """Matrices whose rows hold whole Q8_0 blocks in Q8_0 (gguf's own quantizer), the rest F32."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), "wan")
-    for name, tensor in original.items():
-        array = tensor.float().numpy()
-        if quant_rows and array.ndim == 2 and array.shape[1] % 32 == 0:
-            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_gguf(path, original, "wan", q8_0_rows if quant_rows else (lambda array: None))
 
 
 @pytest.fixture(scope="module")

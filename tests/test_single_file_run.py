@@ -11,28 +11,17 @@ random codes under small scales, which any reader dequantizes alike.
 import json
 import shutil
 
-import numpy as np
 import pytest
 from conftest import run_dmap
-from original_layouts import wan_name
+from original_layouts import q8_0_rows, wan_name, write_gguf
 
 PROMPT, SIZE, FRAMES, STEPS, SEED = "a red fox in the snow", 32, 9, 4, 7
-
-
-def _q4_k(rows: int, cols: int, seed: int) -> np.ndarray:
-    """Q4_K blocks (144 bytes per 256 weights): f16 scale and min, 12 bytes of 6-bit sub-scales, 128 of codes."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
-    blocks[..., 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
-    blocks[..., 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
-    return blocks.reshape(rows, cols // 256 * 144)
 
 
 @pytest.fixture(scope="module")
 def wan_files(tmp_path_factory):
     """(pipeline folder, original-layout .safetensors, .gguf) of one tiny random Wan 2.2."""
     torch = pytest.importorskip("torch")
-    import gguf
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
     from safetensors.torch import load_file, save_file
 
@@ -50,21 +39,12 @@ def wan_files(tmp_path_factory):
     back = convert_wan_transformer_to_diffusers(dict(original))
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     save_file(original, root / "wan-high-noise.safetensors")
-    writer = gguf.GGUFWriter(str(root / "wan-high-noise-Q8_0.gguf"), "wan")
-    for position, (name, tensor) in enumerate(original.items()):
-        array = tensor.float().numpy()
+    def quant_of(array):
         if array.ndim == 2 and array.shape[1] % 256 == 0:
-            writer.add_tensor(name, _q4_k(*array.shape, position),
-                              raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-        elif array.ndim == 2 and array.shape[1] % 32 == 0:
-            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            return "Q4_K"
+        return q8_0_rows(array)
+
+    write_gguf(root / "wan-high-noise-Q8_0.gguf", original, "wan", quant_of)
     return folder, root / "wan-high-noise.safetensors", root / "wan-high-noise-Q8_0.gguf"
 
 
@@ -199,25 +179,6 @@ def test_refusals_are_one_sentence(wan_files, tmp_path):
 # --- both experts from files: --component-file transformer_2=FILE ----------------------------------------------
 
 
-def _write_q8_0_gguf(path, original):
-    """Every matrix whose rows hold whole Q8_0 blocks in Q8_0 (gguf's own quantizer), the rest F32."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), "wan")
-    for name, tensor in original.items():
-        array = tensor.float().numpy()
-        if array.ndim == 2 and array.shape[1] % 32 == 0:
-            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.fixture(scope="module")
 def expert_files(wan_files):
     """(high-noise expert as ComfyUI safetensors, low-noise expert as a Q8_0 GGUF), both unlike the folder's own
@@ -232,7 +193,7 @@ def expert_files(wan_files):
     high = {wan_name(k): v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in high.items()}
     save_file(high, root / "wan-high-perturbed.safetensors")
     low = load_file(folder / "transformer_2" / "diffusion_pytorch_model.safetensors")
-    _write_q8_0_gguf(root / "wan-low-Q8_0.gguf", {wan_name(k): v for k, v in low.items()})
+    write_gguf(root / "wan-low-Q8_0.gguf", {wan_name(k): v for k, v in low.items()}, "wan", q8_0_rows)
     return root / "wan-high-perturbed.safetensors", root / "wan-low-Q8_0.gguf"
 
 

@@ -21,7 +21,7 @@ ADAPTER_PREFIX = "dmap_lora_"
 
 
 def lora_refusal(plan, loras: tuple) -> str | None:
-    """One sentence when a LoRA cannot patch its component as the plan places and stores it, else None."""
+    """One sentence when a LoRA patches a component the plan does not place (a plan made without it), else None."""
     for lora in loras:
         name = lora.component
         if name not in plan.components:
@@ -36,11 +36,10 @@ def load_loras(pipe, name: str, model, loras: tuple, compute_dtype=None) -> None
     names that digest)."""
     import warnings
 
-    if compute_dtype is None:
-        compute_dtype = model.dtype  # diffusers' ModelMixin reports the compute dtype under layerwise casting
-
     from dm_cli.model.lora import file_digest, shown
 
+    if compute_dtype is None:
+        compute_dtype = model.dtype  # diffusers' ModelMixin reports the compute dtype under layerwise casting
     setattr(pipe, name, model)  # load_lora_weights patches the pipeline's own attribute
     kwargs = {"load_into_transformer_2": True} if name == "transformer_2" else {}
     adapters = []

@@ -173,7 +173,7 @@ class Session:
         status(None)
         if not request.simulate:
             check_devices_present(plan)  # a plan made here: before it is shown
-        if self.generation.loras:  # what peft cannot patch, before anything loads
+        if self.generation.loras:  # a LoRA the plan was not made for, before anything loads
             from dm_cli.run.adapters import lora_refusal
 
             refusal = lora_refusal(plan, self.generation.loras)
