@@ -68,14 +68,18 @@ def wan(tmp_path_factory):
     return folder, high, low
 
 
-def flux_oracle(folder, loras=()):
-    """diffusers' own: from_pretrained, load_lora_weights, set_adapters, the pipeline's call."""
+def flux_oracle(folder, loras=(), fused=False):
+    """diffusers' own: from_pretrained, load_lora_weights, set_adapters (`fused`: then fuse_lora and
+    unload_lora_weights), the pipeline's call."""
     pipe = diffusers.FluxPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     for index, (path, _) in enumerate(loras):
         pipe.load_lora_weights(str(path), adapter_name=f"a{index}")
     if loras:
         pipe.set_adapters([f"a{i}" for i in range(len(loras))], [scale for _, scale in loras])
+    if loras and fused:
+        pipe.fuse_lora(components=["transformer"])
+        pipe.unload_lora_weights()
     image = pipe(PROMPT, generator=torch.Generator().manual_seed(SEED), num_inference_steps=STEPS,
                  height=SIZE, width=SIZE).images[0]
     return np.array(image)
@@ -114,18 +118,24 @@ def test_flux_lora_is_pixel_identical_to_diffusers_unsplit_and_split_on_two_simu
     expected = flux_oracle(folder, [(lora, 0.7)])
     assert not np.array_equal(plain, expected), "the LoRA must change the image"
 
+    # the plan fuses it (everything resident, float weights): diffusers' fuse_lora path, which at float32 and this
+    # size writes the same pixels as the unfused one
     result = _run(folder, tmp_path, "whole.png", max_memory="cpu=8GB", loras=[f"{lora}:0.7"])
     pixels, text = _png(tmp_path / "whole.png")
+    assert np.array_equal(pixels, flux_oracle(folder, [(lora, 0.7)], fused=True))
     assert np.array_equal(pixels, expected)
     entry = result.plan.loras[0]
-    assert entry["component"] == "transformer" and entry["scale"] == 0.7 and entry["fused"] is False
+    assert entry["component"] == "transformer" and entry["scale"] == 0.7 and entry["fused"] is True
     assert text["lora"] == f"transformer:{entry['digest']}:0.7" and text["lora_files"] == lora.name
+    assert text["lora_fused"] == "transformer"
 
+    # a plan file without `fused` (older, or written by hand): unfused, peft's layers on both simulated GPUs
     split = _split_plan(folder, tmp_path, {k: entry[k] for k in ("path", "component", "scale", "digest")})
     result = _run(folder, tmp_path, "split.png", device_map=str(split), simulate=True, loras=[f"{lora}:0.7"])
     assert result.plan.components["transformer"].is_split
     assert result.split_check and result.split_problems == [], result.split_problems
-    assert np.array_equal(_png(tmp_path / "split.png")[0], expected)
+    pixels, text = _png(tmp_path / "split.png")
+    assert np.array_equal(pixels, expected) and "lora_fused" not in text
 
 
 def test_a_plan_file_made_for_another_lora_is_refused(flux, tmp_path):
@@ -188,7 +198,8 @@ def test_plan_counts_the_adapter_bytes_beside_the_layers_they_patch(flux, tmp_pa
     from safetensors import safe_open
 
     folder, lora = flux
-    args = (folder, "--height", SIZE, "--width", SIZE, "--max-memory", "cpu=8GB")
+    size = (folder, "--height", SIZE, "--width", SIZE)
+    args = (*size, "--max-memory", "cpu=8GB")
     without = _plan_json(*args)
     with_lora = _plan_json(*args, "--lora", f"{lora}:0.5")
     with safe_open(str(lora), "pt") as handle:
@@ -196,7 +207,7 @@ def test_plan_counts_the_adapter_bytes_beside_the_layers_they_patch(flux, tmp_pa
                     else int(np.prod(handle.get_slice(k).get_shape())) for k in handle.keys())
     added = numel * 4  # float32, as the tiny pipeline is stored: peft keeps lora_A/B in the layer's dtype
     (entry,) = with_lora["loras"]
-    assert entry["bytes"] == added and entry["tensors"] == 14 and entry["fused"] is False and entry["scale"] == 0.5
+    assert entry["bytes"] == added and entry["tensors"] == 14 and entry["fused"] is True and entry["scale"] == 0.5
     weights = lambda plan, name: plan["components"][name]["weights_bytes"]  # noqa: E731
     assert weights(with_lora, "transformer") == weights(without, "transformer") + added
     assert weights(with_lora, "vae") == weights(without, "vae") and "loras" not in without
@@ -204,6 +215,13 @@ def test_plan_counts_the_adapter_bytes_beside_the_layers_they_patch(flux, tmp_pa
     assert peak(with_lora) >= peak(without) + added
     code, out, _ = run_dmap("plan", *args, "--lora", f"{lora}:0.5")
     assert code == 0 and f"LoRA {lora.name}: scale 0.5 on transformer, 14 tensors" in " ".join(out.split())
+    assert "fused into them at load" in " ".join(out.split())
+    # what stops a fusion is said: fp8 storage, GGUF layers, blocks streamed from cpu or disk
+    for extra, why in (((*args, "--weights", "transformer=fp8"), "stored as fp8"),
+                       ((*size, "--max-memory", "0=1900KB,cpu=8GB", "--overhead", "0=0"), "stream from cpu or disk")):
+        plan = _plan_json(*extra, "--lora", f"{lora}:0.5")
+        assert plan["loras"][0]["fused"] is False, plan["components"]["transformer"]["device_map"]
+        assert any("stays unfused" in w and why in w for w in plan["warnings"]), plan["warnings"]
     # in the block of the layer it patches: a split after the first double block moves that block's adapters
     from dm_cli.inputs import LoraAdapter
     from dm_cli.model.lora import read_lora

@@ -49,6 +49,7 @@ MATCHED_METADATA = ("prompt", "negative_prompt", "seed", "steps", "guidance_scal
                     "input_images",  # editing, references, image-to-video: each input's size and digest
                     "component_files",  # components from single files (SOURCE's, --component-file's): name and sha256
                     "lora",  # LoRA adapters: each one's component, sha256 and scale
+                    "lora_fused",  # the components whose LoRAs were fused into the weights
                     "num_frames", "fps")  # videos (images have neither)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dm_cli.errors import CheckpointError, UsageError
 from dm_cli.inputs import LoraAdapter, LoraLayer
-from dm_cli.units import FLOATING_DTYPES, format_size
+from dm_cli.units import FLOATING_DTYPES
 
 # The largest LoRA file dmap reads: a rank-256 LoRA of every linear layer of a 20B model is a few GB.
 MAX_LORA_BYTES = 32 * 2**30
@@ -255,9 +255,3 @@ def layer_bytes(lora: LoraAdapter, itemsize: int) -> dict[str, int]:
     """Bytes the LoRA adds beside each weight it patches (`MODULE.weight` -> bytes) once loaded: peft keeps lora_A
     and lora_B in the dtype of the layer they patch. Empty for a foreign layout (counted per component)."""
     return {f"{layer.module}.weight": layer.numel * itemsize for layer in lora.layers}
-
-
-def describe(lora: LoraAdapter, itemsize: int) -> str:
-    """One line for a plan: file, scale, what it patches, its bytes at the run dtype."""
-    return (f"{shown(lora.name)} (scale {lora.scale:g}, sha256 {lora.digest[:12]}): {lora.tensors} tensors, "
-            f"{format_size(lora.numel * itemsize)} on {lora.component}'s devices, unfused")

@@ -119,7 +119,8 @@ class Plan:
     parallel: ParallelLayout | None = None  # --world-size > 1: how the ranks share each step (written only then)
     # what the input images add to the denoiser's sequence (`input_image_report`; written only when they add any)
     input_images: dict = field(default_factory=dict)
-    # the LoRA adapters counted (path, component, scale, digest, tensors, stored_bytes, bytes at the run dtype, fused):
+    # the LoRA adapters counted (path, component, scale, digest, tensors, stored_bytes, bytes at the run dtype, fused:
+    # merged into the weights at load, else kept as peft layers):
     # written only when there are some
     loras: list[dict] = field(default_factory=list)
 
@@ -753,12 +754,34 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         if problem:
             plan.warnings.append(f"{problem} dmap run refuses this plan (except with --simulate).")
     plan.input_images = input_image_report(source, comps, prepared, options)
-    plan.loras = [{**lora.to_json(), "bytes": count, "fused": False} for p in prepared for lora, count in p.lora_bytes]
+    unfused = {p.spec.name: lora_unfused_because(p, plan.components[p.spec.name].device_map)
+               for p in prepared if p.lora_bytes}
+    plan.loras = [{**lora.to_json(), "bytes": count, "fused": unfused[p.spec.name] is None}
+                  for p in prepared for lora, count in p.lora_bytes]
+    plan.warnings += [f"{name}: its LoRA stays unfused (peft's layers beside the weights, a little slower per step): "
+                      f"{why}." for name, why in unfused.items() if why]
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
     if parallel is not None:
         plan.parallel = _parallel_layout(plan, prepared, *parallel)
     return plan
+
+
+def lora_unfused_because(prepared: PreparedComponent, device_map: dict) -> str | None:
+    """Why the LoRAs of a component cannot be fused into its weights at load (diffusers' `fuse_lora`, then
+    `unload_lora`: no peft layer left, no per-call cost), or None when they can: fusing needs every weight real and
+    in a floating dtype."""
+    from dm_cli.devices import normalise_map
+
+    if prepared.weights:
+        return f"its layers are stored as {prepared.weights}, which peft cannot merge into"
+    if prepared.skeleton.quantized:
+        return "its layers are GGUF-quantized, which peft cannot merge into"
+    where = set(normalise_map(device_map).values())
+    on_accelerator = any(not isinstance(d, str) or d == "mps" for d in where)
+    if "disk" in where or (on_accelerator and "cpu" in where):
+        return "its blocks stream from cpu or disk (their weights are on the meta device between calls)"
+    return None
 
 
 def lora_targets(source, loras: tuple) -> tuple:

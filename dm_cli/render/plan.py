@@ -241,8 +241,9 @@ def _print_notes(out, plan, size) -> None:
 
         name = shown_path(lora["path"].replace("\\", "/").rsplit("/", 1)[-1])
         out.print(Text.assemble(("LoRA ", "bold"), f"{name}: scale {lora['scale']:g} on {lora['component']}, "
-                                f"{lora['tensors']} tensors, {size(lora['bytes'])} counted beside the layers it patches "
-                                f"({'fused' if lora['fused'] else 'unfused'}), sha256 {lora['digest'][:12]}."))
+                                f"{lora['tensors']} tensors, {size(lora['bytes'])} counted beside the layers it patches"
+                                f"{', fused into them at load' if lora['fused'] else ' (unfused)'}, "
+                                f"sha256 {lora['digest'][:12]}."))
     for warning in plan.warnings:
         out.print(Text.assemble(("warning:", "yellow"), f" {warning}"))
 

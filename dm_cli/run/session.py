@@ -240,9 +240,10 @@ class Session:
     def metadata(self, job) -> dict[str, str]:
         from dm_cli.model.single_file_weights import component_files_metadata
         from dm_cli.run.outputs import job_metadata
+        from dm_cli.run.stages import fused_loras
 
         meta = job_metadata(job, self.source.spec, self.source.pipeline_class, self.plan_digest, self.demo, self.fps,
-                            self.plan.tiled_decode, self.generation.loras)
+                            self.plan.tiled_decode, self.generation.loras, fused_loras(self.plan))
         files = component_files_metadata(self.source)  # single files (SOURCE's, --component-file's) by their sha256
         if files:
             meta["component_files"] = files

@@ -70,6 +70,11 @@ class Carry:
         return got is not None and not (isinstance(got, list) and not got)
 
 
+def fused_loras(plan) -> frozenset:
+    """The components whose LoRAs the plan merges into their weights at load (a plan file without `fused`: none)."""
+    return frozenset(entry["component"] for entry in getattr(plan, "loras", None) or [] if entry.get("fused"))
+
+
 class StageLoop:
     """A pipeline (tokenizers, scheduler, meta placeholders) plus the components loaded right now.
 
@@ -108,6 +113,7 @@ class StageLoop:
         # False: no tracker, no RSS sampling at all (a queue wants its images, not per-stage peaks)
         self.measure = measure
         self.loras = tuple(loras)  # LoRA adapters (settled): loaded into their component each time it loads
+        self.fused_loras = fused_loras(plan)  # components whose LoRAs the plan fuses into the weights at load
 
     # --- loading ---------------------------------------------------------------------------------
 
@@ -151,6 +157,10 @@ class StageLoop:
 
                     self.status(f"Loading {len(patching)} LoRA(s) into {name}…")
                     load_loras(self.pipe, name, model, patching, self.torch_dtype)
+                    if name in self.fused_loras:  # the plan fuses them (dm_cli.planning.make.lora_unfused_because)
+                        from dm_cli.run.adapters import fuse_loras
+
+                        fuse_loras(model, patching)
                 default_dev = str(next(iter(cmap.values())))
                 self.meter.register_weights(model, cmap, default_dev)
                 self._hooks[name] = self.meter.attach(model, cmap, default_dev)
