@@ -75,6 +75,14 @@ def device_of(name: str, device_map: dict, default=None):
     return default if entry is None else device_map[entry]
 
 
+def streams_blocks(device_map: dict) -> bool:
+    """Whether a run streams blocks of this component from cpu or disk to its execution device for each forward
+    (accelerate's offload hooks, the weights on the meta device between calls): some sit there, and not all of it
+    sits on the cpu (which then just runs it)."""
+    where = {device_key(v) for v in device_map.values()}
+    return bool(where & {"cpu", "disk"}) and where != {"cpu"}
+
+
 def execution_device_key(device_map: dict):
     """Where a component computes: its first GPU (or mps) in map order, else the CPU."""
     for value in device_map.values():

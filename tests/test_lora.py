@@ -112,22 +112,39 @@ def _split_plan(folder, tmp_path, lora: dict):
     return path
 
 
-def test_flux_lora_is_pixel_identical_to_diffusers_unsplit_and_split_on_two_simulated_gpus(flux, tmp_path):
+def _count_fusions(monkeypatch) -> list:
+    """The classes of the models diffusers' fuse_lora runs on, from now on in this test."""
+    from diffusers.loaders.peft import PeftAdapterMixin
+
+    fused = []
+    fuse_lora = PeftAdapterMixin.fuse_lora
+
+    def spy(self, *args, **kwargs):
+        fused.append(type(self).__name__)
+        return fuse_lora(self, *args, **kwargs)
+
+    monkeypatch.setattr(PeftAdapterMixin, "fuse_lora", spy)
+    return fused
+
+
+def test_flux_lora_is_pixel_identical_to_diffusers_unsplit_and_split_on_two_simulated_gpus(flux, tmp_path,
+                                                                                           monkeypatch):
     folder, lora = flux
     plain = flux_oracle(folder)
     expected = flux_oracle(folder, [(lora, 0.7)])
+    expected_fused = flux_oracle(folder, [(lora, 0.7)], fused=True)
     assert not np.array_equal(plain, expected), "the LoRA must change the image"
+    fused = _count_fusions(monkeypatch)
 
     # the plan fuses it (everything resident, float weights): diffusers' fuse_lora path, which at float32 and this
     # size writes the same pixels as the unfused one
     result = _run(folder, tmp_path, "whole.png", max_memory="cpu=8GB", loras=[f"{lora}:0.7"])
     pixels, text = _png(tmp_path / "whole.png")
-    assert np.array_equal(pixels, flux_oracle(folder, [(lora, 0.7)], fused=True))
-    assert np.array_equal(pixels, expected)
+    assert np.array_equal(pixels, expected_fused) and np.array_equal(pixels, expected)
     entry = result.plan.loras[0]
     assert entry["component"] == "transformer" and entry["scale"] == 0.7 and entry["fused"] is True
     assert text["lora"] == f"transformer:{entry['digest']}:0.7" and text["lora_files"] == lora.name
-    assert text["lora_fused"] == "transformer"
+    assert text["lora_fused"] == "transformer" and fused == ["FluxTransformer2DModel"]
 
     # a plan file without `fused` (older, or written by hand): unfused, peft's layers on both simulated GPUs
     split = _split_plan(folder, tmp_path, {k: entry[k] for k in ("path", "component", "scale", "digest")})
@@ -135,7 +152,7 @@ def test_flux_lora_is_pixel_identical_to_diffusers_unsplit_and_split_on_two_simu
     assert result.plan.components["transformer"].is_split
     assert result.split_check and result.split_problems == [], result.split_problems
     pixels, text = _png(tmp_path / "split.png")
-    assert np.array_equal(pixels, expected) and "lora_fused" not in text
+    assert np.array_equal(pixels, expected) and "lora_fused" not in text and len(fused) == 1
 
 
 def test_a_plan_file_made_for_another_lora_is_refused(flux, tmp_path):
@@ -366,8 +383,40 @@ def test_fp8_and_int8_bases_take_a_lora_identical_to_diffusers_unsplit_and_split
     assert np.array_equal(_png(tmp_path / "split.png")[0], expected)
 
 
+def test_a_fused_lora_leaves_no_peft_layer_and_changes_the_weights(flux):
+    from dataclasses import replace
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from dm_cli.model.lora import read_lora
+    from dm_cli.model.sources import resolve_source
+    from dm_cli.run.adapters import load_loras
+    from dm_cli.run.loading import load_component
+
+    folder, lora = flux
+    comp = resolve_source(str(folder)).component("transformer")
+    adapter = replace(read_lora(f"{lora}:0.7"), component="transformer")
+    base, unfused, fused = (load_component(comp, {"": "cpu"}, "float32", False) for _ in range(3))
+    load_loras(diffusers.FluxPipeline.from_pretrained(folder), "transformer", unfused, (adapter,))
+    load_loras(diffusers.FluxPipeline.from_pretrained(folder), "transformer", fused, (adapter,), fuse=True)
+    assert any(isinstance(m, BaseTunerLayer) for m in unfused.modules())
+    assert not any(isinstance(m, BaseTunerLayer) for m in fused.modules()) and not hasattr(fused, "peft_config")
+    q = "transformer_blocks.0.attn.to_q.weight"
+    assert not torch.equal(fused.state_dict()[q], base.state_dict()[q])  # the LoRA is in the weight now
+    config = base.config
+    generator = torch.Generator().manual_seed(0)
+    inputs = {"hidden_states": torch.randn(1, 16, config.in_channels, generator=generator),
+              "encoder_hidden_states": torch.randn(1, 8, config.joint_attention_dim, generator=generator),
+              "pooled_projections": torch.randn(1, config.pooled_projection_dim, generator=generator),
+              "timestep": torch.tensor([0.5]), "img_ids": torch.zeros(16, 3), "txt_ids": torch.zeros(8, 3)}
+    with torch.no_grad():
+        plain, one, other = (model(**inputs).sample for model in (base, unfused, fused))
+    assert not torch.allclose(plain, one, atol=1e-4)  # the LoRA matters
+    assert torch.allclose(one, other, atol=1e-5)  # fused or not, the same sums (in another order)
+
+
 @pytest.mark.parametrize("fmt", [None, "fp8"])
-def test_blocks_streamed_from_cpu_and_disk_take_their_adapters(flux, fmt, tmp_path):
+def test_blocks_streamed_from_cpu_and_disk_take_their_adapters(flux, fmt, tmp_path, monkeypatch):
     """accelerate's offload hooks keep streamed layers on the meta device between forwards; their adapters are
     streamed with them (beside fp8 weights too, in the compute dtype). On a CPU-only machine a cpu/disk map runs
     through the same hooks (execution device cpu)."""
@@ -394,8 +443,9 @@ def test_blocks_streamed_from_cpu_and_disk_take_their_adapters(flux, fmt, tmp_pa
     path = tmp_path / "streamed-plan.json"
     path.write_text(json.dumps(plan))
     extra = {"weights": f"transformer={fmt}", "dtype": "float32"} if fmt else {}
+    fused = _count_fusions(monkeypatch)
     _run(folder, tmp_path, "streamed.png", device_map=str(path), loras=[f"{lora}:0.7"], **extra)
-    assert np.array_equal(_png(tmp_path / "streamed.png")[0], expected)
+    assert np.array_equal(_png(tmp_path / "streamed.png")[0], expected) and fused == []
 
     from dm_cli.model.sources import resolve_source
 

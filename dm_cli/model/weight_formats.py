@@ -94,8 +94,9 @@ def int8_offload_problem(name: str, fmt: str | None, device_map: dict) -> str | 
     """Why a run cannot load this component, or None: torchao's int8 tensors cannot be streamed from cpu/disk
     by accelerate's hooks, so an int8 component with blocks there is refused unless it sits all on the cpu,
     which then simply runs it (`--simulate` runs every device on the cpu, so it is never refused there)."""
-    devices = {str(v) for v in device_map.values()}
-    if fmt != "int8" or not devices & {"cpu", "disk"} or devices == {"cpu"}:
+    from dm_cli.devices import streams_blocks
+
+    if fmt != "int8" or not streams_blocks(device_map):
         return None
     return (f"The plan offloads blocks of '{name}' to cpu/disk, which int8 weights cannot be streamed from: "
             f"plan with more GPU memory or with --weights {name}=fp8.")

@@ -771,15 +771,13 @@ def lora_unfused_because(prepared: PreparedComponent, device_map: dict) -> str |
     """Why the LoRAs of a component cannot be fused into its weights at load (diffusers' `fuse_lora`, then
     `unload_lora`: no peft layer left, no per-call cost), or None when they can: fusing needs every weight real and
     in a floating dtype."""
-    from dm_cli.devices import normalise_map
+    from dm_cli.devices import streams_blocks
 
     if prepared.weights:
         return f"its layers are stored as {prepared.weights}, which peft cannot merge into"
     if prepared.skeleton.quantized:
         return "its layers are GGUF-quantized, which peft cannot merge into"
-    where = set(normalise_map(device_map).values())
-    on_accelerator = any(not isinstance(d, str) or d == "mps" for d in where)
-    if "disk" in where or (on_accelerator and "cpu" in where):
+    if streams_blocks(device_map):
         return "its blocks stream from cpu or disk (their weights are on the meta device between calls)"
     return None
 

@@ -1,5 +1,5 @@
 """LoRA adapters at run time: loaded into their component each time it loads, through diffusers' own
-`load_lora_weights` (key conversions, peft injection) and `set_adapters` (the scales), unfused.
+`load_lora_weights` (key conversions, peft injection) and `set_adapters` (the scales).
 
 peft puts each adapter on the device and in the dtype of the layer it patches. Where that layer's weight is on
 the meta device (a block streamed from cpu or disk: accelerate's offload hooks keep it there between forwards) or
@@ -7,8 +7,9 @@ in fp8 (`--weights fp8`), it stands in as a one-element view during the injectio
 a streamed one, in the compute dtype for fp8 (an fp8 adapter would lose its precision, and CPUs have no fp8
 matmul), as diffusers gets by loading a LoRA before `enable_layerwise_casting`. The adapters of streamed layers
 are then streamed with them (`_stream_adapters`). int8 layers (torchao) take peft's own torchao LoRA layer; GGUF
-layers take the adapter in float32 beside the quantized weight, which diffusers dequantizes per call.
-No Typer, no Rich.
+layers take the adapter in float32 beside the quantized weight, which diffusers dequantizes per call. Where the
+plan says so, the adapters are then fused into the weights. A LoRA the plan was not made for never gets here
+(`check_plan_matches`, and an inline plan places every component). No Typer, no Rich.
 """
 
 from __future__ import annotations
@@ -20,20 +21,16 @@ from dm_cli.errors import UsageError
 ADAPTER_PREFIX = "dmap_lora_"
 
 
-def lora_refusal(plan, loras: tuple) -> str | None:
-    """One sentence when a LoRA patches a component the plan does not place (a plan made without it), else None."""
-    for lora in loras:
-        name = lora.component
-        if name not in plan.components:
-            return f"--lora {lora.name} patches '{name}', which the plan does not place: plan again with this --lora."
-    return None
-
-
-def load_loras(pipe, name: str, model, loras: tuple, compute_dtype=None) -> None:
+def load_loras(pipe, name: str, model, loras: tuple, compute_dtype=None, fuse: bool = False) -> None:
     """The LoRAs patching component `name` (just loaded as `model`, running in `compute_dtype`; None: the model's
     dtype) loaded by the pipeline's own `load_lora_weights` (Wan 2.2's second expert: `load_into_transformer_2=True`)
     and weighted by `set_adapters`. Each file must still have the sha256 it had when dmap read it (the metadata
-    names that digest)."""
+    names that digest).
+
+    `fuse` (the plan's choice, dm_cli.planning.make.lora_unfused_because): merged into the weights at those scales
+    (diffusers' `fuse_lora`), then their peft layers removed (`unload_lora`), so the component runs as a plain one
+    with no per-call cost (a rank-32 LoRA on every linear layer of a mid-size FLUX: +15% per step unfused, +2%
+    fused)."""
     import warnings
 
     from dm_cli.model.lora import file_digest, shown
@@ -66,14 +63,9 @@ def load_loras(pipe, name: str, model, loras: tuple, compute_dtype=None) -> None
             raise UsageError(f"--lora {shown(lora.path)} changed after dmap read it (its sha256 differs): run again.")
         adapters.append(adapter)
     model.set_adapters(adapters, [lora.scale for lora in loras])
-
-
-def fuse_loras(model, loras: tuple) -> None:
-    """The LoRAs `load_loras` put into `model` merged into its weights at their `set_adapters` scales (diffusers'
-    `fuse_lora`), then their peft layers removed (`unload_lora`): the component runs as a plain one, with no
-    per-call cost (a rank-32 LoRA on every linear layer of a mid-size FLUX costs 15% per step unfused, 2% fused)."""
-    model.fuse_lora(adapter_names=[f"{ADAPTER_PREFIX}{index}" for index in range(len(loras))])
-    model.unload_lora()
+    if fuse:
+        model.fuse_lora(adapter_names=adapters)
+        model.unload_lora()
 
 
 # --- adapters of layers streamed from cpu or disk ------------------------------------------------------

@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dm_cli.devices import device_of, execution_device_key, normalise_map, torch_device
+from dm_cli.devices import device_of, execution_device_key, normalise_map, streams_blocks, torch_device
 from dm_cli.errors import CheckpointError, SourceError
 from dm_cli.model.weight_formats import int8_offload_problem
 
@@ -42,9 +42,7 @@ def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, s
 
     torch_dtype = getattr(torch, dtype) if dtype else None
     device_map = normalise_map(device_map)
-    offloaded = any(v in ("cpu", "disk") for v in device_map.values())
-    on_accelerator = any(not isinstance(v, str) or v == "mps" for v in device_map.values())
-    cpu_only = simulate or not on_accelerator and set(device_map.values()) == {"cpu"}
+    cpu_only = simulate or set(device_map.values()) == {"cpu"}
     problem = None if simulate else int8_offload_problem(comp.name, weights, device_map)
     assert problem is None, problem  # the run refuses such a plan before it loads anything (api.Session)
     try:
@@ -54,7 +52,7 @@ def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, s
             model = _load_streamed(comp, device_map, torch_dtype, weights, resident=cpu_only)
         elif cpu_only:
             model = _from_pretrained(comp, {"": "cpu"}, torch_dtype)
-        elif offloaded:
+        elif streams_blocks(device_map):
             model = _load_streamed(comp, device_map, torch_dtype)
         else:
             model = _from_pretrained(comp, device_map, torch_dtype)
@@ -107,23 +105,28 @@ def _from_single_file(comp: ComponentSource, device_map: dict, torch_dtype):
 def dispatch_loaded(model, device_map: dict):
     """A component loaded whole on the cpu put where the plan says (diffusers' `from_single_file` takes a device_map
     but loads everything on one device): blocks mapped to a GPU moved there, blocks mapped to the cpu kept in RAM
-    and streamed to the execution device for each forward by accelerate's offload hooks, as `_load_streamed` does."""
+    and streamed to the execution device for each forward (`_dispatch`)."""
+    _hookable_parameters(model)
+    device_map = normalise_map(device_map)
+    kept = {name: tensor for name, tensor in model.state_dict().items() if device_of(name, device_map, "cpu") == "cpu"}
+    return _dispatch(model, device_map, kept)
+
+
+def _dispatch(model, device_map: dict, streamed_weights):
+    """accelerate's dispatch_model for a plan's map: blocks on a GPU moved there, blocks on cpu or disk streamed to
+    the execution device for each forward from `streamed_weights` (name -> tensor), which accelerate reads as its
+    offload state dict (no .dat files are written)."""
     from accelerate import dispatch_model
 
-    _keep_gguf_quant_types(model)
-    device_map = normalise_map(device_map)
-    streamed = [key for key, device in device_map.items() if device == "cpu"]
-    kept = {name: tensor for name, tensor in model.state_dict().items()
-            if any(key == "" or name == key or name.startswith(f"{key}.") for key in streamed)}
     main = execution_device(device_map, False)
-    dispatch_map = {key: ("disk" if device == "cpu" else device) for key, device in device_map.items()}
+    dispatch_map = {key: ("disk" if device in ("cpu", "disk") else device) for key, device in device_map.items()}
     model = dispatch_model(model, dispatch_map, main_device=main.index if main.type == "cuda" else main.type,
-                           state_dict=kept, offload_index={}, offload_buffers=False, force_hooks=True)
+                           state_dict=streamed_weights, offload_index={}, offload_buffers=False, force_hooks=True)
     model.hf_device_map = dict(device_map)
     return model
 
 
-def _keep_gguf_quant_types(model) -> None:
+def _hookable_parameters(model) -> None:
     """accelerate's hooks rebuild a parameter they move as `type(p)(value, requires_grad=...)`, which loses a
     GGUFParameter's quant_type (diffusers cannot dequantize it then) and fails on a plain tensor: each GGUFParameter
     swapped for a subclass that takes its quant_type from the value it is rebuilt from, each plain tensor made a
@@ -163,7 +166,6 @@ def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights
     would, one tensor at a time. `resident`: everything stays on the CPU (simulated or cpu-only plans).
     """
     import torch
-    from accelerate import dispatch_model
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
 
@@ -184,7 +186,6 @@ def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights
     folder = Path(comp.weights).parent
     key_of = _checkpoint_keys(model, list(checkpoint.tensor_files), comp)  # model name -> checkpoint key
     where = {name: folder / checkpoint.tensor_files[key] for name, key in key_of.items()}
-    gpu_main = execution_device(device_map, False)
     int8_layers = {t.name.rpartition(".")[0] for t in skeleton.tensors if weights == "int8" and "int8" in t.low_precision}
     modules = dict(model.named_modules())
 
@@ -222,12 +223,7 @@ def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights
         apply_fp8(model, torch_dtype)
     if resident:
         return model
-    dispatch_map = {k: ("disk" if v in ("cpu", "disk") else v) for k, v in device_map.items()}
-    main = gpu_main.index if gpu_main.type == "cuda" else gpu_main.type  # safetensors wants "cpu" or an index
-    model = dispatch_model(model, dispatch_map, main_device=main, state_dict=CastingWeights(streamed), offload_index={},
-                           offload_buffers=False, force_hooks=True)
-    model.hf_device_map = dict(device_map)
-    return model
+    return _dispatch(model, device_map, CastingWeights(streamed))
 
 
 def _checkpoint_keys(model, keys: list[str], comp: ComponentSource) -> dict[str, str]:

@@ -173,12 +173,6 @@ class Session:
         status(None)
         if not request.simulate:
             check_devices_present(plan)  # a plan made here: before it is shown
-        if self.generation.loras:  # a LoRA the plan was not made for, before anything loads
-            from dm_cli.run.adapters import lora_refusal
-
-            refusal = lora_refusal(plan, self.generation.loras)
-            if refusal:
-                raise UsageError(refusal)
         if on_plan is not None:
             on_plan(plan)
         if not request.simulate:

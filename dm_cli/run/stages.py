@@ -156,11 +156,7 @@ class StageLoop:
                     from dm_cli.run.adapters import load_loras
 
                     self.status(f"Loading {len(patching)} LoRA(s) into {name}…")
-                    load_loras(self.pipe, name, model, patching, self.torch_dtype)
-                    if name in self.fused_loras:  # the plan fuses them (dm_cli.planning.make.lora_unfused_because)
-                        from dm_cli.run.adapters import fuse_loras
-
-                        fuse_loras(model, patching)
+                    load_loras(self.pipe, name, model, patching, self.torch_dtype, fuse=name in self.fused_loras)
                 default_dev = str(next(iter(cmap.values())))
                 self.meter.register_weights(model, cmap, default_dev)
                 self._hooks[name] = self.meter.attach(model, cmap, default_dev)
