@@ -235,7 +235,8 @@ def test_no_torch_import_when_dtype_is_unchanged(tmp_path):
         "import sys; from dm_cli.model.shard import shard; "
         f"r = shard({str(tmp_path / 'm.safetensors')!r}, '1MB', output={str(tmp_path / 'out')!r}); "
         "assert r.verified and len(r.components[0].shards) == 3; "
-        "assert 'torch' not in sys.modules, 'torch imported'"
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert 'numpy' not in sys.modules, 'numpy imported'"  # verification compares with memcmp
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
@@ -457,6 +458,26 @@ def test_sigkill_mid_write_leaves_nothing_and_next_run_cleans_up(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 
+def _flip_after_write(monkeypatch, where, flipped: list, offset=None):
+    """Make the module's writes flip one byte of the first data piece written (not a header, which starts
+    the file) after writing it, as a bad disk or a bug would: at `where` in the piece, or at the file offset
+    `offset` when a write covers it."""
+    real = shard_module._write_all
+
+    def write_then_flip(fd, data):
+        start = os.lseek(fd, 0, os.SEEK_CUR)
+        real(fd, data)
+        n = len(memoryview(data).cast("B"))
+        if flipped or start == 0 or n <= 64:
+            return
+        at = start + {"first": 0, "middle": n // 2 + 3, "last": n - 1}[where] if offset is None else offset
+        if start <= at < start + n:
+            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x01]), at)
+            flipped.append(at)
+
+    monkeypatch.setattr(shard_module, "_write_all", write_then_flip)
+
+
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 @pytest.mark.parametrize("dtype", [None, "fp16"])  # byte comparison, and sha256 of converted tensors
 def test_verification_catches_one_flipped_byte_and_moves_nothing(tmp_path, monkeypatch, dtype, where):
@@ -479,7 +500,10 @@ def test_verification_catches_one_flipped_byte_and_moves_nothing(tmp_path, monke
             begin += t.nbytes
         return real(path, begin - sum(t.nbytes for t in run), run, expected)
 
-    monkeypatch.setattr(shard_module, "_check_run", corrupt_then_check)
+    if dtype is None:  # byte copies are compared as they are written: corrupt the write itself
+        _flip_after_write(monkeypatch, where, flipped)
+    else:  # converted tensors are hashed back by the finisher
+        monkeypatch.setattr(shard_module, "_check_run", corrupt_then_check)
     with pytest.raises(CheckpointError, match="differs from the source"):
         shard(str(tmp_path / "src"), 25_000, output=tmp_path / "out", dtype=dtype, **SMALL)
     assert flipped
@@ -487,6 +511,7 @@ def test_verification_catches_one_flipped_byte_and_moves_nothing(tmp_path, monke
     flipped.clear()
     with pytest.raises(CheckpointError, match="differs from the source"):
         shard(str(tmp_path / "src"), 25_000, in_place=True, dtype=dtype, **SMALL)
+    assert flipped
     assert tree_digest(tmp_path / "src") == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
@@ -509,29 +534,114 @@ def test_verification_catches_a_wrong_header(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
-@pytest.mark.parametrize("window", [1 << 20, 4096 * 3 + 8])  # the real window, and one that cuts tensors
-def test_same_bytes_finds_any_flipped_byte(tmp_path, monkeypatch, window):
-    """The comparison itself: equal ranges pass; one flipped byte anywhere (window edges, the tail
-    past the last 8-byte word, unaligned starts) fails; a file shorter than the range fails."""
+@pytest.mark.parametrize("window", [256 << 10, 4096 * 3 + 8])  # the real window, and one that cuts the range
+def test_copy_verified_finds_any_flipped_byte(tmp_path, monkeypatch, window):
+    """The verified copy itself: an intact copy lands byte for byte and reports nothing; one byte flipped
+    after it is written, anywhere (window edges, the last byte, unaligned starts), is reported in the window
+    that holds it; a source shorter than the range is an error."""
     monkeypatch.setattr(shard_module, "VERIFY_WINDOW", window)
-    monkeypatch.setattr(shard_module, "COMPARE_CHUNK", 4096)
     data = os.urandom(100_003)
     (tmp_path / "a").write_bytes(b"x" * 5 + data)
     count = len(data)
-    same = shard_module._same_bytes
-    for pad in (0, 3, 8):
-        out = tmp_path / f"b{pad}"
-        out.write_bytes(b"y" * pad + data)
-        assert same(tmp_path / "a", 5, out, pad, count)
-        assert same(tmp_path / "a", 5, out, pad, 0)
-        edges = {window - 1, window, 2 * window + 1} & set(range(count))
-        for at in {0, 1, 7, 8, 4095, 4096, count - 9, count - 8, count - 1} | edges:
-            corrupt = bytearray(data)
-            corrupt[at] ^= 0x80
-            out.write_bytes(b"y" * pad + bytes(corrupt))
-            assert not same(tmp_path / "a", 5, out, pad, count), (pad, at)
-        out.write_bytes(b"y" * pad + data[:-1])
-        assert not same(tmp_path / "a", 5, out, pad, count)
+    src = os.open(tmp_path / "a", os.O_RDONLY)
+    try:
+        for pad in (1, 3, 8):  # something before the range, as a header is (a write at 0 is never flipped)
+            for at in (None, 0, 1, 4095, 4096, window - 1, window, 2 * window + 1, count - 9, count - 1):
+                if at is not None and at >= count:
+                    continue
+                out = tmp_path / f"b{pad}"
+                out.unlink(missing_ok=True)
+                flipped = []
+                if at is not None:
+                    _flip_after_write(monkeypatch, "first", flipped, offset=pad + at)
+                dst = os.open(out, os.O_RDWR | os.O_CREAT)
+                try:
+                    os.write(dst, b"y" * pad)
+                    wrong = shard_module._copy_verified(src, dst, 5, count, pad, shard_module.Progress())
+                finally:
+                    os.close(dst)
+                    monkeypatch.undo()
+                    monkeypatch.setattr(shard_module, "VERIFY_WINDOW", window)
+                if at is None:
+                    assert wrong is None and out.read_bytes() == b"y" * pad + data
+                else:
+                    assert flipped and wrong == at - at % window, (pad, at)
+        with pytest.raises(CheckpointError, match="source file ended"):
+            shard_module._copy_verified(src, os.open(tmp_path / "c", os.O_RDWR | os.O_CREAT), 5, count + 1, 0,
+                                        shard_module.Progress())
+    finally:
+        os.close(src)
+
+
+def _big_tensors_file(path: Path) -> None:
+    """A safetensors file whose tensors span many verification windows (and a tail not a multiple of 8)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    save_file({"a.weight": rng.standard_normal(40_000, dtype=np.float32),
+               "b.weight": rng.standard_normal(30_001, dtype=np.float32),
+               "c.bias": rng.integers(0, 255, 13, dtype=np.uint8)}, path)
+
+
+def test_tensors_larger_than_the_window_are_copied_and_verified_exactly(tmp_path, monkeypatch):
+    """Tensors of many compare windows come out byte for byte, and no descriptor is left open."""
+    monkeypatch.setattr(shard_module, "VERIFY_WINDOW", 4096 * 3 + 8)
+    _big_tensors_file(tmp_path / "m.safetensors")
+    fds = len(os.listdir("/proc/self/fd")) if Path("/proc/self/fd").is_dir() else None
+    result = shard(str(tmp_path / "m.safetensors"), 100_000, output=tmp_path / "out", **SMALL)
+    assert result.verified and len(result.components[0].shards) == 3
+    from safetensors.numpy import load_file
+
+    want = load_file(tmp_path / "m.safetensors")
+    got = {}
+    for f in (tmp_path / "out").glob("*.safetensors"):
+        got.update(load_file(f))
+    assert got.keys() == want.keys() and all((got[k] == want[k]).all() and got[k].dtype == want[k].dtype for k in want)
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds
+
+
+@pytest.mark.parametrize("how", ["no kernel copy", "kernel copy refused mid-run"])
+def test_copies_through_the_buffer_are_exact(tmp_path, monkeypatch, how):
+    """Without verification, where copy_file_range is missing or refuses (EXDEV: another file system on old
+    kernels), tensors larger than the buffer go through it piece by piece and come out byte for byte."""
+    monkeypatch.setattr(shard_module, "BUFFER_BYTES", 4096 * 2 + 3)
+    monkeypatch.setattr(shard_module, "VERIFY_WINDOW", 4096 * 3 + 8)
+    if how == "no kernel copy":
+        monkeypatch.setattr(shard_module, "_kernel_copy", False)
+    else:
+        monkeypatch.setattr(shard_module, "_kernel_copy", True)  # restored after the run flips it
+
+        def refuse(*args):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    _big_tensors_file(tmp_path / "m.safetensors")
+    result = shard(str(tmp_path / "m.safetensors"), 200_000, output=tmp_path / "out", verify=False, **SMALL)
+    assert not result.verified and not shard_module._kernel_copy
+    from safetensors.numpy import load_file
+
+    want, got = load_file(tmp_path / "m.safetensors"), {}
+    for f in (tmp_path / "out").glob("*.safetensors"):
+        got.update(load_file(f))
+    assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in want)
+
+
+@pytest.mark.parametrize("where", [0, 4096 * 3 + 7, 4096 * 3 + 8, 159_999])  # window edges, the last byte
+def test_a_corrupted_copy_is_caught_and_nothing_is_moved(tmp_path, monkeypatch, where):
+    """One wrong byte landing anywhere in a tensor that spans many windows fails the verification, which names
+    that tensor."""
+    monkeypatch.setattr(shard_module, "VERIFY_WINDOW", 4096 * 3 + 8)
+    _big_tensors_file(tmp_path / "m.safetensors")
+    header = 8 + json.dumps({"__metadata__": {"format": "pt"}, "a.weight": {
+        "dtype": "F32", "shape": [40000], "data_offsets": [0, 160000]}}, separators=(",", ":")).__len__()
+    flipped = []
+    _flip_after_write(monkeypatch, "first", flipped, offset=header + (-header % 8) + where)  # a.weight: shard 1, first
+    with pytest.raises(CheckpointError, match="tensor 'a.weight' in .*00001.* differs from the source"):
+        shard(str(tmp_path / "m.safetensors"), 200_000, output=tmp_path / "out", **SMALL)
+    assert flipped
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
 
 
 def test_in_place_replaces_source_after_verification(tmp_path):
