@@ -37,8 +37,21 @@ importing dm_cli's modules (outside the in-process clock) and the interpreter wi
 torch runs on ONE intra-op thread by default (--threads N to change; 0 = torch's default), so a
 neighbour on another core does not turn thread barriers into noise.
 
+Case `--case sd15-mid` (issue 31): the same pipeline, fp32, 256x256, 8 steps (--steps), CFG 7.5, as two WHOLE
+processes side by side, nothing shared and nothing wrapped: `dmap run FOLDER --prompt ...` as a user types it (the
+`dmap` console script of this interpreter, its tables printed to a pipe) against a process that runs diffusers' own
+`StableDiffusionPipeline.from_pretrained(FOLDER)(...)` and saves the image. One torch thread on both sides
+(OMP_NUM_THREADS / MKL_NUM_THREADS = --threads, and torch.set_num_threads in the diffusers script). dmap runs once
+first to warm its caches (the skeleton and meta-trace cache in a cache dir of the benchmark's own, DMAP_CACHE_DIR;
+the OS page cache for the weights on both sides), then --repeats rounds, the two sides alternating which goes
+first; the table gives medians and bests of the process wall and CPU time, and the median of the per-round ratios
+(the robust figure on a shared machine). Every PNG is compared pixel for pixel with diffusers' first. `--phases N` adds N instrumented rounds
+(not in the ratios): the same two processes with a timestamp at the end of each phase, dmap's CLI entered as its
+console script enters it, so the interpreter's teardown at exit is the last phase of both.
+
 Usage: .venv/bin/python scripts/bench_run.py [--repeats N] [--threads N] [--steps 8,50] [--size 256]
        [--rows call,recipe,dmap,tracker]
+       .venv/bin/python scripts/bench_run.py --case sd15-mid [--repeats 10] [--phases 2] [--steps 8]
 """
 
 from __future__ import annotations
@@ -125,8 +138,9 @@ import dm_cli.run.single, dm_cli.run.stages
 mark("importing dm_cli")
 install_marks()
 t, cpu0 = time.perf_counter(), sum(os.times()[:2])
+sys.argv = ["dmap", *ARGS]
 try:
-    main(ARGS)
+    main()  # as the console script calls it: the process's own exit path
 except SystemExit as done:
     if done.code:
         sys.exit(done.code)
@@ -180,6 +194,8 @@ def install_marks():
     def status_phase(message):
         if message is not None and message.startswith("Loading "):
             switch("load " + message.split()[1])
+        elif message is not None and message.startswith("Importing "):  # torch, diffusers, transformers
+            switch("import torch, diffusers, transformers")
         elif message is None and state["phase"].startswith("load "):
             switch("between stages (free, glue)")
 
@@ -348,24 +364,211 @@ def _print_phases(step_counts: list[int], runs: dict) -> None:
                   f"{statistics.median(r['process'] for r in results):.3f} |")
 
 
+# --case sd15-mid: whole processes, nothing shared. diffusers' own call, as a user writes it.
+PLAIN_DIFFUSERS = r"""
+import torch
+if THREADS:
+    torch.set_num_threads(THREADS)
+from diffusers import StableDiffusionPipeline
+pipe = StableDiffusionPipeline.from_pretrained(FOLDER)
+image = pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE,
+             generator=torch.Generator().manual_seed(SEED)).images[0]
+image.save(OUT)
+"""
+
+# --phases: the same two processes with timestamps (perf_counter, process_time) at the end of each phase, printed
+# to stderr as the last thing before the interpreter's teardown (which is what is left of the process's time).
+_PHASE_HEAD = r"""
+import json, sys, time
+MARKS = []
+def mark(phase):
+    MARKS.append((phase, time.perf_counter(), time.process_time()))
+mark("interpreter start")
+"""
+_PHASE_TAIL = r"""
+def report():
+    print("BENCH-MARKS " + json.dumps(MARKS), file=sys.stderr)
+"""
+PHASED_DIFFUSERS = _PHASE_HEAD + _PHASE_TAIL + r"""
+import torch
+if THREADS:
+    torch.set_num_threads(THREADS)
+mark("import torch")
+from diffusers import StableDiffusionPipeline
+mark("import diffusers' pipeline (diffusers, transformers)")
+pipe = StableDiffusionPipeline.from_pretrained(FOLDER)
+mark("from_pretrained")
+image = pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE,
+             generator=torch.Generator().manual_seed(SEED)).images[0]
+mark("__call__ (encode, denoise, decode)")
+image.save(OUT)
+mark("save")
+report()
+"""
+PHASED_DMAP = _PHASE_HEAD + _PHASE_TAIL + MARKS_DMAP + r"""
+from dm_cli.cli import main
+mark("importing dm_cli's CLI (typer)")
+install_marks()
+sys.argv = ["dmap", *ARGS]
+try:
+    main()  # as the console script calls it: the process's own exit path
+except SystemExit as done:
+    finish_marks()
+    report()
+    raise
+"""
+
+
+def _dmap_command() -> list[str]:
+    """`dmap` as a user runs it: this interpreter's console script (else `python -m dm_cli`)."""
+    script = Path(sys.executable).with_name("dmap")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "dm_cli"]
+
+
+def _whole_process(argv: list[str], threads: int, cache: Path) -> dict:
+    """One whole process on the clock: wall; its own CPU time and peak RSS (wait4); its stderr. `cache`: dmap's
+    cache dir, the benchmark's own (warmed by its first run; nothing else on the machine can clear it)."""
+    env = {**os.environ, "COLUMNS": "120", "DMAP_CACHE_DIR": str(cache)}
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark run failed ({proc.returncode}): {argv[:3]}\n{stderr[-3000:]}")
+    return {"process": wall, "process_cpu": usage.ru_utime + usage.ru_stime, "rss": usage.ru_maxrss * 1024,
+            "stderr": stderr}
+
+
+def _marked_phases(result: dict) -> dict[str, tuple[float, float]]:
+    """Phase -> (CPU s, wall s) from a --phases process's marks; the rest of the process (interpreter start before
+    the first mark, teardown after the last) is its own phase."""
+    line = [x for x in result["stderr"].splitlines() if x.startswith("BENCH-MARKS ")][-1]
+    marks = json.loads(line.split(" ", 1)[1])
+    phases: dict[str, list[float]] = {}
+    for (_, wall0, cpu0), (name, wall, cpu) in zip(marks, marks[1:]):
+        entry = phases.setdefault(name, [0.0, 0.0])
+        entry[0] += cpu - cpu0
+        entry[1] += wall - wall0
+    timed_cpu, timed_wall = marks[-1][2] - marks[0][2], marks[-1][1] - marks[0][1]
+    phases["interpreter start + teardown at exit"] = [result["process_cpu"] - timed_cpu,
+                                                      result["process"] - timed_wall]
+    return {name: (cpu, wall) for name, (cpu, wall) in phases.items()}
+
+
+def _case_sd15_mid(folder: Path, tmp: Path, step_counts: list[int], threads: int, size: int, rounds: int,
+                   phase_rounds: int) -> None:
+    """Whole-process `dmap run` against a process running diffusers' own call (see the module's docstring)."""
+    import numpy as np
+
+    cache = tmp / "dmap-cache"
+
+    def header(steps: int, out: str, args=None) -> str:
+        return (f"PROMPT, SEED, STEPS, SIZE, GUIDANCE, FOLDER, OUT, THREADS, ARGS = {PROMPT!r}, {SEED}, {steps}, "
+                f"{size}, {GUIDANCE}, {str(folder)!r}, {out!r}, {threads}, {args!r}\n")
+
+    def diffusers_side(steps: int, out: str, phased: bool = False) -> dict:
+        return _whole_process([sys.executable, "-c", header(steps, out) + (PHASED_DIFFUSERS if phased
+                                                                            else PLAIN_DIFFUSERS)], threads, cache)
+
+    def dmap_side(steps: int, out: str, phased: bool = False) -> dict:
+        args = _run_args(folder, steps, out, size)
+        if phased:
+            return _whole_process([sys.executable, "-c", header(steps, out, args) + PHASED_DMAP], threads, cache)
+        return _whole_process(_dmap_command() + args, threads, cache)
+
+    sides = {"diffusers": ("diffusers' own call (from_pretrained + __call__ + save)", diffusers_side),
+             "dmap": ("`dmap run` (plans inline, warm cache)", dmap_side)}
+    warm = str(tmp / "warm.png")  # dmap's skeleton/trace cache and the OS page cache, outside the rounds
+    dmap_side(1, warm)
+    diffusers_side(1, warm)
+    print(f"Case sd15-mid: whole processes. SD 1.5-architecture pipeline, random weights: UNet widths {UNET_WIDTHS} "
+          f"(fp32), {size}x{size}, CFG {GUIDANCE}, seed {SEED}, CPU, torch threads {threads or 'default'}; dmap warmed "
+          f"once (its cache dir, the page cache); {rounds} rounds, the sides alternating which runs first\n")
+    print("| steps | runner | rounds | process wall s (median) | best | process CPU s (median) | best | peak RSS "
+          "| same pixels |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|:---:|")
+    summary, phase_runs = [], {}
+    for steps in step_counts:
+        runs: dict[str, list[dict]] = {key: [] for key in sides}
+        outs: dict[str, list[str]] = {key: [] for key in sides}
+        for i in range(rounds + phase_rounds):
+            order = list(sides) if i % 2 == 0 else list(sides)[::-1]
+            for key in order:
+                out = str(tmp / f"whole-{steps}-{key}-{i}.png")
+                if i < rounds:
+                    runs[key].append(sides[key][1](steps, out))
+                    outs[key].append(out)
+                else:  # the instrumented rounds come after the clean ones and are not in the ratios
+                    phase_runs.setdefault((steps, key), []).append(sides[key][1](steps, out, phased=True))
+        reference = _pixels(outs["diffusers"][0])
+        for key, (label, _) in sides.items():
+            same = all(np.array_equal(_pixels(out), reference) for out in outs[key])
+            walls = [r["process"] for r in runs[key]]
+            cpus = [r["process_cpu"] for r in runs[key]]
+            print(f"| {steps} | {label} | {rounds} | {statistics.median(walls):.2f} | {min(walls):.2f} | "
+                  f"{statistics.median(cpus):.2f} | {min(cpus):.2f} | {max(r['rss'] for r in runs[key]) / 1e6:.0f} MB "
+                  f"| {'yes' if same else 'NO'} |")
+        paired = [m["process"] / d["process"] for m, d in zip(runs["dmap"], runs["diffusers"])]
+        paired_cpu = [m["process_cpu"] / d["process_cpu"] for m, d in zip(runs["dmap"], runs["diffusers"])]
+        med = {k: statistics.median(r["process"] for r in runs[k]) for k in sides}
+        best = {k: min(r["process"] for r in runs[k]) for k in sides}
+        med_cpu = {k: statistics.median(r["process_cpu"] for r in runs[k]) for k in sides}
+        summary.append(f"| {steps} | {med['dmap'] / med['diffusers']:.3f} | {best['dmap'] / best['diffusers']:.3f} | "
+                       f"{statistics.median(paired):.3f} | {med_cpu['dmap'] / med_cpu['diffusers']:.3f} | "
+                       f"{statistics.median(paired_cpu):.3f} | " + ", ".join(f"{r:.3f}" for r in paired) + " |")
+    print("\ndmap / diffusers:\n")
+    print("| steps | wall: ratio of medians | wall: ratio of bests | wall: median of per-round ratios "
+          "| CPU: ratio of medians | CPU: median of per-round ratios | wall ratio per round |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    print("\n".join(summary))
+    if phase_runs:
+        print(f"\nPhases ({phase_rounds} instrumented rounds after the clean ones, medians; `-c` scripts with "
+              "timestamps, dmap's CLI entered as its console script enters it):\n")
+        print("| steps | runner | phase | CPU s | wall s |")
+        print("|---:|---|---|---:|---:|")
+        for (steps, key), results in phase_runs.items():
+            phases = [_marked_phases(r) for r in results]
+            names = list(dict.fromkeys(name for p in phases for name in p))
+            for name in names:
+                cpu = statistics.median(p.get(name, (0.0, 0.0))[0] for p in phases)
+                wall = statistics.median(p.get(name, (0.0, 0.0))[1] for p in phases)
+                print(f"| {steps} | {key} | {name} | {cpu:.3f} | {wall:.3f} |")
+            print(f"| {steps} | {key} | **whole process** | {statistics.median(r['process_cpu'] for r in results):.3f} "
+                  f"| {statistics.median(r['process'] for r in results):.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--case", choices=("rows", "sd15-mid"), default="rows",
+                        help="rows: the in-process rows and phases (default); sd15-mid: whole processes, dmap run vs "
+                             "diffusers' own call (issue 31)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each kind (rounds for --case sd15-mid)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every run (0: torch default)")
-    parser.add_argument("--steps", default="8,50", help="comma-separated step counts")
+    parser.add_argument("--steps", default=None, help="comma-separated step counts (default 8,50; sd15-mid: 8)")
     parser.add_argument("--size", type=int, default=SIZE, help="height and width (128: the older table's case)")
     parser.add_argument("--rows", default="call,recipe,dmap,tracker",
                         help="which rows besides diffusers' call: recipe, dmap, tracker (comma-separated)")
+    parser.add_argument("--phases", type=int, default=0,
+                        help="sd15-mid: this many more rounds with timestamps per phase (not in the ratios)")
     parser.add_argument("--model-dir", default=None, help="where to build (or find) the bench pipeline")
     options = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-run-"))
     threads, size = options.threads, options.size
-    step_counts = [int(s) for s in options.steps.split(",")]
+    step_counts = [int(s) for s in (options.steps or ("8" if options.case == "sd15-mid" else "8,50")).split(",")]
     folder = build_pipeline(Path(options.model_dir or tmp / "sd15-mid"))  # outside any timing
     # dm_cli's bytecode, as a wheel install has it (an editable install under PYTHONDONTWRITEBYTECODE, as on the
     # machine these tables come from, would compile every dmap module from source in every process)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(__file__).resolve().parents[1] / "dm_cli")],
                    check=True, stdout=subprocess.DEVNULL)
+    if options.case == "sd15-mid":
+        _case_sd15_mid(folder, tmp, step_counts, threads, size, options.repeats, options.phases)
+        return
     kinds = _kinds(folder, threads, size, set(options.rows.split(",")))
     warm = str(tmp / "warm.png")  # warms dmap's cache and the OS page cache
     _once(DMAP, folder, 1, warm, threads, size, _run_args(folder, 1, warm, size))

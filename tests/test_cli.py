@@ -234,3 +234,25 @@ def test_the_contracts_are_in_the_repository_and_cover_the_plan_json():
     for key in sorted(keys):
         name = key.rpartition(".")[2]
         assert re.search(rf"[`.\"]{re.escape(name)}[`\"]", contracts), f"{key} is not documented in docs/CONTRACTS.md"
+
+
+def test_the_process_entry_point_freezes_the_collector_before_teardown_and_main_argv_does_not(monkeypatch):
+    """`dmap` (main() without argv) freezes what is alive as the command ends, so the interpreter's teardown does
+    not walk torch's objects; a caller of main(argv) (tests, scripts) keeps its collector as it was."""
+    import gc
+    import sys
+
+    from dm_cli.cli import main
+
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert gc.get_freeze_count() == 0
+    monkeypatch.setattr(sys, "argv", ["dmap", "--version"])
+    try:
+        with pytest.raises(SystemExit) as done:
+            main()
+        assert done.value.code == 0
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
