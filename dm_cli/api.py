@@ -57,7 +57,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     matching component they do not name). `lora`: LoRA adapters, one or a list of "[COMPONENT=]FILE[:SCALE]"
     strings (as `--lora`): their bytes are counted beside the layers they patch.
     """
-    from dm_cli.inputs import InputSpec, PlacementSpec
+    from dm_cli.inputs import Generation, InputImage, PlacementSpec
     from dm_cli.model.demo import source_root
     from dm_cli.model.lora import read_loras
     from dm_cli.model.single_file_weights import parse_component_files
@@ -67,36 +67,34 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
 
     spec, root, defaults = source_root(source)
     pick = lambda given, key: defaults.get(key) if given is None else given  # noqa: E731 - the demo's defaults
-    inputs = InputSpec(pick(height, "height"), pick(width, "width"), batch_size, num_images,
-                       pick(guidance_scale, "guidance_scale"), pick(max_sequence_length, "max_sequence_length"),
-                       num_frames=num_frames, fps=fps, **_input_image_fields(image, image_size),
-                       last_image_size=_last_image_size(last_image, last_image_size))
+    last = _last_image_size(last_image, last_image_size)
+    generation = Generation(height=pick(height, "height"), width=pick(width, "width"), batch_size=batch_size,
+                            num_images=num_images, guidance_scale=pick(guidance_scale, "guidance_scale"),
+                            max_sequence_length=pick(max_sequence_length, "max_sequence_length"),
+                            num_frames=num_frames, fps=fps, negative_prompt=negative_prompt,
+                            images=_input_image_sizes(image, image_size),
+                            last_image=InputImage(*last) if last is not None else None).with_settings(settings)
     placement = PlacementSpec(max_memory, strategy, mode, overhead, parse_dtype(dtype) if dtype is not None else None,
                               weights)
-    options = PlanOptions(placement, inputs, component, check, use_cache, on_progress=on_progress, settings=settings,
-                          negative_prompt=negative_prompt,
-                          parallel=ParallelRequest(world_size, parallel, device_tflops, link_gbps),
-                          pipeline=pipeline,
-                          component_files=tuple(parse_component_files(component_files).items()), loras=read_loras(lora, "lora"))
+    options = PlanOptions.of(generation, placement, component=component, check=check, use_cache=use_cache,
+                             on_progress=on_progress, parallel=ParallelRequest(world_size, parallel, device_tflops, link_gbps),
+                             pipeline=pipeline, component_files=tuple(parse_component_files(component_files).items()),
+                             loras=read_loras(lora, "lora"))
     return make_named_plan(root, spec, options)
 
 
-def _input_image_fields(image, image_size) -> dict:
-    """InputSpec's `image_sizes` ((width, height) of each input image: the images' (read as `dmap run` reads them),
-    then the sizes') and, when an image is a keyframe (`PATH@FRAME`, LTX-2), `image_frames`."""
+def _input_image_sizes(image, image_size) -> tuple:
+    """The input images as a plan sees them (`InputImage`s without pixels: each one's size and, for an LTX-2
+    keyframe `PATH@FRAME`, its frame): the images' (read as `dmap run` reads them), then the sizes'."""
+    from dm_cli.inputs import InputImage
     from dm_cli.run.request import input_images
 
-    images = input_images(image)
-    sizes = [i.size for i in images]
-    frames = [i.frame for i in images]
+    sized = [InputImage(*i.size, frame=i.frame) for i in input_images(image)]
     if image_size is not None:
         from dm_cli.io.input_images import parse_image_size
 
-        sizes += [parse_image_size(text).size for text in ([image_size] if isinstance(image_size, str) else image_size)]
-    fields = {"image_sizes": tuple(sizes)}
-    if any(frame is not None for frame in frames):
-        fields["image_frames"] = tuple(frames)
-    return fields
+        sized += [parse_image_size(text) for text in ([image_size] if isinstance(image_size, str) else image_size)]
+    return tuple(sized)
 
 
 def _last_image_size(last_image, last_image_size) -> tuple[int, int] | None:

@@ -209,7 +209,7 @@ def family_call_peaks(cls: str, config: dict, pipeline_class: str, size: int, th
     `inputs` (an InputSpec; None: `size` x `size`, the family's defaults otherwise)."""
     import torch
 
-    from dm_cli.families.calls import call_spec
+    from dm_cli.families import call_spec
     from dm_cli.inputs import InputSpec
     from dm_cli.model.models import build_model
     from dm_cli.model.sources import ComponentSource

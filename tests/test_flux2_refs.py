@@ -99,7 +99,7 @@ def test_references_are_pixel_identical_to_diffusers_unsplit_and_split(preset, c
                                                                         reference_files, tmp_path, monkeypatch):
     """And the transformer sees the sequence the plan's trace assumes: the generated tokens, then each
     reference's, at every call."""
-    from dm_cli.families.calls import call_spec
+    from dm_cli.families import call_spec
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
 
@@ -191,7 +191,7 @@ def test_a_plan_without_an_encode_image_stage_refuses_references(flux2_folders, 
 def test_plan_reports_reference_tokens_and_the_vae_encode_of_a_larger_reference():
     """The transformer's trace carries each reference's tokens; the VAE is traced for the larger of its two
     stages (a reference bigger than the output: its encode)."""
-    from dm_cli.families.calls import call_spec
+    from dm_cli.families import call_spec
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
     from dm_cli.planning.trace import trace_message

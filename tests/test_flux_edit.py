@@ -133,7 +133,7 @@ def test_flux_img2img_is_pixel_identical_to_diffusers_unsplit_and_split(folders,
 
 def test_flux_kontext_is_pixel_identical_to_diffusers_unsplit_and_split(folders, image_file, monkeypatch):
     """And the transformer sees the reference tokens as `reference_size` (the plan's trace) sizes them."""
-    from dm_cli.families.calls import call_spec
+    from dm_cli.families import call_spec
     from dm_cli.families.flux_kontext import reference_size
     from dm_cli.inputs import InputSpec
     from dm_cli.io.input_images import describe_image

@@ -47,3 +47,26 @@ def test_no_function_is_longer_than_80_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
                 long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
     assert not long, long
+
+
+def test_a_cycle_between_a_package_and_a_module_inside_it_breaks_a_contract(tmp_path):
+    """dm_cli.families imported dm_cli.families.calls, which imported family_for back inside a function: the
+    `acyclic_packages` contract (scripts/import_contracts.py) is broken by that shape, and kept without it."""
+    import os
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from pkg.calls import spec\n\ndef family_for():\n    return 1\n")
+    (package / "calls.py").write_text("def spec():\n    from pkg import family_for\n\n    return family_for()\n")
+    (tmp_path / ".importlinter").write_text(
+        "[importlinter]\nroot_package = pkg\ncontract_types =\n"
+        "    acyclic_packages: scripts.import_contracts.AcyclicPackagesContract\n\n"
+        "[importlinter:contract:one]\nname = no package cycles\ntype = acyclic_packages\nancestors =\n    pkg\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    lint = lambda: subprocess.run([BIN / "lint-imports", "--no-cache"], cwd=tmp_path, env=env,  # noqa: E731
+                                  capture_output=True, text=True)
+    done = lint()
+    assert done.returncode == 1 and "pkg and pkg.calls import each other" in done.stdout, done.stdout + done.stderr
+    (package / "calls.py").write_text("def spec():\n    return 1\n")
+    done = lint()
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -544,7 +544,7 @@ def _profiled_transformer_peak(folder, inputs, lora=None) -> int:
 
     from conftest import REPO
 
-    from dm_cli.families.calls import call_spec
+    from dm_cli.families import call_spec
     from dm_cli.model.sources import resolve_source
 
     sys.path.insert(0, str(REPO / "scripts"))

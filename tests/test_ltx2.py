@@ -171,7 +171,7 @@ def test_frames_rule_is_refused_in_one_sentence(folder, tmp_path):
 
 
 def test_call_specs_cover_the_joint_sequence_and_both_decodes():
-    from dm_cli.families.calls import call_spec
+    from dm_cli.families import call_spec
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
 

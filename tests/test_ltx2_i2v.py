@@ -119,7 +119,7 @@ def test_the_default_crf_re_compresses_through_pyav_as_diffusers_does(folder, fi
 
 
 def test_plan_with_a_first_frame_traces_a_timestep_per_video_token():
-    from dm_cli.families.calls import call_spec
+    from dm_cli.families import call_spec
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
 
@@ -155,7 +155,8 @@ def _measured_and_estimated(name: str, cls: str, config: dict, inputs, siblings:
 
     from conftest import REPO
 
-    from dm_cli.families.calls import TensorSpec, call_spec
+    from dm_cli.families import call_spec
+    from dm_cli.families.calls import TensorSpec
     from dm_cli.model.models import build_model
     from dm_cli.model.sources import ComponentSource
     from dm_cli.planning.trace import trace_component

@@ -195,8 +195,7 @@ def test_dmap_plan_takes_keyframes_as_the_run_does(folder, pictures, tmp_path): 
 
 
 def test_each_keyframe_past_frame_0_appends_its_latent_frame_to_the_traced_sequence():
-    from dm_cli.families import family_for
-    from dm_cli.families.calls import call_spec
+    from dm_cli.families import call_spec, family_for
     from dm_cli.model.sources import resolve_source
 
     transformer = resolve_source("ltx-2").component("transformer")

@@ -123,3 +123,47 @@ def test_mp4_resumes(tmp_path):
     assert is_complete(path, {**meta, "num_frames": "4"}) == (False, "made for another num frames")
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     assert is_complete(path, meta) == (False, "unreadable")
+
+
+def test_a_trailing_slash_names_a_frames_folder_whatever_dots_its_name_holds(tmp_path):
+    """Issue 31: `--output renders/u0.875/` was refused as a '.875' image; a folder that exists is one too."""
+    from dm_cli.errors import UsageError
+    from dm_cli.io.images import image_format
+    from dm_cli.io.video import video_kind
+    from dm_cli.run.checks import check_run_request
+
+    for name in ("renders/u0.875/", "out.v2/", "run-0.5/", "out.mp4/", "plain/"):
+        assert video_kind(name) == "frames", name
+        assert image_format(name, videos=True) == "VIDEO", name
+        with pytest.raises(UsageError, match="names a folder: image pipelines write a file"):
+            image_format(name)
+    existing = tmp_path / "take.v3"
+    existing.mkdir()
+    assert video_kind(str(existing)) == "frames" and image_format(str(existing), videos=True) == "VIDEO"
+    (tmp_path / "renders").mkdir()
+    check_run_request(str(tmp_path / "renders" / "u0.875") + "/", None, None, 0, "auto")  # accepted before loading
+    assert video_kind("clip.mp4") == "mp4" and image_format("shot.webp") == "WEBP"
+    with pytest.raises(UsageError, match="not '.875'"):
+        image_format("renders/u0.875")  # without the slash (and not a folder): a suffix, refused
+
+
+def test_several_videos_into_a_dotted_folder_keep_its_name(tmp_path):
+    import numpy as np
+
+    from dm_cli.io.outputs import save_videos
+
+    frames = np.zeros((3, 8, 8, 3), dtype=np.uint8)
+    written = save_videos([frames, frames], str(tmp_path / "u0.875") + "/", fps=8, metadata={"prompt": "x"})
+    assert {p.name for p in tmp_path.iterdir()} == {"u0.875-0", "u0.875-1"}
+    assert all((tmp_path / name / "frame-00002.png").is_file() for name in ("u0.875-0", "u0.875-1")), written
+
+
+def test_an_existing_empty_folder_is_a_frames_output_before_loading(tmp_path):
+    from dm_cli.errors import UsageError
+    from dm_cli.run.checks import check_run_request
+
+    (tmp_path / "out.v2").mkdir()
+    check_run_request(str(tmp_path / "out.v2") + "/", None, None, 0, "auto")
+    check_run_request(str(tmp_path / "out.v2"), None, None, 0, "auto")
+    with pytest.raises(UsageError, match="does not exist"):
+        check_run_request(str(tmp_path / "missing" / "out.v2") + "/", None, None, 0, "auto")

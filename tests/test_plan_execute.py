@@ -16,8 +16,12 @@ torch = pytest.importorskip("torch")
 
 from conftest import PRESETS  # noqa: E402
 
-from dm_cli.families import all_families, family_for  # noqa: E402
-from dm_cli.families.calls import TensorSpec, call_spec  # noqa: E402
+from dm_cli.families import (  # noqa: E402
+    all_families,
+    call_spec,  # noqa: E402
+    family_for,
+)
+from dm_cli.families.calls import TensorSpec  # noqa: E402
 from dm_cli.inputs import InputSpec, PlacementSpec  # noqa: E402
 from dm_cli.model.skeleton import skeleton_for_component  # noqa: E402
 from dm_cli.model.sources import resolve_source  # noqa: E402

@@ -313,8 +313,7 @@ def test_families_rules_and_default_size(edit_folder, image_files):
 
 
 def test_plan_qwen_image_edit_traces_the_references_tokens_and_vision_tokens():
-    from dm_cli.families import family_for
-    from dm_cli.families.calls import call_spec
+    from dm_cli.families import call_spec, family_for
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
     from dm_cli.planning.trace import trace_message

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dm_cli.families.calls import call_spec  # noqa: E402
+from dm_cli.families import call_spec  # noqa: E402
 from dm_cli.inputs import InputSpec  # noqa: E402
 from dm_cli.model.sources import ComponentSource, resolve_source  # noqa: E402
 from dm_cli.planning.trace import ComponentTrace, VirtualDevices, check_device_map, trace_component  # noqa: E402

@@ -168,7 +168,7 @@ def test_ti2v_image_to_video_is_pixel_identical_unsplit_and_split(folders, frame
 
 
 def test_ti2v_trace_feeds_one_timestep_per_latent_token():
-    from dm_cli.families.calls import call_spec
+    from dm_cli.families import call_spec
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
 

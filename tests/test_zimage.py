@@ -112,8 +112,7 @@ def test_run_is_pixel_identical_to_diffusers_unsplit_and_split(folder, tmp_path,
 def test_cfg_doubles_the_transformer_batch_when_guidance_is_above_zero(folder, monkeypatch):
     """One call per step; with guidance_scale > 0 (the default 5.0) on conditional + unconditional items,
     with 0 (Z-Image-Turbo) on the prompt's alone: the planner's call spec says the same."""
-    from dm_cli.families import family_for
-    from dm_cli.families.calls import call_spec
+    from dm_cli.families import call_spec, family_for
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
     from dm_cli.run.request import RunRequest

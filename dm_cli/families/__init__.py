@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from dm_cli.errors import UsageError
-from dm_cli.families.calls import CallSpec, Component, block_scale
+from dm_cli.families.calls import CallSpec, Component, block_scale, component_call
 from dm_cli.inputs import Generation, InputImage, InputSpec
 from dm_cli.units import shorten
 
@@ -441,6 +441,17 @@ def family_parts(pipeline_class: str | None, components):
         denoiser = next((c for c in components if family_for(None, c.cls, c.config) is not None), None)
         family = family_for(None, denoiser.cls, denoiser.config) if denoiser is not None else None
     return family, denoiser, by_name.get("vae")
+
+
+def call_spec(comp: Component, pipeline_class: str | None, inputs: InputSpec) -> CallSpec | None:
+    """The call the pipeline makes to this component for `inputs`; None when dmap does not know it.
+
+    The component's family knows; for a pipeline no family matches, the shared component calls
+    (VAE decode, CLIP, T5) still apply, else the tracer falls back to the forward's signature.
+    """
+    family = family_for(pipeline_class, comp.cls, comp.config)
+    spec = family.call_spec(comp, inputs) if family is not None else None
+    return spec if spec is not None else component_call(comp, inputs)
 
 
 def supported_pipelines() -> list[str]:

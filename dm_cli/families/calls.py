@@ -88,19 +88,6 @@ def vae_scale_factor(comp: Component, config: dict | None = None) -> int:
     return block_scale(config if (config or {}).get("_class_name", "").startswith("Autoencoder") else vae_config(comp))
 
 
-def call_spec(comp: Component, pipeline_class: str | None, inputs: InputSpec) -> CallSpec | None:
-    """The call the pipeline makes to this component for `inputs`; None when dmap does not know it.
-
-    The component's family knows; for a pipeline no family matches, the shared component calls
-    (VAE decode, CLIP, T5) still apply, else the tracer falls back to the forward's signature.
-    """
-    from dm_cli.families import family_for
-
-    family = family_for(pipeline_class, comp.cls, comp.config)
-    spec = family.call_spec(comp, inputs) if family is not None else None
-    return spec if spec is not None else component_call(comp, inputs)
-
-
 # --- calls of components many families share ----------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dm_cli.errors import UsageError
-from dm_cli.io.video import VIDEO_SUFFIXES
+from dm_cli.io.video import VIDEO_SUFFIXES, names_folder
 
 # The formats a single image is written in, by the output's suffix; the first is the default (no suffix).
 IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
@@ -35,7 +35,13 @@ def image_format(output: str | os.PathLike, where: str = "--output", videos: boo
     as given).
 
     Anything else is a UsageError naming the supported suffixes. `videos=True` (before the pipeline is known:
-    `dmap run` checks its options first) also lets the video suffixes through, as "VIDEO"."""
+    `dmap run` checks its options first) also lets the video suffixes, and a folder (`names_folder`: a trailing
+    slash, or one that exists), through, as "VIDEO"."""
+    if names_folder(output):
+        if videos:
+            return "VIDEO"
+        raise UsageError(f"{where} {_short(str(output))} names a folder: image pipelines write a file, such as "
+                         f"{_short(str(Path(output) / 'image.png'))}.")
     suffix = Path(output).suffix.lower()
     if not suffix:
         return DEFAULT_IMAGE_FORMAT
@@ -115,9 +121,11 @@ class ImagePaths(Sequence):
     (the output's suffix; without one `default_suffix`: .png for images, none for videos' frame folders).
     Names are made when asked for, each in O(1): a large count costs nothing until the outputs exist."""
 
-    def __init__(self, output: str | os.PathLike, count: int, default_suffix: str = DEFAULT_IMAGE_SUFFIX):
+    def __init__(self, output: str | os.PathLike, count: int, default_suffix: str = DEFAULT_IMAGE_SUFFIX,
+                 folder: bool = False):
         self.path, self.count = Path(output), count
-        self.suffix = self.path.suffix or default_suffix
+        # a folder's name keeps its dots (out.v2 -> out.v2-0); a file's suffix goes after the number
+        self.stem, self.suffix = (self.path.name, "") if folder else (self.path.stem, self.path.suffix or default_suffix)
 
     def __len__(self) -> int:
         return self.count
@@ -131,13 +139,13 @@ class ImagePaths(Sequence):
             raise IndexError(index)
         if self.count == 1:
             return self.path
-        return self.path.with_name(f"{self.path.stem}-{index}{self.suffix}")
+        return self.path.with_name(f"{self.stem}-{index}{self.suffix}")
 
     def index_of(self, name: str) -> int | None:
         """Which image a file name (in the output's folder) is, or None: parsed, not searched."""
         if self.count == 1:
             return 0 if name == self.path.name else None
-        prefix = f"{self.path.stem}-"
+        prefix = f"{self.stem}-"
         if not (name.startswith(prefix) and name.endswith(self.suffix)):
             return None
         digits = name[len(prefix):len(name) - len(self.suffix)]
@@ -170,8 +178,9 @@ class ImagePaths(Sequence):
         return folder.resolve() == other.resolve()
 
 
-def image_paths(output: str | os.PathLike, count: int, default_suffix: str = DEFAULT_IMAGE_SUFFIX) -> ImagePaths:
-    return ImagePaths(output, count, default_suffix)
+def image_paths(output: str | os.PathLike, count: int, default_suffix: str = DEFAULT_IMAGE_SUFFIX,
+                folder: bool = False) -> ImagePaths:
+    return ImagePaths(output, count, default_suffix, folder)
 
 
 def existing_image_paths(output: str | os.PathLike, count: int) -> list[Path]:

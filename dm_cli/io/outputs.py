@@ -32,6 +32,7 @@ from dm_cli.io.video import (
     audio_of,
     duration_ms,
     frame_files,
+    names_folder,
     probe_mp4,
     read_mp4_metadata,
     sidecar_path,
@@ -263,7 +264,12 @@ def save_video(frames, output: str, fps: int, metadata: dict[str, str], overwrit
 
 def save_videos(videos: list, output: str, fps: int, metadata: dict[str, str], overwrite: bool = False) -> list[str]:
     """Each video (uint8 frames) to `output` (out-0.mp4, out-1.mp4, ... when several), with its JSON sidecar."""
-    targets = [output] if len(videos) == 1 else [str(p) for p in image_paths(output.rstrip("/"), len(videos), "")]
+    if len(videos) == 1:
+        targets = [output]
+    elif names_folder(output):  # folders out-0/, out-1/, ...: a dot in the name is not a suffix
+        targets = [str(p) + os.sep for p in image_paths(output.rstrip("/" + os.sep), len(videos), "", folder=True)]
+    else:
+        targets = [str(p) for p in image_paths(output, len(videos), "")]
     written = []
     for frames, target in zip(videos, targets):
         written += save_video(frames, target, fps, metadata, overwrite)

@@ -32,13 +32,21 @@ FRAME_NAME = re.compile(r"frame-([0-9]{5,})" + re.escape(FRAME_SUFFIX))
 FOLDER_SIDECAR = "metadata.json"
 
 
+def names_folder(output: str | os.PathLike) -> bool:
+    """A trailing slash names a folder whatever dots its name holds (`out.v2/`, `u0.875/`); so does a folder that
+    exists. One rule for every place that reads an output's kind from its name."""
+    text = os.fspath(output)
+    return text.endswith(("/", os.sep)) or os.path.isdir(text)
+
+
 def video_kind(output: str) -> str:
     """"mp4", "webp", "gif" or "frames" (a folder); anything else is refused with the accepted forms."""
-    path = Path(output)
-    suffix = path.suffix.lower()
+    if names_folder(output):
+        return "frames"
+    suffix = Path(output).suffix.lower()
     if suffix in VIDEO_SUFFIXES:
         return suffix[1:]
-    if output.endswith(("/", os.sep)) or path.is_dir() or not suffix:
+    if not suffix:
         return "frames"
     raise UsageError(f"Cannot write a video to '{output}': use out.mp4, out.webp, out.gif or a folder (out/) for PNG frames.")
 

@@ -96,6 +96,26 @@ class PlanOptions:
     component_files: tuple[tuple[str, str], ...] = ()
     loras: tuple = ()  # LoRA adapters (dm_cli.inputs.LoraAdapter, --lora): their bytes beside the layers they patch
 
+    @classmethod
+    def of(cls, generation: Generation, placement: PlacementSpec, **rest) -> "PlanOptions":
+        """Options for one generation: its inputs, its family settings and its negative prompt read from one
+        `Generation`, so that `dmap plan`, the API and `dmap run`'s inline plan cannot drop one of them."""
+        return cls(placement, generation.inputs(), settings=dict(generation.settings),
+                   negative_prompt=generation.negative_prompt, **rest)
+
+    def generation(self) -> Generation:
+        """The generation these options plan for (the inverse of `of`: input images as sizes only)."""
+        inputs = self.inputs
+        frames = inputs.image_frames[:len(inputs.image_sizes)]
+        frames = (*frames, *[None] * (len(inputs.image_sizes) - len(frames)))
+        return Generation(height=inputs.height, width=inputs.width, num_frames=inputs.num_frames, fps=inputs.fps,
+                          guidance_scale=inputs.guidance_scale, max_sequence_length=inputs.max_sequence_length,
+                          num_images=inputs.num_images, batch_size=inputs.batch_size,
+                          negative_prompt=self.negative_prompt,
+                          images=tuple(InputImage(w, h, frame=frame) for (w, h), frame in zip(inputs.image_sizes, frames)),
+                          last_image=InputImage(*inputs.last_image_size) if inputs.last_image_size else None,
+                          ).with_settings(self.settings)
+
 
 @dataclass
 class Plan:
@@ -711,8 +731,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     progress(f"Resolving {source_spec}")
     source = resolve_with_pipeline(source_spec, options.pipeline, dict(options.component_files))
     comps = [source.component(options.component)] if options.component else list(source.components)
-    options = replace(options, inputs=default_inputs(source, comps, options.inputs))
-    _check_family_inputs(source, comps, options)
+    options = settled_options(source, comps, options)
     if options.placement.dtype is not None:  # "" is an unknown dtype, not the default
         options = replace(options, placement=replace(options.placement, dtype=parse_dtype(options.placement.dtype)))
     asked = options.placement
@@ -896,48 +915,32 @@ def _check_weights_only(inputs: InputSpec) -> None:
         raise UsageError("Give --height 0 and --width 0 together for a weights-only plan.")
 
 
-def default_inputs(source, comps, inputs: InputSpec) -> InputSpec:
-    """The pipeline's own defaults where the user gave none, the ones dmap run uses (`Family.settle`): its
-    size and, for video families, its frames."""
+def settled_options(source, comps, options: PlanOptions) -> PlanOptions:
+    """The generation settled and checked as `dmap run` settles and checks its own (`Family.settle`, then
+    `Family.validate`): every default the run would fill in (size, frames, guidance, the family's settings) is
+    the plan's, from the same Generation. Multiples of 8 for what no family knows."""
+    inputs = options.inputs
     if 0 in (inputs.height, inputs.width) and None in (inputs.height, inputs.width):
-        return replace(inputs, height=0, width=0)  # --height 0 (or --width 0) alone: weights only
+        inputs = replace(inputs, height=0, width=0)  # --height 0 (or --width 0) alone: weights only
+    _check_weights_only(inputs)
+    options = replace(options, inputs=inputs)
     family, denoiser, vae = family_parts(source.pipeline_class, source.components if source.pipeline_class else comps)
     if family is None or denoiser is None:
-        return replace(inputs, height=FALLBACK_IMAGE_SIZE if inputs.height is None else inputs.height,
-                       width=FALLBACK_IMAGE_SIZE if inputs.width is None else inputs.width)
-    settled = family.settle(Generation(height=inputs.height, width=inputs.width, num_frames=inputs.num_frames),
-                            denoiser.config or {}, vae.config if vae is not None else None)
-    return replace(inputs, height=settled.height, width=settled.width, num_frames=settled.num_frames)
-
-
-def _padded_frames(inputs: InputSpec) -> tuple[int | None, ...]:
-    """The frame index of each of `inputs.image_sizes` (None: a plain image)."""
-    frames = inputs.image_frames[:len(inputs.image_sizes)]
-    return (*frames, *[None] * (len(inputs.image_sizes) - len(frames)))
-
-
-def _check_family_inputs(source, comps, options: PlanOptions) -> None:
-    """The family's rules (`Family.validate`, as dmap run applies them); multiples of 8 for what no family knows."""
-    inputs = options.inputs
-    _check_weights_only(inputs)
-    family, denoiser, vae = family_parts(source.pipeline_class, source.components if source.pipeline_class else comps)
-    if family is not None and denoiser is not None:
-        generation = Generation(height=inputs.height, width=inputs.width, num_frames=inputs.num_frames, fps=inputs.fps,
-                                guidance_scale=inputs.guidance_scale, max_sequence_length=inputs.max_sequence_length,
-                                num_images=inputs.num_images, negative_prompt=options.negative_prompt,
-                                images=tuple(InputImage(w, h, frame=frame) for (w, h), frame in
-                                             zip(inputs.image_sizes, _padded_frames(inputs))),
-                                last_image=InputImage(*inputs.last_image_size) if inputs.last_image_size else None,
-                                ).with_settings(options.settings)
-        family.validate(generation, source.pipeline_class or denoiser.cls, denoiser.config or {},
-                        vae.config if vae is not None else None, tuple(c.name for c in source.components))
-        return
-    if options.settings:
-        raise UsageError(f"dmap knows no pipeline family in {source.spec}: drop --{next(iter(options.settings))}.")
-    if inputs.height % 8 or inputs.width % 8:
-        raise UsageError(f"--height and --width must be multiples of 8 (got {inputs.height}x{inputs.width}).")
-    if inputs.num_frames is not None or inputs.fps is not None:
-        raise UsageError(f"dmap knows no video pipeline in {source.spec}: drop --frames and --fps.")
+        if options.settings:
+            raise UsageError(f"dmap knows no pipeline family in {source.spec}: drop --{next(iter(options.settings))}.")
+        inputs = replace(inputs, height=FALLBACK_IMAGE_SIZE if inputs.height is None else inputs.height,
+                         width=FALLBACK_IMAGE_SIZE if inputs.width is None else inputs.width)
+        if inputs.height % 8 or inputs.width % 8:
+            raise UsageError(f"--height and --width must be multiples of 8 (got {inputs.height}x{inputs.width}).")
+        if inputs.num_frames is not None or inputs.fps is not None:
+            raise UsageError(f"dmap knows no video pipeline in {source.spec}: drop --frames and --fps.")
+        return replace(options, inputs=inputs)
+    vae_config = vae.config if vae is not None else None
+    generation = family.settle(options.generation(), denoiser.config or {}, vae_config)
+    family.validate(generation, source.pipeline_class or denoiser.cls, denoiser.config or {}, vae_config,
+                    tuple(c.name for c in source.components))
+    return replace(options, inputs=generation.inputs(), settings=dict(generation.settings),
+                   negative_prompt=generation.negative_prompt)
 
 
 # --- tiled decode ---------------------------------------------------------------------------------
@@ -957,7 +960,7 @@ class TilingChoice:
 def decode_components(prepared: list[PreparedComponent], pipeline_class: str | None,
                       inputs: InputSpec) -> list[PreparedComponent]:
     """Components the pipeline calls through `decode` (the VAE): where diffusers' tiling applies."""
-    from dm_cli.families.calls import call_spec
+    from dm_cli.families import call_spec
 
     if inputs.weights_only:
         return []

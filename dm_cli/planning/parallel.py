@@ -244,7 +244,8 @@ def _patch(config: dict) -> tuple[int, int]:
 def denoiser_shape(comp, pipeline_class: str | None, inputs, family, element_bytes: int) -> DenoiserShape:
     """Heads, layers and token counts of the denoiser's call for `inputs`, from its config and the family's
     call spec (dm_cli.families.calls): the same shapes the meta trace runs."""
-    from dm_cli.families.calls import TensorSpec, call_spec
+    from dm_cli.families import call_spec
+    from dm_cli.families.calls import TensorSpec
 
     config = comp.config or {}
     spec = call_spec(comp, pipeline_class, inputs)

@@ -27,7 +27,8 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Callable
 
 from dm_cli.devices import map_entry, normalise_map
-from dm_cli.families.calls import CallSpec, TensorSpec, call_spec, generic_argument
+from dm_cli.families import call_spec
+from dm_cli.families.calls import CallSpec, TensorSpec, generic_argument
 from dm_cli.inputs import InputSpec
 from dm_cli.io.cache import cache_key, read_cached, write_cached
 from dm_cli.planning.storages import LiveStorages

@@ -29,6 +29,7 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
                       device_map: str) -> None:
     """Raise UsageError for anything about the outputs, seed or plan file that would fail later."""
     from dm_cli.io.images import check_image_output, image_paths
+    from dm_cli.io.video import names_folder
 
     check_seed(seed, "--seed")
     if num_images is not None:  # inputs.LIMITS, before a name is made for each image
@@ -36,7 +37,13 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
 
         check_count("num_images", num_images)
     images = image_paths(output, num_images or 1) if output else []
-    if output:  # the folder is the same for every image: checked once, then only the names that exist (one scan)
+    if output and names_folder(output):  # a video's frames folder: its parent must take it (the writer checks the rest)
+        check_image_output(output, len(images), videos=True)
+        parent = Path(output.rstrip("/" + os.sep)).parent
+        if not parent.is_dir():
+            raise UsageError(f"Cannot write --output {output}: folder {parent} does not exist.")
+        targets = []
+    elif output:  # the folder is the same for every image: checked once, then only the names that exist (one scan)
         check_image_output(output, len(images), videos=True)
         targets = [(path, "--output") for path in dict.fromkeys([images[0], *images.existing()])]
     else:

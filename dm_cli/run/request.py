@@ -171,8 +171,10 @@ def plan_digest(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(decisive, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def make_run_plan(source: Source, request: RunRequest, inputs: InputSpec, family: Family | None = None) -> Plan:
-    """Plan with dmap's planner (`dm_cli.planning.make.make_plan`) for these inputs and devices.
+def make_run_plan(source: Source, request: RunRequest, generation: Generation, family: Family | None = None) -> Plan:
+    """Plan with dmap's planner (`dm_cli.planning.make.make_plan`) for this settled generation (batch 1) and the
+    request's devices: `PlanOptions.of`, as `dmap plan` and `dm_cli.plan` make theirs, so that no setting of the
+    generation is left out of an inline plan.
 
     A session whose prompts bring their own input images (`per_prompt_images`) and gave none is planned for
     the images the family needs, each of the output's size (what an image-to-image pipeline resizes it to)."""
@@ -180,9 +182,11 @@ def make_run_plan(source: Source, request: RunRequest, inputs: InputSpec, family
 
     from dm_cli.planning.make import PlanOptions, make_named_plan
 
+    # dmap run makes batch 1; the LoRAs as asked (make_plan settles their targets, as for dmap plan)
+    generation = replace(generation, batch_size=1, loras=request.generation.loras)
     needed = family.min_input_images if family is not None and request.per_prompt_images else 0
-    if needed and not inputs.image_sizes:
-        inputs = replace(inputs, image_sizes=((inputs.width, inputs.height),) * needed)
+    if needed and not generation.images:
+        generation = replace(generation, images=(InputImage(generation.width, generation.height),) * needed)
 
     from dm_cli.model.single_file_weights import named_component_files
 
@@ -190,8 +194,8 @@ def make_run_plan(source: Source, request: RunRequest, inputs: InputSpec, family
                   None)
     root, pipeline = (str(single.path), str(source.root)) if single is not None else (str(source.root), None)
     files = tuple(named_component_files(source).items())  # --component-file's, planned as given
-    return make_named_plan(root, source.spec, PlanOptions(request.placement, inputs, pipeline=pipeline,
-                                                          component_files=files, loras=request.generation.loras))
+    return make_named_plan(root, source.spec, PlanOptions.of(generation, request.placement, pipeline=pipeline,
+                                                             component_files=files, loras=generation.loras))
 
 
 def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement: PlacementSpec, where: str,

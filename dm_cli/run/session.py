@@ -169,7 +169,7 @@ class Session:
 
         if plan is None:
             status(f"Planning {self.source.spec} (meta-device traces are cached after the first run)…")
-            plan = make_run_plan(self.source, request, self._inputs(), self.family)
+            plan = make_run_plan(self.source, request, self.generation, self.family)
         status(None)
         if not request.simulate:
             check_devices_present(plan)  # a plan made here: before it is shown
@@ -245,7 +245,8 @@ class Session:
 
     def bytes_per_item(self) -> int:
         """Embeddings and latents one prompt holds between stages: what the pipeline feeds the denoiser per step."""
-        from dm_cli.families.calls import TensorSpec, call_spec
+        from dm_cli.families import call_spec
+        from dm_cli.families.calls import TensorSpec
         from dm_cli.inputs import InputSpec
         from dm_cli.units import DTYPE_BYTES, numel
 
