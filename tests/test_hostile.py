@@ -510,6 +510,15 @@ def _runner_must_not_start(monkeypatch):
     monkeypatch.setattr(dm_cli.run.single, "run", refuse)
 
 
+def _nothing_must_load(monkeypatch):
+    import dm_cli.run.stages
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a component loaded: the bad input should have been caught before")
+
+    monkeypatch.setattr(dm_cli.run.stages, "load_component", refuse)
+
+
 @pytest.mark.parametrize("library, cls", [("diffusers", "AutoModel"), ("diffusers", "DiffusionPipeline"),
                                           ("diffusers", "ConfigMixin"), ("transformers", "AutoModel"),
                                           ("transformers", "PretrainedConfig"), ("diffusers", "ModelMixin"),
@@ -622,7 +631,8 @@ def test_7_run_outputs_are_checked_before_anything_loads(tmp_path, monkeypatch, 
                         and real(path, mode, **kw))
     args, words = {
         "output folder read-only": (["-o", tmp_path / "dir" / "x.png"], "is not writable"),
-        "output is a folder": (["-o", tmp_path / "dir"], "is a folder"),
+        # an existing folder is a video's frames folder (issue 31): an image pipeline refuses it once it is known
+        "output is a folder": (["-o", tmp_path / "dir"], "names a folder: image pipelines write a file"),
         "output folder missing": (["-o", tmp_path / "no" / "x.png"], "does not exist"),
         "latents is a folder": (["--save-latents", tmp_path / "dir"], "is a folder"),
         "seed too large": (["--seed", str(2**64)], "out of range"),
@@ -630,7 +640,10 @@ def test_7_run_outputs_are_checked_before_anything_loads(tmp_path, monkeypatch, 
         "second image is a folder": (["-o", tmp_path / "out.png", "--num-images", "2"], "out-1.png is a folder"),
         "latents over the image": (["-o", tmp_path / "x.png", "--save-latents", tmp_path / "x.png"], "give different names"),
     }[case]
-    _runner_must_not_start(monkeypatch)
+    if case != "output is a folder":
+        _runner_must_not_start(monkeypatch)
+    else:
+        _nothing_must_load(monkeypatch)
     monkeypatch.chdir(tmp_path)
     code, out, err = cli(capsys, "run", "-p", "x", *args)
     assert code == 2 and words in err, err
