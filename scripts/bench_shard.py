@@ -42,17 +42,12 @@ CONFIG = REPO / "dm_cli" / "presets" / "sd-1.5" / "unet" / "config.json"
 PY = sys.executable
 
 
-def build_checkpoint(folder: Path) -> int:
-    """Random fp32 SD 1.5 UNet: shapes from the config on the meta device, data written in chunks."""
+def write_random_safetensors(path: Path, shapes: list[tuple[str, tuple[int, ...]]]) -> int:
+    """A float32 safetensors file of these tensors with random data, written in 64 MB chunks (never all in RAM,
+    the header made by hand); returns the bytes of tensor data."""
     import numpy as np
 
-    sys.path.insert(0, str(REPO))
-    from dm_cli.model.skeleton import build_on_meta
-
-    config = json.loads(CONFIG.read_text())
-    model = build_on_meta("diffusers", "UNet2DConditionModel", config)
     entries, offset = {}, 0
-    shapes = [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
     for name, shape in shapes:
         n = 4
         for d in shape:
@@ -61,10 +56,8 @@ def build_checkpoint(folder: Path) -> int:
         offset += n
     header = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
-    folder.mkdir(parents=True)
-    shutil.copy(CONFIG, folder / "config.json")
     block = (np.random.default_rng(0).standard_normal(16 << 20, dtype=np.float32) * 0.02).tobytes()  # 64 MB
-    with open(folder / "diffusion_pytorch_model.safetensors", "wb") as handle:
+    with open(path, "wb") as handle:
         handle.write(struct.pack("<Q", len(header)) + header)
         left, i = offset, 0
         while left:
@@ -78,11 +71,21 @@ def build_checkpoint(folder: Path) -> int:
     return offset
 
 
-def build_synthetic(folder: Path, size: int) -> int:
-    """A transformer-like fp32 checkpoint of about `size` bytes of tensors, written in chunks (never all in RAM):
-    per block four 1024x1024 attention matrices, two 1024x4096 MLP matrices, their biases and two norms."""
-    import numpy as np
+def build_checkpoint(folder: Path) -> int:
+    """Random fp32 SD 1.5 UNet: shapes from the config on the meta device."""
+    sys.path.insert(0, str(REPO))
+    from dm_cli.model.skeleton import build_on_meta
 
+    model = build_on_meta("diffusers", "UNet2DConditionModel", json.loads(CONFIG.read_text()))
+    folder.mkdir(parents=True)
+    shutil.copy(CONFIG, folder / "config.json")
+    shapes = [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
+    return write_random_safetensors(folder / "diffusion_pytorch_model.safetensors", shapes)
+
+
+def build_synthetic(folder: Path, size: int) -> int:
+    """A transformer-like fp32 checkpoint of about `size` bytes of tensors: per block four 1024x1024 attention
+    matrices, two 1024x4096 MLP matrices, their biases and two norms."""
     hidden, mlp = 1024, 4096
     block = [("attn.q.weight", (hidden, hidden)), ("attn.q.bias", (hidden,)), ("attn.k.weight", (hidden, hidden)),
              ("attn.k.bias", (hidden,)), ("attn.v.weight", (hidden, hidden)), ("attn.v.bias", (hidden,)),
@@ -91,31 +94,11 @@ def build_synthetic(folder: Path, size: int) -> int:
              ("mlp.fc2.weight", (hidden, mlp)), ("mlp.fc2.bias", (hidden,)), ("norm2.weight", (hidden,)),
              ("norm2.bias", (hidden,))]
     per_block = sum(4 * a * (b[0] if b else 1) for _, (a, *b) in block)
-    entries, offset = {}, 0
     shapes = [("embed.weight", (hidden, hidden))]
     shapes += [(f"blocks.{i}.{name}", shape) for i in range(max(1, round((size - 4 * hidden * hidden) / per_block)))
                for name, shape in block]
-    for name, shape in shapes:
-        n = 4
-        for d in shape:
-            n *= d
-        entries[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    header = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)
     folder.mkdir(parents=True)
-    chunk = (np.random.default_rng(0).standard_normal(16 << 20, dtype=np.float32) * 0.02).tobytes()  # 64 MB
-    with open(folder / "model.safetensors", "wb") as handle:
-        handle.write(struct.pack("<Q", len(header)) + header)
-        left, i = offset, 0
-        while left:
-            part = chunk[(i * 4096) % len(chunk):][: min(left, len(chunk))] or chunk[: min(left, len(chunk))]
-            handle.write(part)
-            left -= len(part)
-            i += 1
-        handle.flush()
-        os.fsync(handle.fileno())
-    return offset
+    return write_random_safetensors(folder / "model.safetensors", shapes)
 
 
 HUB = """

@@ -98,13 +98,18 @@ class PlanOptions:
 
     @classmethod
     def of(cls, generation: Generation, placement: PlacementSpec, **rest) -> "PlanOptions":
-        """Options for one generation: its inputs, its family settings and its negative prompt read from one
-        `Generation`, so that `dmap plan`, the API and `dmap run`'s inline plan cannot drop one of them."""
-        return cls(placement, generation.inputs(), settings=dict(generation.settings),
-                   negative_prompt=generation.negative_prompt, **rest)
+        """Options for one generation, so that `dmap plan`, the API and `dmap run`'s inline plan cannot drop
+        one of its settings (`with_generation`)."""
+        return cls(placement, **rest).with_generation(generation)
+
+    def with_generation(self, generation: Generation) -> "PlanOptions":
+        """These options for `generation`: its inputs, its family settings and its negative prompt, all three
+        read from the one Generation (the inverse of `generation()`)."""
+        return replace(self, inputs=generation.inputs(), settings=dict(generation.settings),
+                       negative_prompt=generation.negative_prompt)
 
     def generation(self) -> Generation:
-        """The generation these options plan for (the inverse of `of`: input images as sizes only)."""
+        """The generation these options plan for (the inverse of `with_generation`: input images as sizes only)."""
         inputs = self.inputs
         frames = inputs.image_frames[:len(inputs.image_sizes)]
         frames = (*frames, *[None] * (len(inputs.image_sizes) - len(frames)))
@@ -939,8 +944,7 @@ def settled_options(source, comps, options: PlanOptions) -> PlanOptions:
     generation = family.settle(options.generation(), denoiser.config or {}, vae_config)
     family.validate(generation, source.pipeline_class or denoiser.cls, denoiser.config or {}, vae_config,
                     tuple(c.name for c in source.components))
-    return replace(options, inputs=generation.inputs(), settings=dict(generation.settings),
-                   negative_prompt=generation.negative_prompt)
+    return options.with_generation(generation)
 
 
 # --- tiled decode ---------------------------------------------------------------------------------

@@ -38,7 +38,6 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
         check_count("num_images", num_images)
     images = image_paths(output, num_images or 1) if output else []
     if output and names_folder(output):  # a video's frames folder: its parent must take it (the writer checks the rest)
-        check_image_output(output, len(images), videos=True)
         parent = Path(output.rstrip("/" + os.sep)).parent
         if not parent.is_dir():
             raise UsageError(f"Cannot write --output {output}: folder {parent} does not exist.")
