@@ -294,14 +294,18 @@ def test_torchrun_two_ranks_killed_rank_then_rerun_completes_only_the_missing(re
     launch = ("--standalone", "--nproc-per-node", 2)
     proc = _torchrun(*launch, prompts=prompts_file, out=out, extra=("--chunk-size", 1), wait=False)
     deadline = time.time() + 600
+    # rank 1's process is found before it can finish anything, so the kill follows its first record by one poll
+    # however loaded the machine is (finding it after the record let a slow /proc scan see items 3 and 5 done)
+    victim = None
+    while victim is None:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        victim = _rank_pid(proc.pid, 1) or time.sleep(0.05)
     rank_1_manifest = out / "manifest-rank1.jsonl"
     # rank 1's first item, image and record both (the PNG is renamed into place just before the record is
     # appended: a kill between the two leaves a complete PNG whose record the rerun marks resumed)
     while not (rank_1_manifest.exists() and '"item": 1' in rank_1_manifest.read_text()):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
         time.sleep(0.02)
-    victim = _rank_pid(proc.pid, 1)
-    assert victim is not None
     os.kill(victim, signal.SIGKILL)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode != 0, output
