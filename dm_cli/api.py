@@ -36,7 +36,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          negative_prompt: str | None = None, image=None, image_size=None, last_image=None, last_image_size=None,
          on_progress: Callable[[str], None] | None = None, world_size: int = 1, parallel: str | None = None,
          device_tflops: float = 100.0, link_gbps: float = 25.0, pipeline: str | None = None,
-         component_files: dict | None = None, lora=None, **settings) -> Plan:
+         component_files: dict | None = None, lora=None, cache=None, **settings) -> Plan:
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -55,7 +55,9 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     component, the rest of the pipeline comes from here. `component_files` ({"transformer_2": "LOW.gguf"}): these
     components from these single files (each checked against its config; SOURCE's file then goes to the first
     matching component they do not name). `lora`: LoRA adapters, one or a list of "[COMPONENT=]FILE[:SCALE]"
-    strings (as `--lora`): their bytes are counted beside the layers they patch.
+    strings (as `--lora`): their bytes are counted beside the layers they patch. `cache`: a step cache on the denoiser,
+    "NAME[:KEY=VALUE,...]" as `--cache` takes it (fbc, taylorseer, magcache): what its hooks hold is counted on the
+    devices of the blocks that hold it (`Plan.step_cache`).
     """
     from dm_cli.inputs import Generation, InputImage, PlacementSpec
     from dm_cli.model.demo import source_root
@@ -63,6 +65,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     from dm_cli.model.single_file_weights import parse_component_files
     from dm_cli.planning.make import PlanOptions, make_named_plan
     from dm_cli.planning.parallel import ParallelRequest
+    from dm_cli.planning.step_cache import parse_cache
     from dm_cli.units import parse_dtype
 
     spec, root, defaults = source_root(source)
@@ -73,7 +76,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
                             max_sequence_length=pick(max_sequence_length, "max_sequence_length"),
                             num_frames=num_frames, fps=fps, negative_prompt=negative_prompt,
                             images=_input_image_sizes(image, image_size),
-                            last_image=InputImage(*last) if last is not None else None).with_settings(settings)
+                            last_image=InputImage(*last) if last is not None else None,
+                            cache=parse_cache(cache)).with_settings(settings)
     placement = PlacementSpec(max_memory, strategy, mode, overhead, parse_dtype(dtype) if dtype is not None else None,
                               weights)
     options = PlanOptions.of(generation, placement, component=component, check=check, use_cache=use_cache,
@@ -128,7 +132,7 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
          max_sequence_length: int | None = None, weights: str | None = None, num_frames: int | None = None,
          fps: int | None = None, negative_prompt: str | None = None, image=None, last_image=None, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,
          parallel: str | None = None, pipeline: str | None = None, component_files: dict | None = None,
-         lora=None, **settings) -> Session:
+         lora=None, cache=None, **settings) -> Session:
     """A pipeline placed per `plan` (a Plan, a plan JSON path, or None: plan here with the options).
 
     SOURCE None is the bundled random-weight demo. A plan made for another model, size or dtype is
@@ -145,7 +149,8 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
     component, loaded as diffusers' `from_single_file` loads it; `component_files` ({"transformer_2": "LOW.gguf"}):
     these components from these single files, loaded the same way. `lora`: LoRA adapters, one or a list of
     "[COMPONENT=]FILE[:SCALE]" strings (as `--lora`), loaded into the denoiser by diffusers' `load_lora_weights`
-    each time it loads, at their scales (`set_adapters`), unfused.
+    each time it loads, at their scales (`set_adapters`), unfused. `cache`: a step cache on the denoiser
+    ("NAME[:KEY=VALUE,...]", as `--cache`; None: the plan's), applied with diffusers' `enable_cache` each time it loads.
     """
     from dm_cli.run.request import RunRequest
 
@@ -155,7 +160,7 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
                             max_sequence_length=max_sequence_length, settings=settings, weights=weights,
                             num_frames=num_frames, fps=fps, negative_prompt=negative_prompt, images=image, simulate=simulate,
                             last_image=last_image, output=None, per_prompt_images=True, parallel=parallel, pipeline=pipeline,
-                            component_files=component_files, loras=lora)
+                            component_files=component_files, loras=lora, cache=cache)
     return Session(request, None if isinstance(plan, (str, Path)) else plan, on_plan, on_status)
 
 

@@ -166,6 +166,27 @@ class LoraAdapter:
 
 
 @dataclass(frozen=True)
+class StepCache:
+    """A step cache (`--cache NAME[:K=V,...]`): one of diffusers' cache hooks on the denoiser, with its settings as
+    sorted (key, value) pairs, every default filled in (`dm_cli.planning.step_cache.parse_cache` makes one and
+    knows the names, keys and bounds). It changes pixels and memory, so a Generation holds it."""
+
+    name: str
+    settings: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def label(self) -> str:
+        """What the metadata, the resume key and the plan say of it: NAME:K=V,... (as --cache takes it)."""
+        def text(value) -> str:
+            return str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
+
+        return self.name + (":" + ",".join(f"{k}={text(v)}" for k, v in self.settings) if self.settings else "")
+
+    def setting(self, name: str, default=None):
+        return dict(self.settings).get(name, default)
+
+
+@dataclass(frozen=True)
 class InputSpec:
     """The inputs a plan is made for. height == width == 0 means weights only (no activations).
 
@@ -283,6 +304,7 @@ class Generation:
     images: tuple[InputImage, ...] = ()  # input images (editing, references, image-to-video), in order
     last_image: InputImage | None = None  # the video's last frame (Wan 2.2 first-last-frame image-to-video)
     loras: tuple[LoraAdapter, ...] = ()  # LoRA adapters (--lora), in order: the pixels and the denoiser's bytes change
+    cache: StepCache | None = None  # --cache: a diffusers step cache on the denoiser (None: every step computed)
 
     def __post_init__(self) -> None:
         """The counts' bounds (LIMITS) before anything else looks at them."""

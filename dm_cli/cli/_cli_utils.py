@@ -150,6 +150,11 @@ LoraOpt = Annotated[list[str] | None, typer.Option(
                                                        "at SCALE (default 1.0); Wan 2.2's second expert: "
                                                        "transformer_2=FILE; repeatable.")]
 
+CacheOpt = Annotated[str | None, typer.Option(
+    "--cache", metavar="NAME[:KEY=VALUE,...]", help="A step cache on the denoiser, diffusers' hooks: fbc (First-Block "
+                                                   "Cache), taylorseer or magcache, e.g. fbc:threshold=0.05; the plan "
+                                                   "counts what it holds per device (run: default the plan file's).")]
+
 LastImageOpt = Annotated[str | None, typer.Option(
     "--last-image", metavar="PATH", help="The video's last frame (Wan 2.2 image-to-video from a first and a last "
                                          "frame, with --image); for dmap plan a path or its size WxH.")]

@@ -6,6 +6,7 @@ import typer
 
 from dm_cli.cli._cli_utils import (
     BinaryOpt,
+    CacheOpt,
     ComponentFileOpt,
     ComponentOpt,
     DtypeOpt,
@@ -73,6 +74,7 @@ def plan(
     pipeline: PipelineOpt = None,
     component_file: ComponentFileOpt = None,
     lora: LoraOpt = None,
+    cache: CacheOpt = None,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     from dm_cli.api import plan as make_plan
@@ -92,7 +94,7 @@ def plan(
                            last_image=last_image, last_image_size=last_image_size,
                            on_progress=progress, world_size=world_size, parallel=parallel,
                            device_tflops=device_tflops, link_gbps=link_gbps, pipeline=pipeline,
-                           component_files=component_file, lora=lora, **(settings or {}))
+                           component_files=component_file, lora=lora, cache=cache, **(settings or {}))
     if output:
         write_plan(result, output)
     if as_json:

@@ -10,6 +10,7 @@ import typer
 
 from dm_cli.cli._cli_utils import (
     BinaryOpt,
+    CacheOpt,
     ComponentFileOpt,
     DtypeOpt,
     FpsOpt,
@@ -98,6 +99,7 @@ def run(
     pipeline: PipelineOpt = None,
     component_file: ComponentFileOpt = None,
     lora: LoraOpt = None,
+    cache: CacheOpt = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     binary: BinaryOpt = False,
@@ -113,7 +115,7 @@ def run(
         "max_sequence_length": max_sequence_length, "num_frames": frames, "fps": fps, "save_latents": save_latents,
         "dtype": dtype, "simulate": simulate, "overwrite": overwrite, "track_activations": track_activations,
         "weights": weights, "images": image or None, "last_image": last_image, "parallel": parallel, "pipeline": pipeline,
-        "component_files": component_file or None, "loras": lora or None,
+        "component_files": component_file or None, "loras": lora or None, "cache": cache,
         "settings": dict(settings or {}),
     }
     if prompts is not None:

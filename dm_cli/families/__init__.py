@@ -194,6 +194,9 @@ class Family:
     min_input_images = 0  # 1: the pipeline cannot run without one (image-to-image)
     takes_last_image = False  # True: a video's last frame (Generation.last_image, --last-image) is conditioned on too
     takes_keyframes = False  # True: input images may name the video frame they condition (`--image PATH@FRAME`: LTX-2)
+    # The step caches (`--cache`, dm_cli.planning.step_cache) its denoiser runs, each with the family's own defaults
+    # for diffusers' config (taylorseer's cache_identifiers, magcache's mag_ratios); {}: none (refused)
+    step_caches: dict[str, dict] = {}
 
     # --- matching -------------------------------------------------------------------------------
 
@@ -332,6 +335,12 @@ class Family:
         if generation.last_image is not None and not self.takes_last_image:
             return (f"{self.title()} pipelines take no last frame (--last-image is for WanImageToVideoPipeline, Wan 2.2 I2V-A14B): "
                     "drop --last-image.")
+        if generation.cache is not None and generation.cache.name not in self.step_caches:
+            if not self.step_caches:
+                return (f"{self.title()} pipelines take no --cache in dmap (its denoiser's blocks are not among those "
+                        "dmap applies diffusers' cache hooks to): drop --cache.")
+            return (f"{self.title()} pipelines take --cache {' or '.join(self.step_caches)}, not {generation.cache.name}: "
+                    "use one of those, or drop --cache.")
         if generation.negative_prompt and not self.negative_prompt:
             return f"{self.title()} pipelines ignore negative prompts (guidance is distilled): drop --negative-prompt."
         return None

@@ -79,6 +79,8 @@ class FluxImg2ImgFamily(FluxFamily):
     )
     declared_stages = image_to_image_stages(("text_encoder", "text_encoder_2"))
 
+    step_caches = {}  # its pipeline sets no cache_context, which diffusers' cache hooks need
+
     def title(self) -> str:
         return "FLUX.1 image-to-image"
 

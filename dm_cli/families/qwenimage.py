@@ -31,6 +31,9 @@ class QwenImageFamily(Family):
     default_max_sequence_length = 512
     default_sample_size = 128
 
+    # fbc and taylorseer hook its transformer_blocks (MagCache has no magnitude ratios for it in diffusers)
+    step_caches = {"fbc": {}, "taylorseer": {}}
+
     def title(self) -> str:
         return "Qwen-Image"
 

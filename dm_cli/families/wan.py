@@ -69,6 +69,10 @@ class WanFamily(Family):
                         for_whom="pipelines with two experts such as Wan 2.2 A14B", instead="use --guidance-scale",
                         needs_component="transformer_2"),)
 
+    # fbc hooks its blocks; taylorseer's default patterns (`.*attn`) match no Wan module, so its self- and cross-
+    # attentions are named (MagCache has no magnitude ratios for Wan in diffusers)
+    step_caches = {"fbc": {}, "taylorseer": {"cache_identifiers": (r"blocks\.\d+\.attn1", r"blocks\.\d+\.attn2")}}
+
     def title(self) -> str:
         return "Wan"
 

@@ -51,6 +51,7 @@ MATCHED_METADATA = ("prompt", "negative_prompt", "seed", "steps", "guidance_scal
                     "component_files",  # components from single files (SOURCE's, --component-file's): name and sha256
                     "lora",  # LoRA adapters: each one's component, sha256 and scale
                     "lora_fused",  # the components whose LoRAs were fused into the weights
+                    "step_cache",  # --cache: the step cache and its settings (changes pixels)
                     "num_frames", "fps")  # videos (images have neither)
 
 

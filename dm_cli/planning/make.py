@@ -25,7 +25,7 @@ from dm_cli.families import (
     unknown_family_warning,
 )
 from dm_cli.families.stages import NAMED_VALUES
-from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec
+from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec, StepCache
 from dm_cli.io.atomic import atomic_write
 from dm_cli.model.weight_formats import (
     STORAGE_DTYPES,
@@ -95,6 +95,7 @@ class PlanOptions:
     # --component-file: (component, file) pairs, these components from these single files
     component_files: tuple[tuple[str, str], ...] = ()
     loras: tuple = ()  # LoRA adapters (dm_cli.inputs.LoraAdapter, --lora): their bytes beside the layers they patch
+    cache: StepCache | None = None  # --cache: a step cache on the denoiser, its state counted (planning/step_cache.py)
 
     @classmethod
     def of(cls, generation: Generation, placement: PlacementSpec, **rest) -> "PlanOptions":
@@ -106,7 +107,7 @@ class PlanOptions:
         """These options for `generation`: its inputs, its family settings and its negative prompt, all three
         read from the one Generation (the inverse of `generation()`)."""
         return replace(self, inputs=generation.inputs(), settings=dict(generation.settings),
-                       negative_prompt=generation.negative_prompt)
+                       negative_prompt=generation.negative_prompt, cache=generation.cache)
 
     def generation(self) -> Generation:
         """The generation these options plan for (the inverse of `with_generation`: input images as sizes only)."""
@@ -119,7 +120,7 @@ class PlanOptions:
                           negative_prompt=self.negative_prompt,
                           images=tuple(InputImage(w, h, frame=frame) for (w, h), frame in zip(inputs.image_sizes, frames)),
                           last_image=InputImage(*inputs.last_image_size) if inputs.last_image_size else None,
-                          ).with_settings(self.settings)
+                          cache=self.cache).with_settings(self.settings)
 
 
 @dataclass
@@ -148,6 +149,16 @@ class Plan:
     # merged into the weights at load, else kept as peft layers):
     # written only when there are some
     loras: list[dict] = field(default_factory=list)
+    # --cache: {"name", "settings", "label", "components": {denoiser: {"bytes": {device: n}, "total_bytes", "contexts",
+    # "holders": {module: n}}}} (planning/step_cache.py); written only with a cache
+    step_cache: dict = field(default_factory=dict)
+
+    @property
+    def cache(self) -> StepCache | None:
+        """The step cache the plan was made for (None: none)."""
+        if not self.step_cache:
+            return None
+        return StepCache(self.step_cache["name"], tuple(sorted(self.step_cache.get("settings", {}).items())))
 
     @property
     def placement(self) -> PlacementSpec:
@@ -210,7 +221,8 @@ class Plan:
                     "components": s.components,
                     "peak_bytes": s.peak_bytes,
                     "breakdown": {k: {"weights": u.weights, "reserve": u.reserve, "activations": u.activations,
-                                      "overhead": u.overhead} for k, u in s.use.items()},
+                                      "overhead": u.overhead, **({"cache": u.cache} if u.cache else {})}
+                                  for k, u in s.use.items()},
                     "note": s.note,
                     "consumes": list(s.consumes),
                     "produces": list(s.produces),
@@ -224,6 +236,7 @@ class Plan:
             **({"parallel": self.parallel.to_json()} if self.parallel is not None else {}),
             **({"input_images": self.input_images} if self.input_images else {}),
             **({"loras": self.loras} if self.loras else {}),
+            **({"step_cache": self.step_cache} if self.step_cache else {}),
         }
 
     @classmethod
@@ -293,6 +306,7 @@ class Plan:
             _parallel(data, known) if "parallel" in data else None,
             dict(_object(data.get("input_images", {}), "'input_images'")),
             _plan_loras(data.get("loras", []), set(components)),
+            _plan_step_cache(data["step_cache"], set(components)) if "step_cache" in data else {},
         )
 
 
@@ -317,6 +331,27 @@ def _plan_loras(value, components: set) -> list[dict]:
                     "bytes": _count(entry.get("bytes", 0), f"{where} bytes"),
                     "fused": _flag(entry.get("fused", False), f"{where} fused")})
     return out
+
+
+def _plan_step_cache(value, components: set) -> dict:
+    """A plan file's `step_cache`: the cache (checked as --cache is) and the bytes it counted per component and device."""
+    from dm_cli.planning.step_cache import parse_cache
+
+    value = _object(value, "'step_cache'")
+    cache = parse_cache({"name": _text(value.get("name"), "step_cache name"),
+                         **_object(value.get("settings", {}), "step_cache settings")}, "the plan's step_cache")
+    placed = {}
+    for name, entry in _object(value.get("components", {}), "step_cache components").items():
+        if name not in components:
+            raise ValueError(f"step_cache counts '{name}', which the plan does not place")
+        entry = _object(entry, f"step_cache {name}")
+        placed[name] = {"bytes": {k: _count(v, f"step_cache {name} bytes") for k, v in
+                                  _object(entry.get("bytes", {}), f"step_cache {name} bytes").items()},
+                        "total_bytes": _count(entry.get("total_bytes", 0), f"step_cache {name} total_bytes"),
+                        "contexts": _count(entry.get("contexts", 1), f"step_cache {name} contexts"),
+                        "holders": {str(k): _count(v, f"step_cache {name} holders") for k, v in
+                                    _object(entry.get("holders", {}), f"step_cache {name} holders").items()}}
+    return {"name": cache.name, "settings": dict(cache.settings), "label": cache.label, "components": placed}
 
 
 def _parallel(data: dict, known: set) -> ParallelLayout:
@@ -344,7 +379,7 @@ def _stage(data, components: dict, known: set) -> StagePlacement:
     for key, value in _object(breakdown, f"stage {name!r} breakdown").items():
         value = _object(value, f"stage {name!r} device {key!r}")
         use[str(_plan_device(key, f"stage {name!r}", known))] = DeviceUse(*(_count(value.get(part, 0), f"stage {name!r} {part}")
-                                                for part in ("weights", "reserve", "activations", "overhead")))
+                                                for part in ("weights", "reserve", "activations", "overhead", "cache")))
     note = data.get("note") or ""
     # what the stage takes and makes; a plan written before stages recorded it means what the name did then
     consumes, produces = NAMED_VALUES.get(name, ((), ())) if "produces" not in data else (
@@ -763,6 +798,9 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         raise _does_not_fit(source_spec, source, comps, stages, devices, options, formats, choice.specs,
                             choice.warnings) from None
     placement, specs = choice.placement, choice.specs
+    footprints = step_cache_footprints(source, prepared, options)
+    if footprints:
+        placement, cache_bytes = _fit_step_cache(source_spec, specs, stages, devices, options, placement, footprints)
     dtype = asked.dtype or (prepared[0].dtype if prepared else "bfloat16")
     plan = Plan(source_spec, dtype, asked.strategy, placement.mode, devices, options.inputs, placement.components,
                 placement.stages, source.pipeline_class,
@@ -784,11 +822,90 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
                   for p in prepared for lora, count in p.lora_bytes]
     plan.warnings += [f"{name}: its LoRA stays unfused (peft's layers beside the weights, a little slower per step): "
                       f"{why}." for name, why in unfused.items() if why]
+    if options.cache is not None:
+        plan.step_cache = _step_cache_report(plan, source, prepared, options, footprints,
+                                             cache_bytes if footprints else {})
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
     if parallel is not None:
         plan.parallel = _parallel_layout(plan, prepared, *parallel)
     return plan
+
+
+def step_cache_footprints(source, prepared: list[PreparedComponent], options: PlanOptions) -> dict:
+    """--cache: what its hooks hold in each denoiser (the family's `denoiser` and `experts`), measured on the meta
+    device (planning/step_cache.py); {} without a cache or for a weights-only plan."""
+    if options.cache is None or options.inputs.weights_only:
+        return {}
+    if options.parallel.active:
+        raise UsageError(f"--cache {options.cache.name} with --world-size {options.parallel.world_size}: dmap does not "
+                         "count a step cache's state per rank yet (and fbc's data-dependent skips would diverge between "
+                         "context-parallel ranks); plan the cache for one process, or drop --cache.")
+    from dm_cli.planning.step_cache import measure
+
+    family = family_for(source.pipeline_class)
+    if family is None:
+        raise UsageError(f"dmap knows no pipeline family in {source.spec}, so it cannot apply --cache: drop it.")
+    out = {}
+    for prep in prepared:
+        if prep.spec.name in (family.denoiser, *family.experts) and prep.source.config is not None:
+            if options.on_progress is not None:
+                options.on_progress(f"Counting what --cache {options.cache.name} holds in {prep.spec.name} on the meta device")
+            out[prep.spec.name], _ = measure(prep.source, source.pipeline_class, options.inputs, prep.dtype,
+                                             options.cache, family, options.use_cache)
+    return out
+
+
+def _fit_step_cache(source_spec: str, specs, stages, devices: list[Device], options: PlanOptions, placement: Placement,
+                    footprints: dict) -> tuple[Placement, dict]:
+    """The placement with room for the cache's state on the devices that hold it (step_cache.fit), or DoesNotFitError."""
+    from dm_cli.planning.step_cache import fit
+
+    fitted, cache_bytes = fit(lambda trial: _plan_or_none(specs, stages, trial, options), devices, footprints)
+    if fitted is None:
+        held = sum(fp.total for fp in footprints.values())
+        raise DoesNotFitError(f"{source_spec} fits on these devices without a step cache, but not with --cache "
+                              f"{options.cache.name}: its hooks hold {format_size(held)} beside the denoiser between "
+                              "steps; use --cache taylorseer:lite=true (less state), a smaller size, or more memory.",
+                              {"shortfall_bytes": {}, "suggestions": []})
+    return fitted, cache_bytes
+
+
+def _step_cache_report(plan: Plan, source, prepared, options: PlanOptions, footprints: dict, cache_bytes: dict) -> dict:
+    """The plan's `step_cache`; a split that fbc or magcache cannot run is refused (one sentence), and the split check
+    runs with the hooks on (its problems join the plan's check)."""
+    from dm_cli.planning.step_cache import split_refusal
+
+    cache = options.cache
+    components = {}
+    for name, footprint in footprints.items():
+        placed = plan.components[name]
+        refusal = split_refusal(cache, footprint, name, placed.device_map, placed.execution_device)
+        if refusal:
+            raise UsageError(refusal)
+        components[name] = {"bytes": cache_bytes.get(name, {}), "total_bytes": footprint.total,
+                            "contexts": footprint.contexts, "holders": footprint.holders}
+    return {"name": cache.name, "settings": dict(cache.settings), "label": cache.label, "components": components}
+
+
+def step_cache_check(plan: Plan, prepared, pipeline_class, options: PlanOptions) -> list[str]:
+    """The split check of each cached, split denoiser run again with the cache's hooks on."""
+    if options.cache is None or not plan.step_cache:
+        return []
+    from dm_cli.planning.step_cache import measure
+
+    family = family_for(pipeline_class)
+    problems = []
+    for prep in prepared:
+        placed = plan.components.get(prep.spec.name)
+        if prep.spec.name not in plan.step_cache.get("components", {}) or len(set(placed.device_map.values())) < 2:
+            continue
+        if options.on_progress is not None:
+            options.on_progress(f"Checking the split of {prep.spec.name} with --cache {options.cache.name} on")
+        _, found = measure(prep.source, pipeline_class, options.inputs, prep.dtype, options.cache, family,
+                           options.use_cache, placed.device_map)
+        problems += [f"{prep.spec.name} with --cache {options.cache.name}: {p}" for p in found]
+    return problems
 
 
 def lora_unfused_because(prepared: PreparedComponent, device_map: dict) -> str | None:
@@ -1076,6 +1193,7 @@ def run_split_check(plan: Plan, prepared: list[PreparedComponent], pipeline_clas
                                 f"{len(devices)} devices on the meta device")
         found = _cached_check(prep, pipeline_class, inputs, placed.device_map, options.use_cache, check_device_map)
         problems.extend(f"{prep.spec.name}: {problem}" for problem in found)
+    problems += step_cache_check(plan, prepared, pipeline_class, options)
     return {"ran": True, "components": checked, "problems": problems}
 
 

@@ -108,10 +108,11 @@ class DeviceUse:
     reserve: int = 0
     activations: int = 0
     overhead: int = 0
+    cache: int = 0  # what a step cache's hooks hold there between steps (dm_cli.planning.step_cache)
 
     @property
     def peak(self) -> int:
-        return self.weights + self.reserve + self.activations + self.overhead
+        return self.weights + self.reserve + self.activations + self.overhead + self.cache
 
 
 @dataclass

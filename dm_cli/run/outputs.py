@@ -9,14 +9,15 @@ from dm_cli.version import __version__
 
 
 def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, demo: bool,
-                 fps: float | None = None, tiled_decode=(), loras=(), fused_loras=()) -> dict[str, str]:
+                 fps: float | None = None, tiled_decode=(), loras=(), fused_loras=(), step_cache=None) -> dict[str, str]:
     """The PNG text metadata of one generated job (what a queue's resume compares, see dm_cli.run.queue).
 
     `tiled_decode`: components the plan decodes in tiles (written only when there are some, so the
     metadata of untiled images stays as it was): tiles change pixels at their seams. `loras` (dm_cli.inputs.LoraAdapter,
     settled): "lora" is what the resume key compares (component, sha256, scale), "lora_files" names the files;
     `fused_loras`: the components whose LoRAs were fused into the weights ("lora_fused", compared too: the
-    pixels differ from unfused ones in the last bits)."""
+    pixels differ from unfused ones in the last bits). `step_cache` (dm_cli.inputs.StepCache): "step_cache", the cache
+    and its settings (written only with one; compared by the resume)."""
     meta = {
         "prompt": job.prompt, "seed": str(job.seed), "steps": str(job.steps), "guidance_scale": str(job.guidance_scale),
         "source": source_spec, "pipeline": pipeline_class, "height": str(job.height), "width": str(job.width),
@@ -40,6 +41,8 @@ def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, d
         meta["lora_files"] = ",".join(lora.name for lora in loras)
         if fused_loras:
             meta["lora_fused"] = ",".join(sorted(fused_loras))
+    if step_cache is not None:
+        meta["step_cache"] = step_cache.label
     if demo:
         meta["weights"] = "random (dmap demo pipeline)"
     return meta

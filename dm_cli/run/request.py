@@ -86,7 +86,10 @@ class RunRequest:
         from dm_cli.model.lora import read_loras
 
         loras = read_loras(options.pop("loras", None))
-        generation = Generation(images=images, last_image=last, loras=loras,
+        from dm_cli.planning.step_cache import parse_cache
+
+        cache = parse_cache(options.pop("cache", None))
+        generation = Generation(images=images, last_image=last, loras=loras, cache=cache,
                                 **{k: options.pop(k) for k in GENERATION_FIELDS if k in options})
         placement = {k: options.pop(k) for k in PLACEMENT_FIELDS if k in options}
         strategy, plan_file = (device_map, None) if device_map in STRATEGIES else ("auto", device_map)
@@ -243,6 +246,16 @@ def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement:
     if problems:
         raise UsageError(f"{where} does not match this run: " + "; ".join(problems)
                          + f". Plan again with dmap plan {source.spec} --output PLAN.json, or run without --device-map.")
+
+
+def check_plan_cache(plan: Plan, asked, where: str):
+    """The step cache a run with this plan uses: the plan's (`Plan.step_cache`, its state counted on its devices), which
+    `asked` (--cache, settled; None: not given) must be; the plan's cache is kept when none is asked."""
+    planned = plan.cache
+    if asked is None or asked == planned:
+        return planned
+    raise UsageError(f"{where} was made for --cache {planned.label if planned else 'none'}, this run asks for "
+                     f"--cache {asked.label} (its state is counted in the plan): drop --cache, or plan again with it.")
 
 
 def check_tiled_decode(plan: Plan, source: Source, where: str) -> None:

@@ -84,6 +84,10 @@ class Session:
         # refused (one sentence) before anything is imported or planned
         self.sharing = step_sharing(request.parallel, plan, self)
         self.is_main = self.sharing is None or self.sharing.is_main  # rank 0 decodes and gets the images
+        if self.sharing is not None and self.generation.cache is not None:
+            raise UsageError(f"--cache {self.generation.cache.name} with ranks sharing each step (--parallel): dmap does "
+                             "not count a step cache's state per rank yet, and fbc's data-dependent skips would diverge "
+                             "between context-parallel ranks; run with --parallel none, or drop --cache.")
         # missing or corrupt weights are bad input: say so before importing the libraries or planning
         largest = {c.name: check_component_files(c) for c in self.source.components}
         if any(c.single_file is not None for c in self.source.components):  # their sha256 goes into the metadata
@@ -155,6 +159,9 @@ class Session:
         where = plan_file or "The plan"
         if plan is not None:
             check_plan_matches(plan, source, self._inputs(), request.placement, where, self.generation.loras)
+            from dm_cli.run.request import check_plan_cache
+
+            self.generation = replace(self.generation, cache=check_plan_cache(plan, request.generation.cache, where))
         return plan, where
 
     def _inputs(self):
@@ -237,7 +244,7 @@ class Session:
         from dm_cli.run.stages import fused_loras
 
         meta = job_metadata(job, self.source.spec, self.source.pipeline_class, self.plan_digest, self.demo, self.fps,
-                            self.plan.tiled_decode, self.generation.loras, fused_loras(self.plan))
+                            self.plan.tiled_decode, self.generation.loras, fused_loras(self.plan), self.plan.cache)
         files = component_files_metadata(self.source)  # single files (SOURCE's, --component-file's) by their sha256
         if files:
             meta["component_files"] = files

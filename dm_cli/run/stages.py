@@ -114,6 +114,9 @@ class StageLoop:
         self.measure = measure
         self.loras = tuple(loras)  # LoRA adapters (settled): loaded into their component each time it loads
         self.fused_loras = fused_loras(plan)  # components whose LoRAs the plan fuses into the weights at load
+        # --cache: diffusers' hooks on each cached denoiser while it is loaded (dm_cli.run.step_cache), their counts
+        self.step_counters: dict[str, object] = {}
+        self.step_counts: dict[str, object] = {}  # component -> StepCounts over every denoise of this loop
 
     # --- loading ---------------------------------------------------------------------------------
 
@@ -157,6 +160,7 @@ class StageLoop:
 
                     self.status(f"Loading {len(patching)} LoRA(s) into {name}…")
                     load_loras(self.pipe, name, model, patching, self.torch_dtype, fuse=name in self.fused_loras)
+                self._apply_step_cache(name, model)
                 default_dev = str(next(iter(cmap.values())))
                 self.meter.register_weights(model, cmap, default_dev)
                 self._hooks[name] = self.meter.attach(model, cmap, default_dev)
@@ -179,6 +183,9 @@ class StageLoop:
                 continue
             for handle in self._hooks.pop(name, []):
                 handle.remove()
+            counter = self.step_counters.pop(name, None)
+            if counter is not None:
+                counter.remove()
             if not last:
                 setattr(self.pipe, name, self.placeholder(name))
             models.append(self.loaded.pop(name))
@@ -186,6 +193,29 @@ class StageLoop:
             self._pipe = None  # rebuilt, with placeholders, if the loop runs again
         free_components(models)
         del models
+
+    def _apply_step_cache(self, name: str, model, steps: int | None = None) -> None:
+        """The plan's step cache on a cached denoiser as it loads (diffusers' enable_cache; magcache for `steps`)."""
+        cache = self.plan.cache
+        if cache is None or name not in self.plan.step_cache.get("components", {}):
+            return
+        from dm_cli.run.step_cache import StepCounts, apply
+
+        counter = apply(model, cache, self.family, steps, self.plan.dtype)
+        counter.counts = self.step_counts.setdefault(name, StepCounts())
+        counter.steps = steps
+        self.step_counters[name] = counter
+
+    def _reset_step_caches(self, steps: int | None = None) -> None:
+        """Each cached denoiser's hook state emptied (the next image starts from nothing; the memory goes back);
+        with `steps`, magcache's config remade for that many steps where it was made for others."""
+        for name, counter in list(self.step_counters.items()):
+            if steps is not None and self.plan.cache.name == "magcache" and counter.steps != steps:
+                counter.remove()
+                counter.model.disable_cache()
+                self._apply_step_cache(name, counter.model, steps)
+            else:
+                counter.reset()
 
     def close(self) -> None:
         self.meter.stop()  # an interrupted stage may have left the tracker on
@@ -271,11 +301,15 @@ class StageLoop:
                 switch(step)
             return callback_kwargs
 
-        out = pipe(
-            prompt=None, height=job.height, width=job.width, num_inference_steps=job.steps,
-            generator=torch.Generator().manual_seed(job.seed), output_type="latent", callback_on_step_end=step_end,
-            return_dict=False, **kwargs,
-        )
+        self._reset_step_caches(job.steps)
+        try:
+            out = pipe(
+                prompt=None, height=job.height, width=job.width, num_inference_steps=job.steps,
+                generator=torch.Generator().manual_seed(job.seed), output_type="latent", callback_on_step_end=step_end,
+                return_dict=False, **kwargs,
+            )
+        finally:
+            self._reset_step_caches()
         return out if whole else out[0]
 
     def _step_components(self, job: Job) -> list[str] | None:

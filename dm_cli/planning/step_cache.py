@@ -1,0 +1,393 @@
+"""Step caches (`--cache NAME[:K=V,...]`): which of diffusers' cache hooks a request asks for, what they hold and where.
+
+diffusers (0.42) ships the hooks: `FirstBlockCacheConfig` (fbc), `TaylorSeerCacheConfig` (taylorseer) and
+`MagCacheConfig` (magcache), applied with `ModelMixin.enable_cache`. dmap writes none of the caching: it parses the
+spec (`parse_cache`, one sentence per bad input), builds diffusers' config (`diffusers_config`), and counts what the
+hooks keep between steps by running them on the meta device (`measure`): the denoiser's forward with the hooks on,
+once per guidance branch (each branch is a cache context with its own state), then the tensors their states hold,
+attributed to the block that holds them (fbc and magcache: the first block's input/output and the last block's
+residuals; taylorseer: each hooked attention's Taylor terms, `max_order + 1` of them). `placed_bytes` puts those
+bytes on the device of their block (a block streamed from cpu or disk keeps them on its execution device), and
+`fit` makes the search leave room for them. The split check runs with the hooks on (`check`).
+
+FasterCache and Pyramid Attention Broadcast are not offered: both need a timestep callback into the pipeline's
+loop (`current_timestep_callback`) and FasterCache a batched CFG, which FLUX, Wan and Qwen-Image do not run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from dm_cli.errors import UsageError
+from dm_cli.inputs import InputSpec, StepCache
+from dm_cli.units import shorten
+
+
+@dataclass(frozen=True)
+class Key:
+    """One setting of a cache: its type, default and bounds (`low_open`: the low bound is excluded)."""
+
+    type: type
+    default: object
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    help: str = ""
+
+    def check(self, value, where: str):
+        """The value as this key's type, within bounds, else UsageError (one sentence)."""
+        if self.type is bool:
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                value = value.lower() in ("true", "1", "yes", "on")
+            if not isinstance(value, bool):
+                raise UsageError(f"{where} must be true or false, not {shorten(value, quote=True)}.")
+            return value
+        number = value
+        if isinstance(value, str):
+            try:
+                number = int(value) if self.type is int else float(value)
+            except ValueError:
+                number = None
+        if self.type is int and (isinstance(number, bool) or not isinstance(number, int)):
+            raise UsageError(f"{where} must be {self.bounds('a whole number')}, not {shorten(value, quote=True)}.")
+        if self.type is float and (isinstance(number, bool) or not isinstance(number, (int, float))
+                                   or not math.isfinite(number)):
+            raise UsageError(f"{where} must be {self.bounds('a number')}, not {shorten(value, quote=True)}.")
+        if (self.low is not None and (number < self.low or (self.low_open and number == self.low))) or (
+                self.high is not None and number > self.high):
+            raise UsageError(f"{where} must be {self.bounds('a number' if self.type is float else 'a whole number')}, "
+                             f"not {shorten(value, quote=True)}.")
+        return float(number) if self.type is float else int(number)
+
+    def bounds(self, what: str) -> str:
+        if self.low is None:
+            return what + ("" if self.high is None else f" at most {self.high:g}")
+        if self.low_open:
+            return what + f" above {self.low:g}" + ("" if self.high is None else f" and at most {self.high:g}")
+        return what + (f" from {self.low:g} to {self.high:g}" if self.high is not None else f" of at least {self.low:g}")
+
+
+@dataclass(frozen=True)
+class CacheKind:
+    """A step cache dmap offers: diffusers' config class and the settings it takes from the command line."""
+
+    name: str
+    title: str
+    config: str  # the diffusers config class
+    keys: dict = field(default_factory=dict)  # setting -> Key
+    data_dependent: bool = False  # whether it skips on the tensors' values (ranks under context parallel diverge)
+    head_and_tail: bool = False  # True: one state shared by the first and the last block (fbc, magcache)
+
+
+CACHES: dict[str, CacheKind] = {
+    "fbc": CacheKind("fbc", "First-Block Cache", "FirstBlockCacheConfig", {
+        "threshold": Key(float, 0.05, 0.0, 1.0, low_open=True,
+                         help="skip the remaining blocks when the first block's residual changed less than this"),
+    }, data_dependent=True, head_and_tail=True),
+    "taylorseer": CacheKind("taylorseer", "TaylorSeer", "TaylorSeerCacheConfig", {
+        "cache_interval": Key(int, 5, 1, 1000, help="steps between full computations"),
+        "disable_cache_before_step": Key(int, 3, 0, 10_000, help="steps computed in full first"),
+        "max_order": Key(int, 1, 0, 4, help="order of the Taylor expansion (terms kept: max_order + 1)"),
+        "lite": Key(bool, False, help="predict proj_out only and skip whole blocks (less memory)"),
+    }),
+    "magcache": CacheKind("magcache", "MagCache", "MagCacheConfig", {
+        "threshold": Key(float, 0.06, 0.0, 1.0, low_open=True, help="accumulated error below which a step is skipped"),
+        "max_skip_steps": Key(int, 3, 1, 1000, help="most consecutive steps skipped"),
+        "retention_ratio": Key(float, 0.2, 0.0, 1.0, help="fraction of the first steps never skipped"),
+    }, head_and_tail=True),
+}
+NAMES = tuple(CACHES)
+
+
+def parse_cache(value, where: str = "--cache") -> StepCache | None:
+    """A step cache from `--cache NAME[:K=V,...]`, the API's `cache=` (that string, a StepCache, or a dict
+    {"name": NAME, K: V, ...}) or a queue item's "cache"; None or "none": no cache. Every default filled in."""
+    if value is None:
+        return None
+    if isinstance(value, StepCache):
+        return parse_cache({"name": value.name, **dict(value.settings)}, where)
+    if isinstance(value, dict):
+        given = dict(value)
+        name = given.pop("name", None)
+        if not isinstance(name, str):
+            raise UsageError(f"{where} must name its cache: {{\"name\": \"fbc\", ...}} (one of {', '.join(NAMES)}).")
+    elif isinstance(value, str):
+        text = value.strip()
+        name, _, rest = text.partition(":")
+        given = {}
+        for item in filter(None, (part.strip() for part in rest.split(","))) if rest.strip() else ():
+            key, sep, raw = item.partition("=")
+            if not sep or not key.strip() or not raw.strip():
+                raise UsageError(f"{where} {shorten(text)}: '{shorten(item)}' needs a value, like {key.strip() or 'KEY'}=VALUE.")
+            if key.strip() in given:
+                raise UsageError(f"{where} {shorten(text)} gives '{key.strip()}' twice.")
+            given[key.strip()] = raw.strip()
+        if rest and not given:
+            raise UsageError(f"{where} {shorten(text)}: after ':' come settings KEY=VALUE, comma-separated.")
+    else:
+        raise UsageError(f"{where} takes NAME[:KEY=VALUE,...] (a string), not a {type(value).__name__}.")
+    name = name.strip().lower()
+    if name in ("none", "") and not given:
+        return None
+    kind = CACHES.get(name)
+    if kind is None:
+        raise UsageError(f"Unknown step cache {shorten(name, quote=True)} for {where}: use {', '.join(NAMES)} "
+                         "(with settings as NAME:KEY=VALUE,..., e.g. fbc:threshold=0.05) or none.")
+    unknown = sorted(str(k) for k in given if k not in kind.keys)
+    if unknown:
+        raise UsageError(f"{where} {name} has no setting {shorten(unknown[0], quote=True)}: its settings are "
+                         f"{', '.join(kind.keys)}.")
+    settings = {k: key.check(given[k], f"{where} {name}:{k}") if k in given else key.default
+                for k, key in kind.keys.items()}
+    return StepCache(name, tuple(sorted(settings.items())))
+
+
+# --- diffusers' configs --------------------------------------------------------------------------
+
+
+def diffusers_config(cache: StepCache, family, steps: int | None = None, dtype: str | None = None):
+    """diffusers' config for `cache` on `family`'s denoiser (the family's own defaults under the user's settings):
+    magcache is given the family's magnitude ratios and the run's number of steps."""
+    import diffusers
+
+    kind = CACHES[cache.name]
+    own = dict((getattr(family, "step_caches", {}) or {}).get(cache.name, {}))
+    values = dict(cache.settings)
+    cls = getattr(diffusers, kind.config)
+    if cache.name == "fbc":
+        return cls(threshold=values["threshold"])
+    if cache.name == "taylorseer":
+        import torch
+
+        kwargs = {"cache_interval": values["cache_interval"], "disable_cache_before_step": values["disable_cache_before_step"],
+                  "max_order": values["max_order"], "use_lite_mode": values["lite"],
+                  "taylor_factors_dtype": getattr(torch, dtype) if dtype else torch.bfloat16}
+        if own.get("cache_identifiers") and not values["lite"]:
+            kwargs["cache_identifiers"] = list(own["cache_identifiers"])
+        return cls(**kwargs)
+    if cache.name == "magcache":
+        ratios = own.get("mag_ratios")
+        if ratios == "flux":
+            from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+
+            ratios = FLUX_MAG_RATIOS
+        return cls(threshold=values["threshold"], max_skip_steps=values["max_skip_steps"],
+                   retention_ratio=values["retention_ratio"], num_inference_steps=steps or 28, mag_ratios=ratios)
+    raise AssertionError(f"no config for {cache.name}")
+
+
+# --- what the hooks hold --------------------------------------------------------------------------
+
+HEAD_STATE = ("head_block_output", "head_block_residual", "head_block_input")  # fbc, magcache: the first block's
+TAIL_STATE = ("tail_block_residuals", "previous_residual")  # fbc, magcache: the last block's
+
+
+@dataclass
+class Footprint:
+    """What a cache holds between steps in one denoiser: module (the block or attention that holds it) -> bytes,
+    summed over the guidance branches (cache contexts), and the branches counted."""
+
+    holders: dict[str, int] = field(default_factory=dict)
+    contexts: int = 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.holders.values())
+
+    def to_json(self) -> dict:
+        return {"holders": dict(self.holders), "contexts": self.contexts}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Footprint":
+        return cls({str(k): int(v) for k, v in data.get("holders", {}).items()}, int(data.get("contexts", 1)))
+
+
+def contexts(family, inputs: InputSpec) -> tuple[str, ...]:
+    """The cache contexts of one step, as the pipelines name them: "cond", and "uncond" under separate CFG calls."""
+    return ("cond", "uncond")[:max(1, min(2, family.denoiser_calls(inputs)))]
+
+
+def measure(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str, cache: StepCache, family,
+            use_cache: bool = True, device_map: dict | None = None) -> tuple[Footprint, list[str]]:
+    """Run the denoiser on the meta device with the cache's hooks on, once per cache context: (what the hooks'
+    states hold, by holder; the split check's problems when `device_map` places it on several devices)."""
+    from dm_cli.io.cache import cache_key, read_cached, write_cached
+
+    key = cache_key({"what": "step-cache", "class": comp.cls, "config": comp.config, "pipeline": pipeline_class,
+                     "inputs": inputs.to_json(), "dtype": dtype, "cache": cache.label,
+                     "map": list((device_map or {}).items())})
+    cached = read_cached("checks", key) if use_cache else None
+    if cached is not None and isinstance(cached.get("footprint"), dict):
+        return Footprint.from_json(cached["footprint"]), list(cached.get("problems", []))
+    footprint, problems = _measure(comp, pipeline_class, inputs, dtype, cache, family, device_map)
+    if use_cache and not any("failed on the meta device" in p for p in problems):
+        write_cached("checks", key, {"footprint": footprint.to_json(), "problems": problems})
+    return footprint, problems
+
+
+def _measure(comp, pipeline_class, inputs: InputSpec, dtype: str, cache: StepCache, family,
+             device_map: dict | None) -> tuple[Footprint, list[str]]:
+    import torch
+
+    from dm_cli.families import call_spec
+    from dm_cli.planning.trace import _meta_model, _resolve_call, _run, _Session, _torch_dtype_name, compute_dtype
+
+    dtype = _torch_dtype_name(dtype, comp)
+    run_dtype = compute_dtype(call_spec(comp, pipeline_class, inputs), dtype)
+    model = _meta_model(comp, run_dtype)
+    spec = _resolve_call(model, comp, pipeline_class, inputs)
+    if spec is None:
+        raise UsageError(f"dmap cannot run {comp.cls} on the meta device, so it cannot count what --cache "
+                         f"{cache.name} holds: drop --cache.")
+    names = contexts(family, inputs)
+    problems: list[str] = []
+    seen: set = set()
+    split = device_map is not None and len(set(device_map.values())) > 1
+    model.enable_cache(diffusers_config(cache, family, 28, run_dtype))
+    try:
+        for name in names:
+            session = _Session(model, replace_sdpa=True, tag_mode="device" if split else None,
+                               device_map=device_map if split else None, problems=problems, seen_problems=seen)
+            with model.cache_context(name):
+                try:
+                    _run(model, spec, run_dtype, session)
+                except Exception as error:  # noqa: BLE001 - said as the check's problem, never a traceback
+                    problems.append(f"{comp.cls} ({comp.name}) with --cache {cache.name} failed on the meta device "
+                                    f"({type(error).__name__}: {shorten(str(error), 120)}).")
+                    break
+        holders = _held(model, cache, torch)
+    finally:
+        model.disable_cache()
+    return Footprint(holders, len(names)), problems
+
+
+def _held(model, cache: StepCache, torch) -> dict[str, int]:
+    """Bytes each hooked module's state holds now (each tensor once); taylorseer's after one update hold one term of
+    `max_order + 1`, so they count that many times."""
+    from diffusers.hooks.hooks import StateManager
+
+    terms = cache.setting("max_order", 0) + 1 if cache.name == "taylorseer" else 1
+    head = tail = None
+    found: list[tuple[str, str, object]] = []  # (module, state attribute, value)
+    states_seen: set = set()
+    for prefix, module in model.named_modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is None:
+            continue
+        for hook in registry.hooks.values():
+            kind = type(hook).__name__
+            if "Head" in kind:
+                head = prefix
+            if getattr(hook, "is_tail", False):
+                tail = prefix
+            for attr in vars(hook).values():
+                if not isinstance(attr, StateManager):
+                    continue
+                for state in attr._state_cache.values():
+                    if id(state) in states_seen:
+                        continue
+                    states_seen.add(id(state))
+                    found += [(prefix, name, value) for name, value in vars(state).items()]
+    holders: dict[str, int] = {}
+    tensors_seen: set = set()
+    for prefix, name, value in found:
+        where = head if name in HEAD_STATE else tail if name in TAIL_STATE else prefix
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors(value, torch) if not (
+            id(t) in tensors_seen or tensors_seen.add(id(t))))
+        if nbytes and where is not None:
+            holders[where] = holders.get(where, 0) + nbytes * (terms if cache.name == "taylorseer" else 1)
+    return holders
+
+
+def _tensors(value, torch):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item, torch)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item, torch)
+
+
+# --- where the bytes go ---------------------------------------------------------------------------
+
+
+def placed_bytes(footprint: Footprint, device_map: dict, execution_device) -> dict[str, int]:
+    """Device name -> bytes the cache holds there: each holder on its block's device; a block streamed from cpu or
+    disk computes (and keeps its state) on the execution device."""
+    from dm_cli.devices import device_of, is_gpu
+
+    out: dict[str, int] = {}
+    for holder, nbytes in footprint.holders.items():
+        device = device_of(holder, device_map, execution_device)
+        if device in ("cpu", "disk") and is_gpu(execution_device):
+            device = execution_device
+        out[str(device)] = out.get(str(device), 0) + nbytes
+    return out
+
+
+def split_refusal(cache: StepCache, footprint: Footprint, component: str, device_map: dict, execution_device) -> str | None:
+    """fbc and magcache keep one state for the first and the last block: diffusers' hooks subtract one from the
+    other, which fails when the two run on different devices."""
+    if not CACHES[cache.name].head_and_tail or len(footprint.holders) < 2:
+        return None
+    devices = {str(d) for d in placed_bytes(footprint, device_map, execution_device)}
+    if len(devices) < 2:
+        return None
+    return (f"--cache {cache.name} keeps the first and the last block's tensors of {component} in one state, and "
+            f"diffusers' hook subtracts one from the other: it cannot run with {component} split over "
+            f"{', '.join(sorted(devices))}; use --cache taylorseer (each attention's state stays on its own device) "
+            "or more memory on one GPU.")
+
+
+def fit(place: Callable, devices: list, denoisers: dict[str, Footprint], rounds: int = 6):
+    """Place with room for the caches: `place(devices)` -> Placement or None; `denoisers`: component -> footprint.
+    Each stage that runs a cached denoiser gets its bytes (`DeviceUse.cache`) on the devices that hold them; where
+    that goes over a device's capacity, the search runs again with that much less there. (placement or None, the
+    cache bytes per component and device)."""
+    reduced = {d.key: 0 for d in devices}
+    placement = place(devices)
+    for _ in range(rounds):
+        if placement is None:
+            return None, {}
+        per_component = {name: placed_bytes(fp, placement.components[name].device_map,
+                                            placement.components[name].execution_device)
+                         for name, fp in denoisers.items() if name in placement.components}
+        over: dict = {}
+        for stage in placement.stages:
+            extra = _stage_cache(stage, per_component)
+            for device in devices:
+                use = stage.use.get(device.name)
+                added = extra.get(device.name, 0)
+                short = (use.peak if use else 0) + added - (device.capacity if device.capacity is not None else 0)
+                if added and device.capacity is not None and short > 0:
+                    over[device.key] = max(over.get(device.key, 0), short)
+        if not over:
+            for stage in placement.stages:
+                for key, added in _stage_cache(stage, per_component).items():
+                    stage.use.setdefault(key, _device_use()).cache = added
+            return placement, per_component
+        for key, short in over.items():
+            reduced[key] += short
+        placement = place([replace(d, capacity=None if d.capacity is None else max(0, d.capacity - reduced[d.key]))
+                           for d in devices])
+    return None, {}
+
+
+def _stage_cache(stage, per_component: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Cache bytes per device while this stage runs: the caches of the cached denoisers it runs (two experts of one
+    stage run one after another, their states both live: summed)."""
+    out: dict[str, int] = {}
+    for name in stage.components:
+        for key, nbytes in per_component.get(name, {}).items():
+            out[key] = out.get(key, 0) + nbytes
+    return out
+
+
+def _device_use():
+    from dm_cli.planning.search import DeviceUse
+
+    return DeviceUse()
