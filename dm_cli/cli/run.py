@@ -169,10 +169,14 @@ def _refuse_single_only(fields: dict) -> None:
             or fields["track_activations"]):
         raise UsageError("--save-latents, --frames, --fps, --guidance-scale-2 and --track-activations are for one "
                          "prompt, not --prompts.")
-    if fields["parallel"] not in (None, "none"):
+    if fields["parallel"] not in (None, "none", "pipeline"):
         raise UsageError("--parallel shares one image's steps among the torchrun ranks; with --prompts the ranks "
-                         "already share the queue (one prompt each at a time): drop --parallel.")
-    fields["parallel"] = "none"  # a queue ignores a plan file's 'parallel': its ranks take prompts, not steps
+                         "already share the queue (one prompt each at a time): drop --parallel, or give --parallel "
+                         "pipeline to cut the denoiser among them.")
+    from dm_cli.run.queue_runner import queue_parallel
+
+    # a queue's ranks take prompts, not steps: it follows a plan file's 'parallel' only when that is a pipeline
+    fields["parallel"] = fields["parallel"] or queue_parallel(fields["device_map"])
 
 
 def _run_one(fields: dict, output: str | None, gpus_per_rank: int | None, as_json: bool, quiet: bool,

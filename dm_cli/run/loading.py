@@ -157,13 +157,37 @@ def _hooked_gguf_parameter():
     return HookedGGUFParameter
 
 
-def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights: str | None = None, resident: bool = False):
+def load_slice(comp: ComponentSource, device: str, dtype: str | None, skip: frozenset[str]):
+    """The component on `device` without the blocks named in `skip` (device_map keys such as
+    `transformer_blocks.3`), whose tensors stay on the meta device: a pipeline rank's slice
+    (dm_cli.run.pipeline) reads only its own blocks' weights from the checkpoint, as stored, cast as
+    `from_pretrained` casts them."""
+    import torch
+
+    def kept(name: str) -> bool:
+        parts = name.split(".")
+        return not any(".".join(parts[:n]) in skip for n in range(1, len(parts)))
+
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    try:
+        model = _load_streamed(comp, {"": device}, torch_dtype, resident=True, place=device, keep=kept)
+    except (OSError, ValueError, RuntimeError, KeyError) as error:
+        if isinstance(error, torch.OutOfMemoryError):
+            raise
+        raise CheckpointError(f"Cannot load component '{comp.name}' from {comp.folder}: {error}".rstrip(".") + ".") from error
+    model.eval()
+    return model
+
+
+def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights: str | None = None, resident: bool = False,
+                   place: str = "cpu", keep=None):
     """Build empty, put each tensor on its device, and stream cpu/disk blocks from the ORIGINAL safetensors.
 
     accelerate's own disk offload re-saves every tensor as .dat; here offloaded blocks are read from
     the checkpoint's shards (mmap) on each use. Each tensor goes stored dtype -> run dtype -> storage
     dtype (fp8 for the tensors `weight_formats` casts), as from_pretrained + enable_layerwise_casting
-    would, one tensor at a time. `resident`: everything stays on the CPU (simulated or cpu-only plans).
+    would, one tensor at a time. `resident`: everything stays on `place`, the CPU unless a pipeline slice says
+    otherwise (simulated or cpu-only plans). `keep(name)` False: that tensor is not read (it stays on meta).
     """
     import torch
     from accelerate.utils import set_module_tensor_to_device
@@ -195,7 +219,7 @@ def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights
     persistent = {t.name for t in skeleton.tensors if t.kind in ("param", "buffer")} | set(aliases)
     handles: dict[str, object] = {}
     for name in names:
-        if name not in persistent:
+        if name not in persistent or (keep is not None and not keep(name)):
             continue  # non-persistent buffers were built for real by init_empty_weights(include_buffers=False)
         stored = name if name in where else aliases.get(name, name)
         if stored not in where:
@@ -206,7 +230,7 @@ def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights
         entry = LoadedTensor(name, str(where[stored]), key_of[stored], info.dtype_at(dtype_name),
                              info.dtype_at(dtype_name, fp8))
         storage_dtype = getattr(torch, entry.storage)
-        dev = "cpu" if resident else device_of(name, device_map, "cpu")
+        dev = place if resident else device_of(name, device_map, "cpu")
         if dev in ("cpu", "disk") and not resident and name not in buffer_names:
             streamed[name] = entry  # the meta tensor takes the storage dtype: accelerate casts each streamed value to it
             set_module_tensor_to_device(model, name, "meta", value=torch.empty(info.shape, dtype=storage_dtype, device="meta"),

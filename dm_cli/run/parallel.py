@@ -36,15 +36,16 @@ from dm_cli.families.stages import DECODE, DECODE_AUDIO, ENCODE, ENCODE_IMAGE
 from dm_cli.run.distributed import Ranks
 from dm_cli.run.stages import StageLoop
 
-RUN_CHOICES = ("none", "cfg", "context", "cfg+context", "auto")
-LAUNCH = "launch it with torchrun --nproc-per-node N (N = 2 for cfg, the Ulysses degree for context)"
+RUN_CHOICES = ("none", "cfg", "context", "cfg+context", "pipeline", "auto")
+LAUNCH = ("launch it with torchrun --nproc-per-node N (N = 2 for cfg, the Ulysses degree for context, the plan's GPUs "
+          "for pipeline)")
 
 
 @dataclass(frozen=True)
 class StepSharing:
     """How this torchrun launch shares each denoising step: layout, degrees, and where this rank stands."""
 
-    layout: str  # cfg, context or cfg+context
+    layout: str  # cfg, context, cfg+context or pipeline (dm_cli.run.pipeline)
     cfg: int
     ulysses: int
     ranks: Ranks
@@ -62,6 +63,8 @@ class StepSharing:
     def describe(self) -> str:
         from dm_cli.planning.parallel import layout_title
 
+        if self.layout == "pipeline":
+            return f"pipeline parallel: one slice of the denoiser on each of {self.ranks.world_size} torchrun ranks"
         return f"{layout_title(self.layout, self.cfg, self.ulysses)} over {self.ranks.world_size} torchrun ranks"
 
 
@@ -88,12 +91,53 @@ def step_sharing(choice: str | None, plan, session, ranks: Ranks | None = None) 
         return None
     if choice not in RUN_CHOICES:
         raise UsageError(f"--parallel must be {', '.join(RUN_CHOICES[:-1])} or auto, not {choice!r}.")
+    if choice == "pipeline":
+        return _pipeline(plan, session, ranks)
     if ranks.world_size == 1:
         raise UsageError(f"--parallel {choice} shares each step among torchrun ranks and this is one process: {LAUNCH}.")
     layout, guidance = _layout(choice, ranks.world_size, session)
     sharing = StepSharing(layout.layout, layout.cfg, layout.ulysses, ranks, guidance.kind)
     session.notices.append(f"Each denoising step is shared: {sharing.describe()}; rank 0 encodes, decodes and "
                            "writes the outputs.")
+    return sharing
+
+
+def pipelined(choice: str | None, plan, ranks: Ranks | None = None) -> bool:
+    """Whether this launch runs the pipeline: --parallel pipeline, or a plan file's pipeline layout followed under
+    torchrun with as many ranks as it records."""
+    ranks = ranks or Ranks.from_env()
+    recorded = getattr(plan, "parallel", None)
+    return choice == "pipeline" or (choice is None and recorded is not None and recorded.layout == "pipeline"
+                                    and ranks.world_size == recorded.world_size)
+
+
+def cpu_ranks(choice: str | None, plan) -> int:
+    """GPUs 0 .. N - 1 of a pipeline's plan that N torchrun ranks without a GPU stand in for (0: none)."""
+    ranks = Ranks.from_env()
+    if ranks.world_size < 2 or not pipelined(choice, plan, ranks):
+        return 0
+    from dm_cli.run.request import visible_gpus
+
+    return ranks.world_size if visible_gpus() == 0 else 0
+
+
+def checked_pipeline(plan, session, ranks: Ranks) -> StepSharing:
+    return _pipeline(plan, session, ranks)
+
+
+def _pipeline(plan, session, ranks: Ranks) -> StepSharing:
+    """Pipeline parallel (dm_cli.run.pipeline): refused in one sentence unless the plan cuts the denoiser into one
+    slice per rank."""
+    from dm_cli.run.pipeline import pipeline_refusal, plan_slices
+
+    problem = pipeline_refusal(session.family, session.generation, plan, ranks.world_size)
+    if problem:
+        raise UsageError(problem)
+    sharing = StepSharing("pipeline", 1, 1, ranks)
+    if plan is not None:
+        slices = plan_slices(plan, session.family.denoiser, ranks.world_size)
+        session.notices.append(f"The denoiser is cut into {ranks.world_size} slices ({sharing.describe()}), up to "
+                               f"{slices.in_flight} prompts in flight; rank 0 encodes, decodes and writes the outputs.")
     return sharing
 
 
@@ -108,10 +152,10 @@ def _layout(choice: str, world_size: int, session):
     guidance = guidance_branches(family, inputs, generation.negative_prompt, dict(generation.settings))
     shape = denoiser_shape(comp, session.source.pipeline_class, inputs, family, 4)
     found, refused = candidates(ParallelRequest(world_size, choice).settled(), guidance, shape)
-    found = [c for c in found if c.layout != "split"]
+    order = ("cfg+context", "cfg", "context")  # auto without a plan's memory model: the layouts that share a step
+    found = [c for c in found if c.layout in order]
     if not found:
         raise UsageError(f"--parallel auto finds no layout for {world_size} ranks: " + " ".join(refused.values()))
-    order = ("cfg+context", "cfg", "context")
     return min(found, key=lambda c: order.index(c.layout)), guidance
 
 

@@ -86,6 +86,21 @@ class QueueEvents:
     on_status: Callable[[str | None], None] | None = None  # what is happening now (importing, planning, loading)
 
 
+def queue_parallel(plan_file: str | None) -> str:
+    """A queue's --parallel when none is given: "pipeline" when the plan file records a pipeline layout (its ranks
+    then hold slices of one denoiser and every prompt passes through all of them), else "none" (each rank takes
+    its own prompts). A plan file that cannot be read is reported where the run loads it."""
+    if not plan_file or not plan_file.endswith(".json"):
+        return "none"
+    from dm_cli.planning.make import load_plan
+
+    try:
+        recorded = load_plan(plan_file).parallel
+    except Exception:  # noqa: BLE001 - the session loads it again and says what is wrong, in one sentence
+        return "none"
+    return "pipeline" if recorded is not None and recorded.layout == "pipeline" else "none"
+
+
 def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> QueueResult:
     """Generate this rank's missing items and record them; rank 0 writes the merged manifest."""
     from dm_cli.units import parse_size
@@ -102,14 +117,25 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UsageError(f"Cannot create the output folder {folder}: {error.strerror or error}.") from None
-    mine = items_for_rank(items, ranks.rank, ranks.world_size)
+    # a pipeline's ranks each hold a slice of one denoiser: every prompt passes through all of them (rank 0 writes)
+    pipelined = request.run.parallel == "pipeline" and ranks.distributed
+    mine = items if pipelined else items_for_rank(items, ranks.rank, ranks.world_size)
     result = QueueResult(str(folder), ranks.rank, ranks.world_size, len(items), len(mine), resume=request.resume)
-    ranks.join()
+    ranks.join(_backend(pipelined))
     try:
         _run_share(request, events, ranks, items, mine, folder, budget, result)
     finally:
         ranks.leave()
     return result
+
+
+def _backend(pipelined: bool) -> str:
+    """gloo for the queue's small objects; a pipeline on GPUs also sends tensors over NCCL."""
+    if not pipelined:
+        return "gloo"
+    import torch
+
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget, result: QueueResult) -> None:
@@ -141,6 +167,8 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
     result.chunk_size_given = request.chunk_size is not None
     size, result.bytes_per_item, result.chunk_budget = pipeline.chunk_size(len(todo), budget)
     result.chunk_size = request.chunk_size or size
+    if pipeline.pipelined:  # every rank runs rank 0's list (its outputs, its resume), in rank 0's chunks
+        todo, result.chunk_size = _as_on_main(ranks, todo, result.chunk_size, mine)
     if events.on_start is not None:
         events.on_start(result)
     manifest = folder / (MANIFEST if not ranks.distributed else rank_manifest_name(ranks.rank))
@@ -151,6 +179,9 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
         for generated in pipeline.generate(todo, chunk_size=result.chunk_size, on_step=events.on_step,
                                            on_chunk=events.on_chunk):
             item = by_index[generated.index]
+            if not pipeline.is_main:  # a pipeline's other ranks hold slices of the denoiser: rank 0 writes
+                result.generated.append(item.index)
+                continue
             path = folder / item.output
             save_images(generated.images[:1], str(path), generated.metadata)
             record = _record(item, jobs[item.index], pipeline.plan_digest, generated.seconds, ranks.rank)
@@ -164,13 +195,25 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
         members = {s.name: list(s.components) for s in pipeline.plan.stages}
         result.stages = {name: {**totals, "components": members.get(name, [])}
                          for name, totals in pipeline.stage_totals.items()}
-    gathered = ranks.gather(records)
+    gathered = ranks.gather(records if pipeline.is_main else {})  # a pipeline's rank 0 holds every record
     if ranks.is_main:
         merged: dict[int, dict] = {}
         for part in gathered:
             merged.update(part)
         result.manifest = str(write_manifest(folder, merge_records(items, merged, previous_records(folder))))
     result.seconds = time.perf_counter() - started
+
+
+def _as_on_main(ranks: Ranks, todo: list[QueueItem], chunk_size: int, mine: list[QueueItem]):
+    """Rank 0's items to generate and chunk size, on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    box = [([item.index for item in todo], chunk_size) if ranks.is_main else None]
+    dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))
+    indices, size = box[0]
+    by_index = {item.index: item for item in mine}
+    return [by_index[i] for i in indices], size
 
 
 def _record(item: QueueItem, job, digest: str, seconds: float | None, rank: int, resumed: bool = False) -> dict:

@@ -198,7 +198,20 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
     root, pipeline = (str(single.path), str(source.root)) if single is not None else (str(source.root), None)
     files = tuple(named_component_files(source).items())  # --component-file's, planned as given
     return make_named_plan(root, source.spec, PlanOptions.of(generation, request.placement, pipeline=pipeline,
-                                                             component_files=files, loras=generation.loras))
+                                                             component_files=files, loras=generation.loras,
+                                                             parallel=_planned_parallel(request)))
+
+
+def _planned_parallel(request: RunRequest):
+    """What the inline plan plans for the ranks: `--parallel pipeline` under torchrun cuts the denoiser into one
+    slice per rank (dm_cli.run.pipeline); the other layouts run the single-process plan."""
+    from dm_cli.planning.parallel import ParallelRequest
+    from dm_cli.run.distributed import Ranks
+
+    ranks = Ranks.from_env()
+    if request.parallel == "pipeline" and ranks.world_size > 1:
+        return ParallelRequest(ranks.world_size, "pipeline")
+    return ParallelRequest()
 
 
 def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement: PlacementSpec, where: str,
@@ -302,10 +315,21 @@ def cuda_devices_without_torch() -> int | None:
     return 0
 
 
-def check_devices_present(plan: Plan) -> None:
+def visible_gpus() -> int:
+    """CUDA GPUs this process sees (without importing torch when the driver answers)."""
+    gpus = cuda_devices_without_torch()
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return gpus
+
+
+def check_devices_present(plan: Plan, cpu_ranks: int = 0) -> None:
     """Without --simulate, every device the plan names must exist here. Checked before the plan is shown
     and, when the answer is known without it (no GPU driver, `cuda_devices_without_torch`), before torch
-    is imported."""
+    is imported. `cpu_ranks`: the pipeline ranks of a machine without GPUs stand in for GPUs 0 .. N - 1
+    (dm_cli.run.pipeline)."""
     import sys
 
     from dm_cli.devices import device_key
@@ -320,12 +344,8 @@ def check_devices_present(plan: Plan) -> None:
                 raise UsageError("The plan places weights on mps, which this machine lacks: add --simulate to run it on the CPU.")
             continue
         if gpus is None:
-            gpus = cuda_devices_without_torch()
-        if gpus is None:
-            import torch
-
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if int(dev) >= gpus:
+            gpus = visible_gpus()
+        if int(dev) >= max(gpus, cpu_ranks):
             raise UsageError(
                 f"The plan places weights on GPU {dev} but this machine has {gpus} GPU(s): add --simulate to run "
                 "it on the CPU with the split check, or plan for this machine (omit --max-memory)."

@@ -106,9 +106,14 @@ class Session:
         self.staged = plan.mode != "resident"
         # measure=False: no activation tracker (Python work on every op) nor RSS sampling; `dmap run --prompt`
         # measures each stage, a queue only wants its images
-        from dm_cli.run.parallel import ParallelStageLoop
+        from dm_cli.run.parallel import ParallelStageLoop, checked_pipeline
+        from dm_cli.run.pipeline import PipelineStageLoop
 
-        loop, shared = (StageLoop, {}) if self.sharing is None else (ParallelStageLoop, {"sharing": self.sharing})
+        self.pipelined = self.sharing is not None and self.sharing.layout == "pipeline"
+        if self.pipelined and self.planned_here:  # the plan made here must cut the denoiser into the ranks' slices
+            checked_pipeline(plan, self, self.sharing.ranks)
+        loop, shared = (StageLoop, {}) if self.sharing is None else (
+            PipelineStageLoop if self.pipelined else ParallelStageLoop, {"sharing": self.sharing})
         self._loop = loop(self.source, plan, self.family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
                           largest_shard=largest, track_activations=request.simulate or request.track_activations,
                           on_status=on_status, measure=measure, loras=self.generation.loras, **shared)
@@ -124,6 +129,7 @@ class Session:
         from dm_cli.families import Job
         from dm_cli.planning.make import load_plan
         from dm_cli.run.checks import device_map_refusal
+        from dm_cli.run.parallel import cpu_ranks
         from dm_cli.run.request import (
             check_devices_present,
             check_plan_matches,
@@ -144,7 +150,7 @@ class Session:
         if plan_file is not None:
             plan = load_plan(plan_file)
         if plan is not None and not request.simulate:  # before anything is shown or torch is imported
-            check_devices_present(plan)
+            check_devices_present(plan, cpu_ranks(request.parallel, plan))
         if plan is not None:  # a plan's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
             defaults = {**defaults, **inputs_from_plan(plan)}
         # Settle the generation first: the plan is made for (and checked against) it.
@@ -172,6 +178,7 @@ class Session:
 
     def _checked_plan(self, plan: Plan | None, request: RunRequest, status, on_plan) -> Plan:
         """The given plan, or one made here; its devices and int8 placements checked before anything loads."""
+        from dm_cli.run.parallel import cpu_ranks
         from dm_cli.run.request import check_devices_present, make_run_plan
 
         if plan is None:
@@ -179,7 +186,7 @@ class Session:
             plan = make_run_plan(self.source, request, self.generation, self.family)
         status(None)
         if not request.simulate:
-            check_devices_present(plan)  # a plan made here: before it is shown
+            check_devices_present(plan, cpu_ranks(request.parallel, plan))  # a plan made here: before it is shown
         if on_plan is not None:
             on_plan(plan)
         if not request.simulate:
@@ -309,7 +316,8 @@ class Session:
         if chunk_size < 1:
             raise UsageError("The chunk size must be at least 1.")
         with frozen_gc():  # as dmap run: collections walk only what the run makes (see dm_cli.run.single.run)
-            parts = chunks(jobs, chunk_size) if self.staged else [[pair] for pair in jobs]  # resident: loaded once
+            # resident: loaded once, one prompt at a time, unless a pipeline keeps several in flight
+            parts = chunks(jobs, chunk_size) if self.staged or self.pipelined else [[pair] for pair in jobs]
             for number, part in enumerate(parts):
                 if on_chunk is not None and self.staged:
                     on_chunk(number, len(parts))

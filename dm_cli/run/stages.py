@@ -491,8 +491,14 @@ class StageLoop:
                 stage.load_s = time.perf_counter() - start
             stage.resident_after_load = self.meter.resident()
             run_s, peak = 0.0, {}
+            together = not last and self.runs_together(stage_plan)  # a pipeline's ranks: every job in flight at once
             try:
-                for n, job in enumerate(jobs):
+                if together:
+                    self.run_stage_together(stage_plan, jobs, carries, on_step, stage)
+                    for n in range(len(jobs)):
+                        seconds[n] += stage.run_s / len(jobs)
+                    run_s, peak = stage.run_s, dict(stage.measured_peak)
+                for n, job in enumerate(() if together else jobs):
                     self.run_stage(stage_plan, job, carries[n], on_step if stage_plan.kind == DENOISE else None, stage)
                     seconds[n] += stage.run_s
                     run_s += stage.run_s
@@ -506,6 +512,13 @@ class StageLoop:
             stage.run_s, stage.measured_peak = run_s, peak
             stage.wall_s = time.perf_counter() - start
             results.append(stage)
+
+    def runs_together(self, stage_plan) -> bool:
+        """Whether the jobs of a chunk run this stage together (`run_stage_together`) rather than one by one."""
+        return False
+
+    def run_stage_together(self, stage_plan, jobs: list[Job], carries: list[Carry], on_step, stage: StageResult) -> None:
+        raise NotImplementedError  # a loop whose runs_together says yes (dm_cli.run.pipeline) has its own
 
     def stage_groups(self) -> list[list]:
         """The plan's stages as they run: consecutive denoise sub-stages (the same name) of a staged plan

@@ -1,0 +1,524 @@
+"""Pipeline parallel under torchrun (`--parallel pipeline`): one slice of the denoiser's blocks per rank, several
+prompts' steps in flight at once, so that every rank computes all the time.
+
+A denoiser split over two GPUs in one process runs one GPU at a time. Here rank r holds slice r of the blocks, the
+ones the plan puts on GPU r (the same cut points, `plan_slices`), plus the small modules around the blocks (the
+embedders and the output layers), and loads nothing of the other slices (`dm_cli.run.loading.load_slice`).
+
+Every rank runs the same diffusers denoising loop for each prompt in flight (the same seeds, the same scheduler
+steps); in each denoiser call rank r computes the embedders and its own blocks only:
+
+- rank r > 0 receives the inputs of its first block (every tensor of that block's call) from rank r - 1, in place
+  of the ones its own embedders made (`_receive_inputs`, a forward pre-hook);
+- rank r < N - 1 sends the inputs of the first block of slice r + 1 and stops its forward there (`SliceEnd`, the
+  block that stands for the rest in its block list);
+- the last rank finishes the forward and sends the noise prediction to every other rank, which returns it as its
+  own forward's output.
+
+The prompts in flight (a chunk of a queue, up to `in_flight` at a time) are threads that take turns in a fixed
+round robin (`Turns`), the same on every rank: a prompt holds the turn from receiving its previous prediction,
+through the scheduler step, to sending its next activations; then the next prompt computes while the activations
+travel. So while rank 1 runs prompt A's second half, rank 0 runs prompt B's first half. Only the thread holding
+the turn calls torch.distributed: messages flow in the same order on every rank, which is what pairs them (send
+and recv in FIFO order; no tags, which NCCL ignores). Each prompt's steps stay in order and its arithmetic is the
+single process's: the images are the same bytes as one process running the same split.
+
+Encoding runs once, on rank 0, and the embeddings are broadcast; rank 0 decodes and writes (as `--parallel cfg`).
+Without a GPU each rank computes on its CPU, standing for GPU r of the plan.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from dm_cli.devices import device_key, is_gpu
+from dm_cli.errors import DmapError, UsageError
+from dm_cli.families.stages import DECODE, DECODE_AUDIO, DENOISE, ENCODE, ENCODE_IMAGE
+from dm_cli.run.stages import StageLoop
+
+PIPELINE = "pipeline"
+DEFAULT_IN_FLIGHT_PER_RANK = 2  # prompts in flight per rank when the plan records none
+_BLOCK_KEY = re.compile(r"(?P<list>[A-Za-z_][\w.]*)\.(?P<index>[0-9]+)")
+
+
+class RankLostError(DmapError):
+    """Another rank of the pipeline stopped (killed, out of memory, its machine gone)."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class Slices:
+    """Rank r's block keys (`transformer_blocks.3`), in execution order, and how many prompts may be in flight."""
+
+    blocks: tuple[tuple[str, ...], ...]
+    in_flight: int
+
+    @property
+    def world_size(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def every_block(self) -> tuple[str, ...]:
+        return tuple(key for part in self.blocks for key in part)
+
+
+def plan_slices(plan, denoiser: str, world_size: int) -> Slices:
+    """The slices of the plan's split: rank r holds the denoiser's blocks the plan puts on GPU r. Refused (one
+    sentence) unless the blocks are cut into `world_size` contiguous, non-empty runs on GPUs 0 .. N - 1."""
+    device_map = plan.components[denoiser].device_map
+    blocks = [(key, device_key(dev)) for key, dev in device_map.items() if _BLOCK_KEY.fullmatch(key)]
+    how = (f"plan it with dmap plan --world-size {world_size} --parallel pipeline (and the same --max-memory), then "
+           "run that plan with -d")
+    if not blocks:
+        raise UsageError(f"The plan puts {denoiser} on its devices whole, not block by block, so there is nothing to "
+                         f"cut into {world_size} slices: {how}.")
+    owners = [dev for _, dev in blocks]
+    if any(not (is_gpu(dev) and isinstance(dev, int) and dev < world_size) for dev in owners):
+        where = sorted({str(dev) for dev in owners}, key=str)
+        raise UsageError(f"--parallel pipeline gives rank r the blocks the plan puts on GPU r, and this plan puts "
+                         f"{denoiser}'s blocks on {', '.join(where)} for {world_size} ranks: {how}.")
+    if owners != sorted(owners) or set(owners) != set(range(world_size)):
+        raise UsageError(f"The plan does not cut {denoiser}'s blocks into {world_size} runs, one per GPU 0 to "
+                         f"{world_size - 1} in order: {how}.")
+    parts = tuple(tuple(key for key, dev in blocks if dev == rank) for rank in range(world_size))
+    recorded = getattr(getattr(plan, "parallel", None), "in_flight", None)
+    return Slices(parts, recorded or DEFAULT_IN_FLIGHT_PER_RANK * world_size)
+
+
+# --- messages between the ranks --------------------------------------------------------------------------
+
+_HEADER = 11  # dtype code, complex flag, ndim, up to 8 dimensions
+
+
+def _dtypes():
+    import torch
+
+    return (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+            torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class Links:
+    """Tensors sent to and received from the neighbouring ranks, in order: each message is a count, a header per
+    tensor (dtype, shape) and the tensors themselves (on the rank's device: NCCL between GPUs, gloo on CPUs)."""
+
+    def __init__(self, device, timeout_s: int):
+        self.device = device
+        self.timeout_s = timeout_s
+        self.pending: list = []  # (work, tensor): sends in flight, with what they read
+
+    def send(self, tensors: list, dst: int) -> None:
+        import torch
+
+        codes = _dtypes()
+        header = torch.zeros(1 + _HEADER * len(tensors), dtype=torch.int64)
+        header[0] = len(tensors)
+        payloads = []
+        for i, tensor in enumerate(tensors):
+            tensor = tensor.detach()
+            flag = int(tensor.is_complex())
+            if flag:
+                tensor = torch.view_as_real(tensor)
+            if tensor.dim() > 8 or tensor.dtype not in codes:
+                raise RuntimeError(f"dmap's pipeline cannot send a {tensor.dtype} tensor of {tensor.dim()} dimensions.")
+            row = [codes.index(tensor.dtype), flag, tensor.dim(), *tensor.shape]
+            header[1 + i * _HEADER:1 + i * _HEADER + len(row)] = torch.tensor(row, dtype=torch.int64)
+            payloads.append(tensor.contiguous())
+        self._send(torch.tensor([len(tensors)], dtype=torch.int64), dst)
+        self._send(header, dst)
+        for payload in payloads:
+            self._send(payload, dst)
+
+    def recv(self, src: int) -> list:
+        import torch
+
+        codes = _dtypes()
+        count = torch.empty(1, dtype=torch.int64)
+        self._recv(count, src)
+        header = torch.empty(1 + _HEADER * int(count[0]), dtype=torch.int64)
+        self._recv(header, src)
+        out = []
+        for i in range(int(count[0])):
+            row = header[1 + i * _HEADER:1 + (i + 1) * _HEADER].tolist()
+            code, flag, ndim = row[0], row[1], row[2]
+            tensor = torch.empty(row[3:3 + ndim], dtype=codes[code], device=self.device)
+            self._recv(tensor, src)
+            out.append(torch.view_as_complex(tensor) if flag else tensor)
+        return out
+
+    def _send(self, tensor, dst: int) -> None:
+        import torch.distributed as dist
+
+        try:  # headers travel over gloo, payloads on GPUs over NCCL: torch routes each by its device
+            self.pending.append((dist.isend(tensor, dst), tensor))
+        except RuntimeError as error:
+            raise _lost(dst, error) from None
+        self.pending = [(work, t) for work, t in self.pending if not work.is_completed()]
+
+    def _recv(self, tensor, src: int) -> None:
+        import torch.distributed as dist
+
+        try:
+            dist.recv(tensor, src)
+        except RuntimeError as error:
+            raise _lost(src, error) from None
+
+    def flush(self) -> None:
+        """Wait for every send in flight (before the tensors they read may go)."""
+        pending, self.pending = self.pending, []
+        for work, _ in pending:
+            try:
+                work.wait()
+            except RuntimeError as error:
+                raise _lost(None, error) from None
+
+
+def _lost(peer: int | None, error: Exception) -> RankLostError:
+    who = f"rank {peer}" if peer is not None else "another rank"
+    reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+    return RankLostError(f"The pipeline lost {who} ({reason}): the run stops here; what was written is complete, and "
+                         "the same command resumes the rest.")
+
+
+# --- whose turn it is -----------------------------------------------------------------------------------
+
+
+class _Stopped(Exception):
+    """Another prompt in flight on this rank failed: this one stops too."""
+
+
+class Turns:
+    """Which prompt in flight computes now on this rank: a fixed round robin, the same on every rank."""
+
+    def __init__(self, slots: int):
+        self._cond = threading.Condition()
+        self._order = list(range(slots))
+        self._current = 0 if slots else None
+        self.error: BaseException | None = None
+
+    def wait(self, slot: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.error is not None or self._current == slot)
+            if self.error is not None:
+                raise _Stopped()
+
+    def pass_on(self, slot: int) -> None:
+        with self._cond:
+            position = self._order.index(slot)
+            self._current = self._order[(position + 1) % len(self._order)]
+            self._cond.notify_all()
+
+    def leave(self, slot: int) -> None:
+        with self._cond:
+            position = self._order.index(slot)
+            self._order.pop(position)
+            self._current = self._order[position % len(self._order)] if self._order else None
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self.error is None:
+                self.error = error
+            self._cond.notify_all()
+
+
+# --- the slice of the denoiser ------------------------------------------------------------------------
+
+
+class SliceDone(Exception):
+    """Raised by `SliceEnd`: this rank's blocks are done for this call."""
+
+
+def _tensor_leaves(args, kwargs):
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    leaves, spec = tree_flatten((args, kwargs))
+    return leaves, spec, [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+
+def _end_of_slice_class():
+    import torch
+
+    class SliceEnd(torch.nn.Module):
+        """Stands for the next rank's first block: sends that block's inputs on, then stops this rank's forward."""
+
+        def __init__(self, send):
+            super().__init__()
+            self._send = send
+
+        def forward(self, *args, **kwargs):
+            leaves, _, tensors = _tensor_leaves(args, kwargs)
+            self._send([leaves[i] for i in tensors])
+            raise SliceDone()
+
+    return SliceEnd
+
+
+def cut_to_slice(model, slices: Slices, rank: int, send, receive) -> None:
+    """Keep rank `rank`'s blocks in the model's block lists (the others are dropped: their weights were never
+    read); its first block takes its inputs from `receive()` (rank > 0); a `SliceEnd` calling `send(tensors)`
+    stands where the next rank's first block is (rank < N - 1)."""
+    import torch
+
+    mine = slices.blocks[rank]
+    everything = set(slices.every_block)
+    lists: dict[str, list[str]] = {}
+    for key in slices.every_block:
+        match = _BLOCK_KEY.fullmatch(key)
+        lists.setdefault(match["list"], []).append(key)
+    following = slices.blocks[rank + 1][0] if rank + 1 < slices.world_size else None
+    for list_name, keys in lists.items():
+        blocks = model.get_submodule(list_name)
+        if not isinstance(blocks, torch.nn.ModuleList):
+            raise UsageError(f"{type(model).__name__}.{list_name} is not a list of blocks: --parallel pipeline cannot "
+                             "cut it.")
+        named = {f"{list_name}.{i}": block for i, block in enumerate(blocks)}
+        if set(named) != {k for k in everything if k.startswith(list_name + ".")}:
+            raise UsageError(f"The plan's blocks of {type(model).__name__}.{list_name} are not the model's "
+                             f"{len(named)}: plan again for this model.")
+        kept = [named[key] for key in keys if key in mine]
+        if following is not None and following in named:
+            kept.append(_end_of_slice_class()(send))
+        parent, _, leaf = list_name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, torch.nn.ModuleList(kept))
+    if rank > 0:
+        first = model.get_submodule(mine[0].rpartition(".")[0])[0]
+
+        def take_inputs(_module, args, kwargs):
+            from torch.utils._pytree import tree_unflatten
+
+            leaves, spec, tensors = _tensor_leaves(args, kwargs)
+            got = receive()
+            if len(got) != len(tensors) or any(got[n].shape != leaves[i].shape for n, i in enumerate(tensors)):
+                raise RuntimeError("The previous rank sent other inputs than this rank's first block takes: the ranks "
+                                   "run different plans or inputs.")
+            for n, i in enumerate(tensors):
+                leaves[i] = got[n]
+            return tree_unflatten(leaves, spec)
+
+        first.register_forward_pre_hook(take_inputs, with_kwargs=True)
+
+
+class SliceForward:
+    """The denoiser's forward on one rank of the pipeline (see the module's doc)."""
+
+    def __init__(self, forward, loop: "PipelineStageLoop"):
+        self.forward, self.loop = forward, loop
+
+    def __call__(self, *args, **kwargs):
+        loop = self.loop
+        slot = loop.local.slot
+        if loop.is_last:
+            out = self.forward(*args, **kwargs)
+            prediction = (out[0] if isinstance(out, tuple) else out.sample).detach().clone()
+            for rank in range(loop.world_size - 1):
+                loop.links.send([prediction], rank)
+            loop.turns.pass_on(slot)
+            loop.turns.wait(slot)
+            return out
+        try:
+            self.forward(*args, **kwargs)
+        except SliceDone:
+            pass
+        else:
+            raise RuntimeError("A pipeline slice ran past its last block: the model's forward skipped SliceEnd.")
+        loop.turns.pass_on(slot)
+        loop.turns.wait(slot)
+        (prediction,) = loop.links.recv(loop.world_size - 1)
+        if not kwargs.get("return_dict", True):
+            return (prediction,)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        return Transformer2DModelOutput(sample=prediction)
+
+
+# --- the stage loop -------------------------------------------------------------------------------------
+
+
+def pipeline_refusal(family, generation, plan, world_size: int) -> str | None:
+    """Why this run cannot be pipelined (None: it can)."""
+    if world_size < 2:
+        return ("--parallel pipeline cuts the denoiser among torchrun ranks and this is one process: launch it with "
+                "torchrun --nproc-per-node N (N = the plan's GPUs).")
+    if family.experts:
+        return (f"--parallel pipeline does not yet run {family.title()}'s experts (they take turns within a "
+                "prompt's steps): use --parallel cfg or context, or one process.")
+    if generation.loras:
+        return "--parallel pipeline does not load LoRAs yet: run without --lora, or in one process."
+    weights = plan.weights.get(family.denoiser) if plan is not None else None
+    if weights:
+        return (f"--parallel pipeline reads the denoiser's weights as stored, and the plan stores them as {weights}: "
+                "plan without --weights.")
+    return None
+
+
+class PipelineStageLoop(StageLoop):
+    """The stage loop of one rank of the pipeline: rank 0 encodes (embeddings broadcast), decodes and writes; every
+    rank holds its slice of the denoiser and denoises the prompts of a chunk together, taking turns."""
+
+    def __init__(self, *args, sharing, **kwargs):
+        import torch
+        import torch.distributed as dist
+
+        super().__init__(*args, **kwargs)
+        self.sharing = sharing
+        ranks = sharing.ranks
+        self.rank, self.world_size = ranks.rank, ranks.world_size
+        self.is_last = self.rank == self.world_size - 1
+        self.denoisers = {self.family.denoiser, *self.family.experts}
+        self.slices = plan_slices(self.plan, self.family.denoiser, self.world_size)
+        self.owns_group = not dist.is_initialized()  # a queue or a script that joined first keeps its group
+        ranks.join("cpu:gloo,cuda:nccl" if self.cuda else "gloo")
+        if self.cuda:
+            torch.cuda.set_device(ranks.local_rank % torch.cuda.device_count())
+        self.rank_device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self.links = Links(self.rank_device, ranks.timeout_s)
+        self.local = threading.local()
+        self.turns = Turns(0)
+
+    # --- where things go --------------------------------------------------------------------------
+
+    @property
+    def pipe(self):
+        shell = getattr(self.local, "pipe", None)
+        return shell if shell is not None else StageLoop.pipe.fget(self)
+
+    def device_map(self, name: str) -> dict:
+        """The denoiser's slice on this rank's device; everything else as planned (on the CPU without GPUs)."""
+        if name in self.denoisers:
+            return {"": str(self.rank_device) if self.cuda else "cpu"}
+        planned = super().device_map(name)
+        return planned if self.cuda else {key: "cpu" if is_gpu(device_key(dev)) else dev
+                                          for key, dev in planned.items()}
+
+    def load_stage(self, names: list[str], stage=None) -> None:
+        mine = [n for n in names if self.sharing.is_main or n in self.denoisers]
+        for name in mine:
+            if name in self.denoisers and name not in self.loaded:
+                self._load_slice(name)
+        super().load_stage([n for n in mine if n not in self.denoisers], stage)
+
+    def _load_slice(self, name: str) -> None:
+        from dm_cli.run.loading import load_slice
+
+        others = frozenset(self.slices.every_block) - set(self.slices.blocks[self.rank])
+        self.status(f"Loading slice {self.rank + 1} of {self.world_size} of {name} ({self.rank_device})…")
+        model = load_slice(self.components[name], str(self.rank_device), self.plan.dtype, others)
+        cut_to_slice(model, self.slices, self.rank, lambda tensors: self.links.send(tensors, self.rank + 1),
+                     lambda: self.links.recv(self.rank - 1))
+        cmap = self.device_map(name)
+        self.meter.register_weights(model, cmap, cmap[""])
+        self._hooks[name] = self.meter.attach(model, cmap, cmap[""])
+        model.forward = SliceForward(model.forward, self)
+        self.loaded[name] = model
+        if self._pipe is not None:
+            setattr(self._pipe, name, model)
+        self.status(None)
+
+    # --- running ------------------------------------------------------------------------------------
+
+    def _runner(self, stage_plan):
+        if stage_plan.kind in (ENCODE, ENCODE_IMAGE):
+            return PipelineStageLoop._run_once_and_share
+        if stage_plan.kind in (DECODE, DECODE_AUDIO):
+            return PipelineStageLoop._run_on_main
+        return super()._runner(stage_plan)
+
+    def _run_once_and_share(self, stage_plan, job, carry, on_step) -> None:
+        """Encode on rank 0; every rank gets what the stage produces (embeddings, image latents)."""
+        from dm_cli.run.parallel import broadcast
+
+        if self.sharing.is_main:
+            super()._runner(stage_plan)(self, stage_plan, job, carry, on_step)
+        made = broadcast({value: getattr(carry, value) for value in stage_plan.produces}, self.sharing)
+        for value, data in made.items():
+            setattr(carry, value, data)
+
+    def _run_on_main(self, stage_plan, job, carry, on_step) -> None:
+        if self.sharing.is_main:
+            super()._runner(stage_plan)(self, stage_plan, job, carry, on_step)
+
+    def runs_together(self, stage_plan) -> bool:
+        return stage_plan.kind == DENOISE
+
+    def run_stage_together(self, stage_plan, jobs: list, carries: list, on_step, stage) -> None:
+        """Denoise every job of the chunk, up to `in_flight` at a time, taking turns (see the module's doc)."""
+        import contextlib
+        import time
+
+        from dm_cli.run.meter import RssSampler
+
+        missing = [value for value in stage_plan.consumes if not all(c.has(value) for c in carries)]
+        if missing:
+            raise UsageError(f"The plan runs {stage_plan.name} before the stage that makes its {missing[0]}: the "
+                             "stages are out of order.")
+        self._reset_peaks()
+        self.meter.current[:] = [str(self.rank_device) if self.cuda else "cpu"]
+        sampled = self.measure and not self.cuda
+        stage.tracked = "process peak RSS" if sampled else ("none (CUDA: max_memory_allocated)" if self.measure
+                                                             else "not measured")
+        start = time.perf_counter()
+        with RssSampler() if sampled else contextlib.nullcontext() as rss:
+            self._denoise_in_flight(stage_plan, jobs, carries, on_step)
+        stage.run_s = time.perf_counter() - start
+        self._measured(stage, rss)
+
+    def _denoise_in_flight(self, stage_plan, jobs: list, carries: list, on_step) -> None:
+        import copy
+
+        base = StageLoop.pipe.fget(self)
+        slots = min(self.slices.in_flight, len(jobs))
+        self.turns = turns = Turns(slots)
+        waiting = deque(range(len(jobs)))
+        errors: list[BaseException] = []
+
+        def work(slot: int) -> None:
+            self.local.slot = slot
+            try:
+                turns.wait(slot)
+                while waiting:
+                    n = waiting.popleft()
+                    shell = copy.copy(base)  # its own scheduler (its step index), the same components
+                    object.__setattr__(shell, "scheduler", copy.deepcopy(base.scheduler))
+                    self.local.pipe = shell
+                    self._run_denoise(stage_plan, jobs[n], carries[n], on_step)
+                turns.leave(slot)
+            except _Stopped:
+                pass
+            except BaseException as error:  # noqa: BLE001 - handed to the calling thread
+                errors.append(error)
+                turns.fail(error)
+            finally:
+                self.local.pipe = None
+
+        threads = [threading.Thread(target=work, args=(slot,), name=f"dmap-pipeline-{slot}", daemon=True)
+                   for slot in range(slots)]
+        for thread in threads:
+            thread.start()
+        try:
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.5)
+        except BaseException as error:  # Ctrl-C in the calling thread: stop the prompts in flight
+            turns.fail(error)
+            raise
+        if errors:
+            raise errors[0]
+        self.links.flush()
+
+    def denoise(self, names, job, embeds, on_step, switch=None, image_latents=None, whole: bool = False):
+        if getattr(self.local, "pipe", None) is None:
+            raise RuntimeError("A pipeline rank denoises through run_stage_together only.")
+        return super().denoise(names, job, embeds, on_step, switch, image_latents, whole)
+
+    def close(self) -> None:
+        try:
+            self.links.flush()
+        finally:
+            super().close()
+            if self.owns_group:
+                self.sharing.ranks.leave()
