@@ -16,6 +16,7 @@ from dm_cli.cli import demo as demo_command
 from dm_cli.cli import inspect as inspect_command
 from dm_cli.cli import plan as plan_command
 from dm_cli.cli import run as run_command
+from dm_cli.cli import serve as serve_command
 from dm_cli.cli import shard as shard_command
 from dm_cli.cli._cli_utils import refresh_family_options, with_family_settings
 from dm_cli.version import __version__
@@ -51,6 +52,7 @@ app.command("inspect", help=inspect_command.__doc__)(inspect_command.inspect)
 app.command("shard", help=shard_command.__doc__)(shard_command.shard)
 app.command("plan", help=plan_command.__doc__)(with_family_settings(plan_command.plan))
 app.command("run", help=run_command.__doc__)(with_family_settings(run_command.run))
+app.command("serve", help=serve_command.__doc__)(with_family_settings(serve_command.serve))
 app.command("cache", help=cache_command.__doc__)(cache_command.cache)
 app.command("demo", help=demo_command.__doc__)(demo_command.demo)
 

@@ -51,6 +51,16 @@ def read_image(path, where: str = "--image"):
     return _decode(_read_bytes(path, where), path, where)
 
 
+def image_from_bytes(data: bytes, name: str, where: str):
+    """The RGB PIL image of an image file's bytes received in memory (`dmap serve`'s base64 inputs), refused exactly
+    as `read_image` refuses a file: its size, format, bounds and a truncated or damaged file, one sentence naming
+    `where` and `name`."""
+    if len(data) > MAX_INPUT_FILE_BYTES:
+        raise UsageError(f"{where} {name} is {format_size(len(data))}, more than the "
+                         f"{format_size(MAX_INPUT_FILE_BYTES)} an input image may have.")
+    return _decode(data, name, where)
+
+
 def describe_image(path, where: str = "--image") -> InputImage:
     """What a plan and a run know of an input image: its size after EXIF orientation, its path and the sha256 of
     its bytes. Refuses exactly what `read_image` refuses: the bounds come from the header, but a truncated file

@@ -120,6 +120,12 @@ def _jsonl_item(line: str, index: int, base_seed: int, where: str, read: dict | 
         raise UsageError(f"{where} is not a JSON object ({error}).") from None
     if not isinstance(data, dict):
         raise UsageError(f"{where} is not a JSON object: write {{\"prompt\": \"...\"}}.")
+    return queue_item(data, index, base_seed, where, read)
+
+
+def queue_item(data: dict, index: int, base_seed: int, where: str, read: dict | None = None) -> QueueItem:
+    """One item from a JSON object: a JSONL line's, or a `dmap serve` request's (dm_cli.serve.requests), checked
+    key by key, each problem one sentence starting with `where`."""
     declared = all_settings()  # the families' own settings are keys too (true_cfg_scale, guidance_scale_2, ...)
     unknown = sorted(set(data) - JSONL_KEYS - set(declared))
     if unknown:

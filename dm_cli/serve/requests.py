@@ -1,0 +1,215 @@
+"""A request's JSON body to the items the session generates: OpenAI's images fields and dmap's own, every refusal
+one sentence (the server answers it with a 400).
+
+OpenAI's keys: `prompt`, `n`, `size` ("WxH" or "auto"), `response_format` (only "b64_json": dmap keeps no files to
+link to), `output_format` (png, jpeg, webp; mp4 for videos), `model` (the served one, or absent) and `user`
+(ignored). dmap's own, exactly as a `--prompts` JSONL line has them: `seed`, `steps`, `guidance_scale`,
+`negative_prompt` and the family's settings (`true_cfg_scale`, ...), checked by the same code
+(`dm_cli.run.queue.queue_item`); `image` and `last_image` are base64 (or data: URLs) instead of paths, read as
+hostile as `--image` files are; `lora` must name the server's own adapters (one set per server, as per queue).
+Then `Session.job_for` settles and checks the job as it does a queue item's, before the request takes a place.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+import secrets
+from dataclasses import dataclass, replace
+
+from dm_cli.errors import UsageError
+from dm_cli.families import all_settings
+from dm_cli.run.checks import check_seed
+from dm_cli.run.queue import QueueItem, default_output_name, queue_item
+
+MAX_N = 10  # images per request, as OpenAI's images API
+MAX_PROMPT_CHARS = 10_000
+OPENAI_KEYS = ("prompt", "n", "size", "response_format", "output_format", "model", "user")
+DMAP_KEYS = ("seed", "steps", "guidance_scale", "negative_prompt", "image", "last_image", "lora")
+NOT_QUEUE_KEYS = {*OPENAI_KEYS, "image", "last_image", "lora"} - {"prompt"}
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
+MIME = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "MP4": "video/mp4"}
+WHERE = "The request"
+_SIZE = re.compile(r"^([0-9]{1,6})x([0-9]{1,6})$")
+_DATA_URL = re.compile(r"^data:[a-z0-9.+/-]{0,64};base64,", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the server serves, as requests are checked against it."""
+
+    model: str  # the id GET /v1/models lists
+    width: int
+    height: int
+    video: bool  # a video family: POST /v1/videos/generations
+    max_input_images: int  # the family's (0: it takes none)
+    loras: tuple[tuple[str, float], ...] = ()  # the adapters loaded (file name, scale)
+    max_n: int = MAX_N
+
+
+@dataclass(frozen=True)
+class ServedRequest:
+    items: tuple[QueueItem, ...]  # one per image, seeds seed, seed + 1, ...
+    output_format: str  # PNG, JPEG, WEBP, or MP4 for videos
+
+    @property
+    def mime(self) -> str:
+        return MIME[self.output_format]
+
+
+def shorten(text, keep: int = 80) -> str:
+    """A value echoed back in a message: its repr, cut to `keep` characters (a hostile key may be megabytes)."""
+    shown = repr(text)
+    return shown if len(shown) <= keep else shown[:keep] + "…"
+
+
+def parse_body(body: bytes) -> dict:
+    """The JSON object of a request's body."""
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise UsageError(f"{WHERE} body is not JSON: send a JSON object such as {{\"prompt\": \"a red fox\"}}.") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{WHERE} body is not a JSON object: send {{\"prompt\": \"...\"}}.")
+    return data
+
+
+def parse_request(data: dict, served: Served, session) -> ServedRequest:
+    """The items of one request, settled and checked by `session` (Session.job_for) as a queue's items are."""
+    known = set(OPENAI_KEYS) | set(DMAP_KEYS) | set(all_settings())
+    unknown = sorted(str(key) for key in data if key not in known)
+    if unknown:
+        shown = ", ".join(shorten(key, 40) for key in unknown[:5]) + (", …" if len(unknown) > 5 else "")
+        raise UsageError(f"{WHERE} has unknown key(s) {shown}: use {', '.join(sorted(known))}.")
+    _check_model(data.get("model"), served)
+    output_format = _output_format(data, served)
+    n = data.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= served.max_n:
+        raise UsageError(f"{WHERE}: 'n' must be an integer from 1 to {served.max_n} (got {shorten(n, 20)}).")
+    _check_size(data.get("size"), served)
+    for key in ("prompt", "negative_prompt"):
+        value = data.get(key)
+        if isinstance(value, str) and len(value) > MAX_PROMPT_CHARS:
+            raise UsageError(f"{WHERE}: '{key}' has {len(value):,} characters, more than the {MAX_PROMPT_CHARS:,} "
+                             "a prompt may have here.")
+    _check_loras(data.get("lora"), served)
+    seed = data.get("seed")
+    if seed is None:  # a client that gives none gets a new image each time, and hears its seed
+        seed = secrets.randbits(63)
+    own = {key: data[key] for key in data if key not in NOT_QUEUE_KEYS}  # what a --prompts JSONL line has
+    first = queue_item({**own, "seed": seed}, 0, 0, WHERE)
+    images = _images(data.get("image"), served)
+    last = _last_image(data.get("last_image"), served)
+    if output_format == "JPEG":
+        from dm_cli.io.images import check_metadata_room
+
+        check_metadata_room("served.jpg", first.prompt, first.negative_prompt, f"{WHERE}'s 'output_format' jpeg")
+    items = tuple(replace(first, index=i, seed=check_seed(first.seed + i, f"{WHERE}: the seed of image {i + 1}"),
+                          output=default_output_name(i), images=images, last_image=last) for i in range(n))
+    try:
+        session.job_for(items[0])  # the rules a queue item meets: settled and checked as Family.validate says
+    except UsageError as error:
+        raise UsageError(re.sub(r"^Item 0: ", f"{WHERE}: ", str(error))) from None
+    return ServedRequest(items, output_format)
+
+
+def _check_model(model, served: Served) -> None:
+    if model is not None and model != served.model:
+        raise UsageError(f"{WHERE} asks for model {shorten(model, 60)}; this server serves {served.model!r} "
+                         "(GET /v1/models): give that, or leave 'model' out.")
+
+
+def _output_format(data: dict, served: Served) -> str:
+    response_format = data.get("response_format", "b64_json")
+    if response_format != "b64_json":
+        raise UsageError(f"{WHERE}: 'response_format' must be \"b64_json\" (got {shorten(response_format, 20)}): dmap "
+                         "serve returns the image in the response and keeps no file to link to.")
+    wanted = data.get("output_format")
+    if served.video:
+        if wanted not in (None, "mp4"):
+            raise UsageError(f"{WHERE}: 'output_format' must be \"mp4\" for a video (got {shorten(wanted, 20)}).")
+        return "MP4"
+    if wanted is None:
+        return "PNG"
+    if not isinstance(wanted, str) or wanted.lower() not in IMAGE_FORMATS:
+        raise UsageError(f"{WHERE}: 'output_format' must be png, jpeg or webp (got {shorten(wanted, 20)}).")
+    return IMAGE_FORMATS[wanted.lower()]
+
+
+def _check_size(size, served: Served) -> None:
+    """The size the plan was made for (or "auto"): a larger one is over the plan's memory bound, a smaller one
+    would be another plan's run (the metadata and the pixels of `dmap run` at that size come from its own plan)."""
+    if size is None or size == "auto":
+        return
+    match = _SIZE.match(size) if isinstance(size, str) else None
+    if match is None:
+        raise UsageError(f"{WHERE}: 'size' must be WIDTHxHEIGHT such as \"{served.width}x{served.height}\", or "
+                         f"\"auto\" (got {shorten(size, 30)}).")
+    width, height = int(match.group(1)), int(match.group(2))
+    if (width, height) == (served.width, served.height):
+        return
+    if width > served.width or height > served.height:
+        raise UsageError(f"{WHERE}: 'size' {width}x{height} is over what this server's plan holds "
+                         f"({served.width}x{served.height}): ask for {served.width}x{served.height}, or start "
+                         "dmap serve with a plan for the larger size.")
+    raise UsageError(f"{WHERE}: 'size' {width}x{height} is not this server's size: it makes "
+                     f"{served.width}x{served.height} (the size its plan was made for); ask for that or \"auto\".")
+
+
+def _check_loras(value, served: Served) -> None:
+    """A request's 'lora' may only name what the server loaded (dmap loads one set of adapters per server):
+    "NAME[:SCALE]" or a list of them, the files' names as `--lora` gave them. A path is never read."""
+    if value is None:
+        return
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not all(isinstance(t, str) and 0 < len(t) <= 300 for t in texts):
+        raise UsageError(f"{WHERE}: 'lora' must be \"NAME[:SCALE]\" or a list of them (the server's adapters).")
+    asked = []
+    for text in texts:
+        name, _, scale = text.rpartition(":") if re.search(r":[0-9.eE+-]+$", text) else (text, "", "")
+        try:
+            asked.append((name, float(scale) if scale else 1.0))
+        except ValueError:
+            asked.append((text, 1.0))
+    if sorted(asked) != sorted(served.loras):
+        ours = ", ".join(f"{name}:{scale:g}" for name, scale in served.loras) or "none"
+        raise UsageError(f"{WHERE} asks for LoRA(s) {shorten(', '.join(texts), 120)}; this server loads {ours}: dmap "
+                         "loads one set of LoRAs per server (leave 'lora' out, or start another dmap serve --lora).")
+
+
+def _decoded(text, where: str):
+    """An input image from base64 (or a data: URL), read as `--image` files are read (dm_cli.io.input_images)."""
+    from dm_cli.io.input_images import image_from_bytes
+    from dm_cli.run.request import in_memory_image
+
+    if not isinstance(text, str) or not text:
+        raise UsageError(f"{where} must be a base64 string (or a data: URL) of an image file.")
+    text = _DATA_URL.sub("", text[:100], count=1) + text[100:]
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise UsageError(f"{where} is not base64: send the image file's bytes base64-encoded.") from None
+    return in_memory_image(image_from_bytes(data, "(base64)", where))
+
+
+def _images(value, served: Served) -> tuple:
+    if value is None:
+        return ()
+    if not served.max_input_images:
+        raise UsageError(f"{WHERE} gives 'image' but this pipeline takes no input image.")
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts:
+        raise UsageError(f"{WHERE}: 'image' must be a base64 image or a list of them.")
+    if len(texts) > served.max_input_images:
+        raise UsageError(f"{WHERE} gives {len(texts)} images; this pipeline takes at most {served.max_input_images}.")
+    return tuple(_decoded(text, f"{WHERE}'s 'image' {n + 1}") for n, text in enumerate(texts))
+
+
+def _last_image(value, served: Served):
+    if value is None:
+        return None
+    if not served.video:
+        raise UsageError(f"{WHERE} gives 'last_image', which only a video's last frame takes.")
+    return _decoded(value, f"{WHERE}'s 'last_image'")

@@ -1,0 +1,148 @@
+"""`dmap serve`: the session loaded once (planned here, or from a plan file, exactly as `dmap run` does), the
+worker, and uvicorn on a socket bound before anything loads; SIGTERM (or Ctrl-C) answers the waiting requests 503,
+finishes the running batch, answers it, and stops."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from dm_cli.errors import UsageError
+from dm_cli.run.request import RunRequest
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_QUEUE_SIZE = 64
+DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_BODY = 64 * 2**20
+
+
+@dataclass
+class ServeRequest:
+    """What `dmap serve` was asked for: the run options (its prompt unused; steps, guidance, negative prompt and
+    the family's settings are each request's defaults) and the server's own."""
+
+    run: RunRequest
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    queue_size: int = DEFAULT_QUEUE_SIZE
+    max_batch: int = DEFAULT_MAX_BATCH
+    max_body: int = DEFAULT_MAX_BODY
+    model: str | None = None  # the id /v1/models lists (default: SOURCE as given, "demo" without one)
+    gpus_per_rank: int | None = None
+
+    def check(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise UsageError(f"--port must be from 0 to 65535 (0: any free port), not {self.port}.")
+        for flag, value, low in (("--queue-size", self.queue_size, 1), ("--max-batch", self.max_batch, 1),
+                                 ("--max-body", self.max_body, 1024)):
+            if value < low:
+                raise UsageError(f"{flag} must be at least {low}, not {value}.")
+        if self.api_key is not None and not self.api_key.strip():
+            raise UsageError("--api-key (or DMAP_API_KEY) is empty: give a key, or leave it out for no key.")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything loads: a port in use is one sentence now, not after minutes."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as error:
+        raise UsageError(f"--host {host!r} is not an address this machine can listen on ({error}).") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        raise UsageError(f"Cannot listen on {host}:{port}: {error.strerror or error}.") from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,
+          on_ready: Callable[[str, object], None] | None = None) -> int:
+    """Load, serve until SIGTERM or Ctrl-C, stop; returns the number of images answered. `on_ready(url, session)`
+    when the server listens (rank 0)."""
+    from dm_cli.run.distributed import Ranks, select_gpus
+    from dm_cli.run.session import Session
+
+    request.check()
+    ranks = Ranks.from_env()
+    select_gpus(ranks, request.gpus_per_rank)
+    sock = bind(request.host, request.port) if ranks.is_main else None
+    try:
+        session = Session(request.run, on_plan=on_plan, on_status=on_status)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+    from dm_cli.serve.worker import RankCompute
+
+    try:
+        ranks.join()  # one session per rank (a --parallel session has joined already)
+        compute = RankCompute(session, ranks)
+        if not ranks.is_main:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 stops the ranks when its batch is done
+            compute.follow()
+            return 0
+        return _serve_main(request, session, compute, sock, on_ready)
+    finally:
+        session.close()
+        ranks.leave()
+
+
+def _served(request: ServeRequest, session):
+    from dm_cli.serve.requests import Served
+
+    job = session.defaults
+    model = request.model or (request.run.source or "demo")
+    loras = tuple((lora.name, lora.scale) for lora in session.generation.loras)
+    return Served(model, job.width, job.height, bool(job.num_frames), session.family.max_input_images or 0, loras)
+
+
+def _serve_main(request: ServeRequest, session, compute, sock, on_ready) -> int:
+    import uvicorn
+
+    from dm_cli.serve.app import AppState, make_app
+    from dm_cli.serve.worker import Batcher
+
+    heartbeat_s = max(1.0, min(600.0, compute.ranks.timeout_s / 4))
+    max_batch = min(request.max_batch, session.chunk_size(request.max_batch)[0])  # what the chunk memory holds
+    batcher = Batcher(compute, request.queue_size, max_batch, compute.heartbeat, heartbeat_s)
+    state = AppState(_served(request, session), session, batcher, request.api_key, request.max_body, time.time())
+    config = uvicorn.Config(make_app(state), log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=None, server_header=False)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            """SIGTERM, SIGINT: the waiting requests 503, the running batch finishes and is answered, then uvicorn
+            stops; a second Ctrl-C stops at once. Unlike uvicorn's own, the signal is not raised again after the
+            shutdown: the ranks, the session and the socket are closed, and the command ends (exit 0)."""
+            batcher.stop()
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+    server = Server(config)
+    batcher.start()
+    if on_ready is not None:
+        on_ready(url_of(sock), session)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        batcher.stop()
+        batcher.join()
+        compute.finish()
+        sock.close()
+    return int(batcher.counters.get("images", 0))
+
