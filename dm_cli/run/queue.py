@@ -33,7 +33,8 @@ from dm_cli.run.checks import check_seed
 
 MANIFEST = "manifest.jsonl"
 MAX_PROMPTS_BYTES = 1 << 30  # millions of prompts; never a whole disk
-JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "output", "image", "last_image", "lora"}
+JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "output", "image", "last_image", "lora",
+              "cache"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class QueueItem:
     images: tuple = ()  # input images (dm_cli.inputs.InputImage), from the JSONL key "image"; (): the run's
     last_image: object = None  # a video's last frame (InputImage), from the JSONL key "last_image"; None: the run's
     loras: tuple | None = None  # LoRA adapters (dm_cli.inputs.LoraAdapter), from the JSONL key "lora"; None: the run's
+    cache: object = None  # a step cache (dm_cli.inputs.StepCache), from the JSONL key "cache"; None: the run's
 
     def to_json(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -154,7 +156,16 @@ def queue_item(data: dict, index: int, base_seed: int, where: str, read: dict | 
     output = default_output_name(index) if output is None else _output_name(output, where)
     return QueueItem(index, prompt.strip(), check_seed(seed, f"{where}: the seed"), output, negative or None, steps, guidance,
                      settings, _item_images(data.get("image"), where), _item_last_image(data.get("last_image"), where),
-                     _item_loras(data.get("lora"), where, {} if read is None else read))
+                     _item_loras(data.get("lora"), where, {} if read is None else read), _item_cache(data.get("cache"), where))
+
+
+def _item_cache(value, where: str):
+    """A JSONL item's "cache": NAME[:KEY=VALUE,...] as --cache takes it (dm_cli.planning.step_cache.parse_cache)."""
+    if value is None:
+        return None
+    from dm_cli.planning.step_cache import parse_cache
+
+    return parse_cache(value, f"{where}: 'cache'")
 
 
 def _item_loras(value, where: str, read: dict) -> tuple | None:

@@ -212,6 +212,10 @@ class Session:
             check_count("steps", item.steps, f"Item {item.index}: 'steps'")
         if item.loras is not None:
             self._check_item_loras(item)
+        if item.cache is not None and item.cache != self.generation.cache:
+            run = self.generation.cache.label if self.generation.cache is not None else "none"
+            raise UsageError(f"Item {item.index} asks for --cache {item.cache.label}, this run uses {run}: the plan counts "
+                             "one step cache's state per run; give such items a queue of their own, with its --cache.")
         generation = replace(self.generation, negative_prompt=item.negative_prompt or job.negative_prompt,
                              steps=item.steps or job.steps, images=item.images or self.generation.images,
                              last_image=item.last_image or self.generation.last_image,

@@ -43,6 +43,8 @@ class RunResult:
     num_frames: int | None = None  # video families
     fps: int | None = None
     settings: dict = field(default_factory=dict)  # the family's own (Family.settings), settled
+    # --cache: {"label": NAME:K=V,..., "counts": {denoiser: {"calls", "computed", "skipped"}}} (dm_cli.run.step_cache)
+    step_cache: dict = field(default_factory=dict)
 
     def device_peaks(self) -> dict[str, tuple[int, int]]:
         """device -> (measured peak over all stages, planned peak over all stages)."""
@@ -65,6 +67,7 @@ class RunResult:
             "stages": [asdict(s) for s in self.stages],
             "devices": {d: {"measured_peak_bytes": m, "planned_peak_bytes": p} for d, (m, p) in self.device_peaks().items()},
             "split_check": self.split_check, "split_problems": self.split_problems, "notices": self.notices,
+            **({"step_cache": self.step_cache} if self.step_cache else {}),
         }
 
 
@@ -108,6 +111,9 @@ def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunR
     finally:
         pipeline.close()
     result.split_check, result.split_problems = pipeline.split_check, pipeline.split_problems
+    if pipeline.plan.cache is not None:
+        result.step_cache = {"label": pipeline.plan.cache.label,
+                             "counts": {name: counts.to_json() for name, counts in pipeline._loop.step_counts.items()}}
     if carry.latents is None or (not carry.images and pipeline.is_main):  # a shared step's other ranks decode nothing
         raise UsageError("The plan has no denoise or decode stage: nothing was generated.")
     if not pipeline.is_main:  # rank 0 writes the outputs (dm_cli.run.parallel)

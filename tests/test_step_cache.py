@@ -1,0 +1,158 @@
+"""Step caches (`--cache`, issue 33): parsing, refusals, the plan's count, and the same cache on every path (plan vs
+run inline vs `run -d PLAN.json`, CLI vs API vs a queue item)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import PRESETS, run_dmap
+
+DEVICES = ["--max-memory", "0=10GB,cpu=10GB", "--simulate"]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("foo", "Unknown step cache 'foo'"),
+    ("fbc:threshold=abc", "threshold must be a number above 0 and at most 1, not 'abc'"),
+    ("fbc:thresh=0.1", "has no setting 'thresh'"),
+    ("fbc:threshold=2", "at most 1"),
+    ("fbc:threshold", "needs a value"),
+    ("taylorseer:cache_interval=0", "from 1 to 1000"),
+    ("fbc:threshold=0.1,threshold=0.2", "twice"),
+])
+def test_bad_cache_is_one_sentence_exit_2(spec, message):
+    code, out, err = run_dmap("plan", "tiny-flux", "--max-memory", "0=10GB", "--cache", spec)
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_a_cache_the_family_does_not_take_is_refused():
+    code, _, err = run_dmap("plan", "tiny-qwenimage", "--max-memory", "0=10GB", "--cache", "magcache")
+    assert code == 2 and "take --cache fbc or taylorseer, not magcache" in err, err
+    code, _, err = run_dmap("plan", "tiny-sdxl", "--max-memory", "0=10GB", "--cache", "fbc")
+    assert code == 2 and "take no --cache" in err, err
+
+
+def test_parse_fills_defaults_and_labels():
+    from dm_cli.planning.step_cache import parse_cache
+
+    assert parse_cache(None) is None and parse_cache("none") is None
+    cache = parse_cache("taylorseer:max_order=2,lite=true")
+    assert cache.label == "taylorseer:cache_interval=5,disable_cache_before_step=3,lite=true,max_order=2"
+    assert parse_cache(cache.label) == cache == parse_cache({"name": "taylorseer", "max_order": 2, "lite": True})
+
+
+@pytest.mark.parametrize("name", ["fbc", "taylorseer", "magcache"])
+def test_plan_counts_the_cache_on_the_denoise_device(name, tmp_path):
+    pytest.importorskip("torch")
+    code, out, err = run_dmap("plan", "tiny-flux", "--max-memory", "0=10GB,cpu=10GB", "--cache", name, "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    cached = plan["step_cache"]["components"]["transformer"]
+    assert plan["step_cache"]["name"] == name and cached["total_bytes"] > 0
+    assert sum(cached["holders"].values()) == cached["total_bytes"] == sum(cached["bytes"].values())
+    denoise = next(s for s in plan["stages"] if s["name"] == "denoise")
+    assert denoise["breakdown"]["0"]["cache"] == cached["bytes"]["0"]
+    assert denoise["peak_bytes"]["0"] == sum(denoise["breakdown"]["0"].values())
+    # without the cache the same plan has no cache bytes, and the old plan layout is kept
+    code, out, _ = run_dmap("plan", "tiny-flux", "--max-memory", "0=10GB,cpu=10GB", "--json")
+    bare = json.loads(out)
+    assert "step_cache" not in bare
+    assert "cache" not in next(s for s in bare["stages"] if s["name"] == "denoise")["breakdown"]["0"]
+    # a plan file with a cache loads back as written
+    from dm_cli.planning.make import Plan
+
+    assert Plan.from_json(plan).to_json() == plan
+
+
+def test_taylorseer_holds_more_per_guidance_branch():
+    pytest.importorskip("torch")
+    from dm_cli import plan
+
+    one = plan("tiny-wan", max_memory="0=10GB,cpu=10GB", cache="taylorseer", guidance_scale=1.0)
+    two = plan("tiny-wan", max_memory="0=10GB,cpu=10GB", cache="taylorseer", guidance_scale=5.0)
+    first, second = (p.step_cache["components"]["transformer"] for p in (one, two))
+    assert (first["contexts"], second["contexts"]) == (1, 2)
+    assert second["total_bytes"] == 2 * first["total_bytes"]
+
+
+def test_cache_bytes_go_to_the_blocks_devices_and_split_fbc_is_refused():
+    from dm_cli.planning.step_cache import Footprint, parse_cache, placed_bytes, split_refusal
+
+    fbc = Footprint({"transformer_blocks.0": 300, "single_transformer_blocks.7": 200})
+    split = {"x_embedder": 0, "transformer_blocks": 0, "single_transformer_blocks": 1, "proj_out": 1}
+    assert placed_bytes(fbc, split, 0) == {"0": 300, "1": 200}
+    assert "cannot run with transformer split over 0, 1" in split_refusal(parse_cache("fbc"), fbc, "transformer", split, 0)
+    assert split_refusal(parse_cache("taylorseer"), fbc, "transformer", split, 0) is None
+    # offloaded blocks keep their state on the execution device (accelerate streams the weights there)
+    offloaded = {"transformer_blocks": 0, "single_transformer_blocks": "cpu"}
+    assert placed_bytes(fbc, offloaded, 0) == {"0": 500}
+    assert split_refusal(parse_cache("fbc"), fbc, "transformer", offloaded, 0) is None
+
+
+@pytest.fixture(scope="module")
+def tiny_flux(tmp_path_factory):
+    from dm_cli.model.demo import write_random_pipeline
+
+    return write_random_pipeline(PRESETS / "tiny-flux", tmp_path_factory.mktemp("cache") / "tiny-flux", seed=0)
+
+
+@pytest.mark.slow
+def test_inline_plan_and_plan_file_agree_and_metadata_says_the_cache(tiny_flux, tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    import dm_cli.run.request as request_module
+    from dm_cli.io.outputs import read_metadata
+
+    planned = []
+    real = request_module.make_run_plan
+    monkeypatch.setattr(request_module, "make_run_plan", lambda *a, **k: planned.append(real(*a, **k)) or planned[-1])
+    run = ["run", tiny_flux, "--prompt", "a fox", "--steps", "6", "--seed", "3", "--quiet", "--height", "64",
+           "--width", "64"]
+    code, _, err = run_dmap(*run, *DEVICES, "--cache", "fbc:threshold=0.2", "--output", tmp_path / "inline.png")
+    assert code == 0, err
+    code, _, err = run_dmap("plan", tiny_flux, *DEVICES[:2], "--height", "64", "--width", "64", "--cache",
+                            "fbc:threshold=0.2", "--output", tmp_path / "plan.json", "--quiet")
+    assert code == 0, err
+    code, _, err = run_dmap(*run, "--device-map", tmp_path / "plan.json", "--simulate", "--output",
+                            tmp_path / "filed.png")
+    assert code == 0, err
+    assert len(planned) == 1 and planned[0].to_json() == json.loads((tmp_path / "plan.json").read_text())
+    inline, filed = read_metadata(tmp_path / "inline.png"), read_metadata(tmp_path / "filed.png")
+    assert inline == filed and inline["step_cache"] == "fbc:threshold=0.2"
+    assert (tmp_path / "inline.png").read_bytes() == (tmp_path / "filed.png").read_bytes()
+    # a plan made for a cache refuses another one
+    code, _, err = run_dmap(*run, "--device-map", tmp_path / "plan.json", "--simulate", "--cache", "taylorseer",
+                            "--output", tmp_path / "other.png")
+    assert code == 2 and "was made for --cache fbc:threshold=0.2" in err, err
+
+
+@pytest.mark.slow
+def test_cli_api_and_queue_item_make_the_same_cached_image(tiny_flux, tmp_path):
+    pytest.importorskip("torch")
+    import numpy as np
+
+    from dm_cli import load
+    from dm_cli.io.outputs import read_metadata
+
+    code, _, err = run_dmap("run", tiny_flux, "--prompt", "a fox", "--steps", "6", "--seed", "3", "--quiet",
+                            "--height", "64", "--width", "64", "--max-memory", "cpu=10GB", "--cache", "taylorseer",
+                            "--output", tmp_path / "cli.png")
+    assert code == 0, err
+    session = load(str(tiny_flux), max_memory="cpu=10GB", height=64, width=64, cache="taylorseer")
+    generated = list(session.generate(["a fox"], seed=3, steps=6))
+    queue = tmp_path / "q.jsonl"
+    queue.write_text(json.dumps({"prompt": "a fox", "seed": 3, "steps": 6, "cache": "taylorseer"}) + "\n")
+    code, _, err = run_dmap("run", tiny_flux, "--prompts", queue, "--quiet", "--height", "64", "--width", "64",
+                            "--max-memory", "cpu=10GB", "--cache", "taylorseer", "--output", tmp_path / "q")
+    assert code == 0, err
+    from PIL import Image
+
+    cli = np.asarray(Image.open(tmp_path / "cli.png").convert("RGB"))
+    api = np.asarray(generated[0].images[0].convert("RGB"))
+    queued = next((tmp_path / "q").glob("*.png"))
+    assert (cli == api).all() and (cli == np.asarray(Image.open(queued).convert("RGB"))).all()
+    assert read_metadata(tmp_path / "cli.png")["step_cache"] == read_metadata(queued)["step_cache"]
+    # an item asking for another cache than the run's is refused, one sentence
+    queue.write_text(json.dumps({"prompt": "a fox", "seed": 3, "cache": "fbc"}) + "\n")
+    code, _, err = run_dmap("run", tiny_flux, "--prompts", queue, "--quiet", "--height", "64", "--width", "64",
+                            "--max-memory", "cpu=10GB", "--cache", "taylorseer", "--output", tmp_path / "q2")
+    assert code == 2 and "cache" in err and "Traceback" not in err, err
