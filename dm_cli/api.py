@@ -36,7 +36,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          negative_prompt: str | None = None, image=None, image_size=None, last_image=None, last_image_size=None,
          on_progress: Callable[[str], None] | None = None, world_size: int = 1, parallel: str | None = None,
          device_tflops: float = 100.0, link_gbps: float = 25.0, pipeline: str | None = None,
-         component_files: dict | None = None, lora=None, cache=None, **settings) -> Plan:
+         component_files: dict | None = None, lora=None, cache=None, in_flight: int | None = None,
+         **settings) -> Plan:
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -48,9 +49,10 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     `image` (paths or PIL images, one or a list) and `image_size` ("WxH", one or a list): the input images
     (references, the image to edit), of which a plan needs only the sizes; images first, then sizes. `last_image`
     (a path or PIL image) or `last_image_size` ("WxH"): a first-last-frame video's last frame (Wan 2.2 image-to-video).
-    `world_size` > 1 with `parallel` ("cfg", "context", "cfg+context" or "auto", the default above one rank) adds
-    `Plan.parallel`: how that many torchrun ranks share each denoising step, with per-rank memory and step times
-    predicted at `device_tflops` per GPU and `link_gbps` between GPUs (dm_cli.planning.parallel).
+    `world_size` > 1 with `parallel` ("cfg", "context", "cfg+context", "pipeline" or "auto", the default above one
+    rank) adds `Plan.parallel`: how that many torchrun ranks share each denoising step (or, "pipeline", a slice of the
+    denoiser's blocks each, with `in_flight` queue prompts in flight: default 2 x world_size), with per-rank memory
+    and step times predicted at `device_tflops` per GPU and `link_gbps` between GPUs (dm_cli.planning.parallel).
     `pipeline` (a preset or a folder): SOURCE is a single file (original-layout safetensors or GGUF) holding one
     component, the rest of the pipeline comes from here. `component_files` ({"transformer_2": "LOW.gguf"}): these
     components from these single files (each checked against its config; SOURCE's file then goes to the first
@@ -81,7 +83,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     placement = PlacementSpec(max_memory, strategy, mode, overhead, parse_dtype(dtype) if dtype is not None else None,
                               weights)
     options = PlanOptions.of(generation, placement, component=component, check=check, use_cache=use_cache,
-                             on_progress=on_progress, parallel=ParallelRequest(world_size, parallel, device_tflops, link_gbps),
+                             on_progress=on_progress, parallel=ParallelRequest(world_size, parallel, device_tflops, link_gbps,
+                                                                              in_flight),
                              pipeline=pipeline, component_files=tuple(parse_component_files(component_files).items()),
                              loras=read_loras(lora, "lora"))
     return make_named_plan(root, spec, options)

@@ -80,8 +80,9 @@ def test_flux2_context_parallel_over_four_ranks(flux2_auto, tmp_path_factory):
 def test_flux2_auto_picks_context_and_says_why(flux2_auto):
     layout = flux2_auto[0]["parallel"]
     assert layout["layout"] == "context" and layout["ulysses"] == 4
-    assert set(layout["predicted_step_s"]) == {"split", "context"}
+    assert set(layout["predicted_step_s"]) == {"split", "context", "pipeline"}  # pipeline: per image-step in a queue
     assert "guidance-distilled" in layout["rejected"]["cfg+context"]
+    assert "layouts that share every step when one fits (context does here)" in layout["rejected"]["pipeline"]
     assert re.match(r"context parallel \(Ulysses 4\), the fastest layout that fits: predicted [\d.]+ s/step against "
                     r"[\d.]+ s/step split; fits with [\d.]+ GB per rank at most$", layout["reason"]), layout["reason"]
 
@@ -218,7 +219,7 @@ def test_context_refusals_name_the_class_and_the_numbers():
     assert "does not divide the 75601 image tokens" in context_refusal(_shape(image_tokens=75601), 4)
     assert context_refusal(_shape(), 8) is None
     found, refused = candidates(ParallelRequest(8, "auto"), Guidance("separate", 2), _shape())
-    assert [c.layout for c in found] == ["split", "context", "cfg+context"] and set(refused) == {"cfg"}
+    assert [c.layout for c in found] == ["split", "context", "cfg+context", "pipeline"] and set(refused) == {"cfg"}
 
 
 def test_step_time_model_by_hand():

@@ -160,7 +160,7 @@ LastImageOpt = Annotated[str | None, typer.Option(
                                          "frame, with --image); for dmap plan a path or its size WxH.")]
 
 ParallelOpt = Annotated[str | None, typer.Option(
-    "--parallel", help="How torchrun ranks share each denoising step: none | cfg | context | cfg+context | auto "
+    "--parallel", help="How torchrun ranks share each denoising step: none | cfg | context | cfg+context | pipeline | auto "
                        "(plan: for --world-size, default none for one rank, auto above; run: under torchrun, default "
                        "the plan file's 'parallel', else none).")]
 

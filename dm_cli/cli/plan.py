@@ -71,6 +71,8 @@ def plan(
     parallel: ParallelOpt = None,
     device_tflops: float = typer.Option(100.0, "--device-tflops", help="--parallel auto: TFLOP/s one GPU sustains."),
     link_gbps: float = typer.Option(25.0, "--link-gbps", help="--parallel auto: GB/s between two GPUs."),
+    in_flight: int | None = typer.Option(None, "--in-flight", metavar="K",
+                                         help="--parallel pipeline: queue prompts in flight (default 2 x --world-size)."),
     pipeline: PipelineOpt = None,
     component_file: ComponentFileOpt = None,
     lora: LoraOpt = None,
@@ -93,7 +95,7 @@ def plan(
                            num_frames=frames, fps=fps, weights=weights, negative_prompt=negative_prompt, image=image, image_size=image_size,
                            last_image=last_image, last_image_size=last_image_size,
                            on_progress=progress, world_size=world_size, parallel=parallel,
-                           device_tflops=device_tflops, link_gbps=link_gbps, pipeline=pipeline,
+                           device_tflops=device_tflops, link_gbps=link_gbps, in_flight=in_flight, pipeline=pipeline,
                            component_files=component_file, lora=lora, cache=cache, **(settings or {}))
     if output:
         write_plan(result, output)

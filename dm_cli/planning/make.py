@@ -786,6 +786,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     prepared = [prepare_component(c, source.pipeline_class, options.inputs, asked.dtype, options.use_cache, formats,
                                   on_progress=options.on_progress,
                                   loras=tuple(lora for lora in loras if lora.component == c.name)) for c in comps]
+    cut, prepared = _pipeline_cut(prepared, devices, *parallel) if parallel is not None else (None, prepared)
     specs = [p.spec for p in prepared]
     stages = pipeline_stages(source.pipeline_class, [c.name for c in comps])
     progress(f"Placing {len(specs)} component(s) on {', '.join(device_label(d.key) for d in devices)}")
@@ -798,6 +799,9 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         raise _does_not_fit(source_spec, source, comps, stages, devices, options, formats, choice.specs,
                             choice.warnings) from None
     placement, specs = choice.placement, choice.specs
+    layout = None
+    if parallel is not None:
+        layout, placement, prepared = _parallel_layout(placement, specs, prepared, stages, devices, cut, *parallel)
     footprints = step_cache_footprints(source, prepared, options)
     if footprints:
         placement, cache_bytes = _fit_step_cache(source_spec, specs, stages, devices, options, placement, footprints)
@@ -825,10 +829,12 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     if options.cache is not None:
         plan.step_cache = _step_cache_report(plan, source, prepared, options, footprints,
                                              cache_bytes if footprints else {})
+    plan.parallel = layout
+    plan.warnings += [f"The plan records a {layout.title} layout for {layout.world_size} ranks ('parallel'): run it with "
+                      f"torchrun --nproc-per-node {layout.world_size} -m dm_cli run -d PLAN.json."
+                      for layout in [layout] if layout is not None and layout.layout != "split"]
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
-    if parallel is not None:
-        plan.parallel = _parallel_layout(plan, prepared, *parallel)
     return plan
 
 
@@ -967,23 +973,28 @@ def _parallel_request(source, comps, devices: list[Device], options: PlanOptions
     guidance = guidance_branches(family, options.inputs, options.negative_prompt, options.settings)
     element = 4 if placement.dtype == "float32" else 2
     shape = denoiser_shape(denoiser, source.pipeline_class, options.inputs, family, element)
+    names = {c.name for c in source.components}
+    shape = replace(shape, experts=tuple(n for n in family.experts if n in names and n != denoiser.name))
     candidates(request, guidance, shape)  # an explicit choice that cannot run is refused here
     options = replace(options, placement=replace(placement, mode="staged"), parallel=request)
     return options, family, guidance, shape
 
 
-def _parallel_layout(plan: Plan, prepared: list[PreparedComponent], options: PlanOptions, family, guidance,
-                     shape) -> ParallelLayout:
-    """The layout for the traced plan: the denoiser's weights and activations, each rank's budget and the
-    peaks of the other stages as the single-process plan places them."""
+def _parallel_layout(placement: Placement, specs: list[ComponentInput], prepared: list[PreparedComponent], stages,
+                     devices: list[Device], cut, options: PlanOptions, family, guidance,
+                     shape) -> tuple[ParallelLayout, Placement, list[PreparedComponent]]:
+    """The layout for the traced placement (the denoiser's weights and activations, each rank's budget and the peaks
+    of the other stages as the single-process plan places them), with the placement and components the plan keeps:
+    when auto chooses pipeline parallel, the denoiser is placed again as its cut (`_with_cut`)."""
     from dm_cli.planning.parallel import DenoiserLoad, Rank, choose_layout
 
-    experts = [n for n in (family.denoiser, *family.experts) if n in plan.components]
-    placed = [plan.components[n] for n in experts]
+    experts = [n for n in (family.denoiser, *family.experts) if n in placement.components]
+    placed = [placement.components[n] for n in experts]
     params = max(sum(t.numel for t in p.skeleton.tensors) for p in prepared if p.spec.name in experts)
+    activation_peaks = {s.name: s.activation_peak for s in specs}
     split_peaks: dict[int, int] = {}
     other_peaks: dict[int, int] = {}
-    for stage in plan.stages:
+    for stage in placement.stages:
         denoise = any(n in stage.components for n in experts)
         for key, use in stage.use.items():
             gpu = device_key(key)
@@ -991,16 +1002,59 @@ def _parallel_layout(plan: Plan, prepared: list[PreparedComponent], options: Pla
                 split_peaks[gpu] = max(split_peaks.get(gpu, 0), use.peak)
                 if not denoise:
                     other_peaks[gpu] = max(other_peaks.get(gpu, 0), use.peak)
-    load = DenoiserLoad(tuple(c.weights_bytes for c in placed), max(plan.activation_peaks.get(n, 0) for n in experts),
+    load = DenoiserLoad(tuple(c.weights_bytes for c in placed), max(activation_peaks.get(n, 0) for n in experts),
                         params, max(c.hops for c in placed), max(c.offloaded_bytes for c in placed), split_peaks)
-    by_key = {d.key: d for d in plan.devices}
+    by_key = {d.key: d for d in devices}
     ranks = [Rank(r, by_key[r].capacity or 0, by_key[r].overhead, other_peaks.get(r, 0))
              for r in range(options.parallel.world_size)]
-    layout = choose_layout(options.parallel, guidance, shape, load, ranks)
-    if layout.layout != "split":
-        plan.warnings.append(f"The plan records a {layout.title} layout for {layout.world_size} ranks ('parallel'): "
-                             f"run it with torchrun --nproc-per-node {layout.world_size} -m dm_cli run -d PLAN.json.")
-    return layout
+    layout = choose_layout(options.parallel, guidance, shape, load, ranks, cut)
+    fixed = next((s for s in specs if s.name == family.denoiser), None)
+    if layout.layout != "pipeline" or fixed is None or fixed.fixed_map is not None:
+        return layout, placement, prepared
+    cut_specs = [replace(s, fixed_map=dict(cut.block_map)) if s is fixed else s for s in specs]
+    cut_placement = _plan_or_none(cut_specs, stages, devices, options)
+    if cut_placement is None:  # the cut fits each rank, but not one process's device map: the split it is compared to
+        layout = choose_layout(options.parallel, guidance, shape, load, ranks,
+                               f"pipeline parallel's cut of {family.denoiser} fits each rank but not as one process's "
+                               "device map, which the plan must stay.")
+        return layout, placement, prepared
+    return layout, cut_placement, _with_cut(prepared, family.denoiser, cut)
+
+
+def _pipeline_cut(prepared: list[PreparedComponent], devices: list[Device], options: PlanOptions, family, guidance,
+                  shape) -> tuple:
+    """(pipeline parallel's cut of the denoiser (planning/parallel.py `pipeline_cut`) or the sentence why there is
+    none, the components): the cut None when the request does not consider pipeline parallel. An explicit --parallel
+    pipeline that cannot be cut, or does not fit a rank, is refused here, before any placement; else its components
+    come back with the denoiser's map fixed to the cut (never searched)."""
+    from dm_cli.planning.parallel import Rank, Unit, pipeline_candidate, pipeline_cut
+
+    request = options.parallel
+    prep = next((p for p in prepared if p.spec.name == family.denoiser), None)
+    if request.choice not in ("pipeline", "auto") or prep is None:
+        return None, prepared
+    owner = {key: block.name for block in prep.spec.blocks for key in block.keys}
+    params = dict.fromkeys(owner.values(), 0)
+    for tensor in prep.skeleton.tensors:  # each tensor's parameters to the block whose key covers it
+        name = tensor.name
+        while name and name not in owner:
+            name = name.rpartition(".")[0]
+        if name in owner:
+            params[owner[name]] += tensor.numel
+    units = [Unit(b.name, b.keys, b.bytes, params[b.name]) for b in prep.spec.blocks]
+    cut = pipeline_cut(units, request.world_size, shape)
+    if request.choice == "pipeline":
+        by_key = {d.key: d for d in devices}
+        ranks = [Rank(r, by_key[r].capacity or 0, by_key[r].overhead) for r in range(request.world_size)]
+        pipeline_candidate(request, shape, prep.spec.activation_peak, ranks, cut, {})  # refuses, one sentence
+        return cut, _with_cut(prepared, family.denoiser, cut)
+    return cut, prepared
+
+
+def _with_cut(prepared: list[PreparedComponent], denoiser: str, cut) -> list[PreparedComponent]:
+    """The components with the denoiser's map fixed to the cut (the search keeps it and places the rest around it)."""
+    return [replace(p, spec=replace(p.spec, fixed_map=dict(cut.block_map))) if p.spec.name == denoiser else p
+            for p in prepared]
 
 
 def input_image_report(source, comps, prepared: list[PreparedComponent], options: PlanOptions) -> dict:

@@ -11,16 +11,28 @@ A denoiser split by the device map runs one GPU at a time. With `--world-size N`
   over u ranks, attention heads are exchanged all-to-all. u must divide the heads and every split sequence.
   Ring attention is not planned (`ring` is always 1).
 - both at once: world size = cfg x ulysses.
+- **Pipeline parallel** (PipeFusion-like, degree N): the denoiser's blocks (the entries of its
+  `transformer_blocks`, `single_transformer_blocks` or `blocks` lists) cut into N contiguous slices, slice r on
+  rank r; the hidden states (and the text's) pass rank to rank, and several queue prompts (micro-batches) are in
+  flight so that every rank computes all the time. The plan's device map of the denoiser is that cut (GPU r holds
+  slice r, the modules before the blocks GPU 0, those after the last GPU): one process runs it as a plain split,
+  the baseline the pipeline is compared with. The cut balances the slices' FLOPs (`pipeline_cut`).
 
 Memory per rank: the denoiser's weights whole on every rank (Wan 2.2's experts together when they fit, else
 one at a time), its activations divided by the degrees (CFG halves a doubled batch; Ulysses divides the
 sequence) plus one layer's all-to-all buffers, and the rank's GPU overhead. Encoders and the VAE are not
 copied: they run once, as the single-process plan places them (their stages' peaks on that GPU count).
+Pipeline: rank r holds its slice, every module of the denoiser outside the block lists (embedders, output
+layers: small), the denoiser's activation peak (one micro-batch computes at a time), `in_flight` x (send +
+receive buffers of one micro-batch's hidden and text hidden states) and its overhead.
 
 Step times (`auto`) from a simple model: FLOPs per step (2 x params x tokens x calls, plus attention's
 4 x layers x tokens^2 x hidden) at `device_tflops`, plus what crosses the links at `link_gbps` (split:
 hidden states at each hop and offloaded weights streamed; CFG: one noise prediction; Ulysses: q, k, v and
-out of every attention layer, 4 x (tokens/u) x hidden x bytes x (u-1)/u per rank).
+out of every attention layer, 4 x (tokens/u) x hidden x bytes x (u-1)/u per rank). Pipeline: the same FLOPs
+per slice (2 x its parameters x tokens, plus attention for each block in it); one prompt takes the split's time
+(sum of the slices plus a hop of the hidden states at each cut), a queue of at least `in_flight` >= N prompts one
+image-step per max over slices of (slice + one hop).
 
 Pure: no torch, no I/O.
 """
@@ -28,14 +40,19 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from dm_cli.errors import DoesNotFitError, UsageError
 from dm_cli.units import format_size, shorten
 
-CHOICES = ("none", "cfg", "context", "cfg+context", "auto")
-LAYOUTS = ("split", "cfg", "context", "cfg+context")
+CHOICES = ("none", "cfg", "context", "cfg+context", "pipeline", "auto")
+LAYOUTS = ("split", "cfg", "context", "cfg+context", "pipeline")
 MAX_WORLD_SIZE = 1024
+MAX_IN_FLIGHT = 1024
+# The lists whose entries pipeline parallel cuts into slices (entries of a root ModuleList of these names)
+PIPELINE_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
+SPEEDUP_BASIS = "per-slice FLOPs from the configs"
 DEFAULT_DEVICE_TFLOPS = 100.0  # dense bf16 a GPU sustains in a denoiser step (an H100 peaks near 990)
 DEFAULT_LINK_GBPS = 25.0  # GB/s between two GPUs (PCIe 4 x16; NVLink is 10-20x more)
 
@@ -58,6 +75,7 @@ class ParallelRequest:
     choice: str | None = None
     device_tflops: float = DEFAULT_DEVICE_TFLOPS
     link_gbps: float = DEFAULT_LINK_GBPS
+    in_flight: int | None = None  # pipeline: micro-batches in flight (None: 2 x world size)
 
     @property
     def active(self) -> bool:
@@ -77,12 +95,25 @@ class ParallelRequest:
             raise UsageError(f"--parallel {choice} needs --world-size 2 or more (one rank has nothing to share).")
         if size > 1 and choice == "none":
             raise UsageError(f"--world-size {size} with --parallel none would run one process: give --parallel "
-                             "cfg, context, cfg+context or auto.")
+                             "cfg, context, cfg+context, pipeline or auto.")
         for flag, value in (("--device-tflops", self.device_tflops), ("--link-gbps", self.link_gbps)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or not 0 < value <= 1e6:
                 raise UsageError(f"{flag} must be a number above 0 (at most 1e6), not {shorten(value, quote=True)}.")
-        return ParallelRequest(size, choice, float(self.device_tflops), float(self.link_gbps))
+        in_flight = self.in_flight
+        if in_flight is not None:
+            if isinstance(in_flight, bool) or not isinstance(in_flight, int) or not 1 <= in_flight <= MAX_IN_FLIGHT:
+                raise UsageError(f"--in-flight must be a whole number from 1 to {MAX_IN_FLIGHT}, not "
+                                 f"{shorten(in_flight, quote=True)}.")
+            if choice not in ("pipeline", "auto"):
+                raise UsageError(f"--in-flight sets the micro-batches of --parallel pipeline, which --parallel {choice} "
+                                 "does not use: drop it, or use --parallel pipeline or auto.")
+        return ParallelRequest(size, choice, float(self.device_tflops), float(self.link_gbps), in_flight)
+
+    @property
+    def planned_in_flight(self) -> int:
+        """Micro-batches the pipeline layout plans in flight: --in-flight, else 2 x the world size."""
+        return self.in_flight if self.in_flight is not None else min(MAX_IN_FLIGHT, 2 * self.world_size)
 
 
 @dataclass(frozen=True)
@@ -108,6 +139,13 @@ class DenoiserShape:
     calls: int  # per step (2 under separate CFG)
     element_bytes: int  # of one activation element (bf16: 2)
     prediction_bytes: int  # one branch's noise prediction
+    blocks: int = 0  # entries of its block lists, as its config counts them (0: unknown)
+    experts: tuple[str, ...] = ()  # the other denoisers the pipeline switches to (Wan 2.2's transformer_2)
+
+    @property
+    def hop_bytes(self) -> int:
+        """One micro-batch's block inputs at a pipeline cut: the hidden and the text hidden states of one call."""
+        return (self.image_tokens + self.text_tokens) * self.hidden * self.element_bytes * self.batch
 
     @property
     def split_sequences(self) -> tuple[str, ...] | None:
@@ -134,6 +172,8 @@ class Candidate:
 def layout_title(layout: str, cfg: int, ulysses: int, world_size: int = 0) -> str:
     if layout == "split":
         return f"device-map split over {world_size} GPUs" if world_size else "device-map split"
+    if layout == "pipeline":
+        return f"pipeline parallel ({world_size} slices)" if world_size else "pipeline parallel"
     if layout == "cfg":
         return "CFG-parallel (2 branches)"
     if layout == "context":
@@ -164,14 +204,34 @@ def context_refusal(shape: DenoiserShape, ulysses: int) -> str | None:
     return None
 
 
+def pipeline_refusal(shape: DenoiserShape, world: int) -> str | None:
+    """Why pipeline parallel cannot cut this denoiser over `world` ranks, from its config (None: it can)."""
+    if shape.experts:
+        return (f"pipeline parallel cuts one denoiser's blocks, and this pipeline switches between {shape.cls} "
+                f"experts ({', '.join(shape.experts)} too) during the steps: use --parallel cfg or context.")
+    if "UNet" in shape.cls:
+        return (f"pipeline parallel cuts a transformer's block lists ({', '.join(PIPELINE_LISTS)}), and {shape.cls} "
+                "has none: use --parallel cfg.")
+    if shape.blocks and world > shape.blocks:
+        return (f"--world-size {world} with --parallel pipeline needs a block per rank, and {shape.cls} has "
+                f"{shape.blocks}: use --world-size {shape.blocks} or fewer.")
+    return None
+
+
 def candidates(request: ParallelRequest, guidance: Guidance, shape: DenoiserShape) -> tuple[list[Candidate], dict]:
     """The layouts to compare for `request` (settled): one for an explicit choice (UsageError when it cannot
     run), every runnable one and the split for auto; with the sentences refusing the others (auto)."""
     world, choice = request.world_size, request.choice
-    wanted = {"cfg": ("cfg",), "context": ("context",), "cfg+context": ("cfg+context",),
-              "auto": ("cfg", "context", "cfg+context")}[choice]
     found: list[Candidate] = [Candidate("split")] if choice == "auto" else []
     refused: dict[str, str] = {}
+    if choice in ("pipeline", "auto"):
+        problem = pipeline_refusal(shape, world)
+        if problem and choice == "pipeline":
+            raise UsageError(problem)
+        if choice == "pipeline":
+            return [Candidate("pipeline")], refused
+    wanted = {"cfg": ("cfg",), "context": ("context",), "cfg+context": ("cfg+context",),
+              "auto": ("cfg", "context", "cfg+context")}[choice]
     for layout in wanted:
         cfg = 2 if layout != "context" else 1
         ulysses = world // cfg if layout != "cfg" else 1
@@ -187,6 +247,12 @@ def candidates(request: ParallelRequest, guidance: Guidance, shape: DenoiserShap
             refused[layout] = problem
         else:
             found.append(Candidate(layout, cfg, ulysses))
+    if choice == "auto":
+        problem = pipeline_refusal(shape, world)
+        if problem:
+            refused["pipeline"] = problem
+        else:
+            found.append(Candidate("pipeline"))
     return found, refused
 
 
@@ -269,7 +335,8 @@ def denoiser_shape(comp, pipeline_class: str | None, inputs, family, element_byt
     return DenoiserShape(comp.cls, heads, hidden, layers, tokens,
                          text.shape[1] if isinstance(text, TensorSpec) and len(text.shape) == 3 else 0,
                          shape[0], family.denoiser_calls(inputs), element_bytes,
-                         numel * element_bytes // max(1, family.cfg_batch(inputs)))
+                         numel * element_bytes // max(1, family.cfg_batch(inputs)),
+                         _count_of(config, "num_layers") + _count_of(config, "num_single_layers"))
 
 
 # --- memory and time ----------------------------------------------------------------------------
@@ -323,12 +390,16 @@ def step_flops(shape: DenoiserShape, params: int) -> float:
     """FLOPs of one step on one device: the dense layers (2 x params x tokens) and attention's scores and
     weighted sums (4 x layers x query tokens x key tokens x hidden), for every sample and call."""
     tokens = shape.image_tokens + shape.text_tokens
-    if shape.split_sequences == ("image",):  # self-attention over the video, cross-attention to the prompt
-        pairs = shape.image_tokens * (shape.image_tokens + shape.text_tokens)
-    else:  # joint attention over both
-        pairs = tokens * tokens
-    per_sample = 2 * params * tokens + 4 * shape.layers * pairs * shape.hidden
+    per_sample = 2 * params * tokens + 4 * shape.layers * _attention_pairs(shape) * shape.hidden
     return float(per_sample * shape.batch * shape.calls)
+
+
+def _attention_pairs(shape: DenoiserShape) -> int:
+    """(query, key) token pairs of one attention layer for one sample."""
+    tokens = shape.image_tokens + shape.text_tokens
+    if shape.split_sequences == ("image",):  # self-attention over the video, cross-attention to the prompt
+        return shape.image_tokens * (shape.image_tokens + shape.text_tokens)
+    return tokens * tokens  # joint attention over both
 
 
 def step_seconds(cand: Candidate, shape: DenoiserShape, guidance: Guidance, load: DenoiserLoad,
@@ -351,6 +422,155 @@ def step_seconds(cand: Candidate, shape: DenoiserShape, guidance: Guidance, load
     return seconds
 
 
+# --- pipeline parallel: the cut ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One atomic block of the denoiser's plan (the search's Block) as the cut sees it: its name, device_map keys,
+    weights and parameters."""
+
+    name: str
+    keys: tuple[str, ...]
+    bytes: int
+    params: int
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """The block-list entries it holds ("transformer_blocks.3"); () when it is not (all) inside one."""
+        found = [list_entry(key) for key in self.keys]
+        return () if None in found else tuple(dict.fromkeys(found))
+
+
+def list_entry(key: str) -> str | None:
+    """The entry of a block list (PIPELINE_LISTS) that a module name is, or lies in; None: outside them."""
+    parts = key.split(".")
+    if len(parts) >= 2 and parts[0] in PIPELINE_LISTS and parts[1].isdigit():
+        return f"{parts[0]}.{parts[1]}"
+    return None
+
+
+@dataclass(frozen=True)
+class PipelineCut:
+    """The denoiser cut into one contiguous slice per rank."""
+
+    slices: tuple[tuple[str, ...], ...]  # per rank: its block-list entries, in execution order
+    block_map: dict  # every unit's name -> its GPU (rank r on GPU r): the single-process device map of the cut
+    slice_bytes: tuple[int, ...]  # weights of each rank's entries
+    slice_flops: tuple[float, ...]  # per step and image; the first rank's with the modules before the blocks, the
+    # last rank's with those after
+    shared_bytes: int  # every module outside the block lists: each rank holds them all
+
+    @property
+    def world_size(self) -> int:
+        return len(self.slices)
+
+
+def pipeline_cut(units: list[Unit], world: int, shape: DenoiserShape) -> "PipelineCut | str":
+    """The denoiser's units (execution order) cut into `world` contiguous non-empty slices of whole block-list
+    entries, minimising the largest slice's FLOPs (per step: 2 x parameters x tokens for every unit, plus one
+    attention layer per entry); the modules before the first entry go with slice 0, those after the last with the
+    last slice, any between two entries with the slice before. A sentence when it cannot be cut."""
+    tokens = shape.image_tokens + shape.text_tokens
+    per_sample = shape.batch * shape.calls
+    attention = 4 * _attention_pairs(shape) * shape.hidden
+
+    def flops(unit: Unit, entries: int) -> float:
+        return float((2 * unit.params * tokens + entries * attention) * per_sample)
+
+    atoms: list[list[Unit]] = []  # runs of units that hold the same entries: the cut never divides one
+    atom_entries: list[tuple[str, ...]] = []
+    before: list[Unit] = []
+    after: list[Unit] = []  # non-block units since the last atom (between atoms: they join the one before)
+    for unit in units:
+        entries = unit.entries
+        if not entries:
+            (after if atoms else before).append(unit)
+            continue
+        if atoms and set(entries) & set(atom_entries[-1]) and not after:
+            atoms[-1].append(unit)
+            atom_entries[-1] = tuple(dict.fromkeys((*atom_entries[-1], *entries)))
+            continue
+        if after:
+            atoms[-1].extend(after)
+            after = []
+        atoms.append([unit])
+        atom_entries.append(entries)
+    if not atoms:
+        other = "cfg or context" if shape.split_sequences else "cfg"
+        return (f"pipeline parallel cuts a transformer's block lists ({', '.join(PIPELINE_LISTS)}), and {shape.cls} "
+                f"has none: use --parallel {other}.")
+    if world > len(atoms):
+        return (f"--world-size {world} with --parallel pipeline needs a block per rank, and {shape.cls} has "
+                f"{len(atoms)}: use --world-size {len(atoms)} or fewer.")
+    costs = [sum(flops(u, len(entries) if u is atom[0] else 0) for u in atom)
+             for atom, entries in zip(atoms, atom_entries)]
+    head = sum(flops(u, 0) for u in before)
+    tail = sum(flops(u, 0) for u in after)
+    starts = balanced_cut(costs, world, head, tail)
+    bounds = list(zip(starts, [*starts[1:], len(atoms)]))
+    block_map = {u.name: 0 for u in before}
+    slices, slice_bytes, slice_flops = [], [], []
+    for rank, (start, end) in enumerate(bounds):
+        members = [u for atom in atoms[start:end] for u in atom]
+        block_map.update({u.name: rank for u in members})
+        slices.append(tuple(e for entries in atom_entries[start:end] for e in entries))
+        slice_bytes.append(sum(u.bytes for u in members if u.entries))
+        slice_flops.append(sum(costs[start:end]) + (head if rank == 0 else 0) + (tail if rank == world - 1 else 0))
+    block_map.update({u.name: world - 1 for u in after})
+    shared = sum(u.bytes for u in units if not u.entries)
+    return PipelineCut(tuple(slices), block_map, tuple(slice_bytes), tuple(slice_flops), shared)
+
+
+def balanced_cut(costs: list[float], parts: int, head: float = 0.0, tail: float = 0.0) -> list[int]:
+    """The start index of each of `parts` contiguous non-empty slices of `costs` (1 <= parts <= len(costs)) that
+    minimise the largest slice, the first slice carrying `head` more and the last `tail` more (dynamic
+    programming over the cut points, O(parts x n^2))."""
+    n = len(costs)
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    inf = float("inf")
+    # best[k][i]: the least largest slice of costs[:i] in k slices; cut[k][i]: where the k-th slice starts
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    for i in range(1, n + 1):
+        best[1][i] = prefix[i] + head
+    for k in range(2, parts + 1):
+        for i in range(k, n + 1):
+            extra = tail if (k == parts and i == n) else 0.0
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j] + extra)
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    starts, i = [], n
+    for k in range(parts, 1, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return [0, *reversed(starts)]
+
+
+def pipeline_rank_peak(cut: PipelineCut, rank: int, activation_peak: int, shape: DenoiserShape, in_flight: int,
+                       overhead: int) -> int:
+    """The denoise stage's peak on rank `rank` under pipeline parallel: its slice, every module outside the block
+    lists, one micro-batch's activations, `in_flight` x (send + receive buffers) and the GPU's overhead."""
+    return (cut.slice_bytes[rank] + cut.shared_bytes + activation_peak + in_flight * 2 * shape.hop_bytes
+            + overhead)
+
+
+def pipeline_seconds(cut: PipelineCut, shape: DenoiserShape, request: ParallelRequest, in_flight: int) -> tuple[float, float]:
+    """(seconds per step of one image run as the cut's device-map split in one process: the slices one after
+    another and a hop of the hidden states at each cut; seconds per image-step of the pipeline with `in_flight`
+    prompts in flight: the slowest rank's slice and hop, or one prompt's round trip over the prompts in flight).
+    """
+    link = request.link_gbps * 1e9
+    hop = shape.hop_bytes * shape.calls / link
+    stages = [f / (request.device_tflops * 1e12) for f in cut.slice_flops]
+    split = sum(stages) + (len(stages) - 1) * hop
+    round_trip = sum(stages) + len(stages) * hop
+    return split, max(max(s + hop for s in stages), round_trip / max(1, in_flight))
+
+
 # --- the choice ---------------------------------------------------------------------------------
 
 
@@ -370,17 +590,25 @@ class ParallelLayout:
     experts: str = "together"  # Wan 2.2's experts on each rank: "together" or "one at a time"
     device_tflops: float = DEFAULT_DEVICE_TFLOPS
     link_gbps: float = DEFAULT_LINK_GBPS
+    # pipeline only (written only then): rank -> its block-list entries in execution order, the micro-batches planned
+    # in flight, the predicted split / pipeline time per image for a queue of >= in_flight prompts, and its basis
+    slices: dict[str, list[str]] = field(default_factory=dict)
+    in_flight: int = 0
+    predicted_speedup: float = 1.0
+    speedup_basis: str = ""
 
     @property
     def title(self) -> str:
         return layout_title(self.layout, self.cfg, self.ulysses, self.world_size)
 
     def to_json(self) -> dict:
+        pipeline = {"slices": {k: list(v) for k, v in self.slices.items()}, "in_flight": self.in_flight,
+                    "predicted_speedup": self.predicted_speedup, "speedup_basis": self.speedup_basis}
         return {"world_size": self.world_size, "layout": self.layout, "cfg": self.cfg, "ulysses": self.ulysses,
                 "ring": self.ring, "per_rank_peak_bytes": dict(self.per_rank_peak_bytes),
                 "predicted_step_s": dict(self.predicted_step_s), "rejected": dict(self.rejected),
                 "reason": self.reason, "experts": self.experts, "device_tflops": self.device_tflops,
-                "link_gbps": self.link_gbps}
+                "link_gbps": self.link_gbps, **(pipeline if self.layout == "pipeline" else {})}
 
     @classmethod
     def from_json(cls, data) -> "ParallelLayout":
@@ -395,8 +623,9 @@ class ParallelLayout:
         cfg = _whole(data.get("cfg"), "'parallel' cfg", 1, 2)
         ulysses = _whole(data.get("ulysses"), "'parallel' ulysses", 1, MAX_WORLD_SIZE)
         ring = _whole(data.get("ring", 1), "'parallel' ring", 1, 1)
-        expected = {"split": (1, 1), "cfg": (2, 1), "context": (1, world), "cfg+context": (2, world // 2)}[layout]
-        if (cfg, ulysses) != expected or (layout != "split" and cfg * ulysses * ring != world) or (
+        expected = {"split": (1, 1), "cfg": (2, 1), "context": (1, world), "cfg+context": (2, world // 2),
+                    "pipeline": (1, 1)}[layout]
+        if (cfg, ulysses) != expected or (layout not in ("split", "pipeline") and cfg * ulysses * ring != world) or (
                 layout == "cfg+context" and ulysses < 2):
             raise ValueError(f"'parallel' {layout} with cfg {cfg} x ulysses {ulysses} x ring {ring} does not make "
                              f"world_size {world}")
@@ -410,23 +639,43 @@ class ParallelLayout:
         experts = data.get("experts", "together")
         if experts not in ("together", "one at a time"):
             raise ValueError("'parallel' experts must be \"together\" or \"one at a time\"")
-        return cls(world, layout, cfg, ulysses, ring,
-                   {k: _whole(v, f"'parallel' rank {k} peak", 0, 2**60) for k, v in peaks.items()},
-                   {k: _number(v, f"'parallel' predicted_step_s {k}") for k, v in times.items()},
-                   {k: _string(v, f"'parallel' rejected {k}") for k, v in rejected.items()},
-                   _string(data.get("reason", ""), "'parallel' reason"), experts,
-                   _number(data.get("device_tflops", DEFAULT_DEVICE_TFLOPS), "'parallel' device_tflops", positive=True),
-                   _number(data.get("link_gbps", DEFAULT_LINK_GBPS), "'parallel' link_gbps", positive=True))
+        layout_of = cls(world, layout, cfg, ulysses, ring,
+                        {k: _whole(v, f"'parallel' rank {k} peak", 0, 2**60) for k, v in peaks.items()},
+                        {k: _number(v, f"'parallel' predicted_step_s {k}") for k, v in times.items()},
+                        {k: _string(v, f"'parallel' rejected {k}") for k, v in rejected.items()},
+                        _string(data.get("reason", ""), "'parallel' reason"), experts,
+                        _number(data.get("device_tflops", DEFAULT_DEVICE_TFLOPS), "'parallel' device_tflops",
+                                positive=True),
+                        _number(data.get("link_gbps", DEFAULT_LINK_GBPS), "'parallel' link_gbps", positive=True))
+        extra = [k for k in ("slices", "in_flight", "predicted_speedup", "speedup_basis") if k in data]
+        if layout != "pipeline":
+            if extra:
+                raise ValueError(f"'parallel' {extra[0]} belongs to the pipeline layout, not {layout}")
+            return layout_of
+        layout_of.slices = _slices(data.get("slices"), world)
+        layout_of.in_flight = _whole(data.get("in_flight"), "'parallel' in_flight", 1, MAX_IN_FLIGHT)
+        layout_of.predicted_speedup = _number(data.get("predicted_speedup", 1.0), "'parallel' predicted_speedup",
+                                              positive=True)
+        layout_of.speedup_basis = _string(data.get("speedup_basis", ""), "'parallel' speedup_basis")
+        return layout_of
 
 
 def choose_layout(request: ParallelRequest, guidance: Guidance, shape: DenoiserShape, load: DenoiserLoad,
-                  ranks: list[Rank]) -> ParallelLayout:
+                  ranks: list[Rank], cut: "PipelineCut | str | None" = None) -> ParallelLayout:
     """The fastest layout that fits (auto) or the one asked for; DoesNotFitError when the one asked for (or,
-    for auto, every parallel one and the split) does not fit on some rank."""
+    for auto, every parallel one and the split) does not fit on some rank. `cut`: the pipeline's (for pipeline
+    and auto), or the sentence saying why the denoiser has none. Auto keeps a layout that shares every step
+    (cfg, context) when one fits, else pipeline parallel when it fits, else the split."""
     found, rejected = candidates(request, guidance, shape)
     times = {"split": round(step_seconds(Candidate("split"), shape, guidance, load, request), 4)}  # the comparison
     fitting: list[tuple[float, Candidate, dict, bool]] = []
+    piped = None
     for cand in found:
+        if cand.layout == "pipeline":
+            piped = pipeline_candidate(request, shape, load.activation_peak, ranks, cut, rejected)
+            if piped is not None:
+                times["pipeline"] = round(piped[1], 4)
+            continue
         times[cand.layout] = round(step_seconds(cand, shape, guidance, load, request), 4)
         if cand.layout == "split":
             peaks = {str(i): int(load.split_peaks.get(rank.gpu, 0)) for i, rank in enumerate(ranks)}
@@ -447,6 +696,14 @@ def choose_layout(request: ParallelRequest, guidance: Guidance, shape: DenoiserS
                 raise DoesNotFitError(rejected[cand.layout], {"per_rank": peaks})
             continue
         fitting.append((times[cand.layout], cand, peaks, together))
+    sharing = [item for item in fitting if item[1].layout != "split"]
+    if piped is not None and not sharing:
+        return _pipeline_layout(request, piped, times, rejected)
+    if piped is not None:
+        rejected["pipeline"] = (f"pipeline parallel fits too (predicted {piped[3]:.2f}x the split's images per second "
+                                f"for a queue of {piped[4]} prompts or more), but auto keeps to layouts that share "
+                                f"every step when one fits ({', '.join(item[1].layout for item in sharing)} does here): "
+                                "they speed up one prompt as well.")
     best_time, best, peaks, together = min(fitting, key=lambda item: item[0])
     layout = ParallelLayout(request.world_size, best.layout, best.cfg, best.ulysses, 1, peaks, times, rejected,
                             experts="together" if together else "one at a time",
@@ -455,11 +712,63 @@ def choose_layout(request: ParallelRequest, guidance: Guidance, shape: DenoiserS
     return layout
 
 
+def pipeline_candidate(request: ParallelRequest, shape: DenoiserShape, activation_peak: int, ranks: list[Rank],
+                       cut: "PipelineCut | str | None", rejected: dict):
+    """(cut, seconds per image-step, the cut's split seconds per step, speed-up, the queue it needs (prompts), per-rank
+    peaks) of the
+    pipeline layout, or None with the sentence in `rejected` (auto); UsageError or DoesNotFitError when asked for."""
+    if not isinstance(cut, PipelineCut):
+        problem = cut or "pipeline parallel found no cut of the denoiser for these ranks."
+        if request.choice == "pipeline":
+            raise UsageError(problem)
+        rejected["pipeline"] = problem
+        return None
+    in_flight = request.planned_in_flight
+    buffers = in_flight * 2 * shape.hop_bytes
+    peaks, short = {}, []
+    for i, rank in enumerate(ranks):
+        denoise = pipeline_rank_peak(cut, i, activation_peak, shape, in_flight, rank.overhead)
+        peaks[str(i)] = max(denoise, rank.other_peak)
+        if denoise > rank.capacity:
+            short.append((i, rank, denoise))
+    if short:
+        i, rank, denoise = short[0]
+        more = f" (and {len(short) - 1} more rank(s))" if len(short) > 1 else ""
+        problem = (f"pipeline parallel does not fit: rank {i} needs {format_size(denoise)} of GPU {rank.gpu}'s "
+                   f"{format_size(rank.capacity)}{more}, for its slice of {format_size(cut.slice_bytes[i])}, "
+                   f"{format_size(cut.shared_bytes)} of modules outside the block lists, "
+                   f"{format_size(activation_peak)} of activations, {format_size(buffers)} of send and receive "
+                   f"buffers for {in_flight} micro-batches in flight (--in-flight) and {format_size(rank.overhead)} of "
+                   "overhead; use more ranks, fewer micro-batches in flight or a smaller size.")
+        if request.choice == "pipeline":
+            raise DoesNotFitError(problem, {"per_rank": peaks})
+        rejected["pipeline"] = problem
+        return None
+    split, piped = pipeline_seconds(cut, shape, request, in_flight)
+    return cut, piped, split, round(split / piped, 3) if piped else 1.0, min(in_flight, len(ranks)), peaks
+
+
+def _pipeline_layout(request: ParallelRequest, piped, times: dict, rejected: dict) -> ParallelLayout:
+    """The pipeline layout's record; its `split` time is the cut's (the device map the plan then has)."""
+    cut, seconds, split, speedup, queue, peaks = piped
+    times["split"] = round(split, 4)
+    layout = ParallelLayout(request.world_size, "pipeline", 1, 1, 1, peaks, times, rejected,
+                            device_tflops=request.device_tflops, link_gbps=request.link_gbps,
+                            slices={str(r): list(names) for r, names in enumerate(cut.slices)},
+                            in_flight=request.planned_in_flight, predicted_speedup=speedup, speedup_basis=SPEEDUP_BASIS)
+    how = "as asked" if request.choice != "auto" else "as no layout that shares every step fits"
+    layout.reason = (f"{layout.title}, {how}: predicted {speedup:.2f}x the split's images per second for a queue of "
+                     f"{queue} prompts or more ({seconds:.3g} s per image-step against {split:.3g} s/step for the "
+                     f"same cut run in one process; one prompt alone runs at the split's speed); fits with "
+                     f"{format_size(max(peaks.values(), default=0))} per rank at most")
+    return layout
+
+
 def _reason(layout: ParallelLayout, best: float, times: dict[str, float], request: ParallelRequest) -> str:
     """One line: what was chosen, its predicted step against the split's, and the largest rank's peak."""
     how = "as asked" if request.choice != "auto" else "the fastest layout that fits"
     against = f" against {times['split']:.3g} s/step split" if "split" in times and layout.layout != "split" else ""
-    others = [f"{k} {v:.3g} s" for k, v in times.items() if k not in (layout.layout, "split")]
+    others = [f"{k} {v:.3g} s" for k, v in times.items() if k not in (layout.layout, "split", "pipeline")]
     if others:
         against += f" ({', '.join(others)})"
     peak = max(layout.per_rank_peak_bytes.values(), default=0)
@@ -488,6 +797,28 @@ def _string(value, what: str) -> str:
     if not isinstance(value, str) or len(value) > 10_000:
         raise ValueError(f"{what} must be a string (at most 10,000 characters)")
     return value
+
+
+def _slices(value, world: int) -> dict[str, list[str]]:
+    """The pipeline's slices: ranks 0 to world - 1, each a non-empty list of module names, none named twice."""
+    value = _mapping(value, "'parallel' slices")
+    if sorted(value, key=lambda k: (len(k), k)) != [str(r) for r in range(world)]:
+        raise ValueError(f"'parallel' slices must name ranks 0 to {world - 1}")
+    seen: set[str] = set()
+    out = {}
+    for rank in sorted(value, key=int):
+        names = value[rank]
+        if not isinstance(names, list) or not names or len(names) > 100_000 or not all(
+                isinstance(n, str) and _MODULE.match(n) for n in names):
+            raise ValueError(f"'parallel' slice {rank} must be a non-empty list of module names")
+        if seen & set(names) or len(set(names)) != len(names):
+            raise ValueError(f"'parallel' slices name a block twice (slice {rank})")
+        seen.update(names)
+        out[rank] = list(names)
+    return out
+
+
+_MODULE = re.compile(r"^[\w-]+(?:\.[\w-]+)*$")
 
 
 def _mapping(value, what: str) -> dict:

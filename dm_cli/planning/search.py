@@ -51,6 +51,9 @@ class ComponentInput:
     splittable: bool = True  # False: the whole component goes to one device (the VAE)
     activation_peak: int = 0  # peak of the whole forward (charged when the component sits on one device)
     io_bytes: int = 0  # inputs + outputs, held by the devices running the first and last block
+    # block name -> device, decided before the search (pipeline parallel's cut): never searched, only checked,
+    # the other components placed in the room it leaves
+    fixed_map: dict[str, int | str] | None = None
 
     @property
     def weights_bytes(self) -> int:
@@ -819,8 +822,23 @@ class _ResidencySearch:
 
 
 def _place_residency(comps: list[ComponentInput], devices: list[Device], strategy: str):
-    """Best placement of components loaded together. Returns (maps, use) or raises NoFit."""
-    return _ResidencySearch(comps, devices).best(strategy)
+    """Best placement of components loaded together. Returns (maps, use) or raises NoFit. Components with a
+    `fixed_map` keep it; the others are placed in the room they leave."""
+    fixed = [c for c in comps if c.fixed_map is not None]
+    if not fixed:
+        return _ResidencySearch(comps, devices).best(strategy)
+    by_name = {d.name: d for d in devices}
+    maps = {c.name: dict(c.fixed_map) for c in fixed}
+    use = _evaluate(fixed, maps, by_name)
+    rest = [c for c in comps if c.fixed_map is None]
+    if rest and _fits(use, by_name):
+        room = [replace(d, capacity=max(0, d.capacity - use[d.name].peak), overhead=0)
+                if d.name in use and d.capacity is not None else d for d in devices]
+        maps.update(_ResidencySearch(rest, room).best(strategy)[0])
+        use = _evaluate(comps, maps, by_name)
+    if not _fits(use, by_name):
+        raise _no_fit(comps, devices, strategy)
+    return maps, use
 
 
 def _no_fit(comps: list[ComponentInput], devices: list[Device], strategy: str) -> NoFit:

@@ -192,13 +192,28 @@ def _print_parallel(out, layout, size, hidden: list) -> None:
     of every layout compared (and why the others were not), the reason, and the numbers behind the times."""
     rows = [[str(rank), f"GPU {rank}", size(peak)] for rank, peak in sorted(layout.per_rank_peak_bytes.items(),
                                                                             key=lambda item: int(item[0]))]
-    title = (f"Parallel: {layout.title}, world size {layout.world_size} = cfg {layout.cfg} x ulysses "
-             f"{layout.ulysses} x ring {layout.ring}" + (", experts one at a time" if layout.experts != "together" else ""))
+    columns = [Col("rank"), Col("device"), Col("peak", number=True)]
+    pipeline = layout.layout == "pipeline"
+    if pipeline:  # each rank's slice of the denoiser's blocks: first … last (how many)
+        title = (f"Parallel: {layout.title}, world size {layout.world_size}, {layout.in_flight} queue prompts in "
+                 "flight (--in-flight)")
+        columns.insert(2, Col("blocks"))
+        for row in rows:
+            names = layout.slices.get(row[0], [])
+            shown = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}" if names else "-"
+            row.insert(2, f"{shown} ({len(names)})")
+    else:
+        title = (f"Parallel: {layout.title}, world size {layout.world_size} = cfg {layout.cfg} x ulysses "
+                 f"{layout.ulysses} x ring {layout.ring}"
+                 + (", experts one at a time" if layout.experts != "together" else ""))
     out.print(title)
-    print_table(out, "Peak per rank", [Col("rank"), Col("device"), Col("peak", number=True)], rows, hidden,
-                label="ranks")
+    print_table(out, "Peak per rank", columns, rows, hidden, label="ranks")
     for name, seconds in layout.predicted_step_s.items():
-        out.print(f"  {name}: predicted {seconds:.3g} s/step" + (" (chosen)" if name == layout.layout else ""))
+        unit = " s per image-step in a queue" if name == "pipeline" else " s/step"
+        out.print(f"  {name}: predicted {seconds:.3g}{unit}" + (" (chosen)" if name == layout.layout else ""))
+    if pipeline:
+        out.print(f"  predicted speed-up: {layout.predicted_speedup:.2f}x the split's images per second for a queue "
+                  f"(1x for one prompt); basis: {layout.speedup_basis or 'the time model'}")
     for name, why in layout.rejected.items():
         out.print(f"  {name}: not planned: {why}")
     out.print(f"Parallel: {layout.reason}.")
