@@ -199,7 +199,7 @@ def test_sigterm_finishes_the_running_batch_answers_the_waiting_503_and_stops(tm
         assert served.post({"prompt": "a fox"})[0] == 401
         status, data, _ = served.request("GET", "/v1/models", headers=key)
         assert status == 200 and data["data"][0]["id"] == "fox-server"
-        running = _in_background(served.post, {"prompt": "running", "steps": 10}, headers=key)
+        running = _in_background(served.post, {"prompt": "running", "steps": 6}, headers=key)
         assert _until(lambda: served.metric("running_images", key) == 1)
         waiting = _in_background(served.post, {"prompt": "waiting"}, headers=key)
         assert _until(lambda: served.metric("queue_depth", key) == 1)

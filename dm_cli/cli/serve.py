@@ -88,7 +88,8 @@ def serve(
 ) -> int:
     from dm_cli.inputs import check_counts
     from dm_cli.run.request import RunRequest
-    from dm_cli.serve.server import ServeRequest, serve as serve_forever
+    from dm_cli.serve.server import ServeRequest
+    from dm_cli.serve.server import serve as serve_forever
 
     check_counts(steps=steps, num_images=None, height=height, width=width, max_sequence_length=max_sequence_length,
                  num_frames=frames, fps=fps)
