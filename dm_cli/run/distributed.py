@@ -211,3 +211,26 @@ def _count_gpus() -> int:
         return count.value if status == 0 else 0
     except OSError:
         return 0
+
+
+def broadcast(value, sharing):
+    """Rank 0's `value` on every rank (tensors through the CPU: they may sit on rank 0's GPUs); `sharing`: anything
+    that says whether this is rank 0 (`is_main`)."""
+    import torch
+    import torch.distributed as dist
+
+    box = [_to_cpu(value) if sharing.is_main else None]
+    dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))
+    return box[0]
+
+
+def _to_cpu(value):
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    if hasattr(value, "tensors") and isinstance(value.tensors, dict):  # families.Embeds
+        return type(value)(_to_cpu(value.tensors))
+    return value

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from dm_cli.errors import UsageError
 from dm_cli.families.stages import DECODE, DECODE_AUDIO, ENCODE, ENCODE_IMAGE
-from dm_cli.run.distributed import Ranks
+from dm_cli.run.distributed import Ranks, broadcast
 from dm_cli.run.stages import StageLoop
 
 RUN_CHOICES = ("none", "cfg", "context", "cfg+context", "pipeline", "auto")
@@ -190,28 +190,6 @@ def join(sharing: StepSharing, cuda: bool):
     mesh = init_device_mesh("cuda" if cuda else "cpu", (sharing.cfg, 1, sharing.ulysses),
                             mesh_dim_names=("cfg", "ring", "ulysses"))
     return mesh, (mesh["cfg"].get_group() if sharing.cfg == 2 else dist.group.WORLD), owner
-
-
-def broadcast(value, sharing: StepSharing):
-    """Rank 0's `value` on every rank (tensors through the CPU: they may sit on rank 0's GPUs)."""
-    import torch
-    import torch.distributed as dist
-
-    box = [_to_cpu(value) if sharing.is_main else None]
-    dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))
-    return box[0]
-
-
-def _to_cpu(value):
-    if hasattr(value, "detach") and hasattr(value, "cpu"):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    if hasattr(value, "tensors") and isinstance(value.tensors, dict):  # families.Embeds
-        return type(value)(_to_cpu(value.tensors))
-    return value
 
 
 def _gather(tensor, group):

@@ -41,6 +41,10 @@ from dm_cli.run.stages import StageLoop
 
 PIPELINE = "pipeline"
 DEFAULT_IN_FLIGHT_PER_RANK = 2  # prompts in flight per rank when the plan records none
+# Denoiser classes whose block calls carry the whole state between blocks (the hidden and encoder hidden states), so
+# that a slice's first block can start from what the previous slice sends (tests/test_pipeline_slices.py proves each)
+PIPELINE_CLASSES = ("FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel",
+                    "WanTransformer3DModel")
 _BLOCK_KEY = re.compile(r"(?P<list>[A-Za-z_][\w.]*)\.(?P<index>[0-9]+)")
 
 
@@ -344,6 +348,10 @@ def pipeline_refusal(family, generation, plan, world_size: int) -> str | None:
     if world_size < 2:
         return ("--parallel pipeline cuts the denoiser among torchrun ranks and this is one process: launch it with "
                 "torchrun --nproc-per-node N (N = the plan's GPUs).")
+    denoiser = plan.components[family.denoiser].cls if plan is not None else None
+    if denoiser is not None and denoiser not in PIPELINE_CLASSES:
+        return (f"--parallel pipeline cuts the denoisers whose blocks pass their whole state from one to the next "
+                f"({', '.join(PIPELINE_CLASSES)}), not {denoiser}: use --parallel cfg or context, or one process.")
     if family.experts:
         return (f"--parallel pipeline does not yet run {family.title()}'s experts (they take turns within a "
                 "prompt's steps): use --parallel cfg or context, or one process.")
@@ -430,7 +438,7 @@ class PipelineStageLoop(StageLoop):
 
     def _run_once_and_share(self, stage_plan, job, carry, on_step) -> None:
         """Encode on rank 0; every rank gets what the stage produces (embeddings, image latents)."""
-        from dm_cli.run.parallel import broadcast
+        from dm_cli.run.distributed import broadcast
 
         if self.sharing.is_main:
             super()._runner(stage_plan)(self, stage_plan, job, carry, on_step)

@@ -206,12 +206,9 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
 
 def _as_on_main(ranks: Ranks, todo: list[QueueItem], chunk_size: int, mine: list[QueueItem]):
     """Rank 0's items to generate and chunk size, on every rank."""
-    import torch
-    import torch.distributed as dist
+    from dm_cli.run.distributed import broadcast
 
-    box = [([item.index for item in todo], chunk_size) if ranks.is_main else None]
-    dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))
-    indices, size = box[0]
+    indices, size = broadcast(([item.index for item in todo], chunk_size), ranks)
     by_index = {item.index: item for item in mine}
     return [by_index[i] for i in indices], size
 

@@ -1,0 +1,152 @@
+"""The denoiser cut into pipeline slices (dm_cli.run.pipeline), in one process: rank 0's slice sends what rank 1's
+first block takes, ..., the last slice's output is the whole model's, bit for bit, for every denoiser class the
+pipeline runs; the fixed round robin of prompts in flight; the plan's cut read and refused."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dm_cli.errors import UsageError
+from dm_cli.families import call_spec
+from dm_cli.families.calls import TensorSpec
+from dm_cli.inputs import InputSpec
+from dm_cli.model.models import build_model
+from dm_cli.model.sources import resolve_source
+from dm_cli.run.pipeline import PIPELINE_CLASSES, SliceDone, Slices, Turns, cut_to_slice, plan_slices
+
+# preset, its denoiser's config changed to have enough blocks to cut three ways, input size
+CASES = {
+    "tiny-flux": ({"num_layers": 2, "num_single_layers": 2}, InputSpec(32, 48, 1, 1, 3.5, 16)),
+    "tiny-flux2": ({"num_layers": 2, "num_single_layers": 2}, InputSpec(32, 32, 1, 1, 4.0, 16)),
+    "tiny-qwenimage": ({"num_layers": 4}, InputSpec(32, 32, 1, 1, 4.0, 16)),
+    "tiny-wan": ({"num_layers": 4}, InputSpec(32, 32, 1, 1, 5.0, 16, num_frames=5)),
+}
+
+
+def _inputs(spec, generator):
+    if isinstance(spec, TensorSpec):
+        if spec.kind == "long":
+            return torch.zeros(spec.shape, dtype=torch.long)
+        if spec.kind == "bool":
+            return torch.ones(spec.shape, dtype=torch.bool)
+        return torch.randn(spec.shape, generator=generator)
+    if isinstance(spec, dict):
+        return {k: _inputs(v, generator) for k, v in spec.items()}
+    return spec
+
+
+def _block_keys(model) -> list[str]:
+    """The entries of the model's lists of blocks (not the lists inside a block), in order."""
+    keys: list[str] = []
+    for name, _ in model.named_modules():
+        parent, _, index = name.rpartition(".")
+        if index.isdigit() and isinstance(model.get_submodule(parent), torch.nn.ModuleList) \
+                and not any(name.startswith(key + ".") for key in keys):
+            keys.append(name)
+    return keys
+
+
+@pytest.mark.parametrize("preset", sorted(CASES))
+@pytest.mark.parametrize("world", [2, 3])
+def test_slices_chained_give_the_whole_models_output(preset, world):
+    changes, inputs = CASES[preset]
+    source = resolve_source(preset)
+    comp = next(c for c in source.components if c.name == "transformer")
+    comp = replace(comp, config={**comp.config, **changes})
+    assert comp.cls in PIPELINE_CLASSES
+    torch.manual_seed(0)
+    whole = build_model(comp.library, comp.cls, comp.config).eval()
+    kwargs = _inputs(call_spec(comp, source.pipeline_class, inputs).kwargs, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        kwargs["return_dict"] = False
+        expected = whole(**kwargs)[0]
+    keys = _block_keys(whole)
+    cuts = [round(i * len(keys) / world) for i in range(world + 1)]
+    slices = Slices(tuple(tuple(keys[cuts[r]:cuts[r + 1]]) for r in range(world)), in_flight=1)
+    wire: list = []
+    ranks = []
+    for rank in range(world):
+        model = copy.deepcopy(whole)
+        cut_to_slice(model, slices, rank, wire.append, lambda: wire.pop(0))
+        assert len(_block_keys(model)) == len(slices.blocks[rank]) + (rank < world - 1)  # its blocks + SliceEnd
+        ranks.append(model)
+    with torch.no_grad():
+        for model in ranks[:-1]:
+            with pytest.raises(SliceDone):
+                model(**kwargs)
+            assert len(wire) == 1 and all(isinstance(t, torch.Tensor) for t in wire[0])
+        out = ranks[-1](**kwargs)[0]
+    assert not wire
+    assert torch.equal(out, expected)
+
+
+def test_turns_are_a_fixed_round_robin_that_shrinks_as_prompts_finish():
+    """Three prompts in flight, the second finishing first: every rank sees the same order of turns."""
+    turns, seen, lock = Turns(3), [], threading.Lock()
+
+    def prompt(slot: int, steps: int) -> None:
+        turns.wait(slot)
+        for step in range(steps):
+            with lock:
+                seen.append((slot, step))
+            turns.pass_on(slot)
+            turns.wait(slot)
+        turns.leave(slot)
+
+    threads = [threading.Thread(target=prompt, args=(slot, steps)) for slot, steps in ((0, 3), (1, 1), (2, 2))]
+    for thread in reversed(threads):
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert seen == [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1), (0, 2)]
+
+
+def test_a_failed_prompt_stops_the_others_waiting():
+    turns = Turns(2)
+    stopped = []
+
+    def waiting() -> None:
+        try:
+            turns.wait(1)
+        except Exception as error:  # noqa: BLE001
+            stopped.append(type(error).__name__)
+
+    thread = threading.Thread(target=waiting)
+    thread.start()
+    turns.fail(RuntimeError("out of memory"))
+    thread.join(10)
+    assert stopped == ["_Stopped"]
+
+
+def _plan(device_map: dict, in_flight=None):
+    parallel = SimpleNamespace(in_flight=in_flight) if in_flight else None
+    return SimpleNamespace(components={"transformer": SimpleNamespace(device_map=device_map)}, parallel=parallel)
+
+
+def test_plan_slices_are_the_blocks_on_each_gpu():
+    device_map = {"x_embedder": 0, "transformer_blocks.0": 0, "transformer_blocks.1": 0,
+                  "single_transformer_blocks.0": 1, "single_transformer_blocks.1": 1, "norm_out": 1, "proj_out": 1}
+    slices = plan_slices(_plan(device_map, in_flight=6), "transformer", 2)
+    assert slices.blocks == (("transformer_blocks.0", "transformer_blocks.1"),
+                             ("single_transformer_blocks.0", "single_transformer_blocks.1"))
+    assert slices.in_flight == 6
+    assert plan_slices(_plan(device_map), "transformer", 2).in_flight == 4  # 2 per rank when the plan says none
+
+
+@pytest.mark.parametrize("device_map, says", [
+    ({"": 0}, "whole, not block by block"),
+    ({"blocks.0": 0, "blocks.1": 0}, "does not cut"),
+    ({"blocks.0": 1, "blocks.1": 0}, "does not cut"),
+    ({"blocks.0": 0, "blocks.1": "cpu"}, "puts transformer's blocks on"),
+    ({"blocks.0": 0, "blocks.1": 2}, "puts transformer's blocks on"),
+])
+def test_plans_that_do_not_cut_the_denoiser_per_rank_are_refused(device_map, says):
+    with pytest.raises(UsageError, match=says) as refused:
+        plan_slices(_plan(device_map), "transformer", 2)
+    assert "dmap plan --world-size 2 --parallel pipeline" in str(refused.value)
