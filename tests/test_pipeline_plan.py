@@ -295,16 +295,17 @@ def test_in_flight_without_pipeline_is_refused():
 
 @pytest.mark.parametrize("model, fragment", [
     ("wan2.2-t2v-a14b", "switches between WanTransformer3DModel experts (transformer_2 too)"),
-    ("sdxl", "UNet2DConditionModel has none: use --parallel cfg"),
+    ("sdxl", "not UNet2DConditionModel: use --parallel cfg"),
+    ("sd3", "not SD3Transformer2DModel: use --parallel cfg"),
 ])
 def test_denoisers_pipeline_parallel_cannot_cut_are_refused(model, fragment):
     code, _, err = run_dmap("plan", model, "-m", "0=80GB,1=80GB", "--world-size", "2", "--parallel", "pipeline")
     _one_sentence_refusal(code, err, fragment)
 
 
-def test_a_denoiser_without_the_block_lists_is_refused_after_sizing():
+def test_a_denoiser_dmap_run_does_not_cut_is_refused_before_sizing():
     code, _, err = run_dmap("plan", "tiny-zimage", "-m", "0=1GB,1=1GB", "--world-size", "2", "--parallel", "pipeline")
-    _one_sentence_refusal(code, err, "ZImageTransformer2DModel has none: use --parallel cfg")
+    _one_sentence_refusal(code, err, "pipeline parallel cuts FluxTransformer2DModel", "not ZImageTransformer2DModel")
 
 
 # --- the pure cut, memory and time model --------------------------------------------------------

@@ -53,6 +53,9 @@ MAX_IN_FLIGHT = 1024
 # The lists whose entries pipeline parallel cuts into slices (entries of a root ModuleList of these names)
 PIPELINE_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
 SPEEDUP_BASIS = "per-slice FLOPs from the configs"
+# The denoiser classes `dmap run` cuts (dm_cli.run.pipeline): their blocks carry the whole state from one to the next
+PIPELINE_CLASSES = ("FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel",
+                    "WanTransformer3DModel")
 DEFAULT_DEVICE_TFLOPS = 100.0  # dense bf16 a GPU sustains in a denoiser step (an H100 peaks near 990)
 DEFAULT_LINK_GBPS = 25.0  # GB/s between two GPUs (PCIe 4 x16; NVLink is 10-20x more)
 
@@ -209,9 +212,10 @@ def pipeline_refusal(shape: DenoiserShape, world: int) -> str | None:
     if shape.experts:
         return (f"pipeline parallel cuts one denoiser's blocks, and this pipeline switches between {shape.cls} "
                 f"experts ({', '.join(shape.experts)} too) during the steps: use --parallel cfg or context.")
-    if "UNet" in shape.cls:
-        return (f"pipeline parallel cuts a transformer's block lists ({', '.join(PIPELINE_LISTS)}), and {shape.cls} "
-                "has none: use --parallel cfg.")
+    if shape.cls not in PIPELINE_CLASSES:
+        other = "cfg or context" if shape.split_sequences else "cfg"
+        return (f"pipeline parallel cuts {', '.join(PIPELINE_CLASSES[:-1])} and {PIPELINE_CLASSES[-1]} (whose blocks "
+                f"carry the whole state from one to the next), not {shape.cls}: use --parallel {other}.")
     if shape.blocks and world > shape.blocks:
         return (f"--world-size {world} with --parallel pipeline needs a block per rank, and {shape.cls} has "
                 f"{shape.blocks}: use --world-size {shape.blocks} or fewer.")
