@@ -3,8 +3,8 @@
 request, as a naive server would spawn them) and against one `dmap run --prompts` (the queue), side by side.
 
 Every method makes the same R images (the random-weight demo pipeline, SIZE x SIZE, STEPS steps, staged plan,
-seeds 0 .. R-1). The serve row's clock starts when the server listens (its start-up, import + plan + first load, is
-printed beside it: a server pays it once); the other rows include their start-up, which is their cost per request or
+seeds 0 .. R-1). The serve row's clock starts when the server has answered one first request (its start-up: import,
+plan, first load and first batch, printed beside it: a server pays it once); the other rows include their start-up, which is their cost per request or
 per queue. Loopback only; no GPU needed (add --max-memory / -d to serve a real plan).
 
     .venv/bin/python scripts/bench_serve.py --requests 16 --clients 16 --size 64 --steps 2
@@ -46,8 +46,15 @@ def bench_serve(prompts: list[str], clients: int, size: int, steps: int, extra: 
     if "http://" not in line:
         proc.kill()
         raise SystemExit(f"dmap serve did not start: {line}{proc.stderr.read()}")
-    startup = time.perf_counter() - started
     url = urlsplit(line.split(" on ", 1)[1].split(";", 1)[0])
+    # the first request pays the first load and the libraries' first calls, once per server: start-up, not throughput
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=3600)
+    connection.request("POST", "/v1/images/generations", json.dumps({"prompt": "warm", "seed": 0}),
+                       {"Content-Type": "application/json"})
+    if connection.getresponse().status != 200:
+        raise SystemExit("dmap serve did not answer its first request")
+    connection.close()
+    startup = time.perf_counter() - started
     todo = list(enumerate(prompts))
     lock, failures, latencies = threading.Lock(), [], []
 
