@@ -17,7 +17,17 @@ torchrun's start-up for 2 ranks, exit). Ratios are 1 rank / 2 ranks. The pixels 
 rank's (largest difference of 255). The machine's load average is printed before and after: two ranks need two
 free cores.
 
+Pipeline parallel (`--case pipeline`, issue 32): a queue of --prompts prompts (8) on the mid-size FLUX twin at
+--pipeline-size (256) through `dmap run --prompts`. On the CPU a thread stands for a GPU: one process with one thread
+running the denoiser block after block is what a 2-GPU split does with one GPU busy at a time (the same blocks, the
+same order; minus the hop), and 2 ranks x 1 thread with the plan's 2-way cut (`dmap plan --world-size 2 --parallel
+pipeline --max-memory 0=..,1=..`) is the pipeline. Columns: images per minute (whole process, 8 prompts), the
+denoise stage's run time, and each process's peak memory above what it held after its imports (VmHWM - RSS after
+the ENTRY's imports: what the run itself added, the CPU's stand-in for a GPU's max_memory_allocated), the largest
+rank's against the single process's. Pixels compared image by image.
+
 Usage: .venv/bin/python scripts/bench_parallel.py [--repeats N] [--steps N] [--cfg-size 256] [--context-size 512]
+       [--case cfg,context,pipeline] [--prompts 8] [--pipeline-size 256] [--pipeline-steps 6]
 """
 
 from __future__ import annotations
@@ -72,6 +82,18 @@ ENTRY = """import runpy, sys
 import torch, diffusers, transformers
 from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel, StableDiffusionPipeline, UNet2DConditionModel
 from transformers import CLIPTextModel, T5EncoderModel
+import atexit, os, resource
+def _rss():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+_imported = _rss()
+def _report():
+    where = os.environ.get("BENCH_MEMORY_DIR")
+    if where:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with open(os.path.join(where, "rank%s.txt" % os.environ.get("RANK", "0")), "w") as out:
+            out.write("%d %d" % (peak, _imported))
+atexit.register(_report)
 sys.argv[0] = "dmap"
 runpy.run_module("dm_cli", run_name="__main__", alter_sys=False)
 """
@@ -156,6 +178,84 @@ def _row(title: str, runs: dict, difference: int) -> str:
     return f"| {title} | " + " | ".join(cells) + f" | {difference} |"
 
 
+def _queue(folder: Path, ranks: int, prompts: Path, out: Path, steps: int, extra: list[str], memory: Path) -> dict:
+    """A queue through `dmap run --prompts` on 1 process or `ranks` torchrun ranks: wall time, the denoise stage's
+    run time (rank 0), and each rank's peak memory above its imports."""
+    import shutil
+
+    entry = out.parent / "entry.py"
+    entry.write_text(ENTRY)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(memory, ignore_errors=True)
+    memory.mkdir(parents=True)
+    run = [str(entry), "run", str(folder), "--prompts", str(prompts), "--steps", str(steps), "--output", str(out),
+           "--json", *extra]
+    command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *run]
+               if ranks > 1 else [sys.executable, *run])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+           "BENCH_MEMORY_DIR": str(memory)}
+    start = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    result = json.loads(proc.stdout[proc.stdout.index("{"):])
+    added = []
+    for rank in range(ranks):
+        peak, imported = (int(x) for x in (memory / f"rank{rank}.txt").read_text().split())
+        added.append(peak - imported)
+    return {"process": wall, "denoise": result["stages"].get("denoise", {}).get("run_s", 0.0), "added": added,
+            "notices": result["notices"]}
+
+
+def _pipeline_case(flux: Path, size: int, steps: int, prompts: int, repeats: int, tmp: Path) -> tuple[dict, int, dict]:
+    """The queue on one process against the 2-rank pipeline (plan made once, outside the timing)."""
+    queue = tmp / "pipeline-prompts.txt"
+    queue.write_text("".join(f"{PROMPT}, picture {i}\n" for i in range(prompts)))
+    plan = tmp / "pipeline-plan.json"
+    subprocess.run([sys.executable, "-m", "dm_cli", "plan", str(flux), "--max-memory", "0=4GB,1=4GB", "--world-size",
+                    "2", "--parallel", "pipeline", "--height", str(size), "--width", str(size), "--max-sequence-length",
+                    "64", "-o", str(plan)], check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    layout = json.loads(plan.read_text())["parallel"]
+    common = ["--height", str(size), "--width", str(size), "--max-sequence-length", "64"]
+    kinds = {1: common, 2: ["-d", str(plan)]}
+    for ranks in (1, 2):  # warm-up: trace cache, page cache
+        _queue(flux, ranks, queue, tmp / f"pipeline-warm-{ranks}", 1, kinds[ranks], tmp / "memory")
+    runs: dict[int, list[dict]] = {1: [], 2: []}
+    for i in range(repeats):
+        for ranks in (1, 2):
+            runs[ranks].append(_queue(flux, ranks, queue, tmp / f"pipeline-{ranks}-{i}", steps, kinds[ranks],
+                                      tmp / "memory"))
+    assert any("slices" in n for n in runs[2][0]["notices"]), runs[2][0]["notices"]
+    difference = max(int(abs(_pixels(tmp / f"pipeline-1-{i}" / f"{n:05d}.png")
+                             - _pixels(tmp / f"pipeline-2-{i}" / f"{n:05d}.png")).max())
+                     for i in range(repeats) for n in range(prompts))
+    return runs, difference, layout
+
+
+def _pipeline_rows(runs: dict, difference: int, layout: dict, prompts: int) -> list[str]:
+    one, two = runs[1], runs[2]
+    rate = [statistics.median(60 * prompts / r["process"] for r in runs[n]) for n in (1, 2)]
+    denoise = [statistics.median(r["denoise"] for r in runs[n]) for n in (1, 2)]
+    single = statistics.median(r["added"][0] for r in one)
+    ranks = [statistics.median(r["added"][k] for r in two) for k in range(2)]
+    mb = 1 << 20
+    slices = "; ".join(f"rank {k}: {v[0]} .. {v[-1]}" for k, v in layout["slices"].items())
+    return [
+        "| | 1 process (split, one thread) | 2 ranks (pipeline) | ratio |",
+        "|---|---|---|---|",
+        f"| images per minute ({prompts} prompts, whole process) | {rate[0]:.2f} | {rate[1]:.2f} | "
+        f"{rate[1] / rate[0]:.2f}x |",
+        f"| denoise stage s (rank 0) | {denoise[0]:.2f} | {denoise[1]:.2f} | {denoise[0] / denoise[1]:.2f}x |",
+        f"| peak memory above imports, MB | {single / mb:.0f} | rank 0 {ranks[0] / mb:.0f}, rank 1 {ranks[1] / mb:.0f} "
+        f"| {max(ranks) / single:.2f}x (largest rank) |",
+        f"| largest pixel difference | | | {difference} |",
+        "",
+        f"Cut: {slices}; the plan predicted {layout.get('predicted_speedup')}x ({layout.get('speedup_basis')}); "
+        f"{layout.get('in_flight')} prompts in flight at most.",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
@@ -163,26 +263,47 @@ def main() -> None:
     parser.add_argument("--cfg-size", type=int, default=256)
     parser.add_argument("--context-size", type=int, default=512)
     parser.add_argument("--model-dir", default=None, help="where to build (or find) the bench pipelines")
+    parser.add_argument("--case", default="cfg,context,pipeline", help="which cases, comma-separated")
+    parser.add_argument("--prompts", type=int, default=8, help="pipeline: prompts in the queue")
+    parser.add_argument("--pipeline-size", type=int, default=256)
+    parser.add_argument("--pipeline-steps", type=int, default=6)
     options = parser.parse_args()
+    cases = set(options.case.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="bench-parallel-"))
     models = Path(options.model_dir or tmp)
     sd15, flux = build_pipeline(models / "sd15-mid"), build_flux(models / "flux-mid")  # outside any timing
     # dm_cli's bytecode, as a wheel install has it (see bench_run.py)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "dm_cli")], check=True, stdout=subprocess.DEVNULL)
     load_before = os.getloadavg()
-    cfg = _case("cfg", sd15, "cfg", options.cfg_size, options.steps, options.repeats, tmp,
-                ["--guidance-scale", str(GUIDANCE)])
-    context = _case("context", flux, "context", options.context_size, options.steps, options.repeats, tmp,
-                    ["--max-sequence-length", "64"])
+    cfg = context = pipeline = None
+    if "cfg" in cases:
+        cfg = _case("cfg", sd15, "cfg", options.cfg_size, options.steps, options.repeats, tmp,
+                    ["--guidance-scale", str(GUIDANCE)])
+    if "context" in cases:
+        context = _case("context", flux, "context", options.context_size, options.steps, options.repeats, tmp,
+                        ["--max-sequence-length", "64"])
+    if "pipeline" in cases:
+        pipeline = _pipeline_case(flux, options.pipeline_size, options.pipeline_steps, options.prompts,
+                                  options.repeats, tmp)
     load_after = os.getloadavg()
-    print(f"{options.steps} steps, seed {SEED}, CPU, one torch thread per rank, {os.cpu_count()} cores; medians of "
-          f"{options.repeats} runs each (subprocesses, alternating); load average (1, 5, 15 min) "
-          f"{', '.join(f'{x:.1f}' for x in load_before)} before, {', '.join(f'{x:.1f}' for x in load_after)} after\n")
-    print("| layout | denoise s: 1 rank / 2 ranks | in-process s | process s | largest pixel difference |")
-    print("|---|---|---|---|---|")
-    print(_row(f"CFG-parallel, SD 1.5-arch UNet ~77M, {options.cfg_size}x{options.cfg_size}", *cfg))
-    print(_row(f"context parallel (Ulysses 2), FLUX-arch ~36M, {options.context_size}x{options.context_size}",
-               *context))
+    print(f"{options.steps} steps ({options.pipeline_steps} for the pipeline's queue), seed {SEED}, CPU, one torch "
+          f"thread per rank, {os.cpu_count()} cores; medians of {options.repeats} runs each (subprocesses, "
+          f"alternating); load average (1, 5, 15 min) {', '.join(f'{x:.1f}' for x in load_before)} before, "
+          f"{', '.join(f'{x:.1f}' for x in load_after)} after\n")
+    if cfg or context:
+        print("| layout | denoise s: 1 rank / 2 ranks | in-process s | process s | largest pixel difference |")
+        print("|---|---|---|---|---|")
+    if cfg:
+        print(_row(f"CFG-parallel, SD 1.5-arch UNet ~77M, {options.cfg_size}x{options.cfg_size}", *cfg))
+    if context:
+        print(_row(f"context parallel (Ulysses 2), FLUX-arch ~36M, {options.context_size}x{options.context_size}",
+                   *context))
+    if pipeline:
+        print(f"\nPipeline parallel, FLUX-arch ~36M, {options.pipeline_size}x{options.pipeline_size}, a queue of "
+              f"{options.prompts} prompts:\n")
+        print("\n".join(_pipeline_rows(*pipeline, options.prompts)))
+    if not cfg:
+        return
     two, one = _cfg_ceiling(sd15, options.cfg_size)
     print(f"\nCFG-parallel's ceiling on this machine: one UNet forward at batch 2 takes {two:.3f} s, at batch 1 "
           f"{one:.3f} s, so two ranks can denoise at most {two / one:.2f}x faster than one.")

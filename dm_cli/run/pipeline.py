@@ -37,14 +37,11 @@ from dataclasses import dataclass
 from dm_cli.devices import device_key, is_gpu
 from dm_cli.errors import DmapError, UsageError
 from dm_cli.families.stages import DECODE, DECODE_AUDIO, DENOISE, ENCODE, ENCODE_IMAGE
+from dm_cli.planning.parallel import PIPELINE_CLASSES  # noqa: F401 - the classes cut (tests/test_pipeline_slices.py)
 from dm_cli.run.stages import StageLoop
 
 PIPELINE = "pipeline"
 DEFAULT_IN_FLIGHT_PER_RANK = 2  # prompts in flight per rank when the plan records none
-# Denoiser classes whose block calls carry the whole state between blocks (the hidden and encoder hidden states), so
-# that a slice's first block can start from what the previous slice sends (tests/test_pipeline_slices.py proves each)
-PIPELINE_CLASSES = ("FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel",
-                    "WanTransformer3DModel")
 _BLOCK_KEY = re.compile(r"(?P<list>[A-Za-z_][\w.]*)\.(?P<index>[0-9]+)")
 
 

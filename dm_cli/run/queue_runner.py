@@ -87,18 +87,20 @@ class QueueEvents:
 
 
 def queue_parallel(plan_file: str | None) -> str:
-    """A queue's --parallel when none is given: "pipeline" when the plan file records a pipeline layout (its ranks
-    then hold slices of one denoiser and every prompt passes through all of them), else "none" (each rank takes
-    its own prompts). A plan file that cannot be read is reported where the run loads it."""
+    """A queue's --parallel when none is given: "pipeline" when the plan file records a pipeline layout for as many
+    torchrun ranks as this launch has (they then hold slices of one denoiser and every prompt passes through all of
+    them), else "none" (each rank takes its own prompts; one process runs the plan's single-process placement). A
+    plan file that cannot be read is reported where the run loads it."""
     if not plan_file or not plan_file.endswith(".json"):
         return "none"
     from dm_cli.planning.make import load_plan
+    from dm_cli.run.parallel import pipelined
 
     try:
-        recorded = load_plan(plan_file).parallel
+        plan = load_plan(plan_file)
     except Exception:  # noqa: BLE001 - the session loads it again and says what is wrong, in one sentence
         return "none"
-    return "pipeline" if recorded is not None and recorded.layout == "pipeline" else "none"
+    return "pipeline" if pipelined(None, plan) else "none"
 
 
 def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> QueueResult:

@@ -1,0 +1,171 @@
+"""`--parallel pipeline` under torchrun on CPU (gloo; each rank's CPU stands for GPU r of the plan): a queue on 2 ranks
+and one prompt on 3 give the same bytes as one process running the same plan, a deleted output is redone alone, and
+a killed rank stops the others with one sentence, nothing half-written, and the same command resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["a red fox", "a blue bird", "a green tree", "a grey cat"]
+
+
+def _env(**extra) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
+
+
+def _dmap(*args, cwd: Path) -> str:
+    proc = subprocess.run([sys.executable, "-m", "dm_cli", *map(str, args)], capture_output=True, text=True,
+                          env=_env(), cwd=cwd, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _torchrun(ranks: int, *args, cwd: Path, wait: bool = True, **env):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               "-m", "dm_cli", *map(str, args)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**env),
+                            cwd=cwd, start_new_session=True)
+    if not wait:
+        return proc
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-6000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """tiny-flux (1 double + 1 single block) and a twin with 2 + 2 blocks, random weights (fixed seed)."""
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
+
+    root = tmp_path_factory.mktemp("pipeline")
+    two = write_random_pipeline(PRESETS_DIR / "tiny-flux", root / "tiny-flux", seed=0)
+    configs = root / "configs"
+    shutil.copytree(PRESETS_DIR / "tiny-flux", configs)
+    config = json.loads((configs / "transformer" / "config.json").read_text())
+    (configs / "transformer" / "config.json").write_text(json.dumps({**config, "num_layers": 2, "num_single_layers": 2}))
+    four = write_random_pipeline(configs, root / "tiny-flux-4", seed=0)
+    (root / "prompts.txt").write_text("\n".join(PROMPTS[:3]) + "\n")
+    (root / "four.txt").write_text("\n".join(PROMPTS) + "\n")
+    return root, two, four
+
+
+def _plan(root: Path, model: Path, ranks: int, name: str, *extra) -> Path:
+    devices = ",".join(f"{r}=1GB" for r in range(ranks))
+    _dmap("plan", model, "--max-memory", devices, "--world-size", ranks, "--parallel", "pipeline", "--height", 64,
+          "--width", 64, *extra, "-o", root / name, cwd=root)
+    return root / name
+
+
+def _same_files(a: Path, b: Path, names) -> None:
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_a_queue_on_two_ranks_is_one_process_byte_for_byte_and_resumes(models):
+    root, model, _ = models
+    plan = _plan(root, model, 2, "two.json")
+    output = _torchrun(2, "run", model, "-d", plan, "--prompts", root / "prompts.txt", "--output", root / "piped",
+                       "--steps", 3, cwd=root)
+    assert "cut into 2 slices" in output
+    # one process running the same plan (its GPUs simulated on the CPU): the same bytes, metadata included
+    _dmap("run", model, "-d", plan, "--simulate", "--prompts", root / "prompts.txt", "--output", root / "single",
+          "--steps", 3, cwd=root)
+    names = [f"{i:05d}.png" for i in range(3)]
+    _same_files(root / "piped", root / "single", names)
+    records = [json.loads(line) for line in (root / "piped" / "manifest.jsonl").read_text().splitlines()]
+    assert [r["item"] for r in records] == [0, 1, 2] and {r["rank"] for r in records} == {0}
+    assert not list((root / "piped").glob("manifest-rank1*"))  # rank 1 wrote nothing: rank 0 holds every record
+
+    (root / "piped" / names[1]).unlink()
+    stamps = {n: (root / "piped" / n).stat().st_mtime_ns for n in (names[0], names[2])}
+    _torchrun(2, "run", model, "-d", plan, "--prompts", root / "prompts.txt", "--output", root / "piped",
+              "--steps", 3, cwd=root)
+    assert all((root / "piped" / n).stat().st_mtime_ns == stamp for n, stamp in stamps.items())
+    _same_files(root / "piped", root / "single", names)
+    records = [json.loads(line) for line in (root / "piped" / "manifest.jsonl").read_text().splitlines()]
+    assert [r["item"] for r in records] == [0, 1, 2] and all(r["seconds"] is not None for r in records)
+
+
+def test_one_prompt_on_three_ranks_planned_inline_is_the_plan_files_bytes(models):
+    root, _, model = models
+    plan = _plan(root, model, 3, "three.json")
+    slices = json.loads(plan.read_text())["parallel"]["slices"]
+    assert [len(slices[str(r)]) for r in range(3)] and all(slices.values())
+    _torchrun(3, "run", model, "--parallel", "pipeline", "--max-memory", "0=1GB,1=1GB,2=1GB", "--height", 64,
+              "--width", 64, "--prompt", PROMPTS[0], "--steps", 2, "--output", root / "inline.png", cwd=root)
+    _dmap("run", model, "-d", plan, "--simulate", "--prompt", PROMPTS[0], "--steps", 2, "--output",
+          root / "single.png", cwd=root)
+    assert (root / "inline.png").read_bytes() == (root / "single.png").read_bytes()
+
+
+def test_pipeline_refusals_are_one_sentence(models):
+    root, model, _ = models
+    proc = subprocess.run([sys.executable, "-m", "dm_cli", "run", str(model), "--parallel", "pipeline", "--prompt",
+                           "x", "--output", str(root / "x.png")], capture_output=True, text=True, env=_env(), cwd=root)
+    assert proc.returncode == 2 and "this is one process" in proc.stderr and "Traceback" not in proc.stderr
+    plain = root / "plain.json"
+    _dmap("plan", model, "--max-memory", "0=1GB,1=1GB", "--height", 64, "--width", 64, "-o", plain, cwd=root)
+    output = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "dm_cli", "run", str(model), "-d", str(plain), "--parallel", "pipeline", "--prompt",
+                             "x", "--output", str(root / "x.png")], capture_output=True, text=True, env=_env(),
+                            cwd=root, timeout=600)
+    assert output.returncode != 0
+    assert "dmap plan --world-size 2 --parallel pipeline" in output.stdout + output.stderr
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), None)
+        if ppid == str(launcher) and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_others_and_the_same_command_resumes(models):
+    root, model, _ = models
+    plan = root / "two.json" if (root / "two.json").is_file() else _plan(root, model, 2, "two.json")
+    out = root / "killed"
+    args = ("run", model, "-d", plan, "--prompts", root / "four.txt", "--output", out, "--steps", 3, "--chunk-size", 2)
+    proc = _torchrun(2, *args, cwd=root, wait=False, DMAP_DIST_TIMEOUT="30")
+    deadline = time.time() + 600
+    victim = None
+    while victim is None:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        victim = _rank_pid(proc.pid, 1) or time.sleep(0.05)
+    while not (out / "00001.png").exists():  # the first chunk written: the second one is in flight
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        time.sleep(0.02)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.time()
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.time() - killed < 60, output[-4000:]
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name or p.name.startswith(".")], sorted(out.iterdir())
+    done = {p.name: p.stat().st_mtime_ns for p in out.glob("0000*.png")}
+    assert {"00000.png", "00001.png"} <= set(done) and len(done) < 4, sorted(done)
+
+    _torchrun(2, *args, cwd=root)
+    assert all((out / name).stat().st_mtime_ns == stamp for name, stamp in done.items())
+    _dmap("run", model, "-d", plan, "--simulate", "--prompts", root / "four.txt", "--output", root / "four-single",
+          "--steps", 3, cwd=root)
+    _same_files(out, root / "four-single", [f"{i:05d}.png" for i in range(4)])
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing of the killed launch is left running
