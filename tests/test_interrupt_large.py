@@ -67,9 +67,24 @@ def _write_time(folder: Path, name: str, *args: str) -> float:
     return time.perf_counter() - start
 
 
-def _killed_while_writing(proc: subprocess.Popen, folder: Path, name: str, seconds: float) -> int:
+def _holds_bytes(folder: Path, name: str) -> bool:
+    """Whether a file in the run's temporary folder has bytes yet (the folder may be renamed meanwhile)."""
+    try:
+        return any(f.is_file() and f.stat().st_size > 0 for t in folder.glob(f".{name}.dmap-tmp-*") for f in t.iterdir())
+    except FileNotFoundError:
+        return False
+
+
+def _killed_while_writing(proc: subprocess.Popen, folder: Path, name: str, seconds: float | None) -> int:
+    """Killed `seconds` after writing starts; None: as soon as the first shard in the temporary folder holds bytes
+    (a kill that lands mid-write whatever the machine's load: timed kills all missed once, the timing run having
+    been slower than the runs it timed)."""
     _wait_for_writing(proc, folder, name)
-    time.sleep(seconds)
+    if seconds is None:
+        while proc.poll() is None and not _holds_bytes(folder, name):
+            time.sleep(0.002)
+    else:
+        time.sleep(seconds)
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
     proc.communicate()
@@ -82,11 +97,11 @@ def test_sigkill_during_shard_to_an_output(big_model, tmp_path):
     before = tree(src)
     full = _write_time(tmp_path, "timing", str(src), "-s", SHARD, "-o", str(tmp_path / "timing"))
     killed_mid_write = 0
-    for fraction in FRACTIONS:
+    for fraction in (None, *FRACTIONS):
         work = tmp_path / f"k{fraction}"
         work.mkdir()
         code = _killed_while_writing(_shard_process(str(src), "-s", SHARD, "-o", str(work / "out")), work, "out",
-                                     full * fraction)
+                                     None if fraction is None else full * fraction)
         if code == -signal.SIGKILL:
             leftovers = [p for p in work.iterdir() if p.name.startswith(".out.dmap-tmp-")]
             killed_mid_write += bool(leftovers) and not (work / "out").exists()
