@@ -56,7 +56,12 @@ FLUX_VAE = {"_class_name": "AutoencoderKL", "block_out_channels": [16, 32, 32, 3
             "use_quant_conv": False}
 
 
-def build_flux(folder: Path) -> Path:
+# The pipeline case's FLUX twin: twice as wide (1024, 8 heads of 128), the same 2 double + 4 single blocks (~140M
+# parameters, 560 MB in fp32), so that its weights, not the interpreter and libraries, are what a rank's memory holds
+FLUX_WIDE_TRANSFORMER = {**FLUX_TRANSFORMER, "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56]}
+
+
+def build_flux(folder: Path, transformer: dict = FLUX_TRANSFORMER) -> Path:
     """The mid-size FLUX twin with random weights (fixed seed): tiny-flux's configs, a wider transformer and VAE."""
     if (folder / "model_index.json").is_file():
         return folder
@@ -68,7 +73,7 @@ def build_flux(folder: Path) -> Path:
     staging = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(PRESETS_DIR / "tiny-flux", staging)
-    (staging / "transformer" / "config.json").write_text(json.dumps(FLUX_TRANSFORMER, indent=2))
+    (staging / "transformer" / "config.json").write_text(json.dumps(transformer, indent=2))
     (staging / "vae" / "config.json").write_text(json.dumps(FLUX_VAE, indent=2))
     write_random_pipeline(staging, staging, seed=0)
     os.replace(staging, folder)
@@ -199,7 +204,12 @@ def _queue(folder: Path, ranks: int, prompts: Path, out: Path, steps: int, extra
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    result = json.loads(proc.stdout[proc.stdout.index("{"):])
+    results, text, decoder = [], proc.stdout, json.JSONDecoder()
+    while "{" in text:  # every rank prints its queue result (one JSON object each): rank 0's counts
+        obj, end = decoder.raw_decode(text, text.index("{"))
+        results.append(obj)
+        text = text[end:]
+    result = next(r for r in results if r.get("rank", 0) == 0)
     added = []
     for rank in range(ranks):
         peak, imported = (int(x) for x in (memory / f"rank{rank}.txt").read_text().split())
@@ -272,6 +282,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-parallel-"))
     models = Path(options.model_dir or tmp)
     sd15, flux = build_pipeline(models / "sd15-mid"), build_flux(models / "flux-mid")  # outside any timing
+    if "pipeline" in cases:
+        build_flux(models / "flux-wide", FLUX_WIDE_TRANSFORMER)
     # dm_cli's bytecode, as a wheel install has it (see bench_run.py)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "dm_cli")], check=True, stdout=subprocess.DEVNULL)
     load_before = os.getloadavg()
@@ -283,7 +295,8 @@ def main() -> None:
         context = _case("context", flux, "context", options.context_size, options.steps, options.repeats, tmp,
                         ["--max-sequence-length", "64"])
     if "pipeline" in cases:
-        pipeline = _pipeline_case(flux, options.pipeline_size, options.pipeline_steps, options.prompts,
+        wide = build_flux(models / "flux-wide", FLUX_WIDE_TRANSFORMER)
+        pipeline = _pipeline_case(wide, options.pipeline_size, options.pipeline_steps, options.prompts,
                                   options.repeats, tmp)
     load_after = os.getloadavg()
     print(f"{options.steps} steps ({options.pipeline_steps} for the pipeline's queue), seed {SEED}, CPU, one torch "
@@ -299,7 +312,7 @@ def main() -> None:
         print(_row(f"context parallel (Ulysses 2), FLUX-arch ~36M, {options.context_size}x{options.context_size}",
                    *context))
     if pipeline:
-        print(f"\nPipeline parallel, FLUX-arch ~36M, {options.pipeline_size}x{options.pipeline_size}, a queue of "
+        print(f"\nPipeline parallel, FLUX-arch ~140M (1024 wide), {options.pipeline_size}x{options.pipeline_size}, a queue of "
               f"{options.prompts} prompts:\n")
         print("\n".join(_pipeline_rows(*pipeline, options.prompts)))
     if not cfg:

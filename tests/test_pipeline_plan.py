@@ -197,7 +197,9 @@ def test_auto_picks_pipeline_when_the_denoiser_fits_no_gpu(flux_auto):
     assert layout["reason"].startswith("pipeline parallel (2 slices), as no layout that shares every step fits: "
                                        "predicted ")
     assert not data["check"]["problems"] and data["check"]["components"] == ["transformer"]
-    assert layout["predicted_speedup"] >= 0.9 * 2  # the balance bound (module doc)
+    # 16 GB each: the fastest cut (equal FLOPs) would overfill rank 0 with FLUX's weight-heavy double blocks, so the
+    # cut is the fastest that fits (`room`), a little short of the balance bound 0.9 x N of unconstrained cuts
+    assert 1.6 <= layout["predicted_speedup"] < 0.9 * 2
     times = layout["predicted_step_s"]
     assert times["pipeline"] < times["split"] and round(times["split"] / times["pipeline"], 1) == round(
         layout["predicted_speedup"], 1)
@@ -215,7 +217,8 @@ def test_flux_per_rank_memory_is_half_the_weights_and_the_extras(flux_auto):
     for rank in "01":
         peak = layout["per_rank_peak_bytes"][rank]
         assert peak <= 16 * GB
-        assert 0.4 * weights < peak - extras < 0.6 * weights or rank in encode["breakdown"] and peak == sum(
+        # the fastest cut that fits fills rank 0 to its 16 GB (0.61 of the weights), not an even half
+        assert 0.35 * weights < peak - extras < 0.65 * weights or rank in encode["breakdown"] and peak == sum(
             encode["breakdown"][rank].values())
         assert peak >= single[rank]  # a rank holds more than the single-process split puts on its GPU
     assert all(peak <= 16 * GB for peak in single.values())

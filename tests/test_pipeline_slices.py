@@ -150,3 +150,13 @@ def test_plans_that_do_not_cut_the_denoiser_per_rank_are_refused(device_map, say
     with pytest.raises(UsageError, match=says) as refused:
         plan_slices(_plan(device_map), "transformer", 2)
     assert "dmap plan --world-size 2 --parallel pipeline" in str(refused.value)
+
+
+def test_the_cut_is_the_fastest_that_fits_each_ranks_room():
+    """Equal FLOPs, weight-heavy first blocks (FLUX's double blocks): the even cut would overfill rank 0."""
+    from dm_cli.planning.parallel import balanced_cut
+
+    costs, sizes = [1.0] * 6, [3, 3, 1, 1, 1, 1]
+    assert balanced_cut(costs, 2) == [0, 3]
+    assert balanced_cut(costs, 2, sizes=sizes, room=[6, 10]) == [0, 2]
+    assert balanced_cut(costs, 2, sizes=sizes, room=[2, 2]) is None

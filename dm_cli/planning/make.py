@@ -1027,7 +1027,7 @@ def _pipeline_cut(prepared: list[PreparedComponent], devices: list[Device], opti
     none, the components): the cut None when the request does not consider pipeline parallel. An explicit --parallel
     pipeline that cannot be cut, or does not fit a rank, is refused here, before any placement; else its components
     come back with the denoiser's map fixed to the cut (never searched)."""
-    from dm_cli.planning.parallel import Rank, Unit, pipeline_candidate, pipeline_cut
+    from dm_cli.planning.parallel import Rank, Unit, pipeline_candidate, pipeline_cut, weight_tokens
 
     request = options.parallel
     prep = next((p for p in prepared if p.spec.name == family.denoiser), None)
@@ -1035,16 +1035,22 @@ def _pipeline_cut(prepared: list[PreparedComponent], devices: list[Device], opti
         return None, prepared
     owner = {key: block.name for block in prep.spec.blocks for key in block.keys}
     params = dict.fromkeys(owner.values(), 0)
+    work = dict.fromkeys(owner.values(), 0)
     for tensor in prep.skeleton.tensors:  # each tensor's parameters to the block whose key covers it
         name = tensor.name
         while name and name not in owner:
             name = name.rpartition(".")[0]
         if name in owner:
             params[owner[name]] += tensor.numel
-    units = [Unit(b.name, b.keys, b.bytes, params[b.name]) for b in prep.spec.blocks]
-    cut = pipeline_cut(units, request.world_size, shape)
+            work[owner[name]] += tensor.numel * weight_tokens(tensor.name, shape)
+    units = [Unit(b.name, b.keys, b.bytes, params[b.name], work[b.name]) for b in prep.spec.blocks]
+    by_key = {d.key: d for d in devices}
+    shared = sum(u.bytes for u in units if not u.entries)
+    extras = shared + prep.spec.activation_peak + request.planned_in_flight * 2 * shape.hop_bytes
+    room = [max(0, (by_key[r].capacity or 0) - by_key[r].overhead - extras) if r in by_key else 0
+            for r in range(request.world_size)]  # the block weights each rank can hold beside the rest
+    cut = pipeline_cut(units, request.world_size, shape, room)
     if request.choice == "pipeline":
-        by_key = {d.key: d for d in devices}
         ranks = [Rank(r, by_key[r].capacity or 0, by_key[r].overhead) for r in range(request.world_size)]
         pipeline_candidate(request, shape, prep.spec.activation_peak, ranks, cut, {})  # refuses, one sentence
         return cut, _with_cut(prepared, family.denoiser, cut)
