@@ -59,11 +59,12 @@ def build(family: str, root: Path) -> Path:
     return target
 
 
-def run(folder: Path, out: Path, cache: str | None, steps: int, size: int, extra: dict, simulate: bool):
+def run(folder: Path, out: Path, cache: str | None, steps: int, size: int, extra: dict, simulate: bool,
+        gpu: bool = False):
     from dm_cli.run.request import RunRequest
     from dm_cli.run.single import run as run_one
 
-    memory = "0=80GB,cpu=80GB" if simulate else "cpu=80GB"
+    memory = "0=80GB,cpu=80GB" if simulate or gpu else "cpu=80GB"
     request = RunRequest.of(str(folder), "a lighthouse on a cliff at dusk", seed=1, steps=steps, height=size, width=size,
                             num_frames=extra.get("frames"), max_memory=memory, simulate=simulate, overwrite=True,
                             output=str(out), cache=cache)
@@ -96,6 +97,8 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--families", default="flux,wan,qwenimage")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs per case (the fastest counts)")
+    parser.add_argument("--gpu", action="store_true", help="run on CUDA GPU 0: speed and memory from the same real "
+                        "runs (max_memory_allocated), no simulated run")
     args = parser.parse_args()
     import dm_cli.run.request as request_module
     from dm_cli.families import family_for
@@ -113,16 +116,19 @@ def main() -> int:
             for cache in caches:
                 best = None
                 for _ in range(args.repeat):
-                    result = run(folder, out, cache, args.steps, args.size, extra, simulate=False)
+                    result = run(folder, out, cache, args.steps, args.size, extra, simulate=False, gpu=args.gpu)
                     seconds = denoise(result)[0]
                     best = seconds if best is None else min(best, seconds)
                 timed[cache], images[cache] = best, pixels(result)
                 counts = result.step_cache.get("counts", {}) if cache else {}
                 skipped[cache] = (sum(c["skipped"] for c in counts.values()), sum(c["calls"] for c in counts.values()))
-                request_module.TRACKED_STEPS = None  # every step tracked: the cache's state is held from the first
                 start = time.perf_counter()
-                tracked = run(folder, out, cache, min(args.steps, 8), args.size, extra, simulate=True)
-                request_module.TRACKED_STEPS = 2
+                if args.gpu:  # CUDA's max_memory_allocated of the timed run itself
+                    tracked = result
+                else:
+                    request_module.TRACKED_STEPS = None  # every step tracked: the cache's state is held from the first
+                    tracked = run(folder, out, cache, min(args.steps, 8), args.size, extra, simulate=True)
+                    request_module.TRACKED_STEPS = 2
                 planned = sum(c["bytes"].get("0", 0) for c in tracked.plan.step_cache.get("components", {}).values()) \
                     if cache else 0
                 memory[cache] = (denoise(tracked)[1], planned, time.perf_counter() - start)

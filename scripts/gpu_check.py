@@ -43,13 +43,14 @@ def main() -> int:
     configs["text_encoder_2"].update(d_model=1024, d_ff=2816, num_heads=16, d_kv=64, num_layers=6)
     root = Path(os.environ["DMAP_CACHE_DIR"]) / "gpu-check-pipeline"
     if not (root / "transformer").is_dir():
+        root.mkdir(parents=True, exist_ok=True)  # write_configs writes into an existing folder
         write_configs(configs, root)
         write_random_pipeline(root, root, seed=0, max_shard_size="200MB", dtype="bfloat16")
     request = RunRequest.of(source=str(root), prompt="a red fox in the snow", max_memory=f"0={args.gpu_budget},cpu=64GB",
                          mode="staged", steps=args.steps, height=args.size, width=args.size,
                          output=str(root.parent / "gpu-check.png"), overwrite=True)
     result = run(request, on_plan=lambda plan: print(json.dumps(
-        {n: c["device_map"] for n, c in plan["components"].items()}, indent=1)))
+        {n: c.device_map for n, c in plan.components.items()}, indent=1)))
     print("| stage | device | measured peak | planned peak_bytes | measured/planned |")
     print("|---|---|---:|---:|---:|")
     worst = 0.0
