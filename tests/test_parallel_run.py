@@ -269,7 +269,7 @@ def test_parallel_refusals_are_one_sentence(folders, tmp_path):
     code, _, err = run_dmap("run", folders["tiny-sdxl"], "--prompts", tmp_path / "q.txt", "--parallel", "cfg")
     assert code == 2 and "with --prompts the ranks already share the queue" in err and "Traceback" not in err, err
     code, _, err = run_dmap("run", folders["tiny-sdxl"], "--prompt", PROMPT, "--parallel", "sideways", *common)
-    assert code == 2 and "--parallel must be none, cfg, context, cfg+context or auto, not 'sideways'" in err, err
+    assert code == 2 and "--parallel must be none, cfg, context, cfg+context, pipeline or auto, not 'sideways'" in err, err
 
 
 @pytest.mark.parametrize("preset,choice,message", [

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_queue_run import _rank_pid  # the torchrun worker with RANK=r, read from /proc
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red fox", "a blue bird", "a green tree", "a grey cat"]
@@ -122,21 +123,6 @@ def test_pipeline_refusals_are_one_sentence(models):
                             cwd=root, timeout=600)
     assert output.returncode != 0
     assert "dmap plan --world-size 2 --parallel pipeline" in output.stdout + output.stderr
-
-
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ppid = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), None)
-        if ppid == str(launcher) and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    return None
 
 
 @pytest.mark.slow

@@ -62,11 +62,18 @@ def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, s
                 # Inputs made on another device (embeddings, latents) follow the component.
                 add_hook_to_module(model, AlignDevicesHook(execution_device=execution_device(device_map, False), io_same_device=True))
     except (OSError, ValueError, RuntimeError, KeyError) as error:
-        if isinstance(error, torch.OutOfMemoryError):
-            raise
-        raise CheckpointError(f"Cannot load component '{comp.name}' from {comp.folder}: {error}".rstrip(".") + ".") from error
+        raise _unloadable(comp, error) from error
     model.eval()
     return model
+
+
+def _unloadable(comp: ComponentSource, error: Exception) -> Exception:
+    """A load that failed: out of GPU memory as it is (the run says what to plan instead), else the checkpoint's fault."""
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return error
+    return CheckpointError(f"Cannot load component '{comp.name}' from {comp.folder}: {error}".rstrip(".") + ".")
 
 
 def _from_pretrained(comp: ComponentSource, device_map, torch_dtype):
@@ -172,9 +179,7 @@ def load_slice(comp: ComponentSource, device: str, dtype: str | None, skip: froz
     try:
         model = _load_streamed(comp, {"": device}, torch_dtype, resident=True, place=device, keep=kept)
     except (OSError, ValueError, RuntimeError, KeyError) as error:
-        if isinstance(error, torch.OutOfMemoryError):
-            raise
-        raise CheckpointError(f"Cannot load component '{comp.name}' from {comp.folder}: {error}".rstrip(".") + ".") from error
+        raise _unloadable(comp, error) from error
     model.eval()
     return model
 

@@ -32,9 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dm_cli.errors import UsageError
-from dm_cli.families.stages import DECODE, DECODE_AUDIO, ENCODE, ENCODE_IMAGE
-from dm_cli.run.distributed import Ranks, broadcast
-from dm_cli.run.stages import StageLoop
+from dm_cli.run.distributed import Ranks
+from dm_cli.run.stages import MainRankStages, StageLoop
 
 RUN_CHOICES = ("none", "cfg", "context", "cfg+context", "pipeline", "auto")
 LAUNCH = ("launch it with torchrun --nproc-per-node N (N = 2 for cfg, the Ulysses degree for context, the plan's GPUs "
@@ -339,7 +338,7 @@ def _cpu_parallel_config(model, config, sharing: StepSharing):
 # --- the stage loop ------------------------------------------------------------------------------------
 
 
-class ParallelStageLoop(StageLoop):
+class ParallelStageLoop(MainRankStages, StageLoop):
     """The stage loop of one rank of a shared step: encoders and VAE on rank 0 only (embeddings broadcast,
     images decoded once), the denoiser whole on every rank with CFG-parallel and/or context parallel."""
 
@@ -373,26 +372,6 @@ class ParallelStageLoop(StageLoop):
             dtype = next(model.parameters()).dtype
             model.forward = (self.separate.wrap(model.forward, dtype) if self.separate is not None
                              else BatchHalves(model.forward, self.sharing.branch, self.cfg_group))
-
-    def _runner(self, stage_plan):
-        if stage_plan.kind in (ENCODE, ENCODE_IMAGE):
-            return ParallelStageLoop._run_once_and_share
-        if stage_plan.kind in (DECODE, DECODE_AUDIO):
-            return ParallelStageLoop._run_on_main
-        return super()._runner(stage_plan)
-
-    def _run_once_and_share(self, stage_plan, job, carry, on_step) -> None:
-        """Encode on rank 0; every rank gets what the stage produces (embeddings, image latents)."""
-        if self.sharing.is_main:
-            super()._runner(stage_plan)(self, stage_plan, job, carry, on_step)
-        made = broadcast({value: getattr(carry, value) for value in stage_plan.produces}, self.sharing)
-        for value, data in made.items():
-            setattr(carry, value, data)
-
-    def _run_on_main(self, stage_plan, job, carry, on_step) -> None:
-        """Decode on rank 0 only (it writes the outputs); the other ranks keep the latents and make no images."""
-        if self.sharing.is_main:
-            super()._runner(stage_plan)(self, stage_plan, job, carry, on_step)
 
     def denoise(self, names, job, embeds, on_step, switch=None, image_latents=None, whole: bool = False):
         check_job(self.sharing, self.family, job)

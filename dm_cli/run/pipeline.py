@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 from dm_cli.devices import device_key, is_gpu
 from dm_cli.errors import DmapError, UsageError
-from dm_cli.families.stages import DECODE, DECODE_AUDIO, DENOISE, ENCODE, ENCODE_IMAGE
+from dm_cli.families.stages import DENOISE
 from dm_cli.planning.parallel import PIPELINE_CLASSES  # noqa: F401 - the classes cut (tests/test_pipeline_slices.py)
-from dm_cli.run.stages import StageLoop
+from dm_cli.run.stages import MainRankStages, StageLoop
 
 PIPELINE = "pipeline"
 DEFAULT_IN_FLIGHT_PER_RANK = 2  # prompts in flight per rank when the plan records none
@@ -383,7 +383,7 @@ def _return_freed_memory() -> None:
     mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD (fixed: no dynamic growth)
 
 
-class PipelineStageLoop(StageLoop):
+class PipelineStageLoop(MainRankStages, StageLoop):
     """The stage loop of one rank of the pipeline: rank 0 encodes (embeddings broadcast), decodes and writes; every
     rank holds its slice of the denoiser and denoises the prompts of a chunk together, taking turns."""
 
@@ -449,27 +449,6 @@ class PipelineStageLoop(StageLoop):
         self.status(None)
 
     # --- running ------------------------------------------------------------------------------------
-
-    def _runner(self, stage_plan):
-        if stage_plan.kind in (ENCODE, ENCODE_IMAGE):
-            return PipelineStageLoop._run_once_and_share
-        if stage_plan.kind in (DECODE, DECODE_AUDIO):
-            return PipelineStageLoop._run_on_main
-        return super()._runner(stage_plan)
-
-    def _run_once_and_share(self, stage_plan, job, carry, on_step) -> None:
-        """Encode on rank 0; every rank gets what the stage produces (embeddings, image latents)."""
-        from dm_cli.run.distributed import broadcast
-
-        if self.sharing.is_main:
-            super()._runner(stage_plan)(self, stage_plan, job, carry, on_step)
-        made = broadcast({value: getattr(carry, value) for value in stage_plan.produces}, self.sharing)
-        for value, data in made.items():
-            setattr(carry, value, data)
-
-    def _run_on_main(self, stage_plan, job, carry, on_step) -> None:
-        if self.sharing.is_main:
-            super()._runner(stage_plan)(self, stage_plan, job, carry, on_step)
 
     def runs_together(self, stage_plan) -> bool:
         return stage_plan.kind == DENOISE
