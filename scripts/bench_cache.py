@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 # the denoiser of each family, wider and deeper than the tiny preset's (other components as the preset has them)
 FAMILIES = {
     "flux": ("tiny-flux", {"num_layers": 4, "num_single_layers": 8, "attention_head_dim": 64, "num_attention_heads": 8,
-                           "axes_dims_rope": [16, 24, 24]}, {}),
+                           "axes_dims_rope": [16, 24, 24]}, {"max_sequence_length": 64}),
     "wan": ("tiny-wan", {"num_layers": 8, "attention_head_dim": 64, "num_attention_heads": 8, "ffn_dim": 2048}, {"frames": 9}),
     "qwenimage": ("tiny-qwenimage", {"num_layers": 8, "attention_head_dim": 64, "num_attention_heads": 8,
                                      "axes_dims_rope": [16, 24, 24]}, {}),
@@ -67,7 +67,7 @@ def run(folder: Path, out: Path, cache: str | None, steps: int, size: int, extra
     memory = "0=80GB,cpu=80GB" if simulate or gpu else "cpu=80GB"
     request = RunRequest.of(str(folder), "a lighthouse on a cliff at dusk", seed=1, steps=steps, height=size, width=size,
                             num_frames=extra.get("frames"), max_memory=memory, simulate=simulate, overwrite=True,
-                            output=str(out), cache=cache)
+                            output=str(out), cache=cache, max_sequence_length=extra.get("max_sequence_length"))
     return run_one(request)
 
 
