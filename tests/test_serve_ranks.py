@@ -1,0 +1,61 @@
+"""`dmap serve` under torchrun (2 CPU ranks, gloo; rank 0 serves, the ranks share a request's images, as docs/serve.md
+says): the two images of one request are `dmap run`'s files byte for byte; SIGTERM to the launch stops every rank."""
+
+import base64
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from test_serve import SEED, SERVE_ARGS, SIZE, STEPS, _cache_dir  # noqa: E402 - after the skips
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_two_ranks_serve_dmap_runs_bytes_and_stop_on_sigterm(tmp_path_factory, tmp_path):
+    from conftest import run_dmap
+
+    env = {**os.environ, "DMAP_CACHE_DIR": _cache_dir(tmp_path_factory), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+    launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "dm_cli", "serve", *SERVE_ARGS], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        line = ""
+        deadline = time.time() + 300
+        while "http://" not in line:  # rank 0's "Serving demo (...) on http://127.0.0.1:PORT; ..."
+            assert launch.poll() is None and time.time() < deadline, "the launch stopped before serving"
+            line = launch.stdout.readline()
+        url = urlsplit(line.split(" on ", 1)[1].split(";", 1)[0])
+        connection = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
+        connection.request("POST", "/v1/images/generations", body=json.dumps({"prompt": "a red fox", "seed": SEED,
+                                                                              "n": 2}).encode(),
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        data = json.loads(response.read())
+        connection.close()
+        assert response.status == 200, data
+        for i, item in enumerate(data["data"]):
+            code, _, err = run_dmap("run", "-p", "a red fox", "--height", SIZE, "--width", SIZE, "--steps", STEPS,
+                                    "--seed", SEED + i, "--mode", "staged", "-o", tmp_path / f"fox{i}.png", "--quiet")
+            assert code == 0, err
+            assert base64.b64decode(item["b64_json"]) == (tmp_path / f"fox{i}.png").read_bytes(), i
+        os.killpg(launch.pid, signal.SIGTERM)  # what a service manager sends the whole launch
+        launch.wait(60)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.wait()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(launch.pid, 0)  # no rank left behind
