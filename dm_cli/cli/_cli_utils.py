@@ -159,6 +159,10 @@ LastImageOpt = Annotated[str | None, typer.Option(
     "--last-image", metavar="PATH", help="The video's last frame (Wan 2.2 image-to-video from a first and a last "
                                          "frame, with --image); for dmap plan a path or its size WxH.")]
 
+SimulateOpt = Annotated[bool, typer.Option(
+    "--simulate", help="Run every planned device on this CPU with the split check (plans for GPUs you lack).")]
+GpusPerRankOpt = Annotated[int | None, typer.Option(
+    "--gpus-per-rank", min=0, help="Under torchrun: local rank r uses GPUs r*K .. r*K+K-1 of its node.")]
 ParallelOpt = Annotated[str | None, typer.Option(
     "--parallel", help="How torchrun ranks share each denoising step: none | cfg | context | cfg+context | pipeline | auto "
                        "(plan: for --world-size, default none for one rank, auto above; run: under torchrun, default "

@@ -15,6 +15,7 @@ from dm_cli.cli._cli_utils import (
     DtypeOpt,
     FpsOpt,
     FramesOpt,
+    GpusPerRankOpt,
     GuidanceScaleOpt,
     HeightOpt,
     ImageOpt,
@@ -34,6 +35,7 @@ from dm_cli.cli._cli_utils import (
     RunOutputOpt,
     RunSeedOpt,
     RunSourceArg,
+    SimulateOpt,
     WeightsOpt,
     WidthOpt,
 )
@@ -48,8 +50,6 @@ DeviceMapOpt = Annotated[str, typer.Option(
 StepsOpt = Annotated[int | None, typer.Option("--steps", min=1, help="Denoising steps (default: the pipeline's).")]
 SaveLatentsOpt = Annotated[str | None, typer.Option(
     "--save-latents", help="Also write the final latents (safetensors).")]
-SimulateOpt = Annotated[bool, typer.Option(
-    "--simulate", help="Run every planned device on this CPU with the split check (plans for GPUs you lack).")]
 TrackActivationsOpt = Annotated[bool, typer.Option(
     "--track-activations", help="Measure activations op by op on CPU (slower; default: the process's peak RSS).")]
 ResumeOpt = Annotated[bool, typer.Option(
@@ -59,8 +59,6 @@ ChunkSizeOpt = Annotated[int | None, typer.Option(
 ChunkMemoryOpt = Annotated[str | None, typer.Option(
     "--chunk-memory", help="--prompts, staged: RAM for embeddings and latents waiting between "
                            "stages (default: 10% of available RAM).")]
-GpusPerRankOpt = Annotated[int | None, typer.Option(
-    "--gpus-per-rank", min=0, help="Under torchrun: local rank r uses GPUs r*K .. r*K+K-1 of its node.")]
 
 
 def run(

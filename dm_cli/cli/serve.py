@@ -15,6 +15,7 @@ from dm_cli.cli._cli_utils import (
     DtypeOpt,
     FpsOpt,
     FramesOpt,
+    GpusPerRankOpt,
     GuidanceScaleOpt,
     HeightOpt,
     LoraOpt,
@@ -27,6 +28,7 @@ from dm_cli.cli._cli_utils import (
     PipelineOpt,
     QuietOpt,
     RunSourceArg,
+    SimulateOpt,
     WeightsOpt,
     WidthOpt,
 )
@@ -48,10 +50,6 @@ MaxBatchOpt = Annotated[int, typer.Option(
 MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (base64 input images).")]
 ModelNameOpt = Annotated[str | None, typer.Option(
     "--model-name", help="The model id /v1/models lists and requests may name (default: SOURCE, or demo).")]
-SimulateOpt = Annotated[bool, typer.Option(
-    "--simulate", help="Run every planned device on this CPU with the split check (plans for GPUs you lack).")]
-GpusPerRankOpt = Annotated[int | None, typer.Option(
-    "--gpus-per-rank", min=0, help="Under torchrun: local rank r uses GPUs r*K .. r*K+K-1 of its node.")]
 
 
 def serve(

@@ -91,7 +91,7 @@ def step_sharing(choice: str | None, plan, session, ranks: Ranks | None = None) 
     if choice not in RUN_CHOICES:
         raise UsageError(f"--parallel must be {', '.join(RUN_CHOICES[:-1])} or auto, not {choice!r}.")
     if choice == "pipeline":
-        return _pipeline(plan, session, ranks)
+        return checked_pipeline(plan, session, ranks)
     if ranks.world_size == 1:
         raise UsageError(f"--parallel {choice} shares each step among torchrun ranks and this is one process: {LAUNCH}.")
     layout, guidance = _layout(choice, ranks.world_size, session)
@@ -121,10 +121,6 @@ def cpu_ranks(choice: str | None, plan) -> int:
 
 
 def checked_pipeline(plan, session, ranks: Ranks) -> StepSharing:
-    return _pipeline(plan, session, ranks)
-
-
-def _pipeline(plan, session, ranks: Ranks) -> StepSharing:
     """Pipeline parallel (dm_cli.run.pipeline): refused in one sentence unless the plan cuts the denoiser into one
     slice per rank."""
     from dm_cli.run.pipeline import pipeline_refusal, plan_slices

@@ -35,20 +35,19 @@ from collections import deque
 from dataclasses import dataclass
 
 from dm_cli.devices import device_key, is_gpu
-from dm_cli.errors import DmapError, UsageError
+from dm_cli.errors import EXIT_INTERNAL, DmapError, UsageError
 from dm_cli.families.stages import DENOISE
-from dm_cli.planning.parallel import PIPELINE_CLASSES  # noqa: F401 - the classes cut (tests/test_pipeline_slices.py)
+from dm_cli.planning.parallel import PIPELINE_CLASSES, ParallelRequest
 from dm_cli.run.stages import MainRankStages, StageLoop
 
 PIPELINE = "pipeline"
-DEFAULT_IN_FLIGHT_PER_RANK = 2  # prompts in flight per rank when the plan records none
 _BLOCK_KEY = re.compile(r"(?P<list>[A-Za-z_][\w.]*)\.(?P<index>[0-9]+)")
 
 
 class RankLostError(DmapError):
     """Another rank of the pipeline stopped (killed, out of memory, its machine gone)."""
 
-    exit_code = 1
+    exit_code = EXIT_INTERNAL
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ def plan_slices(plan, denoiser: str, world_size: int) -> Slices:
                          f"{world_size - 1} in order: {how}.")
     parts = tuple(tuple(key for key, dev in blocks if dev == rank) for rank in range(world_size))
     recorded = getattr(getattr(plan, "parallel", None), "in_flight", None)
-    return Slices(parts, recorded or DEFAULT_IN_FLIGHT_PER_RANK * world_size)
+    return Slices(parts, recorded or ParallelRequest(world_size, PIPELINE).planned_in_flight)  # the planner's default
 
 
 # --- messages between the ranks --------------------------------------------------------------------------
@@ -106,9 +105,8 @@ class Links:
     """Tensors sent to and received from the neighbouring ranks, in order: each message is a count, a header per
     tensor (dtype, shape) and the tensors themselves (on the rank's device: NCCL between GPUs, gloo on CPUs)."""
 
-    def __init__(self, device, timeout_s: int):
+    def __init__(self, device):
         self.device = device
-        self.timeout_s = timeout_s
         self.pending: list = []  # (work, tensor): sends in flight, with what they read
 
     def send(self, tensors: list, dst: int) -> None:
@@ -405,7 +403,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         self.rank_device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         if not self.cuda:
             _return_freed_memory()
-        self.links = Links(self.rank_device, ranks.timeout_s)
+        self.links = Links(self.rank_device)
         self.local = threading.local()
         self.turns = Turns(0)
 
