@@ -51,7 +51,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     (a path or PIL image) or `last_image_size` ("WxH"): a first-last-frame video's last frame (Wan 2.2 image-to-video).
     `world_size` > 1 with `parallel` ("cfg", "context", "cfg+context", "pipeline" or "auto", the default above one
     rank) adds `Plan.parallel`: how that many torchrun ranks share each denoising step (or, "pipeline", a slice of the
-    denoiser's blocks each, with `in_flight` queue prompts in flight: default 2 x world_size), with per-rank memory
+    denoiser's blocks each, with `in_flight` queue prompts in flight: default world_size), with per-rank memory
     and step times predicted at `device_tflops` per GPU and `link_gbps` between GPUs (dm_cli.planning.parallel).
     `pipeline` (a preset or a folder): SOURCE is a single file (original-layout safetensors or GGUF) holding one
     component, the rest of the pipeline comes from here. `component_files` ({"transformer_2": "LOW.gguf"}): these

@@ -57,12 +57,19 @@ FLUX_VAE = {"_class_name": "AutoencoderKL", "block_out_channels": [16, 32, 32, 3
 
 
 # The pipeline case's FLUX twin: twice as wide (1024, 8 heads of 128), the same 2 double + 4 single blocks (~140M
-# parameters, 560 MB in fp32), so that its weights, not the interpreter and libraries, are what a rank's memory holds
-FLUX_WIDE_TRANSFORMER = {**FLUX_TRANSFORMER, "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56]}
+# parameters, 552 MB in fp32), so that its weights, not the interpreter and libraries, are what a rank's memory
+# holds; and a T5 encoder in FLUX.1's proportion (T5-XXL's 4.76B parameters are 40% of the transformer's 11.9B):
+# 4 layers 1024 wide, ~56M parameters (222 MB), which the pipeline's rank 0 holds beside its slice
+FLUX_WIDE_TRANSFORMER = {**FLUX_TRANSFORMER, "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56],
+                         "joint_attention_dim": 1024}
+FLUX_WIDE_T5 = {"architectures": ["T5EncoderModel"], "d_ff": 4608, "d_kv": 64, "d_model": 1024, "model_type": "t5",
+                "num_decoder_layers": 4, "num_heads": 16, "num_layers": 4, "relative_attention_num_buckets": 8,
+                "vocab_size": 1103}
 
 
-def build_flux(folder: Path, transformer: dict = FLUX_TRANSFORMER) -> Path:
-    """The mid-size FLUX twin with random weights (fixed seed): tiny-flux's configs, a wider transformer and VAE."""
+def build_flux(folder: Path, transformer: dict = FLUX_TRANSFORMER, t5: dict | None = None) -> Path:
+    """The mid-size FLUX twin with random weights (fixed seed): tiny-flux's configs, a wider transformer and VAE
+    (and, given `t5`, that text encoder)."""
     if (folder / "model_index.json").is_file():
         return folder
     import shutil
@@ -75,6 +82,8 @@ def build_flux(folder: Path, transformer: dict = FLUX_TRANSFORMER) -> Path:
     shutil.copytree(PRESETS_DIR / "tiny-flux", staging)
     (staging / "transformer" / "config.json").write_text(json.dumps(transformer, indent=2))
     (staging / "vae" / "config.json").write_text(json.dumps(FLUX_VAE, indent=2))
+    if t5 is not None:
+        (staging / "text_encoder_2" / "config.json").write_text(json.dumps(t5, indent=2))
     write_random_pipeline(staging, staging, seed=0)
     os.replace(staging, folder)
     return folder
@@ -291,7 +300,7 @@ def main() -> None:
     models = Path(options.model_dir or tmp)
     sd15, flux = build_pipeline(models / "sd15-mid"), build_flux(models / "flux-mid")  # outside any timing
     if "pipeline" in cases:
-        build_flux(models / "flux-wide", FLUX_WIDE_TRANSFORMER)
+        build_flux(models / "flux-wide-t5", FLUX_WIDE_TRANSFORMER, FLUX_WIDE_T5)
     # dm_cli's bytecode, as a wheel install has it (see bench_run.py)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "dm_cli")], check=True, stdout=subprocess.DEVNULL)
     load_before = os.getloadavg()
@@ -303,7 +312,7 @@ def main() -> None:
         context = _case("context", flux, "context", options.context_size, options.steps, options.repeats, tmp,
                         ["--max-sequence-length", "64"])
     if "pipeline" in cases:
-        wide = build_flux(models / "flux-wide", FLUX_WIDE_TRANSFORMER)
+        wide = build_flux(models / "flux-wide-t5", FLUX_WIDE_TRANSFORMER, FLUX_WIDE_T5)
         pipeline = _pipeline_case(wide, options.pipeline_size, options.pipeline_steps, options.prompts,
                                   options.repeats, tmp)
     load_after = os.getloadavg()

@@ -136,7 +136,7 @@ def test_plan_slices_are_the_blocks_on_each_gpu():
     assert slices.blocks == (("transformer_blocks.0", "transformer_blocks.1"),
                              ("single_transformer_blocks.0", "single_transformer_blocks.1"))
     assert slices.in_flight == 6
-    assert plan_slices(_plan(device_map), "transformer", 2).in_flight == 4  # 2 per rank when the plan says none
+    assert plan_slices(_plan(device_map), "transformer", 2).in_flight == 2  # one per rank when the plan says none
 
 
 @pytest.mark.parametrize("device_map, says", [
@@ -160,3 +160,49 @@ def test_the_cut_is_the_fastest_that_fits_each_ranks_room():
     assert balanced_cut(costs, 2) == [0, 3]
     assert balanced_cut(costs, 2, sizes=sizes, room=[6, 10]) == [0, 2]
     assert balanced_cut(costs, 2, sizes=sizes, room=[2, 2]) is None
+
+
+class _GlooSend:
+    """A gloo send as torch.distributed returns it: it reports completion only to wait()."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self):
+        if self.fail:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+        return True
+
+
+def test_cpu_links_let_each_sent_tensor_go_once_its_send_is_done(monkeypatch):
+    """Each tensor a CPU rank sends is released once gloo has sent it, not held until the chunk ends (the first
+    rank of the bench held every activation it had sent: +180 MB over 32 image-steps)."""
+    import gc
+    import time
+    import weakref
+
+    import torch.distributed as dist
+
+    from dm_cli.run.pipeline import Links, RankLostError
+
+    monkeypatch.setattr(dist, "isend", lambda tensor, dst: _GlooSend())
+    links = Links(torch.device("cpu"))
+    sent = [torch.randn(256, 64) for _ in range(20)]
+    alive = [weakref.ref(t) for t in sent]
+    for tensor in sent:
+        links.send([tensor], 1)
+    del sent, tensor
+    deadline = time.monotonic() + 5
+    while any(ref() is not None for ref in alive) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert all(ref() is None for ref in alive), "the sends' tensors were kept after gloo sent them"
+    links.flush()
+
+    monkeypatch.setattr(dist, "isend", lambda tensor, dst: _GlooSend(fail=True))  # a lost peer: said at the flush
+    links.send([torch.zeros(2)], 1)
+    with pytest.raises(RankLostError, match="The pipeline lost another rank"):
+        links.flush()

@@ -72,7 +72,7 @@ def plan(
     device_tflops: float = typer.Option(100.0, "--device-tflops", help="--parallel auto: TFLOP/s one GPU sustains."),
     link_gbps: float = typer.Option(25.0, "--link-gbps", help="--parallel auto: GB/s between two GPUs."),
     in_flight: int | None = typer.Option(None, "--in-flight", metavar="K",
-                                         help="--parallel pipeline: queue prompts in flight (default 2 x --world-size)."),
+                                         help="--parallel pipeline: queue prompts in flight (default --world-size)."),
     pipeline: PipelineOpt = None,
     component_file: ComponentFileOpt = None,
     lora: LoraOpt = None,

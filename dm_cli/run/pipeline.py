@@ -29,6 +29,7 @@ Without a GPU each rank computes on its CPU, standing for GPU r of the plan.
 
 from __future__ import annotations
 
+import queue
 import re
 import threading
 from collections import deque
@@ -107,7 +108,25 @@ class Links:
 
     def __init__(self, device):
         self.device = device
-        self.pending: list = []  # (work, tensor): sends in flight, with what they read
+        self.pending: list = []  # (work, tensor): sends in flight on GPUs, with what they read
+        # gloo's sends report completion only to wait(): on CPUs a thread waits for each in turn and lets its tensors
+        # go (kept until the end of the chunk, the first rank of the bench held every activation it sent, +180 MB)
+        self._sent: queue.Queue | None = None
+        self._error: BaseException | None = None
+        if device.type == "cpu":
+            self._sent = queue.Queue()
+            threading.Thread(target=self._reap, name="dmap-pipeline-sends", daemon=True).start()
+
+    def _reap(self) -> None:
+        while True:
+            work, _tensor = self._sent.get()
+            try:
+                work.wait()
+            except RuntimeError as error:
+                self._error = self._error or error
+            finally:
+                del work, _tensor
+                self._sent.task_done()
 
     def send(self, tensors: list, dst: int) -> None:
         import torch
@@ -151,10 +170,16 @@ class Links:
     def _send(self, tensor, dst: int) -> None:
         import torch.distributed as dist
 
+        if self._error is not None:
+            raise _lost(dst, self._error)
         try:  # headers travel over gloo, payloads on GPUs over NCCL: torch routes each by its device
-            self.pending.append((dist.isend(tensor, dst), tensor))
+            work = dist.isend(tensor, dst)
         except RuntimeError as error:
             raise _lost(dst, error) from None
+        if self._sent is not None:
+            self._sent.put((work, tensor))
+            return
+        self.pending.append((work, tensor))
         self.pending = [(work, t) for work, t in self.pending if not work.is_completed()]
 
     def _recv(self, tensor, src: int) -> None:
@@ -167,12 +192,17 @@ class Links:
 
     def flush(self) -> None:
         """Wait for every send in flight (before the tensors they read may go)."""
+        if self._sent is not None:
+            self._sent.join()
         pending, self.pending = self.pending, []
         for work, _ in pending:
             try:
                 work.wait()
             except RuntimeError as error:
                 raise _lost(None, error) from None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise _lost(None, error)
 
 
 def _lost(peer: int | None, error: Exception) -> RankLostError:
@@ -359,13 +389,12 @@ def pipeline_refusal(family, generation, plan, world_size: int) -> str | None:
     return None
 
 
-def _return_freed_memory() -> None:
-    """On CPU ranks, several prompts' activations are alive at once and freed out of order, so glibc's malloc kept
-    what they freed: a thread's own arena per prompt, and the mmap threshold that grows after each large free until
-    large tensors come from the heap, where holes stay (rank 0 of scripts/bench_parallel.py's pipeline grew by 200 MB
-    over a run). One arena and a fixed 256 KB threshold give large tensors back as they are freed (rank 0: +457 MB
-    instead of +641). GPUs allocate through CUDA's caching allocator and are not concerned; other C libraries are
-    left as they are."""
+def _one_malloc_arena() -> None:
+    """On CPU ranks the prompts in flight are threads, and glibc's malloc gives each thread its own arena, each
+    keeping what its prompt freed. One arena for all (scripts/bench_parallel.py, 4 steps of 8 prompts: the first
+    rank's peak +548 MB instead of +703 MB). A fixed small mmap threshold held less again (+484 MB) but made every
+    activation a fresh mapping, page faults and all: each rank computed 20% slower, so it is not set. GPUs allocate
+    through CUDA's caching allocator and are not concerned; other C libraries are left as they are."""
     import ctypes
     import ctypes.util
     import platform
@@ -378,7 +407,6 @@ def _return_freed_memory() -> None:
     except (OSError, AttributeError):
         return
     mallopt(-8, 1)  # M_ARENA_MAX
-    mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD (fixed: no dynamic growth)
 
 
 class PipelineStageLoop(MainRankStages, StageLoop):
@@ -402,7 +430,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
             torch.cuda.set_device(ranks.local_rank % torch.cuda.device_count())
         self.rank_device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         if not self.cuda:
-            _return_freed_memory()
+            _one_malloc_arena()
         self.links = Links(self.rank_device)
         self.local = threading.local()
         self.turns = Turns(0)
