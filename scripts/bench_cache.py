@@ -37,8 +37,21 @@ FAMILIES = {
                            "axes_dims_rope": [16, 24, 24]}, {"max_sequence_length": 64}),
     "wan": ("tiny-wan", {"num_layers": 8, "attention_head_dim": 64, "num_attention_heads": 8, "ffn_dim": 2048}, {"frames": 9}),
     "qwenimage": ("tiny-qwenimage", {"num_layers": 8, "attention_head_dim": 64, "num_attention_heads": 8,
-                                     "axes_dims_rope": [16, 24, 24]}, {}),
+                                     "axes_dims_rope": [16, 24, 24]},
+                  {"max_sequence_length": 64, "prompt": None, "negative_prompt": None}),
 }
+PROMPT = "a lighthouse on a cliff at dusk"
+# Qwen-Image's plan is its worst case: the longest prompt (its pipeline trims the text to the prompt's own tokens,
+# up to max_sequence_length) and true CFG (two denoiser calls, two cache contexts, with a negative prompt). A short
+# prompt without a negative prompt holds a quarter of what the plan counts (12 MB against 50 MB at 128x128 in an
+# earlier table); these prompts fill the 64 tokens planned, and the negative prompt turns true CFG on.
+LONG_PROMPT = ("a lighthouse on a cliff at dusk, waves breaking on black rocks below, gulls circling the lamp, a "
+               "fishing boat with a red hull coming home across the bay, low clouds lit orange and violet by the "
+               "setting sun, wet grass bending in the wind, a stone path to the keeper's cottage with one lit window")
+LONG_NEGATIVE = ("blurry, low resolution, overexposed, underexposed, noisy, jpeg artifacts, watermark, text, "
+                 "signature, cropped, out of frame, deformed, duplicated, extra limbs, bad anatomy, cartoon, "
+                 "painting, sketch, flat lighting, washed out colours, grainy film, lens flare, motion blur")
+FAMILIES["qwenimage"][2].update(prompt=LONG_PROMPT, negative_prompt=LONG_NEGATIVE)
 
 
 def build(family: str, root: Path) -> Path:
@@ -65,9 +78,10 @@ def run(folder: Path, out: Path, cache: str | None, steps: int, size: int, extra
     from dm_cli.run.single import run as run_one
 
     memory = "0=80GB,cpu=80GB" if simulate or gpu else "cpu=80GB"
-    request = RunRequest.of(str(folder), "a lighthouse on a cliff at dusk", seed=1, steps=steps, height=size, width=size,
+    request = RunRequest.of(str(folder), extra.get("prompt") or PROMPT, seed=1, steps=steps, height=size, width=size,
                             num_frames=extra.get("frames"), max_memory=memory, simulate=simulate, overwrite=True,
-                            output=str(out), cache=cache, max_sequence_length=extra.get("max_sequence_length"))
+                            output=str(out), cache=cache, max_sequence_length=extra.get("max_sequence_length"),
+                            negative_prompt=extra.get("negative_prompt"))
     return run_one(request)
 
 
