@@ -156,3 +156,36 @@ def test_cli_api_and_queue_item_make_the_same_cached_image(tiny_flux, tmp_path):
     code, _, err = run_dmap("run", tiny_flux, "--prompts", queue, "--quiet", "--height", "64", "--width", "64",
                             "--max-memory", "cpu=10GB", "--cache", "taylorseer", "--output", tmp_path / "q2")
     assert code == 2 and "cache" in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_a_split_denoiser_runs_taylorseer_with_the_whole_models_pixels_and_refuses_fbc(tiny_flux, tmp_path):
+    """A real split: the plan cuts tiny FLUX's transformer over two (simulated) GPUs and counts each attention's
+    Taylor terms on its own GPU; the run with the hooks on gives the unsplit cached image, pixel for pixel. fbc
+    (one state for the first and the last block) is refused on that split, one sentence."""
+    pytest.importorskip("torch")
+    import numpy as np
+    from PIL import Image
+
+    split = ["--max-memory", "0=800KB,1=800KB", "--overhead", "0=0,1=0", "--height", "32", "--width", "32",
+             "--max-sequence-length", "8"]
+    code, _, err = run_dmap("plan", tiny_flux, *split, "--cache", "taylorseer", "--output", tmp_path / "split.json",
+                            "--quiet")
+    assert code == 0, err
+    plan = json.loads((tmp_path / "split.json").read_text())
+    device_map = plan["components"]["transformer"]["device_map"]
+    assert {device_map["transformer_blocks.0"], device_map["single_transformer_blocks.0"]} == {0, 1}, device_map
+    held = plan["step_cache"]["components"]["transformer"]
+    assert set(held["bytes"]) == {"0", "1"} and sum(held["bytes"].values()) == held["total_bytes"] > 0
+    assert plan["check"]["ran"] and not plan["check"]["problems"]
+    run = ["run", tiny_flux, "--prompt", "a fox", "--steps", "6", "--seed", "3", "--quiet"]
+    code, _, err = run_dmap(*run, "--device-map", tmp_path / "split.json", "--simulate", "--output",
+                            tmp_path / "split.png")
+    assert code == 0, err
+    code, _, err = run_dmap(*run, "--max-memory", "cpu=10GB", "--height", "32", "--width", "32",
+                            "--max-sequence-length", "8", "--cache", "taylorseer", "--output", tmp_path / "whole.png")
+    assert code == 0, err
+    pixels = [np.asarray(Image.open(tmp_path / name).convert("RGB")) for name in ("split.png", "whole.png")]
+    assert (pixels[0] == pixels[1]).all()
+    code, _, err = run_dmap("plan", tiny_flux, *split, "--cache", "fbc", "--output", tmp_path / "fbc.json")
+    assert code == 2 and "cannot run with transformer split over 0, 1" in err and "Traceback" not in err, err
