@@ -19,6 +19,8 @@ DEVICES = ["--max-memory", "0=10GB,cpu=10GB", "--simulate"]
     ("fbc:threshold", "needs a value"),
     ("taylorseer:cache_interval=0", "from 1 to 1000"),
     ("fbc:threshold=0.1,threshold=0.2", "twice"),
+    ("fastercache", "FasterCache needs a timestep callback"),
+    ("pyramid_attention_broadcast", "Pyramid Attention Broadcast needs a timestep callback"),
 ])
 def test_bad_cache_is_one_sentence_exit_2(spec, message):
     code, out, err = run_dmap("plan", "tiny-flux", "--max-memory", "0=10GB", "--cache", spec)
