@@ -27,7 +27,7 @@ the ENTRY's imports: what the run itself added, the CPU's stand-in for a GPU's m
 rank's against the single process's. Pixels compared image by image.
 
 Usage: .venv/bin/python scripts/bench_parallel.py [--repeats N] [--steps N] [--cfg-size 256] [--context-size 512]
-       [--case cfg,context,pipeline] [--prompts 8] [--pipeline-size 256] [--pipeline-steps 6]
+       [--case cfg,context,pipeline] [--prompts 8] [--pipeline-size 256] [--pipeline-steps 28]
 """
 
 from __future__ import annotations
@@ -56,14 +56,14 @@ FLUX_VAE = {"_class_name": "AutoencoderKL", "block_out_channels": [16, 32, 32, 3
             "use_quant_conv": False}
 
 
-# The pipeline case's FLUX twin: twice as wide (1024, 8 heads of 128), the same 2 double + 4 single blocks (~140M
-# parameters, 552 MB in fp32), so that its weights, not the interpreter and libraries, are what a rank's memory
-# holds; and a T5 encoder in FLUX.1's proportion (T5-XXL's 4.76B parameters are 40% of the transformer's 11.9B):
-# 4 layers 1024 wide, ~56M parameters (222 MB), which the pipeline's rank 0 holds beside its slice
-FLUX_WIDE_TRANSFORMER = {**FLUX_TRANSFORMER, "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56],
-                         "joint_attention_dim": 1024}
-FLUX_WIDE_T5 = {"architectures": ["T5EncoderModel"], "d_ff": 4608, "d_kv": 64, "d_model": 1024, "model_type": "t5",
-                "num_decoder_layers": 4, "num_heads": 16, "num_layers": 4, "relative_attention_num_buckets": 8,
+# The pipeline case's FLUX twin: FLUX.1's 1:2 of double to single blocks, 5 + 10 of them 768 wide (8 heads of 96;
+# ~187M parameters, 760 MB in fp32), so that its weights, not the interpreter and libraries, are what a rank's memory
+# holds and a cut can come near half the work (2 + 4 blocks cut at 54% at best); and a T5 encoder in FLUX.1's
+# proportion (T5-XXL's 4.76B parameters are 40% of the transformer's 11.9B): 5 layers 1024 wide, ~75M parameters
+FLUX_WIDE_TRANSFORMER = {**FLUX_TRANSFORMER, "attention_head_dim": 96, "axes_dims_rope": [16, 40, 40], "num_layers": 5,
+                         "num_single_layers": 10, "joint_attention_dim": 1024}
+FLUX_WIDE_T5 = {"architectures": ["T5EncoderModel"], "d_ff": 5120, "d_kv": 64, "d_model": 1024, "model_type": "t5",
+                "num_decoder_layers": 5, "num_heads": 16, "num_layers": 5, "relative_attention_num_buckets": 8,
                 "vocab_size": 1103}
 
 
@@ -227,9 +227,9 @@ def _queue(folder: Path, ranks: int, prompts: Path, out: Path, steps: int, extra
             "notices": result["notices"]}
 
 
-# The two plans the pipeline case compares: the fastest cut (room to spare), and the cut that fits 1 GB per rank
+# The two plans the pipeline case compares: the fastest cut (room to spare), and the cut that fits 1.1 GB per rank
 # (FLUX's double blocks hold 2.4x a single block's weights for the same FLOPs: an even split of the weights is slower)
-PIPELINE_PLANS = {"fastest cut": "0=4GB,1=4GB", "cut that fits 1 GB per rank": "0=1GB,1=1GB"}
+PIPELINE_PLANS = {"fastest cut": "0=4GB,1=4GB", "cut that fits 1.1 GB per rank": "0=1.1GB,1=1.1GB"}
 
 
 def _pipeline_case(flux: Path, size: int, steps: int, prompts: int, repeats: int, tmp: Path):
@@ -293,14 +293,14 @@ def main() -> None:
     parser.add_argument("--case", default="cfg,context,pipeline", help="which cases, comma-separated")
     parser.add_argument("--prompts", type=int, default=8, help="pipeline: prompts in the queue")
     parser.add_argument("--pipeline-size", type=int, default=256)
-    parser.add_argument("--pipeline-steps", type=int, default=6)
+    parser.add_argument("--pipeline-steps", type=int, default=28, help="FLUX.1 [dev]'s default")
     options = parser.parse_args()
     cases = set(options.case.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="bench-parallel-"))
     models = Path(options.model_dir or tmp)
     sd15, flux = build_pipeline(models / "sd15-mid"), build_flux(models / "flux-mid")  # outside any timing
     if "pipeline" in cases:
-        build_flux(models / "flux-wide-t5", FLUX_WIDE_TRANSFORMER, FLUX_WIDE_T5)
+        build_flux(models / "flux-15", FLUX_WIDE_TRANSFORMER, FLUX_WIDE_T5)
     # dm_cli's bytecode, as a wheel install has it (see bench_run.py)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "dm_cli")], check=True, stdout=subprocess.DEVNULL)
     load_before = os.getloadavg()
@@ -312,7 +312,7 @@ def main() -> None:
         context = _case("context", flux, "context", options.context_size, options.steps, options.repeats, tmp,
                         ["--max-sequence-length", "64"])
     if "pipeline" in cases:
-        wide = build_flux(models / "flux-wide-t5", FLUX_WIDE_TRANSFORMER, FLUX_WIDE_T5)
+        wide = build_flux(models / "flux-15", FLUX_WIDE_TRANSFORMER, FLUX_WIDE_T5)
         pipeline = _pipeline_case(wide, options.pipeline_size, options.pipeline_steps, options.prompts,
                                   options.repeats, tmp)
     load_after = os.getloadavg()
@@ -329,7 +329,8 @@ def main() -> None:
         print(_row(f"context parallel (Ulysses 2), FLUX-arch ~36M, {options.context_size}x{options.context_size}",
                    *context))
     if pipeline:
-        print(f"\nPipeline parallel, FLUX-arch ~140M (1024 wide), {options.pipeline_size}x{options.pipeline_size}, a queue of "
+        print(f"\nPipeline parallel, FLUX-arch ~187M (5 + 10 blocks 768 wide, T5 ~75M), {options.pipeline_size}x"
+              f"{options.pipeline_size}, a queue of "
               f"{options.prompts} prompts:\n")
         print("\n".join(_pipeline_rows(*pipeline, options.prompts)))
     if not cfg:

@@ -126,6 +126,41 @@ def test_pipeline_refusals_are_one_sentence(models):
     assert "dmap plan --world-size 2 --parallel pipeline" in output.stdout + output.stderr
 
 
+def _results(output: str) -> list[dict]:
+    """Every rank's --json result in a launch's output."""
+    results, decoder = [], json.JSONDecoder()
+    while "{" in output:
+        obj, end = decoder.raw_decode(output, output.index("{"))
+        results.append(obj)
+        output = output[end:]
+    return results
+
+
+def test_cfg_branches_travel_as_micro_batches_with_one_process_bytes(tmp_path):
+    """Qwen-Image's true CFG (two calls per step): each step's cond and uncond calls go through the slices as two
+    micro-batches, for one prompt and for a queue, and the images are one process's bytes."""
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
+
+    model = write_random_pipeline(PRESETS_DIR / "tiny-qwenimage", tmp_path / "tiny-qwenimage", seed=0)
+    cfg = ["--negative-prompt", "blurry, dark"]
+    plan = _plan(tmp_path, model, 2, "qwen.json", *cfg)
+    (tmp_path / "queue.txt").write_text("\n".join(PROMPTS[:2]) + "\n")
+    output = _torchrun(2, "run", model, "-d", plan, "--prompts", tmp_path / "queue.txt", *cfg, "--output",
+                       tmp_path / "piped", "--steps", 4, "--json", cwd=tmp_path)
+    notices = [n for result in _results(output) for n in result.get("notices", [])]
+    assert any("two CFG calls (cond, uncond) ran as two micro-batches" in n for n in notices), notices
+    _dmap("run", model, "-d", plan, "--simulate", "--prompts", tmp_path / "queue.txt", *cfg, "--output",
+          tmp_path / "single", "--steps", 4, cwd=tmp_path)
+    _same_files(tmp_path / "piped", tmp_path / "single", ["00000.png", "00001.png"])
+    output = _torchrun(2, "run", model, "-d", plan, "--prompt", PROMPTS[0], *cfg, "--seed", 5, "--steps", 3,
+                       "--output", tmp_path / "one.png", "--json", cwd=tmp_path)
+    assert any("micro-batches" in n for result in _results(output) for n in result.get("notices", []))
+    _dmap("run", model, "-d", plan, "--simulate", "--prompt", PROMPTS[0], *cfg, "--seed", 5, "--steps", 3, "--output",
+          tmp_path / "one-single.png", cwd=tmp_path)
+    assert (tmp_path / "one.png").read_bytes() == (tmp_path / "one-single.png").read_bytes()
+
+
 @pytest.mark.slow
 def test_a_killed_rank_stops_the_others_and_the_same_command_resumes(models):
     root, model, _ = models

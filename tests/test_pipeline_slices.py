@@ -206,3 +206,26 @@ def test_cpu_links_let_each_sent_tensor_go_once_its_send_is_done(monkeypatch):
     links.send([torch.zeros(2)], 1)
     with pytest.raises(RankLostError, match="The pipeline lost another rank"):
         links.flush()
+
+
+def test_call_pairs_learn_two_calls_per_step_from_the_first_step():
+    """A step's cond and uncond calls share the timestep and the latents: from the second step on, the first of
+    them is deferred. A second-order scheduler's repeated timestep (other latents) and one call per step are not
+    pairs."""
+    from dm_cli.run.pipeline import CallPairs
+
+    def walk(calls):
+        pairs, seen = CallPairs(), []
+        for timestep, latents in calls:
+            call = (torch.tensor([timestep]), latents)
+            if pairs.pairs is None:
+                pairs.learn(call)
+            seen.append("first" if pairs.deferred else "second" if pairs.second else "alone")
+            pairs.calls += 1
+        return pairs.pairs, seen
+
+    x0, x1, x2 = (torch.full((1, 4, 8), float(v)) for v in range(3))
+    assert walk([(900, x0), (900, x0), (800, x1), (800, x1), (700, x2), (700, x2)]) == (
+        True, ["alone", "alone", "first", "second", "first", "second"])
+    assert walk([(900, x0), (900, x1), (800, x1), (800, x2)])[0] is False  # Heun: same timestep, new latents
+    assert walk([(900, x0), (800, x1), (700, x2)]) == (False, ["alone", "alone", "alone"])

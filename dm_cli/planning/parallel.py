@@ -808,8 +808,9 @@ def _pipeline_layout(request: ParallelRequest, piped, times: dict, rejected: dic
     how = "as asked" if request.choice != "auto" else "as no layout that shares every step fits"
     layout.reason = (f"{layout.title}, {how}: predicted {speedup:.2f}x the split's images per second for a queue of "
                      f"{queue} prompts or more ({seconds:.3g} s per image-step against {split:.3g} s/step for the "
-                     f"same cut run in one process; one prompt alone runs at the split's speed); fits with "
-                     f"{format_size(max(peaks.values(), default=0))} per rank at most")
+                     "same cut run in one process; one prompt alone runs at the split's speed, or its two CFG calls "
+                     f"per step as two micro-batches); fits with {format_size(max(peaks.values(), default=0))} per rank "
+                     "at most")
     return layout
 
 

@@ -332,22 +332,91 @@ def cut_to_slice(model, slices: Slices, rank: int, send, receive) -> None:
         first.register_forward_pre_hook(take_inputs, with_kwargs=True)
 
 
+class CallPairs:
+    """One prompt's denoiser calls, for the two CFG branches as micro-batches: a pipeline that makes two calls per
+    step (cond, then uncond: Qwen-Image's true CFG, Wan's CFG) sends both calls' activations before it waits for
+    either prediction, so that the first rank computes the second branch while the next computes the first.
+
+    Whether a step makes two calls is learned from the first step, run call by call: its second call has the same
+    timestep and the same latents as its first (a second-order scheduler's repeated timestep comes with other
+    latents, and stays call by call). From then on the first call of each step returns a tensor of the first step's prediction
+    shape and dtype, filled in place at the second call (the pipelines read the first prediction only after the
+    second call, as CFG-parallel's SeparateCalls relies on too)."""
+
+    def __init__(self):
+        self.calls = 0  # calls so far
+        self.first = None  # (timestep, latents) of the first call (learning), then of the pending first call
+        self.pairs: bool | None = None  # None: not known yet
+        self.like = None  # (shape, dtype) of a prediction
+        self.pending = None  # the tensor the pending first call returned
+
+    def learn(self, call: tuple) -> None:
+        """Called before each call while `pairs` is unknown (the first step runs call by call)."""
+        if self.calls == 0:
+            self.first = call
+        elif self.calls == 1:
+            self.pairs = _same_call(call, self.first)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the next call is the first of a step's two (its prediction comes with the second's)."""
+        return bool(self.pairs) and self.calls % 2 == 0 and self.calls >= 2
+
+    @property
+    def second(self) -> bool:
+        """Whether the next call is the second of a step's two, after a deferred first."""
+        return bool(self.pairs) and self.calls % 2 == 1 and self.calls >= 3
+
+
+def _call_of(args, kwargs) -> tuple:
+    """(timestep, latents) of a denoiser call, as the pipelines pass them (by keyword)."""
+    return (kwargs.get("timestep", args[1] if len(args) > 1 else None),
+            kwargs.get("hidden_states", args[0] if args else None))
+
+
+def _same_call(call: tuple, other: tuple) -> bool:
+    """Whether two calls denoise the same latents at the same timestep (a step's cond and uncond calls)."""
+    import torch
+
+    if any(value is None for value in (*call, *other)):
+        return False
+    (timestep, latents), (other_timestep, other_latents) = call, other
+    timestep, other_timestep = torch.as_tensor(timestep), torch.as_tensor(other_timestep)
+    return (timestep.shape == other_timestep.shape and torch.equal(timestep, other_timestep)
+            and latents.shape == other_latents.shape and torch.equal(latents, other_latents))
+
+
 class SliceForward:
-    """The denoiser's forward on one rank of the pipeline (see the module's doc)."""
+    """The denoiser's forward on one rank of the pipeline (see the module's doc and `CallPairs`)."""
 
     def __init__(self, forward, loop: "PipelineStageLoop"):
         self.forward, self.loop = forward, loop
 
     def __call__(self, *args, **kwargs):
+        import torch
+
         loop = self.loop
-        slot = loop.local.slot
+        slot, pairs = loop.local.slot, loop.local.calls
+        call = _call_of(args, kwargs)
+        if pairs.pairs is None:
+            pairs.learn(call)
+        first, second = pairs.deferred, pairs.second
+        if second and not _same_call(call, pairs.first):
+            raise RuntimeError("The pipeline expected the second (uncond) call of a step and got another step's call: "
+                               "this pipeline does not make two calls every step.")
+        if first:
+            pairs.first = call
+            loop.paired_steps += 1
+        pairs.calls += 1
         if loop.is_last:
             out = self.forward(*args, **kwargs)
             prediction = (out[0] if isinstance(out, tuple) else out.sample).detach().clone()
+            pairs.like = (prediction.shape, prediction.dtype)
             for rank in range(loop.world_size - 1):
                 loop.links.send([prediction], rank)
-            loop.turns.pass_on(slot)
-            loop.turns.wait(slot)
+            if not first:  # the turn passes once both calls of a pair have sent
+                loop.turns.pass_on(slot)
+                loop.turns.wait(slot)
             return out
         try:
             self.forward(*args, **kwargs)
@@ -355,9 +424,22 @@ class SliceForward:
             pass
         else:
             raise RuntimeError("A pipeline slice ran past its last block: the model's forward skipped SliceEnd.")
-        loop.turns.pass_on(slot)
-        loop.turns.wait(slot)
-        (prediction,) = loop.links.recv(loop.world_size - 1)
+        if first:
+            shape, dtype = pairs.like
+            pairs.pending = torch.empty(shape, dtype=dtype, device=loop.rank_device)
+            prediction = pairs.pending
+        else:
+            loop.turns.pass_on(slot)
+            loop.turns.wait(slot)
+            if second:
+                (earlier,) = loop.links.recv(loop.world_size - 1)
+                if earlier.shape != pairs.pending.shape or earlier.dtype != pairs.pending.dtype:
+                    raise RuntimeError("The first call of a step predicted another shape or dtype than the first "
+                                       "step's: the pipeline's calls differ from step to step.")
+                pairs.pending.copy_(earlier)
+                pairs.pending = None
+            (prediction,) = loop.links.recv(loop.world_size - 1)
+            pairs.like = (prediction.shape, prediction.dtype)
         if not kwargs.get("return_dict", True):
             return (prediction,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -413,12 +495,14 @@ class PipelineStageLoop(MainRankStages, StageLoop):
     """The stage loop of one rank of the pipeline: rank 0 encodes (embeddings broadcast), decodes and writes; every
     rank holds its slice of the denoiser and denoises the prompts of a chunk together, taking turns."""
 
-    def __init__(self, *args, sharing, **kwargs):
+    def __init__(self, *args, sharing, notices: list | None = None, **kwargs):
         import torch
         import torch.distributed as dist
 
         super().__init__(*args, **kwargs)
         self.sharing = sharing
+        self.notices = notices if notices is not None else []
+        self.paired_steps = 0  # steps whose two CFG calls travelled as micro-batches (CallPairs)
         ranks = sharing.ranks
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.is_last = self.rank == self.world_size - 1
@@ -518,7 +602,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
                     n = waiting.popleft()
                     shell = copy.copy(base)  # its own scheduler (its step index), the same components
                     object.__setattr__(shell, "scheduler", copy.deepcopy(base.scheduler))
-                    self.local.pipe = shell
+                    self.local.pipe, self.local.calls = shell, CallPairs()
                     self._run_denoise(stage_plan, jobs[n], carries[n], on_step)
                 turns.leave(slot)
             except _Stopped:
@@ -543,6 +627,10 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         if errors:
             raise errors[0]
         self.links.flush()
+        said = "micro-batches"
+        if self.paired_steps and not any(said in notice for notice in self.notices):
+            self.notices.append("Each step's two CFG calls (cond, uncond) ran as two micro-batches through the slices "
+                                f"({self.paired_steps} steps so far, the first step of each prompt call by call).")
 
     def denoise(self, names, job, embeds, on_step, switch=None, image_latents=None, whole: bool = False):
         if getattr(self.local, "pipe", None) is None:

@@ -113,7 +113,8 @@ class Session:
         if self.pipelined and self.planned_here:  # the plan made here must cut the denoiser into the ranks' slices
             checked_pipeline(plan, self, self.sharing.ranks)
         loop, shared = (StageLoop, {}) if self.sharing is None else (
-            PipelineStageLoop if self.pipelined else ParallelStageLoop, {"sharing": self.sharing})
+            (PipelineStageLoop, {"sharing": self.sharing, "notices": self.notices}) if self.pipelined
+            else (ParallelStageLoop, {"sharing": self.sharing}))
         self._loop = loop(self.source, plan, self.family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
                           largest_shard=largest, track_activations=request.simulate or request.track_activations,
                           on_status=on_status, measure=measure, loras=self.generation.loras, **shared)
