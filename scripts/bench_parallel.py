@@ -27,7 +27,7 @@ the ENTRY's imports: what the run itself added, the CPU's stand-in for a GPU's m
 rank's against the single process's. Pixels compared image by image.
 
 Usage: .venv/bin/python scripts/bench_parallel.py [--repeats N] [--steps N] [--cfg-size 256] [--context-size 512]
-       [--case cfg,context,pipeline] [--prompts 8] [--pipeline-size 256] [--pipeline-steps 28]
+       [--case cfg,context,pipeline,pipeline-cfg] [--prompts 8] [--pipeline-size 256] [--pipeline-steps 28]
 """
 
 from __future__ import annotations
@@ -84,6 +84,32 @@ def build_flux(folder: Path, transformer: dict = FLUX_TRANSFORMER, t5: dict | No
     (staging / "vae" / "config.json").write_text(json.dumps(FLUX_VAE, indent=2))
     if t5 is not None:
         (staging / "text_encoder_2" / "config.json").write_text(json.dumps(t5, indent=2))
+    write_random_pipeline(staging, staging, seed=0)
+    os.replace(staging, folder)
+    return folder
+
+
+# The pipeline's CFG case: a Qwen-Image twin (tiny-qwenimage's configs, 8 blocks 512 wide), one prompt with a negative
+# prompt: true CFG, two denoiser calls per step, which the pipeline sends through the slices as two micro-batches
+QWEN_TRANSFORMER_CHANGES = {"num_layers": 8, "attention_head_dim": 64, "num_attention_heads": 8,
+                            "axes_dims_rope": [16, 24, 24]}
+NEGATIVE = "blurry, low resolution, dark"
+
+
+def build_qwen(folder: Path) -> Path:
+    """The Qwen-Image twin with random weights (fixed seed)."""
+    if (folder / "model_index.json").is_file():
+        return folder
+    import shutil
+
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
+
+    staging = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(PRESETS_DIR / "tiny-qwenimage", staging)
+    config = json.loads((staging / "transformer" / "config.json").read_text())
+    (staging / "transformer" / "config.json").write_text(json.dumps({**config, **QWEN_TRANSFORMER_CHANGES}, indent=2))
     write_random_pipeline(staging, staging, seed=0)
     os.replace(staging, folder)
     return folder
@@ -258,6 +284,28 @@ def _pipeline_case(flux: Path, size: int, steps: int, prompts: int, repeats: int
     return runs, difference, layouts
 
 
+def _pipeline_cfg_case(qwen: Path, size: int, steps: int, repeats: int, tmp: Path):
+    """One prompt with true CFG on one process against the 2-rank pipeline (the plan made once, outside the timing):
+    the step's two calls are the pipeline's two micro-batches."""
+    plan = tmp / "pipeline-cfg-plan.json"
+    common = ["--height", str(size), "--width", str(size), "--negative-prompt", NEGATIVE]
+    subprocess.run([sys.executable, "-m", "dm_cli", "plan", str(qwen), "--max-memory", "0=4GB,1=4GB", "--world-size",
+                    "2", "--parallel", "pipeline", *common, "-o", str(plan), "--overwrite"], check=True,
+                   capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    kinds = {1: ["--negative-prompt", NEGATIVE], 2: ["-d", str(plan), "--negative-prompt", NEGATIVE]}
+    for ranks, extra in kinds.items():  # warm-up
+        _launch(qwen, ranks, "pipeline", size, 1, tmp / "pipeline-cfg-warm.png", extra)
+    runs: dict[int, list[dict]] = {1: [], 2: []}
+    for i in range(repeats):
+        for ranks, extra in kinds.items():
+            runs[ranks].append(_launch(qwen, ranks, "pipeline", size, steps, tmp / f"pipeline-cfg-{ranks}-{i}.png",
+                                       extra))
+    assert any("micro-batches" in n for n in runs[2][0]["notices"]), runs[2][0]["notices"]
+    difference = max(int(abs(_pixels(tmp / f"pipeline-cfg-1-{i}.png") - _pixels(tmp / f"pipeline-cfg-2-{i}.png")).max())
+                     for i in range(repeats))
+    return runs, difference
+
+
 def _pipeline_rows(runs: dict, difference: int, layouts: dict, prompts: int) -> list[str]:
     mb = 1 << 20
     base = runs["1 process"]
@@ -290,7 +338,7 @@ def main() -> None:
     parser.add_argument("--cfg-size", type=int, default=256)
     parser.add_argument("--context-size", type=int, default=512)
     parser.add_argument("--model-dir", default=None, help="where to build (or find) the bench pipelines")
-    parser.add_argument("--case", default="cfg,context,pipeline", help="which cases, comma-separated")
+    parser.add_argument("--case", default="cfg,context,pipeline,pipeline-cfg", help="which cases, comma-separated")
     parser.add_argument("--prompts", type=int, default=8, help="pipeline: prompts in the queue")
     parser.add_argument("--pipeline-size", type=int, default=256)
     parser.add_argument("--pipeline-steps", type=int, default=28, help="FLUX.1 [dev]'s default")
@@ -304,7 +352,7 @@ def main() -> None:
     # dm_cli's bytecode, as a wheel install has it (see bench_run.py)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "dm_cli")], check=True, stdout=subprocess.DEVNULL)
     load_before = os.getloadavg()
-    cfg = context = pipeline = None
+    cfg = context = pipeline = pipeline_cfg = None
     if "cfg" in cases:
         cfg = _case("cfg", sd15, "cfg", options.cfg_size, options.steps, options.repeats, tmp,
                     ["--guidance-scale", str(GUIDANCE)])
@@ -315,6 +363,9 @@ def main() -> None:
         wide = build_flux(models / "flux-15", FLUX_WIDE_TRANSFORMER, FLUX_WIDE_T5)
         pipeline = _pipeline_case(wide, options.pipeline_size, options.pipeline_steps, options.prompts,
                                   options.repeats, tmp)
+    if "pipeline-cfg" in cases:
+        pipeline_cfg = _pipeline_cfg_case(build_qwen(models / "qwen-mid"), options.pipeline_size, options.steps,
+                                          options.repeats, tmp)
     load_after = os.getloadavg()
     print(f"{options.steps} steps ({options.pipeline_steps} for the pipeline's queue), seed {SEED}, CPU, one torch "
           f"thread per rank, {os.cpu_count()} cores; medians of {options.repeats} runs each (subprocesses, "
@@ -333,6 +384,13 @@ def main() -> None:
               f"{options.pipeline_size}, a queue of "
               f"{options.prompts} prompts:\n")
         print("\n".join(_pipeline_rows(*pipeline, options.prompts)))
+    if pipeline_cfg:
+        print(f"\nPipeline parallel, one prompt with true CFG (Qwen-Image twin, 8 blocks 512 wide), "
+              f"{options.pipeline_size}x{options.pipeline_size}, {options.steps} steps: the step's two calls as two "
+              "micro-batches\n")
+        print("| layout | denoise s: 1 process / 2 ranks | in-process s | process s | largest pixel difference |")
+        print("|---|---|---|---|---|")
+        print(_row("pipeline, 2 slices, CFG calls as micro-batches", *pipeline_cfg))
     if not cfg:
         return
     two, one = _cfg_ceiling(sd15, options.cfg_size)

@@ -194,6 +194,7 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
                 events.on_item(item, str(path), generated.seconds)
     finally:
         pipeline.close()
+        result.notices = list(pipeline.notices)  # with what the run learned (a pipeline's CFG micro-batches)
         members = {s.name: list(s.components) for s in pipeline.plan.stages}
         result.stages = {name: {**totals, "components": members.get(name, [])}
                          for name, totals in pipeline.stage_totals.items()}
