@@ -23,6 +23,10 @@ the turn calls torch.distributed: messages flow in the same order on every rank,
 and recv in FIFO order; no tags, which NCCL ignores). Each prompt's steps stay in order and its arithmetic is the
 single process's: the images are the same bytes as one process running the same split.
 
+A pipeline that makes two denoiser calls per step (CFG: cond, then uncond) sends both through the slices before it
+waits for either prediction: the two branches are two micro-batches, so one prompt with CFG keeps two ranks busy
+(`CallPairs`).
+
 Encoding runs once, on rank 0, and the embeddings are broadcast; rank 0 decodes and writes (as `--parallel cfg`).
 Without a GPU each rank computes on its CPU, standing for GPU r of the plan.
 """
