@@ -206,6 +206,11 @@ def test_cpu_links_let_each_sent_tensor_go_once_its_send_is_done(monkeypatch):
     links.send([torch.zeros(2)], 1)
     with pytest.raises(RankLostError, match="The pipeline lost another rank"):
         links.flush()
+    links.close()  # its thread ends
+    deadline = time.monotonic() + 5
+    while any(t.name == "dmap-pipeline-sends" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.name == "dmap-pipeline-sends" for t in threading.enumerate())
 
 
 def test_call_pairs_learn_two_calls_per_step_from_the_first_step():

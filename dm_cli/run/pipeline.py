@@ -119,18 +119,22 @@ class Links:
         self._error: BaseException | None = None
         if device.type == "cpu":
             self._sent = queue.Queue()
-            threading.Thread(target=self._reap, name="dmap-pipeline-sends", daemon=True).start()
+            threading.Thread(target=self._reap, args=(self._sent,), name="dmap-pipeline-sends", daemon=True).start()
 
-    def _reap(self) -> None:
+    def _reap(self, sent: queue.Queue) -> None:
         while True:
-            work, _tensor = self._sent.get()
+            item = sent.get()
+            if item is None:  # close()
+                sent.task_done()
+                return
+            work, _tensor = item
             try:
                 work.wait()
             except RuntimeError as error:
                 self._error = self._error or error
             finally:
-                del work, _tensor
-                self._sent.task_done()
+                del work, _tensor, item
+                sent.task_done()
 
     def send(self, tensors: list, dst: int) -> None:
         import torch
@@ -207,6 +211,12 @@ class Links:
         if self._error is not None:
             error, self._error = self._error, None
             raise _lost(None, error)
+
+    def close(self) -> None:
+        """Stop the thread that waits for the CPU sends (after `flush`)."""
+        if self._sent is not None:
+            self._sent.put(None)
+            self._sent = None
 
 
 def _lost(peer: int | None, error: Exception) -> RankLostError:
@@ -343,9 +353,9 @@ class CallPairs:
 
     Whether a step makes two calls is learned from the first step, run call by call: its second call has the same
     timestep and the same latents as its first (a second-order scheduler's repeated timestep comes with other
-    latents, and stays call by call). From then on the first call of each step returns a tensor of the first step's prediction
-    shape and dtype, filled in place at the second call (the pipelines read the first prediction only after the
-    second call, as CFG-parallel's SeparateCalls relies on too)."""
+    latents, and stays call by call). From then on the first call of each step returns a tensor of the first
+    step's prediction shape and dtype, filled in place at the second call (the pipelines read the first prediction
+    only after the second call, as CFG-parallel's SeparateCalls relies on too)."""
 
     def __init__(self):
         self.calls = 0  # calls so far
@@ -645,6 +655,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         try:
             self.links.flush()
         finally:
+            self.links.close()
             super().close()
             if self.owns_group:
                 self.sharing.ranks.leave()
