@@ -67,9 +67,9 @@ FLUX_WIDE_T5 = {"architectures": ["T5EncoderModel"], "d_ff": 5120, "d_kv": 64, "
                 "vocab_size": 1103}
 
 
-def build_flux(folder: Path, transformer: dict = FLUX_TRANSFORMER, t5: dict | None = None) -> Path:
-    """The mid-size FLUX twin with random weights (fixed seed): tiny-flux's configs, a wider transformer and VAE
-    (and, given `t5`, that text encoder)."""
+def _build_twin(folder: Path, preset: str, configs: dict[str, dict]) -> Path:
+    """A random-weight pipeline (fixed seed) in `folder`: the preset's configs, those of `configs` (subfolder ->
+    config.json) in their place; kept when it is already there."""
     if (folder / "model_index.json").is_file():
         return folder
     import shutil
@@ -79,14 +79,19 @@ def build_flux(folder: Path, transformer: dict = FLUX_TRANSFORMER, t5: dict | No
 
     staging = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(PRESETS_DIR / "tiny-flux", staging)
-    (staging / "transformer" / "config.json").write_text(json.dumps(transformer, indent=2))
-    (staging / "vae" / "config.json").write_text(json.dumps(FLUX_VAE, indent=2))
-    if t5 is not None:
-        (staging / "text_encoder_2" / "config.json").write_text(json.dumps(t5, indent=2))
+    shutil.copytree(PRESETS_DIR / preset, staging)
+    for name, config in configs.items():
+        (staging / name / "config.json").write_text(json.dumps(config, indent=2))
     write_random_pipeline(staging, staging, seed=0)
     os.replace(staging, folder)
     return folder
+
+
+def build_flux(folder: Path, transformer: dict = FLUX_TRANSFORMER, t5: dict | None = None) -> Path:
+    """The mid-size FLUX twin: tiny-flux's configs, a wider transformer and VAE (and, given `t5`, that text
+    encoder)."""
+    return _build_twin(folder, "tiny-flux", {"transformer": transformer, "vae": FLUX_VAE,
+                                             **({"text_encoder_2": t5} if t5 is not None else {})})
 
 
 # The pipeline's CFG case: a Qwen-Image twin (tiny-qwenimage's configs, 8 blocks 512 wide), one prompt with a negative
@@ -97,22 +102,11 @@ NEGATIVE = "blurry, low resolution, dark"
 
 
 def build_qwen(folder: Path) -> Path:
-    """The Qwen-Image twin with random weights (fixed seed)."""
-    if (folder / "model_index.json").is_file():
-        return folder
-    import shutil
-
-    from dm_cli.model.demo import write_random_pipeline
+    """The Qwen-Image twin: tiny-qwenimage's configs, its transformer deeper and wider."""
     from dm_cli.model.sources import PRESETS_DIR
 
-    staging = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(PRESETS_DIR / "tiny-qwenimage", staging)
-    config = json.loads((staging / "transformer" / "config.json").read_text())
-    (staging / "transformer" / "config.json").write_text(json.dumps({**config, **QWEN_TRANSFORMER_CHANGES}, indent=2))
-    write_random_pipeline(staging, staging, seed=0)
-    os.replace(staging, folder)
-    return folder
+    config = json.loads((PRESETS_DIR / "tiny-qwenimage" / "transformer" / "config.json").read_text())
+    return _build_twin(folder, "tiny-qwenimage", {"transformer": {**config, **QWEN_TRANSFORMER_CHANGES}})
 
 
 # What each launched process imports before dmap's CLI runs: the libraries and the model classes diffusers imports

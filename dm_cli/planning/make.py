@@ -1027,7 +1027,7 @@ def _pipeline_cut(prepared: list[PreparedComponent], devices: list[Device], opti
     none, the components): the cut None when the request does not consider pipeline parallel. An explicit --parallel
     pipeline that cannot be cut, or does not fit a rank, is refused here, before any placement; else its components
     come back with the denoiser's map fixed to the cut (never searched)."""
-    from dm_cli.planning.parallel import Rank, Unit, pipeline_candidate, pipeline_cut, weight_tokens
+    from dm_cli.planning.parallel import Rank, Unit, beside_slice, pipeline_candidate, pipeline_cut, weight_tokens
 
     request = options.parallel
     prep = next((p for p in prepared if p.spec.name == family.denoiser), None)
@@ -1046,7 +1046,7 @@ def _pipeline_cut(prepared: list[PreparedComponent], devices: list[Device], opti
     units = [Unit(b.name, b.keys, b.bytes, params[b.name], work[b.name]) for b in prep.spec.blocks]
     by_key = {d.key: d for d in devices}
     shared = sum(u.bytes for u in units if not u.entries)
-    extras = shared + prep.spec.activation_peak + request.planned_in_flight * 2 * shape.hop_bytes
+    extras = beside_slice(shared, prep.spec.activation_peak, shape, request.planned_in_flight)
     room = [max(0, (by_key[r].capacity or 0) - by_key[r].overhead - extras) if r in by_key else 0
             for r in range(request.world_size)]  # the block weights each rank can hold beside the rest
     cut = pipeline_cut(units, request.world_size, shape, room)

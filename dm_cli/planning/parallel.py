@@ -152,6 +152,10 @@ class DenoiserShape:
         """One micro-batch's block inputs at a pipeline cut: the hidden and the text hidden states of one call."""
         return (self.image_tokens + self.text_tokens) * self.hidden * self.element_bytes * self.batch
 
+    def buffer_bytes(self, in_flight: int) -> int:
+        """A pipeline rank's send and receive buffers for `in_flight` micro-batches."""
+        return in_flight * 2 * self.hop_bytes
+
     @property
     def split_sequences(self) -> tuple[str, ...] | None:
         return CP_PLANS.get(self.cls)
@@ -599,12 +603,17 @@ def balanced_cut(costs: list[float], parts: int, head: float = 0.0, tail: float 
     return [0, *reversed(starts)]
 
 
+def beside_slice(shared_bytes: int, activation_peak: int, shape: DenoiserShape, in_flight: int) -> int:
+    """What a pipeline rank holds beside its slice's block weights and its GPU's overhead: every module outside the
+    block lists, one micro-batch's activations and `in_flight` x (send + receive buffers)."""
+    return shared_bytes + activation_peak + shape.buffer_bytes(in_flight)
+
+
 def pipeline_rank_peak(cut: PipelineCut, rank: int, activation_peak: int, shape: DenoiserShape, in_flight: int,
                        overhead: int) -> int:
-    """The denoise stage's peak on rank `rank` under pipeline parallel: its slice, every module outside the block
-    lists, one micro-batch's activations, `in_flight` x (send + receive buffers) and the GPU's overhead."""
-    return (cut.slice_bytes[rank] + cut.shared_bytes + activation_peak + in_flight * 2 * shape.hop_bytes
-            + overhead)
+    """The denoise stage's peak on rank `rank` under pipeline parallel: its slice, what it holds beside it
+    (`beside_slice`) and the GPU's overhead."""
+    return cut.slice_bytes[rank] + beside_slice(cut.shared_bytes, activation_peak, shape, in_flight) + overhead
 
 
 def pipeline_seconds(cut: PipelineCut, shape: DenoiserShape, request: ParallelRequest, in_flight: int) -> tuple[float, float]:
@@ -773,7 +782,7 @@ def pipeline_candidate(request: ParallelRequest, shape: DenoiserShape, activatio
         rejected["pipeline"] = problem
         return None
     in_flight = request.planned_in_flight
-    buffers = in_flight * 2 * shape.hop_bytes
+    buffers = shape.buffer_bytes(in_flight)
     peaks, short = {}, []
     for i, rank in enumerate(ranks):
         denoise = pipeline_rank_peak(cut, i, activation_peak, shape, in_flight, rank.overhead)

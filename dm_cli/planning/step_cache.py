@@ -99,14 +99,13 @@ CACHES: dict[str, CacheKind] = {
     }, head_and_tail=True),
 }
 NAMES = tuple(CACHES)
-# diffusers' other cache hooks, which dmap does not offer, and why (one clause each)
+# diffusers' other cache hooks, which dmap does not offer, and why; keyed by the name without "-" and "_"
 _TIMESTEP = "needs a timestep callback into the pipeline's loop, which dmap does not wire into its hooks yet"
 NOT_OFFERED = {
     "fastercache": f"diffusers' FasterCache {_TIMESTEP}, and a batched CFG, which FLUX, Wan and Qwen-Image do not run",
-    "faster_cache": f"diffusers' FasterCache {_TIMESTEP}, and a batched CFG, which FLUX, Wan and Qwen-Image do not run",
-    "pab": f"diffusers' Pyramid Attention Broadcast {_TIMESTEP}",
-    "pyramid_attention_broadcast": f"diffusers' Pyramid Attention Broadcast {_TIMESTEP}",
+    "pyramidattentionbroadcast": f"diffusers' Pyramid Attention Broadcast {_TIMESTEP}",
 }
+NOT_OFFERED["pab"] = NOT_OFFERED["pyramidattentionbroadcast"]
 
 
 def parse_cache(value, where: str = "--cache") -> StepCache | None:
@@ -140,8 +139,9 @@ def parse_cache(value, where: str = "--cache") -> StepCache | None:
     if name in ("none", "") and not given:
         return None
     kind = CACHES.get(name)
-    if name.replace("-", "_") in NOT_OFFERED:
-        raise UsageError(f"{where} {name}: {NOT_OFFERED[name.replace('-', '_')]}; use {', '.join(NAMES)} or none.")
+    bare = name.replace("-", "").replace("_", "")
+    if bare in NOT_OFFERED:
+        raise UsageError(f"{where} {name}: {NOT_OFFERED[bare]}; use {', '.join(NAMES)} or none.")
     if kind is None:
         raise UsageError(f"Unknown step cache {shorten(name, quote=True)} for {where}: use {', '.join(NAMES)} "
                          "(with settings as NAME:KEY=VALUE,..., e.g. fbc:threshold=0.05) or none.")

@@ -148,7 +148,7 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
     if pipeline.defaults.num_frames:
         pipeline.close()
         raise UsageError(f"--prompts writes images; {pipeline.source.pipeline_class} makes videos: run one prompt at a time.")
-    result.notices = list(pipeline.notices)
+    result.notices = pipeline.notices  # the session's own list: what the run adds as it runs shows too (as single.py)
     result.mode, result.plan_digest = pipeline.plan.mode, pipeline.plan_digest
     todo: list[QueueItem] = []
     records: dict[int, dict] = {}
@@ -194,7 +194,6 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
                 events.on_item(item, str(path), generated.seconds)
     finally:
         pipeline.close()
-        result.notices = list(pipeline.notices)  # with what the run learned (a pipeline's CFG micro-batches)
         members = {s.name: list(s.components) for s in pipeline.plan.stages}
         result.stages = {name: {**totals, "components": members.get(name, [])}
                          for name, totals in pipeline.stage_totals.items()}
