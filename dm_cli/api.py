@@ -138,7 +138,7 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
          lora=None, cache=None, **settings) -> Session:
     """A pipeline placed per `plan` (a Plan, a plan JSON path, or None: plan here with the options).
 
-    SOURCE None is the bundled random-weight demo. A plan made for another model, size or dtype is
+    SOURCE None is the plan's source when a plan is given (it records it), else the bundled random-weight demo. A plan made for another model, size or dtype is
     refused (UsageError); one naming GPUs this machine lacks too, unless `simulate` (every planned
     device on the CPU, with the split check active). `weights` ("fp8", "transformer=fp8", ...) plans
     low-precision storage, or must match the given plan's. Nothing is loaded yet: resident components

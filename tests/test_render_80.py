@@ -176,11 +176,17 @@ def test_plan_render_ends_with_one_next_step(cols, output):
     assert ("-d plan.json" in lines[-1]) if output else ("-o plan.json" in lines[-1])
 
 
-def test_plan_next_step_names_a_real_source(cols, tmp_path):
+def test_plan_next_step_runs_the_plan_file(cols, tmp_path, monkeypatch):
+    import dm_cli.run.request as request
+
     data = plan_json()
-    data["source"] = str(tmp_path)  # a folder: no preset caveat
+    data["source"] = str(tmp_path)  # a folder: no preset caveat; the plan knows it, the command needs no SOURCE
+    monkeypatch.setattr(request, "cuda_devices_without_torch", lambda: None)
     out = cols(render(Plan.from_json(data), output="p.json"), 120)
-    assert out.rstrip().splitlines()[-1] == f'Next: dmap run {tmp_path} -p "a prompt" -d p.json'
+    assert out.rstrip().splitlines()[-1] == 'Next: dmap run -d p.json -p "a prompt"'
+    monkeypatch.setattr(request, "cuda_devices_without_torch", lambda: 0)  # no GPU here: simulated on the CPU
+    out = cols(render(Plan.from_json(data), output="p.json"), 120)
+    assert out.rstrip().splitlines()[-1] == 'Next: dmap run -d p.json -p "a prompt" --simulate'
 
 
 def test_errors_wrap_at_spaces_on_a_terminal(monkeypatch):

@@ -205,10 +205,15 @@ def _run_one(fields: dict, output: str | None, gpus_per_rank: int | None, as_jso
         return 0
     from dm_cli.render.run import RunView
 
-    with RunView(quiet=quiet, binary=binary) as view:
+    with RunView(quiet=quiet, binary=binary, plan_file=_source_from(request)) as view:
         result = run_pipeline(request, on_plan=view.show_plan, on_step=view.step, on_status=view.status)
     view.summary(result)
     return 0
+
+
+def _source_from(request) -> str | None:
+    """The plan file whose SOURCE this run takes (none given), to say so first."""
+    return request.plan_file if request.source is None else None
 
 
 def _run_queue(request, as_json: bool, quiet: bool, binary: bool) -> int:
@@ -221,7 +226,7 @@ def _run_queue(request, as_json: bool, quiet: bool, binary: bool) -> int:
         return 0
     from dm_cli.render.queue import QueueView
 
-    with QueueView(quiet=quiet, binary=binary) as view:
+    with QueueView(quiet=quiet, binary=binary, plan_file=_source_from(request.run)) as view:
         result = run_queue(request, QueueEvents(on_plan=view.show_plan, on_start=view.start, on_item=view.item,
                                                 on_step=view.step, on_chunk=view.chunk, on_status=view.status))
     view.summary(result)

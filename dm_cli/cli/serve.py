@@ -108,7 +108,9 @@ def serve(
         for notice in session.notices:
             say(notice)
         kind = "videos" if job.num_frames else "images"
-        print(f"Serving {request.model or source or 'demo'} ({session.source.pipeline_class}, {job.width}x{job.height} "
+        if session.source_from_plan:
+            say(f"Running {session.source.spec} from {run.plan_file}")
+        print(f"Serving {request.model or session.source.spec} ({session.source.pipeline_class}, {job.width}x{job.height} "
               f"{kind}, plan {session.plan.mode} {session.plan_digest}) on {url}; SIGTERM or Ctrl-C stops.",
               flush=True)
 

@@ -76,7 +76,21 @@ def next_step(plan, output: str | None) -> str:
     source = str(plan.source)
     if _is_preset(source):
         return f"Next: dmap run path/to/{source} -p \"a prompt\" -d {output} (a preset has no weights)"
-    return f"Next: dmap run {source} -p \"a prompt\" -d {output}"
+    return f"Next: {run_command(plan, output)}"
+
+
+def run_command(plan, output: str) -> str:
+    """The command that runs this plan file, here, as pasted: `dmap run -d PLAN.json` (the plan knows its SOURCE),
+    under torchrun for a plan of several ranks, with --simulate where this machine has none of the planned GPUs."""
+    import shlex
+
+    from dm_cli.run.request import cuda_devices_without_torch
+
+    gpus = {dev for comp in plan.components.values() for dev in comp.device_map.values()} - {"cpu", "disk", "mps"}
+    simulate = " --simulate" if gpus and cuda_devices_without_torch() == 0 else ""
+    run = f"run -d {shlex.quote(output)} -p \"a prompt\"{simulate}"
+    ranks = plan.parallel.world_size if plan.parallel is not None else 1
+    return f"torchrun --nproc-per-node {ranks} -m dm_cli {run}" if ranks > 1 else f"dmap {run}"
 
 
 def render_plan(plan, binary: bool = False, output: str | None = None, hidden: list | None = None,
@@ -108,7 +122,7 @@ def render_plan(plan, binary: bool = False, output: str | None = None, hidden: l
     if output:
         out.print(f"Plan written to {output}.")
     if show_next:
-        out.print(next_step(plan, output))
+        out.print(next_step(plan, output), soft_wrap=True)  # a command to paste: never broken in two
 
 
 def _print_memory(out, plan, size, hidden: list) -> None:

@@ -133,8 +133,8 @@ class QueueView(RunView):
     and only local rank 0 draws the live spinner and denoise bar (the others print status lines).
     """
 
-    def __init__(self, quiet: bool = False, binary: bool = False):
-        super().__init__(quiet=quiet, binary=binary)
+    def __init__(self, quiet: bool = False, binary: bool = False, plan_file: str | None = None):
+        super().__init__(quiet=quiet, binary=binary, plan_file=plan_file)
         from dm_cli.run.distributed import Ranks
 
         ranks = Ranks.from_env()

@@ -10,9 +10,10 @@ from dm_cli.units import format_size
 class RunView:
     """Shows the plan when it is known, the denoising progress, then the per-stage/per-device table."""
 
-    def __init__(self, quiet: bool = False, binary: bool = False):
+    def __init__(self, quiet: bool = False, binary: bool = False, plan_file: str | None = None):
         self.quiet = quiet
         self.binary = binary
+        self.plan_file = plan_file  # SOURCE taken from this plan file: said on the first line
         self.console = console()
         self.err = console(stderr=True)  # progress and status: stdout keeps only the results
         self._progress = None
@@ -43,7 +44,12 @@ class RunView:
     def show_plan(self, plan) -> None:
         if self.quiet:
             return
+        from rich.text import Text
+
         from dm_cli.render.plan import render_plan
+
+        if self.plan_file is not None:  # no markup: the names come from the command line and the plan file
+            self.console.print(Text(f"Running {plan.source} from {self.plan_file}"), soft_wrap=True)
 
         try:
             # the note on hidden columns waits for this summary's, to be one; a view with its own summary

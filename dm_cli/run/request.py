@@ -214,18 +214,65 @@ def _planned_parallel(request: RunRequest):
     return ParallelRequest()
 
 
+def source_of_plan(plan: Plan, plan_file: str | None) -> str:
+    """The SOURCE a plan was made for, to run when none is given (`dmap run -d PLAN.json`): a relative path is
+    found from the working folder or, failing that, beside the plan file; a path that is in neither is refused
+    in one sentence naming both."""
+    from dm_cli.model.demo import is_demo
+    from dm_cli.model.sources import PRESETS
+
+    source, where = str(plan.source), plan_file or "The plan"
+    if not source or source == "?":
+        raise UsageError(f"{where} does not say which model it was made for: give SOURCE (dmap run SOURCE -d {where}).")
+    path = Path(source).expanduser()
+    if is_demo(source) or path.exists():
+        return source
+    beside = Path(plan_file).parent / path if plan_file is not None and not path.is_absolute() else None
+    if beside is not None and beside.exists():
+        return str(beside)
+    looks_like_path = path.is_absolute() or source.startswith((".", "~")) or len(path.parts) > 2 or (
+        path.suffix in (".safetensors", ".json", ".gguf"))
+    if looks_like_path or source in PRESETS:  # a preset is refused by `prepare` in its own words (no weights)
+        if source in PRESETS:
+            return source
+        places = f"{Path.cwd()}" + (f" or beside {plan_file}" if beside is not None else "")
+        raise UsageError(f"{where} was made for {source}, which does not exist (looked from {places}): give the "
+                         f"model's SOURCE (dmap run SOURCE -d {where} ...), or plan it again.")
+    return source  # a Hub id: resolved from the local cache like any SOURCE
+
+
+def _plan_again(plan: Plan, source: Source, plan_file: str | None, same_model: bool) -> str:
+    """The pasteable `dmap plan` that makes this plan again for `source`: over the plan file when the model is
+    the one it was made for (it changed since), into a file of its own beside it otherwise."""
+    from dm_cli.planning.plan_command import plan_command
+
+    if plan_file is None:
+        return plan_command(plan, source.spec, "PLAN.json")
+    if same_model:
+        return plan_command(plan, source.spec, plan_file, overwrite=True)
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(source.spec).name.strip(".")) or "model"
+    target = Path(plan_file).with_name(f"{Path(plan_file).stem}-{name}.json")
+    return plan_command(plan, source.spec, str(target))
+
+
 def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement: PlacementSpec, where: str,
-                       loras: tuple = ()) -> None:
+                       loras: tuple = (), plan_file: str | None = None, source_from_plan: bool = False) -> None:
     """A plan made for another model, other inputs, another dtype, other weight storage (what `placement`
     asks beside the plan file) or other LoRAs (`loras`, settled: their bytes are in the plan) is refused, with
-    every mismatch at once."""
+    every mismatch at once. `source_from_plan`: SOURCE was taken from the plan (none given)."""
     dtype, weights = placement.dtype, placement.weights
     problems: list[str] = []
     ours = config_digest(source)
     names = {c.name for c in source.components}
     planned = set(plan.components)
-    if plan.config_digest is not None and plan.config_digest != ours:
-        problems.append(f"it was made for another model (config digest {plan.config_digest}, {source.spec} has {ours})")
+    other_model = plan.config_digest is not None and plan.config_digest != ours
+    same_source = source_from_plan or str(plan.source) == source.spec
+    if other_model and same_source:
+        problems.append(f"it was made for {plan.source} when its configs had digest {plan.config_digest}; they have "
+                        f"changed since (now {ours})")
+    elif other_model:
+        problems.append(f"it was made for {plan.source} (config digest {plan.config_digest}), not {source.spec} "
+                        f"({ours})")
     if planned != names:
         problems.append(f"it places components {sorted(planned)} but {source.spec} has {sorted(names)} "
                         "(a plan for another model)")
@@ -256,6 +303,13 @@ def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement:
         problems.append(f"it was made for LoRA(s) {shown(planned_loras)}, this run asks for "
                         f"{shown(sorted((lora.component, lora.digest, lora.scale) for lora in loras))} "
                         "(give the plan's --lora)")
+    if problems and other_model and not same_source:
+        raise UsageError(f"{where} does not match this run: " + "; ".join(problems) + f". Run the plan's model: the "
+                         f"same command with SOURCE {plan.source} (or none); or plan {source.spec} with this plan's "
+                         f"flags and run with that plan: {_plan_again(plan, source, plan_file, False)}")
+    if problems and other_model:
+        raise UsageError(f"{where} does not match this run: " + "; ".join(problems) + ". Plan it again: "
+                         + _plan_again(plan, source, plan_file, True))
     if problems:
         raise UsageError(f"{where} does not match this run: " + "; ".join(problems)
                          + f". Plan again with dmap plan {source.spec} --output PLAN.json, or run without --device-map.")

@@ -138,6 +138,7 @@ class Session:
             prepare,
             refuse_existing_outputs,
             settle_generation,
+            source_of_plan,
         )
         from dm_cli.units import parse_dtype
 
@@ -146,10 +147,14 @@ class Session:
         plan_file = request.plan_file if plan is None else None
         if plan_file is not None and not (plan_file.endswith(".json") or Path(plan_file).is_file()):
             raise UsageError(device_map_refusal(plan_file))
+        if plan_file is not None:  # read once, before SOURCE: without one, the plan's own is run
+            plan = load_plan(plan_file)
+        # `dmap run -d PLAN.json` without SOURCE: the plan's source (None still means the demo without a plan)
+        self.source_from_plan = request.source is None and plan is not None
+        if self.source_from_plan:
+            request = replace(request, source=source_of_plan(plan, plan_file))
         source, family, demo, defaults, notices = prepare(request, status)
         self.source, self.family, self.demo, self.notices = source, family, demo, notices
-        if plan_file is not None:
-            plan = load_plan(plan_file)
         if plan is not None and not request.simulate:  # before anything is shown or torch is imported
             check_devices_present(plan, cpu_ranks(request.parallel, plan))
         if plan is not None:  # a plan's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
@@ -165,7 +170,8 @@ class Session:
         self.fps = self.generation.fps if self.generation.num_frames else None  # video families
         where = plan_file or "The plan"
         if plan is not None:
-            check_plan_matches(plan, source, self._inputs(), request.placement, where, self.generation.loras)
+            check_plan_matches(plan, source, self._inputs(), request.placement, where, self.generation.loras,
+                               plan_file=plan_file, source_from_plan=self.source_from_plan)
             from dm_cli.run.request import check_plan_cache
 
             self.generation = replace(self.generation, cache=check_plan_cache(plan, request.generation.cache, where))

@@ -105,7 +105,7 @@ def _served(request: ServeRequest, session):
     from dm_cli.serve.requests import Served
 
     job = session.defaults
-    model = request.model or (request.run.source or "demo")
+    model = request.model or session.source.spec  # SOURCE as given, the plan's (-d without one), or "demo"
     loras = tuple((lora.name, lora.scale) for lora in session.generation.loras)
     return Served(model, job.width, job.height, bool(job.num_frames), session.family.max_input_images or 0, loras)
 
