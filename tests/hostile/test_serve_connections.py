@@ -103,6 +103,7 @@ def server(tmp_path_factory):
     if not Path("/proc/self/fd").is_dir():
         pytest.skip("counts the server's files in /proc")
     served = Server(tmp_path_factory)
+    served.answers()  # the first generation warms up (seconds): the tests time the attacks, not that
     yield served
     served.stop()
 
@@ -298,3 +299,16 @@ def test_the_accept_loop_waits_when_the_process_is_out_of_files():
     lines = [record.getMessage() for record in records if "Cannot accept" in record.getMessage()]
     assert len(lines) == 2 and "Too many open files" in lines[0]
     assert lines[1].startswith(f"({OutOfFilesSocket.failures - 1} more time(s) in the last")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--max-connections", "100000000"], "--max-connections 100,000,000 needs more files than the process may open"),
+    (["--max-connections", "0"], "--max-connections must be at least 1"),
+    (["--read-timeout", "0"], "--read-timeout must be more than 0"),
+    (["--body-timeout", "nan"], "--body-timeout must be more than 0"),
+])
+def test_connection_options_past_what_can_be_kept_are_refused_at_start(args, words):
+    from conftest import run_dmap
+
+    code, _, err = run_dmap("serve", "--port", "0", *args)
+    assert code == 2 and words in err and "Traceback" not in err
