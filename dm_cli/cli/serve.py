@@ -48,6 +48,13 @@ QueueSizeOpt = Annotated[int, typer.Option(
 MaxBatchOpt = Annotated[int, typer.Option(
     "--max-batch", help="Images generated together, stage-major (at most what 10% of RAM holds between stages).")]
 MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (base64 input images).")]
+MaxConnectionsOpt = Annotated[int | None, typer.Option(
+    "--max-connections", help="Open connections at most; at the bound the oldest idle one makes room (default: what "
+                              "the file limit, ulimit -n, leaves room for, at most 4096).")]
+ReadTimeoutOpt = Annotated[float, typer.Option(
+    "--read-timeout", help="Seconds a client has to send a whole request head, and the longest its body may pause.")]
+BodyTimeoutOpt = Annotated[float, typer.Option(
+    "--body-timeout", help="Seconds a request body may take in all.")]
 ModelNameOpt = Annotated[str | None, typer.Option(
     "--model-name", help="The model id /v1/models lists and requests may name (default: SOURCE, or demo).")]
 
@@ -81,6 +88,9 @@ def serve(
     max_batch: MaxBatchOpt = 8,
     max_body: MaxBodyOpt = 64 * 2**20,
     model_name: ModelNameOpt = None,
+    max_connections: MaxConnectionsOpt = None,
+    read_timeout: ReadTimeoutOpt = 10.0,
+    body_timeout: BodyTimeoutOpt = 300.0,
     quiet: QuietOpt = False,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
@@ -97,7 +107,8 @@ def serve(
                         weights=weights, simulate=simulate, parallel=parallel or "none", pipeline=pipeline,
                         component_files=component_file or None, loras=lora or None, settings=dict(settings or {}),
                         output=None, per_prompt_images=True)
-    request = ServeRequest(run, host, port, api_key, queue_size, max_batch, max_body, model_name, gpus_per_rank)
+    request = ServeRequest(run, host, port, api_key, queue_size, max_batch, max_body, model_name, gpus_per_rank,
+                           max_connections, read_timeout, body_timeout)
 
     def say(message: str | None) -> None:
         if message and not quiet:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ class AppState:
     api_key: str | None = None
     max_body: int = 64 * 2**20
     started: float = 0.0
+    connections: object = None  # dm_cli.serve.connections.ConnectionGuard: its bound and what it closed (/metrics)
 
 
 def error(status: int, message: str, headers: dict | None = None):
@@ -121,6 +123,7 @@ class _TooLarge(Exception):
 async def generate(request, state: AppState, *, video: bool, authorised: bool, refused):
     """POST /v1/images/generations and /v1/videos/generations: checked, queued, answered when generated."""
     from starlette.concurrency import run_in_threadpool
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse
 
     if not authorised:
@@ -134,6 +137,9 @@ async def generate(request, state: AppState, *, video: bool, authorised: bool, r
         body = await read_body(request, state.max_body)
     except _TooLarge as too_large:
         return error(413, str(too_large))
+    except ClientDisconnect:  # one line, not uvicorn's traceback (and told once with a count: RepeatedLines)
+        logging.getLogger("uvicorn.error").warning("A client went away while sending its request body.")
+        return error(400, "The client disconnected while sending its request body.")
     try:
         parsed = await run_in_threadpool(lambda: parse_request(parse_body(body), served, state.session))
     except UsageError as refusal:
@@ -183,6 +189,15 @@ def metrics_text(state: AppState) -> str:
     metric("batches_total", "counter", "Batches run.", [({}, counters.get("batches", 0))])
     metric("batch_images_total", "counter", "Images over all batches.", [({}, counters.get("batch_images", 0))])
     metric("disconnects_total", "counter", "Requests whose client went away.", [({}, counters.get("disconnects", 0))])
+    guard = state.connections
+    if guard is not None:
+        metric("connections_open", "gauge", "Open client connections.", [({}, guard.open)])
+        metric("connections_limit", "gauge", "The bound on open connections (dmap serve --max-connections).",
+               [({}, guard.max_connections)])
+        metric("connections_closed_total", "counter", "Connections the server closed: a request head or body late "
+               "(head_timeout, body_stalled, body_timeout), the oldest idle one at the bound (made_room), a new one "
+               "at the bound when every connection had a request (refused).",
+               [({"reason": reason}, count) for reason, count in sorted(guard.closed.items())])
     metric("request_seconds", "summary", "From arrival to the last image encoded, over answered requests.", [])
     lines.append(f"dmap_request_seconds_sum {_number(counters.get('answered_s', 0.0))}")
     lines.append(f"dmap_request_seconds_count {_number(counters.get('answered', 0))}")

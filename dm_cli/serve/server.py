@@ -1,17 +1,20 @@
 """`dmap serve`: the session loaded once (planned here, or from a plan file, exactly as `dmap run` does), the
-worker, and uvicorn on a socket bound before anything loads; SIGTERM (or Ctrl-C) answers the waiting requests 503,
-finishes the running batch, answers it, and stops."""
+worker, and uvicorn on a socket bound before anything loads, its connections bounded and timed
+(`serve.connections`); SIGTERM (or Ctrl-C) answers the waiting requests 503, finishes the running batch, answers it,
+and stops."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from dm_cli.errors import UsageError
 from dm_cli.run.request import RunRequest
+from dm_cli.serve.connections import DEFAULT_BODY_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, max_connections
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -34,6 +37,9 @@ class ServeRequest:
     max_body: int = DEFAULT_MAX_BODY
     model: str | None = None  # the id /v1/models lists (default: SOURCE as given, "demo" without one)
     gpus_per_rank: int | None = None
+    max_connections: int | None = None  # None: what the file limit leaves room for (serve.connections)
+    read_timeout: float = DEFAULT_READ_TIMEOUT_S
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S
 
     def check(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -44,6 +50,12 @@ class ServeRequest:
                 raise UsageError(f"{flag} must be at least {low}, not {value}.")
         if self.api_key is not None and not self.api_key.strip():
             raise UsageError("--api-key (or DMAP_API_KEY) is empty: give a key, or leave it out for no key.")
+        if self.api_key is not None and not all(" " <= char <= "~" for char in self.api_key.strip()):
+            raise UsageError("--api-key (or DMAP_API_KEY) must be printable ASCII: an HTTP header cannot carry "
+                             "other characters, so no client could ever send it.")
+        for flag, seconds in (("--read-timeout", self.read_timeout), ("--body-timeout", self.body_timeout)):
+            if not 0 < seconds <= 86400:  # NaN too
+                raise UsageError(f"{flag} must be more than 0 and at most 86400 seconds, not {seconds}.")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -78,6 +90,8 @@ def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Cal
 
     request.check()
     ranks = Ranks.from_env()
+    if ranks.is_main:  # the file limit's room, before anything loads
+        request = replace(request, max_connections=max_connections(request.max_connections))
     select_gpus(ranks, request.gpus_per_rank)
     sock = bind(request.host, request.port) if ranks.is_main else None
     try:
@@ -111,19 +125,49 @@ def _served(request: ServeRequest, session):
 
 
 def _serve_main(request: ServeRequest, session, compute, sock, on_ready) -> int:
+    import logging
+
     import uvicorn
 
     from dm_cli.serve.app import AppState, make_app
+    from dm_cli.serve.connections import Acceptor, ConnectionGuard, RepeatedLines, guarded_protocol
     from dm_cli.serve.worker import Batcher
 
     heartbeat_s = max(1.0, min(600.0, compute.ranks.timeout_s / 4))
     max_batch = min(request.max_batch, session.chunk_size(request.max_batch)[0])  # what the chunk memory holds
     batcher = Batcher(compute, request.queue_size, max_batch, compute.heartbeat, heartbeat_s)
-    state = AppState(_served(request, session), session, batcher, request.api_key, request.max_body, time.time())
+    guard = ConnectionGuard(request.max_connections, request.read_timeout, request.body_timeout)
+    api_key = request.api_key.strip() if request.api_key is not None else None  # a header's value has no outer spaces
+    state = AppState(_served(request, session), session, batcher, api_key, request.max_body, time.time(), guard)
+    # the h11 protocol, told to the guard; a head over 16 KiB is a 400 (h11's bound, said here so it stays one)
     config = uvicorn.Config(make_app(state), log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=None, server_header=False)
+                            timeout_graceful_shutdown=None, server_header=False, ws="none",
+                            http=guarded_protocol(guard), h11_max_incomplete_event_size=16 * 1024)
+    repeats = RepeatedLines()
+    logs = [logging.getLogger(name) for name in ("uvicorn.error", "asyncio")]
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            """uvicorn listens on nothing (`sockets=[]`): the Acceptor takes `sock`'s connections within the guard's
+            bound, and a watch closes the late ones."""
+            await super().startup(sockets=[])
+            loop = asyncio.get_running_loop()
+
+            def protocol():
+                return config.http_protocol_class(config=config, server_state=self.server_state,
+                                                  app_state=self.lifespan.state, _loop=loop)
+
+            self.acceptor = Acceptor(loop, sock, protocol, guard)
+            self.acceptor.start()
+            self.watch = loop.create_task(guard.watch(repeats))
+
+        async def shutdown(self, sockets=None) -> None:
+            self.acceptor.stop()
+            try:
+                await super().shutdown(sockets=[])  # the watch still closes the bodies that stall meanwhile
+            finally:
+                self.watch.cancel()
+
         def handle_exit(self, sig, frame) -> None:
             """SIGTERM, SIGINT: the waiting requests 503, the running batch finishes and is answered, then uvicorn
             stops; a second Ctrl-C stops at once. Unlike uvicorn's own, the signal is not raised again after the
@@ -134,15 +178,19 @@ def _serve_main(request: ServeRequest, session, compute, sock, on_ready) -> int:
             self.should_exit = True
 
     server = Server(config)
+    for logger in logs:
+        logger.addFilter(repeats)
     batcher.start()
     if on_ready is not None:
         on_ready(url_of(sock), session)
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=[])
     finally:
         batcher.stop()
         batcher.join()
         compute.finish()
         sock.close()
+        repeats.tell()  # the repeats not told yet
+        for logger in logs:
+            logger.removeFilter(repeats)
     return int(batcher.counters.get("images", 0))
-
