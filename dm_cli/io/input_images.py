@@ -45,6 +45,11 @@ INPUT_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF", "PPM", "TGA
 
 # Pixels decoded at once, across all threads, when nothing sized the budget: two of the largest input images.
 DEFAULT_DECODE_PIXELS = 2 * MAX_INPUT_PIXELS
+# Pillow allocates pixels in blocks of 16 MiB by default, below glibc's dynamic mmap threshold (up to 32 MiB): a large
+# image's blocks, once freed, stay in the decoding thread's malloc arena (tens of MiB for each thread of dmap serve's
+# pool). Blocks of 64 MiB are mapped and unmapped whole, so a decoded image's memory goes back when it is dropped.
+# Not when the user set PILLOW_BLOCK_SIZE.
+PIXEL_BLOCK_BYTES = 64 * 2**20
 # Bytes a decoded pixel may take while it is decoded and converted: a 4-byte mode (RGBA, CMYK, I) and its RGB copy.
 DECODE_BYTES_PER_PIXEL = 8
 
@@ -271,6 +276,9 @@ def _loaded(image, path, where: str) -> None:
 def _opened(data: bytes, path, where: str):
     """The image's header read (format, bounds), no pixel decoded."""
     from PIL import Image, UnidentifiedImageError
+
+    if "PILLOW_BLOCK_SIZE" not in os.environ and Image.core.get_block_size() < PIXEL_BLOCK_BYTES:
+        Image.core.set_block_size(PIXEL_BLOCK_BYTES)
 
     shown = shown_path(path)
     with warnings.catch_warnings():
