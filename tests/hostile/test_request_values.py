@@ -138,21 +138,5 @@ def test_a_request_that_fails_in_a_batch_fails_alone(tmp_path_factory, raised, s
         assert isinstance(answers["hostile"], Failure) and answers["hostile"].status == status, answers
         assert isinstance(answers["innocent"], list) and isinstance(answers["alone"], list), answers
         assert answers["innocent"][0].data == answers["alone"][0].data
+        _answers_normally(app)  # the worker goes on
 
-
-def test_after_a_failed_batch_the_server_answers_normally(tmp_path_factory):
-    """A batch failure leaves the worker running: the next request is answered."""
-    with served_app(tmp_path_factory) as (app, state):
-        real = state.batcher._compute
-        failed = []
-
-        def compute(pairs):
-            if not failed:
-                failed.append(True)
-                raise RuntimeError("value cannot be converted to type float without overflow")
-            yield from real(pairs)
-
-        state.batcher._compute = compute
-        status, data = post(app, NORMAL)
-        assert status == 500 and "Internal error (RuntimeError" in data["error"]["message"], data
-        _answers_normally(app)
