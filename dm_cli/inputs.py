@@ -63,7 +63,8 @@ def check_number(value, where: str, low: float = -MAX_SCALE, high: float = MAX_S
     `dmap serve`'s JSON, the family's settings), so the three paths refuse the same value with the same sentence."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
             math.isfinite(value) and low <= value <= high):
-        raise UsageError(f"{where} must be a finite number from {low:g} to {high:g}, not {shorten(value, quote=True)}.")
+        finite = "finite " if isinstance(value, float) and not math.isfinite(value) else ""
+        raise UsageError(f"{where} must be a {finite}number from {low:g} to {high:g}, not {shorten(value, quote=True)}.")
     return float(value)
 
 
