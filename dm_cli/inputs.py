@@ -49,6 +49,45 @@ def check_count(name: str, value, where: str | None = None) -> int:
     return value
 
 
+# The largest guidance (and true-CFG) scale a request may carry, and the bound of every other number a family's
+# settings take: far beyond any useful value (guidance is a few to a few tens), and far inside float16's range
+# (65504), the narrowest dtype a model computes in. A finite 1e308 passes `math.isfinite`, then overflows float32
+# inside the model (a RuntimeError after the models load, or a 500 for every request of a served batch).
+MAX_SCALE = 1000.0
+SCALES = ("guidance_scale", "guidance_scale_2", "true_cfg_scale")  # guidance scales: from 0 to MAX_SCALE
+
+
+def check_number(value, where: str, low: float = -MAX_SCALE, high: float = MAX_SCALE) -> float:
+    """`value` as a float when it is a real number from `low` to `high` (never a bool, NaN or infinity), else
+    UsageError naming `where`: the one check of every number a request carries (`dmap run`'s options, queue items,
+    `dmap serve`'s JSON, the family's settings), so the three paths refuse the same value with the same sentence."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and low <= value <= high):
+        finite = "finite " if isinstance(value, float) and not math.isfinite(value) else ""
+        raise UsageError(f"{where} must be a {finite}number from {low:g} to {high:g}, not {shorten(value, quote=True)}.")
+    return float(value)
+
+
+def check_scale(value, where: str = "--guidance-scale") -> float:
+    """A guidance scale (guidance_scale, true_cfg_scale, guidance_scale_2): a number from 0 to MAX_SCALE."""
+    return check_number(value, where, 0.0, MAX_SCALE)
+
+
+def check_text(value, where: str) -> str:
+    """`value` when it is a string the tokenizers take: encodable as UTF-8, so without a lone surrogate (JSON's
+    `"\\ud800"` parses in Python, a command-line argument of invalid UTF-8 arrives as one, and the tokenizer raises
+    on it only after the models load). Else UsageError naming `where` and the character."""
+    if not isinstance(value, str):
+        raise UsageError(f"{where} must be a string, not {type(value).__name__}.")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = value[error.start]
+        raise UsageError(f"{where} is not valid Unicode text: character {error.start + 1} is a lone surrogate "
+                         f"(\\u{ord(bad):04x}); send UTF-8 text.") from None
+    return value
+
+
 def check_counts(**values) -> None:
     """check_count for each given value that is not None: a run request's counts before anything loads."""
     for name, value in values.items():
@@ -69,6 +108,9 @@ class InputImage:
     digest: str | None = None  # sha256 of the file's bytes (of the RGB pixels for an image given in memory)
     # an image given in memory (the API's `image=` PIL image), already RGB: read instead of `path`
     pixels: object = field(default=None, compare=False, repr=False)
+    # an image file's bytes received in memory (`dmap serve`'s base64), checked when received and decoded only when
+    # its batch runs, as a file is: read instead of `path` (its digest is of these bytes)
+    encoded: bytes | None = field(default=None, compare=False, repr=False)
     # a keyframe (`--image PATH@FRAME[:STRENGTH]`, LTX-2 only): the video frame it conditions and how strongly
     # (None: a plain input image; the family says what a frame index means and which ones it takes)
     frame: int | None = None
@@ -221,9 +263,8 @@ class InputSpec:
         for frame in self.image_frames:
             if frame is not None:
                 InputImage(1, 1, frame=frame)  # the same bounds as an input image's
-        if self.guidance_scale is not None and (isinstance(self.guidance_scale, bool) or not isinstance(
-                self.guidance_scale, (int, float)) or not math.isfinite(self.guidance_scale)):
-            raise UsageError(f"--guidance-scale must be a finite number, not {self.guidance_scale!r}.")
+        if self.guidance_scale is not None:
+            check_scale(self.guidance_scale)
         self._check_pixels()
 
     def _check_pixels(self) -> None:
@@ -310,9 +351,10 @@ class Generation:
         """The counts' bounds (LIMITS) before anything else looks at them."""
         check_counts(steps=self.steps, num_images=self.num_images, height=self.height, width=self.width,
                      max_sequence_length=self.max_sequence_length, num_frames=self.num_frames, fps=self.fps)
-        if self.guidance_scale is not None and (isinstance(self.guidance_scale, bool) or not isinstance(
-                self.guidance_scale, (int, float)) or not math.isfinite(self.guidance_scale)):
-            raise UsageError(f"--guidance-scale must be a finite number, not {shorten(self.guidance_scale, quote=True)}.")
+        if self.guidance_scale is not None:
+            check_scale(self.guidance_scale)
+        if self.negative_prompt is not None:
+            check_text(self.negative_prompt, "--negative-prompt")
 
     def setting(self, name: str, default=None):
         return dict(self.settings).get(name, default)

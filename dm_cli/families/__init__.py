@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from dm_cli.errors import UsageError
 from dm_cli.families.calls import CallSpec, Component, block_scale, component_call
-from dm_cli.inputs import Generation, InputImage, InputSpec
+from dm_cli.inputs import SCALES, Generation, InputImage, InputSpec, check_number, check_scale, check_text
 from dm_cli.units import shorten
 
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
@@ -65,23 +65,21 @@ class Setting:
         return f"{self.flag}/--no-{self.flag[2:]}" if self.type is bool else self.flag
 
     def check(self, value, where: str | None = None):
-        """`value` as this setting's type (a finite number for float), else UsageError naming `where`."""
+        """`value` as this setting's type (a float: `dm_cli.inputs.check_number`'s bounds, shared with every number
+        a request carries; a str: encodable text), else UsageError naming `where`."""
         where = where or self.flag
         if self.type is bool:
             if not isinstance(value, bool):
                 raise UsageError(f"{where} must be true or false, not {shorten(value, quote=True)}.")
             return value
         if self.type is str:
-            if not isinstance(value, str):
-                raise UsageError(f"{where} must be a string.")
-            return value
+            return check_text(value, where)
         if self.type is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise UsageError(f"{where} must be a whole number, not {shorten(value, quote=True)}.")
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise UsageError(f"{where} must be a finite number, not {shorten(value, quote=True)}.")
-        return float(value)
+        # a scale from 0 (true_cfg_scale, guidance_scale_2), any other number within what every dtype holds
+        return check_scale(value, where) if self.name in SCALES else check_number(value, where)
 
 
 @dataclass(frozen=True)

@@ -214,7 +214,8 @@ class LTX2Family(Family):
                      + (f"@{image.frame}" if image.frame is not None else "") for n, image in enumerate(generation.images)]
             check_keyframes(input_frames(inputs), self.frames(inputs), vae_factors(vae_config)[0], names)
         super().validate(generation, pipeline_class, denoiser_config, vae_config, components, per_prompt_images)
-        files = [image for image in generation.images if image.path is not None or image.pixels is not None]
+        files = [image for image in generation.images if image.path is not None or image.pixels is not None
+                 or image.encoded is not None]
         crf = generation.setting("image_crf")
         if files and (DEFAULT_IMAGE_CRF if crf is None else crf) and find_spec("av") is None:
             raise UsageError(f"LTX-2 re-compresses its conditioning images with H.264 (CRF {crf or DEFAULT_IMAGE_CRF}, "

@@ -9,6 +9,11 @@ any pixel is decoded: a decompression bomb is refused, whatever Pillow's own MAX
 in full (a truncated file is refused, not padded with grey). Each refusal is one sentence (UsageError, exit 2)
 naming the option and the path, with control characters shown escaped.
 
+Pixels are decoded under one budget shared by every thread of the process (`DECODE_BUDGET`: pixels being decoded at
+once, `dmap serve`'s concurrent requests included), and a check that an image decodes (`describe_image`,
+`describe_bytes`) keeps no pixels: it decodes in the stored mode (a JPEG at an eighth of its size with Pillow's
+`draft`, which still reads every byte), not converted to RGB, and drops them.
+
 The bytes are read once: the digest (`InputImage.digest`, in the metadata and the resume key) is of the very
 bytes decoded, and `open_input` refuses a file that changed after `describe_image` read it.
 """
@@ -19,7 +24,9 @@ import hashlib
 import io
 import os
 import re
+import threading
 import warnings
+from contextlib import contextmanager
 
 from dm_cli.errors import CheckpointError, UsageError
 from dm_cli.inputs import LIMITS, InputImage
@@ -34,6 +41,57 @@ MAX_INPUT_SIDE = min(LIMITS["width"], LIMITS["height"])
 # Raster formats whose Pillow plugins decode in-process (no EPS: Ghostscript; no PDF, no fonts, no plugins
 # that shell out). What Pillow lacks a codec for (AVIF without libavif) is refused as not an image.
 INPUT_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF", "PPM", "TGA", "AVIF")
+
+
+# Pixels decoded at once, across all threads, when nothing sized the budget: two of the largest input images.
+DEFAULT_DECODE_PIXELS = 2 * MAX_INPUT_PIXELS
+# Pillow allocates pixels in blocks of 16 MiB by default, below glibc's dynamic mmap threshold (up to 32 MiB): a large
+# image's blocks, once freed, stay in the decoding thread's malloc arena (tens of MiB for each thread of dmap serve's
+# pool). Blocks of 64 MiB are mapped and unmapped whole, so a decoded image's memory goes back when it is dropped.
+# Not when the user set PILLOW_BLOCK_SIZE.
+PIXEL_BLOCK_BYTES = 64 * 2**20
+# Bytes a decoded pixel may take while it is decoded and converted: a 4-byte mode (RGBA, CMYK, I) and its RGB copy.
+DECODE_BYTES_PER_PIXEL = 8
+
+
+class DecodeBudget:
+    """Pixels being decoded at once, across threads: a decode waits until its pixels fit beside the others' (one image
+    larger than the whole budget decodes alone). `peak` is the most ever held at once (what a test measures)."""
+
+    def __init__(self, pixels: int = DEFAULT_DECODE_PIXELS):
+        self.pixels = pixels
+        self.in_use = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def resize(self, pixels: int) -> None:
+        """A new size (at least one largest input image); waiting decodes look again."""
+        with self._cond:
+            self.pixels = max(int(pixels), MAX_INPUT_PIXELS)
+            self._cond.notify_all()
+
+    @contextmanager
+    def hold(self, pixels: int):
+        with self._cond:
+            self._cond.wait_for(lambda: self.in_use == 0 or self.in_use + pixels <= self.pixels)
+            self.in_use += pixels
+            self.peak = max(self.peak, self.in_use)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.in_use -= pixels
+                self._cond.notify_all()
+
+
+DECODE_BUDGET = DecodeBudget()
+
+
+def size_decode_budget(room_bytes: int) -> int:
+    """Size DECODE_BUDGET from the memory a process may spend on decoding (`dmap serve`: a share of the RAM its plan
+    leaves): that many bytes at DECODE_BYTES_PER_PIXEL, at least one largest input image. Returns the pixels."""
+    DECODE_BUDGET.resize(max(0, int(room_bytes)) // DECODE_BYTES_PER_PIXEL)
+    return DECODE_BUDGET.pixels
 
 
 def shown_path(path) -> str:
@@ -51,23 +109,24 @@ def read_image(path, where: str = "--image"):
     return _decode(_read_bytes(path, where), path, where)
 
 
-def image_from_bytes(data: bytes, name: str, where: str):
-    """The RGB PIL image of an image file's bytes received in memory (`dmap serve`'s base64 inputs), refused exactly
-    as `read_image` refuses a file: its size, format, bounds and a truncated or damaged file, one sentence naming
-    `where` and `name`."""
-    if len(data) > MAX_INPUT_FILE_BYTES:
-        raise UsageError(f"{where} {name} is {format_size(len(data))}, more than the "
-                         f"{format_size(MAX_INPUT_FILE_BYTES)} an input image may have.")
-    return _decode(data, name, where)
-
-
 def describe_image(path, where: str = "--image") -> InputImage:
     """What a plan and a run know of an input image: its size after EXIF orientation, its path and the sha256 of
     its bytes. Refuses exactly what `read_image` refuses: the bounds come from the header, but a truncated file
-    shows only when decoded, so the image is decoded in full (and its pixels dropped)."""
+    shows only when decoded, so the image is decoded in full (and its pixels dropped at once)."""
     data = _read_bytes(path, where)
-    image = _decode(data, path, where)
-    return InputImage(image.width, image.height, os.fspath(path), hashlib.sha256(data).hexdigest())
+    width, height = _check_decodes(data, path, where)
+    return InputImage(width, height, os.fspath(path), hashlib.sha256(data).hexdigest())
+
+
+def describe_bytes(data: bytes, name: str, where: str) -> InputImage:
+    """An input image received in memory (`dmap serve`'s base64 inputs), refused exactly as `read_image` refuses a
+    file, kept as its encoded bytes (`InputImage.encoded`, decoded again only when its batch runs: a queued request
+    holds kilobytes, not its decoded pixels); its digest is of those bytes, as a file's is."""
+    if len(data) > MAX_INPUT_FILE_BYTES:
+        raise UsageError(f"{where} {name} is {format_size(len(data))}, more than the "
+                         f"{format_size(MAX_INPUT_FILE_BYTES)} an input image may have.")
+    width, height = _check_decodes(data, name, where)
+    return InputImage(width, height, None, hashlib.sha256(data).hexdigest(), encoded=data)
 
 
 def open_input(image: InputImage, where: str = "--image"):
@@ -75,6 +134,8 @@ def open_input(image: InputImage, where: str = "--image"):
     which must still have the digest `describe_image` recorded (else the metadata would name another image)."""
     if image.pixels is not None:
         return image.pixels
+    if image.encoded is not None:  # received in memory (dmap serve): checked when received, decoded now
+        return _decode(image.encoded, "(base64)", where)
     if image.path is None:
         raise UsageError(f"{where} gives only a size ({image.width}x{image.height}): a run needs the image file.")
     data = _read_bytes(image.path, where)
@@ -169,8 +230,55 @@ def _check_bounds(width: int, height: int, what: str) -> None:
 
 
 def _decode(data: bytes, path, where: str):
-    """Header first (format, bounds), then the first frame decoded in full, EXIF-transposed and converted to RGB."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    """Header first (format, bounds), then the first frame decoded in full (under DECODE_BUDGET), EXIF-transposed
+    and converted to RGB."""
+    return _decoded(data, path, where, check_only=False)
+
+
+def _check_decodes(data: bytes, path, where: str) -> tuple[int, int]:
+    """(width, height) after EXIF orientation of an image that decodes in full, as `_decode` would refuse it; its
+    pixels decoded in the stored mode (a JPEG at an eighth of its size: `draft` still reads every byte) and dropped."""
+    return _decoded(data, path, where, check_only=True)
+
+
+def _decoded(data: bytes, path, where: str, check_only: bool):
+    from PIL import ImageOps
+
+    image = _opened(data, path, where)
+    with DECODE_BUDGET.hold(image.width * image.height):
+        size = image.size
+        if check_only and image.format in ("JPEG", "MPO"):
+            image.draft(image.mode, (1, 1))  # DCT scaling: an eighth a side, every byte still decoded
+        _loaded(image, path, where)
+        if check_only:
+            orientation = image.getexif().get(0x0112)  # after load: a PNG's eXIf chunk may follow its pixels
+            return size[::-1] if orientation in (5, 6, 7, 8) else size
+        image = ImageOps.exif_transpose(image)  # each step drops the previous full-size copy
+        return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def _loaded(image, path, where: str) -> None:
+    from PIL import Image
+
+    shown = shown_path(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            image.load()  # the first frame (an animated file's, as load_image takes it), decoded in full
+        except (OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError) as error:
+            raise UsageError(f"{where} {shown} is truncated or damaged ({_reason(error)}): give a complete "
+                             "image file.") from None
+        except Image.DecompressionBombError:  # a frame or a tile larger than the header said
+            raise UsageError(f"{where} {shown} decodes to more pixels than an input image may have (at most "
+                             f"{MAX_INPUT_PIXELS:,}): give a smaller image.") from None
+
+
+def _opened(data: bytes, path, where: str):
+    """The image's header read (format, bounds), no pixel decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    if "PILLOW_BLOCK_SIZE" not in os.environ and Image.core.get_block_size() < PIXEL_BLOCK_BYTES:
+        Image.core.set_block_size(PIXEL_BLOCK_BYTES)
 
     shown = shown_path(path)
     with warnings.catch_warnings():
@@ -189,16 +297,7 @@ def _decode(data: bytes, path, where: str):
             raise UsageError(f"{where} {shown} is truncated or damaged ({_reason(error)}): give a complete "
                              "image file.") from None
         _check_bounds(image.width, image.height, f"{where} {shown}")
-        try:
-            image.load()  # the first frame (an animated file's, as load_image takes it), decoded in full
-            image = ImageOps.exif_transpose(image)
-            return image if image.mode == "RGB" else image.convert("RGB")
-        except (OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError) as error:
-            raise UsageError(f"{where} {shown} is truncated or damaged ({_reason(error)}): give a complete "
-                             "image file.") from None
-        except Image.DecompressionBombError:  # a frame or a tile larger than the header said
-            raise UsageError(f"{where} {shown} decodes to more pixels than an input image may have (at most "
-                             f"{MAX_INPUT_PIXELS:,}): give a smaller image.") from None
+        return image
 
 
 def _reason(error: BaseException) -> str:

@@ -25,6 +25,28 @@ def check_seed(seed: int, where: str) -> int:
     return seed
 
 
+# The most digits a whole number in a request's JSON (a queue line, a `dmap serve` body) may have: a seed, the
+# largest number a request takes, has at most 20. Past Python's int-string limit (4300 digits) json.loads raises a
+# ValueError, which would read as "not JSON"; such a number is refused as what it is, out of range.
+MAX_JSON_DIGITS = 100
+
+
+def load_json(text: str, where: str):
+    """`json.loads(text)`; a whole number of more than MAX_JSON_DIGITS digits is a UsageError naming `where`
+    (other malformed JSON raises ValueError, as json.loads does)."""
+    import json
+
+    def whole_number(digits: str) -> int:
+        count = len(digits.lstrip("-"))
+        if count > MAX_JSON_DIGITS:
+            low, high = SEED_RANGE
+            raise UsageError(f"{where} holds a whole number of {count:,} digits, which is out of range: a number here "
+                             f"has at most {MAX_JSON_DIGITS} digits (a seed is from {low} to {high}).")
+        return int(digits)
+
+    return json.loads(text, parse_int=whole_number)
+
+
 def check_run_request(output: str | None, save_latents: str | None, num_images: int | None, seed: int,
                       device_map: str) -> None:
     """Raise UsageError for anything about the outputs, seed or plan file that would fail later."""

@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from dm_cli.errors import UsageError
 from dm_cli.families import all_settings
+from dm_cli.inputs import check_scale, check_text
 from dm_cli.io.atomic import atomic_write
 from dm_cli.io.images import DEFAULT_IMAGE_SUFFIX
-from dm_cli.run.checks import check_seed
+from dm_cli.run.checks import check_seed, load_json
 
 MANIFEST = "manifest.jsonl"
 MAX_PROMPTS_BYTES = 1 << 30  # millions of prompts; never a whole disk
@@ -117,7 +117,7 @@ def read_prompts(path: str | os.PathLike, base_seed: int = 0,
 
 def _jsonl_item(line: str, index: int, base_seed: int, where: str, read: dict | None = None) -> QueueItem:
     try:
-        data = json.loads(line)
+        data = load_json(line, where)
     except ValueError as error:
         raise UsageError(f"{where} is not a JSON object ({error}).") from None
     if not isinstance(data, dict):
@@ -138,9 +138,10 @@ def queue_item(data: dict, index: int, base_seed: int, where: str, read: dict | 
     prompt = data.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise UsageError(f"{where} needs a non-empty string 'prompt'.")
+    check_text(prompt, f"{where}: 'prompt'")
     negative = data.get("negative_prompt")
-    if negative is not None and not isinstance(negative, str):
-        raise UsageError(f"{where}: 'negative_prompt' must be a string.")
+    if negative is not None:
+        check_text(negative, f"{where}: 'negative_prompt'")
     seed = data.get("seed", base_seed + index)
     if not _is_int(seed):
         raise UsageError(f"{where}: 'seed' must be an integer.")
@@ -149,9 +150,7 @@ def queue_item(data: dict, index: int, base_seed: int, where: str, read: dict | 
         raise UsageError(f"{where}: 'steps' must be a positive integer.")
     guidance = data.get("guidance_scale")
     if guidance is not None:
-        if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance) or guidance < 0:
-            raise UsageError(f"{where}: 'guidance_scale' must be a number >= 0.")
-        guidance = float(guidance)
+        guidance = check_scale(guidance, f"{where}: 'guidance_scale'")
     output = data.get("output")
     output = default_output_name(index) if output is None else _output_name(output, where)
     return QueueItem(index, prompt.strip(), check_seed(seed, f"{where}: the seed"), output, negative or None, steps, guidance,

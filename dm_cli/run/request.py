@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import CheckpointError, SourceError, UsageError
 from dm_cli.families import Family, family_for, supported_pipelines
-from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec
+from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec, check_text
 from dm_cli.io.images import check_image_output, check_metadata_room, existing_image_paths
 from dm_cli.model.sources import config_digest
 from dm_cli.units import parse_dtype
@@ -72,6 +72,10 @@ class RunRequest:
     parallel: str | None = None
     pipeline: str | None = None  # --pipeline: SOURCE is a single file, the rest of the pipeline comes from here
     component_files: dict | None = None  # --component-file NAME=FILE: these components from these single files
+
+    def __post_init__(self) -> None:
+        """The prompt is text the tokenizer takes (the check queue items and `dmap serve` share), before SOURCE."""
+        check_text(self.prompt, "--prompt")
 
     @classmethod
     def of(cls, source: str | None, prompt: str, *, device_map: str = "auto", settings: dict | None = None,

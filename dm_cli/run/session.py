@@ -374,7 +374,7 @@ class Session:
 
 
 def _items(prompts, seed: int, negative_prompt, steps, guidance_scale, image=None, last_image=None) -> list[QueueItem]:
-    from dm_cli.inputs import check_count
+    from dm_cli.inputs import check_count, check_text
     from dm_cli.run.request import input_images, last_input_image
 
     images = input_images(image, "image")  # read once, before anything runs
@@ -389,6 +389,7 @@ def _items(prompts, seed: int, negative_prompt, steps, guidance_scale, image=Non
         if isinstance(entry, QueueItem):
             items.append(entry)
         elif isinstance(entry, str):
+            check_text(entry, f"Prompt {index}")
             items.append(QueueItem(index, entry, check_seed(seed + index, f"Prompt {index}: the seed"),
                                    default_output_name(index), negative_prompt, steps, guidance_scale,
                                    images=images, last_image=last))

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import re
 import secrets
 from dataclasses import dataclass, replace
 
 from dm_cli.errors import UsageError
 from dm_cli.families import all_settings
-from dm_cli.run.checks import check_seed
+from dm_cli.run.checks import check_seed, load_json
 from dm_cli.run.queue import QueueItem, default_output_name, queue_item
 
 MAX_N = 10  # images per request, as OpenAI's images API
@@ -68,7 +67,7 @@ def shorten(text, keep: int = 80) -> str:
 def parse_body(body: bytes) -> dict:
     """The JSON object of a request's body."""
     try:
-        data = json.loads(body.decode("utf-8"))
+        data = load_json(body.decode("utf-8"), f"{WHERE} body")
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise UsageError(f"{WHERE} body is not JSON: send a JSON object such as {{\"prompt\": \"a red fox\"}}.") from None
     if not isinstance(data, dict):
@@ -180,9 +179,9 @@ def _check_loras(value, served: Served) -> None:
 
 
 def _decoded(text, where: str):
-    """An input image from base64 (or a data: URL), read as `--image` files are read (dm_cli.io.input_images)."""
-    from dm_cli.io.input_images import image_from_bytes
-    from dm_cli.run.request import in_memory_image
+    """An input image from base64 (or a data: URL), checked as `--image` files are (dm_cli.io.input_images) and kept
+    encoded until its batch runs: a waiting request holds its bytes, not its decoded pixels."""
+    from dm_cli.io.input_images import describe_bytes
 
     if not isinstance(text, str) or not text:
         raise UsageError(f"{where} must be a base64 string (or a data: URL) of an image file.")
@@ -191,7 +190,7 @@ def _decoded(text, where: str):
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise UsageError(f"{where} is not base64: send the image file's bytes base64-encoded.") from None
-    return in_memory_image(image_from_bytes(data, "(base64)", where))
+    return describe_bytes(data, "(base64)", where)
 
 
 def _images(value, served: Served) -> tuple:

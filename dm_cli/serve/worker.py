@@ -4,7 +4,8 @@ Requests wait in arrival order, counted in images (a request of n images takes n
 fit the queue is refused at once (429). The worker takes everything waiting, whole requests in arrival order up to
 `max_batch` images, and generates them together: `Session.generate` runs them stage-major (a staged plan loads each
 stage's components once per batch), the same code and the same pixels as `dmap run --prompts`. Each request is
-answered as soon as its last image is encoded. A request whose client went away while it waited leaves the queue
+answered as soon as its last image is encoded. A batch that fails runs each request it left unanswered again on its
+own: one request's failure is never another's. A request whose client went away while it waited leaves the queue
 (its places freed); one already running is finished and dropped.
 
 Under torchrun rank 0 takes the requests and broadcasts each batch; with one session per rank (no `--parallel`)
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 from dm_cli.errors import UsageError
+from dm_cli.io.input_images import size_decode_budget
 
 USAGE = "UsageError:"  # a rank's problem that is the request's fault (a 400), as gathered to rank 0
 STOPPING = "The server is stopping (SIGTERM): this request had not started; send it again to another server."
@@ -149,6 +151,25 @@ class Batcher:
                     self.running = 0
 
     def _run_batch(self, batch: list[Ticket]) -> None:
+        """Run the batch; when it fails, every request it left unanswered runs again on its own, so that a request
+        whose own values fail inside the model is the only one refused (the others get the bytes they get alone:
+        a batch makes the same pixels as one request at a time)."""
+        failure, left = self._attempt(batch)
+        if failure is not None and len(batch) > 1:
+            self.counters["batch_retries"] += 1
+            for ticket in left:
+                if not ticket.cancelled:
+                    failure_alone, _ = self._attempt([ticket])
+                    if failure_alone is not None and not ticket.cancelled:
+                        ticket.deliver(failure_alone)
+            return
+        for ticket in left:
+            if not ticket.cancelled:
+                ticket.deliver(failure or Failure(500, "Internal error: the batch ended without this request's images."))
+
+    def _attempt(self, batch: list[Ticket]) -> tuple[Failure | None, list[Ticket]]:
+        """Generate the batch's requests together, delivering each as soon as its last image is encoded: the Failure
+        that stopped it (None: none) and the requests it did not answer."""
         pairs, owner = [], {}
         for ticket in batch:
             for item in ticket.request.items:
@@ -175,9 +196,7 @@ class Batcher:
             failure = Failure(500, f"Internal error ({type(error).__name__}: {error}).")
         self.counters["batches"] += 1
         self.counters["batch_images"] += len(pairs)
-        for ticket in batch:
-            if id(ticket) not in done and not ticket.cancelled:
-                ticket.deliver(failure or Failure(500, "Internal error: the batch ended without this request's images."))
+        return failure, [ticket for ticket in batch if id(ticket) not in done]
 
 
 # --- computing a batch -----------------------------------------------------------------------------------------
@@ -206,12 +225,26 @@ def encode(generated, fmt: str, fps: int | None) -> bytes:
     return buffer.getvalue()
 
 
+# The share of the RAM left once the session is loaded that the input images of concurrent requests may take while
+# they are decoded (dm_cli.io.input_images.DECODE_BUDGET): the rest is the batches' (chunk memory) and the stages'.
+DECODE_RAM_SHARE = 0.25
+
+
+def decode_room() -> int:
+    """Bytes the server's concurrent decodes of input images may take: a share of the RAM its loaded plan leaves."""
+    from dm_cli.planning.make import available_ram
+
+    return int(available_ram() * DECODE_RAM_SHARE)
+
+
 class RankCompute:
     """`compute` for the Batcher over this process's session, and under torchrun over every rank's."""
 
     def __init__(self, session, ranks):
         self.session, self.ranks = session, ranks
         self.split = session.sharing is None  # one session per rank: the batch's images split among the ranks
+        self.decode_pixels = size_decode_budget(decode_room())
+
 
     def share(self, pairs: list) -> Iterator[tuple[int, Output]]:
         """This rank's images of the batch, generated stage-major and encoded (rank 0; other ranks' shared steps
