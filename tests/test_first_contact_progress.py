@@ -155,28 +155,31 @@ def _terminal():
     return Console(file=io.StringIO(), force_terminal=True, width=200, markup=False, highlight=False)  # as render.console
 
 
-def test_only_local_rank_0_draws_live_spinners(monkeypatch):
+def test_no_rank_draws_live_spinners_under_torchrun(monkeypatch):
+    """Ranks share a terminal: a spinner's redraws on rank 0 ran into rank 1's lines (first contact, round 3)."""
     from dm_cli.render.queue import QueueView, TickingStatus, live_allowed
 
     for key, value in TORCHRUN_RANK1.items():
         monkeypatch.setenv(key, value)
-    assert not live_allowed()
-    view = QueueView()
-    view.err = _terminal()
-    view.status("Loading transformer")
-    view.step(1, 2, "transformer")
-    assert view._status is None and view._progress is None
-    assert "[rank 1/2] Loading transformer" in view.err.file.getvalue()
-    monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
-    assert not TickingStatus("Planning").enabled
-
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    assert live_allowed()
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        assert not live_allowed()
+        view = QueueView()
+        view.err = _terminal()
+        view.status("Loading transformer")
+        view.step(1, 2, "transformer")
+        assert view._status is None and view._progress is None
+        assert f"[rank {rank}/2] Loading transformer" in view.err.file.getvalue()
+        monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
+        assert not TickingStatus("Planning").enabled
+    for key in TORCHRUN_RANK1:
+        monkeypatch.delenv(key)
+    assert live_allowed()  # one process: its spinner
     view = QueueView()
     view.err = _terminal()
     view.status("Loading transformer")
     try:
-        assert view._status is not None  # rank 0 keeps its spinner
+        assert view._status is not None
     finally:
         view.status(None)

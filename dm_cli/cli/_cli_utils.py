@@ -49,9 +49,13 @@ ComponentOpt = Annotated[str | None, typer.Option("--component", "-c", help="Onl
 ImageOpt = Annotated[list[str] | None, typer.Option(
     "--image", metavar="PATH", help="An input image (editing, references, image-to-video); repeat for several, in order. "
                                     "LTX-2 keyframes: PATH@FRAME[:STRENGTH] conditions that video frame.")]
-HeightOpt = Annotated[int | None, typer.Option(
-    "--height", help="Height in pixels (default: the pipeline's, e.g. 1024 for FLUX, 480 for Wan); dmap plan: "
-                     "0 = weights only (no activations, no GPU overhead unless --overhead).")]
+_HEIGHT_HELP = "Height in pixels (default: the pipeline's, e.g. 1024 for FLUX, 480 for Wan)"
+HeightOpt = Annotated[int | None, typer.Option("--height", help=f"{_HEIGHT_HELP}.")]
+"""`dmap run` and `dmap serve`."""
+
+PlanHeightOpt = Annotated[int | None, typer.Option(
+    "--height", help=f"{_HEIGHT_HELP}; 0 = weights only (no activations, no GPU overhead unless --overhead).")]
+"""`dmap plan`: the same option, with the weights-only plan only it makes."""
 
 WidthOpt = Annotated[int | None, typer.Option(
     "--width", help="Width in pixels (default: the pipeline's).")]
@@ -107,8 +111,8 @@ RunOutputOpt = Annotated[str | None, typer.Option(
 ShardOutputOpt = Annotated[str | None, typer.Option(
     "--output", "-o", help="Folder to create (default: SOURCE-sharded beside it).")]
 
-DemoOutputOpt = Annotated[str, typer.Option(
-    "--output", "-o", help="The pipeline folder to write (a new folder, or --overwrite).")]
+DemoOutputOpt = Annotated[str | None, typer.Option(
+    "--output", "-o", help="The pipeline folder to write (a new folder, or --overwrite; default: PRESET, here).")]
 
 OverwriteOpt = Annotated[bool, typer.Option(
     "--overwrite", help="Replace the output if it exists (only ever what dmap writes); for dmap run also "
@@ -163,10 +167,14 @@ SimulateOpt = Annotated[bool, typer.Option(
     "--simulate", help="Run every planned device on this CPU with the split check (plans for GPUs you lack).")]
 GpusPerRankOpt = Annotated[int | None, typer.Option(
     "--gpus-per-rank", min=0, help="Under torchrun: local rank r uses GPUs r*K .. r*K+K-1 of its node.")]
+_PARALLEL_HELP = "How torchrun ranks share each denoising step: none | cfg | context | cfg+context | pipeline | auto"
 ParallelOpt = Annotated[str | None, typer.Option(
-    "--parallel", help="How torchrun ranks share each denoising step: none | cfg | context | cfg+context | pipeline | auto "
-                       "(plan: for --world-size, default none for one rank, auto above; run: under torchrun, default "
-                       "the plan file's 'parallel', else none).")]
+    "--parallel", help=f"{_PARALLEL_HELP} (under torchrun; default the plan file's 'parallel', else none).")]
+"""`dmap run` and `dmap serve`: how this launch's ranks share each step."""
+
+PlanParallelOpt = Annotated[str | None, typer.Option(
+    "--parallel", help=f"{_PARALLEL_HELP} (for --world-size: default none for one rank, auto above).")]
+"""`dmap plan`: the layout recorded for --world-size ranks."""
 
 
 # ---- the families' own settings (dm_cli.families.Setting) -----------------------------------------

@@ -32,25 +32,10 @@ def usage_error(message: str, ctx) -> Exception:
 
 
 def _say(message: str) -> None:
-    """One message on stderr. On a terminal it is wrapped at spaces to the terminal's width, so that the
-    terminal does not cut a word (a class name, `nearest`) in two; in a pipe or a log it stays one line."""
-    stream = sys.stderr
-    if stream.isatty():
-        import os
-        import textwrap
+    """One message on stderr, wrapped at spaces on a terminal (`_output.say`)."""
+    from dm_cli.cli._output import say
 
-        try:
-            width = int(os.environ.get("COLUMNS", "")) or os.get_terminal_size(stream.fileno()).columns
-        except (ValueError, OSError):
-            width = 80
-
-        def fill(line: str) -> str:
-            indent = line[:len(line) - len(line.lstrip(" "))]
-            return textwrap.fill(line, max(width, 20), subsequent_indent=indent, break_long_words=False,
-                                 break_on_hyphens=False) or line
-
-        message = "\n".join(fill(line) for line in message.split("\n"))
-    print(message, file=stream)
+    say(message, sys.stderr)
 
 
 def report_error(error: BaseException, debug: bool) -> int:

@@ -11,23 +11,29 @@ from dm_cli.cli._cli_utils import DemoOutputOpt, DemoSeedOpt, OverwriteOpt
 
 def demo(
     preset: Annotated[str, typer.Argument(
-        metavar="PRESET", help="A tiny-* preset, e.g. tiny-sd15 or tiny-wan (any other name lists them all).")],
-    output: DemoOutputOpt,
+        metavar="PRESET", help="A tiny-* preset, e.g. tiny-sd15 or tiny-wan; `list` lists them all.")],
+    output: DemoOutputOpt = None,
     seed: DemoSeedOpt = 0,
     overwrite: OverwriteOpt = False,
 ) -> int:
     import sys
 
+    from dm_cli.cli._output import say
     from dm_cli.model.demo import write_preset
     from dm_cli.render import plain, status
     from dm_cli.units import format_size
 
+    if preset == "list":
+        from dm_cli.model.demo import tiny_presets
+
+        print("\n".join(tiny_presets()))
+        return 0
     with status(f"Generating {preset} with random weights…"):
-        written = write_preset(preset, output, seed=seed, overwrite=overwrite)
+        written = write_preset(preset, output or preset, seed=seed, overwrite=overwrite)
     for note in written.notes:
         print(plain(note), file=sys.stderr)
-    print(f"Wrote {written.preset} ({plain(written.pipeline_class)}, random weights from seed {written.seed}: its "
-          f"outputs are noise, not art) to {plain(str(written.folder))}: {written.files} files, "
-          f"{format_size(written.bytes)}.")
+    say(f"Wrote {written.preset} ({plain(written.pipeline_class)}, random weights from seed {written.seed}: its "
+        f"outputs are noise, not art) to {plain(str(written.folder))}: {written.files} files, "
+        f"{format_size(written.bytes)}.")
     print(f"Next: {plain(written.next_command())}")
     return 0

@@ -358,11 +358,23 @@ def _build_random(library: str, cls: str, config: dict):
 
 # --- dmap demo PRESET -o DIR ------------------------------------------------------------------------
 
-# what to try next, per tiny preset: sizes its family accepts, small enough for a laptop CPU
+# what to try next, per tiny preset: sizes its family accepts, small enough for a laptop CPU (tests/test_demo_next.py
+# runs every preset's command as printed)
+_VIDEO_OPTIONS = "--frames 9 --height 32 --width 32 --steps 4"
 NEXT_RUN_OPTIONS = {
-    "tiny-wan": '--frames 9 --height 32 --width 32 --steps 4 -o fox.mp4',
+    "tiny-wan": _VIDEO_OPTIONS,
+    "tiny-wan-i2v": _VIDEO_OPTIONS,
+    "tiny-wan-ti2v": _VIDEO_OPTIONS,
+    "tiny-ltx2": _VIDEO_OPTIONS,
+    "tiny-flux-kontext": "--height 64 --width 64 --max-area 4096 --steps 2",  # Kontext resizes to --max-area
 }
-DEFAULT_NEXT_RUN_OPTIONS = "--height 64 --width 64 --steps 2 -o fox.png"
+DEFAULT_NEXT_RUN_OPTIONS = "--height 64 --width 64 --steps 2"
+VIDEO_PRESETS = ("tiny-wan", "tiny-wan-i2v", "tiny-wan-ti2v", "tiny-ltx2")
+# the presets whose pipeline cannot run without an input image (their family's min_input_images): `dmap demo` writes
+# one beside the weights, so that the printed command runs as it is
+NEEDS_INPUT_IMAGE = ("tiny-flux-img2img", "tiny-qwenimage-edit", "tiny-qwenimage-edit-single", "tiny-qwenimage-img2img",
+                     "tiny-wan-i2v")
+EXAMPLE_IMAGE = "example-input.png"
 
 
 def tiny_presets() -> list[str]:
@@ -385,7 +397,18 @@ class WrittenPreset:
         import shlex
 
         options = NEXT_RUN_OPTIONS.get(self.preset, DEFAULT_NEXT_RUN_OPTIONS)
-        return f'dmap run {shlex.quote(str(self.folder))} --prompt "a red fox" {options}'
+        if self.preset in NEEDS_INPUT_IMAGE:
+            options += f" --image {shlex.quote(str(self.folder / EXAMPLE_IMAGE))}"
+        output = f"{self.folder.name}.{'mp4' if self.preset in VIDEO_PRESETS else 'png'}"  # one per demo: none clash
+        return f'dmap run {shlex.quote(str(self.folder))} --prompt "a red fox" {options} -o {shlex.quote(output)}'
+
+
+def _write_example_image(folder: Path) -> None:
+    """A small input image for a preset that needs one (a gradient: its outputs are noise anyway)."""
+    from PIL import Image
+
+    image = Image.linear_gradient("L").resize((64, 64)).convert("RGB")
+    image.save(folder / EXAMPLE_IMAGE)
 
 
 def check_preset(preset: str) -> str:
@@ -433,6 +456,8 @@ def write_preset(preset: str, output: str | Path, seed: int = 0, overwrite: bool
         staging.mkdir()
         status(f"Generating {preset}'s random weights (seed {seed})…")
         write_random_pipeline(PRESETS_DIR / PRESETS[preset], staging, seed=seed)
+        if preset in NEEDS_INPUT_IMAGE:
+            _write_example_image(staging)
         os.chmod(staging, 0o777 & ~_umask())
         files = _walk(staging) or {}
         _fsync_tree(staging)

@@ -231,6 +231,8 @@ def parse_component_files(values) -> dict[str, str]:
         file = os.fspath(file)
         if name in files:
             raise UsageError(f"--component-file names '{shown(name)}' twice: give one file per component.")
+        if not os.path.lexists(os.path.expanduser(file)):
+            raise UsageError(f"--component-file {shown(name)}={shown(file)}: no such file.")
         if not is_single_file(file):
             raise UsageError(f"--component-file {shown(name)}={shown(file)}: not a .safetensors or .gguf file "
                              "(a single file holding that component).")

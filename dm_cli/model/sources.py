@@ -169,6 +169,9 @@ def resolve_source(spec: str) -> Source:
         raise SourceError("The demo pipeline is resolved by dm_cli.model.demo.resolve, not here.")
     if _looks_like_path(spec):
         raise SourceError(f"No such path: {spec} (SOURCE looks like a file or folder, and nothing is there).")
+    parent = path.parent
+    if parent != Path(".") and parent.is_dir():  # models/flux with a models/ folder here: a path, not a repo id
+        raise SourceError(f"No such path: {spec} (the folder {parent} is here, but has no {path.name}).")
     if _REPO_ID_RE.match(spec):
         return _resolve_hub(spec)
     close = difflib.get_close_matches(spec.lower(), list(PRESETS), n=1, cutoff=0.6)
@@ -315,13 +318,14 @@ def _resolve_hub(spec: str) -> Source:
     except LocalEntryNotFoundError:
         if _offline():
             raise SourceError(
-                f"'{spec}' is not in the local Hugging Face cache ({_cache_path()}) and HF_HUB_OFFLINE=1: "
-                "download it first or unset HF_HUB_OFFLINE."
+                f"No file or folder {spec} is here, and as a Hub repo it is not in the local Hugging Face cache "
+                f"({_cache_path()}) with HF_HUB_OFFLINE=1: check the path, or download the repo first."
             ) from None
         try:
             folder = Path(snapshot_download(repo_id, allow_patterns=configs_only, cache_dir=_cache_path()))
         except Exception as error:  # network, auth, not found: one sentence, not a traceback
-            raise SourceError(f"Cannot fetch the configs of '{repo_id}' from the Hub: {error}.") from error
+            raise SourceError(f"No file or folder {spec} is here, and fetching it as a Hub repo failed: {error}.") \
+                from error
     except Exception as error:
         raise SourceError(f"Cannot resolve '{spec}' ({error}); give {accepted_forms()}.") from error
     if component:

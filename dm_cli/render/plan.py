@@ -223,8 +223,10 @@ def _print_parallel(out, layout, size, hidden: list) -> None:
     out.print(title)
     print_table(out, "Peak per rank", columns, rows, hidden, label="ranks")
     for name, seconds in layout.predicted_step_s.items():
-        unit = " s per image-step in a queue" if name == "pipeline" else " s/step"
-        out.print(f"  {name}: predicted {seconds:.3g}{unit}" + (" (chosen)" if name == layout.layout else ""))
+        unit = " per image-step in a queue" if name == "pipeline" else " per step"
+        # the plan keeps 4 decimals: a tiny model's step rounds to 0, which is not a prediction of no time
+        shown = "under 0.1 ms" if seconds < 1e-4 else f"{seconds:.3g} s"
+        out.print(f"  {name}: predicted {shown}{unit}" + (" (chosen)" if name == layout.layout else ""))
     if pipeline:
         out.print(f"  predicted speed-up: {layout.predicted_speedup:.2f}x the split's images per second for a queue "
                   f"(1x for one prompt); basis: {layout.speedup_basis or 'the time model'}")

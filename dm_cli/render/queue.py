@@ -17,11 +17,11 @@ from dm_cli.units import format_size
 
 def live_allowed() -> bool:
     """Whether this process may draw a live spinner or bar: always, except under torchrun, where the ranks of a
-    node share its terminal and only local rank 0 does (the others would overwrite each other's lines)."""
+    node share its terminal: a spinner's redraws would run into the other ranks' lines, so each prints plain ones."""
     from dm_cli.run.distributed import Ranks
 
     try:
-        return Ranks.from_env().local_rank == 0
+        return not Ranks.from_env().distributed
     except Exception:  # noqa: BLE001 - bad torchrun variables are refused elsewhere, with a message
         return True
 
@@ -130,7 +130,7 @@ class QueueView(RunView):
     """The plan and denoise progress as for one prompt; then one line per image and a closing summary.
 
     Under torchrun every rank prints its own lines, prefixed with its rank; only rank 0 shows the plan,
-    and only local rank 0 draws the live spinner and denoise bar (the others print status lines).
+    and under torchrun no rank draws a live spinner or bar (each prints its status lines, prefixed).
     """
 
     def __init__(self, quiet: bool = False, binary: bool = False, plan_file: str | None = None):
@@ -140,7 +140,7 @@ class QueueView(RunView):
         ranks = Ranks.from_env()
         self.prefix = f"[rank {ranks.rank}/{ranks.world_size}] " if ranks.distributed else ""
         self.show_plans = ranks.is_main
-        self.live = ranks.local_rank == 0
+        self.live = live_allowed()
         self.todo = 0  # items this run generates (this rank's share minus the complete ones)
         self.done = 0
         self.started: float | None = None

@@ -116,9 +116,12 @@ class RunView:
         device_rows = []
         # disk holds weights, it is not memory: no peak for it
         peaks = [(dev, mp) for dev, mp in result.device_peaks().items() if dev != "disk"]
+        by_rss = any(s.tracked == "process peak RSS" for s in result.stages)  # the cpu row: the whole process
         for dev, (measured, planned) in sorted(peaks, key=lambda item: device_rank(item[0])):
             base = planned - overheads.get(dev, 0)
             ratio = f"{measured / base:.0%}" if base > 0 and measured else "-"
+            if by_rss and dev == "cpu" and ratio != "-":
+                ratio += " (RSS)"
             label = device_label(dev)
             device_rows.append([label, size(measured), size(planned), size(overheads.get(dev, 0)), ratio])
         print_table(self.console, "Peak memory per device (measured vs planned)",
@@ -157,7 +160,9 @@ def tracking_note(result) -> str:
                      "stage's, and tracking each op costs time.")
     if any(s.tracked == "process peak RSS" for s in result.stages):
         parts.append("cpu row: the loaded weights plus the growth of this process's peak resident memory during "
-                     "each stage (the kernel's high-water mark); --track-activations counts tensors op by op instead.")
+                     "each stage (the kernel's high-water mark), which also holds what the plan does not count (the "
+                     "libraries, torch's and malloc's caches), so a cpu ratio over 100% is not a planning error; "
+                     "--track-activations counts tensors op by op instead.")
     if not result.simulate and any(is_cuda(dev) for dev in result.device_peaks()):
         parts.append("GPU rows: torch.cuda.max_memory_allocated over each whole stage.")
     return " ".join(parts)

@@ -472,10 +472,10 @@ def pipeline_refusal(family, generation, plan, world_size: int) -> str | None:
     denoiser = plan.components[family.denoiser].cls if plan is not None else None
     if denoiser is not None and denoiser not in PIPELINE_CLASSES:
         return (f"--parallel pipeline cuts the denoisers whose blocks pass their whole state from one to the next "
-                f"({', '.join(PIPELINE_CLASSES)}), not {denoiser}: use --parallel cfg or context, or one process.")
+                f"({', '.join(PIPELINE_CLASSES)}), not {denoiser}: for one prompt use --parallel cfg or context; for a queue drop --parallel (the ranks then share the prompts).")
     if family.experts:
         return (f"--parallel pipeline does not yet run {family.title()}'s experts (they take turns within a "
-                "prompt's steps): use --parallel cfg or context, or one process.")
+                "prompt's steps): for one prompt use --parallel cfg or context; for a queue drop --parallel (the ranks then share the prompts).")
     if generation.loras:
         return "--parallel pipeline does not load LoRAs yet: run without --lora, or in one process."
     weights = plan.weights.get(family.denoiser) if plan is not None else None

@@ -201,9 +201,22 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
                   None)
     root, pipeline = (str(single.path), str(source.root)) if single is not None else (str(source.root), None)
     files = tuple(named_component_files(source).items())  # --component-file's, planned as given
-    return make_named_plan(root, source.spec, PlanOptions.of(generation, request.placement, pipeline=pipeline,
+    parallel = _planned_parallel(request)
+    placement = request.placement
+    if parallel.active and placement.max_memory is None and visible_gpus() == 0:
+        placement = replace(placement, max_memory=cpu_rank_devices(parallel.world_size))
+    return make_named_plan(root, source.spec, PlanOptions.of(generation, placement, pipeline=pipeline,
                                                              component_files=files, loras=generation.loras,
-                                                             parallel=_planned_parallel(request)))
+                                                             parallel=parallel))
+
+
+def cpu_rank_devices(world_size: int) -> str:
+    """Pipeline ranks on a machine without GPUs: each rank's CPU stands for GPU r (as the run places them,
+    `dm_cli.run.parallel.cpu_ranks`), with an equal share of the available RAM."""
+    from dm_cli.planning.make import available_ram
+
+    share = available_ram() // world_size
+    return ",".join(f"{rank}={share}B" for rank in range(world_size))
 
 
 def _planned_parallel(request: RunRequest):
