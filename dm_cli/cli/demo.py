@@ -10,6 +10,7 @@ from dm_cli.cli._cli_utils import DemoOutputOpt, DemoSeedOpt, OverwriteOpt
 
 
 def demo(
+    ctx: typer.Context,
     preset: Annotated[str, typer.Argument(
         metavar="PRESET", help="A tiny-* preset, e.g. tiny-sd15 or tiny-wan (any other name lists them all).")],
     output: DemoOutputOpt,
@@ -17,11 +18,15 @@ def demo(
     overwrite: OverwriteOpt = False,
 ) -> int:
     import sys
+    from pathlib import Path
 
+    from dm_cli.io.claims import claim_outputs
     from dm_cli.model.demo import write_preset
     from dm_cli.render import plain, status
     from dm_cli.units import format_size
 
+    # claimed until the command ends: a second `dmap demo -o` of the same folder stops, naming this one
+    ctx.with_resource(claim_outputs([Path(output).expanduser()], "dmap demo"))
     with status(f"Generating {preset} with random weights…"):
         written = write_preset(preset, output, seed=seed, overwrite=overwrite)
     for note in written.notes:

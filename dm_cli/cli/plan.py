@@ -37,6 +37,7 @@ from dm_cli.cli._cli_utils import (
 
 
 def plan(
+    ctx: typer.Context,
     source: SourceArg,
     max_memory: MaxMemoryOpt = None,
     strategy: str = typer.Option("auto", "--strategy", help="auto | sequential | balanced | balanced_low_0."),
@@ -81,10 +82,12 @@ def plan(
 ) -> int:
     from dm_cli.api import plan as make_plan
     from dm_cli.io.atomic import refuse_existing
+    from dm_cli.io.claims import claim_outputs
     from dm_cli.planning.make import write_plan
     from dm_cli.render.queue import TickingStatus
 
-    if output:
+    if output:  # claimed until the command ends (a second `dmap plan -o` of it stops), then checked
+        ctx.with_resource(claim_outputs([output], "dmap plan"))
         refuse_existing([output], overwrite)
     # the spinner names each step (which component, which trace) with its seconds, redrawn every second
     with TickingStatus(f"Planning {source}", enabled=not quiet) as progress:
