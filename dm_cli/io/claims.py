@@ -1,9 +1,8 @@
 """One run at a time per output: a run claims what it will write when it starts, and a second run that
 would write the same output stops (exit 2) naming the first, instead of silently replacing its result.
 
-A claim is a small file beside the output, `.NAME.dmap-claim` (a queue's: `.dmap-queue.dmap-claim` inside its
-folder), holding the claiming process's pid, host, command and start time, and locked with `flock` for as long
-as the run lasts. The lock is the claim: the kernel drops it when the process ends, however it ends (SIGTERM,
+A claim is a small file beside the output (a file, or a folder: a queue's), `.NAME.dmap-claim`, holding the
+claiming process's pid, host, command and start time, and locked with `flock` for as long as the run lasts. The lock is the claim: the kernel drops it when the process ends, however it ends (SIGTERM,
 SIGKILL, a crash), so a claim file whose lock nobody holds is stale and the next run takes it over. A run
 releases its claims (unlocks and removes the files) on every exit Python sees: success, error, Ctrl-C.
 Where the file system has no `flock`, the pid is checked instead: a claim of a dead process on this host is
@@ -24,7 +23,6 @@ from pathlib import Path
 from dm_cli.errors import DiskFullError, UsageError, disk_full
 
 CLAIM_SUFFIX = ".dmap-claim"
-QUEUE_CLAIM = ".dmap-queue" + CLAIM_SUFFIX  # inside a queue's output folder
 _HOLDER_BYTES = 4096  # a claim file is a line of JSON: anything longer is not dmap's
 _WAIT_FOR_HOLDER_S = 1.0  # a claimer writes its line right after locking: wait this long to name it
 
@@ -77,14 +75,7 @@ class Claims:
         """Remove each claim file (if it is still ours), then unlock it by closing it: in that order, so that a run
         that opened the file meanwhile sees, once it gets the lock, that the name is no longer that file."""
         while self._held:
-            path, fd = self._held.pop()
-            try:
-                if _same_file(fd, path):
-                    os.unlink(path)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+            _give_back(*self._held.pop())
 
     def __enter__(self) -> "Claims":
         return self
@@ -124,8 +115,7 @@ class Claims:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, line.encode(), 0)
             except OSError as error:
-                self._held.append((claim, fd))
-                self.release()
+                _give_back(claim, fd)
                 if disk_full(error):
                     raise _full(claim) from error
                 return False
@@ -158,9 +148,11 @@ def claim_outputs(outputs, command: str) -> Claims:
 
 
 def claim_folder(folder: str | os.PathLike, command: str) -> Claims:
-    """Claim a whole output folder (a queue's): `.dmap-queue.dmap-claim` inside it."""
+    """Claim a whole output folder (a queue's: its items and its manifest), beside it as any output."""
+    folder = Path(folder)
+    target = folder if folder.name not in ("", ".", "..") else folder.resolve()
     claims = Claims()
-    claims.take(Path(folder) / QUEUE_CLAIM, f"the output folder {folder}", command)
+    claims.take(claim_path(target), f"the output folder {folder}", command)
     return claims
 
 
@@ -216,6 +208,16 @@ def _readable_claim(claim: Path, label: str) -> int | None:
         return os.open(claim, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError:
         return None
+
+
+def _give_back(path: Path, fd: int) -> None:
+    try:
+        if _same_file(fd, path):
+            os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -20,7 +20,7 @@ import pytest
 from conftest import run_dmap
 
 from dm_cli.errors import UsageError
-from dm_cli.io.claims import QUEUE_CLAIM, claim_outputs, claim_path
+from dm_cli.io.claims import claim_outputs, claim_path
 
 SMALL = ("--steps", 1, "--height", 64, "--width", 64)
 
@@ -170,12 +170,13 @@ def test_a_second_queue_into_the_same_folder_stops_naming_the_first(tmp_path, ho
     code, _, err = run_dmap("run", "--prompts", prompts, *SMALL, "-o", folder)
     _refused_naming(code, err, first, "dmap run --prompts")
     assert f"The output folder {folder} is being written" in err
-    assert sorted(p.name for p in folder.iterdir()) == [QUEUE_CLAIM]  # the first's claim; nothing of the second's
+    assert claim_path(folder).is_file() and list(folder.iterdir()) == []  # the first's claim; nothing of the second's
     first.finish()
     monkeypatch.undo()
     code, _, err = run_dmap("run", "--prompts", prompts, *SMALL, "-o", folder, "-q")
     assert code == 0, err
-    assert sorted(p.name for p in folder.iterdir()) == ["00000.png", "00001.png", "manifest.jsonl"]  # released
+    assert sorted(p.name for p in folder.iterdir()) == ["00000.png", "00001.png", "manifest.jsonl"]
+    assert not claim_path(folder).exists()  # released
 
 
 @pytest.mark.parametrize("command, args", [
