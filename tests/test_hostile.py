@@ -297,7 +297,9 @@ def test_3_folder_created_at_output_during_the_run_is_kept(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("renameat2", [True, False])
 def test_3_two_runs_to_the_same_output_never_lose_one_silently(tmp_path, monkeypatch, capsys, renameat2):
-    """Two `dmap shard SRC -o OUT` at once: the second to finish exits 2 and the first one's result stays."""
+    """Two `dmap shard SRC -o OUT` at once: the second is refused at its start by the first's claim (issue 44 D);
+    another writer that does not claim (the API, another program) finishing first: the one still writing exits 2
+    and the first one's result stays."""
     first = component(tmp_path / "a")
     component(tmp_path / "b", seed=7)
     if not renameat2:
@@ -308,12 +310,12 @@ def test_3_two_runs_to_the_same_output_never_lose_one_silently(tmp_path, monkeyp
     def other_run_finishes_first(root):
         real(root)
         if not nested:
-            nested.append(None)
-            nested[0] = cli(capsys, "shard", tmp_path / "a", "-s", "0", "-o", tmp_path / "out")
+            nested.append(cli(capsys, "shard", tmp_path / "a", "-s", "0", "-o", tmp_path / "out"))
+            nested.append(shard_module.shard(str(tmp_path / "a"), 0, output=tmp_path / "out"))
 
     monkeypatch.setattr(shard_module, "_fsync_tree", other_run_finishes_first)
     code, out, err = cli(capsys, "shard", tmp_path / "b", "-s", "0", "-o", tmp_path / "out")
-    assert nested[0][0] == 0, nested
+    assert nested[0][0] == 2 and "is being written by another dmap shard (pid " in nested[0][2], nested
     assert code == 2 and "appeared while dmap was writing it" in err, err
     assert_same_state(loaded(tmp_path / "out"), first)
     assert hidden(tmp_path) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import traceback
 
-from dm_cli.errors import EXIT_INTERNAL, DmapError
+from dm_cli.errors import EXIT_INTERNAL, DiskFullError, DmapError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
@@ -51,6 +51,10 @@ def report_error(error: BaseException, debug: bool) -> int:
         _say("Interrupted: stopped before finishing; nothing was left half-written (outputs are only renamed "
              "into place when complete).")
         return EXIT_INTERRUPTED
+    full = DiskFullError.of(error)  # raised where no writer of dmap's said it in its own words (a library, a thread)
+    if full is not None:
+        _say(f"Error: {plain(full, keep_newlines=True)}")
+        return full.exit_code
     if isinstance(error, MemoryError):
         _say("Error: out of host memory.")
         return EXIT_INTERNAL

@@ -37,6 +37,7 @@ from dm_cli.cli._cli_utils import (
 
 
 def plan(
+    ctx: typer.Context,
     source: SourceArg,
     max_memory: MaxMemoryOpt = None,
     strategy: str = typer.Option("auto", "--strategy", help="auto | sequential | balanced | balanced_low_0."),
@@ -80,12 +81,11 @@ def plan(
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     from dm_cli.api import plan as make_plan
-    from dm_cli.io.atomic import refuse_existing
     from dm_cli.planning.make import write_plan
     from dm_cli.render.queue import TickingStatus
 
     if output:
-        refuse_existing([output], overwrite)
+        _claim_output(ctx, output, overwrite)
     # the spinner names each step (which component, which trace) with its seconds, redrawn every second
     with TickingStatus(f"Planning {source}", enabled=not quiet) as progress:
         result = make_plan(source, max_memory=max_memory, height=height, width=width, batch_size=batch_size,
@@ -115,3 +115,13 @@ def plan(
 
         render_plan(result, binary=binary, output=output)
     return 1 if result.check.get("problems") else 0
+
+
+def _claim_output(ctx, output: str, overwrite: bool) -> None:
+    """--output claimed until the command ends (a second `dmap plan -o` of it stops, naming this one), then checked
+    against the overwrite policy (dm_cli.io.atomic.refuse_existing)."""
+    from dm_cli.io.atomic import refuse_existing
+    from dm_cli.io.claims import claim_outputs
+
+    ctx.with_resource(claim_outputs([output], "dmap plan"))
+    refuse_existing([output], overwrite)

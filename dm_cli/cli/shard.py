@@ -17,6 +17,7 @@ from dm_cli.cli._cli_utils import (
 
 
 def shard(
+    ctx: typer.Context,
     source: ShardSourceArg,
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", "-s",
                                        help="Largest file: 5GB = 5e9 bytes, 5GiB = 5*2^30; 0 = one file per component."),
@@ -44,6 +45,10 @@ def shard(
         from dm_cli.errors import UsageError
 
         raise UsageError("--pipeline goes with --to-diffusers (dmap shard reshards a folder's own weights otherwise).")
+    if not dry_run and (output or in_place):  # claimed until the command ends: a second shard of it stops
+        from dm_cli.io.claims import claim_outputs
+
+        ctx.with_resource(claim_outputs([output or source], "dmap shard"))
     with ShardProgressBar(enabled=False if (quiet or as_json or dry_run) else None) as bar:
         if to_diffusers:
             from dm_cli.model.shard import shard_to_diffusers

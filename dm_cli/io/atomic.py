@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import stat
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+from dm_cli.errors import DiskFullError, DmapError, disk_full
 
 
 def _umask() -> int:
@@ -16,25 +19,70 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None], needed: int | None = None) -> None:
     """`write(tmp)` fills a temporary file beside `path`; it is renamed over `path` only when complete.
 
-    The file gets the usual permissions (0666 less the umask), not mkstemp's private 0600.
+    The file gets the usual permissions (0666 less the umask), not mkstemp's private 0600. A full disk (or quota),
+    however the writer says it, is a DiskFullError naming the file, the `needed` bytes when known and the room
+    left, after the temporary file is removed.
     """
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as error:
+        if disk_full(error):
+            raise disk_full_error(path, needed, error) from error
+        raise
     os.close(fd)
     try:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if not isinstance(error, DmapError) and disk_full(error):
+            raise disk_full_error(path, needed, error) from error
         raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """`data` as the file `path`, atomically (`atomic_write`): a full disk says how much it needed."""
+
+    def write(tmp: str) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0))
+        try:
+            view = memoryview(data).cast("B")
+            while view:  # os.write may write less than asked (a disk filling up): the rest, or ENOSPC
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+
+    atomic_write(path, write, needed=len(data))
+
+
+def disk_full_error(path: str | os.PathLike, needed: int | None = None, cause: BaseException | None = None) -> DiskFullError:
+    """One sentence for a write of `path` that found no room (`cause`: what said so): what it needed (when known),
+    where, what is free."""
+    import errno
+
+    from dm_cli.units import format_size
+
+    found = disk_full(cause)
+    quota = found is not None and (getattr(found, "errno", None) == errno.EDQUOT or "quota" in str(found).lower())
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        free = f"{format_size(shutil.disk_usage(folder).free)} free"
+    except OSError:
+        free = "no room left"
+    full = "Your disk quota is full" if quota else "The disk is full"
+    need = f"{path} needs {format_size(needed)} in {folder}, which has {free}" if needed is not None else \
+        f"writing {path} found {folder} with {free}"
+    return DiskFullError(f"{full}: {need}; nothing was left half-written: make room and run the same command again.")
 
 
 def refuse_existing(paths, overwrite: bool) -> None:

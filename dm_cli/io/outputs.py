@@ -10,14 +10,18 @@ result and renamed when complete (dm_cli.io.atomic).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import io
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 from dm_cli.errors import UsageError
-from dm_cli.io.atomic import atomic_write
+from dm_cli.io.atomic import atomic_write, atomic_write_bytes
 from dm_cli.io.images import (
     IMAGE_FORMATS,
     image_format,
@@ -98,14 +102,21 @@ def _check_folder(path: Path, shown) -> None:
         raise UsageError(f"Cannot write {shown}: folder {parent} does not exist.")
 
 
+def encode_image(image, fmt: str, metadata: dict[str, str]) -> bytes:
+    """The bytes of one image in `fmt` with the run's metadata (`image_save_options`): encoded in memory first, so
+    that a write knows how much room it needs before it takes any."""
+    if fmt == "JPEG" and image.mode not in ("RGB", "L"):
+        image = image.convert("RGB")
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **image_save_options(fmt, metadata))
+    return buffer.getvalue()
+
+
 def _image_writer(fmt: str) -> Callable[..., list[str]]:
     def write(image, path: str, metadata: dict[str, str], fps=None, overwrite=False) -> list[str]:
-        options = image_save_options(fmt, metadata)
-        if fmt == "JPEG" and image.mode not in ("RGB", "L"):
-            image = image.convert("RGB")
         _check_folder(Path(path), path)
-        atomic_write(path, lambda tmp: image.save(tmp, format=fmt, **options))
-        return [path]
+        atomic_write_bytes(path, encode_image(image, fmt, metadata))
+        return _written([path])
 
     return write
 
@@ -126,7 +137,7 @@ def _video_writer(kind: str) -> Callable[..., list[str]]:
         text = metadata_json(metadata)
         if kind == "frames":
             write_frames_folder(images, path, text, image_save_options(FRAME_FORMAT, metadata), overwrite, audio)
-            return [str(path), str(path / FOLDER_SIDECAR)]
+            return _written([str(path), str(path / FOLDER_SIDECAR)])
         if kind == "mp4":
             atomic_write(path, lambda tmp: write_mp4(images, tmp, fps, text, audio))
         else:
@@ -136,20 +147,21 @@ def _video_writer(kind: str) -> Callable[..., list[str]]:
             atomic_write(path, lambda tmp: images[0].save(tmp, format=fmt, **options))
             if audio is not None:  # WebP and GIF hold no audio: the track goes beside them
                 atomic_write(Path(output + ".wav"), lambda tmp: write_wav(tmp, *audio))
+        _written([str(path)] + ([output + ".wav"] if audio is not None and kind != "mp4" else []))
         sidecar = sidecar_path(output)
-        atomic_write(sidecar, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))
-        return [str(path), str(sidecar)]
+        atomic_write_bytes(sidecar, (text + "\n").encode("utf-8"))
+        return [str(path), *_written([str(sidecar)])]
 
     return write
 
 
 def _write_latents(latents, output: str, metadata: dict[str, str], fps=None, overwrite=False) -> list[str]:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     path = Path(output)
     _check_folder(path, path)
-    atomic_write(path, lambda tmp: save_file({"latents": latents.contiguous()}, tmp, metadata=metadata))
-    return [str(path)]
+    atomic_write_bytes(path, save({"latents": latents.contiguous()}, metadata=metadata))  # save_file's bytes
+    return _written([str(path)])
 
 
 # --- readers: the metadata, and the whole output decoded -----------------------------------------
@@ -244,14 +256,46 @@ def output_kind(output: str | os.PathLike, video: bool = False) -> OutputKind:
 
 # --- writing ------------------------------------------------------------------------------------
 
+# the outputs written so far by each `written_together` block open in this context (innermost last)
+_TOGETHER: contextvars.ContextVar[tuple[list[str], ...]] = contextvars.ContextVar("dmap_written_together", default=())
+
+
+def _written(paths: list[str]) -> list[str]:
+    """Record complete outputs in every open `written_together` block; returns them."""
+    for group in _TOGETHER.get():
+        group.extend(paths)
+    return paths
+
+
+@contextlib.contextmanager
+def written_together():
+    """The outputs of one command are all written or none is: when the block fails (a full disk, Ctrl-C), the
+    outputs it had completed are removed again, so that the same command runs again as it was given (an
+    existing output would stop it without --overwrite). Nothing half-written exists anyway (atomic writes)."""
+    group: list[str] = []
+    token = _TOGETHER.set((*_TOGETHER.get(), group))
+    try:
+        yield group
+    except BaseException:
+        for path in reversed(group):
+            with contextlib.suppress(OSError):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+        raise
+    finally:
+        _TOGETHER.reset(token)
+
 
 def save_images(images: list, output: str, metadata: dict[str, str]) -> list[str]:
     """Each image in the format its suffix names, with the run's metadata (`image_save_options`): `output`
-    for one image, else out-0.png, out-1.png, ... (`image_paths`)."""
+    for one image, else out-0.png, out-1.png, ... (`image_paths`); all of them or none (`written_together`)."""
     kind = output_kind(output)
     written = []
-    for image, path in zip(images, image_paths(output, len(images))):
-        written += kind.write(image, str(path), metadata)
+    with written_together():
+        for image, path in zip(images, image_paths(output, len(images))):
+            written += kind.write(image, str(path), metadata)
     return written
 
 
@@ -260,7 +304,8 @@ def save_video(frames, output: str, fps: int, metadata: dict[str, str], overwrit
 
     A frames folder that exists and is not empty is replaced only with `overwrite` (after the new one is complete).
     """
-    return output_kind(output, video=True).write(frames, output, metadata, fps, overwrite)
+    with written_together():  # the video and its sidecar (and a WebP's or GIF's audio track) or none of them
+        return output_kind(output, video=True).write(frames, output, metadata, fps, overwrite)
 
 
 def save_videos(videos: list, output: str, fps: int, metadata: dict[str, str], overwrite: bool = False) -> list[str]:
@@ -272,8 +317,9 @@ def save_videos(videos: list, output: str, fps: int, metadata: dict[str, str], o
     else:
         targets = [str(p) for p in image_paths(output, len(videos), "")]
     written = []
-    for frames, target in zip(videos, targets):
-        written += save_video(frames, target, fps, metadata, overwrite)
+    with written_together():
+        for frames, target in zip(videos, targets):
+            written += save_video(frames, target, fps, metadata, overwrite)
     return written
 
 

@@ -19,7 +19,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dm_cli.errors import UsageError
+from dm_cli.errors import UsageError, disk_full
+from dm_cli.io.atomic import disk_full_error
 
 DEMO_SEED = 0
 DEMO_SHARD_SIZE = "4MB"  # several shards per big component, as real checkpoints have
@@ -183,7 +184,11 @@ def _ensure_demo_locked(folder: Path, status=lambda message: None) -> Path:
             write_configs(DEMO_CONFIGS, staging)
             write_random_pipeline(staging, staging, seed=DEMO_SEED, max_shard_size=DEMO_SHARD_SIZE)
             _write_files_record(staging)
-        except OSError as error:
+        except Exception as error:
+            if disk_full(error):  # safetensors says it in a SafetensorError, not an OSError
+                raise disk_full_error(folder, cause=error) from error
+            if not isinstance(error, OSError):
+                raise
             raise UsageError(f"Cannot write the demo pipeline into {folder.parent}: "
                              f"{error.strerror or error}.") from None
         try:
@@ -462,7 +467,11 @@ def write_preset(preset: str, output: str | Path, seed: int = 0, overwrite: bool
         files = _walk(staging) or {}
         _fsync_tree(staging)
         publish(staging, out, overwrite)
-    except OSError as error:
+    except Exception as error:
+        if disk_full(error):  # safetensors says it in a SafetensorError, not an OSError
+            raise disk_full_error(out, cause=error) from error
+        if not isinstance(error, OSError):
+            raise
         raise UsageError(f"Cannot write {out}: {error.strerror or error}; nothing was left there.") from None
     finally:
         if os.path.lexists(staging):

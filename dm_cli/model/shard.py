@@ -940,8 +940,9 @@ def _finish_interrupted_swaps(source_spec: str) -> list[str]:
 
 
 def _os_error(error: OSError, out_path: Path) -> DmapError:
-    if error.errno == errno.ENOSPC:
-        return DmapError(f"The disk filled up while writing {out_path}; nothing was left there and the source is unchanged.")
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DmapError(f"The disk filled up while writing {out_path}; nothing was left there and the source is "
+                         "unchanged: make room and run the same command again.")
     if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return DmapError(f"Cannot write {out_path}: {error.strerror}; nothing was left there.")
     return DmapError(f"Writing {out_path} failed ({error.strerror or error}); nothing was left there and the source is unchanged.")

@@ -1,11 +1,32 @@
 """The metadata of what a run writes: every image, video and latents file carries it (the writers are
-dm_cli.io.outputs), and a queue's resume compares it (dm_cli.io.outputs.is_complete).
+dm_cli.io.outputs), and a queue's resume compares it (dm_cli.io.outputs.is_complete); and the claims a run
+holds on its outputs while it runs (dm_cli.io.claims).
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from dm_cli.families import Job
+from dm_cli.io.claims import Claims, claim_folder, claim_outputs
 from dm_cli.version import __version__
+
+
+def claim_run_outputs(request) -> Claims:
+    """`dmap run --prompt`'s claims on its --output and --save-latents, taken before anything loads; a second run
+    writing either stops (exit 2) naming this one. Under torchrun, rank 0 writes and claims: the ranks of one run
+    never refuse each other."""
+    from dm_cli.run.distributed import Ranks
+
+    if not Ranks.from_env().is_main:
+        return Claims()
+    return claim_outputs([path for path in (request.output, request.save_latents) if path], "dmap run")
+
+
+def claim_queue_folder(folder: str | os.PathLike, is_main: bool) -> Claims:
+    """A queue's claim on its whole output folder (its items and its manifest), by rank 0 of its ranks."""
+    return claim_folder(Path(folder), "dmap run --prompts") if is_main else Claims()
 
 
 def job_metadata(job: Job, source_spec: str, pipeline_class: str, digest: str, demo: bool,

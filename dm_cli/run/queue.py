@@ -18,6 +18,7 @@ Plain data and file handling, no torch. The generation itself is the runner's st
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -281,7 +282,7 @@ def append_record(path: Path, record: dict) -> None:
     try:
         written = os.write(fd, data)
         if written != len(data):  # a full disk; the line is torn and will be ignored on reading
-            raise OSError(f"short write to {path}")
+            raise OSError(errno.ENOSPC, "No space left on device (a short write)", str(path))
         os.fsync(fd)
     finally:
         os.close(fd)

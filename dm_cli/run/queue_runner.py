@@ -16,6 +16,7 @@ from typing import Callable
 from dm_cli.errors import UsageError
 from dm_cli.io.outputs import is_complete
 from dm_cli.run.distributed import Ranks, select_gpus
+from dm_cli.run.outputs import claim_queue_folder
 from dm_cli.run.queue import (
     MANIFEST,
     QueueItem,
@@ -123,11 +124,12 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
     pipelined = request.run.parallel == "pipeline" and ranks.distributed
     mine = items if pipelined else items_for_rank(items, ranks.rank, ranks.world_size)
     result = QueueResult(str(folder), ranks.rank, ranks.world_size, len(items), len(mine), resume=request.resume)
-    ranks.join(_backend(pipelined))
-    try:
-        _run_share(request, events, ranks, items, mine, folder, budget, result)
-    finally:
-        ranks.leave()
+    with claim_queue_folder(folder, ranks.is_main):  # a second queue into this folder stops, naming this one
+        ranks.join(_backend(pipelined))
+        try:
+            _run_share(request, events, ranks, items, mine, folder, budget, result)
+        finally:
+            ranks.leave()
     return result
 
 

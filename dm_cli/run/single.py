@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import UsageError
 from dm_cli.families import all_settings
-from dm_cli.io.outputs import save_images, save_latents, save_videos
+from dm_cli.io.outputs import save_images, save_latents, save_videos, written_together
+from dm_cli.run.outputs import claim_run_outputs
 from dm_cli.run.request import RunRequest, output_path
 from dm_cli.run.session import Session, frozen_gc
 from dm_cli.run.stages import StageResult
@@ -88,7 +89,7 @@ def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
     of the collector for the run, so collections only look at what the run makes, and what the
     stages free is still collected. Unfrozen at the end (unless the caller had frozen first).
     """
-    with frozen_gc() as owner:
+    with claim_run_outputs(request), frozen_gc() as owner:  # a second run writing the same output stops
         return _run(request, on_plan, on_step, on_status, owner)
 
 
@@ -121,11 +122,12 @@ def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunR
     result.images_data = carry.images
     result.latents = carry.latents.detach().to("cpu")
     metadata = pipeline.metadata(job)
-    if request.save_latents:
-        result.latents_path = save_latents(result.latents, request.save_latents, metadata)
-    if request.output and job.num_frames:
-        result.images = save_videos(carry.images, output_path(request, pipeline.family), result.fps, metadata,
-                                    request.overwrite)
-    elif request.output:
-        result.images = save_images(carry.images, request.output, metadata)
+    with written_together():  # the latents and the images, or none of them: the same command runs again
+        if request.save_latents:
+            result.latents_path = save_latents(result.latents, request.save_latents, metadata)
+        if request.output and job.num_frames:
+            result.images = save_videos(carry.images, output_path(request, pipeline.family), result.fps, metadata,
+                                        request.overwrite)
+        elif request.output:
+            result.images = save_images(carry.images, request.output, metadata)
     return result

@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from dm_cli.errors import UsageError
+from dm_cli.errors import DiskFullError, UsageError
 from dm_cli.serve.requests import Served, parse_body, parse_request
 from dm_cli.serve.worker import Batcher, Failure, Ticket
 
@@ -91,7 +91,8 @@ def make_app(state: AppState):
                      .get(exc.status_code, str(exc.detail)))
 
     async def internal(request, exc):
-        return error(500, f"Internal error ({type(exc).__name__}: {exc}).")
+        full = DiskFullError.of(exc)  # no room on this server's disk: 507, not a bug
+        return error(507, str(full)) if full else error(500, f"Internal error ({type(exc).__name__}: {exc}).")
 
     routes = [Route("/health", health, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),

@@ -22,7 +22,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
-from dm_cli.errors import UsageError
+from dm_cli.errors import DiskFullError, UsageError
 from dm_cli.io.input_images import size_decode_budget
 
 USAGE = "UsageError:"  # a rank's problem that is the request's fault (a 400), as gathered to rank 0
@@ -193,7 +193,8 @@ class Batcher:
         except UsageError as error:  # what the plan cannot run, found only when it runs: the requests' fault
             failure = Failure(400, str(error))
         except Exception as error:  # noqa: BLE001 - every request is answered; the server goes on
-            failure = Failure(500, f"Internal error ({type(error).__name__}: {error}).")
+            full = DiskFullError.of(error)  # no room for an MP4: 507, the request can be sent again later
+            failure = Failure(507, str(full)) if full else Failure(500, f"Internal error ({type(error).__name__}: {error}).")
         self.counters["batches"] += 1
         self.counters["batch_images"] += len(pairs)
         return failure, [ticket for ticket in batch if id(ticket) not in done]
