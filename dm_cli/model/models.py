@@ -19,7 +19,7 @@ _VOLATILE_KEYS = ("_name_or_path", "transformers_version")
 
 def quiet_libraries() -> None:
     """dmap prints its own progress and summary: the libraries' load bars and advice would drown it."""
-    from dm_cli.model.weight_formats import quiet_torchao
+    from dm_cli.model.formats.weight_formats import quiet_torchao
 
     quiet_torchao()
     import transformers
@@ -33,7 +33,7 @@ def quiet_libraries() -> None:
 
 
 def _library_module(library: str | None, class_name: str):
-    from dm_cli.model.weight_formats import quiet_torchao
+    from dm_cli.model.formats.weight_formats import quiet_torchao
 
     quiet_torchao()  # before diffusers' first import, which imports torchao when it is installed
     if library in ("diffusers", "transformers"):

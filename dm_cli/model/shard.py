@@ -52,8 +52,8 @@ from dm_cli.io.swap import (
     recover,
     swap_in_place,
 )
+from dm_cli.model.formats.weight_formats import FP8_NAMES, KEPT_BY_DEFAULT, STORAGE_DTYPES
 from dm_cli.model.sources import is_inside
-from dm_cli.model.weight_formats import FP8_NAMES, KEPT_BY_DEFAULT, STORAGE_DTYPES
 from dm_cli.units import DTYPE_BYTES, TORCH_TO_SAFETENSORS, format_size, numel, parse_dtype, parse_size
 
 MIN_SHARD_SIZE = 10**6  # below 1 MB a "shard" is a mistake, not a choice

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dm_cli.errors import SourceError, UsageError
-from dm_cli.model.gguf_files import shown
+from dm_cli.model.formats.gguf_files import shown
 
 GGUF = "gguf"
 SAFETENSORS = "safetensors"
@@ -100,7 +100,7 @@ def _meta_gguf(path: Path) -> dict:
     import torch
     from diffusers.quantizers.gguf.utils import GGUFParameter
 
-    from dm_cli.model.gguf_files import read_gguf_header
+    from dm_cli.model.formats.gguf_files import read_gguf_header
 
     header = read_gguf_header(path)
     meta = {}
@@ -392,7 +392,7 @@ def component_for_file(path: Path, pipeline: str | None):
 
 def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     if path.name.lower().endswith(".gguf"):
-        from dm_cli.model.gguf_files import read_gguf_header
+        from dm_cli.model.formats.gguf_files import read_gguf_header
 
         return {t.name: t.shape for t in read_gguf_header(path).tensors}
     from dm_cli.io.checkpoint import read_safetensors_header
@@ -401,7 +401,7 @@ def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _recognized_component(path: Path):
-    from dm_cli.model.single_file import match_file
+    from dm_cli.model.formats.single_file_layout import match_file
 
     found = match_file(_file_shapes(path))
     if found is None:
@@ -483,7 +483,7 @@ def _gguf_views(path: Path, mapped) -> dict:
     blocks), but BF16 plain too (the same values) and never copied."""
     from diffusers.quantizers.gguf.utils import GGUFParameter
 
-    from dm_cli.model.gguf_files import read_gguf_header
+    from dm_cli.model.formats.gguf_files import read_gguf_header
 
     header = read_gguf_header(path)
     if header.byte_order != "little":

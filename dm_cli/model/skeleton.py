@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from dm_cli.errors import DmapError, SourceError
 from dm_cli.io.cache import cache_key, read_cached, write_cached
-from dm_cli.model.weight_formats import STORAGE_DTYPES, low_precision_bytes, low_precision_tags
+from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, low_precision_bytes, low_precision_tags
 from dm_cli.units import DTYPE_BYTES, FLOATING_DTYPES, numel
 
 SKELETON_FORMAT_VERSION = 3
@@ -346,7 +346,7 @@ def build_on_meta(library: str, class_name: str, config: dict):
 
 def guess_library(class_name: str) -> str | None:
     """Which library has `class_name`, for a config.json that does not say."""
-    from dm_cli.model.weight_formats import quiet_torchao
+    from dm_cli.model.formats.weight_formats import quiet_torchao
 
     quiet_torchao()
     import diffusers
