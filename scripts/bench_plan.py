@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dm_cli.families import family_for  # noqa: E402
 from dm_cli.inputs import InputSpec, PlacementSpec  # noqa: E402
+from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, parse_weights_spec  # noqa: E402
 from dm_cli.model.sources import resolve_source  # noqa: E402
-from dm_cli.model.weight_formats import STORAGE_DTYPES, parse_weights_spec  # noqa: E402
 from dm_cli.planning.make import DEFAULT_GPU_OVERHEAD, PlanOptions, make_plan, prepare_component  # noqa: E402
 from dm_cli.units import parse_device_spec  # noqa: E402
 

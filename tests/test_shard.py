@@ -16,8 +16,10 @@ import torch
 from conftest import PRESETS, REPO, run_dmap
 
 from dm_cli.errors import CheckpointError, DmapError, SourceError, UsageError
-from dm_cli.model import shard as shard_module
+from dm_cli.io.checkpoint import open_checkpoint
 from dm_cli.model.shard import shard
+from dm_cli.model.sharding import copying, verification, writing
+from dm_cli.model.sharding.layout import Progress
 
 SMALL = {"min_shard_size": 1}  # the tiny models are ~70 KB: let tests cut them below the 1 MB floor
 
@@ -170,7 +172,7 @@ def test_same_input_gives_byte_identical_output(tmp_path):
     data = json.loads(index)
     assert index == json.dumps(data, indent=2, sort_keys=True) + "\n"
     assert data["metadata"]["total_size"] == sum(
-        t.nbytes for t in shard_module.open_checkpoint(tmp_path / "src" / "diffusion_pytorch_model.safetensors").tensors.values())
+        t.nbytes for t in open_checkpoint(tmp_path / "src" / "diffusion_pytorch_model.safetensors").tensors.values())
     assert data["metadata"]["total_parameters"] == 68484
     # resharding the shards again (index JSON as SOURCE) gives the same bytes once more
     shard(str(tmp_path / "a" / "diffusion_pytorch_model.safetensors.index.json"), limit, output=tmp_path / "c", **SMALL)
@@ -413,7 +415,7 @@ def test_full_disk_leaves_nothing(tmp_path, monkeypatch):
     tiny_model("tiny-sd15", "unet").save_pretrained(tmp_path / "src")
     before = tree_digest(tmp_path / "src")
     calls = {"n": 0}
-    real = shard_module._copy_range
+    real = writing.copy_range
 
     def fill_up(*args, **kwargs):
         calls["n"] += 1
@@ -421,7 +423,7 @@ def test_full_disk_leaves_nothing(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(shard_module, "_copy_range", fill_up)
+    monkeypatch.setattr(writing, "copy_range", fill_up)
     with pytest.raises(DmapError, match="disk filled up"):
         shard(str(tmp_path / "src"), 25_000, output=tmp_path / "out", **SMALL)
     _assert_nothing_left(tmp_path, before)
@@ -430,14 +432,15 @@ def test_full_disk_leaves_nothing(tmp_path, monkeypatch):
 
 KILL_SCRIPT = """
 import sys, time
-from dm_cli.model import shard as m
-real = m._copy_range
+from dm_cli.model.shard import shard
+from dm_cli.model.sharding import writing
+real = writing.copy_range
 def slow(*a, **k):
     real(*a, **k)
     print("writing", flush=True)
     time.sleep(0.2)
-m._copy_range = slow
-m.shard(sys.argv[1], 25_000, output=sys.argv[2], min_shard_size=1)
+writing.copy_range = slow
+shard(sys.argv[1], 25_000, output=sys.argv[2], min_shard_size=1)
 """
 
 
@@ -459,10 +462,10 @@ def test_sigkill_mid_write_leaves_nothing_and_next_run_cleans_up(tmp_path):
 
 
 def _flip_after_write(monkeypatch, where, flipped: list, offset=None):
-    """Make the module's writes flip one byte of the first data piece written (not a header, which starts
-    the file) after writing it, as a bad disk or a bug would: at `where` in the piece, or at the file offset
-    `offset` when a write covers it."""
-    real = shard_module._write_all
+    """Make the byte copies' writes (sharding/copying.py) flip one byte of the first data piece written (not a
+    header, which starts the file) after writing it, as a bad disk or a bug would: at `where` in the piece, or at
+    the file offset `offset` when a write covers it."""
+    real = copying.write_all
 
     def write_then_flip(fd, data):
         start = os.lseek(fd, 0, os.SEEK_CUR)
@@ -475,7 +478,7 @@ def _flip_after_write(monkeypatch, where, flipped: list, offset=None):
             os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x01]), at)
             flipped.append(at)
 
-    monkeypatch.setattr(shard_module, "_write_all", write_then_flip)
+    monkeypatch.setattr(copying, "write_all", write_then_flip)
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
@@ -483,7 +486,7 @@ def _flip_after_write(monkeypatch, where, flipped: list, offset=None):
 def test_verification_catches_one_flipped_byte_and_moves_nothing(tmp_path, monkeypatch, dtype, where):
     tiny_model("tiny-sd15", "unet").save_pretrained(tmp_path / "src")
     before = tree_digest(tmp_path / "src")
-    real = shard_module._check_run
+    real = verification._check_run
     flipped = []
 
     def corrupt_then_check(path, begin, run, expected):
@@ -503,7 +506,7 @@ def test_verification_catches_one_flipped_byte_and_moves_nothing(tmp_path, monke
     if dtype is None:  # byte copies are compared as they are written: corrupt the write itself
         _flip_after_write(monkeypatch, where, flipped)
     else:  # converted tensors are hashed back by the finisher
-        monkeypatch.setattr(shard_module, "_check_run", corrupt_then_check)
+        monkeypatch.setattr(verification, "_check_run", corrupt_then_check)
     with pytest.raises(CheckpointError, match="differs from the source"):
         shard(str(tmp_path / "src"), 25_000, output=tmp_path / "out", dtype=dtype, **SMALL)
     assert flipped
@@ -518,7 +521,7 @@ def test_verification_catches_one_flipped_byte_and_moves_nothing(tmp_path, monke
 
 def test_verification_catches_a_wrong_header(tmp_path, monkeypatch):
     tiny_model("tiny-sd15", "unet").save_pretrained(tmp_path / "src")
-    real = shard_module._check_header
+    real = verification._check_header
 
     def swap_shape_then_check(path, shard_file):
         """Rewrite one shape in the written header (same length), as a header bug would."""
@@ -528,7 +531,7 @@ def test_verification_catches_a_wrong_header(tmp_path, monkeypatch):
         path.write_bytes(bytes(data))
         return real(path, shard_file)
 
-    monkeypatch.setattr(shard_module, "_check_header", swap_shape_then_check)
+    monkeypatch.setattr(verification, "_check_header", swap_shape_then_check)
     with pytest.raises(CheckpointError, match="conv_in.bias"):  # the header reader or the shape check names it
         shard(str(tmp_path / "src"), 25_000, output=tmp_path / "out", **SMALL)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
@@ -539,7 +542,7 @@ def test_copy_verified_finds_any_flipped_byte(tmp_path, monkeypatch, window):
     """The verified copy itself: an intact copy lands byte for byte and reports nothing; one byte flipped
     after it is written, anywhere (window edges, the last byte, unaligned starts), is reported in the window
     that holds it; a source shorter than the range is an error."""
-    monkeypatch.setattr(shard_module, "VERIFY_WINDOW", window)
+    monkeypatch.setattr(copying, "VERIFY_WINDOW", window)
     data = os.urandom(100_003)
     (tmp_path / "a").write_bytes(b"x" * 5 + data)
     count = len(data)
@@ -557,18 +560,18 @@ def test_copy_verified_finds_any_flipped_byte(tmp_path, monkeypatch, window):
                 dst = os.open(out, os.O_RDWR | os.O_CREAT)
                 try:
                     os.write(dst, b"y" * pad)
-                    wrong = shard_module._copy_verified(src, dst, 5, count, pad, shard_module.Progress())
+                    wrong = copying._copy_verified(src, dst, 5, count, pad, Progress())
                 finally:
                     os.close(dst)
                     monkeypatch.undo()
-                    monkeypatch.setattr(shard_module, "VERIFY_WINDOW", window)
+                    monkeypatch.setattr(copying, "VERIFY_WINDOW", window)
                 if at is None:
                     assert wrong is None and out.read_bytes() == b"y" * pad + data
                 else:
                     assert flipped and wrong == at - at % window, (pad, at)
         with pytest.raises(CheckpointError, match="source file ended"):
-            shard_module._copy_verified(src, os.open(tmp_path / "c", os.O_RDWR | os.O_CREAT), 5, count + 1, 0,
-                                        shard_module.Progress())
+            copying._copy_verified(src, os.open(tmp_path / "c", os.O_RDWR | os.O_CREAT), 5, count + 1, 0,
+                                        Progress())
     finally:
         os.close(src)
 
@@ -586,7 +589,7 @@ def _big_tensors_file(path: Path) -> None:
 
 def test_tensors_larger_than_the_window_are_copied_and_verified_exactly(tmp_path, monkeypatch):
     """Tensors of many compare windows come out byte for byte, and no descriptor is left open."""
-    monkeypatch.setattr(shard_module, "VERIFY_WINDOW", 4096 * 3 + 8)
+    monkeypatch.setattr(copying, "VERIFY_WINDOW", 4096 * 3 + 8)
     _big_tensors_file(tmp_path / "m.safetensors")
     fds = len(os.listdir("/proc/self/fd")) if Path("/proc/self/fd").is_dir() else None
     result = shard(str(tmp_path / "m.safetensors"), 100_000, output=tmp_path / "out", **SMALL)
@@ -606,12 +609,12 @@ def test_tensors_larger_than_the_window_are_copied_and_verified_exactly(tmp_path
 def test_copies_through_the_buffer_are_exact(tmp_path, monkeypatch, how):
     """Without verification, where copy_file_range is missing or refuses (EXDEV: another file system on old
     kernels), tensors larger than the buffer go through it piece by piece and come out byte for byte."""
-    monkeypatch.setattr(shard_module, "BUFFER_BYTES", 4096 * 2 + 3)
-    monkeypatch.setattr(shard_module, "VERIFY_WINDOW", 4096 * 3 + 8)
+    monkeypatch.setattr(copying, "BUFFER_BYTES", 4096 * 2 + 3)
+    monkeypatch.setattr(copying, "VERIFY_WINDOW", 4096 * 3 + 8)
     if how == "no kernel copy":
-        monkeypatch.setattr(shard_module, "_kernel_copy", False)
+        monkeypatch.setattr(copying, "_kernel_copy", False)
     else:
-        monkeypatch.setattr(shard_module, "_kernel_copy", True)  # restored after the run flips it
+        monkeypatch.setattr(copying, "_kernel_copy", True)  # restored after the run flips it
 
         def refuse(*args):
             raise OSError(errno.EXDEV, "Invalid cross-device link")
@@ -619,7 +622,7 @@ def test_copies_through_the_buffer_are_exact(tmp_path, monkeypatch, how):
         monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
     _big_tensors_file(tmp_path / "m.safetensors")
     result = shard(str(tmp_path / "m.safetensors"), 200_000, output=tmp_path / "out", verify=False, **SMALL)
-    assert not result.verified and not shard_module._kernel_copy
+    assert not result.verified and not copying._kernel_copy
     from safetensors.numpy import load_file
 
     want, got = load_file(tmp_path / "m.safetensors"), {}
@@ -632,7 +635,7 @@ def test_copies_through_the_buffer_are_exact(tmp_path, monkeypatch, how):
 def test_a_corrupted_copy_is_caught_and_nothing_is_moved(tmp_path, monkeypatch, where):
     """One wrong byte landing anywhere in a tensor that spans many windows fails the verification, which names
     that tensor."""
-    monkeypatch.setattr(shard_module, "VERIFY_WINDOW", 4096 * 3 + 8)
+    monkeypatch.setattr(copying, "VERIFY_WINDOW", 4096 * 3 + 8)
     _big_tensors_file(tmp_path / "m.safetensors")
     header = 8 + json.dumps({"__metadata__": {"format": "pt"}, "a.weight": {
         "dtype": "F32", "shape": [40000], "data_offsets": [0, 160000]}}, separators=(",", ":")).__len__()

@@ -18,7 +18,7 @@ import pytest
 from conftest import run_dmap
 
 from dm_cli.io.checkpoint import read_safetensors_header
-from dm_cli.model import single_file
+from dm_cli.model.formats import single_file_layout
 from dm_cli.model.inspection import inspect_source
 
 BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
@@ -247,16 +247,16 @@ def test_diffusers_gives_the_same_answer_on_the_same_tensors(files):
             theirs = infer_diffusers_model_type(state)
         except Exception:  # noqa: BLE001 - where diffusers raises, dmap says "not recognized"
             theirs = None
-        ours = single_file.infer_model_type({k: tuple(v.shape) for k, v in state.items()})
+        ours = single_file_layout.infer_model_type({k: tuple(v.shape) for k, v in state.items()})
         assert ours == theirs == expected[name], name
 
 
 def test_key_names_and_default_repos_are_diffusers_own():
     theirs = _diffusers_single_file_utils()
-    assert single_file.CHECKPOINT_KEY_NAMES == theirs["CHECKPOINT_KEY_NAMES"]
+    assert single_file_layout.CHECKPOINT_KEY_NAMES == theirs["CHECKPOINT_KEY_NAMES"]
     repos = {name: "/".join(filter(None, (p["pretrained_model_name_or_path"], p.get("subfolder"))))
              for name, p in theirs["DIFFUSERS_DEFAULT_PIPELINE_PATHS"].items()}
-    ours = {name: row[3] for name, row in single_file.MODEL_TYPES.items() if row[3] is not None}
+    ours = {name: row[3] for name, row in single_file_layout.MODEL_TYPES.items() if row[3] is not None}
     assert ours == repos
 
 

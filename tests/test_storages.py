@@ -33,7 +33,7 @@ def test_a_storage_counts_once_and_returns_when_its_last_tensor_dies(device):
 def test_the_meter_counts_a_tensor_subclass_by_its_inner_tensors():
     """A detached int8 weight shares the weight's inner storages; its own storage is a placeholder of nominal size."""
     from dm_cli.errors import UsageError
-    from dm_cli.model.weight_formats import torchao
+    from dm_cli.model.formats.weight_formats import torchao
     from dm_cli.run.meter import MemoryMeter
 
     try:

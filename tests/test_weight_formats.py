@@ -9,7 +9,7 @@ import pytest
 
 from dm_cli.errors import UsageError
 from dm_cli.inputs import PlacementSpec
-from dm_cli.model.weight_formats import parse_weights_spec
+from dm_cli.model.formats.weight_formats import parse_weights_spec
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -80,7 +80,7 @@ def _quantize_int8(model, name, source):
     names, none whose weight is tied to another module's (chosen here from the model, not from dmap)."""
     import re
 
-    from dm_cli.model.weight_formats import torchao
+    from dm_cli.model.formats.weight_formats import torchao
 
     quantize_, config = torchao()
     patterns = _skip_patterns(model)

@@ -12,6 +12,7 @@ import json
 import math
 import operator
 import os
+import pickle
 import re
 import stat
 import struct
@@ -553,8 +554,7 @@ def legacy_files_loaded(folder: Path, variant: str | None, candidates: list[Path
 
 def load_legacy_weights(path: Path) -> dict:
     """`torch.load(weights_only=True)` only: a file that needs full unpickling is refused."""
-    import pickle
-
+    # torch: imported on use, so start-up stays free of torch
     import torch
 
     def load(mmap: bool):

@@ -11,16 +11,25 @@ PRESET -o DIR`) is how a user does: the `demo` SOURCE name is this pipeline (`is
 
 from __future__ import annotations
 
+import difflib
+import fcntl
 import json
 import os
+import shlex
 import shutil
 import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dm_cli.errors import UsageError, disk_full
-from dm_cli.io.atomic import disk_full_error
+from dm_cli.errors import DmapError, UsageError, disk_full
+from dm_cli.io.atomic import _umask, disk_full_error, refuse_existing
+from dm_cli.io.cache import cache_dir, cache_key
+from dm_cli.io.checkpoint import open_checkpoint, read_json_object
+from dm_cli.io.swap import TEMP_MARK, hidden_name, publish, recover
+from dm_cli.model.models import build_model, quiet_libraries
+from dm_cli.model.sources import DEMO_SOURCE, PRESETS, PRESETS_DIR, resolve_source
+from dm_cli.model.tokenizers import write_tokenizer_for
 
 DEMO_SEED = 0
 DEMO_SHARD_SIZE = "4MB"  # several shards per big component, as real checkpoints have
@@ -72,21 +81,15 @@ DEMO_CONFIGS: dict[str, dict] = {
 
 def _digest(configs: dict) -> str:
     """The demo's cache key: its configs and seed, the library versions and dmap's code (cache.cache_key)."""
-    from dm_cli.io.cache import cache_key
-
     return cache_key({"configs": configs, "seed": DEMO_SEED})[:16]
 
 
 def demo_folder() -> Path:
-    from dm_cli.io.cache import cache_dir
-
     return cache_dir() / "demo" / f"flux-demo-{_digest(DEMO_CONFIGS)}"
 
 
 def is_demo(source: str | None) -> bool:
     """None, or the SOURCE name `demo` when no file or folder of that name is here (a path comes first)."""
-    from dm_cli.model.sources import DEMO_SOURCE
-
     return source is None or (source == DEMO_SOURCE and not Path(source).expanduser().exists())
 
 
@@ -99,8 +102,6 @@ def source_root(source: str | None, status=lambda message: None) -> tuple[str, s
 
 def resolve(spec: str):
     """`resolve_source`, with `demo` (when no such path exists) the demo pipeline, generated on first use."""
-    from dm_cli.model.sources import resolve_source
-
     if not is_demo(spec):
         return resolve_source(spec)
     source = resolve_source(str(ensure_demo()))
@@ -115,8 +116,6 @@ LOCK_NAME = ".demo.lock"
 
 def ensure_demo(status=lambda message: None) -> Path:
     """The demo pipeline folder, generated (once, atomically) if the cache lacks it or holds it damaged."""
-    import fcntl
-
     folder = demo_folder()
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -175,8 +174,6 @@ def _ensure_demo_locked(folder: Path, status=lambda message: None) -> Path:
     status("Generating the demo pipeline's random weights again (the cached one is damaged)…"
            if os.path.lexists(folder) else "Generating the demo pipeline's random weights (first run only)…")
     _remove(folder)  # dmap's own cache, damaged (or partly missing): generated again below
-    from dm_cli.model.models import quiet_libraries
-
     quiet_libraries()  # the libraries' save bars would interleave with dmap's own output
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-demo-"))
     try:
@@ -272,10 +269,6 @@ def _intact(folder: Path) -> bool:
     """The folder holds exactly the files dmap wrote (regular files, the sizes it recorded), every JSON file is a
     strict JSON object and every component's weights pass the header checks. Checked by lstat before anything is
     opened and read with the bounded readers: a FIFO, a symlink or a huge file is damage, never a wait."""
-    from dm_cli.errors import DmapError
-    from dm_cli.io.checkpoint import open_checkpoint, read_json_object
-    from dm_cli.model.sources import resolve_source
-
     files = _walk(folder)
     if files is None or FILES_RECORD not in files:
         return False
@@ -318,9 +311,8 @@ def write_random_pipeline(
     or the demo's); `target` receives model_index.json, every component as safetensors, the
     scheduler config and offline tokenizers. Same seed and library versions, same bytes.
     """
+    # torch: imported on use, so start-up stays free of torch
     import torch
-
-    from dm_cli.model.tokenizers import write_tokenizer_for
 
     config_root, target = Path(config_root), Path(target)
     target.mkdir(parents=True, exist_ok=True)
@@ -356,8 +348,6 @@ def write_random_pipeline(
 
 def _build_random(library: str, cls: str, config: dict):
     """The class with its own (random) initialisation, on the CPU."""
-    from dm_cli.model.models import build_model
-
     return build_model(library, cls, config)
 
 
@@ -383,8 +373,6 @@ EXAMPLE_IMAGE = "example-input.png"
 
 
 def tiny_presets() -> list[str]:
-    from dm_cli.model.sources import PRESETS
-
     return [name for name in PRESETS if name.startswith("tiny-")]
 
 
@@ -399,8 +387,6 @@ class WrittenPreset:
     notes: list[str]
 
     def next_command(self) -> str:
-        import shlex
-
         options = NEXT_RUN_OPTIONS.get(self.preset, DEFAULT_NEXT_RUN_OPTIONS)
         if self.preset in NEEDS_INPUT_IMAGE:
             options += f" --image {shlex.quote(str(self.folder / EXAMPLE_IMAGE))}"
@@ -418,10 +404,6 @@ def _write_example_image(folder: Path) -> None:
 
 def check_preset(preset: str) -> str:
     """The preset `dmap demo` can write (a tiny one), or exit 2 naming them."""
-    import difflib
-
-    from dm_cli.model.sources import PRESETS
-
     tiny = tiny_presets()
     if preset in tiny:
         return preset
@@ -438,10 +420,6 @@ def write_preset(preset: str, output: str | Path, seed: int = 0, overwrite: bool
     """A tiny preset as a runnable pipeline folder with random weights (`seed`), written to a hidden folder
     beside `output` and published there only when complete (swap.publish; `overwrite` replaces an output
     dmap could have written, atomic.refuse_existing)."""
-    from dm_cli.io.atomic import _umask, refuse_existing
-    from dm_cli.io.swap import TEMP_MARK, hidden_name, publish, recover
-    from dm_cli.model.sources import PRESETS, PRESETS_DIR
-
     preset = check_preset(preset)
     if not 0 <= seed < 2**32:
         raise UsageError(f"--seed {seed} is out of range: give 0 to {2**32 - 1}.")
@@ -453,8 +431,6 @@ def write_preset(preset: str, output: str | Path, seed: int = 0, overwrite: bool
     if not parent.is_dir():
         raise UsageError(f"Cannot write {out}: its parent folder {parent} does not exist.")
     notes = recover(out, overwrite)
-    from dm_cli.model.models import quiet_libraries
-
     quiet_libraries()  # the libraries' save bars would interleave with dmap's own output
     staging = hidden_name(out, TEMP_MARK)  # a kill leaves a folder the next write of this output removes
     try:

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 
 from dm_cli.errors import SourceError, UsageError
 from dm_cli.model.demo import resolve
+from dm_cli.model.formats.gguf_files import module_rows, read_gguf_header, summary, type_summary
+from dm_cli.model.formats.single_file_layout import recognize
+from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, component_format, parse_weights_spec
 from dm_cli.model.skeleton import ModuleSize, Skeleton, as_loaded
 from dm_cli.model.sources import GGUF_SUFFIX, Source, gguf_file
-from dm_cli.model.weight_formats import STORAGE_DTYPES, component_format, parse_weights_spec
 
 
 @dataclass
@@ -56,8 +58,8 @@ class InspectReport:
     dtype: str | None  # requested dtype; None = as stored / bf16 for configs
     components: list[ComponentReport]
     notes: list[str] = field(default_factory=list)
-    gguf: dict | None = None  # a GGUF file: dm_cli.model.gguf_files.summary (format, metadata, types, tensors)
-    single_file: dict | None = None  # an original-layout single file: dm_cli.model.single_file.recognize
+    gguf: dict | None = None  # a GGUF file: dm_cli.model.formats.gguf_files.summary (format, metadata, types, tensors)
+    single_file: dict | None = None  # an original-layout single file: dm_cli.model.formats.single_file_layout.recognize
 
     @property
     def total_params(self) -> int:
@@ -126,8 +128,6 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
         if loaded.note is not None:  # with weights, what loads; config only, as built (and say what plan counts)
             notes.append(loaded.note)
         if source.kind == "weights" and comp.config is None and checkpoint is not None and checkpoint.index is None:
-            from dm_cli.model.single_file import recognize  # one .safetensors file without a config: its layout
-
             single = recognize(checkpoint.tensors)
         comp, skeleton = (loaded.comp, loaded.skeleton) if comp.weights is not None else (comp, loaded.as_built)
         fmt = component_format(formats, comp.name, skeleton)
@@ -160,8 +160,6 @@ def inspect_source(spec: str, dtype: str | None = None, component: str | None = 
 def inspect_gguf(spec: str, path, dtype: str | None = None, component: str | None = None, depth: int = 0,
                  weights: str | None = None) -> InspectReport:
     """A GGUF file from its header alone: one component, every tensor as stored (quantized blocks), by ggml type."""
-    from dm_cli.model.gguf_files import module_rows, read_gguf_header, summary, type_summary
-
     for option, value in (("--dtype", dtype), ("--weights", weights)):
         if value is not None:
             raise UsageError(f"{option} does not apply to a GGUF file: its tensors are sized as stored, quantized.")

@@ -8,10 +8,13 @@ import an arbitrary module.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import logging
 
 from dm_cli.errors import SourceError
+from dm_cli.model.formats.weight_formats import quiet_torchao
 
 # Keys of a transformers config.json that are bookkeeping, not architecture.
 _VOLATILE_KEYS = ("_name_or_path", "transformers_version")
@@ -19,13 +22,13 @@ _VOLATILE_KEYS = ("_name_or_path", "transformers_version")
 
 def quiet_libraries() -> None:
     """dmap prints its own progress and summary: the libraries' load bars and advice would drown it."""
-    from dm_cli.model.weight_formats import quiet_torchao
-
     quiet_torchao()
+    # transformers: imported on use, so start-up stays free of torch
     import transformers
 
     transformers.utils.logging.set_verbosity_error()  # diffusers' import triggers transformers warnings
     transformers.utils.logging.disable_progress_bar()
+    # diffusers: imported on use, so start-up stays free of torch
     import diffusers
 
     diffusers.utils.logging.set_verbosity_error()
@@ -33,8 +36,6 @@ def quiet_libraries() -> None:
 
 
 def _library_module(library: str | None, class_name: str):
-    from dm_cli.model.weight_formats import quiet_torchao
-
     quiet_torchao()  # before diffusers' first import, which imports torchao when it is installed
     if library in ("diffusers", "transformers"):
         return importlib.import_module(library)
@@ -66,12 +67,14 @@ def component_class(library: str | None, class_name: str):
 
 
 def _is_model_class(cls) -> bool:
+    # diffusers: imported on use, so start-up stays free of torch
     import diffusers
 
     return issubclass(cls, diffusers.ModelMixin) or is_transformers_model(cls)
 
 
 def is_transformers_model(cls) -> bool:
+    # transformers: imported on use, so start-up stays free of torch
     import transformers
 
     return issubclass(cls, transformers.PreTrainedModel)
@@ -84,6 +87,7 @@ def build_model(library: str | None, class_name: str, config: dict, device: str 
     Transformers models are tied explicitly: built on meta or empty, T5 comes out untied (see the
     reference README).
     """
+    # torch: imported on use, so start-up stays free of torch
     import torch
 
     cls = component_class(library, class_name)
@@ -94,6 +98,7 @@ def build_model(library: str | None, class_name: str, config: dict, device: str 
             quiet_rope_config_warnings()
             clean = {k: v for k, v in config.items() if k not in _VOLATILE_KEYS}
             return cls(cls.config_class.from_dict(clean))
+        # diffusers: imported on use, so start-up stays free of torch
         from diffusers.utils import logging as diffusers_logging
 
         # config keys diffusers itself ignores (FLUX.2's vae force_upcast) are not the user's business
@@ -108,6 +113,7 @@ def build_model(library: str | None, class_name: str, config: dict, device: str 
         with torch.device("meta"), _skipped_init(transformers_style):
             model = construct()
     elif device == "empty":
+        # accelerate: imported on use, so start-up stays free of torch
         from accelerate import init_empty_weights
 
         with init_empty_weights(include_buffers=False):
@@ -123,10 +129,9 @@ def _skipped_init(transformers_style: bool):
     """diffusers' `no_init_weights` for a diffusers model built on meta: its torch.nn.init calls would only
     fill meta tensors, which hold no values (a third of a UNet's build). Transformers models keep theirs
     (their init also fills buffers, and building one on meta is rare: text encoders get no placeholder)."""
-    import contextlib
-
     if transformers_style:
         return contextlib.nullcontext()
+    # diffusers: imported on use, so start-up stays free of torch
     from diffusers.models.modeling_utils import no_init_weights
 
     return no_init_weights()
@@ -158,8 +163,6 @@ class _DropMessage:
 
 def quiet_rope_config_warnings() -> None:
     """Drop transformers' RoPE-standardisation warnings (`_ROPE_NOISE`) for the whole process, once."""
-    import logging
-
     for name, matches in _ROPE_NOISE.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessage) for f in logger.filters):

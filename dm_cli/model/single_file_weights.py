@@ -12,12 +12,20 @@ dequantizes one layer at a time while it runs), the others are cast to the run d
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dm_cli.errors import SourceError, UsageError
-from dm_cli.model.gguf_files import shown
+from dm_cli.io.checkpoint import read_safetensors_header
+from dm_cli.model.demo import resolve
+from dm_cli.model.formats.gguf_files import read_gguf_header, shown
+from dm_cli.model.formats.single_file_layout import match_file
+from dm_cli.model.models import component_class
+from dm_cli.model.skeleton import load_skeleton
 
 GGUF = "gguf"
 SAFETENSORS = "safetensors"
@@ -60,6 +68,7 @@ def is_single_file(spec: str) -> bool:
 
 def mapping_function(cls: str):
     """diffusers' checkpoint_mapping_fn for a model class, or None when from_single_file cannot load it."""
+    # diffusers: imported on use, so start-up stays free of torch
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
     entry = SINGLE_FILE_LOADABLE_CLASSES.get(cls)
@@ -83,9 +92,8 @@ def read_single_file(path: Path, cls: str, config: dict) -> SingleFileWeights:
 
 
 def _meta_safetensors(path: Path) -> dict:
+    # torch: imported on use, so start-up stays free of torch
     import torch
-
-    from dm_cli.io.checkpoint import read_safetensors_header
 
     header = read_safetensors_header(path)
     meta = {}
@@ -97,10 +105,9 @@ def _meta_safetensors(path: Path) -> dict:
 def _meta_gguf(path: Path) -> dict:
     """GGUF tensors on meta: plain types as their torch dtype, quantized ones as diffusers' GGUFParameter over
     their stored bytes (rows x bytes per row), exactly what `load_gguf_checkpoint` hands the mapping function."""
+    # torch and diffusers: imported on use, so start-up stays free of torch
     import torch
     from diffusers.quantizers.gguf.utils import GGUFParameter
-
-    from dm_cli.model.gguf_files import read_gguf_header
 
     header = read_gguf_header(path)
     meta = {}
@@ -112,6 +119,7 @@ def _meta_gguf(path: Path) -> dict:
 
 
 def _supported_quant_types():
+    # diffusers: imported on use, so start-up stays free of torch
     from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES
 
     return SUPPORTED_GGUF_QUANT_TYPES
@@ -121,6 +129,7 @@ def _stored(tensor) -> StoredTensor:
     quant_type = getattr(tensor, "quant_type", None)
     if quant_type is None:
         return StoredTensor(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+    # gguf (numpy): imported on use, only for GGUF files
     import gguf
 
     qtype = gguf.GGMLQuantizationType(quant_type)
@@ -149,8 +158,6 @@ def check_against(weights: SingleFileWeights, skeleton, component: str) -> None:
 
 def _single_file_for(path: Path, comp) -> SingleFileWeights:
     """The file read as `comp` stores it and checked against its config (one sentence when it is not that)."""
-    from dm_cli.model.skeleton import load_skeleton
-
     weights = read_single_file(path, comp.cls, comp.config)
     check_against(weights, load_skeleton(comp.name, comp.library, comp.cls, comp.config), comp.name)
     return weights
@@ -161,8 +168,6 @@ def attach_single_file(file_spec: str, source, skip=()):
     in the pipeline's order, that diffusers can load from a single file and whose tensors the file matches (for
     Wan 2.2, whose experts share a class, the first: `transformer`), leaving out the components in `skip` (those
     --component-file names). One sentence when none does."""
-    from dataclasses import replace
-
     path = Path(file_spec).expanduser()
     _check_pipeline(source, "--pipeline")
     problems = []
@@ -214,8 +219,6 @@ def parse_named_file(value: str, option: str) -> tuple[str, str]:
 def parse_component_files(values) -> dict[str, str]:
     """--component-file values (["transformer_2=LOW.gguf", ...]) or the API's {"transformer_2": "LOW.gguf"} as
     {component: file}; a component named twice, or a file that is not a .safetensors or .gguf file: one sentence."""
-    import os
-
     if not values:
         return {}
     if isinstance(values, dict):
@@ -243,8 +246,6 @@ def parse_component_files(values) -> dict[str, str]:
 def attach_component_files(source, files: dict[str, str]):
     """The pipeline `source` with each named component taken from its file (checked against that component's
     config, as SOURCE's file is)."""
-    from dataclasses import replace
-
     _check_pipeline(source, "--component-file")
     names = [c.name for c in source.components]
     components = list(source.components)
@@ -275,8 +276,6 @@ def resolve_with_pipeline(spec: str, pipeline: str | None, component_files=None)
     pipeline `pipeline` names (a preset or a folder); with `component_files` (--component-file, as
     `parse_component_files` takes them) those components from their files too (the SOURCE file then goes to the first
     matching component they do not name)."""
-    from dm_cli.model.demo import resolve
-
     files = parse_component_files(component_files)
     if pipeline is None:
         source = resolve(spec)
@@ -297,9 +296,6 @@ def resolve_with_pipeline(spec: str, pipeline: str | None, component_files=None)
 def file_digest(path: Path) -> str:
     """sha256 of a file's bytes, streamed (a run's metadata names each single file by it); remembered per process
     for a file whose size and modification time have not changed."""
-    import hashlib
-    import os
-
     stat = os.stat(path)
     key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
     if key not in _DIGESTS:
@@ -370,8 +366,6 @@ def component_for_file(path: Path, pipeline: str | None):
     """(component, where its config comes from) for the component the file holds: with `pipeline` (a preset or a
     folder) its first component the file matches, as `--pipeline` picks; without, the bundled preset that `dmap
     inspect` recognizes the file as. A file already in diffusers' layout, or in a layout neither knows: one sentence."""
-    from dm_cli.model.demo import resolve
-
     if pipeline is not None:
         source = resolve(pipeline)
         _check_pipeline(source, "--pipeline")
@@ -394,17 +388,11 @@ def component_for_file(path: Path, pipeline: str | None):
 
 def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     if path.name.lower().endswith(".gguf"):
-        from dm_cli.model.gguf_files import read_gguf_header
-
         return {t.name: t.shape for t in read_gguf_header(path).tensors}
-    from dm_cli.io.checkpoint import read_safetensors_header
-
     return {name: tuple(e.shape) for name, e in read_safetensors_header(path).tensors.items()}
 
 
 def _recognized_component(path: Path):
-    from dm_cli.model.single_file import match_file
-
     found = match_file(_file_shapes(path))
     if found is None:
         raise SourceError(f"{shown(path.name)} is in no original layout that diffusers' single-file loader knows (a "
@@ -419,8 +407,6 @@ def _recognized_component(path: Path):
 
 def _refuse_diffusers_layout(path: Path, candidates) -> None:
     """A file whose names and shapes are already a candidate's own (diffusers' layout): nothing to convert."""
-    from dm_cli.model.skeleton import load_skeleton
-
     shapes = _file_shapes(path)
     for comp in candidates:
         built = {t.name: tuple(t.shape) for t in load_skeleton(comp.name, comp.library, comp.cls, comp.config).tensors
@@ -433,11 +419,8 @@ def _refuse_diffusers_layout(path: Path, candidates) -> None:
 
 def convert_file(path: Path, comp) -> ConvertedFile:
     """`path` converted into `comp`'s names by diffusers' mapping function, on views of a memory map."""
-    import warnings
-
+    # numpy: imported on use, only when tensor data is read
     import numpy as np
-
-    from dm_cli.model.models import component_class
 
     fmt = GGUF if path.name.lower().endswith(".gguf") else SAFETENSORS
     try:  # read-only and shared: a copy-on-write map of a 28 GB file would be charged 28 GB of commit
@@ -458,6 +441,7 @@ def convert_file(path: Path, comp) -> ConvertedFile:
 
 def _view(mapped, begin: int, end: int, dtype, shape):
     """The bytes [begin, end) of the map as a tensor; a copy only where the dtype's alignment forbids a view."""
+    # torch: imported on use, so start-up stays free of torch
     import torch
 
     raw = torch.from_numpy(mapped[begin:end])
@@ -470,9 +454,8 @@ def _view(mapped, begin: int, end: int, dtype, shape):
 
 
 def _safetensors_views(path: Path, mapped) -> dict:
+    # torch: imported on use, so start-up stays free of torch
     import torch
-
-    from dm_cli.io.checkpoint import read_safetensors_header
 
     header = read_safetensors_header(path)
     if mapped.size != max((e.end for e in header.tensors.values()), default=mapped.size):
@@ -483,9 +466,8 @@ def _safetensors_views(path: Path, mapped) -> dict:
 def _gguf_views(path: Path, mapped) -> dict:
     """As diffusers' `load_gguf_checkpoint` gives them (F32, F16 plain; quantized as GGUFParameter over their
     blocks), but BF16 plain too (the same values) and never copied."""
+    # diffusers: imported on use, so start-up stays free of torch
     from diffusers.quantizers.gguf.utils import GGUFParameter
-
-    from dm_cli.model.gguf_files import read_gguf_header
 
     header = read_gguf_header(path)
     if header.byte_order != "little":
@@ -503,6 +485,7 @@ def _gguf_views(path: Path, mapped) -> dict:
 def _gguf_storage(path, tensor):
     """(torch dtype, shape, quant type or None) a GGUF tensor is held in as diffusers' GGUF loader holds it: plain
     types as themselves, quantized ones as uint8 rows of blocks; a type that loader cannot read: one sentence."""
+    # torch and gguf: imported on use, so start-up stays free of torch
     import gguf
     import torch
 

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field, replace
 
 from dm_cli.errors import DmapError, SourceError
 from dm_cli.io.cache import cache_key, read_cached, write_cached
-from dm_cli.model.weight_formats import STORAGE_DTYPES, low_precision_bytes, low_precision_tags
+from dm_cli.io.checkpoint import legacy_files_loaded, load_legacy_weights, open_checkpoint
+from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, low_precision_bytes, low_precision_tags, quiet_torchao
+from dm_cli.model.models import build_model
 from dm_cli.units import DTYPE_BYTES, FLOATING_DTYPES, numel
 
 SKELETON_FORMAT_VERSION = 3
@@ -331,8 +333,6 @@ def build_on_meta(library: str, class_name: str, config: dict):
     """Instantiate a component class on the meta device from its config dict (dm_cli.model.models).
 
     A config is input like any other: whatever the class raises on it becomes one sentence."""
-    from dm_cli.model.models import build_model
-
     _check_layer_counts(class_name, config)
     try:
         return build_model(library, class_name, config, device="meta")
@@ -346,9 +346,8 @@ def build_on_meta(library: str, class_name: str, config: dict):
 
 def guess_library(class_name: str) -> str | None:
     """Which library has `class_name`, for a config.json that does not say."""
-    from dm_cli.model.weight_formats import quiet_torchao
-
     quiet_torchao()
+    # diffusers and transformers: imported on use, so start-up stays free of torch
     import diffusers
     import transformers
 
@@ -440,8 +439,6 @@ def skeleton_for_component(comp, use_cache: bool = True):
 
     The entry point `inspect`, `plan` and `run` size a component through (by way of `as_loaded`).
     """
-    from dm_cli.io.checkpoint import open_checkpoint
-
     checkpoint = open_checkpoint(comp.weights, strict=False) if comp.weights is not None else None
     return _skeleton_of(comp, checkpoint, use_cache), checkpoint
 
@@ -469,9 +466,6 @@ def legacy_dtypes(comp) -> tuple[dict[str, str] | None, str]:
 
     `torch.load(weights_only=True, mmap=True)`: no code runs, and tensor data stays on disk.
     """
-    from dm_cli.errors import DmapError
-    from dm_cli.io.checkpoint import legacy_files_loaded, load_legacy_weights
-
     try:
         files = [f for f in legacy_files_loaded(comp.folder, None, list(comp.legacy_weights)) or []
                  if not f.name.endswith(".json")]

@@ -59,6 +59,7 @@ def _clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
 
 def write_clip_tokenizer(folder: str | Path, vocab_size: int, model_max_length: int = 77) -> Path:
     """A byte-level BPE CLIP tokenizer with fewer than `vocab_size` ids (< 600 ids)."""
+    # transformers: imported on use, so start-up stays free of torch
     from transformers import CLIPTokenizer
 
     vocab, merges = _clip_vocab_and_merges()
@@ -78,6 +79,7 @@ def write_clip_tokenizer(folder: str | Path, vocab_size: int, model_max_length: 
 
 def write_t5_tokenizer(folder: str | Path, vocab_size: int, model_max_length: int = 512) -> Path:
     """A Unigram T5 tokenizer (pad=0, eos=1, unk=2 as in T5) with fewer than `vocab_size` ids."""
+    # transformers: imported on use, so start-up stays free of torch
     from transformers import T5TokenizerFast
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
@@ -133,6 +135,7 @@ _QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 
 def write_qwen2_tokenizer(folder: str | Path, vocab_size: int, model_max_length: int = 32768) -> Path:
     """A byte-level BPE Qwen2 tokenizer (Qwen2.5 and Qwen3 use this class) with Qwen's chat template."""
+    # transformers and tokenizers: imported on use, so start-up stays free of torch
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
@@ -171,6 +174,7 @@ def write_pixtral_processor(folder: str | Path, encoder_config: dict) -> Path:
     loads with `AutoTokenizer.from_pretrained`, which is all a text-to-image pipeline uses. Special
     tokens sit at the ids the text encoder's config names (bos/eos/pad, `image_token_index`).
     """
+    # transformers and tokenizers: imported on use, so start-up stays free of torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -232,6 +236,7 @@ def write_qwen2_vl_processor(folder: str | Path, encoder_config: dict) -> Path:
     ids the text encoder's config names, and a Qwen2VLImageProcessor config sized to its vision tower (patch, merge,
     temporal patch). `Qwen2VLProcessor.from_pretrained` loads it where torchvision is installed; without it,
     `qwen2_vl_processor` does (PIL, no video processor)."""
+    # transformers and tokenizers: imported on use, so start-up stays free of torch
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -265,6 +270,7 @@ def qwen2_vl_processor(folder: str | Path):
     transformers' PIL image processor (`Qwen2VLImageProcessorPil`, the slow one) and the folder's tokenizer, and
     no video processor (Qwen-Image-Edit passes images only). Same tokens and pixel values as the processor a
     pipeline without torchvision would have, had transformers built one."""
+    # transformers: imported on use, so start-up stays free of torch
     from transformers import Qwen2Tokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -273,6 +279,7 @@ def qwen2_vl_processor(folder: str | Path):
 
 @lru_cache(maxsize=1)
 def _image_only_qwen2_vl():
+    # transformers: imported on use, so start-up stays free of torch
     from transformers import Qwen2VLProcessor
     from transformers.processing_utils import ProcessorMixin
 
@@ -301,6 +308,7 @@ _GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn
 def write_gemma_tokenizer(folder: str | Path, vocab_size: int, model_max_length: int = 1024) -> Path:
     """A Gemma tokenizer (BPE with byte fallback, spaces as "▁", as Gemma's own): the specials, the 256 byte
     tokens, then each word of _WORDS merged left to right, bare and followed by "▁"."""
+    # transformers: imported on use, so start-up stays free of torch
     from transformers import GemmaTokenizer
 
     vocab = {token: i for i, token in enumerate(_GEMMA_SPECIALS)}

@@ -27,7 +27,7 @@ from dm_cli.families import (
 from dm_cli.families.stages import NAMED_VALUES
 from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec, StepCache
 from dm_cli.io.atomic import atomic_write
-from dm_cli.model.weight_formats import (
+from dm_cli.model.formats.weight_formats import (
     STORAGE_DTYPES,
     component_format,
     format_of,

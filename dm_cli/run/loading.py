@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from dm_cli.devices import device_of, execution_device_key, normalise_map, streams_blocks, torch_device
 from dm_cli.errors import CheckpointError, SourceError
-from dm_cli.model.weight_formats import int8_offload_problem
+from dm_cli.model.formats.weight_formats import int8_offload_problem
 
 if TYPE_CHECKING:  # annotations only
     from dm_cli.model.sources import ComponentSource
@@ -199,9 +199,9 @@ def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights
     from safetensors import safe_open
 
     from dm_cli.io.checkpoint import open_checkpoint
+    from dm_cli.model.formats.weight_formats import CastingWeights, LoadedTensor, apply_fp8, quantize_int8, read_cast
     from dm_cli.model.models import build_model
     from dm_cli.model.skeleton import as_loaded
-    from dm_cli.model.weight_formats import CastingWeights, LoadedTensor, apply_fp8, quantize_int8, read_cast
 
     loaded = as_loaded(comp)  # an lm_head the checkpoint stores is its own tensor, as from_pretrained keeps it
     comp, skeleton, checkpoint = loaded.comp, loaded.skeleton, loaded.checkpoint

@@ -308,7 +308,7 @@ def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement:
     if dtype and plan.dtype and parse_dtype(dtype) != plan.dtype:
         problems.append(f"it was made for {plan.dtype}, this run asks for {dtype} (drop --dtype)")
     if weights is not None:
-        from dm_cli.model.weight_formats import parse_weights_spec, storage_dtype
+        from dm_cli.model.formats.weight_formats import parse_weights_spec, storage_dtype
 
         for name, fmt in parse_weights_spec(weights, sorted(names)).items():
             stored, wanted = storage_dtype(plan.weights.get(name), plan.dtype), storage_dtype(fmt, plan.dtype)

@@ -197,7 +197,7 @@ class Session:
         if on_plan is not None:
             on_plan(plan)
         if not request.simulate:
-            from dm_cli.model.weight_formats import int8_offload_problem
+            from dm_cli.model.formats.weight_formats import int8_offload_problem
 
             for name, fmt in plan.weights.items():  # before anything loads, not when that component's stage comes
                 problem = int8_offload_problem(name, fmt, plan.components[name].device_map)

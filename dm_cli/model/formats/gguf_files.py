@@ -71,6 +71,7 @@ def shown(text: str, limit: int = 60) -> str:
 
 def ggml_types() -> dict[int, tuple[str, int, int]]:
     """ggml type code -> (name, block size in elements, bytes per block), from the gguf package."""
+    # gguf (numpy): imported on use, only for GGUF files
     from gguf.constants import GGML_QUANT_SIZES
 
     return {int(t): (t.name, block, size) for t, (block, size) in GGML_QUANT_SIZES.items()}

@@ -22,10 +22,12 @@ the only part that touches real weights.
 
 from __future__ import annotations
 
+import logging
 import re
+import warnings
 from dataclasses import dataclass
 
-from dm_cli.devices import covers
+from dm_cli.devices import covers, streams_blocks
 from dm_cli.errors import UsageError
 from dm_cli.units import DTYPE_ALIASES, DTYPE_BYTES
 
@@ -94,8 +96,6 @@ def int8_offload_problem(name: str, fmt: str | None, device_map: dict) -> str | 
     """Why a run cannot load this component, or None: torchao's int8 tensors cannot be streamed from cpu/disk
     by accelerate's hooks, so an int8 component with blocks there is refused unless it sits all on the cpu,
     which then simply runs it (`--simulate` runs every device on the cpu, so it is never refused there)."""
-    from dm_cli.devices import streams_blocks
-
     if fmt != "int8" or not streams_blocks(device_map):
         return None
     return (f"The plan offloads blocks of '{name}' to cpu/disk, which int8 weights cannot be streamed from: "
@@ -151,6 +151,7 @@ def transient_by_key(keys: list[tuple[str, ...]], layers: dict[str, int]) -> lis
 
 def skip_patterns(model) -> tuple[str, ...]:
     """The module-name patterns kept in high precision, as `ModelMixin.enable_layerwise_casting` builds them."""
+    # diffusers: imported on use, so start-up stays free of torch
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 
     patterns = set(DEFAULT_SKIP_MODULES_PATTERN)
@@ -164,6 +165,7 @@ def low_precision_tags(model) -> dict[str, tuple[str, ...]]:
 
     Walks the module tree exactly as diffusers' `_apply_layerwise_casting` does.
     """
+    # torch and diffusers: imported on use, so start-up stays free of torch
     import torch
     from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS
 
@@ -200,6 +202,7 @@ def apply_fp8(model, compute_dtype) -> None:
     Such a model reports its compute dtype instead, as diffusers' `ModelMixin.dtype` does under
     layerwise casting.
     """
+    # torch and diffusers: imported on use, so start-up stays free of torch
     import torch
     from diffusers import ModelMixin
     from diffusers.hooks import apply_layerwise_casting
@@ -214,20 +217,17 @@ def apply_fp8(model, compute_dtype) -> None:
 
 def quiet_torchao() -> None:
     """diffusers imports torchao when it is installed; on CPU builds its import logs kernels it cannot load."""
-    import logging
-
     for name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def torchao():
     """torchao's quantize_ and its weight-only int8 config, or a clear refusal when it cannot run here."""
-    import warnings
-
     quiet_torchao()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            # torchao: imported on use, so start-up stays free of torch
             from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except Exception as error:  # noqa: BLE001 - missing, or built for another torch
         raise UsageError(
@@ -256,6 +256,7 @@ class LoadedTensor:
 
 def read_cast(handle, entry: LoadedTensor):
     """One tensor from an open safetensors file: stored -> run dtype -> storage dtype, as diffusers does it."""
+    # torch: imported on use, so start-up stays free of torch
     import torch
 
     value = handle.get_tensor(entry.stored_name)
@@ -278,6 +279,7 @@ class CastingWeights:
         return key in self._entries
 
     def __getitem__(self, key):
+        # safetensors: imported on use, like torch (the house rule for the weight libraries)
         from safetensors import safe_open
 
         entry = self._entries[key]

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dm_cli.errors import DmapError
+from dm_cli.model.sources import PRESETS, resolve_source
 
 # diffusers.loaders.single_file_utils.CHECKPOINT_KEY_NAMES, 0.42.1 (a test checks they are equal)
 CHECKPOINT_KEY_NAMES = {
@@ -452,8 +453,6 @@ def _layout(model_type: str, prefixed: bool) -> str:
 def _match_preset(model_type: str, component: str, shapes: Mapping) -> tuple[str | None, object, list[dict]]:
     """The first candidate preset whose `component` config fits the file's shapes: (preset, its Source, every
     preset tried with its checks); (None, None, tried) when none fits or dmap bundles none."""
-    from dm_cli.model.sources import PRESETS, resolve_source
-
     tried: list[dict] = []
     for preset in PRESET_CANDIDATES.get(model_type, ()):
         if preset not in PRESETS:
@@ -475,8 +474,6 @@ def _match_preset(model_type: str, component: str, shapes: Mapping) -> tuple[str
 
 
 def _notes(model_type: str, preset: str | None, source, component: str, tried: list[dict]) -> list[str]:
-    from dm_cli.model.sources import PRESETS
-
     notes = []
     if model_type == "flux-dev" and "flux-kontext" in PRESETS:
         notes.append("FLUX.1 Kontext [dev] has the same keys and shapes as FLUX.1 [dev]: for a Kontext file, preset "
