@@ -1,4 +1,4 @@
-"""LoRA adapter files (`--lora [COMPONENT=]FILE[:SCALE]`), read as hostile input: no torch, no tensor data.
+"""LoRA adapter files (`--lora [COMPONENT=]FILE[:SCALE]`), read as hostile input: no weight data read to plan.
 
 A LoRA file is a safetensors file read through dm_cli.io.checkpoint's strict header reader (everything
 `safetensors` refuses is refused, one sentence naming the file); its sha256 is streamed (the metadata and the
@@ -11,7 +11,8 @@ own `load_lora_weights` (dm_cli.run.adapters).
 What would only fail (or silently blacken the image) after the models load is refused here, one sentence naming
 the key: a tensor of rank 0, an alpha (a `.alpha` scalar or the adapter metadata's `lora_alpha`) that is not
 finite or is oversized, a scale beyond `MAX_LORA_SCALE`. A file in a layout diffusers converts while loading
-(kohya's, ...) is converted on shapes alone by the pipeline's own `lora_state_dict` (`converted_layers`), so its
+(kohya's, ...) is converted on shapes alone (meta tensors) by the pipeline's own `lora_state_dict`
+(`converted_layers`), so its
 layers are checked against the component like a peft file's. NaN/Inf weights are found when the adapter loads
 (`nonfinite_tensor`).
 """
@@ -230,15 +231,27 @@ def _check_ranks_and_alphas(header, where: str, name: str) -> None:
         if down and entry.shape:
             ranks[down["module"]] = entry.shape[0]
     scalars = [e for k, e in header.tensors.items() if k.endswith("alpha") and e.numel == 1]
-    if scalars:
-        with open(header.path, "rb") as handle:
-            for entry in scalars:
-                handle.seek(entry.begin)
-                value = _scalar(entry.dtype, handle.read(entry.end - entry.begin))
-                if value is not None:
-                    module = entry.name[:-len(".alpha")] if entry.name.endswith(".alpha") else entry.name
-                    _check_alpha(value, ranks.get(module, 1), entry.name, where, name)
+    try:
+        values = _scalars(header.path, scalars)
+    except OSError as error:
+        raise UsageError(f"{where} {name} cannot be read: {error.strerror or error}.") from None
+    for entry, value in zip(scalars, values):
+        if value is not None:
+            module = entry.name[:-len(".alpha")] if entry.name.endswith(".alpha") else entry.name
+            _check_alpha(value, ranks.get(module, 1), entry.name, where, name)
     _check_metadata_alphas(header.metadata.get("lora_adapter_metadata"), where, name)
+
+
+def _scalars(path, entries: list) -> list[float | None]:
+    """The values of one-element tensors (alphas), each read at its offset: a few bytes, never a weight."""
+    if not entries:
+        return []
+    with open(path, "rb") as handle:
+        out = []
+        for entry in entries:
+            handle.seek(entry.begin)
+            out.append(_scalar(entry.dtype, handle.read(entry.end - entry.begin)))
+        return out
 
 
 def _scalar(dtype: str, raw: bytes) -> float | None:
@@ -263,6 +276,10 @@ def _check_alpha(value, rank: int, key: str, where: str, name: str) -> None:
                          f"(alpha/rank past {MAX_ALPHA_RATIO:g} overflows the model's numbers).")
 
 
+def _number(value) -> int | float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _check_metadata_alphas(text, where: str, name: str) -> None:
     """The peft config diffusers keeps in the header (`lora_adapter_metadata`: `PREFIX.r`, `PREFIX.lora_alpha`,
     their per-module patterns): a rank of 0 or a non-finite or oversized alpha is refused as a tensor's would be.
@@ -273,22 +290,20 @@ def _check_metadata_alphas(text, where: str, name: str) -> None:
         return
     if not isinstance(config, dict):
         return
-    def number(value):
-        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     for key, value in config.items():
         prefix = key[:-len("lora_alpha")] if key.endswith("lora_alpha") else None
-        rank = number(config.get(f"{prefix}r")) if prefix is not None else None
-        if key.endswith("r") and key.rpartition(".")[2] == "r" and number(value) == 0:
+        rank = _number(config.get(f"{prefix}r")) if prefix is not None else None
+        if key.rpartition(".")[2] == "r" and _number(value) == 0:
             raise UsageError(f"{where} {name}: its metadata says '{shown(key)}' is 0: a LoRA of rank 0 changes "
                              "nothing and cannot be loaded; export it again with a rank of 1 or more.")
-        if prefix is not None and number(value) is not None:
+        if prefix is not None and _number(value) is not None:
             _check_alpha(value, int(rank) if rank and math.isfinite(rank) else 1, key, where, name)
         if key.endswith(("alpha_pattern", "rank_pattern")) and isinstance(value, dict):
             for module, each in value.items():
-                if key.endswith("rank_pattern") and number(each) == 0:
+                if key.endswith("rank_pattern") and _number(each) == 0:
                     raise UsageError(f"{where} {name}: its metadata gives '{shown(module)}' rank 0: a LoRA of rank 0 "
                                      "cannot be loaded; export it again with a rank of 1 or more.")
-                if key.endswith("alpha_pattern") and number(each) is not None:
+                if key.endswith("alpha_pattern") and _number(each) is not None:
                     _check_alpha(each, 1, f"{key}.{module}", where, name)
 
 
@@ -341,13 +356,9 @@ def _converted_layers(path: str, digest: str, pipeline_class: str) -> tuple:
         return ()
     header = read_safetensors_header(path)
     name = shown(os.path.basename(path))
-    with open(path, "rb") as handle:
-        alphas = {}
-        for key, entry in header.tensors.items():
-            if key.endswith("alpha") and entry.numel == 1:
-                handle.seek(entry.begin)
-                value = _scalar(entry.dtype, handle.read(entry.end - entry.begin))
-                alphas[key] = torch.tensor(value if value is not None else 1.0).reshape(entry.shape)
+    scalars = [e for k, e in header.tensors.items() if k.endswith("alpha") and e.numel == 1]
+    alphas = {entry.name: torch.tensor(value if value is not None else 1.0).reshape(entry.shape)
+              for entry, value in zip(scalars, _scalars(path, scalars))}
 
     def state_dict(tensor):
         return {key: alphas[key] if key in alphas else tensor(entry) for key, entry in header.tensors.items()}
