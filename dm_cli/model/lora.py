@@ -396,6 +396,13 @@ def _converted_layers(path: str, digest: str, pipeline_class: str) -> tuple:
         raise UsageError(f"--lora {name} matches no layer of this model's denoiser: diffusers' {pipeline_class} "
                          f"converts none of its keys (such as '{shown(first)}') to one (it is a LoRA for another "
                          "model).")
+    if any(".lora.down." in k or ".lora.up." in k or "_lora.down." in k for k in denoiser):
+        from diffusers.utils import convert_unet_state_dict_to_peft  # what diffusers' UNet loader does next
+
+        try:
+            denoiser = convert_unet_state_dict_to_peft(denoiser)
+        except Exception:  # noqa: BLE001 - told by diffusers while loading
+            return ()
     entries = {k: TensorEntry(k, str(v.dtype).removeprefix("torch."), tuple(v.shape), 0, 0)
                for k, v in denoiser.items()}
     try:

@@ -190,3 +190,30 @@ def test_a_lora_that_overflows_stops_at_the_step_instead_of_writing_a_black_imag
     err = _run(folder, f"{path}:0.5", tmp_path / "out.png")
     assert f"Denoising step 1 of {STEPS}" in err and "loud.safetensors:0.5" in err and "nothing was written" in err
 
+
+
+def test_an_sdxl_kohya_lora_is_matched_against_the_unet_after_diffusers_converts_it(tmp_path):
+    """diffusers converts kohya's SDXL keys to its `lora.down` form, then to peft's: the layers checked are those."""
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
+
+    folder = write_random_pipeline(PRESETS_DIR / "tiny-sdxl", tmp_path / "tiny-sdxl", seed=0)
+    unet = diffusers.UNet2DConditionModel.from_pretrained(folder / "unet")
+    layers = {name: module for name, module in unet.named_modules()
+              if name.endswith(("attn1.to_q", "attn2.to_k")) and isinstance(module, torch.nn.Linear)}
+
+    def kohya_sdxl(path, extra_inputs=0):
+        tensors = {}
+        for name, module in layers.items():
+            key = "lora_unet_" + name.replace(".", "_")
+            tensors[f"{key}.lora_down.weight"] = torch.ones(4, module.in_features + extra_inputs)
+            tensors[f"{key}.lora_up.weight"] = torch.ones(module.out_features, 4)
+            tensors[f"{key}.alpha"] = torch.tensor(4.0)
+        return _save(path, tensors)
+
+    fits = kohya_sdxl(tmp_path / "fits.safetensors")
+    code, out, err = run_dmap("plan", folder, "--max-memory", "cpu=8GB", "--lora", fits, "--json")
+    assert code == 0, err
+    assert json.loads(out)["loras"][0]["bytes"] == sum(4 * (m.in_features + m.out_features) * 4 for m in layers.values())
+    err = _plan(folder, kohya_sdxl(tmp_path / "wider.safetensors", extra_inputs=8))
+    assert "does not fit unet" in err and "attn" in err, err
