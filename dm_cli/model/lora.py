@@ -343,9 +343,11 @@ def converted_layers(lora: LoraAdapter, pipeline_class: str | None) -> LoraAdapt
 def _converted_layers(path: str, digest: str, pipeline_class: str) -> tuple:
     """The LoraLayers of the denoiser part of `path` as `pipeline_class.lora_state_dict` converts it (see
     `converted_layers`); () when that cannot be told from shapes. `digest`: a changed file is converted again."""
-    import logging
     import warnings
 
+    from dm_cli.model.models import quiet_libraries
+
+    quiet_libraries()  # a pipeline class's first import: transformers' advice would precede dmap's own lines
     import diffusers
     import torch
 
@@ -367,25 +369,21 @@ def _converted_layers(path: str, digest: str, pipeline_class: str) -> tuple:
     # again on zero views of each shape, allocating only what the conversion itself makes
     attempts = (lambda e: torch.empty(e.shape, dtype=getattr(torch, e.dtype), device="meta"),
                 lambda e: torch.zeros((), dtype=getattr(torch, e.dtype)).expand(e.shape))
-    logger = logging.getLogger("diffusers")
-    level = logger.level
-    converted = None
+    converted, refusals = None, []
     for tensor in attempts:
-        logger.setLevel(logging.ERROR)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 converted = loader(state_dict(tensor))
             break
-        except ValueError as error:  # diffusers' own refusal of the keys: the run's load would end the same way
-            first = _first_named_key(str(error), header.tensors) or next(iter(header.tensors))  # its weights first
-            raise UsageError(f"--lora {name} matches no layer of this model's denoiser: diffusers' "
-                             f"{pipeline_class} cannot convert its key '{shown(first)}' (it is a LoRA for another "
-                             "model).") from None
+        except ValueError as error:  # diffusers' own refusal of the keys (on values too: not a meta artefact)
+            refusals.append(error)
         except Exception:  # noqa: BLE001 - a conversion that needs values: told by diffusers while loading
             continue
-        finally:
-            logger.setLevel(level)
+    if converted is None and len(refusals) == len(attempts):  # the run's load would end the same way
+        first = _first_named_key(str(refusals[-1]), header.tensors) or next(iter(header.tensors))
+        raise UsageError(f"--lora {name} matches no layer of this model's denoiser: diffusers' {pipeline_class} "
+                         f"cannot convert its key '{shown(first)}' (it is a LoRA for another model).")
     if isinstance(converted, tuple):
         converted = converted[0]
     if not isinstance(converted, dict):
