@@ -1,4 +1,4 @@
-"""LoRA adapter files (`--lora [COMPONENT=]FILE[:SCALE]`), read as hostile input: no torch, no tensor data.
+"""LoRA adapter files (`--lora [COMPONENT=]FILE[:SCALE]`), read as hostile input: no weight data read to plan.
 
 A LoRA file is a safetensors file read through dm_cli.io.checkpoint's strict header reader (everything
 `safetensors` refuses is refused, one sentence naming the file); its sha256 is streamed (the metadata and the
@@ -7,14 +7,25 @@ resume key name it); its keys say which component it patches (diffusers' `transf
 and `MODULE.lora_B.weight`), whose shapes are checked against the component's own weights before anything loads:
 a LoRA for another model is refused, not half applied. The tensors themselves are loaded at run time by diffusers'
 own `load_lora_weights` (dm_cli.run.adapters).
+
+What would only fail (or silently blacken the image) after the models load is refused here, one sentence naming
+the key: a tensor of rank 0, an alpha (a `.alpha` scalar or the adapter metadata's `lora_alpha`) that is not
+finite or is oversized, a scale beyond `MAX_LORA_SCALE`. A file in a layout diffusers converts while loading
+(kohya's, ...) is converted on shapes alone (meta tensors) by the pipeline's own `lora_state_dict`
+(`converted_layers`), so its
+layers are checked against the component like a peft file's. NaN/Inf weights are found when the adapter loads
+(`nonfinite_tensor`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import math
 import os
 import re
+import struct
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +38,10 @@ MAX_LORA_BYTES = 32 * 2**30
 # The components whose diffusers key prefix a LoRA file may use; the denoisers are the ones dmap patches.
 PREFIXES = ("transformer", "transformer_2", "unet", "text_encoder", "text_encoder_2", "text_encoder_3", "prior")
 DENOISERS = ("transformer", "transformer_2", "unet")
+# The largest scale --lora takes either way, and the largest alpha/rank a file may hold: a LoRA's weight is a number
+# like 0.8 (alpha/rank 1 or 2); past these only overflow comes out (NaN latents, a black image).
+MAX_LORA_SCALE = 1000.0
+MAX_ALPHA_RATIO = 1000.0
 # Layouts diffusers converts while loading (kohya's `lora_unet_`, the original model's `diffusion_model.`, ...):
 # their layers are counted per component, not per block (diffusers renames them only at load time).
 _FOREIGN_TEXT_ENCODER = re.compile(r"^(lora_te\d*_|te\d*_|text_model\.|lora_te_text_model)")
@@ -57,6 +72,9 @@ def parse_lora(text: str, where: str = "--lora") -> tuple[str | None, str, float
                              f"not '{shown(last)}'.")
     if not math.isfinite(scale):
         raise UsageError(f"{where} {shown(text)}: the scale must be a finite number, not {last}.")
+    if abs(scale) > MAX_LORA_SCALE:
+        raise UsageError(f"{where} {shown(text)}: the scale {last} is oversized: a LoRA's scale is a weight like 0.8, "
+                         f"at most {MAX_LORA_SCALE:g} either way (beyond it the model's numbers overflow).")
     if not path:
         raise UsageError(f"{where} needs a file before the scale: --lora FILE:{last}.")
     return component, path, scale
@@ -100,6 +118,7 @@ def read_lora(value, where: str = "--lora") -> LoraAdapter:
     if not_float is not None:
         raise UsageError(f"{where} {name}: tensor '{shown(not_float.name)}' is {not_float.dtype}; a LoRA's tensors "
                          "are floating point (this is not a LoRA file).")
+    _check_ranks_and_alphas(header, where, name)
     layers, keys_component = _layers(header.tensors, where, name)
     return LoraAdapter(os.fspath(path), file_digest(path, size, where), scale, component, len(header.tensors),
                        header.data_bytes, layers, keys_component, sum(t.numel for t in header.tensors.values()))
@@ -192,14 +211,221 @@ def _layers(tensors: dict, where: str, name: str) -> tuple[tuple[LoraLayer, ...]
     return tuple(sorted(layers, key=lambda layer: layer.module)), component
 
 
+# --- ranks and alphas, from the header and the few alpha scalars ----------------------------------------
+
+_DOWN = re.compile(r"^(?P<module>.+)\.(?:lora_A|lora_down|lora\.down)(?:\.[^.]+)?\.weight$")
+# the scalars a file may hold that scale its layers (kohya's `X.alpha`, some peft exports' `X.alpha`)
+_SCALAR_FORMATS = {"float32": "<f", "float16": "<e", "float64": "<d"}
+
+
+def _check_ranks_and_alphas(header, where: str, name: str) -> None:
+    """Refused, one sentence naming the key: an empty tensor (rank 0: peft refuses it after the models load), an
+    alpha that is not finite or whose alpha/rank is past MAX_ALPHA_RATIO (it would scale the layer into overflow),
+    in `.alpha` scalars or in the adapter metadata diffusers writes (`lora_alpha`, `alpha_pattern`, `r`)."""
+    ranks: dict[str, int] = {}
+    for key, entry in header.tensors.items():
+        if entry.numel == 0:
+            raise UsageError(f"{where} {name}: tensor '{shown(key)}' is empty (shape {list(entry.shape)}): a LoRA of "
+                             "rank 0 changes nothing and cannot be loaded; export it again with a rank of 1 or more.")
+        down = _DOWN.match(key)
+        if down and entry.shape:
+            ranks[down["module"]] = entry.shape[0]
+    scalars = [e for k, e in header.tensors.items() if k.endswith("alpha") and e.numel == 1]
+    try:
+        values = _scalars(header.path, scalars)
+    except OSError as error:
+        raise UsageError(f"{where} {name} cannot be read: {error.strerror or error}.") from None
+    for entry, value in zip(scalars, values):
+        if value is not None:
+            module = entry.name[:-len(".alpha")] if entry.name.endswith(".alpha") else entry.name
+            _check_alpha(value, ranks.get(module, 1), entry.name, where, name)
+    _check_metadata_alphas(header.metadata.get("lora_adapter_metadata"), where, name)
+
+
+def _scalars(path, entries: list) -> list[float | None]:
+    """The values of one-element tensors (alphas), each read at its offset: a few bytes, never a weight."""
+    if not entries:
+        return []
+    with open(path, "rb") as handle:
+        out = []
+        for entry in entries:
+            handle.seek(entry.begin)
+            out.append(_scalar(entry.dtype, handle.read(entry.end - entry.begin)))
+        return out
+
+
+def _scalar(dtype: str, raw: bytes) -> float | None:
+    """One stored number (a LoRA's alpha), or None for a dtype read here as no number (fp8 cannot hold an alpha
+    past 448: nothing to refuse)."""
+    if dtype == "bfloat16" and len(raw) == 2:
+        return struct.unpack("<f", b"\0\0" + raw)[0]
+    fmt = _SCALAR_FORMATS.get(dtype)
+    if fmt is None or len(raw) != struct.calcsize(fmt):
+        return None
+    return struct.unpack(fmt, raw)[0]
+
+
+def _check_alpha(value, rank: int, key: str, where: str, name: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if not math.isfinite(value):
+        raise UsageError(f"{where} {name}: its alpha '{shown(key)}' is {value}: a LoRA's alpha must be a finite "
+                         "number (this one would turn the image into NaN, all black).")
+    if abs(value) / max(rank, 1) > MAX_ALPHA_RATIO:
+        raise UsageError(f"{where} {name}: its alpha '{shown(key)}' is {value:g} for rank {rank}, an oversized scale "
+                         f"(alpha/rank past {MAX_ALPHA_RATIO:g} overflows the model's numbers).")
+
+
+def _number(value) -> int | float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _check_metadata_alphas(text, where: str, name: str) -> None:
+    """The peft config diffusers keeps in the header (`lora_adapter_metadata`: `PREFIX.r`, `PREFIX.lora_alpha`,
+    their per-module patterns): a rank of 0 or a non-finite or oversized alpha is refused as a tensor's would be.
+    Metadata that is not such JSON is left to diffusers."""
+    try:
+        config = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return
+    if not isinstance(config, dict):
+        return
+    for key, value in config.items():
+        prefix = key[:-len("lora_alpha")] if key.endswith("lora_alpha") else None
+        rank = _number(config.get(f"{prefix}r")) if prefix is not None else None
+        if key.rpartition(".")[2] == "r" and _number(value) == 0:
+            raise UsageError(f"{where} {name}: its metadata says '{shown(key)}' is 0: a LoRA of rank 0 changes "
+                             "nothing and cannot be loaded; export it again with a rank of 1 or more.")
+        if prefix is not None and _number(value) is not None:
+            _check_alpha(value, int(rank) if rank and math.isfinite(rank) else 1, key, where, name)
+        if key.endswith(("alpha_pattern", "rank_pattern")) and isinstance(value, dict):
+            for module, each in value.items():
+                if key.endswith("rank_pattern") and _number(each) == 0:
+                    raise UsageError(f"{where} {name}: its metadata gives '{shown(module)}' rank 0: a LoRA of rank 0 "
+                                     "cannot be loaded; export it again with a rank of 1 or more.")
+                if key.endswith("alpha_pattern") and _number(each) is not None:
+                    _check_alpha(each, 1, f"{key}.{module}", where, name)
+
+
+@functools.lru_cache(maxsize=16)
+def nonfinite_tensor(path: str, digest: str = "") -> str | None:
+    """The first tensor of a LoRA file holding NaN or Inf, or None: read tensor by tensor (a LoRA is small beside
+    its model) when the adapter loads, so it is refused instead of turning every image black. `digest`: the file's
+    sha256 as dmap read it (a component loaded again does not read the same file again)."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(path), "pt") as handle:
+        for key in handle.keys():
+            tensor = handle.get_tensor(key)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor.float()).all()):
+                return key
+    return None
+
+
+# --- layouts diffusers converts while loading, converted on shapes -----------------------------------------
+
+
+def converted_layers(lora: LoraAdapter, pipeline_class: str | None) -> LoraAdapter:
+    """`lora` with the layers diffusers' pipeline `pipeline_class` makes of a file in a layout it converts while
+    loading (kohya's `lora_unet_...`, ...): `lora_state_dict`, the conversion `load_lora_weights` runs, on a state
+    dict of meta tensors of the file's shapes (the alpha scalars read, as the conversion scales by them). Refused,
+    one sentence naming the first key: a file that conversion rejects (a kohya LoRA for another model) or that
+    converts to no layer of a denoiser. A peft-layout file, or one whose conversion cannot run on shapes alone, or
+    ends in keys peft does not name, is returned as it is (checked then by diffusers while loading)."""
+    if lora.layers or not pipeline_class or not lora.path:
+        return lora
+    layers = _converted_layers(lora.path, lora.digest, pipeline_class)
+    return replace(lora, layers=layers) if layers else lora
+
+
+@functools.lru_cache(maxsize=16)
+def _converted_layers(path: str, digest: str, pipeline_class: str) -> tuple:
+    """The LoraLayers of the denoiser part of `path` as `pipeline_class.lora_state_dict` converts it (see
+    `converted_layers`); () when that cannot be told from shapes. `digest`: a changed file is converted again."""
+    import warnings
+
+    from dm_cli.model.models import quiet_libraries
+
+    quiet_libraries()  # a pipeline class's first import: transformers' advice would precede dmap's own lines
+    import diffusers
+    import torch
+
+    from dm_cli.io.checkpoint import TensorEntry, read_safetensors_header
+
+    loader = getattr(getattr(diffusers, pipeline_class, None), "lora_state_dict", None)
+    if loader is None:
+        return ()
+    header = read_safetensors_header(path)
+    name = shown(os.path.basename(path))
+    scalars = [e for k, e in header.tensors.items() if k.endswith("alpha") and e.numel == 1]
+    alphas = {entry.name: torch.tensor(value if value is not None else 1.0).reshape(entry.shape)
+              for entry, value in zip(scalars, _scalars(path, scalars))}
+
+    def state_dict(tensor):
+        return {key: alphas[key] if key in alphas else tensor(entry) for key, entry in header.tensors.items()}
+
+    # meta tensors first (nothing allocated); a conversion that reads values (kohya's sparse-qkv test) runs
+    # again on zero views of each shape, allocating only what the conversion itself makes
+    attempts = (lambda e: torch.empty(e.shape, dtype=getattr(torch, e.dtype), device="meta"),
+                lambda e: torch.zeros((), dtype=getattr(torch, e.dtype)).expand(e.shape))
+    converted, refusals = None, []
+    for tensor in attempts:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                converted = loader(state_dict(tensor))
+            break
+        except ValueError as error:  # diffusers' own refusal of the keys (on values too: not a meta artefact)
+            refusals.append(error)
+        except Exception:  # noqa: BLE001 - a conversion that needs values: told by diffusers while loading
+            continue
+    if converted is None and len(refusals) == len(attempts):  # the run's load would end the same way
+        first = _first_named_key(str(refusals[-1]), header.tensors) or next(iter(header.tensors))
+        raise UsageError(f"--lora {name} matches no layer of this model's denoiser: diffusers' {pipeline_class} "
+                         f"cannot convert its key '{shown(first)}' (it is a LoRA for another model).")
+    if isinstance(converted, tuple):
+        converted = converted[0]
+    if not isinstance(converted, dict):
+        return ()
+    denoiser = {k: v for k, v in converted.items() if k.partition(".")[0] in DENOISERS and hasattr(v, "shape")}
+    if not denoiser:
+        first = next((k for k in header.tensors if not k.endswith("alpha")), next(iter(header.tensors)))
+        raise UsageError(f"--lora {name} matches no layer of this model's denoiser: diffusers' {pipeline_class} "
+                         f"converts none of its keys (such as '{shown(first)}') to one (it is a LoRA for another "
+                         "model).")
+    if any(".lora.down." in k or ".lora.up." in k or "_lora.down." in k for k in denoiser):
+        from diffusers.utils import convert_unet_state_dict_to_peft  # what diffusers' UNet loader does next
+
+        try:
+            denoiser = convert_unet_state_dict_to_peft(denoiser)
+        except Exception:  # noqa: BLE001 - told by diffusers while loading
+            return ()
+    entries = {k: TensorEntry(k, str(v.dtype).removeprefix("torch."), tuple(v.shape), 0, 0)
+               for k, v in denoiser.items()}
+    try:
+        layers, _ = _layers(entries, "--lora", name)
+    except UsageError:  # a conversion quirk: diffusers tells while loading
+        return ()
+    return layers
+
+
+def _first_named_key(message: str, keys) -> str | None:
+    """The first of the file's keys a diffusers error message names (its 'Incompatible keys detected' list)."""
+    message = message[:20000]
+    found = [(not key.endswith("alpha"), message.find(key), key) for key in keys if key in message]
+    return max(found, key=lambda f: (f[0], -f[1]))[2] if found else None
+
+
 # --- the components a LoRA patches, against a SOURCE -------------------------------------------------
 
 
 def settle_targets(loras: tuple[LoraAdapter, ...], components: list[str], denoiser: str | None,
-                   experts: tuple[str, ...] = ()) -> tuple[LoraAdapter, ...]:
+                   experts: tuple[str, ...] = (), pipeline_class: str | None = None) -> tuple[LoraAdapter, ...]:
     """Each LoRA with the component it patches: the one the user named (which must exist and be a denoiser), else
     the one its keys name, else the pipeline's denoiser. One that patches a text encoder or names a component this
-    pipeline lacks is refused, one sentence."""
+    pipeline lacks is refused, one sentence. With `pipeline_class`, a file in a layout diffusers converts gets the
+    layers that conversion makes (`converted_layers`), checked then against the component like a peft file's."""
     out = []
     denoisers = [c for c in components if c in DENOISERS or c == denoiser or c in experts]
     for lora in loras:
@@ -223,7 +449,7 @@ def settle_targets(loras: tuple[LoraAdapter, ...], components: list[str], denois
                 not (patched[0] == "transformer" and target in experts):
             raise UsageError(f"--lora {target}={shown(lora.name)}: the file's layers are for '{patched[0]}', "
                              f"not '{target}'.")
-        out.append(replace(lora, component=target))
+        out.append(converted_layers(replace(lora, component=target), pipeline_class))
     return tuple(out)
 
 

@@ -167,6 +167,9 @@ def resolve_source(spec: str) -> Source:
         return source
     if spec == DEMO_SOURCE:  # generated on first use by dm_cli.model.demo.resolve, which callers use for it
         raise SourceError("The demo pipeline is resolved by dm_cli.model.demo.resolve, not here.")
+    broken = _broken_link(path)
+    if broken:
+        raise SourceError(f"SOURCE {spec} {broken}.")
     if _looks_like_path(spec):
         raise SourceError(f"No such path: {spec} (SOURCE looks like a file or folder, and nothing is there).")
     parent = path.parent
@@ -178,6 +181,25 @@ def resolve_source(spec: str) -> Source:
     if close:
         raise SourceError(f"Unknown SOURCE '{spec}': did you mean '{close[0]}'? Presets: {', '.join(PRESETS)}.")
     raise SourceError(f"Unknown SOURCE '{spec}': give {accepted_forms()}.")
+
+
+def _broken_link(path: Path) -> str | None:
+    """What is at a path that does not exist though a name is there: a symlink loop (stat says ELOOP, on the path
+    or a folder above it) or a symlink to nothing; None when nothing is there at all."""
+    import errno
+
+    try:
+        os.stat(path)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "is a symlink loop (each link leads back to another): point it at a pipeline folder or file"
+    except ValueError:  # a NUL byte: no such name
+        return None
+    if os.path.islink(path):
+        from dm_cli.io.input_images import shown_path
+
+        return f"is a symlink to {shown_path(os.readlink(path))}, which does not exist"
+    return None
 
 
 def _looks_like_path(spec: str) -> bool:

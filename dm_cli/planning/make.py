@@ -937,7 +937,8 @@ def lora_targets(source, loras: tuple) -> tuple:
 
     family, denoiser, _ = family_parts(source.pipeline_class, source.components)
     return settle_targets(tuple(loras), [c.name for c in source.components],
-                          denoiser.name if denoiser is not None else None, family.experts if family is not None else ())
+                          denoiser.name if denoiser is not None else None, family.experts if family is not None else (),
+                          source.pipeline_class)
 
 
 # --- parallel within a step (planning/parallel.py) ---------------------------------------------------

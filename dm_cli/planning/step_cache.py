@@ -110,7 +110,8 @@ NOT_OFFERED["pab"] = NOT_OFFERED["pyramidattentionbroadcast"]
 
 def parse_cache(value, where: str = "--cache") -> StepCache | None:
     """A step cache from `--cache NAME[:K=V,...]`, the API's `cache=` (that string, a StepCache, or a dict
-    {"name": NAME, K: V, ...}) or a queue item's "cache"; None or "none": no cache. Every default filled in."""
+    {"name": NAME, K: V, ...}) or a queue item's "cache"; None or "none": no cache. Every default filled in. An
+    empty name is refused (not read as "none"), and "none" takes no settings."""
     if value is None:
         return None
     if isinstance(value, StepCache):
@@ -136,7 +137,13 @@ def parse_cache(value, where: str = "--cache") -> StepCache | None:
     else:
         raise UsageError(f"{where} takes NAME[:KEY=VALUE,...] (a string), not a {type(value).__name__}.")
     name = name.strip().lower()
-    if name in ("none", "") and not given:
+    if not name:  # `--cache ''` is no choice at all, not a quiet "none"
+        raise UsageError(f"{where} is empty: give a cache name ({', '.join(NAMES)}, with settings as "
+                         "NAME:KEY=VALUE,...) or none.")
+    if name == "none":
+        if given or (isinstance(value, str) and ":" in value):
+            raise UsageError(f"{where} none takes no settings: give none alone, or a cache ({', '.join(NAMES)}) "
+                             "with its settings.")
         return None
     kind = CACHES.get(name)
     bare = name.replace("-", "").replace("_", "")

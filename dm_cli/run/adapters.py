@@ -9,7 +9,8 @@ matmul), as diffusers gets by loading a LoRA before `enable_layerwise_casting`. 
 are then streamed with them (`_stream_adapters`). int8 layers (torchao) take peft's own torchao LoRA layer; GGUF
 layers take the adapter in float32 beside the quantized weight, which diffusers dequantizes per call. Where the
 plan says so, the adapters are then fused into the weights. A LoRA the plan was not made for never gets here
-(`check_plan_matches`, and an inline plan places every component). No Typer, no Rich.
+(`check_plan_matches`, and an inline plan places every component); a file holding NaN or Inf is refused before
+peft sees it (`dm_cli.model.lora.nonfinite_tensor`). No Typer, no Rich.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def load_loras(pipe, name: str, model, loras: tuple, compute_dtype=None, fuse: b
     fused)."""
     import warnings
 
-    from dm_cli.model.lora import file_digest, shown
+    from dm_cli.model.lora import file_digest, nonfinite_tensor, shown
 
     if compute_dtype is None:
         compute_dtype = model.dtype  # diffusers' ModelMixin reports the compute dtype under layerwise casting
@@ -42,6 +43,10 @@ def load_loras(pipe, name: str, model, loras: tuple, compute_dtype=None, fuse: b
     adapters = []
     for index, lora in enumerate(loras):
         adapter = f"{ADAPTER_PREFIX}{index}"
+        bad = nonfinite_tensor(lora.path, lora.digest)
+        if bad is not None:
+            raise UsageError(f"--lora {shown(lora.name)}: its tensor '{shown(bad)}' holds NaN or infinite values, "
+                             "which would turn every image black; use another export of this LoRA.")
         # diffusers removes accelerate's hooks from a pipeline without an hf_device_map (and re-adds them as its own
         # sequential offload, which needs a GPU): dmap's hooks are the plan's, they stay
         device_map, pipe.hf_device_map = pipe.hf_device_map, {name: "dmap"}

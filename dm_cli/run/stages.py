@@ -293,6 +293,9 @@ class StageLoop:
         running = self._step_components(job)
 
         def step_end(_pipe, step, _t, callback_kwargs):
+            latents = callback_kwargs.get("latents")
+            if latents is not None and not bool(torch.isfinite(latents).all()):
+                raise UsageError(nonfinite_refusal(step + 1, job.steps, self.loras, self.torch_dtype))
             if tracked is not None and step + 1 - self._tracking_from == tracked:
                 meter.stop()  # later steps repeat this one's graph on the same shapes: its peak is the stage's
             if on_step is not None:
@@ -649,6 +652,20 @@ def _consumed_image(stage_plan, carry: Carry):
 def _stage_result(stage_plan) -> StageResult:
     return StageResult(stage_plan.name, list(stage_plan.components),
                        planned_peak={str(k): int(v) for k, v in stage_plan.peak_bytes.items()})
+
+
+def nonfinite_refusal(step: int, steps: int, loras: tuple = (), dtype=None) -> str:
+    """Why a run stopped at the step whose latents turned NaN or infinite (checked after every denoising step, one
+    reduction: what would otherwise be decoded into an all-black image), naming the likely cause."""
+    if loras:
+        names = ", ".join(f"{lora.name}:{lora.scale:g}" for lora in loras)
+        cause = (f"likely the LoRA ({names}): a scale too large for it, or NaN weights in it or in the denoiser; "
+                 "try a smaller --lora scale")
+    else:
+        cause = ("likely NaN or infinite weights in the denoiser (a corrupt or all-NaN checkpoint or GGUF file), or "
+                 "numbers too large for its dtype" + (f" ({str(dtype).removeprefix('torch.')})" if dtype else ""))
+    return (f"Denoising step {step} of {steps} turned the latents NaN or infinite, which decodes to an all-black "
+            f"image, so the run stopped and nothing was written: {cause}.")
 
 
 def _oom(error, stage: str, planned: dict) -> DoesNotFitError:
