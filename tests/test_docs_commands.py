@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_dmap
 from doc_examples import comment_of, examples, quoted_figures, run_example
 
 PAGE = REPO / "docs" / "commands.md"
@@ -46,3 +46,13 @@ def test_a_figure_the_command_does_not_print_fails(tmp_path):
     run_example(1, 'dmap cache   # prints "skeletons"', tmp_path, "page")  # `dmap cache` lists its kinds
     with pytest.raises(AssertionError, match='quotes "1.97x"'):
         run_example(2, 'dmap cache   # prints "1.97x"', tmp_path, "page")
+
+
+def test_in_flight_default_is_the_same_in_the_table_the_help_and_the_code():
+    from dm_cli.planning.parallel import ParallelRequest
+
+    assert ParallelRequest(world_size=3, choice="pipeline").planned_in_flight == 3  # one per rank
+    row = next(line for line in PAGE.read_text(encoding="utf-8").splitlines() if line.startswith("| `--in-flight K`"))
+    assert "(default `--world-size`, one per rank)" in row, row
+    code, out, _ = run_dmap("plan", "--help", env={"COLUMNS": "200"})
+    assert code == 0 and "(default --world-size)" in " ".join(out.split()), out
