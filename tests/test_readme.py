@@ -1,22 +1,10 @@
 """The README's examples work as written: every `dmap ...` line of its ```bash blocks, in order.
 
-Each line runs in-process through the console entry point (`dm_cli.cli.main`, argv from `shlex.split`;
-`&&` chains run left to right) in one temporary working folder shared by the whole README, so an example
-may use what an earlier one wrote (`dmap demo tiny-wan -o tiny-wan`, then `dmap run tiny-wan ...`), and
-must exit 0. Besides `dmap` lines, only `printf ... > FILE` lines run (through bash, in that folder): they
-write the small input files (a prompts file) that the next example reads.
-
-Skipped, and only these, by a trailing comment on the README line:
-
-- `# needs real weights`: the example runs or shards a full-size model (FLUX.1 [dev], Qwen-Image, Wan 2.2)
-  from the local Hugging Face cache. A test machine has neither the tens of GB of weights nor the network
-  to fetch them (HF_HUB_OFFLINE is set for every test), and random weights at that size would take
-  minutes and tens of GB of RAM.
-- `# needs a GPU`: the example places weights on GPUs without `--simulate`, which `dmap run` refuses on a
-  machine without them.
-
-Lines that do not start with `dmap` (scripts/test and scripts/demo, which set up the virtual environment,
-`source .venv/bin/activate`, torchrun launches) are not commands of this CLI and are left out.
+How the lines are found, run and checked, and the trailing comments that skip one (`# needs real weights`,
+`# needs a GPU`, ...), is tests/doc_examples.py, shared with docs/commands.md's test (test_docs_commands.py): every
+line runs in-process in one temporary working folder shared by the whole README, must exit 0 and print the figures
+its comment quotes; `printf ... > FILE` lines write the small input files the next example reads; the torchrun
+launch on CPU ranks runs as a slow test.
 
 The README is a newcomer's page (at most 300 lines: `test_the_readme_stays_short`); the reference lives in
 docs/, and every relative link of README.md, CHANGELOG.md and docs/*.md must point at a file that exists, and at a
@@ -27,52 +15,17 @@ every line here runs on each test run, with a cold dmap cache.
 from __future__ import annotations
 
 import re
-import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_dmap
+from conftest import REPO
+from doc_examples import examples, run_example
 
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 README_MAX_LINES = 300
-SKIP_MARKS = ("# needs real weights", "# needs a GPU")
-SHELL_STEPS = ("printf ",)
 
-
-def readme_lines(text: str) -> list[tuple[int, str]]:
-    """(line number, command line) for every line of every ```bash block, continuation lines joined."""
-    found, lines, block, pending, start = [], text.splitlines(), False, "", 0
-    for number, line in enumerate(lines, 1):
-        if line.strip().startswith("```"):
-            block = line.strip() == "```bash" if not block else False
-            continue
-        if not block:
-            continue
-        if not pending:
-            start = number
-        if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + " "
-            continue
-        found.append((start, (pending + line).strip()))
-        pending = ""
-    return found
-
-
-def commands(text: str):
-    """pytest params: (line number, the README line, [argv, ...]) for each dmap or shell-step line."""
-    params = []
-    for number, line in readme_lines(text):
-        if not line.startswith(("dmap ", *SHELL_STEPS)):
-            continue
-        skip = next((mark for mark in SKIP_MARKS if mark in line), None)
-        marks = [pytest.mark.skip(reason=f"README line {number}: {skip.removeprefix('# ')}")] if skip else []
-        params.append(pytest.param(number, line, id=f"L{number}", marks=marks))
-    return params
-
-
-COMMANDS = commands(README.read_text(encoding="utf-8"))
+COMMANDS = examples(README.read_text(encoding="utf-8"), "README")
 
 
 @pytest.fixture(scope="module")
@@ -82,33 +35,19 @@ def workdir(tmp_path_factory) -> Path:
 
 def test_the_readme_has_runnable_examples():
     assert len([p for p in COMMANDS if not p.marks]) >= 12
-    assert len([p for p in COMMANDS if p.marks]) <= 4  # the skipped lines stay few
+    assert len([p for p in COMMANDS if p.marks]) <= 6  # the skipped lines (and the one torchrun launch) stay few
 
 
 @pytest.mark.parametrize("number, line", COMMANDS)
 def test_readme_example(number, line, workdir):
-    if line.startswith(SHELL_STEPS):
-        done = subprocess.run(["bash", "-c", line], cwd=workdir, capture_output=True, text=True)
-        assert done.returncode == 0, f"README line {number}: {line}\n{done.stderr}"
-        return
-    tokens = shlex.split(line, comments=True)
-    chain, current = [], []
-    for token in tokens:
-        if token == "&&":
-            chain.append(current)
-            current = []
-        else:
-            current.append(token)
-    chain.append(current)
-    for argv in chain:
-        assert argv[0] == "dmap", f"README line {number}: only dmap commands are chained: {line}"
-        code, out, err = run_dmap(*argv[1:], cwd=workdir)
-        assert code == 0, f"README line {number} exits {code}: {shlex.join(argv)}\n{err}{out[-2000:]}"
+    run_example(number, line, workdir, "README")
 
 
 def test_skip_marks_are_recognised():
-    params = commands("```bash\ndmap run x -p a   # needs real weights\ndmap inspect flux\nscripts/test\n```\n")
-    assert [(p.values[0], bool(p.marks)) for p in params] == [(2, True), (3, False)]
+    params = examples("```bash\ndmap run x -p a   # needs real weights\ndmap inspect flux\nscripts/test\n"
+                      "dmap run x -p '# needs a GPU'\ntorchrun -m dm_cli run -p a\n```\n", "page")
+    assert [(p.values[0], [m.name for m in p.marks]) for p in params] == [
+        (2, ["skip"]), (3, []), (5, []), (6, ["slow"])]  # a mark inside quotes is not a comment
     assert re.search(r"needs real weights", params[0].marks[0].kwargs["reason"])
 
 

@@ -157,7 +157,8 @@ LoraOpt = Annotated[list[str] | None, typer.Option(
 CacheOpt = Annotated[str | None, typer.Option(
     "--cache", metavar="NAME[:KEY=VALUE,...]", help="A step cache on the denoiser, diffusers' hooks: fbc (First-Block "
                                                    "Cache), taylorseer or magcache, e.g. fbc:threshold=0.05; the plan "
-                                                   "counts what it holds per device (run: default the plan file's).")]
+                                                   "counts what it holds per device (run: default the plan file's; none "
+                                                   "runs the plan file without its cache).")]
 
 LastImageOpt = Annotated[str | None, typer.Option(
     "--last-image", metavar="PATH", help="The video's last frame (Wan 2.2 image-to-video from a first and a last "

@@ -12,10 +12,12 @@ BAR_WIDTH = (16, 32)  # the bar takes the room the numbers leave, within these w
 BAR_PARTS = (("weights", "█", "cyan"), ("offload reserve", "▓", "magenta"), ("activations", "▒", "yellow"),
              ("overhead", "▪", "red"))
 BAR_FREE = ("free", "·", "dim")
+BAR_CACHE = ("cache", "░", "green")  # drawn, and in the legend, only for a plan with --cache
 
 
-def _bar(values: list[int], capacity: int | None):
-    """A bar of weights/reserve/activations/overhead against the device capacity: a callable width -> Text."""
+def _bar(values: list[int], capacity: int | None, parts=BAR_PARTS):
+    """A bar of weights/reserve/activations/overhead (and the step cache's state) against the device capacity: a
+    callable width -> Text."""
     from rich.text import Text
 
     def draw(width: int):
@@ -23,7 +25,7 @@ def _bar(values: list[int], capacity: int | None):
             return Text("")
         bar = Text()
         cells = 0
-        for value, (_name, glyph, style) in zip(values, BAR_PARTS):
+        for value, (_name, glyph, style) in zip(values, parts):
             n = min(width - cells, round(width * value / capacity))
             if n > 0:
                 bar.append(glyph * n, style=style)
@@ -34,11 +36,11 @@ def _bar(values: list[int], capacity: int | None):
     return draw
 
 
-def bar_legend():
+def bar_legend(parts=BAR_PARTS):
     from rich.text import Text
 
     legend = Text("bar: ")
-    for name, glyph, style in BAR_PARTS + (BAR_FREE,):
+    for name, glyph, style in parts + (BAR_FREE,):
         legend.append(glyph, style=style)
         legend.append(f" {name}  ")
     legend.rstrip()
@@ -132,8 +134,9 @@ def _print_memory(out, plan, size, hidden: list) -> None:
     # what the bar draws goes first when the room is short: overhead, reserve, capacity and free
     columns = [Col("stage"), Col("device"), Col("weights", number=True, drop=2), Col("reserve", number=True, drop=5),
                Col("activations", number=True, drop=1), Col("overhead", number=True, drop=6),
-               Col("peak", number=True), Col("capacity", number=True, drop=4), Col("free", number=True, drop=3),
-               Col("use of capacity", name="bar", stretch=BAR_WIDTH)]
+               Col("step cache", number=True, drop=2), Col("peak", number=True), Col("capacity", number=True, drop=4),
+               Col("free", number=True, drop=3), Col("use of capacity", name="bar", stretch=BAR_WIDTH)]
+    parts = BAR_PARTS + (BAR_CACHE,) if plan.step_cache else BAR_PARTS
     rows: list = []
     labels = _stage_labels(plan.stages)
     for label, stage in zip(labels, plan.stages):
@@ -144,11 +147,13 @@ def _print_memory(out, plan, size, hidden: list) -> None:
             rows.append([
                 label if n == 0 else "", device_label(key), size(use.weights), size(use.reserve) if use.reserve else "-",
                 size(use.activations) if use.activations else "-", size(use.overhead) if use.overhead else "-",
+                size(use.cache) if use.cache else "-",
                 size(use.peak) if key != "disk" else "-", size(cap) if cap is not None else "unlimited",
                 size(cap - use.peak) if cap is not None else "-",
-                _bar([use.weights, use.reserve, use.activations, use.overhead], cap),
+                _bar([use.weights, use.reserve, use.activations, use.overhead, use.cache], cap, parts),
             ])
-    for index in (5, 3):  # no reserve (nothing offloaded), no overhead (weights only): no column
+    # no step cache (no --cache), no overhead (weights only), no reserve (nothing offloaded): no column
+    for index in (6, 5, 3):
         if all(row is None or row[index] == "-" for row in rows):
             columns.pop(index)
             for row in rows:
@@ -157,10 +162,31 @@ def _print_memory(out, plan, size, hidden: list) -> None:
     dropped = print_table(out, "Memory per stage and device, at each stage's peak", columns, rows, hidden,
                           label="memory (in the bar)")
     if "bar" not in dropped:
-        out.print(bar_legend())
+        out.print(bar_legend(parts))
     out.print("Stages: " + "; ".join(
         f"{label}: {', '.join(stage.components)}" + (f" ({stage.note})" if stage.note else "")
         for label, stage in zip(labels, plan.stages)) + ".")
+    line = step_cache_line(plan, size)
+    if line:
+        out.print(line)
+
+
+def step_cache_line(plan, size) -> str | None:
+    """--cache: which step cache, on which denoiser, and the bytes its hooks hold between steps on each device (the
+    `step cache` column of the memory table, which a narrow terminal may leave out); None without a cache."""
+    cache = plan.step_cache
+    if not cache:
+        return None
+    held = []
+    for name, counted in cache.get("components", {}).items():
+        devices = [(device_label(device), n) for device, n in
+                   sorted(counted.get("bytes", {}).items(), key=lambda item: device_rank(item[0])) if n]
+        where = (f" on {devices[0][0]}" if len(devices) == 1 else
+                 f" ({', '.join(f'{label} {size(n)}' for label, n in devices)})" if devices else "")
+        held.append(f"{name} holds {size(counted.get('total_bytes', 0))} between steps{where}")
+    settings = plan.cache.label.partition(":")[2].replace(",", ", ")  # as --cache takes them, room to wrap
+    return (f"Step cache: {cache['name']}" + (f" ({settings})" if settings else "") + ": "
+            + ("; ".join(held) if held else "nothing held between steps") + ", counted in the peaks.")
 
 
 def _print_components(out, plan, size, hidden: list) -> None:

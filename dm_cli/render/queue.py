@@ -11,7 +11,7 @@ import threading
 import time
 
 from dm_cli.render import console, plain
-from dm_cli.render.run import RunView
+from dm_cli.render.run import RunView, step_cache_summary
 from dm_cli.units import format_size
 
 
@@ -217,6 +217,9 @@ class QueueView(RunView):
 
     def summary(self, result) -> None:
         self._say(f"Generated {len(result.generated)}, skipped {len(result.skipped)} in {result.seconds:.1f} s")
+        cache = step_cache_summary(result.step_cache)
+        if cache:
+            self._say(cache)
         loads = stage_summary(result.stages)
         if loads:
             per = "once per chunk" if result.mode != "resident" else "once for the whole queue"

@@ -106,6 +106,9 @@ class RunView:
             f"{f' (low-noise expert {expert})' if (expert := result.settings.get('guidance_scale_2')) is not None else ''}, "
             f"seed {result.seed}, {where}; plan {result.plan_digest}"
         )
+        line = step_cache_summary(result.step_cache)
+        if line:
+            self.console.print(line)
         stage_rows = [[s.name, ", ".join(s.components), f"{s.load_s:.2f}", f"{s.run_s:.2f}", f"{s.wall_s:.2f}",
                        size(s.load_rss_delta)] for s in result.stages]
         print_table(self.console, "Stages", [Col("stage"), Col("components", drop=2), Col("load s", number=True),
@@ -148,6 +151,17 @@ class RunView:
         if result.latents_path:
             self.console.print(f"Wrote latents to {result.latents_path}", soft_wrap=True, markup=False,
                                highlight=False)
+
+
+def step_cache_summary(step_cache: dict) -> str | None:
+    """--cache: how many of each cached denoiser's calls ran its blocks and how many the cache skipped (every guidance
+    branch counted); None without a cache."""
+    if not step_cache:
+        return None
+    name = step_cache["label"].partition(":")[0]
+    counts = [f"{component} computed {c['computed']} of {c['calls']} calls in full, skipped {c['skipped']}"
+              for component, c in step_cache.get("counts", {}).items()]
+    return f"Step cache {name}: " + ("; ".join(counts) if counts else "no denoiser call ran") + "."
 
 
 def tracking_note(result) -> str:

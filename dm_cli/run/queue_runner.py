@@ -67,6 +67,7 @@ class QueueResult:
     seconds: float = 0.0
     notices: list[str] = field(default_factory=list)
     stages: dict[str, dict] = field(default_factory=dict)  # stage -> loads, load_s, run_s, components (this rank)
+    step_cache: dict = field(default_factory=dict)  # --cache: its label and calls computed/skipped (this rank)
     resume: bool = True  # complete items were skipped: running the same command again resumes
 
     def to_json(self) -> dict:
@@ -199,6 +200,7 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
         members = {s.name: list(s.components) for s in pipeline.plan.stages}
         result.stages = {name: {**totals, "components": members.get(name, [])}
                          for name, totals in pipeline.stage_totals.items()}
+        result.step_cache = pipeline.step_cache_counts()
     gathered = ranks.gather(records if pipeline.is_main else {})  # a pipeline's rank 0 holds every record
     if ranks.is_main:
         merged: dict[int, dict] = {}

@@ -72,6 +72,7 @@ class RunRequest:
     parallel: str | None = None
     pipeline: str | None = None  # --pipeline: SOURCE is a single file, the rest of the pipeline comes from here
     component_files: dict | None = None  # --component-file NAME=FILE: these components from these single files
+    cache_off: bool = False  # --cache none: a plan file's step cache is switched off (check_plan_cache)
 
     def __post_init__(self) -> None:
         """The prompt is text the tokenizer takes (the check queue items and `dmap serve` share), before SOURCE."""
@@ -92,7 +93,9 @@ class RunRequest:
         loras = read_loras(options.pop("loras", None))
         from dm_cli.planning.step_cache import parse_cache
 
-        cache = parse_cache(options.pop("cache", None))
+        asked_cache = options.pop("cache", None)
+        cache = parse_cache(asked_cache)
+        options["cache_off"] = asked_cache is not None and cache is None  # "none" settles to None, as no --cache
         generation = Generation(images=images, last_image=last, loras=loras, cache=cache,
                                 **{k: options.pop(k) for k in GENERATION_FIELDS if k in options})
         placement = {k: options.pop(k) for k in PLACEMENT_FIELDS if k in options}
@@ -332,14 +335,23 @@ def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement:
                          + f". Plan again with dmap plan {source.spec} --output PLAN.json, or run without --device-map.")
 
 
-def check_plan_cache(plan: Plan, asked, where: str):
-    """The step cache a run with this plan uses: the plan's (`Plan.step_cache`, its state counted on its devices), which
-    `asked` (--cache, settled; None: not given) must be; the plan's cache is kept when none is asked."""
+def check_plan_cache(plan: Plan, asked, where: str, off: bool = False) -> Plan:
+    """The plan a run follows, as to its step cache: the plan's cache (`Plan.step_cache`, its state counted on its
+    devices), which `asked` (--cache, settled; None: not given) must be; the plan's cache is kept when none is asked.
+    `off` (--cache none, which settles to None like no --cache): the plan without its cache, neither hooks nor their
+    state, so the run is a run of the same placement planned without one."""
+    from dataclasses import replace
+
     planned = plan.cache
+    if off and planned is not None:
+        stages = [replace(stage, use={device: replace(use, cache=0) for device, use in stage.use.items()})
+                  for stage in plan.stages]
+        return replace(plan, step_cache={}, stages=stages)
     if asked is None or asked == planned:
-        return planned
+        return plan
     raise UsageError(f"{where} was made for --cache {planned.label if planned else 'none'}, this run asks for "
-                     f"--cache {asked.label} (its state is counted in the plan): drop --cache, or plan again with it.")
+                     f"--cache {asked.label} (its state is counted in the plan): drop --cache (--cache none runs it "
+                     "without one), or plan again with it.")
 
 
 def check_tiled_decode(plan: Plan, source: Source, where: str) -> None:

@@ -174,7 +174,8 @@ class Session:
                                plan_file=plan_file, source_from_plan=self.source_from_plan)
             from dm_cli.run.request import check_plan_cache
 
-            self.generation = replace(self.generation, cache=check_plan_cache(plan, request.generation.cache, where))
+            plan = check_plan_cache(plan, request.generation.cache, where, off=request.cache_off)
+            self.generation = replace(self.generation, cache=plan.cache)
         return plan, where
 
     def _inputs(self):
@@ -255,6 +256,14 @@ class Session:
         vae = comps.get("vae")
         self.family.validate(generation, self.source.pipeline_class, (comps[self.family.denoiser].config or {}),
                              vae.config if vae is not None else None, tuple(comps))
+
+    def step_cache_counts(self) -> dict:
+        """--cache: {"label": NAME:K=V,..., "counts": {denoiser: {"calls", "computed", "skipped"}}} over every denoise so
+        far (dm_cli.run.step_cache), what a run's and a queue's summaries say; {} without a cache."""
+        if self.plan.cache is None:
+            return {}
+        return {"label": self.plan.cache.label,
+                "counts": {name: counts.to_json() for name, counts in self._loop.step_counts.items()}}
 
     def metadata(self, job) -> dict[str, str]:
         from dm_cli.model.single_file_weights import component_files_metadata

@@ -112,9 +112,7 @@ def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunR
     finally:
         pipeline.close()
     result.split_check, result.split_problems = pipeline.split_check, pipeline.split_problems
-    if pipeline.plan.cache is not None:
-        result.step_cache = {"label": pipeline.plan.cache.label,
-                             "counts": {name: counts.to_json() for name, counts in pipeline._loop.step_counts.items()}}
+    result.step_cache = pipeline.step_cache_counts()
     if carry.latents is None or (not carry.images and pipeline.is_main):  # a shared step's other ranks decode nothing
         raise UsageError("The plan has no denoise or decode stage: nothing was generated.")
     if not pipeline.is_main:  # rank 0 writes the outputs (dm_cli.run.parallel)
