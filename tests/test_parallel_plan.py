@@ -167,7 +167,7 @@ def _tiny_parallel_plan(tmp_path) -> Path:
 
 
 def test_a_parallel_plan_reads_back(tmp_path):
-    from dm_cli.planning.make import load_plan
+    from dm_cli.planning.plan_file import load_plan
 
     path = _tiny_parallel_plan(tmp_path)
     written = json.loads(path.read_text())
@@ -184,7 +184,7 @@ def test_a_parallel_plan_reads_back(tmp_path):
     {"link_gbps": 0}, {"experts": "all"},
 ])
 def test_a_hostile_parallel_key_is_refused(tmp_path, hostile):
-    from dm_cli.planning.make import load_plan
+    from dm_cli.planning.plan_file import load_plan
 
     path = _tiny_parallel_plan(tmp_path)
     data = json.loads(path.read_text())

@@ -25,7 +25,9 @@ from dm_cli.families.calls import TensorSpec  # noqa: E402
 from dm_cli.inputs import InputSpec, PlacementSpec  # noqa: E402
 from dm_cli.model.skeleton import skeleton_for_component  # noqa: E402
 from dm_cli.model.sources import resolve_source  # noqa: E402
-from dm_cli.planning.make import PlanOptions, make_plan, prepare_component  # noqa: E402
+from dm_cli.planning.components import prepare_component  # noqa: E402
+from dm_cli.planning.make import make_plan  # noqa: E402
+from dm_cli.planning.plan_options import PlanOptions  # noqa: E402
 from dm_cli.planning.search import component_blocks  # noqa: E402
 
 INPUTS = InputSpec(64, 64)

@@ -81,7 +81,7 @@ def plan(
 ) -> int:
     from dm_cli.api import plan as make_plan
     from dm_cli.io.atomic import refuse_existing
-    from dm_cli.planning.make import write_plan
+    from dm_cli.planning.plan_file import write_plan
     from dm_cli.render.queue import TickingStatus
 
     if output:

@@ -56,7 +56,7 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
     if device_map not in STRATEGIES:
         if not device_map.endswith(".json") and not os.path.lexists(device_map):
             raise UsageError(device_map_refusal(device_map))
-        from dm_cli.planning.make import load_plan
+        from dm_cli.planning.plan_file import load_plan
 
         load_plan(device_map)  # a FIFO, /dev/zero or a broken plan: refused here, read boundedly
 

@@ -26,7 +26,7 @@ from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
     from dm_cli.model.sources import Source
-    from dm_cli.planning.make import Plan
+    from dm_cli.planning.plan_file import Plan
 
 # Peak host RAM during a component's load may exceed the largest shard by this much: the Python
 # heap, safetensors' mmap bookkeeping and one tensor in flight during a dtype cast.
@@ -183,7 +183,8 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
     the images the family needs, each of the output's size (what an image-to-image pipeline resizes it to)."""
     from dataclasses import replace
 
-    from dm_cli.planning.make import PlanOptions, make_named_plan
+    from dm_cli.planning.make import make_named_plan
+    from dm_cli.planning.plan_options import PlanOptions
 
     # dmap run makes batch 1; the LoRAs as asked (make_plan settles their targets, as for dmap plan)
     generation = replace(generation, batch_size=1, loras=request.generation.loras)
