@@ -23,7 +23,8 @@ from dm_cli.families.stages import (
     default_stages,
 )
 from dm_cli.inputs import PlacementSpec
-from dm_cli.planning.search import Block, ComponentInput, Device, plan_pipeline
+from dm_cli.planning.blocks import Block, ComponentInput
+from dm_cli.planning.search import Device, plan_pipeline
 
 PROMPT_TEXT = "a red fox in the snow"
 SIZE, STEPS, SEED = 32, 2, 7

@@ -236,7 +236,8 @@ def test_step_time_model_by_hand():
 
 def test_auto_for_wan_720p_on_eight_gpus_is_two_cfg_by_four_ulysses():
     """Wan 2.2 at 720x1280x81 (75,600 video tokens; 8.6 GB of activations per call, as the trace says), pure."""
-    from dm_cli.planning.parallel import Rank, choose_layout
+    from dm_cli.planning.parallel import Rank
+    from dm_cli.planning.parallel_layout import choose_layout
 
     load = DenoiserLoad((28_636_399_744, 28_636_399_744), 8_623_095_106, 14_288_000_000, hops=1)
     ranks = [Rank(r, 80 * GB, 600 * 10**6, 12 * GB) for r in range(8)]

@@ -11,9 +11,10 @@ from dm_cli.errors import DoesNotFitError
 from dm_cli.families import family_parts
 from dm_cli.planning.budgets import total_ram
 from dm_cli.planning.components import prepare_component, without_activations
+from dm_cli.planning.placement import Placement
 from dm_cli.planning.plan_file import Plan
 from dm_cli.planning.plan_options import PlanOptions, place_or_none
-from dm_cli.planning.search import Device, Placement
+from dm_cli.planning.search import Device
 from dm_cli.units import format_size
 
 

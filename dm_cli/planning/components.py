@@ -11,8 +11,8 @@ from dm_cli.inputs import InputSpec
 from dm_cli.model.skeleton import as_loaded
 from dm_cli.model.weight_formats import component_format, layer_compute_bytes, transient_by_key
 from dm_cli.planning import trace
+from dm_cli.planning.blocks import ComponentInput, component_blocks, coverage_problems
 from dm_cli.planning.lora_sizing import lora_extra_bytes, lora_transients, with_lora_peaks
-from dm_cli.planning.search import ComponentInput, component_blocks, coverage_problems
 from dm_cli.units import format_size
 
 if TYPE_CHECKING:  # annotations only

@@ -8,23 +8,23 @@ from dataclasses import replace
 from dm_cli.devices import device_key
 from dm_cli.errors import UsageError
 from dm_cli.families import family_parts
+from dm_cli.planning.blocks import ComponentInput
 from dm_cli.planning.components import PreparedComponent
 from dm_cli.planning.parallel import (
     DenoiserLoad,
-    ParallelLayout,
     Rank,
     Unit,
     beside_slice,
     candidates,
-    choose_layout,
     denoiser_shape,
     guidance_branches,
-    pipeline_candidate,
     pipeline_cut,
     weight_tokens,
 )
+from dm_cli.planning.parallel_layout import ParallelLayout, choose_layout, pipeline_candidate
+from dm_cli.planning.placement import Placement
 from dm_cli.planning.plan_options import PlanOptions, place_or_none
-from dm_cli.planning.search import ComponentInput, Device, Placement
+from dm_cli.planning.search import Device
 
 
 def parallel_request(source, comps, devices: list[Device], options: PlanOptions):

@@ -16,8 +16,9 @@ from dm_cli.inputs import InputSpec, PlacementSpec, StepCache
 from dm_cli.io.atomic import atomic_write
 from dm_cli.io.checkpoint import read_json_object
 from dm_cli.model.weight_formats import STORAGE_DTYPES, format_of, storage_dtype
-from dm_cli.planning.parallel import ParallelLayout
-from dm_cli.planning.search import MODES, STRATEGIES, ComponentPlacement, Device, DeviceUse, StagePlacement
+from dm_cli.planning.parallel_layout import ParallelLayout
+from dm_cli.planning.placement import ComponentPlacement, DeviceUse, StagePlacement
+from dm_cli.planning.search import MODES, STRATEGIES, Device
 from dm_cli.planning.step_cache import parse_cache
 from dm_cli.units import FLOATING_DTYPES, MAX_GPU_INDEX, MAX_SIZE_BYTES, MAX_SIZE_TEXT, parse_dtype, shorten
 

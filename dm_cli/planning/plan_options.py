@@ -7,7 +7,8 @@ from typing import Callable
 
 from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec, StepCache
 from dm_cli.planning.parallel import ParallelRequest
-from dm_cli.planning.search import NoFit, Placement, plan_pipeline
+from dm_cli.planning.placement import NoFit, Placement
+from dm_cli.planning.search import plan_pipeline
 
 
 @dataclass

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dm_cli.errors import DoesNotFitError, UsageError
 from dm_cli.families import family_for
 from dm_cli.planning.components import PreparedComponent
+from dm_cli.planning.placement import Placement
 from dm_cli.planning.plan_file import Plan
 from dm_cli.planning.plan_options import PlanOptions, place_or_none
-from dm_cli.planning.search import Device, Placement
+from dm_cli.planning.search import Device
 from dm_cli.planning.step_cache import fit, measure, split_refusal
 from dm_cli.units import format_size
 

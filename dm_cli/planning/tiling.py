@@ -7,9 +7,11 @@ from typing import Callable
 
 from dm_cli.families import call_spec
 from dm_cli.inputs import InputSpec
+from dm_cli.planning.blocks import ComponentInput
 from dm_cli.planning.components import PreparedComponent, component_spec, trace_facts, without_activations
+from dm_cli.planning.placement import Placement
 from dm_cli.planning.plan_options import PlanOptions, place_or_none
-from dm_cli.planning.search import ComponentInput, Device, Placement
+from dm_cli.planning.search import Device
 from dm_cli.units import format_size
 
 
