@@ -33,13 +33,16 @@ from dm_cli.cli._cli_utils import (
     SourceArg,
     WeightsOpt,
     WidthOpt,
+    word_parser,
 )
+from dm_cli.planning.modes import Strategy
 
 
 def plan(
     source: SourceArg,
     max_memory: MaxMemoryOpt = None,
-    strategy: str = typer.Option("auto", "--strategy", help="auto | sequential | balanced | balanced_low_0."),
+    strategy: Strategy = typer.Option("auto", "--strategy", parser=word_parser(Strategy, "--strategy"),
+                                      help="auto | sequential | balanced | balanced_low_0."),
     mode: ModeOpt = "auto",
     height: HeightOpt = None,
     width: WidthOpt = None,

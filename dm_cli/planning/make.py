@@ -26,10 +26,11 @@ from dm_cli.planning.advice import does_not_fit, explain_offload
 from dm_cli.planning.budgets import local_devices, parse_overhead
 from dm_cli.planning.components import PreparedComponent, prepare_component, trace_facts
 from dm_cli.planning.lora_sizing import lora_targets, lora_unfused_because
+from dm_cli.planning.modes import Layout, Mode, Strategy
 from dm_cli.planning.parallel_placement import denoiser_cut, parallel_layout, parallel_request
 from dm_cli.planning.plan_file import Plan, check_weights_only
 from dm_cli.planning.plan_options import PlanOptions, place_or_none
-from dm_cli.planning.search import MODES, STRATEGIES, Device
+from dm_cli.planning.search import Device
 from dm_cli.planning.split_check import run_split_check
 from dm_cli.planning.step_cache_plan import fit_step_cache, step_cache_footprints, step_cache_report
 from dm_cli.planning.tiling import TilingChoice, choose_tiling
@@ -38,10 +39,10 @@ from dm_cli.units import parse_device_spec, parse_dtype
 
 def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     """Resolve, size, trace, place and check: the one core call of `dmap plan`."""
-    if options.placement.strategy not in STRATEGIES:
-        raise UsageError(f"Unknown strategy '{options.placement.strategy}': use {', '.join(STRATEGIES)}.")
-    if options.placement.mode not in MODES:
-        raise UsageError(f"Unknown mode '{options.placement.mode}': use {', '.join(MODES)}.")
+    if options.placement.strategy not in Strategy.words():
+        raise UsageError(f"Unknown strategy '{options.placement.strategy}': use {', '.join(Strategy.words())}.")
+    if options.placement.mode not in Mode.words():
+        raise UsageError(f"Unknown mode '{options.placement.mode}': use {', '.join(Mode.words())}.")
     progress = options.on_progress or (lambda message: None)
     progress(f"Resolving {source_spec}")
     source = resolve_with_pipeline(source_spec, options.pipeline, dict(options.component_files))
@@ -107,7 +108,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     plan.parallel = layout
     plan.warnings += [f"The plan records a {layout.title} layout for {layout.world_size} ranks ('parallel'): run it with "
                       f"torchrun --nproc-per-node {layout.world_size} -m dm_cli run -d PLAN.json."
-                      for layout in [layout] if layout is not None and layout.layout != "split"]
+                      for layout in [layout] if layout is not None and layout.layout != Layout.SPLIT]
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
     return plan

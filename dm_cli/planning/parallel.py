@@ -44,10 +44,9 @@ import math
 from dataclasses import dataclass, field
 
 from dm_cli.errors import UsageError
+from dm_cli.planning.modes import Layout, Parallel
 from dm_cli.units import shorten
 
-CHOICES = ("none", "cfg", "context", "cfg+context", "pipeline", "auto")
-LAYOUTS = ("split", "cfg", "context", "cfg+context", "pipeline")
 MAX_WORLD_SIZE = 1024
 MAX_IN_FLIGHT = 1024
 # The lists whose entries pipeline parallel cuts into slices (entries of a root ModuleList of these names)
@@ -90,13 +89,13 @@ class ParallelRequest:
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_WORLD_SIZE:
             raise UsageError(f"--world-size must be a whole number from 1 to {MAX_WORLD_SIZE}, not "
                              f"{shorten(size, quote=True)}.")
-        choice = self.choice if self.choice is not None else ("none" if size == 1 else "auto")
-        if choice not in CHOICES:
-            raise UsageError(f"--parallel must be {', '.join(CHOICES[:-1])} or {CHOICES[-1]}, not "
+        choice = self.choice if self.choice is not None else (Parallel.NONE.value if size == 1 else Parallel.AUTO.value)
+        if choice not in Parallel.words():
+            raise UsageError(f"--parallel must be {', '.join(Parallel.words()[:-1])} or {Parallel.AUTO}, not "
                              f"{shorten(choice, quote=True)}.")
-        if size == 1 and choice != "none":
+        if size == 1 and choice != Parallel.NONE:
             raise UsageError(f"--parallel {choice} needs --world-size 2 or more (one rank has nothing to share).")
-        if size > 1 and choice == "none":
+        if size > 1 and choice == Parallel.NONE:
             raise UsageError(f"--world-size {size} with --parallel none would run one process: give --parallel "
                              "cfg, context, cfg+context, pipeline or auto.")
         for flag, value in (("--device-tflops", self.device_tflops), ("--link-gbps", self.link_gbps)):
@@ -179,7 +178,7 @@ class Candidate:
 
 
 def layout_title(layout: str, cfg: int, ulysses: int, world_size: int = 0) -> str:
-    if layout == "split":
+    if layout == Layout.SPLIT:
         return f"device-map split over {world_size} GPUs" if world_size else "device-map split"
     if layout == "pipeline":
         return f"pipeline parallel ({world_size} slices)" if world_size else "pipeline parallel"
@@ -232,7 +231,7 @@ def candidates(request: ParallelRequest, guidance: Guidance, shape: DenoiserShap
     """The layouts to compare for `request` (settled): one for an explicit choice (UsageError when it cannot
     run), every runnable one and the split for auto; with the sentences refusing the others (auto)."""
     world, choice = request.world_size, request.choice
-    found: list[Candidate] = [Candidate("split")] if choice == "auto" else []
+    found: list[Candidate] = [Candidate(Layout.SPLIT.value)] if choice == Parallel.AUTO else []
     refused: dict[str, str] = {}
     if choice in ("pipeline", "auto"):
         problem = pipeline_refusal(shape, world)
@@ -240,8 +239,8 @@ def candidates(request: ParallelRequest, guidance: Guidance, shape: DenoiserShap
             raise UsageError(problem)
         if choice == "pipeline":
             return [Candidate("pipeline")], refused
-    wanted = {"cfg": ("cfg",), "context": ("context",), "cfg+context": ("cfg+context",),
-              "auto": ("cfg", "context", "cfg+context")}[choice]
+    wanted = [layout.value for layout in ((Layout.CFG, Layout.CONTEXT, Layout.CFG_CONTEXT) if choice == Parallel.AUTO
+                                          else (Parallel(choice).layout,))]
     for layout in wanted:
         cfg = 2 if layout != "context" else 1
         ulysses = world // cfg if layout != "cfg" else 1

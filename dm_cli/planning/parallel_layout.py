@@ -8,10 +8,10 @@ import re
 from dataclasses import dataclass, field
 
 from dm_cli.errors import DoesNotFitError, UsageError
+from dm_cli.planning.modes import Layout
 from dm_cli.planning.parallel import (
     DEFAULT_DEVICE_TFLOPS,
     DEFAULT_LINK_GBPS,
-    LAYOUTS,
     MAX_IN_FLIGHT,
     MAX_WORLD_SIZE,
     SPEEDUP_BASIS,
@@ -75,8 +75,8 @@ class ParallelLayout:
             raise ValueError("'parallel' must be a JSON object")
         world = _whole(data.get("world_size"), "'parallel' world_size", 2, MAX_WORLD_SIZE)
         layout = data.get("layout")
-        if layout not in LAYOUTS:
-            raise ValueError(f"'parallel' layout must be {', '.join(LAYOUTS[:-1])} or {LAYOUTS[-1]}, found "
+        if layout not in Layout.words():
+            raise ValueError(f"'parallel' layout must be {', '.join(Layout.words()[:-1])} or {Layout.PIPELINE}, found "
                              f"{shorten(layout, quote=True)}")
         cfg = _whole(data.get("cfg"), "'parallel' cfg", 1, 2)
         ulysses = _whole(data.get("ulysses"), "'parallel' ulysses", 1, MAX_WORLD_SIZE)
@@ -92,7 +92,7 @@ class ParallelLayout:
             raise ValueError(f"'parallel' per_rank_peak_bytes must name ranks 0 to {world - 1}")
         times = _mapping(data.get("predicted_step_s", {}), "'parallel' predicted_step_s")
         rejected = _mapping(data.get("rejected", {}), "'parallel' rejected")
-        if not set(times) | set(rejected) <= set(LAYOUTS):
+        if not set(times) | set(rejected) <= set(Layout.words()):
             raise ValueError("'parallel' predicted_step_s and rejected may only name layouts")
         experts = data.get("experts", "together")
         if experts not in ("together", "one at a time"):

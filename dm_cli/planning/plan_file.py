@@ -16,9 +16,10 @@ from dm_cli.inputs import InputSpec, PlacementSpec, StepCache
 from dm_cli.io.atomic import atomic_write
 from dm_cli.io.checkpoint import read_json_object
 from dm_cli.model.weight_formats import STORAGE_DTYPES, format_of, storage_dtype
+from dm_cli.planning.modes import Mode, Strategy
 from dm_cli.planning.parallel_layout import ParallelLayout
 from dm_cli.planning.placement import ComponentPlacement, DeviceUse, StagePlacement
-from dm_cli.planning.search import MODES, STRATEGIES, Device
+from dm_cli.planning.search import Device
 from dm_cli.planning.step_cache import parse_cache
 from dm_cli.units import FLOATING_DTYPES, MAX_GPU_INDEX, MAX_SIZE_BYTES, MAX_SIZE_TEXT, parse_dtype, shorten
 
@@ -155,8 +156,8 @@ class Plan:
         if data.get("format") != PLAN_FORMAT or type(version) is not int or version not in (PLAN_VERSION, TILED_PLAN_VERSION):
             raise ValueError(f"not a {PLAN_FORMAT} v{PLAN_VERSION} or v{TILED_PLAN_VERSION} document")
         dtype = _plan_dtype(data.get("dtype"))
-        strategy = _choice(data.get("strategy", "auto"), "'strategy'", STRATEGIES)
-        mode = _choice(data.get("mode", "staged"), "'mode'", MODES)
+        strategy = _choice(data.get("strategy", "auto"), "'strategy'", Strategy.words())
+        mode = _choice(data.get("mode", "staged"), "'mode'", Mode.words())
         devices = []
         for key, value in _object(data.get("devices"), "'devices'").items():
             value = _object(value, f"device {key!r}")

@@ -19,11 +19,8 @@ from typing import NamedTuple
 
 from dm_cli.families.stages import Stage
 from dm_cli.planning.blocks import ComponentInput
+from dm_cli.planning.modes import Mode, Strategy
 from dm_cli.planning.placement import ComponentPlacement, DeviceUse, NoFit, Placement, StagePlacement
-
-STRATEGIES = ("auto", "sequential", "balanced", "balanced_low_0")
-MODES = ("auto", "resident", "staged")
-
 
 # --- inputs ---------------------------------------------------------------------------------------
 
@@ -695,9 +692,9 @@ def plan_pipeline(components: list[ComponentInput], stages: list[Stage], devices
     Auto mode plans resident (nothing reloads between stages) and keeps it when it offloads nothing,
     else the one of resident and staged that offloads less.
     """
-    if strategy not in STRATEGIES:
+    if strategy not in Strategy.words():
         raise ValueError(f"unknown strategy {strategy}")
-    if mode not in MODES:
+    if mode not in Mode.words():
         raise ValueError(f"unknown mode {mode}")
     pipeline = _Pipeline(components, stages, devices, strategy)
     if mode == "resident":

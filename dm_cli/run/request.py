@@ -79,7 +79,7 @@ class RunRequest:
         """A request from flat options, as `dmap run` and `dm_cli.load` take them: the generation's names
         (GENERATION_FIELDS, `images`, `last_image`, `settings`: the family's own), the placement's (PLACEMENT_FIELDS), `device_map` (a
         strategy, else a plan file) and the request's own (seed, output, ...)."""
-        from dm_cli.planning.search import STRATEGIES
+        from dm_cli.planning.modes import Strategy
 
         images = input_images(options.pop("images", None))  # paths and PIL images read here, before SOURCE
         last = last_input_image(options.pop("last_image", None))
@@ -92,7 +92,7 @@ class RunRequest:
         generation = Generation(images=images, last_image=last, loras=loras, cache=cache,
                                 **{k: options.pop(k) for k in GENERATION_FIELDS if k in options})
         placement = {k: options.pop(k) for k in PLACEMENT_FIELDS if k in options}
-        strategy, plan_file = (device_map, None) if device_map in STRATEGIES else ("auto", device_map)
+        strategy, plan_file = (device_map, None) if device_map in Strategy.words() else ("auto", device_map)
         return cls(source, prompt, generation=generation.with_settings(settings or {}),
                    placement=PlacementSpec(strategy=strategy, **placement), plan_file=plan_file, **options)
 
