@@ -44,6 +44,8 @@ import math
 from dataclasses import dataclass, field
 
 from dm_cli.errors import UsageError
+from dm_cli.families import GUIDANCE_BATCH, GUIDANCE_SEPARATE, Job, call_spec
+from dm_cli.families.calls import TensorSpec
 from dm_cli.planning.modes import Layout, Parallel
 from dm_cli.units import shorten
 
@@ -272,8 +274,6 @@ def guidance_branches(family, inputs, negative_prompt: str | None, settings: dic
     """The guidance branches of one step for these inputs: 2 under CFG on a doubled batch (GUIDANCE_BATCH with
     cfg_batch() == 2) or under separate true-CFG calls that actually run (Qwen-Image: true_cfg_scale > 1 and a
     negative prompt, as its pipeline decides); else 1, with the sentence that refuses CFG-parallel."""
-    from dm_cli.families import GUIDANCE_BATCH, GUIDANCE_SEPARATE, Job
-
     title = family.title()
     if family.guidance == GUIDANCE_BATCH:
         if family.cfg_batch(inputs) == 2:
@@ -319,9 +319,6 @@ def _patch(config: dict) -> tuple[int, int]:
 def denoiser_shape(comp, pipeline_class: str | None, inputs, family, element_bytes: int) -> DenoiserShape:
     """Heads, layers and token counts of the denoiser's call for `inputs`, from its config and the family's
     call spec (dm_cli.families.calls): the same shapes the meta trace runs."""
-    from dm_cli.families import call_spec
-    from dm_cli.families.calls import TensorSpec
-
     config = comp.config or {}
     spec = call_spec(comp, pipeline_class, inputs)
     kwargs = spec.kwargs if spec is not None else {}

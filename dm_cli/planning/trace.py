@@ -24,11 +24,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from dm_cli.errors import SourceError
 from dm_cli.families import call_spec
 from dm_cli.families.calls import CallSpec, TensorSpec, generic_argument
 from dm_cli.inputs import InputSpec
 from dm_cli.io.cache import cache_key, read_cached, write_cached
+from dm_cli.model.skeleton import _fp32_rules, _fp32_when, build_on_meta, guess_library, skeleton_for_component
 from dm_cli.planning.trace_session import _META, _Session
+from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # annotations only
     from dm_cli.model.sources import ComponentSource
@@ -97,8 +100,6 @@ _MODEL_CACHE_SIZE = 3
 
 def _meta_model(comp: ComponentSource, dtype: str):
     """The component on meta, cast as loading casts it; a few kept in memory for repeated checks."""
-    from dm_cli.model.skeleton import build_on_meta, guess_library
-
     library = comp.library or guess_library(comp.cls)
     key = json.dumps([library, comp.cls, comp.config, dtype], sort_keys=True, default=str)
     model = _MODEL_CACHE.get(key)
@@ -116,9 +117,7 @@ def _meta_model(comp: ComponentSource, dtype: str):
 
 def cast_like_loading(model, library: str | None, dtype: str) -> None:
     """Floating tensors to `dtype`, keep-in-fp32 modules in float32, integer buffers untouched."""
-    import torch
-
-    from dm_cli.model.skeleton import _fp32_rules, _fp32_when
+    import torch  # here only: importing this module stays torch-free
 
     rules = _fp32_rules(model, library or "")
     for prefix, module in model.named_modules():
@@ -135,7 +134,7 @@ def cast_like_loading(model, library: str | None, dtype: str) -> None:
 
 
 def _materialise(value, dtype, device):
-    import torch
+    import torch  # here only: importing this module stays torch-free
 
     if isinstance(value, TensorSpec):
         fixed = {"long": torch.long, "bool": torch.bool, "float32": torch.float32}.get(value.kind)
@@ -187,7 +186,7 @@ def _resolve_call(model, comp: ComponentSource, pipeline_class, inputs: InputSpe
 
 def _run(model, spec: CallSpec, dtype: str, session: _Session):
     """Build the inputs inside the session (so they count as activations) and call the component."""
-    import torch
+    import torch  # here only: importing this module stays torch-free
 
     device = next((p.device for p in model.parameters()), torch.device("meta"))
     with torch.no_grad(), session:
@@ -281,11 +280,7 @@ def trace_message(comp: ComponentSource, spec: CallSpec | None, inputs: InputSpe
 
 def _torch_dtype_name(dtype: str | None, comp: ComponentSource) -> str:
     """bf16/fp16/fp32 or torch spellings -> torch name; None: the checkpoint's dominant dtype."""
-    from dm_cli.units import parse_dtype
-
     if dtype is None:
-        from dm_cli.model.skeleton import skeleton_for_component
-
         try:
             return skeleton_for_component(comp)[0].dominant_dtype(None)
         except Exception:
@@ -302,8 +297,6 @@ def model_tiles(model) -> bool:
 
 def can_tile(comp: ComponentSource) -> bool:
     """Whether the component's class decodes in tiles when asked (`enable_tiling()`); built on meta, no weights."""
-    from dm_cli.errors import SourceError
-
     if comp.config is None:
         return False
     try:
@@ -313,8 +306,6 @@ def can_tile(comp: ComponentSource) -> bool:
 
 
 def _trace_uncached(comp: ComponentSource, pipeline_class, inputs: InputSpec, dtype: str, tiled: bool = False) -> ComponentTrace:
-    from dm_cli.errors import SourceError
-
     if comp.config is None:
         return ComponentTrace([], {}, 0, [], f"{comp.name} has no config.json: dmap cannot run it, so the "
                               "order is the checkpoint's and there is no activation estimate.", dtype=dtype)

@@ -33,7 +33,7 @@ def _iter_tensors(value, torch):
 @lru_cache(maxsize=1)
 def _mode_classes():
     """The dispatch and function modes, defined on first use so that importing this module needs no torch."""
-    import torch
+    import torch  # here only: importing this module stays torch-free
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -87,7 +87,7 @@ class _Session:
 
     def __init__(self, model, *, track_memory=False, replace_sdpa=False, tag_mode=None, device_map=None,
                  problems: list | None = None, seen_problems: set | None = None):
-        import torch
+        import torch  # here only: importing this module stays torch-free
 
         self.torch = torch
         self.model = model
