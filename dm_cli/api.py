@@ -23,7 +23,7 @@ from dm_cli.errors import UsageError
 from dm_cli.run.session import Session
 
 if TYPE_CHECKING:  # annotations only: the plan module costs start-up time
-    from dm_cli.planning.make import Plan
+    from dm_cli.planning.plan_file import Plan
 
 # --- plan ---------------------------------------------------------------------------------------
 
@@ -65,8 +65,9 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     from dm_cli.model.demo import source_root
     from dm_cli.model.lora import read_loras
     from dm_cli.model.single_file_weights import parse_component_files
-    from dm_cli.planning.make import PlanOptions, make_named_plan
+    from dm_cli.planning.make import make_named_plan
     from dm_cli.planning.parallel import ParallelRequest
+    from dm_cli.planning.plan_options import PlanOptions
     from dm_cli.planning.step_cache import parse_cache
     from dm_cli.units import parse_dtype
 
@@ -183,7 +184,7 @@ def dispatch(pipe, plan: Plan | str | Path):
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
     from dm_cli.devices import normalise_map
-    from dm_cli.planning.make import load_plan
+    from dm_cli.planning.plan_file import load_plan
     from dm_cli.planning.trace import model_tiles
     from dm_cli.run.loading import execution_device
     from dm_cli.run.request import check_devices_present

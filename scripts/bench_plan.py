@@ -21,6 +21,7 @@ and is given the model flat in float8 (`dtype=float8_e4m3fn`); every map is judg
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -32,7 +33,10 @@ from dm_cli.families import family_for  # noqa: E402
 from dm_cli.inputs import InputSpec, PlacementSpec  # noqa: E402
 from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, parse_weights_spec  # noqa: E402
 from dm_cli.model.sources import resolve_source  # noqa: E402
-from dm_cli.planning.make import DEFAULT_GPU_OVERHEAD, PlanOptions, make_plan, prepare_component  # noqa: E402
+from dm_cli.planning.budgets import DEFAULT_GPU_OVERHEAD  # noqa: E402
+from dm_cli.planning.components import prepare_component  # noqa: E402
+from dm_cli.planning.make import make_plan  # noqa: E402
+from dm_cli.planning.plan_options import PlanOptions  # noqa: E402
 from dm_cli.units import parse_device_spec  # noqa: E402
 
 
@@ -214,11 +218,27 @@ def gb(n: int) -> str:
     return f"{n / 1e9:.2f}"
 
 
+def case_options(case: Case, weights_only: bool = False, component: str | None = None) -> PlanOptions:
+    """The options of one of a case's dmap plans: the pipeline, a component alone, or a component's weights only."""
+    inputs = InputSpec(0, 0, num_frames=case.frames) if weights_only else case.inputs
+    return PlanOptions(PlacementSpec(case.budget, dtype=case.dtype, weights=case.weights), inputs=inputs,
+                       component=component)
+
+
+def write_case_plans(number: int, case: Case, folder: Path) -> None:
+    """`--plans-to`: the case's three dmap plans as `dmap plan --output` writes them (to compare planner versions)."""
+    denoiser = family_for(resolve_source(case.preset).pipeline_class).denoiser
+    for kind, options in (("pipeline", case_options(case)), ("alone", case_options(case, component=denoiser)),
+                          ("bare", case_options(case, weights_only=True, component=denoiser))):
+        text = json.dumps(make_plan(case.preset, options).to_json(), indent=2) + "\n"
+        (folder / f"{number:02d}-{kind}.json").write_text(text, encoding="utf-8")
+
+
 def run_case(case: Case, check_anchors: bool) -> dict:
     inputs = case.inputs
     budgets = parse_device_spec(case.budget)
     started = time.perf_counter()
-    plan = make_plan(case.preset, PlanOptions(PlacementSpec(case.budget, dtype=case.dtype, weights=case.weights), inputs=inputs))
+    plan = make_plan(case.preset, case_options(case))
     elapsed = time.perf_counter() - started
     source = resolve_source(case.preset)
     denoiser = family_for(source.pipeline_class).denoiser
@@ -226,11 +246,11 @@ def run_case(case: Case, check_anchors: bool) -> dict:
     prepared_all = [prepare_component(c, source.pipeline_class, inputs, plan.dtype, weights=formats)
                     for c in source.components]
     prepared = next(p for p in prepared_all if p.spec.name == denoiser)
-    alone = make_plan(case.preset, PlanOptions(PlacementSpec(case.budget, dtype=case.dtype, weights=case.weights), inputs=inputs, component=denoiser))
+    alone = make_plan(case.preset, case_options(case, component=denoiser))
     dmap_alone = evaluate_map(prepared, alone.components[denoiser].device_map, budgets)
     dmap_alone["check"] = not alone.check.get("problems")
     # the same accounting as accelerate: weights only, no activations, no GPU overhead
-    bare = make_plan(case.preset, PlanOptions(PlacementSpec(case.budget, dtype=case.dtype, weights=case.weights), inputs=InputSpec(0, 0, num_frames=case.frames), component=denoiser))
+    bare = make_plan(case.preset, case_options(case, weights_only=True, component=denoiser))
     dmap_bare = evaluate_map(prepared, bare.components[denoiser].device_map, budgets)
     dmap_bare["check"] = not bare.check.get("problems")
     anchors = {}
@@ -239,10 +259,10 @@ def run_case(case: Case, check_anchors: bool) -> dict:
         result = evaluate_map(prepared, device_map, budgets)
         result["check"] = None
         if check_anchors and len(set(device_map.values())) > 1:
-            from dm_cli.planning.make import _cached_check
+            from dm_cli.planning.split_check import cached_check
             from dm_cli.planning.trace import check_device_map
 
-            result["check"] = not _cached_check(prepared, source.pipeline_class, inputs, device_map, True,
+            result["check"] = not cached_check(prepared, source.pipeline_class, inputs, device_map, True,
                                                 check_device_map)
         anchors[name] = result
     peaks_ok = all(use.peak <= (next(d.capacity for d in plan.devices if d.name == key) or float("inf"))
@@ -265,9 +285,17 @@ def main() -> int:
     parser.add_argument("--check-anchors", action="store_true", help="Also run the split check on accelerate's maps.")
     parser.add_argument("--only", default=None, help="Run only these cases (1-based, comma-separated: 16,17).")
     parser.add_argument("--preset", default=None, help="Run only the cases of this preset (e.g. qwen-image).")
+    parser.add_argument("--plans-to", type=Path, default=None,
+                        help="Only write each case's dmap plans (NN-pipeline/alone/bare.json) to this folder.")
     args = parser.parse_args()
     numbers = range(1, len(CASES) + 1) if args.only is None else [int(n) for n in args.only.split(",")]
     cases = [(n, CASES[n - 1]) for n in numbers if args.preset in (None, CASES[n - 1].preset)]  # the case numbers of docs/performance.md
+    if args.plans_to is not None:
+        args.plans_to.mkdir(parents=True, exist_ok=True)
+        for done, (number, case) in enumerate(cases, 1):
+            print(f"[{done}/{len(cases)}] case {number}: {case.model} {case.budget} {case.label}", file=sys.stderr)
+            write_case_plans(number, case, args.plans_to)
+        return 0
     rows, violations = [], []
     for done, (number, case) in enumerate(cases, 1):
         print(f"[{done}/{len(cases)}] case {number}: {case.model} {case.budget} {case.label}", file=sys.stderr)

@@ -23,7 +23,8 @@ from dm_cli.families.stages import (
     default_stages,
 )
 from dm_cli.inputs import PlacementSpec
-from dm_cli.planning.search import Block, ComponentInput, Device, plan_pipeline
+from dm_cli.planning.blocks import Block, ComponentInput
+from dm_cli.planning.search import Device, plan_pipeline
 
 PROMPT_TEXT = "a red fox in the snow"
 SIZE, STEPS, SEED = 32, 2, 7
@@ -113,7 +114,9 @@ def test_a_vae_that_encodes_before_the_denoiser_and_decodes_after_plans_and_runs
     from PIL import Image
 
     from dm_cli.inputs import InputSpec
-    from dm_cli.planning.make import Plan, PlanOptions, make_plan
+    from dm_cli.planning.make import make_plan
+    from dm_cli.planning.plan_file import Plan
+    from dm_cli.planning.plan_options import PlanOptions
     from dm_cli.run.request import RunRequest
     from dm_cli.run.single import run
 
@@ -182,7 +185,7 @@ def test_declared_stages_keep_the_components_a_pipeline_has_and_refuse_one_no_st
 
 
 def test_a_plan_file_written_before_stages_recorded_their_values_still_loads_and_runs_by_name():
-    from dm_cli.planning.make import Plan
+    from dm_cli.planning.plan_file import Plan
 
     document = {
         "format": "dmap-plan", "version": 1, "source": "x", "dtype": "float32", "strategy": "auto", "mode": "staged",

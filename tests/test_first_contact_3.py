@@ -86,7 +86,7 @@ def test_pipeline_advice_for_a_queue_does_not_send_it_back_to_pipeline():
 def test_pipeline_ranks_without_gpus_plan_each_rank_cpu_as_its_gpu(monkeypatch):
     import dm_cli.run.request as request
 
-    monkeypatch.setattr("dm_cli.planning.make.available_ram", lambda: 8 * 10**9)
+    monkeypatch.setattr("dm_cli.planning.budgets.available_ram", lambda: 8 * 10**9)
     assert request.cpu_rank_devices(2) == "0=4000000000B,1=4000000000B"
 
 

@@ -146,9 +146,9 @@ def test_8_gpus_without_a_cpu_still_get_the_offload_suggestion():
 
 
 def test_8_more_cpu_than_this_machine_has_is_said(monkeypatch):
-    import dm_cli.planning.make
+    import dm_cli.planning.advice
 
-    monkeypatch.setattr(dm_cli.planning.make, "total_ram", lambda: 1000)
+    monkeypatch.setattr(dm_cli.planning.advice, "total_ram", lambda: 1000)
     code, out, err = run_dmap("plan", "tiny-flux", "-q", "-m", "cpu=1MB", "--height", "64", "--width", "64")
     assert code == 3 and "more than this machine's 1.00 KB of RAM" in err, err
 

@@ -155,7 +155,8 @@ def test_klein_true_cfg_is_separate_calls_only_when_not_distilled():
 
 @pytest.mark.parametrize("preset", ["flux2", "flux2-klein"])
 def test_plan_traces_every_component_at_1024(preset):
-    from dm_cli.planning.make import PlanOptions, make_plan
+    from dm_cli.planning.make import make_plan
+    from dm_cli.planning.plan_options import PlanOptions
 
     plan = make_plan(preset, PlanOptions(PlacementSpec("0=40GB,1=40GB,2=40GB,3=40GB,cpu=200GB")))
     assert not [w for w in plan.warnings if "meta device" in w or "registration order" in w], plan.warnings

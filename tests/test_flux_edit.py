@@ -88,7 +88,7 @@ def settled_job(folder, settings: dict, images):
 
 def dmap_pixels(folder, settings: dict, images, devices: int):
     """The stage loop over the hand plan: encode, encode_image, denoise, decode; (pixels, split problems, stages)."""
-    from dm_cli.planning.make import Plan
+    from dm_cli.planning.plan_file import Plan
     from dm_cli.run.session import frozen_gc
     from dm_cli.run.stages import StageLoop
 
@@ -233,7 +233,8 @@ def test_families_match_before_flux_and_run_their_own_pipelines():
 def test_plan_flux_kontext_with_a_1024_reference_fits_two_24gb_gpus():
     from dm_cli.inputs import InputSpec, PlacementSpec
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.make import PlanOptions, make_plan
+    from dm_cli.planning.make import make_plan
+    from dm_cli.planning.plan_options import PlanOptions
     from dm_cli.planning.trace import trace_component
 
     plan = make_plan("flux-kontext", PlanOptions(PlacementSpec("0=24GB,1=24GB,cpu=64GB"), check=False,

@@ -414,7 +414,7 @@ def test_5_escapes_in_error_messages_are_shown_inert(tmp_path, capsys):
 
 def test_5_plan_file_names_are_rendered_inert(capsys):
     """A plan file (read by `dmap run -d`) is input too: its component, class and module names are shown inert."""
-    from dm_cli.planning.make import Plan
+    from dm_cli.planning.plan_file import Plan
     from dm_cli.render.plan import render_plan
 
     plan = _plan_document()

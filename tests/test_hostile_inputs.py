@@ -193,7 +193,7 @@ def test_6_plan_file_fields_get_the_command_lines_checks(tmp_path, monkeypatch, 
 
 
 def test_6_a_plan_dmap_wrote_still_loads(tmp_path, capsys):
-    from dm_cli.planning.make import load_plan
+    from dm_cli.planning.plan_file import load_plan
 
     out = tmp_path / "p.json"
     code, _, err = cli(capsys, "plan", "tiny-flux", "-q", "--max-memory", "0=1MB,1=1MB,cpu=1GB,disk", "-o", out)

@@ -243,7 +243,7 @@ def test_plan_counts_the_adapter_bytes_beside_the_layers_they_patch(flux, tmp_pa
     from dm_cli.inputs import LoraAdapter
     from dm_cli.model.lora import read_lora
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.make import lora_extra_bytes
+    from dm_cli.planning.lora_sizing import lora_extra_bytes
 
     adapter = read_lora(f"{lora}:0.5")
     assert isinstance(adapter, LoraAdapter) and adapter.tensors == 14
@@ -565,7 +565,8 @@ def test_lora_activations_are_counted_as_the_profiler_measures_them(flux, tmp_pa
     from dm_cli.inputs import InputSpec
     from dm_cli.model.lora import read_lora
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.make import lora_targets, prepare_component
+    from dm_cli.planning.components import prepare_component
+    from dm_cli.planning.lora_sizing import lora_targets
 
     folder, attention = flux
     feed_forward = make_lora(diffusers.FluxTransformer2DModel, folder / "transformer", tmp_path / "ff.safetensors",

@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 
 def planned_transformer_map(folder) -> dict:
     from dm_cli.inputs import InputSpec, PlacementSpec
-    from dm_cli.planning.make import PlanOptions, make_plan
+    from dm_cli.planning.make import make_plan
+    from dm_cli.planning.plan_options import PlanOptions
 
     # weights only (the tiny twin's activations are MBs against KBs of weights): two devices that each hold about
     # half of the 152 KB fp32 transformer

@@ -167,7 +167,7 @@ def _tiny_parallel_plan(tmp_path) -> Path:
 
 
 def test_a_parallel_plan_reads_back(tmp_path):
-    from dm_cli.planning.make import load_plan
+    from dm_cli.planning.plan_file import load_plan
 
     path = _tiny_parallel_plan(tmp_path)
     written = json.loads(path.read_text())
@@ -184,7 +184,7 @@ def test_a_parallel_plan_reads_back(tmp_path):
     {"link_gbps": 0}, {"experts": "all"},
 ])
 def test_a_hostile_parallel_key_is_refused(tmp_path, hostile):
-    from dm_cli.planning.make import load_plan
+    from dm_cli.planning.plan_file import load_plan
 
     path = _tiny_parallel_plan(tmp_path)
     data = json.loads(path.read_text())
@@ -236,7 +236,8 @@ def test_step_time_model_by_hand():
 
 def test_auto_for_wan_720p_on_eight_gpus_is_two_cfg_by_four_ulysses():
     """Wan 2.2 at 720x1280x81 (75,600 video tokens; 8.6 GB of activations per call, as the trace says), pure."""
-    from dm_cli.planning.parallel import Rank, choose_layout
+    from dm_cli.planning.parallel import Rank
+    from dm_cli.planning.parallel_layout import choose_layout
 
     load = DenoiserLoad((28_636_399_744, 28_636_399_744), 8_623_095_106, 14_288_000_000, hops=1)
     ranks = [Rank(r, 80 * GB, 600 * 10**6, 12 * GB) for r in range(8)]

@@ -111,7 +111,7 @@ def test_tiny_flux_render_shows_slices_and_speedup(tiny):
 
 
 def test_a_pipeline_plan_reads_back(tiny):
-    from dm_cli.planning.make import load_plan
+    from dm_cli.planning.plan_file import load_plan
 
     data, path, _ = tiny
     assert load_plan(path).to_json() == data
@@ -137,7 +137,7 @@ def test_a_pipeline_plan_reads_back(tiny):
     ({"layout": "ring"}, "layout must be"),
 ])
 def test_a_hostile_pipeline_key_is_refused(tiny, tmp_path, hostile, fragment):
-    from dm_cli.planning.make import load_plan
+    from dm_cli.planning.plan_file import load_plan
 
     data = json.loads(json.dumps(tiny[0]))
     data["parallel"].update(hostile)
@@ -150,7 +150,7 @@ def test_a_hostile_pipeline_key_is_refused(tiny, tmp_path, hostile, fragment):
 
 def test_a_plan_without_the_pipeline_fields_still_loads(tiny, tmp_path):
     """Plan files written before pipeline parallel: a split layout with no slices or in_flight."""
-    from dm_cli.planning.make import load_plan
+    from dm_cli.planning.plan_file import load_plan
 
     data = json.loads(json.dumps(tiny[0]))
     for key in ("slices", "in_flight", "predicted_speedup", "speedup_basis"):

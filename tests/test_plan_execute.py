@@ -25,8 +25,10 @@ from dm_cli.families.calls import TensorSpec  # noqa: E402
 from dm_cli.inputs import InputSpec, PlacementSpec  # noqa: E402
 from dm_cli.model.skeleton import skeleton_for_component  # noqa: E402
 from dm_cli.model.sources import resolve_source  # noqa: E402
-from dm_cli.planning.make import PlanOptions, make_plan, prepare_component  # noqa: E402
-from dm_cli.planning.search import component_blocks  # noqa: E402
+from dm_cli.planning.blocks import component_blocks  # noqa: E402
+from dm_cli.planning.components import prepare_component  # noqa: E402
+from dm_cli.planning.make import make_plan  # noqa: E402
+from dm_cli.planning.plan_options import PlanOptions  # noqa: E402
 
 INPUTS = InputSpec(64, 64)
 # a video family's default length (LTX-2: 121 frames, its 1024 text tokens) makes a real CPU forward under the

@@ -8,28 +8,29 @@ test catches. Sizes are plain bytes.
 
 import pytest
 
-from dm_cli.planning.search import (
+from dm_cli.planning.blocks import (
     Block,
     ComponentInput,
+    _collect_atomic,
+    _enclosing,
+    _first_call,
+    _ModuleTree,
+    _peak_of,
+)
+from dm_cli.planning.placement import DeviceUse, NoFit
+from dm_cli.planning.search import (
     Device,
-    DeviceUse,
-    NoFit,
     Stage,
     _block_activation,
     _block_gpu,
     _Cand,
-    _collect_atomic,
     _compute_devices,
-    _enclosing,
     _evaluate,
     _fill,
     _fill_moved,
     _FillSpec,
     _FillState,
-    _first_call,
     _limits_at,
-    _ModuleTree,
-    _peak_of,
     _Pipeline,
     _place_split,
     _place_whole,

@@ -121,7 +121,7 @@ def dmap_pixels(folder, paths, devices: int, negative=None, settings=None):
     from dm_cli.inputs import Generation
     from dm_cli.io.input_images import describe_image
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.make import Plan
+    from dm_cli.planning.plan_file import Plan
     from dm_cli.run.session import frozen_gc
     from dm_cli.run.stages import StageLoop
 

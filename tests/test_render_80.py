@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_render_golden import GOLDEN, flux_plan, inspect_report, png_file, run_result
 
-from dm_cli.planning.make import Plan
+from dm_cli.planning.plan_file import Plan
 from dm_cli.units import format_size
 
 BAR_GLYPHS = "█▓▒▪·"

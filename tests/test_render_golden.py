@@ -18,7 +18,7 @@ import pytest
 
 from dm_cli.model.inspection import ComponentReport, InspectReport
 from dm_cli.model.skeleton import ModuleSize
-from dm_cli.planning.make import Plan
+from dm_cli.planning.plan_file import Plan
 
 GOLDEN = Path(__file__).parent / "golden"
 WIDTHS = (80, 120)

@@ -314,14 +314,16 @@ def test_a_preset_has_no_weights_and_run_says_so_before_importing_torch():
 
 
 def test_plan_digest_depends_only_on_the_placement(monkeypatch):
-    import dm_cli.planning.make as plan_module
+    import dm_cli.planning.budgets as budgets
     from dm_cli.inputs import InputSpec
+    from dm_cli.planning.make import make_plan
+    from dm_cli.planning.plan_options import PlanOptions
     from dm_cli.run.request import plan_digest
 
     plans = []
     for ram in (30 * 10**9, 31 * 10**9):
-        monkeypatch.setattr(plan_module, "available_ram", lambda ram=ram: ram)
-        plans.append(plan_module.make_plan("tiny-sd15", plan_module.PlanOptions(inputs=InputSpec(32, 32))))
+        monkeypatch.setattr(budgets, "available_ram", lambda ram=ram: ram)
+        plans.append(make_plan("tiny-sd15", PlanOptions(inputs=InputSpec(32, 32))))
     assert plans[0].to_json()["devices"] != plans[1].to_json()["devices"]
     assert plan_digest(plans[0]) == plan_digest(plans[1])
 
@@ -340,7 +342,7 @@ def test_outputs_are_refused_as_settled_from_the_plan(tmp_path):
     from conftest import run_dmap
 
     import dm_cli
-    from dm_cli.planning.make import write_plan
+    from dm_cli.planning.plan_file import write_plan
 
     plan = tmp_path / "p.json"
     write_plan(dm_cli.plan(None, height=64, width=64, num_images=2), plan)

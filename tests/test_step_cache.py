@@ -61,7 +61,7 @@ def test_plan_counts_the_cache_on_the_denoise_device(name, tmp_path):
     assert "step_cache" not in bare
     assert "cache" not in next(s for s in bare["stages"] if s["name"] == "denoise")["breakdown"]["0"]
     # a plan file with a cache loads back as written
-    from dm_cli.planning.make import Plan
+    from dm_cli.planning.plan_file import Plan
 
     assert Plan.from_json(plan).to_json() == plan
 

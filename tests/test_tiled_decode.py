@@ -7,7 +7,7 @@ import pytest
 from conftest import run_dmap
 
 from dm_cli.errors import UsageError
-from dm_cli.planning.make import Plan, load_plan
+from dm_cli.planning.plan_file import Plan, load_plan
 
 torch = pytest.importorskip("torch")
 

@@ -8,7 +8,8 @@ from conftest import run_dmap
 from dm_cli.errors import UsageError
 from dm_cli.inputs import InputSpec, PlacementSpec
 from dm_cli.model.sources import resolve_source
-from dm_cli.planning.make import PlanOptions, make_plan
+from dm_cli.planning.make import make_plan
+from dm_cli.planning.plan_options import PlanOptions
 
 pytest.importorskip("torch")
 

@@ -118,7 +118,8 @@ def _real_bytes(model) -> int:
 def test_planned_bytes_are_the_bytes_after_casting(preset, fmt):
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.make import PlanOptions, make_plan
+    from dm_cli.planning.make import make_plan
+    from dm_cli.planning.plan_options import PlanOptions
 
     source = resolve_source(preset)
     plan = make_plan(preset, PlanOptions(PlacementSpec("cpu=10GB", weights=f"{fmt},vae={fmt}"), inputs=InputSpec(0, 0), check=False)).to_json()
@@ -137,7 +138,8 @@ def test_planned_bytes_are_the_bytes_after_casting(preset, fmt):
 def test_compute_copy_of_the_largest_layer_is_in_the_peak():
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.make import PlanOptions, make_plan
+    from dm_cli.planning.make import make_plan
+    from dm_cli.planning.plan_options import PlanOptions
 
     inputs = InputSpec(64, 64)
     plain = make_plan("tiny-flux", PlanOptions(PlacementSpec("cpu=10GB"), inputs=inputs, check=False)).to_json()
@@ -166,7 +168,8 @@ def test_inspect_weights_matches_plan():
                                       "--height", "0", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["components"]["transformer"]["weights_bytes"] == comps["transformer"]["bytes"]
-    from dm_cli.planning.make import PlanOptions, make_plan
+    from dm_cli.planning.make import make_plan
+    from dm_cli.planning.plan_options import PlanOptions
 
     with pytest.raises(UsageError, match="names component 'unet'"):
         make_plan("tiny-sd3", PlanOptions(PlacementSpec("cpu=1GB", weights="unet=fp8")))
@@ -255,7 +258,8 @@ def test_int8_without_torchao_plans_and_refuses_to_run(folders, tmp_path, monkey
     import sys
 
     from dm_cli.inputs import InputSpec
-    from dm_cli.planning.make import PlanOptions, make_plan
+    from dm_cli.planning.make import make_plan
+    from dm_cli.planning.plan_options import PlanOptions
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao -> ImportError
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)
@@ -272,7 +276,8 @@ def test_shard_fp8_writes_a_checkpoint_diffusers_loads_dmap_plans_from_and_runs(
     from dm_cli.model.shard import shard
     from dm_cli.model.skeleton import skeleton_for_component
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.make import PlanOptions, make_plan
+    from dm_cli.planning.make import make_plan
+    from dm_cli.planning.plan_options import PlanOptions
     from dm_cli.run.request import RunRequest
     from dm_cli.run.single import run
 

@@ -14,6 +14,24 @@ from typing import Annotated
 
 import typer
 
+from dm_cli.planning.modes import Mode, Parallel, Word
+from dm_cli.units import shorten
+
+
+def word_parser(vocabulary: type[Word], flag: str):
+    """Typer's parser for an option that takes one of a mode's words (dm_cli.planning.modes): the member, or one
+    sentence naming them all, while the command line is parsed (Typer's own Enum message is two)."""
+    def parse(text: str) -> Word:
+        try:
+            return vocabulary(text)
+        except ValueError:
+            words = vocabulary.words()
+            raise typer.BadParameter(f"{flag} must be {', '.join(words[:-1])} or {words[-1]}, not "
+                                     f"{shorten(text, quote=True)}.") from None
+
+    return parse
+
+
 # ---- SOURCE (arguments) ----------------------------------------------------------------------
 
 _SOURCE_HELP = "Pipeline/component folder, .safetensors, index JSON, preset or Hub repo id."
@@ -35,8 +53,8 @@ ShardSourceArg = Annotated[str, typer.Argument(
 MaxMemoryOpt = Annotated[str | None, typer.Option(
     "--max-memory", "-m", help="Devices to plan for, e.g. 0=16GB,1=16GB,cpu=64GB,disk (default: this machine).")]
 
-ModeOpt = Annotated[str, typer.Option(
-    "--mode", help="auto | resident (all loaded at once) | staged (per stage), for the plan made here.")]
+ModeOpt = Annotated[Mode, typer.Option(
+    "--mode", parser=word_parser(Mode, "--mode"), help="auto | resident (all loaded at once) | staged (per stage), for the plan made here.")]
 
 OverheadOpt = Annotated[str | None, typer.Option(
     "--overhead", help="Per-device overhead for the plan made here, e.g. 0=600MB,1=600MB "
@@ -169,12 +187,14 @@ SimulateOpt = Annotated[bool, typer.Option(
 GpusPerRankOpt = Annotated[int | None, typer.Option(
     "--gpus-per-rank", min=0, help="Under torchrun: local rank r uses GPUs r*K .. r*K+K-1 of its node.")]
 _PARALLEL_HELP = "How torchrun ranks share each denoising step: none | cfg | context | cfg+context | pipeline | auto"
-ParallelOpt = Annotated[str | None, typer.Option(
-    "--parallel", help=f"{_PARALLEL_HELP} (under torchrun; default the plan file's 'parallel', else none).")]
+ParallelOpt = Annotated[Parallel | None, typer.Option(
+    "--parallel", parser=word_parser(Parallel, "--parallel"),
+    help=f"{_PARALLEL_HELP} (under torchrun; default the plan file's 'parallel', else none).")]
 """`dmap run` and `dmap serve`: how this launch's ranks share each step."""
 
-PlanParallelOpt = Annotated[str | None, typer.Option(
-    "--parallel", help=f"{_PARALLEL_HELP} (for --world-size: default none for one rank, auto above).")]
+PlanParallelOpt = Annotated[Parallel | None, typer.Option(
+    "--parallel", parser=word_parser(Parallel, "--parallel"),
+    help=f"{_PARALLEL_HELP} (for --world-size: default none for one rank, auto above).")]
 """`dmap plan`: the layout recorded for --world-size ranks."""
 
 

@@ -33,14 +33,17 @@ from dm_cli.cli._cli_utils import (
     SourceArg,
     WeightsOpt,
     WidthOpt,
+    word_parser,
 )
+from dm_cli.planning.modes import Strategy
 
 
 def plan(
     ctx: typer.Context,
     source: SourceArg,
     max_memory: MaxMemoryOpt = None,
-    strategy: str = typer.Option("auto", "--strategy", help="auto | sequential | balanced | balanced_low_0."),
+    strategy: Strategy = typer.Option("auto", "--strategy", parser=word_parser(Strategy, "--strategy"),
+                                      help="auto | sequential | balanced | balanced_low_0."),
     mode: ModeOpt = "auto",
     height: PlanHeightOpt = None,
     width: WidthOpt = None,
@@ -81,7 +84,7 @@ def plan(
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     from dm_cli.api import plan as make_plan
-    from dm_cli.planning.make import write_plan
+    from dm_cli.planning.plan_file import write_plan
     from dm_cli.render.queue import TickingStatus
 
     if output:

@@ -209,7 +209,7 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def gguf_file(spec: str) -> Path | None:
-    """The GGUF file a SOURCE names (`dmap inspect` reads its header: dm_cli.model.gguf_files), else None.
+    """The GGUF file a SOURCE names (`dmap inspect` reads its header: dm_cli.model.formats.gguf_files), else None.
 
     Anything at that path but a folder counts: a FIFO or device named `x.gguf` is refused by the reader."""
     path = Path(spec).expanduser()

@@ -7,7 +7,7 @@ import shlex
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the noun, for annotations only
-    from dm_cli.planning.make import Plan
+    from dm_cli.planning.plan_file import Plan
 
 
 def _size(num_bytes: int) -> str:

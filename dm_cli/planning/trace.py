@@ -1,6 +1,6 @@
 """Meta-device forward passes: execution order, activation peaks and cross-device checks.
 
-One engine (`_Session`) runs a component's forward under a torch dispatch mode and module hooks:
+One engine (`_Session`, trace_session.py) runs a component's forward under a torch dispatch mode and module hooks:
 - it records the order in which modules holding weights first run (UNets run down -> mid -> up,
   not in registration order);
 - it counts live activation bytes per storage (`LiveStorages`: added when an op creates a storage,
@@ -19,19 +19,19 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import TYPE_CHECKING, Callable
 
-from dm_cli.devices import map_entry, normalise_map
+from dm_cli.errors import SourceError
 from dm_cli.families import call_spec
 from dm_cli.families.calls import CallSpec, TensorSpec, generic_argument
 from dm_cli.inputs import InputSpec
 from dm_cli.io.cache import cache_key, read_cached, write_cached
-from dm_cli.planning.storages import LiveStorages
+from dm_cli.model.skeleton import _fp32_rules, _fp32_when, build_on_meta, guess_library, skeleton_for_component
+from dm_cli.planning.trace_session import _META, _Session
+from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # annotations only
     from dm_cli.model.sources import ComponentSource
@@ -40,8 +40,6 @@ TRACE_FORMAT_VERSION = 5  # 2: lists given to modules are no longer copied (the 
 # modules are no provenance boundary; 4: they are again, and the planner gives a hook (a device_map key) to each
 # one a split module's forward combines (LTX-2's norm_out); 5: module_outputs (a LoRA's transients scale with them)
 WEIGHTS_ONLY_SIZE = 64  # pixels: order and split checks do not depend on size; small fits every model (tiny SD3 pos_embed too)
-_TAG = "_dmap_tag"
-_META = "meta"  # the one place a trace counts activations against
 
 
 @dataclass
@@ -93,399 +91,6 @@ class ComponentTrace:
         )
 
 
-# --- the engine ------------------------------------------------------------------------------------
-
-
-def _iter_tensors(value, torch):
-    """Tensors in an op's or a module's arguments (nested lists, tuples and dicts)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _iter_tensors(item, torch)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _iter_tensors(item, torch)
-
-
-@lru_cache(maxsize=1)
-def _mode_classes():
-    """The dispatch and function modes, defined on first use so that importing this module needs no torch."""
-    import torch
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    to_methods = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
-
-    class DispatchMode(TorchDispatchMode):
-        def __init__(self, session):
-            super().__init__()
-            self.session = session
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            self.session.after_op(func, args, kwargs, out)
-            return out
-
-    class FunctionMode(TorchFunctionMode):
-        def __init__(self, session):
-            super().__init__()
-            self.session = session
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is sdpa and self.session.replace_sdpa:
-                return self.session.fused_attention(*args, **kwargs)
-            if func in to_methods and self.session.tag_mode is not None:
-                caller = sys._getframe(1).f_globals.get("__name__", "")
-                out = func(*args, **kwargs)
-                if _explicit_device(func, args, kwargs) and not caller.startswith("accelerate"):
-                    # model code moving a tensor to a named device (x.to(y.device)): on meta we cannot
-                    # tell which virtual device is meant, so the result is compatible with any.
-                    if out is args[0]:
-                        out = out.view_as(out)
-                    self.session.set_tag(out, None)
-                return out
-            return func(*args, **kwargs)
-
-    def _explicit_device(func, args, kwargs):
-        if func is not torch.Tensor.to:
-            return True
-        if "device" in kwargs or "other" in kwargs:
-            return True
-        return any(isinstance(a, (torch.device, str, int, torch.Tensor)) and not isinstance(a, bool) for a in args[1:])
-
-    return DispatchMode, FunctionMode
-
-
-class _Session:
-    """Hooks + modes around one forward. `tag_mode`: None, "device" (virtual devices) or "provenance"."""
-
-    def __init__(self, model, *, track_memory=False, replace_sdpa=False, tag_mode=None, device_map=None,
-                 problems: list | None = None, seen_problems: set | None = None):
-        import torch
-
-        self.torch = torch
-        self.model = model
-        self.track_memory = track_memory
-        self.replace_sdpa = replace_sdpa
-        self.tag_mode = tag_mode
-        self.memory = LiveStorages()
-        # modules
-        self.names: dict[int, str] = {}
-        self.classes: dict[str, str] = {}
-        self.holds_tensors: set[str] = set()
-        self.weight_owner: dict[int, str] = {}
-        self.order: list[str] = []
-        self.ordered: set[str] = set()
-        self.called: set[str] = set()
-        self.stack: list[list] = []  # [prefix, peak while running]
-        self.module_peaks: dict[str, int] = {}
-        self.module_outputs: dict[str, int] = {}
-        # tags
-        self.recolor: dict[str, frozenset] = {}  # module prefix -> tag its inputs get at entry
-        self.tagged: list = []
-        self.problems: list[str] = problems if problems is not None else []
-        self._seen_problems: set = seen_problems if seen_problems is not None else set()
-        self.groups: dict[str, list[frozenset]] = {}
-        self._unit_cache: dict[tuple[str, str], str] = {}
-        self._handles: list = []
-        self._modes: list = []
-
-        for prefix, module in model.named_modules():
-            if id(module) in self.names:
-                continue
-            self.names[id(module)] = prefix
-            self.classes[prefix] = type(module).__name__
-            own = [t for t in list(module._parameters.values()) + list(module._buffers.values()) if t is not None]
-            if own:
-                self.holds_tensors.add(prefix)
-            for tensor in own:
-                self.weight_owner.setdefault(id(tensor), prefix)
-                if track_memory:
-                    self.memory.skip(tensor)
-        if tag_mode == "provenance":
-            # every module is a possible hook point: one without tensors (LTX-2's norm_out, a LayerNorm without
-            # affine) that a split module combines gets its own device_map key from the planner
-            # (search.component_blocks), so that accelerate moves its inputs as this trace assumes
-            for prefix in self.classes:
-                self.recolor[prefix] = frozenset((prefix,))
-            for name, tensor in self._named_tensors():
-                self.set_tag(tensor, frozenset((self.weight_owner.get(id(tensor), ""),)))
-                self.tagged.append(tensor)
-        elif tag_mode == "device":
-            self._setup_devices(device_map or {})
-
-    # --- setup ---------------------------------------------------------------------------------
-
-    def _named_tensors(self):
-        seen = set()
-        for prefix, module in self.model.named_modules():
-            for collection in (module._parameters, module._buffers):
-                for name, tensor in collection.items():
-                    if tensor is None or id(tensor) in seen:
-                        continue
-                    seen.add(id(tensor))
-                    yield (f"{prefix}.{name}" if prefix else name), tensor
-
-    def _setup_devices(self, device_map: dict) -> None:
-        placed = normalise_map(device_map)
-        gpus = sorted({d for d in placed.values() if d not in ("cpu", "disk")}, key=str)
-        main = gpus[0] if gpus else "cpu"
-        execution = {k: (main if d in ("cpu", "disk") else d) for k, d in placed.items()}
-        uncovered: dict[str, int] = {}
-        for name, tensor in self._named_tensors():
-            key = map_entry(name, execution)
-            if key is None:
-                owner = name.rpartition(".")[0]
-                uncovered[owner] = uncovered.get(owner, 0) + 1
-                continue
-            self.set_tag(tensor, frozenset((execution[key],)))
-            self.tagged.append(tensor)
-        if uncovered:
-            owners = sorted(uncovered)
-            shown = ", ".join(o or "(root)" for o in owners[:3]) + (", ..." if len(owners) > 3 else "")
-            self.report(f"device_map places no entry for {sum(uncovered.values())} tensors of {len(owners)} modules "
-                        f"({shown}): accelerate would refuse the map", key=("uncovered",))
-        if len(set(execution.values())) > 1 or "disk" in placed.values():
-            # accelerate hooks: every mapped module and, below one, every module holding tensors
-            for prefix in self.classes:
-                key = map_entry(prefix, execution)
-                if key is None:
-                    continue
-                if prefix == key or prefix in self.holds_tensors:
-                    self.recolor[prefix] = frozenset((execution[key],))
-            self.recolor[""] = frozenset((main,))
-
-    # --- enter / exit --------------------------------------------------------------------------------
-
-    def __enter__(self):
-        dispatch_cls, function_cls = _mode_classes()
-        for module in self.model.modules():
-            prefix = self.names.get(id(module))
-            if prefix is None:
-                continue
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(prefix), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_hook(prefix), always_call=True))
-        self._modes = [function_cls(self), dispatch_cls(self)]
-        for mode in self._modes:
-            mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        for mode in reversed(self._modes):
-            mode.__exit__(*exc)
-        self._modes = []
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        for tensor in self.tagged:
-            try:
-                delattr(tensor, _TAG)
-            except AttributeError:
-                pass
-        self.tagged = []
-        return False
-
-    # --- module boundaries -------------------------------------------------------------------
-
-    def enter_module(self, prefix: str) -> None:
-        self.stack.append([prefix, self.memory.live[_META]])
-        self.called.add(prefix)
-        if prefix in self.holds_tensors and prefix not in self.ordered:
-            self.ordered.add(prefix)
-            self.order.append(prefix)
-
-    def exit_module(self, prefix: str) -> None:
-        if not any(frame[0] == prefix for frame in self.stack):
-            return
-        while self.stack:
-            name, peak = self.stack.pop()
-            peak = max(peak, self.memory.live[_META])
-            if self.stack:
-                self.stack[-1][1] = max(self.stack[-1][1], peak)
-            self.module_peaks[name] = max(self.module_peaks.get(name, 0), peak)
-            if name == prefix:
-                break
-
-    def _pre_hook(self, prefix):
-        def hook(module, args, kwargs):
-            self.enter_module(prefix)
-            target = self.recolor.get(prefix)
-            if target is None:
-                return None
-            return self._move(args, target), self._move(kwargs, target)
-
-        return hook
-
-    def _post_hook(self, prefix):
-        def hook(module, args, kwargs_or_output, output=None):
-            self.exit_module(prefix)
-            produced = kwargs_or_output if output is None else output
-            size = sum(t.numel() * t.element_size() for t in _iter_tensors(produced, self.torch))
-            if size > self.module_outputs.get(prefix, 0):
-                self.module_outputs[prefix] = size
-            return None
-
-        return hook
-
-    def _move(self, value, target):
-        """What accelerate's send_to_device does to a module's inputs: tensors land on `target`."""
-        torch = self.torch
-        if isinstance(value, torch.Tensor):
-            if getattr(value, _TAG, None) == target:
-                return value
-            alias = value.view_as(value)
-            self.set_tag(alias, target)
-            return alias
-        if isinstance(value, tuple) and not hasattr(value, "_fields"):
-            return tuple(self._move(v, target) for v in value)
-        if isinstance(value, list):
-            # in place: models mutate lists they are given (the Wan VAE's feature cache, `feat_cache`),
-            # and a copy would lose what they write into it (accelerate skips those keys: `_skip_keys`)
-            for index, item in enumerate(value):
-                value[index] = self._move(item, target)
-            return value
-        if type(value) is dict:
-            return {k: self._move(v, target) for k, v in value.items()}
-        return value
-
-    # --- ops -------------------------------------------------------------------------------------
-
-    def set_tag(self, tensor, tag) -> None:
-        try:
-            setattr(tensor, _TAG, tag)
-        except (AttributeError, RuntimeError):
-            pass
-
-    def after_op(self, func, args, kwargs, out) -> None:
-        torch = self.torch
-        inputs = list(_iter_tensors(args, torch))
-        if kwargs:
-            inputs.extend(_iter_tensors(kwargs, torch))
-        input_ids = {id(t) for t in inputs}
-        for tensor in inputs:
-            owner = self.weight_owner.get(id(tensor))
-            if owner is not None and owner not in self.ordered:
-                self.ordered.add(owner)
-                self.order.append(owner)
-        outputs = [t for t in _iter_tensors(out, torch) if id(t) not in input_ids]
-        if self.tag_mode is not None:
-            tag = self.combine(inputs, func)
-            if tag is not None:
-                for tensor in outputs:
-                    self.set_tag(tensor, tag)
-        if self.track_memory:
-            for tensor in outputs:
-                self.memory.count(tensor, _META)
-            live = self.memory.live[_META]
-            if self.stack and live > self.stack[-1][1]:
-                self.stack[-1][1] = live
-
-    def combine(self, tensors, func):
-        """Tag of an op's result; report the op when its inputs carry different tags."""
-        tags = [t for t in (getattr(x, _TAG, None) for x in tensors) if t]
-        if not tags:
-            return None
-        first = tags[0]
-        if all(t == first for t in tags):
-            return first
-        union = frozenset().union(*tags)
-        op = _op_name(func)
-        where = self.stack[-1][0] if self.stack else ""
-        if self.tag_mode == "provenance":
-            units = frozenset(self._unit(where, c) for c in union)
-            if len(units) > 1:
-                self.groups.setdefault(where, []).append(units)
-            return union
-        devices = sorted(union, key=str)
-        shown = " and ".join(str(d) for d in devices)
-        self.report(f"{where or '(root)'} ({self.classes.get(where, '?')}) combines tensors on devices {shown} in {op}",
-                    key=(where, op, tuple(devices)))
-        return first
-
-    def _unit(self, frame: str, color: str) -> str:
-        """Which called child of `frame` a tagged tensor came from (`frame` itself for its inputs/own tensors)."""
-        key = (frame, color)
-        cached = self._unit_cache.get(key)
-        if cached is not None:
-            return cached
-        if color == frame:
-            unit = frame
-        elif frame and not color.startswith(frame + "."):
-            unit = frame  # reached the frame some other way than through a child: treat as its own
-        else:
-            rest = color[len(frame) + 1:] if frame else color
-            unit = color
-            base = frame
-            for part in rest.split("."):
-                base = f"{base}.{part}" if base else part
-                if base in self.called:
-                    unit = base
-                    break
-        self._unit_cache[key] = unit
-        return unit
-
-    def report(self, message: str, key) -> None:
-        if key in self._seen_problems:
-            return
-        self._seen_problems.add(key)
-        self.problems.append(message)
-
-    def fused_attention(self, query, key, value, attn_mask=None, *args, **kwargs):
-        """What fused SDPA kernels allocate: the output only (the meta decomposition would materialise n^2)."""
-        torch = self.torch
-        shape = tuple(query.shape[:-1]) + (value.shape[-1],)
-        out = torch.empty(shape, dtype=query.dtype, device=query.device)
-        if self.tag_mode is not None:
-            tensors = [query, key, value] + ([attn_mask] if isinstance(attn_mask, torch.Tensor) else [])
-            tag = self.combine(tensors, "aten.scaled_dot_product_attention")
-            self.set_tag(out, tag)
-        return out
-
-    # --- results -------------------------------------------------------------------------------
-
-    def execution_order(self) -> list[str]:
-        order = list(self.order)
-        seen = set(order)
-        for prefix in self.classes:
-            if prefix in self.holds_tensors and prefix not in seen:
-                order.append(prefix)
-        return order
-
-    def same_device_groups(self) -> dict[str, list[list[str]]]:
-        result = {}
-        for frame, sets in self.groups.items():
-            parent: dict[str, str] = {}
-
-            def find(x, parent=parent):
-                while parent.setdefault(x, x) != x:
-                    parent[x] = parent[parent[x]]
-                    x = parent[x]
-                return x
-
-            for units in sets:
-                items = sorted(units)
-                for other in items[1:]:
-                    parent[find(other)] = find(items[0])
-            merged: dict[str, list[str]] = {}
-            for item in parent:
-                merged.setdefault(find(item), []).append(item)
-            result[frame] = sorted(sorted(g) for g in merged.values() if len(g) > 1)
-        return result
-
-
-def _op_name(func) -> str:
-    if isinstance(func, str):
-        return func
-    packet = getattr(func, "_overloadpacket", None)
-    name = getattr(packet, "__name__", None) or str(func).split(".")[0]
-    namespace = getattr(func, "namespace", "aten")
-    return f"{namespace}.{name}"
-
-
 # --- building the model and its inputs ---------------------------------------------------------
 
 
@@ -495,8 +100,6 @@ _MODEL_CACHE_SIZE = 3
 
 def _meta_model(comp: ComponentSource, dtype: str):
     """The component on meta, cast as loading casts it; a few kept in memory for repeated checks."""
-    from dm_cli.model.skeleton import build_on_meta, guess_library
-
     library = comp.library or guess_library(comp.cls)
     key = json.dumps([library, comp.cls, comp.config, dtype], sort_keys=True, default=str)
     model = _MODEL_CACHE.get(key)
@@ -514,9 +117,7 @@ def _meta_model(comp: ComponentSource, dtype: str):
 
 def cast_like_loading(model, library: str | None, dtype: str) -> None:
     """Floating tensors to `dtype`, keep-in-fp32 modules in float32, integer buffers untouched."""
-    import torch
-
-    from dm_cli.model.skeleton import _fp32_rules, _fp32_when
+    import torch  # here only: importing this module stays torch-free
 
     rules = _fp32_rules(model, library or "")
     for prefix, module in model.named_modules():
@@ -533,7 +134,7 @@ def cast_like_loading(model, library: str | None, dtype: str) -> None:
 
 
 def _materialise(value, dtype, device):
-    import torch
+    import torch  # here only: importing this module stays torch-free
 
     if isinstance(value, TensorSpec):
         fixed = {"long": torch.long, "bool": torch.bool, "float32": torch.float32}.get(value.kind)
@@ -585,7 +186,7 @@ def _resolve_call(model, comp: ComponentSource, pipeline_class, inputs: InputSpe
 
 def _run(model, spec: CallSpec, dtype: str, session: _Session):
     """Build the inputs inside the session (so they count as activations) and call the component."""
-    import torch
+    import torch  # here only: importing this module stays torch-free
 
     device = next((p.device for p in model.parameters()), torch.device("meta"))
     with torch.no_grad(), session:
@@ -679,11 +280,7 @@ def trace_message(comp: ComponentSource, spec: CallSpec | None, inputs: InputSpe
 
 def _torch_dtype_name(dtype: str | None, comp: ComponentSource) -> str:
     """bf16/fp16/fp32 or torch spellings -> torch name; None: the checkpoint's dominant dtype."""
-    from dm_cli.units import parse_dtype
-
     if dtype is None:
-        from dm_cli.model.skeleton import skeleton_for_component
-
         try:
             return skeleton_for_component(comp)[0].dominant_dtype(None)
         except Exception:
@@ -700,8 +297,6 @@ def model_tiles(model) -> bool:
 
 def can_tile(comp: ComponentSource) -> bool:
     """Whether the component's class decodes in tiles when asked (`enable_tiling()`); built on meta, no weights."""
-    from dm_cli.errors import SourceError
-
     if comp.config is None:
         return False
     try:
@@ -711,8 +306,6 @@ def can_tile(comp: ComponentSource) -> bool:
 
 
 def _trace_uncached(comp: ComponentSource, pipeline_class, inputs: InputSpec, dtype: str, tiled: bool = False) -> ComponentTrace:
-    from dm_cli.errors import SourceError
-
     if comp.config is None:
         return ComponentTrace([], {}, 0, [], f"{comp.name} has no config.json: dmap cannot run it, so the "
                               "order is the checkpoint's and there is no activation estimate.", dtype=dtype)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dm_cli.devices import device_label, device_rank
-from dm_cli.planning.search import clean_device_map
+from dm_cli.planning.blocks import clean_device_map
 from dm_cli.render import Col, console, print_hidden, print_table
 from dm_cli.units import format_size
 

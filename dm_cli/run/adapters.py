@@ -28,7 +28,7 @@ def load_loras(pipe, name: str, model, loras: tuple, compute_dtype=None, fuse: b
     and weighted by `set_adapters`. Each file must still have the sha256 it had when dmap read it (the metadata
     names that digest).
 
-    `fuse` (the plan's choice, dm_cli.planning.make.lora_unfused_because): merged into the weights at those scales
+    `fuse` (the plan's choice, dm_cli.planning.lora_sizing.lora_unfused_because): merged into the weights at those scales
     (diffusers' `fuse_lora`), then their peft layers removed (`unload_lora`), so the component runs as a plain one
     with no per-call cost (a rank-32 LoRA on every linear layer of a mid-size FLUX: +15% per step unfused, +2%
     fused)."""

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from dm_cli.errors import UsageError
-from dm_cli.planning.search import STRATEGIES
+from dm_cli.planning.modes import Strategy
 
 # torch.Generator.manual_seed's unsigned range. It also takes negative seeds, but wraps them (-1 is the
 # same generator as 2**64 - 2): two seeds, one image, and -1 does not mean "random" as elsewhere.
@@ -75,16 +75,16 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
         _check_writable_file(path, option)
     if save_latents and output and images.contains(save_latents):
         raise UsageError(f"--save-latents {save_latents} is also the --output file: give different names.")
-    if device_map not in STRATEGIES:
+    if device_map not in Strategy.words():
         if not device_map.endswith(".json") and not os.path.lexists(device_map):
             raise UsageError(device_map_refusal(device_map))
-        from dm_cli.planning.make import load_plan
+        from dm_cli.planning.plan_file import load_plan
 
         load_plan(device_map)  # a FIFO, /dev/zero or a broken plan: refused here, read boundedly
 
 
 def device_map_refusal(device_map: str) -> str:
-    return f"--device-map must be {', '.join(STRATEGIES)} or a plan JSON file, not '{device_map}'."
+    return f"--device-map must be {', '.join(Strategy.words())} or a plan JSON file, not '{device_map}'."
 
 
 def _check_writable_file(path: Path, option: str) -> None:

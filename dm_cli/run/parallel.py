@@ -32,10 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dm_cli.errors import UsageError
+from dm_cli.planning.modes import Layout, Parallel
 from dm_cli.run.distributed import Ranks
 from dm_cli.run.stages import MainRankStages, StageLoop
 
-RUN_CHOICES = ("none", "cfg", "context", "cfg+context", "pipeline", "auto")
 LAUNCH = ("launch it with torchrun --nproc-per-node N (N = 2 for cfg, the Ulysses degree for context, the plan's GPUs "
           "for pipeline)")
 
@@ -75,7 +75,7 @@ def step_sharing(choice: str | None, plan, session, ranks: Ranks | None = None) 
     started as many ranks as it records), or None for one process per image. Refusals are one sentence."""
     ranks = ranks or Ranks.from_env()
     recorded = getattr(plan, "parallel", None)
-    if choice is None and recorded is not None and recorded.layout != "split":
+    if choice is None and recorded is not None and recorded.layout != Layout.SPLIT:
         if ranks.world_size == 1:
             session.notices.append(f"The plan shares each step over {recorded.world_size} torchrun ranks "
                                    f"({recorded.title}); this is one process, so it runs the single-process "
@@ -85,11 +85,11 @@ def step_sharing(choice: str | None, plan, session, ranks: Ranks | None = None) 
             raise UsageError(f"The plan shares each step over {recorded.world_size} ranks ({recorded.title}) but "
                              f"torchrun started {ranks.world_size}: launch with --nproc-per-node "
                              f"{recorded.world_size}, or give --parallel none.")
-        choice = recorded.layout
-    if choice in (None, "none"):
+        choice = Layout(recorded.layout).choice.value
+    if choice in (None, Parallel.NONE):
         return None
-    if choice not in RUN_CHOICES:
-        raise UsageError(f"--parallel must be {', '.join(RUN_CHOICES[:-1])} or auto, not {choice!r}.")
+    if choice not in Parallel.words():
+        raise UsageError(f"--parallel must be {', '.join(Parallel.words()[:-1])} or auto, not {choice!r}.")
     if choice == "pipeline":
         return checked_pipeline(plan, session, ranks)
     if ranks.world_size == 1:

@@ -95,7 +95,7 @@ def queue_parallel(plan_file: str | None) -> str:
     plan file that cannot be read is reported where the run loads it."""
     if not plan_file or not plan_file.endswith(".json"):
         return "none"
-    from dm_cli.planning.make import load_plan
+    from dm_cli.planning.plan_file import load_plan
     from dm_cli.run.parallel import pipelined
 
     try:

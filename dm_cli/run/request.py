@@ -26,7 +26,7 @@ from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
     from dm_cli.model.sources import Source
-    from dm_cli.planning.make import Plan
+    from dm_cli.planning.plan_file import Plan
 
 # Peak host RAM during a component's load may exceed the largest shard by this much: the Python
 # heap, safetensors' mmap bookkeeping and one tensor in flight during a dtype cast.
@@ -84,7 +84,7 @@ class RunRequest:
         """A request from flat options, as `dmap run` and `dm_cli.load` take them: the generation's names
         (GENERATION_FIELDS, `images`, `last_image`, `settings`: the family's own), the placement's (PLACEMENT_FIELDS), `device_map` (a
         strategy, else a plan file) and the request's own (seed, output, ...)."""
-        from dm_cli.planning.search import STRATEGIES
+        from dm_cli.planning.modes import Strategy
 
         images = input_images(options.pop("images", None))  # paths and PIL images read here, before SOURCE
         last = last_input_image(options.pop("last_image", None))
@@ -99,7 +99,7 @@ class RunRequest:
         generation = Generation(images=images, last_image=last, loras=loras, cache=cache,
                                 **{k: options.pop(k) for k in GENERATION_FIELDS if k in options})
         placement = {k: options.pop(k) for k in PLACEMENT_FIELDS if k in options}
-        strategy, plan_file = (device_map, None) if device_map in STRATEGIES else ("auto", device_map)
+        strategy, plan_file = (device_map, None) if device_map in Strategy.words() else ("auto", device_map)
         return cls(source, prompt, generation=generation.with_settings(settings or {}),
                    placement=PlacementSpec(strategy=strategy, **placement), plan_file=plan_file, **options)
 
@@ -190,7 +190,8 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
     the images the family needs, each of the output's size (what an image-to-image pipeline resizes it to)."""
     from dataclasses import replace
 
-    from dm_cli.planning.make import PlanOptions, make_named_plan
+    from dm_cli.planning.make import make_named_plan
+    from dm_cli.planning.plan_options import PlanOptions
 
     # dmap run makes batch 1; the LoRAs as asked (make_plan settles their targets, as for dmap plan)
     generation = replace(generation, batch_size=1, loras=request.generation.loras)
@@ -216,7 +217,7 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
 def cpu_rank_devices(world_size: int) -> str:
     """Pipeline ranks on a machine without GPUs: each rank's CPU stands for GPU r (as the run places them,
     `dm_cli.run.parallel.cpu_ranks`), with an equal share of the available RAM."""
-    from dm_cli.planning.make import available_ram
+    from dm_cli.planning.budgets import available_ram
 
     share = available_ram() // world_size
     return ",".join(f"{rank}={share}B" for rank in range(world_size))

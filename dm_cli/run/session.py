@@ -18,7 +18,7 @@ from dm_cli.run.checks import check_seed
 from dm_cli.run.queue import QueueItem, chunk_size_for, chunks, default_output_name
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
-    from dm_cli.planning.make import Plan
+    from dm_cli.planning.plan_file import Plan
     from dm_cli.run.request import RunRequest
 
 # What embeddings and latents waiting between stages may take by default: this share of the RAM
@@ -128,7 +128,7 @@ class Session:
         """Resolve SOURCE, read the plan file, settle and check the generation against both, before torch is
         imported: (the plan or None, what to call it in messages)."""
         from dm_cli.families import Job
-        from dm_cli.planning.make import load_plan
+        from dm_cli.planning.plan_file import load_plan
         from dm_cli.run.checks import device_map_refusal
         from dm_cli.run.parallel import cpu_ranks
         from dm_cli.run.request import (
@@ -162,7 +162,7 @@ class Session:
         # Settle the generation first: the plan is made for (and checked against) it.
         self.generation = settle_generation(request.generation, source, family, defaults, request.per_prompt_images)
         if self.generation.loras:  # each LoRA with the component it patches, as the planner settles them
-            from dm_cli.planning.make import lora_targets
+            from dm_cli.planning.lora_sizing import lora_targets
 
             self.generation = replace(self.generation, loras=lora_targets(source, self.generation.loras))
         refuse_existing_outputs(request, family, self.generation.num_images)
@@ -237,7 +237,7 @@ class Session:
 
     def _check_item_loras(self, item: QueueItem) -> None:
         """A queue item's "lora" must be the run's (dmap loads one set of adapters per run, into the denoiser)."""
-        from dm_cli.planning.make import lora_targets
+        from dm_cli.planning.lora_sizing import lora_targets
 
         ours = sorted(lora.key() for lora in self.generation.loras)
         try:
@@ -301,7 +301,7 @@ class Session:
 
     def chunk_size(self, items: int, chunk_memory: int | None = None) -> tuple[int, int, int]:
         """(chunk size, bytes per item, budget): as many items as the RAM budget holds between stages."""
-        from dm_cli.planning.make import available_ram
+        from dm_cli.planning.budgets import available_ram
 
         budget = chunk_memory if chunk_memory is not None else int(available_ram() * DEFAULT_CHUNK_MEMORY_SHARE)
         per_item = self.bytes_per_item()

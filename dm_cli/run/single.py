@@ -15,7 +15,7 @@ from dm_cli.run.session import Session, frozen_gc
 from dm_cli.run.stages import StageResult
 
 if TYPE_CHECKING:  # annotations only: the plan module costs start-up time
-    from dm_cli.planning.make import Plan
+    from dm_cli.planning.plan_file import Plan
 
 
 @dataclass
