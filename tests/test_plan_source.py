@@ -118,8 +118,8 @@ def test_another_source_names_both_and_offers_two_commands_that_work(work):
 
 
 def test_plan_command_rebuilds_every_recorded_flag(work):
-    from dm_cli.planning.plan_file import load_plan
     from dm_cli.planning.plan_command import plan_command
+    from dm_cli.planning.plan_file import load_plan
 
     _plan(work, "--dtype", "bfloat16", "--num-images", "2", "--guidance-scale", "2.5", "--max-sequence-length", "32",
           "--overhead", "0=100MB,1=200MB", "--strategy", "sequential")
