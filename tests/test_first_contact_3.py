@@ -170,3 +170,23 @@ def test_a_tiny_plan_does_not_predict_zero_seconds(tmp_path):
                               "--height", "64", "--width", "64", env={"COLUMNS": "120"})
     assert code == 0, err
     assert "predicted 0 s" not in out and "split: predicted under 0.1 ms per step" in out
+
+
+def test_a_plan_made_under_torchrun_does_not_advise_launching_torchrun(tmp_path, monkeypatch):
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
+    from dm_cli.run.request import RunRequest, make_run_plan, prepare, settle_generation
+
+    folder = write_random_pipeline(PRESETS_DIR / "tiny-flux", tmp_path / "flux", seed=0)
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    request = RunRequest.of(str(folder), "fox", parallel="pipeline", height=64, width=64, max_memory="0=4GB,1=4GB")
+    source, family, _, defaults, _ = prepare(request)
+    generation = settle_generation(request.generation, source, family, defaults, False)
+    plan = make_run_plan(source, request, generation, family)
+    assert plan.parallel.layout == "pipeline"
+    assert not any("run it with torchrun" in warning for warning in plan.warnings), plan.warnings
+    code, out, err = run_dmap("plan", folder, "-m", "0=4GB,1=4GB", "--world-size", "2", "--parallel", "pipeline",
+                              "--height", "64", "--width", "64", "--json")
+    assert code == 0 and "run it with torchrun" in out  # a plan file still says how to launch it

@@ -37,6 +37,13 @@ from dm_cli.planning.tiling import TilingChoice, choose_tiling
 from dm_cli.units import parse_device_spec, parse_dtype
 
 
+def launch_warning(layout) -> str:
+    """What a plan file of several ranks needs to run as planned; `dmap run` under torchrun, which is launched so
+    already, leaves it out (dm_cli.run.request.make_run_plan)."""
+    return (f"The plan records a {layout.title} layout for {layout.world_size} ranks ('parallel'): run it with "
+            f"torchrun --nproc-per-node {layout.world_size} -m dm_cli run -d PLAN.json.")
+
+
 def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     """Resolve, size, trace, place and check: the one core call of `dmap plan`."""
     if options.placement.strategy not in Strategy.words():
@@ -106,9 +113,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         plan.step_cache = step_cache_report(plan, source, prepared, options, footprints,
                                              cache_bytes if footprints else {})
     plan.parallel = layout
-    plan.warnings += [f"The plan records a {layout.title} layout for {layout.world_size} ranks ('parallel'): run it with "
-                      f"torchrun --nproc-per-node {layout.world_size} -m dm_cli run -d PLAN.json."
-                      for layout in [layout] if layout is not None and layout.layout != Layout.SPLIT]
+    plan.warnings += [launch_warning(layout) for layout in [layout] if layout is not None and layout.layout != Layout.SPLIT]
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
     return plan

@@ -190,7 +190,7 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
     the images the family needs, each of the output's size (what an image-to-image pipeline resizes it to)."""
     from dataclasses import replace
 
-    from dm_cli.planning.make import make_named_plan
+    from dm_cli.planning.make import launch_warning, make_named_plan
     from dm_cli.planning.plan_options import PlanOptions
 
     # dmap run makes batch 1; the LoRAs as asked (make_plan settles their targets, as for dmap plan)
@@ -209,9 +209,12 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
     placement = request.placement
     if parallel.active and placement.max_memory is None and visible_gpus() == 0:
         placement = replace(placement, max_memory=cpu_rank_devices(parallel.world_size))
-    return make_named_plan(root, source.spec, PlanOptions.of(generation, placement, pipeline=pipeline,
+    plan = make_named_plan(root, source.spec, PlanOptions.of(generation, placement, pipeline=pipeline,
                                                              component_files=files, loras=generation.loras,
                                                              parallel=parallel))
+    if plan.parallel is not None:  # planned for the ranks of this very launch: no advice to launch it
+        plan.warnings = [w for w in plan.warnings if w != launch_warning(plan.parallel)]
+    return plan
 
 
 def cpu_rank_devices(world_size: int) -> str:
