@@ -8,6 +8,7 @@ gloo group and writes the merged `manifest.jsonl`. No Typer, no Rich: the CLI pa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Callable
 
 from dm_cli.errors import UsageError
 from dm_cli.io.outputs import is_complete
-from dm_cli.run.distributed import Ranks, select_gpus
+from dm_cli.run.distributed import Ranks, TerminateRaises, select_gpus
 from dm_cli.run.queue import (
     MANIFEST,
     QueueItem,
@@ -90,16 +91,21 @@ def queue_parallel(plan_file: str | None) -> str:
     """A queue's --parallel when none is given: "pipeline" when the plan file records a pipeline layout for as many
     torchrun ranks as this launch has (they then hold slices of one denoiser and every prompt passes through all of
     them), else "none" (each rank takes its own prompts; one process runs the plan's single-process placement). A
-    plan file that cannot be read is reported where the run loads it."""
+    pipeline plan under torchrun with another number of ranks is refused (one sentence, on every rank, before
+    anything loads or joins), as for one prompt: its slices are cut for its own count. A plan file that cannot be
+    read is reported where the run loads it."""
     if not plan_file or not plan_file.endswith(".json"):
         return "none"
     from dm_cli.planning.make import load_plan
-    from dm_cli.run.parallel import pipelined
+    from dm_cli.run.parallel import check_rank_count, pipelined
 
     try:
         plan = load_plan(plan_file)
     except Exception:  # noqa: BLE001 - the session loads it again and says what is wrong, in one sentence
         return "none"
+    recorded = getattr(plan, "parallel", None)
+    if recorded is not None and recorded.layout == "pipeline":
+        check_rank_count(recorded, Ranks.from_env())
     return "pipeline" if pipelined(None, plan) else "none"
 
 
@@ -123,11 +129,13 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
     pipelined = request.run.parallel == "pipeline" and ranks.distributed
     mine = items if pipelined else items_for_rank(items, ranks.rank, ranks.world_size)
     result = QueueResult(str(folder), ranks.rank, ranks.world_size, len(items), len(mine), resume=request.resume)
-    ranks.join(_backend(pipelined))
-    try:
-        _run_share(request, events, ranks, items, mine, folder, budget, result)
-    finally:
-        ranks.leave()
+    # a pipeline rank's threads and process group stop in order on SIGTERM too (torchrun's, when another rank ended)
+    with TerminateRaises() if pipelined else contextlib.nullcontext():
+        ranks.join(_backend(pipelined))
+        try:
+            _run_share(request, events, ranks, items, mine, folder, budget, result)
+        finally:
+            ranks.leave()
     return result
 
 
