@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from dm_cli.errors import DmapError, UsageError
+from dm_cli.errors import UsageError
 
 # Ranks finish their shares at different times and wait for each other only at the end; if a rank
 # dies, torchrun stops the others, so a long wait never hangs a job. Override in seconds.
@@ -159,48 +159,6 @@ class Ranks:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-EXIT_TERMINATED = 143  # 128 + SIGTERM, as shells report it
-
-
-class Terminated(DmapError):
-    """SIGTERM (torchrun stops the other ranks so when one ends): raised in the main thread, so that a pipeline rank
-    stops its threads and leaves its process group in order, as for Ctrl-C, instead of dying mid-step."""
-
-    exit_code = EXIT_TERMINATED
-
-    def __init__(self):
-        super().__init__("Stopped by SIGTERM: what was written is complete, and the same command resumes the rest.")
-
-
-class TerminateRaises:
-    """While in effect, SIGTERM raises `Terminated` in the main thread (a no-op in any other thread, where Python
-    cannot handle signals); the handler before is restored on exit. Entered again (the queue, then its pipeline's
-    stage loop), it stays in effect until the outermost exit."""
-
-    def __init__(self):
-        self._previous = None
-        self._installed = False
-
-    def _raise(self, _signum, _frame):
-        raise Terminated()
-
-    def __enter__(self) -> "TerminateRaises":
-        import signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGTERM"):
-            self._previous = signal.signal(signal.SIGTERM, self._raise)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import signal
-
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
-            self._installed = False
 
 
 def _cuda_initialised() -> bool:

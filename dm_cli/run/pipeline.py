@@ -43,7 +43,6 @@ from dm_cli.devices import device_key, is_gpu
 from dm_cli.errors import EXIT_INTERNAL, DmapError, UsageError
 from dm_cli.families.stages import DENOISE
 from dm_cli.planning.parallel import PIPELINE_CLASSES, ParallelRequest
-from dm_cli.run.distributed import TerminateRaises
 from dm_cli.run.stages import MainRankStages, StageLoop
 
 PIPELINE = "pipeline"
@@ -562,7 +561,6 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         self.links = Links(self.rank_device)
         self.local = threading.local()
         self.turns = Turns(0)
-        self._terminate = TerminateRaises().__enter__()  # SIGTERM stops this rank as Ctrl-C does, in order (close)
 
     # --- where things go --------------------------------------------------------------------------
 
@@ -666,7 +664,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
             for thread in threads:
                 while thread.is_alive():
                     thread.join(0.5)
-        except BaseException as error:  # Ctrl-C or SIGTERM in the calling thread: stop the prompts in flight, in order
+        except BaseException as error:  # Ctrl-C in the calling thread: stop the prompts in flight, in order
             turns.fail(error)
             join_all(threads)  # each ends at its next turn: none is left running when the process exits
             raise
@@ -689,10 +687,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         try:
             self.links.flush()
         finally:
-            try:
-                self.links.close()
-                super().close()
-                if self.owns_group:
-                    self.sharing.ranks.leave()
-            finally:
-                self._terminate.__exit__(None, None, None)
+            self.links.close()
+            super().close()
+            if self.owns_group:
+                self.sharing.ranks.leave()

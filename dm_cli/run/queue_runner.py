@@ -8,7 +8,6 @@ gloo group and writes the merged `manifest.jsonl`. No Typer, no Rich: the CLI pa
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Callable
 
 from dm_cli.errors import UsageError
 from dm_cli.io.outputs import is_complete
-from dm_cli.run.distributed import Ranks, TerminateRaises, select_gpus
+from dm_cli.run.distributed import Ranks, select_gpus
 from dm_cli.run.queue import (
     MANIFEST,
     QueueItem,
@@ -129,13 +128,11 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
     pipelined = request.run.parallel == "pipeline" and ranks.distributed
     mine = items if pipelined else items_for_rank(items, ranks.rank, ranks.world_size)
     result = QueueResult(str(folder), ranks.rank, ranks.world_size, len(items), len(mine), resume=request.resume)
-    # a pipeline rank's threads and process group stop in order on SIGTERM too (torchrun's, when another rank ended)
-    with TerminateRaises() if pipelined else contextlib.nullcontext():
-        ranks.join(_backend(pipelined))
-        try:
-            _run_share(request, events, ranks, items, mine, folder, budget, result)
-        finally:
-            ranks.leave()
+    ranks.join(_backend(pipelined))
+    try:
+        _run_share(request, events, ranks, items, mine, folder, budget, result)
+    finally:
+        ranks.leave()
     return result
 
 
