@@ -81,10 +81,7 @@ def step_sharing(choice: str | None, plan, session, ranks: Ranks | None = None) 
                                    f"({recorded.title}); this is one process, so it runs the single-process "
                                    f"placement: launch with torchrun --nproc-per-node {recorded.world_size} to share.")
             return None
-        if ranks.world_size != recorded.world_size:
-            raise UsageError(f"The plan shares each step over {recorded.world_size} ranks ({recorded.title}) but "
-                             f"torchrun started {ranks.world_size}: launch with --nproc-per-node "
-                             f"{recorded.world_size}, or give --parallel none.")
+        check_rank_count(recorded, ranks)
         choice = Layout(recorded.layout).choice.value
     if choice in (None, Parallel.NONE):
         return None
@@ -99,6 +96,15 @@ def step_sharing(choice: str | None, plan, session, ranks: Ranks | None = None) 
     session.notices.append(f"Each denoising step is shared: {sharing.describe()}; rank 0 encodes, decodes and "
                            "writes the outputs.")
     return sharing
+
+
+def check_rank_count(recorded, ranks: Ranks) -> None:
+    """A plan's recorded sharing (`plan.parallel`) followed under torchrun needs the ranks it records: another count
+    is refused in one sentence (one run or a queue alike; one plain process runs the single-process placement)."""
+    if ranks.distributed and ranks.world_size != recorded.world_size:
+        raise UsageError(f"The plan shares each step over {recorded.world_size} ranks ({recorded.title}) but "
+                         f"torchrun started {ranks.world_size}: launch with --nproc-per-node "
+                         f"{recorded.world_size}, or give --parallel none.")
 
 
 def pipelined(choice: str | None, plan, ranks: Ranks | None = None) -> bool:

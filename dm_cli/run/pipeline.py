@@ -117,9 +117,12 @@ class Links:
         # go (kept until the end of the chunk, the first rank of the bench held every activation it sent, +180 MB)
         self._sent: queue.Queue | None = None
         self._error: BaseException | None = None
+        self._reaper: threading.Thread | None = None
         if device.type == "cpu":
             self._sent = queue.Queue()
-            threading.Thread(target=self._reap, args=(self._sent,), name="dmap-pipeline-sends", daemon=True).start()
+            self._reaper = threading.Thread(target=self._reap, args=(self._sent,), name="dmap-pipeline-sends",
+                                            daemon=True)
+            self._reaper.start()
 
     def _reap(self, sent: queue.Queue) -> None:
         while True:
@@ -213,10 +216,36 @@ class Links:
             raise _lost(None, error)
 
     def close(self) -> None:
-        """Stop the thread that waits for the CPU sends (after `flush`)."""
+        """Stop the thread that waits for the CPU sends (after `flush`), and wait until it has: a thread still in
+        gloo's wait when the interpreter exits is killed inside C++ code, and the process aborts."""
         if self._sent is not None:
             self._sent.put(None)
             self._sent = None
+        if self._reaper is not None:
+            join_all([self._reaper])
+            self._reaper = None
+
+
+# Joining the threads of a stopping rank waits at most this long. A thread holding the turn finishes its slice of one
+# denoiser call (a receive included: the peers keep their turns until they stop or are lost, and a lost peer's socket
+# fails the receive), then stops; the bound is only against a peer that hangs without dying.
+STOP_WAIT_S = 120.0
+
+
+def join_all(threads, timeout_s: float = STOP_WAIT_S) -> bool:
+    """Wait for `threads` to end, a second Ctrl-C or SIGTERM included (the first already stopped them; leaving now
+    would kill them inside torch's C++ code at the interpreter's exit: `terminate called without an active
+    exception`, SIGABRT). Returns whether they all ended within `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        while thread.is_alive() and time.monotonic() < deadline:
+            try:
+                thread.join(0.2)
+            except BaseException:  # noqa: BLE001 - already stopping: a repeated signal waits for the same end
+                continue
+    return not any(thread.is_alive() for thread in threads)
 
 
 def _lost(peer: int | None, error: Exception) -> RankLostError:
@@ -635,8 +664,9 @@ class PipelineStageLoop(MainRankStages, StageLoop):
             for thread in threads:
                 while thread.is_alive():
                     thread.join(0.5)
-        except BaseException as error:  # Ctrl-C in the calling thread: stop the prompts in flight
+        except BaseException as error:  # Ctrl-C in the calling thread: stop the prompts in flight, in order
             turns.fail(error)
+            join_all(threads)  # each ends at its next turn: none is left running when the process exits
             raise
         if errors:
             raise errors[0]
@@ -652,6 +682,8 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         return super().denoise(names, job, embeds, on_step, switch, image_latents, whole)
 
     def close(self) -> None:
+        """The sends finished, the send thread stopped, the models freed, then the process group left (if this loop
+        joined it): in this order on every exit, so that nothing of gloo still runs when the process ends."""
         try:
             self.links.flush()
         finally:

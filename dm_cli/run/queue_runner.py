@@ -92,16 +92,21 @@ def queue_parallel(plan_file: str | None) -> str:
     """A queue's --parallel when none is given: "pipeline" when the plan file records a pipeline layout for as many
     torchrun ranks as this launch has (they then hold slices of one denoiser and every prompt passes through all of
     them), else "none" (each rank takes its own prompts; one process runs the plan's single-process placement). A
-    plan file that cannot be read is reported where the run loads it."""
+    pipeline plan under torchrun with another number of ranks is refused (one sentence, on every rank, before
+    anything loads or joins), as for one prompt: its slices are cut for its own count. A plan file that cannot be
+    read is reported where the run loads it."""
     if not plan_file or not plan_file.endswith(".json"):
         return "none"
     from dm_cli.planning.plan_file import load_plan
-    from dm_cli.run.parallel import pipelined
+    from dm_cli.run.parallel import check_rank_count, pipelined
 
     try:
         plan = load_plan(plan_file)
     except Exception:  # noqa: BLE001 - the session loads it again and says what is wrong, in one sentence
         return "none"
+    recorded = getattr(plan, "parallel", None)
+    if recorded is not None and recorded.layout == "pipeline":
+        check_rank_count(recorded, Ranks.from_env())
     return "pipeline" if pipelined(None, plan) else "none"
 
 
