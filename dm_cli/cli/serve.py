@@ -110,9 +110,14 @@ def serve(
     request = ServeRequest(run, host, port, api_key, queue_size, max_batch, max_body, model_name, gpus_per_rank,
                            max_connections, read_timeout, body_timeout)
 
+    from dm_cli.run.distributed import Ranks
+
+    ranks = Ranks.from_env()
+    prefix = f"[rank {ranks.rank}/{ranks.world_size}] " if ranks.distributed else ""  # as a queue's lines under torchrun
+
     def say(message: str | None) -> None:
         if message and not quiet:
-            print(message, file=sys.stderr, flush=True)
+            print(prefix + message, file=sys.stderr, flush=True)
 
     def ready(url: str, session) -> None:
         job = session.defaults
