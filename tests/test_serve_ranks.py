@@ -1,5 +1,7 @@
 """`dmap serve` under torchrun (2 CPU ranks, gloo; rank 0 serves, the ranks share a request's images, as docs/serve.md
-says): the two images of one request are `dmap run`'s files byte for byte; SIGTERM to the launch stops every rank."""
+says): the two images of one request are `dmap run`'s files byte for byte; each rank's lines say its rank; SIGTERM to
+the launch (torchrun with `--signals-to-handle` without SIGTERM, as docs/serve.md says) ends it with 143, no traceback,
+and every rank with it."""
 
 import base64
 import http.client
@@ -28,9 +30,10 @@ def test_two_ranks_serve_dmap_runs_bytes_and_stop_on_sigterm(tmp_path_factory, t
 
     env = {**os.environ, "DMAP_CACHE_DIR": _cache_dir(tmp_path_factory), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO)}
+    log = (tmp_path / "err.txt").open("w")
     launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               "-m", "dm_cli", "serve", *SERVE_ARGS], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+                               "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT", "-m", "dm_cli", "serve", *SERVE_ARGS],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:
         line = ""
         deadline = time.time() + 300
@@ -51,11 +54,22 @@ def test_two_ranks_serve_dmap_runs_bytes_and_stop_on_sigterm(tmp_path_factory, t
                                     "--seed", SEED + i, "--mode", "staged", "-o", tmp_path / f"fox{i}.png", "--quiet")
             assert code == 0, err
             assert base64.b64decode(item["b64_json"]) == (tmp_path / f"fox{i}.png").read_bytes(), i
-        os.killpg(launch.pid, signal.SIGTERM)  # what a service manager sends the whole launch
-        launch.wait(60)
+        launch.send_signal(signal.SIGTERM)  # to torchrun alone (`kill PID`, a container's first process)
+        code = launch.wait(60)
+        end = time.time() + 120
+        while time.time() < end:  # the ranks end with their launcher: rank 0 finishes, then rank 1
+            try:
+                os.killpg(launch.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
     finally:
         if launch.poll() is None:
             os.killpg(launch.pid, signal.SIGKILL)
             launch.wait()
+        log.close()
+    said = (tmp_path / "err.txt").read_text()
     with pytest.raises(ProcessLookupError):
         os.killpg(launch.pid, 0)  # no rank left behind
+    assert code == -signal.SIGTERM and "Traceback" not in said, said  # a shell says 143
+    assert "[rank 1/2] " in said and "[rank 0/2] Stopping (SIGTERM)" in said, said

@@ -2,7 +2,7 @@
 up by one image before the server says it serves, the worker, and uvicorn on a socket bound before anything loads,
 its connections bounded and timed (`serve.connections`). SIGTERM (or Ctrl-C) says what it finishes, answers the
 waiting requests 503, finishes the running batch and answers it while /health says "stopping" (new work 503), and
-stops (exit 0); a second one stops at once (the running requests 503, exit 130)."""
+stops (exit 0); a second Ctrl-C stops at once (the running requests 503, exit 130)."""
 
 from __future__ import annotations
 
@@ -230,13 +230,16 @@ def _serve_main(request: ServeRequest, session, compute, sock, on_ready, on_stat
         def handle_exit(self, sig, frame) -> None:
             """SIGTERM, SIGINT: say what is finished, the waiting requests 503, the running batch finishes and is
             answered while the server still answers (/health "stopping", new work 503), then uvicorn stops. A
-            second signal stops at once: the running requests are answered 503 and the command ends (exit 130).
-            Unlike uvicorn's own, the signal is not raised again after the shutdown."""
+            second Ctrl-C stops at once: the running requests are answered 503 and the command ends (exit 130); a
+            repeated SIGTERM changes nothing (service managers repeat it; their SIGKILL is the one that stops at
+            once). Unlike uvicorn's own, the signal is not raised again after the shutdown."""
             name = signal.Signals(sig).name
+            if (self.draining or self.should_exit) and sig != signal.SIGINT:
+                return
             if self.draining or self.should_exit:
                 self.at_once = True
                 answered = batcher.abort()
-                say(f"Stopping at once ({name} again): the running batch is dropped, {answered} request(s) answered "
+                say(f"Stopping at once (Ctrl-C again): the running batch is dropped, {answered} request(s) answered "
                     "503.")
                 self.should_exit = True
                 asyncio.get_event_loop().call_later(2.0, setattr, self, "force_exit", True)  # sent by then
@@ -247,7 +250,7 @@ def _serve_main(request: ServeRequest, session, compute, sock, on_ready, on_stat
             finishing = (f"finishing the running batch ({running} image(s) of {requests} request(s))" if running
                          else "no batch is running")
             say(f"Stopping ({name}): {finishing}; {waiting} waiting image(s) answered 503; /health says "
-                f"\"stopping\" and new requests get 503 meanwhile. {name} again stops at once.")
+                f"\"stopping\" and new requests get 503 meanwhile; Ctrl-C again stops at once.")
 
         async def on_tick(self, counter: int) -> bool:
             if self.draining and batcher.finished:

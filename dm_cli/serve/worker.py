@@ -28,7 +28,7 @@ from dm_cli.io.input_images import size_decode_budget
 
 USAGE = "UsageError:"  # a rank's problem that is the request's fault (a 400), as gathered to rank 0
 STOPPING = "The server is stopping (SIGTERM): this request had not started; send it again to another server."
-STOPPED = ("The server was stopped at once (a second Ctrl-C or SIGTERM) before this request's images were made: send it "
+STOPPED = ("The server was stopped at once (a second Ctrl-C) before this request's images were made: send it "
            "again to another server.")
 
 
@@ -56,6 +56,7 @@ class Ticket:
     deliver: Callable[[object], None]
     arrived: float = field(default_factory=time.monotonic)
     cancelled: bool = False
+    answered: bool = False  # the worker delivered its images or its Failure
 
     @property
     def size(self) -> int:
@@ -152,7 +153,7 @@ class Batcher:
         requests that answered."""
         self.stop()
         with self._cond:
-            running = [ticket for ticket in self._batch if not ticket.cancelled]
+            running = [ticket for ticket in self._batch if not ticket.cancelled and not ticket.answered]
             for ticket in running:
                 ticket.cancelled = True
         for ticket in running:
@@ -161,7 +162,7 @@ class Batcher:
 
     def running_requests(self) -> int:
         with self._cond:
-            return sum(not ticket.cancelled for ticket in self._batch)
+            return sum(not ticket.cancelled and not ticket.answered for ticket in self._batch)
 
     @property
     def finished(self) -> bool:
@@ -220,10 +221,12 @@ class Batcher:
                 if not ticket.cancelled:
                     failure_alone, _ = self._attempt([ticket])
                     if failure_alone is not None and not ticket.cancelled:
+                        ticket.answered = True
                         ticket.deliver(failure_alone)
             return
         for ticket in left:
             if not ticket.cancelled:
+                ticket.answered = True
                 ticket.deliver(failure or Failure(500, "Internal error: the batch ended without this request's images."))
 
     def _attempt(self, batch: list[Ticket]) -> tuple[Failure | None, list[Ticket]]:
@@ -249,6 +252,7 @@ class Batcher:
                     self.counters["answered_s"] += time.monotonic() - ticket.arrived
                     self.counters["answered"] += 1
                     if not ticket.cancelled:
+                        ticket.answered = True
                         ticket.deliver([outputs[i] for i in range(ticket.size)])
         except UsageError as error:  # what the plan cannot run, found only when it runs: the requests' fault
             failure = Failure(400, str(error))
