@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,9 +15,8 @@ pytest.importorskip("torch")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from test_serve import Server, _in_background, _until  # noqa: E402 - after the skips
-
 from hostile.serve_values_harness import assert_one_sentence, call, post, served_app  # noqa: E402
+from test_serve import Server, _in_background, _until  # noqa: E402 - after the skips
 
 
 @pytest.fixture(scope="module")

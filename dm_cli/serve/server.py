@@ -176,6 +176,44 @@ def _served(request: ServeRequest, session):
                   last_image=family.takes_last_image)
 
 
+class Stopping:
+    """What SIGTERM and Ctrl-C do to the server (in place of uvicorn's `handle_exit`): say what is finished, answer
+    the waiting requests 503, finish and answer the running batch while the server still answers (/health
+    "stopping", new work 503), then stop. A second Ctrl-C stops at once: the running requests are answered 503 and the
+    command ends (exit 130); a repeated SIGTERM changes nothing (service managers repeat it; their SIGKILL is what
+    stops at once). Unlike uvicorn's, the signal is not raised again after the shutdown."""
+
+    def __init__(self, batcher, say: Callable[[str | None], None]):
+        self.batcher, self.say = batcher, say
+        self.draining = False  # a first signal came: the running batch finishes while /health says "stopping"
+        self.at_once = False  # a second Ctrl-C came: the running requests were answered 503, the batch is dropped
+
+    def signal(self, server, sig: int) -> None:
+        """A signal to the uvicorn `server`."""
+        batcher, name = self.batcher, signal.Signals(sig).name
+        if self.draining or server.should_exit:
+            if sig != signal.SIGINT:
+                return
+            self.at_once = True
+            answered = batcher.abort()
+            self.say(f"Stopping at once (Ctrl-C again): the running batch is dropped, {answered} request(s) "
+                     "answered 503.")
+            server.should_exit = True
+            asyncio.get_event_loop().call_later(2.0, setattr, server, "force_exit", True)  # the 503s are sent by then
+            return
+        waiting, running, requests = batcher.depth, batcher.running, batcher.running_requests()
+        batcher.stop()
+        self.draining = True
+        finishing = (f"finishing the running batch ({running} image(s) of {requests} request(s))" if running
+                     else "no batch is running")
+        self.say(f"Stopping ({name}): {finishing}; {waiting} waiting image(s) answered 503; /health says "
+                 "\"stopping\" and new requests get 503 meanwhile; Ctrl-C again stops at once.")
+
+    def done(self) -> bool:
+        """The running batch is finished and answered: uvicorn may stop."""
+        return self.draining and self.batcher.finished
+
+
 def _serve_main(request: ServeRequest, session, compute, sock, on_ready, on_status=None) -> int:
     import logging
 
@@ -201,6 +239,7 @@ def _serve_main(request: ServeRequest, session, compute, sock, on_ready, on_stat
                             http=guarded_protocol(guard), h11_max_incomplete_event_size=16 * 1024)
     repeats = RepeatedLines()
     logs = [logging.getLogger(name) for name in ("uvicorn.error", "asyncio")]
+    stopping = Stopping(batcher, say)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -224,36 +263,11 @@ def _serve_main(request: ServeRequest, session, compute, sock, on_ready, on_stat
             finally:
                 self.watch.cancel()
 
-        draining = False  # a first signal came: the running batch finishes while /health says "stopping"
-        at_once = False  # a second one came: the running requests were answered 503, the batch is dropped
-
         def handle_exit(self, sig, frame) -> None:
-            """SIGTERM, SIGINT: say what is finished, the waiting requests 503, the running batch finishes and is
-            answered while the server still answers (/health "stopping", new work 503), then uvicorn stops. A
-            second Ctrl-C stops at once: the running requests are answered 503 and the command ends (exit 130); a
-            repeated SIGTERM changes nothing (service managers repeat it; their SIGKILL is the one that stops at
-            once). Unlike uvicorn's own, the signal is not raised again after the shutdown."""
-            name = signal.Signals(sig).name
-            if (self.draining or self.should_exit) and sig != signal.SIGINT:
-                return
-            if self.draining or self.should_exit:
-                self.at_once = True
-                answered = batcher.abort()
-                say(f"Stopping at once (Ctrl-C again): the running batch is dropped, {answered} request(s) answered "
-                    "503.")
-                self.should_exit = True
-                asyncio.get_event_loop().call_later(2.0, setattr, self, "force_exit", True)  # sent by then
-                return
-            waiting, running, requests = batcher.depth, batcher.running, batcher.running_requests()
-            batcher.stop()
-            self.draining = True
-            finishing = (f"finishing the running batch ({running} image(s) of {requests} request(s))" if running
-                         else "no batch is running")
-            say(f"Stopping ({name}): {finishing}; {waiting} waiting image(s) answered 503; /health says "
-                f"\"stopping\" and new requests get 503 meanwhile; Ctrl-C again stops at once.")
+            stopping.signal(self, sig)
 
         async def on_tick(self, counter: int) -> bool:
-            if self.draining and batcher.finished:
+            if stopping.done():
                 self.should_exit = True
             return await super().on_tick(counter)
 
@@ -265,7 +279,7 @@ def _serve_main(request: ServeRequest, session, compute, sock, on_ready, on_stat
         on_ready(url_of(sock), session)
     try:
         server.run(sockets=[])
-        if server.at_once:  # the worker still runs the dropped batch: the process ends now, not when it is done
+        if stopping.at_once:  # the worker still runs the dropped batch: the process ends now, not when it is done
             say(f"Stopped at once after {int(batcher.counters.get('images', 0))} image(s).")
             sys.stdout.flush()
             sys.stderr.flush()
