@@ -8,6 +8,12 @@ plan, first load and first batch, printed beside it: a server pays it once); the
 per queue. Loopback only; no GPU needed (add --max-memory / -d to serve a real plan).
 
     .venv/bin/python scripts/bench_serve.py --requests 16 --clients 16 --size 64 --steps 2
+
+`--batching` measures instead whether a batch pays on this machine's device: seconds per image when K images run
+as one chunk of `Session.generate` (K = 1, 2, 4, 8: the device's own answer), and `dmap serve --max-batch 8` given
+the same N requests concurrently and one after another (what the server's measured batch limit makes of it).
+
+    .venv/bin/python scripts/bench_serve.py --batching --requests 4 --size 64 --steps 2
 """
 
 from __future__ import annotations
@@ -122,6 +128,99 @@ def bench_queue(prompts: list[str], size: int, steps: int, extra: list[str], fol
     return {"method": "one dmap run --prompts", "wall_s": wall, "startup_s": None, "p50_s": None, "max_s": wall}
 
 
+def bench_batch_sizes(size: int, steps: int, sizes=(1, 2, 4, 8), repeats: int = 3) -> list[dict]:
+    """Seconds per image by batch size: K prompts run as one chunk of Session.generate (stage-major), after one
+    warm-up image, the least of `repeats` tries; in a child process (the demo pipeline)."""
+    code = f"""
+import json, sys, time
+from dm_cli.run.request import RunRequest
+from dm_cli.run.session import Session
+run = RunRequest.of(None, "", height={size}, width={size}, steps={steps}, mode="staged", output=None,
+                    per_prompt_images=True)
+with Session(run) as session:
+    list(session.generate("warm-up", seed=0, chunk_size=1))
+    best = {{}}
+    for _ in range({repeats}):  # sizes interleaved, the least of each: other work on the machine is noise
+        for k in {tuple(sizes)!r}:
+            begin = time.perf_counter()
+            list(session.generate([f"prompt {{i}}" for i in range(k)], seed=1, chunk_size=k))
+            best[k] = min(best.get(k, float("inf")), (time.perf_counter() - begin) / k)
+    rows = [{{"batch": k, "s_per_image": best[k]}} for k in {tuple(sizes)!r}]
+print(json.dumps(rows))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the batch-size measure failed: {done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_concurrent_vs_sequential(requests: int, size: int, steps: int, extra: list[str]) -> dict:
+    """`dmap serve --max-batch 8`: the same requests sent all at once, then one after another (seconds each); the
+    batch limit and per-step seconds by batch size the server measured."""
+    proc = subprocess.Popen(_dmap("serve", *_common(size, steps), "--port", 0, "--max-batch", 8, "--quiet", *extra),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if "http://" not in line:
+        proc.kill()
+        raise SystemExit(f"dmap serve did not start: {line}{proc.stderr.read()}")
+    url = urlsplit(line.split(" on ", 1)[1].split(";", 1)[0])
+
+    def post(seed: int) -> None:
+        connection = http.client.HTTPConnection(url.hostname, url.port, timeout=3600)
+        connection.request("POST", "/v1/images/generations", json.dumps({"prompt": f"p {seed}", "seed": seed}),
+                           {"Content-Type": "application/json"})
+        if connection.getresponse().status != 200:
+            raise SystemExit("dmap serve answered an error")
+        connection.close()
+
+    def get(path: str) -> str:
+        connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+        connection.request("GET", path)
+        text = connection.getresponse().read().decode()
+        connection.close()
+        return text
+
+    try:
+        begin = time.perf_counter()
+        threads = [threading.Thread(target=post, args=(seed,)) for seed in range(requests)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        concurrent = time.perf_counter() - begin
+        begin = time.perf_counter()
+        for seed in range(requests):
+            post(seed)
+        sequential = time.perf_counter() - begin
+        metrics = get("/metrics").splitlines()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    limit = next((line.split()[-1] for line in metrics if line.startswith("dmap_batch_limit ")), None)  # older dmap
+    measured = {line.split('"')[1]: float(line.split()[-1]) for line in metrics
+                if line.startswith("dmap_batch_step_seconds{")}
+    return {"concurrent_s": concurrent, "sequential_s": sequential, "ratio": concurrent / sequential,
+            "batch_limit": limit and int(limit), "step_s_by_batch": measured}
+
+
+def main_batching(args, extra: list[str]) -> None:
+    if extra:
+        raise SystemExit("--batching measures the demo pipeline: give no plan options")
+    sizes = bench_batch_sizes(args.size, args.steps)
+    served = bench_concurrent_vs_sequential(args.requests, args.size, args.steps, extra)
+    if args.json:
+        print(json.dumps({"batch_sizes": sizes, "serve": served}, indent=1))
+        return
+    print(f"demo pipeline {args.size}x{args.size}, {args.steps} steps, staged, {os.cpu_count()} CPU(s)")
+    print("| batch | s per image | vs batch 1 |")
+    print("|---:|---:|---:|")
+    for row in sizes:
+        print(f"| {row['batch']} | {row['s_per_image']:.3f} | {row['s_per_image'] / sizes[0]['s_per_image']:.2f}x |")
+    print(f"dmap serve --max-batch 8, {args.requests} requests: concurrent {served['concurrent_s']:.1f} s, one after "
+          f"another {served['sequential_s']:.1f} s ({served['ratio']:.2f}x); batch limit {served['batch_limit']}, "
+          f"measured s per image-step by batch {served['step_s_by_batch']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32, help="images each method makes")
@@ -129,7 +228,11 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--batching", action="store_true", help="whether a batch pays here (see above)")
     args, extra = parser.parse_known_args()  # the rest goes to every dmap command (e.g. SOURCE-less plan options)
+    if args.batching:
+        main_batching(args, extra)
+        return
     prompts = [f"prompt number {i}: a red fox in the snow" for i in range(args.requests)]
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         folder = Path(tmp)

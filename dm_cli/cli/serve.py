@@ -1,7 +1,8 @@
 """Serve a planned pipeline over HTTP (OpenAI's images API): loaded once, requests batched stage-major.
 
 POST /v1/images/generations (videos: /v1/videos/generations), GET /v1/models, GET /metrics, GET /health.
-Binds to 127.0.0.1 unless --host says otherwise; SIGTERM finishes the running batch and stops."""
+Binds to 127.0.0.1 unless --host says otherwise; SIGTERM finishes the running batch and stops (a second Ctrl-C
+stops at once)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,11 @@ ApiKeyOpt = Annotated[str | None, typer.Option(
     "--api-key", envvar="DMAP_API_KEY", show_envvar=True,
     help="Require 'Authorization: Bearer KEY' on every route but /health.")]
 QueueSizeOpt = Annotated[int, typer.Option(
-    "--queue-size", help="Images that may wait; a request that does not fit is answered 429.")]
+    "--queue-size", help="Images that may wait; a request that does not fit is answered 429 (400 when it asks for "
+                         "more images than the whole queue holds).")]
 MaxBatchOpt = Annotated[int, typer.Option(
-    "--max-batch", help="Images generated together, stage-major (at most what 10% of RAM holds between stages).")]
+    "--max-batch", help="Images generated together at most, stage-major (and at most what 10% of RAM holds between "
+                        "stages); within it, the batch size measured fastest (1 to start on a CPU).")]
 MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (base64 input images).")]
 MaxConnectionsOpt = Annotated[int | None, typer.Option(
     "--max-connections", help="Open connections at most; at the bound the oldest idle one makes room (default: what "
@@ -110,9 +113,14 @@ def serve(
     request = ServeRequest(run, host, port, api_key, queue_size, max_batch, max_body, model_name, gpus_per_rank,
                            max_connections, read_timeout, body_timeout)
 
+    from dm_cli.run.distributed import Ranks
+
+    ranks = Ranks.from_env()
+    prefix = f"[rank {ranks.rank}/{ranks.world_size}] " if ranks.distributed else ""  # as a queue's lines under torchrun
+
     def say(message: str | None) -> None:
         if message and not quiet:
-            print(message, file=sys.stderr, flush=True)
+            print(prefix + message, file=sys.stderr, flush=True)
 
     def ready(url: str, session) -> None:
         job = session.defaults

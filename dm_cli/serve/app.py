@@ -67,11 +67,23 @@ def make_app(state: AppState):
         return JSONResponse({"status": "stopping" if state.batcher.stopping else "ok",
                              "queue_depth": state.batcher.depth, "running": state.batcher.running})
 
+    def model_object() -> dict:
+        return {"id": state.served.model, "object": "model", "created": int(state.started), "owned_by": "dmap"}
+
     async def models(request):
         if not authorised(request):
             return refused()
-        return JSONResponse({"object": "list", "data": [{"id": state.served.model, "object": "model",
-                                                         "created": int(state.started), "owned_by": "dmap"}]})
+        return JSONResponse({"object": "list", "data": [model_object()]})
+
+    async def model(request):
+        """GET /v1/models/{id}: OpenAI's `client.models.retrieve(ID)`."""
+        if not authorised(request):
+            return refused()
+        asked = request.path_params["model_id"]
+        if asked != state.served.model:
+            return error(404, f"No model {asked[:200]!r} here: this server serves {state.served.model!r} "
+                              "(GET /v1/models).")
+        return JSONResponse(model_object())
 
     async def metrics(request):
         if not authorised(request):
@@ -95,6 +107,7 @@ def make_app(state: AppState):
         return error(507, str(full)) if full else error(500, f"Internal error ({type(exc).__name__}: {exc}).")
 
     routes = [Route("/health", health, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model_id:path}", model, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
               Route("/v1/images/generations", images, methods=["POST"]),
               Route("/v1/videos/generations", videos, methods=["POST"])]
@@ -188,6 +201,10 @@ def metrics_text(state: AppState) -> str:
     metric("running_images", "gauge", "Images in the running batch.", [({}, batcher.running)])
     metric("images_total", "counter", "Images (or videos) generated and answered.", [({}, counters.get("images", 0))])
     metric("batches_total", "counter", "Batches run.", [({}, counters.get("batches", 0))])
+    metric("batch_limit", "gauge", "Images the next batch takes at most: the batch size measured fastest, or its "
+                                   "double once to measure it (at most --max-batch).", [({}, batcher.sizer.limit)])
+    metric("batch_step_seconds", "gauge", "Seconds per image-step by batch size, as measured.",
+           [({"batch": size}, seconds) for size, seconds in sorted(batcher.sizer.per_step.items())])
     metric("batch_images_total", "counter", "Images over all batches.", [({}, counters.get("batch_images", 0))])
     metric("disconnects_total", "counter", "Requests whose client went away.", [({}, counters.get("disconnects", 0))])
     guard = state.connections

@@ -3,11 +3,14 @@ one sentence (the server answers it with a 400).
 
 OpenAI's keys: `prompt`, `n`, `size` ("WxH" or "auto"), `response_format` (only "b64_json": dmap keeps no files to
 link to), `output_format` (png, jpeg, webp; mp4 for videos), `model` (the served one, or absent) and `user`
-(ignored). dmap's own, exactly as a `--prompts` JSONL line has them: `seed`, `steps`, `guidance_scale`,
-`negative_prompt` and the family's settings (`true_cfg_scale`, ...), checked by the same code
-(`dm_cli.run.queue.queue_item`); `image` and `last_image` are base64 (or data: URLs) instead of paths, read as
-hostile as `--image` files are; `lora` must name the server's own adapters (one set per server, as per queue).
-Then `Session.job_for` settles and checks the job as it does a queue item's, before the request takes a place.
+(ignored: it changes no pixel). OpenAI's keys that would change the pixels in a way dmap cannot honour (`quality`,
+`style`, `background`, ...) are refused, each with the sentence why (OPENAI_REFUSED). dmap's own, exactly as a
+`--prompts` JSONL line has them: `seed`, `steps`, `guidance_scale`, `negative_prompt` and the family's settings
+(`true_cfg_scale`, ...), checked by the same code (`dm_cli.run.queue.queue_item`); `image` and `last_image` are
+base64 (or data: URLs) instead of paths, read as hostile as `--image` files are; `lora` must name the server's own
+adapters (one set per server, as per queue). Then `Session.job_for` settles and checks the job as it does a queue
+item's, before the request takes a place. The sentences of that shared code name `dmap run`'s flags: a client sent
+JSON keys, so they are said as keys (FLAG_KEYS, `as_keys`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,25 @@ from dm_cli.run.queue import QueueItem, default_output_name, queue_item
 MAX_N = 10  # images per request, as OpenAI's images API
 MAX_PROMPT_CHARS = 10_000
 OPENAI_KEYS = ("prompt", "n", "size", "response_format", "output_format", "model", "user")
+# OpenAI's keys that would change the pixels in a way dmap cannot honour: refused, with why (`user` changes none:
+# accepted and ignored)
+OPENAI_REFUSED = {
+    "quality": "dmap makes the plan's pixels at the steps asked for: give 'steps' instead",
+    "style": "dmap has no style switch (it is DALL-E 3's): say the style in 'prompt'",
+    "background": "dmap makes no transparent backgrounds: say the background in 'prompt'",
+    "output_compression": "dmap encodes as `dmap run` does, so that a served image is its file byte for byte",
+    "moderation": "dmap runs no moderation model",
+    "stream": "dmap answers each request whole, with no partial images",
+    "partial_images": "dmap answers each request whole, with no partial images",
+}
 DMAP_KEYS = ("seed", "steps", "guidance_scale", "negative_prompt", "image", "last_image", "lora")
+# `dmap run`'s flags as the JSON keys a request gives instead (the shared checks name flags): one table
+FLAG_KEYS = {"--prompt": "prompt", "--negative-prompt": "negative_prompt", "--seed": "seed", "--steps": "steps",
+             "--guidance-scale": "guidance_scale", "--image": "image", "--last-image": "last_image", "--lora": "lora",
+             "--num-images": "n", "--height": "size", "--width": "size"}
+# the largest random seed: a request's n images take seeds seed .. seed + n - 1, and every one stays below 2^53, the
+# largest whole number a JSON client in JavaScript (or jq) reads exactly
+MAX_RANDOM_SEED = 2**53 - 1 - MAX_N
 NOT_QUEUE_KEYS = {*OPENAI_KEYS, "image", "last_image", "lora"} - {"prompt"}
 IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
 MIME = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "MP4": "video/mp4"}
@@ -46,6 +67,24 @@ class Served:
     max_input_images: int  # the family's (0: it takes none)
     loras: tuple[tuple[str, float], ...] = ()  # the adapters loaded (file name, scale)
     max_n: int = MAX_N
+    settings: tuple[str, ...] | None = None  # the family's own settings' names (None: every family's)
+    negative_prompt: bool = True  # the family takes a negative prompt
+    last_image: bool = False  # the family takes a video's last frame
+
+    def keys(self) -> list[str]:
+        """The keys a request to this model may give (the unknown-key sentence offers these, and no key the model
+        then refuses)."""
+        mine = [*OPENAI_KEYS, "seed", "steps", "guidance_scale"]
+        mine += ["negative_prompt"] * self.negative_prompt + ["image"] * bool(self.max_input_images)
+        mine += ["last_image"] * self.last_image + ["lora"] * bool(self.loras)
+        return sorted({*mine, *(all_settings() if self.settings is None else self.settings)})
+
+
+def as_keys(message: str) -> str:
+    """A sentence of the checks `dmap run` shares, said to a client that sent JSON: each flag as its key."""
+    flags = {**FLAG_KEYS, **{setting.flag: name for name, setting in all_settings().items()}}
+    return re.sub(r"(?<![\w-])--[a-z][a-z0-9-]*", lambda flag: f"'{flags[flag.group()]}'" if flag.group() in flags
+                  else flag.group(), message)
 
 
 @dataclass(frozen=True)
@@ -77,11 +116,16 @@ def parse_body(body: bytes) -> dict:
 
 def parse_request(data: dict, served: Served, session) -> ServedRequest:
     """The items of one request, settled and checked by `session` (Session.job_for) as a queue's items are."""
+    refused = next((key for key in OPENAI_REFUSED if key in data), None)
+    if refused is not None:
+        raise UsageError(f"{WHERE} gives OpenAI's '{refused}', which dmap serve does not take: "
+                         f"{OPENAI_REFUSED[refused]}.")
+    # another family's setting is known (the family says whose it is); only this model's keys are offered
     known = set(OPENAI_KEYS) | set(DMAP_KEYS) | set(all_settings())
     unknown = sorted(str(key) for key in data if key not in known)
     if unknown:
         shown = ", ".join(shorten(key, 40) for key in unknown[:5]) + (", …" if len(unknown) > 5 else "")
-        raise UsageError(f"{WHERE} has unknown key(s) {shown}: use {', '.join(sorted(known))}.")
+        raise UsageError(f"{WHERE} has unknown key(s) {shown}: this model takes {', '.join(served.keys())}.")
     _check_model(data.get("model"), served)
     output_format = _output_format(data, served)
     n = data.get("n", 1)
@@ -96,9 +140,12 @@ def parse_request(data: dict, served: Served, session) -> ServedRequest:
     _check_loras(data.get("lora"), served)
     seed = data.get("seed")
     if seed is None:  # a client that gives none gets a new image each time, and hears its seed
-        seed = secrets.randbits(63)
+        seed = secrets.randbelow(MAX_RANDOM_SEED + 1)
     own = {key: data[key] for key in data if key not in NOT_QUEUE_KEYS}  # what a --prompts JSONL line has
-    first = queue_item({**own, "seed": seed}, 0, 0, WHERE)
+    try:
+        first = queue_item({**own, "seed": seed}, 0, 0, WHERE)
+    except UsageError as error:
+        raise UsageError(as_keys(str(error))) from None
     images = _images(data.get("image"), served)
     last = _last_image(data.get("last_image"), served)
     if output_format == "JPEG":
@@ -110,7 +157,7 @@ def parse_request(data: dict, served: Served, session) -> ServedRequest:
     try:
         session.job_for(items[0])  # the rules a queue item meets: settled and checked as Family.validate says
     except UsageError as error:
-        raise UsageError(re.sub(r"^Item 0: ", f"{WHERE}: ", str(error))) from None
+        raise UsageError(as_keys(re.sub(r"^Item 0: ", f"{WHERE}: ", str(error)))) from None
     return ServedRequest(items, output_format)
 
 

@@ -1,13 +1,16 @@
-"""`dmap serve`: the session loaded once (planned here, or from a plan file, exactly as `dmap run` does), the
-worker, and uvicorn on a socket bound before anything loads, its connections bounded and timed
-(`serve.connections`); SIGTERM (or Ctrl-C) answers the waiting requests 503, finishes the running batch, answers it,
-and stops."""
+"""`dmap serve`: the session loaded once (planned here, or from a plan file, exactly as `dmap run` does) and warmed
+up by one image before the server says it serves, the worker, and uvicorn on a socket bound before anything loads,
+its connections bounded and timed (`serve.connections`). SIGTERM (or Ctrl-C) says what it finishes, answers the
+waiting requests 503, finishes the running batch and answers it while /health says "stopping" (new work 503), and
+stops (exit 0); a second Ctrl-C stops at once (the running requests 503, exit 130)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -21,6 +24,7 @@ DEFAULT_PORT = 8000
 DEFAULT_QUEUE_SIZE = 64
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_BODY = 64 * 2**20
+STOPPED_AT_ONCE = 130  # the exit status of a second Ctrl-C (or SIGTERM): 128 + SIGINT, as a shell says of Ctrl-C
 
 
 @dataclass
@@ -93,6 +97,8 @@ def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Cal
     if ranks.is_main:  # the file limit's room, before anything loads
         request = replace(request, max_connections=max_connections(request.max_connections))
     select_gpus(ranks, request.gpus_per_rank)
+    if ranks.distributed:
+        _stop_with_launcher()
     sock = bind(request.host, request.port) if ranks.is_main else None
     try:
         session = Session(request.run, on_plan=on_plan, on_status=on_status)
@@ -103,16 +109,59 @@ def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Cal
     from dm_cli.serve.worker import RankCompute
 
     try:
+        warm_up(session, on_status or (lambda message: None))
         ranks.join()  # one session per rank (a --parallel session has joined already)
         compute = RankCompute(session, ranks)
         if not ranks.is_main:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 stops the ranks when its batch is done
             compute.follow()
             return 0
-        return _serve_main(request, session, compute, sock, on_ready)
+        return _serve_main(request, session, compute, sock, on_ready, on_status)
     finally:
         session.close()
         ranks.leave()
+
+
+def _stop_with_launcher() -> None:
+    """A torchrun rank gets SIGTERM when its launcher dies (Linux): a launch stopped by SIGTERM (torchrun started with
+    `--signals-to-handle` without SIGTERM ends at once, with no traceback) leaves no rank serving on."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def warm_up(session, say: Callable[[str | None], None]) -> None:
+    """One image of the served defaults before the server says it serves: what the plan keeps resident loads, and the
+    libraries make their first calls (the first request would pay seconds for them while /health said ok). A family
+    that needs an input image gets a grey one. Every rank warms up (ranks sharing each step, together)."""
+    from dm_cli.errors import UsageError
+
+    job, started = session.defaults, time.monotonic()
+    image = None
+    if session.family.min_input_images:
+        from PIL import Image
+
+        image = Image.new("RGB", (job.width, job.height), (128, 128, 128))
+    say("Warming up: one image of the defaults (loading what the plan keeps resident)…")
+    try:
+        for _ in session.generate("warm-up", seed=0, image=image, chunk_size=1):
+            pass
+    except UsageError as refusal:
+        say(f"No warm-up ({refusal}): the first request loads the model.")
+        return
+    say(f"Warmed up in {time.monotonic() - started:.1f} s.")
+
+
+def runs_on_gpu(plan) -> bool:
+    """Whether any stage of the plan runs on a GPU (a batch pays there: one pass over the weights for its images)."""
+    from dm_cli.devices import device_key, is_gpu
+
+    return any(is_gpu(device_key(device)) for stage in plan.stages for device in stage.peak_bytes if device != "disk")
 
 
 def _served(request: ServeRequest, session):
@@ -121,21 +170,66 @@ def _served(request: ServeRequest, session):
     job = session.defaults
     model = request.model or session.source.spec  # SOURCE as given, the plan's (-d without one), or "demo"
     loras = tuple((lora.name, lora.scale) for lora in session.generation.loras)
-    return Served(model, job.width, job.height, bool(job.num_frames), session.family.max_input_images or 0, loras)
+    family = session.family
+    return Served(model, job.width, job.height, bool(job.num_frames), family.max_input_images or 0, loras,
+                  settings=tuple(setting.name for setting in family.settings), negative_prompt=family.negative_prompt,
+                  last_image=family.takes_last_image)
 
 
-def _serve_main(request: ServeRequest, session, compute, sock, on_ready) -> int:
+class Stopping:
+    """What SIGTERM and Ctrl-C do to the server (in place of uvicorn's `handle_exit`): say what is finished, answer
+    the waiting requests 503, finish and answer the running batch while the server still answers (/health
+    "stopping", new work 503), then stop. A second Ctrl-C stops at once: the running requests are answered 503 and the
+    command ends (exit 130); a repeated SIGTERM changes nothing (service managers repeat it; their SIGKILL is what
+    stops at once). Unlike uvicorn's, the signal is not raised again after the shutdown."""
+
+    def __init__(self, batcher, say: Callable[[str | None], None]):
+        self.batcher, self.say = batcher, say
+        self.draining = False  # a first signal came: the running batch finishes while /health says "stopping"
+        self.at_once = False  # a second Ctrl-C came: the running requests were answered 503, the batch is dropped
+
+    def signal(self, server, sig: int) -> None:
+        """A signal to the uvicorn `server`."""
+        batcher, name = self.batcher, signal.Signals(sig).name
+        if self.draining or server.should_exit:
+            if sig != signal.SIGINT:
+                return
+            self.at_once = True
+            answered = batcher.abort()
+            self.say(f"Stopping at once (Ctrl-C again): the running batch is dropped, {answered} request(s) "
+                     "answered 503.")
+            server.should_exit = True
+            asyncio.get_event_loop().call_later(2.0, setattr, server, "force_exit", True)  # the 503s are sent by then
+            return
+        waiting, running, requests = batcher.depth, batcher.running, batcher.running_requests()
+        batcher.stop()
+        self.draining = True
+        finishing = (f"finishing the running batch ({running} image(s) of {requests} request(s))" if running
+                     else "no batch is running")
+        self.say(f"Stopping ({name}): {finishing}; {waiting} waiting image(s) answered 503; /health says "
+                 "\"stopping\" and new requests get 503 meanwhile; Ctrl-C again stops at once.")
+
+    def done(self) -> bool:
+        """The running batch is finished and answered: uvicorn may stop."""
+        return self.draining and self.batcher.finished
+
+
+def _serve_main(request: ServeRequest, session, compute, sock, on_ready, on_status=None) -> int:
     import logging
 
     import uvicorn
 
     from dm_cli.serve.app import AppState, make_app
     from dm_cli.serve.connections import Acceptor, ConnectionGuard, RepeatedLines, guarded_protocol
-    from dm_cli.serve.worker import Batcher
+    from dm_cli.serve.worker import Batcher, BatchSizer
 
+    say = on_status or (lambda message: None)
     heartbeat_s = max(1.0, min(600.0, compute.ranks.timeout_s / 4))
     max_batch = min(request.max_batch, session.chunk_size(request.max_batch)[0])  # what the chunk memory holds
-    batcher = Batcher(compute, request.queue_size, max_batch, compute.heartbeat, heartbeat_s)
+    # on a CPU a batch seldom pays: one image at a time until a larger batch is measured faster (BatchSizer)
+    sizer = BatchSizer(max_batch, max_batch if runs_on_gpu(session.plan) else 1)
+    batcher = Batcher(compute, request.queue_size, max_batch, compute.heartbeat, heartbeat_s, sizer,
+                      session.defaults.steps or 1)
     guard = ConnectionGuard(request.max_connections, request.read_timeout, request.body_timeout)
     api_key = request.api_key.strip() if request.api_key is not None else None  # a header's value has no outer spaces
     state = AppState(_served(request, session), session, batcher, api_key, request.max_body, time.time(), guard)
@@ -145,6 +239,7 @@ def _serve_main(request: ServeRequest, session, compute, sock, on_ready) -> int:
                             http=guarded_protocol(guard), h11_max_incomplete_event_size=16 * 1024)
     repeats = RepeatedLines()
     logs = [logging.getLogger(name) for name in ("uvicorn.error", "asyncio")]
+    stopping = Stopping(batcher, say)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -169,13 +264,12 @@ def _serve_main(request: ServeRequest, session, compute, sock, on_ready) -> int:
                 self.watch.cancel()
 
         def handle_exit(self, sig, frame) -> None:
-            """SIGTERM, SIGINT: the waiting requests 503, the running batch finishes and is answered, then uvicorn
-            stops; a second Ctrl-C stops at once. Unlike uvicorn's own, the signal is not raised again after the
-            shutdown: the ranks, the session and the socket are closed, and the command ends (exit 0)."""
-            batcher.stop()
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            self.should_exit = True
+            stopping.signal(self, sig)
+
+        async def on_tick(self, counter: int) -> bool:
+            if stopping.done():
+                self.should_exit = True
+            return await super().on_tick(counter)
 
     server = Server(config)
     for logger in logs:
@@ -185,6 +279,11 @@ def _serve_main(request: ServeRequest, session, compute, sock, on_ready) -> int:
         on_ready(url_of(sock), session)
     try:
         server.run(sockets=[])
+        if stopping.at_once:  # the worker still runs the dropped batch: the process ends now, not when it is done
+            say(f"Stopped at once after {int(batcher.counters.get('images', 0))} image(s).")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(STOPPED_AT_ONCE)
     finally:
         batcher.stop()
         batcher.join()

@@ -1,8 +1,9 @@
 """The bounded queue of `dmap serve` and the one thread that runs the session.
 
 Requests wait in arrival order, counted in images (a request of n images takes n places); a request that does not
-fit the queue is refused at once (429). The worker takes everything waiting, whole requests in arrival order up to
-`max_batch` images, and generates them together: `Session.generate` runs them stage-major (a staged plan loads each
+fit the queue is refused at once (429; 400 when it is larger than the whole queue: it never fits). The worker takes
+everything waiting, whole requests in arrival order up to the batch limit (`BatchSizer`: at most `max_batch`
+images, as many as measured to pay), and generates them together: `Session.generate` runs them stage-major (a staged plan loads each
 stage's components once per batch), the same code and the same pixels as `dmap run --prompts`. Each request is
 answered as soon as its last image is encoded. A batch that fails runs each request it left unanswered again on its
 own: one request's failure is never another's. A request whose client went away while it waited leaves the queue
@@ -27,6 +28,8 @@ from dm_cli.io.input_images import size_decode_budget
 
 USAGE = "UsageError:"  # a rank's problem that is the request's fault (a 400), as gathered to rank 0
 STOPPING = "The server is stopping (SIGTERM): this request had not started; send it again to another server."
+STOPPED = ("The server was stopped at once (a second Ctrl-C) before this request's images were made: send it "
+           "again to another server.")
 
 
 @dataclass(frozen=True)
@@ -53,20 +56,49 @@ class Ticket:
     deliver: Callable[[object], None]
     arrived: float = field(default_factory=time.monotonic)
     cancelled: bool = False
+    answered: bool = False  # the worker delivered its images or its Failure
 
     @property
     def size(self) -> int:
         return len(self.request.items)
 
 
+class BatchSizer:
+    """How many images a batch takes, learnt from the batches run: per batch size, the seconds per image-step
+    (averaged); the limit is the size measured fastest, and the double of it (up to `max_batch`) is tried once. On a
+    GPU a batch pays (one pass over the weights for all its images); on a CPU it often does not (the images' work
+    adds up, and they all wait for the batch's last one): there it starts at 1 and grows only when measured faster."""
+
+    def __init__(self, max_batch: int, start: int | None = None):
+        self.max_batch = max_batch
+        self.limit = max(1, min(max_batch, start or max_batch))
+        self.per_step: dict[int, float] = {}  # batch size -> seconds per image-step
+
+    def measured(self, size: int, seconds: float, steps: int) -> None:
+        """A batch of `size` images ran `steps` image-steps in all in `seconds`."""
+        if size < 1 or steps < 1 or seconds <= 0:
+            return
+        now = seconds / steps
+        before = self.per_step.get(size)
+        self.per_step[size] = now if before is None else (before + now) / 2
+        best = min(self.per_step, key=lambda k: (self.per_step[k], k))
+        bigger = min(best * 2, self.max_batch)
+        self.limit = bigger if bigger not in self.per_step else best
+
+
 class Batcher:
     """The queue and its worker thread. `compute(pairs)` generates [(QueueItem, format)] and yields
     (batch index, Output) as each is encoded; `heartbeat()` is called when idle for `heartbeat_s` (torchrun ranks
-    waiting for the next batch must hear from rank 0 within their collective timeout)."""
+    waiting for the next batch must hear from rank 0 within their collective timeout). `sizer` (None: every batch up
+    to `max_batch`) learns the batch limit; `default_steps` counts the image-steps of items that give none."""
 
     def __init__(self, compute: Callable, max_queue: int, max_batch: int, heartbeat: Callable[[], None] | None = None,
-                 heartbeat_s: float = 60.0):
+                 heartbeat_s: float = 60.0, sizer: BatchSizer | None = None, default_steps: int = 1,
+                 clock: Callable[[], float] = time.monotonic):
         self._compute, self.max_queue, self.max_batch = compute, max_queue, max_batch
+        self.sizer = sizer or BatchSizer(max_batch)
+        self._default_steps, self._clock = default_steps, clock
+        self._batch: list[Ticket] = []  # the running batch's requests
         self._heartbeat, self._heartbeat_s = heartbeat, heartbeat_s
         self._cond = threading.Condition()
         self._pending: deque[Ticket] = deque()
@@ -83,6 +115,10 @@ class Batcher:
         with self._cond:
             if self.stopping:
                 return Failure(503, STOPPING)
+            if ticket.size > self.max_queue:
+                return Failure(400, f"The request asks for {ticket.size} images, more than this server's whole queue "
+                                    f"holds ({self.max_queue}, dmap serve --queue-size): ask for at most "
+                                    f"{self.max_queue} per request.")
             if self.depth + ticket.size > self.max_queue:
                 return Failure(429, f"The queue is full ({self.depth} of {self.max_queue} images waiting): try "
                                     "again shortly.")
@@ -112,6 +148,27 @@ class Batcher:
         for ticket in waiting:
             ticket.deliver(Failure(503, STOPPING))
 
+    def abort(self) -> int:
+        """Stop at once: the running batch's requests are answered 503 now (its images are dropped); returns how many
+        requests that answered."""
+        self.stop()
+        with self._cond:
+            running = [ticket for ticket in self._batch if not ticket.cancelled and not ticket.answered]
+            for ticket in running:
+                ticket.cancelled = True
+        for ticket in running:
+            ticket.deliver(Failure(503, STOPPED))
+        return len(running)
+
+    def running_requests(self) -> int:
+        with self._cond:
+            return sum(not ticket.cancelled and not ticket.answered for ticket in self._batch)
+
+    @property
+    def finished(self) -> bool:
+        """The worker is done: stopping, and no batch runs."""
+        return self.stopping and not self._thread.is_alive()
+
     def start(self) -> None:
         self._thread.start()
 
@@ -132,12 +189,14 @@ class Batcher:
                     return None
                 if self._pending:
                     batch, size = [], 0
-                    while self._pending and (not batch or size + self._pending[0].size <= self.max_batch):
+                    limit = self.sizer.limit
+                    while self._pending and (not batch or size + self._pending[0].size <= limit):
                         ticket = self._pending.popleft()
                         batch.append(ticket)
                         size += ticket.size
                     self.depth -= size
                     self.running = size
+                    self._batch = batch
                     return batch
             if self._heartbeat is not None:
                 self._heartbeat()
@@ -149,6 +208,7 @@ class Batcher:
             finally:
                 with self._cond:
                     self.running = 0
+                    self._batch = []
 
     def _run_batch(self, batch: list[Ticket]) -> None:
         """Run the batch; when it fails, every request it left unanswered runs again on its own, so that a request
@@ -161,10 +221,12 @@ class Batcher:
                 if not ticket.cancelled:
                     failure_alone, _ = self._attempt([ticket])
                     if failure_alone is not None and not ticket.cancelled:
+                        ticket.answered = True
                         ticket.deliver(failure_alone)
             return
         for ticket in left:
             if not ticket.cancelled:
+                ticket.answered = True
                 ticket.deliver(failure or Failure(500, "Internal error: the batch ended without this request's images."))
 
     def _attempt(self, batch: list[Ticket]) -> tuple[Failure | None, list[Ticket]]:
@@ -178,6 +240,7 @@ class Batcher:
         got: dict[int, dict[int, Output]] = {id(ticket): {} for ticket in batch}
         done: set[int] = set()
         failure = None
+        started = self._clock()
         try:
             for n, output in self._compute(pairs):
                 ticket, place = owner[n]
@@ -189,6 +252,7 @@ class Batcher:
                     self.counters["answered_s"] += time.monotonic() - ticket.arrived
                     self.counters["answered"] += 1
                     if not ticket.cancelled:
+                        ticket.answered = True
                         ticket.deliver([outputs[i] for i in range(ticket.size)])
         except UsageError as error:  # what the plan cannot run, found only when it runs: the requests' fault
             failure = Failure(400, str(error))
@@ -197,6 +261,9 @@ class Batcher:
             failure = Failure(507, str(full)) if full else Failure(500, f"Internal error ({type(error).__name__}: {error}).")
         self.counters["batches"] += 1
         self.counters["batch_images"] += len(pairs)
+        if failure is None:
+            steps = sum(item.steps or self._default_steps for item, _ in pairs)
+            self.sizer.measured(len(pairs), self._clock() - started, steps)
         return failure, [ticket for ticket in batch if id(ticket) not in done]
 
 
