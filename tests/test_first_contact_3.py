@@ -15,10 +15,10 @@ from conftest import run_dmap
 from dm_cli.model.demo import NEEDS_INPUT_IMAGE, VIDEO_PRESETS, tiny_presets
 
 QUICK = ("tiny-flux-img2img", "tiny-sdxl")  # the reported one, and two demos in one folder (outputs must not clash)
-# one preset of each other form the hint takes (an edit with its example image, Kontext's area, videos from text, from
+# one preset of each other form the hint takes (Kontext's area, videos from text, from
 # an image, LTX-2's); the rest share their form, and the tables they are made from are checked against the families
 # (test_the_demo_tables_follow_the_families)
-FORMS = ("tiny-qwenimage-edit", "tiny-flux-kontext", "tiny-wan", "tiny-wan-i2v", "tiny-ltx2", "tiny-flux2")
+FORMS = ("tiny-flux-kontext", "tiny-wan", "tiny-wan-i2v", "tiny-ltx2", "tiny-flux2")
 
 
 def test_the_demo_tables_follow_the_families():

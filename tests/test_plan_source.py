@@ -84,7 +84,7 @@ def test_a_changed_source_says_so_and_its_plan_hint_pasted_succeeds(work):
     run = ("run", "-d", "p.json", "-p", "fox", "--steps", "1", "--simulate", "-o", "d.png")
     code, out, err = run_dmap(*run, cwd=work)
     assert code == 2
-    assert "it was made for ./flux when its configs had digest" in err and "changed since" in err
+    assert "it was made for ./flux when its configs had digest" in err and "it changed since" in err
     hint = err.split("Plan it again: ", 1)[1].strip()
     assert hint.endswith("-o p.json --overwrite"), hint
     code, out, perr = _pasted(hint, work, "-q")

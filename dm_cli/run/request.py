@@ -292,8 +292,9 @@ def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement:
     other_model = plan.config_digest is not None and plan.config_digest != ours
     same_source = source_from_plan or str(plan.source) == source.spec
     if other_model and same_source:
-        problems.append(f"it was made for {plan.source} when its configs had digest {plan.config_digest}; they have "
-                        f"changed since (now {ours})")
+        problems.append(f"it was made for {plan.source} when its configs had digest {plan.config_digest}, and {source.spec} "
+                        f"now has {ours}: another model (it changed since, or other --pipeline or --component-file "
+                        "files)")
     elif other_model:
         problems.append(f"it was made for {plan.source} (config digest {plan.config_digest}), not {source.spec} "
                         f"({ours})")
@@ -327,11 +328,13 @@ def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement:
         problems.append(f"it was made for LoRA(s) {shown(planned_loras)}, this run asks for "
                         f"{shown(sorted((lora.component, lora.digest, lora.scale) for lora in loras))} "
                         "(give the plan's --lora)")
-    if problems and other_model and not same_source:
+    # the plan file does not record --pipeline nor --component-file: no `dmap plan` rebuilt from it would hold them
+    rebuildable = not any(c.single_file is not None for c in source.components)
+    if problems and other_model and not same_source and rebuildable:
         raise UsageError(f"{where} does not match this run: " + "; ".join(problems) + f". Run the plan's model: the "
                          f"same command with SOURCE {plan.source} (or none); or plan {source.spec} with this plan's "
                          f"flags and run with that plan: {_plan_again(plan, source, plan_file, False)}")
-    if problems and other_model:
+    if problems and other_model and rebuildable:
         raise UsageError(f"{where} does not match this run: " + "; ".join(problems) + ". Plan it again: "
                          + _plan_again(plan, source, plan_file, True))
     if problems:

@@ -147,14 +147,16 @@ class Session:
         plan_file = request.plan_file if plan is None else None
         if plan_file is not None and not (plan_file.endswith(".json") or Path(plan_file).is_file()):
             raise UsageError(device_map_refusal(plan_file))
-        if plan_file is not None:  # read once, before SOURCE: without one, the plan's own is run
-            plan = load_plan(plan_file)
-        # `dmap run -d PLAN.json` without SOURCE: the plan's source (None still means the demo without a plan)
-        self.source_from_plan = request.source is None and plan is not None
+        # `dmap run -d PLAN.json` without SOURCE: the plan's source (None still means the demo without a plan); the
+        # plan file is read once, before SOURCE only when SOURCE comes from it (else SOURCE's problems come first)
+        self.source_from_plan = request.source is None and (plan is not None or plan_file is not None)
         if self.source_from_plan:
+            plan = plan if plan_file is None else load_plan(plan_file)
             request = replace(request, source=source_of_plan(plan, plan_file))
         source, family, demo, defaults, notices = prepare(request, status)
         self.source, self.family, self.demo, self.notices = source, family, demo, notices
+        if plan_file is not None and plan is None:
+            plan = load_plan(plan_file)
         if plan is not None and not request.simulate:  # before anything is shown or torch is imported
             check_devices_present(plan, cpu_ranks(request.parallel, plan))
         if plan is not None:  # a plan's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
