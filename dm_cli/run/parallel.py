@@ -365,7 +365,8 @@ class ParallelStageLoop(MainRankStages, StageLoop):
         if self.sharing.ulysses > 1:
             enable_context(model, self.sharing, self.mesh, self.cuda)
         if self.sharing.cfg == 2:
-            dtype = next(model.parameters()).dtype
+            # what the denoiser computes in: the plan's dtype (fp8/int8/GGUF weights are stored in another)
+            dtype = self.torch_dtype or next(model.parameters()).dtype
             model.forward = (self.separate.wrap(model.forward, dtype) if self.separate is not None
                              else BatchHalves(model.forward, self.sharing.branch, self.cfg_group))
 
