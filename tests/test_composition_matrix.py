@@ -25,7 +25,7 @@ def _matrix() -> dict[tuple[str, str], str]:
     section = text.split("## What composes", 1)[1].split("\n## ", 1)[0]
     rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
             for line in section.splitlines() if line.startswith("|")]
-    header, body = rows[0], [row for row in rows[2:]]
+    header, body = rows[0], rows[2:]
     assert header == ["layout", *FEATURES]
     assert [row[0] for row in body] == LAYOUTS
     assert all(len(row) == len(header) for row in body)
