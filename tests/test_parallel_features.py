@@ -74,7 +74,27 @@ def _worker(spec: str, out: str) -> None:
             np.save(Path(out, f"{case}-images.npy"), np.stack(result["images"]))
             np.save(Path(out, f"{case}-latents.npy"), result["latents"])
             Path(out, f"{case}-counts.json").write_text(json.dumps([result["counts"], result["fused"]]))
+    Path(out, f"fbc-decision-rank{dist.get_rank()}.json").write_text(json.dumps(_fbc_decision(dist.get_rank())))
     dist.destroy_process_group()
+
+
+def _fbc_decision(rank: int) -> bool:
+    """diffusers' own fbc head hook with agree_across on, fed shards whose own change ratios fall on either side
+    of the threshold (rank 0: 0.2, rank 1: 0.9; the whole call's: (0.8 + 3.6) / 8 = 0.55 > 0.5): what it decides."""
+    import torch
+    from diffusers.hooks.first_block_cache import FBCHeadBlockHook, FBCSharedBlockState
+    from diffusers.hooks.hooks import CacheContext, HookRegistry, StateManager
+
+    from dm_cli.run.step_cache import agree_across
+
+    block = torch.nn.Linear(1, 1)
+    state = StateManager(FBCSharedBlockState)
+    state.set_context(CacheContext(name="cond"))
+    state.get_state().head_block_residual = torch.ones(4)
+    HookRegistry.check_if_exists_or_initialize(block).hooks["fbc_leader_block_hook"] = FBCHeadBlockHook(state, 0.5)
+    assert agree_across(block, None) == 1  # None: the default group, both ranks
+    hook = block._diffusers_hook.get_hook("fbc_leader_block_hook")
+    return hook._should_compute_remaining_blocks(torch.ones(4) * (1.2 if rank == 0 else 1.9))
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +158,13 @@ def test_a_feature_on_ranks_sharing_a_step_equals_one_process(launched, folders,
     else:  # Ulysses' all-to-all adds its own rounding: as context parallel without a cache (tests/test_parallel_run.py)
         assert np.abs(latents - alone["latents"]).max() < 1e-5
     assert np.array_equal(np.load(launched / f"{case}-images.npy"), np.stack(alone["images"]))
+
+
+def test_fbc_ranks_holding_parts_of_a_call_decide_on_the_whole_call(launched):
+    """Each shard alone would decide otherwise (rank 0 skip, rank 1 compute); reduced, both compute, as one process
+    holding the whole call would (a rank skipping alone would leave the other waiting in its all-to-all)."""
+    decisions = [json.loads(Path(launched, f"fbc-decision-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert decisions == [True, True]
 
 
 def test_a_step_cache_with_pipeline_ranks_is_refused_in_one_sentence(folders, tmp_path, monkeypatch):
