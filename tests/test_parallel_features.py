@@ -180,5 +180,13 @@ def test_a_step_cache_with_pipeline_ranks_is_refused_in_one_sentence(folders, tm
     assert "Traceback" not in err
 
 
+def test_a_plan_for_several_ranks_with_a_cache_is_refused_and_points_to_the_one_process_plan(folders):
+    from conftest import run_dmap
+
+    code, _, err = run_dmap("plan", folders["tiny-flux"], "--world-size", 2, "--parallel", "context", "--cache",
+                            "taylorseer", "--height", 32, "--width", 32, "--max-memory", "0=1GB,1=1GB")
+    assert code == 2 and "plan the cache for one process (dmap run --parallel cfg or context runs" in err, err
+
+
 if __name__ == "__main__":  # a torchrun rank of the `launched` fixture
     _worker(sys.argv[1], sys.argv[2])
