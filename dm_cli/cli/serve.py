@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from dm_cli.cli._cli_utils import (
+    CacheOpt,
     ComponentFileOpt,
     DtypeOpt,
     FpsOpt,
@@ -84,6 +85,7 @@ def serve(
     pipeline: PipelineOpt = None,
     component_file: ComponentFileOpt = None,
     lora: LoraOpt = None,
+    cache: CacheOpt = None,
     host: HostOpt = "127.0.0.1",
     port: PortOpt = 8000,
     api_key: ApiKeyOpt = None,
@@ -108,7 +110,7 @@ def serve(
                         steps=steps, guidance_scale=guidance_scale, negative_prompt=negative_prompt, height=height,
                         width=width, max_sequence_length=max_sequence_length, num_frames=frames, fps=fps, dtype=dtype,
                         weights=weights, simulate=simulate, parallel=parallel or "none", pipeline=pipeline,
-                        component_files=component_file or None, loras=lora or None, settings=dict(settings or {}),
+                        component_files=component_file or None, loras=lora or None, cache=cache, settings=dict(settings or {}),
                         output=None, per_prompt_images=True)
     request = ServeRequest(run, host, port, api_key, queue_size, max_batch, max_body, model_name, gpus_per_rank,
                            max_connections, read_timeout, body_timeout)

@@ -21,8 +21,8 @@ def step_cache_footprints(source, prepared: list[PreparedComponent], options: Pl
         return {}
     if options.parallel.active:
         raise UsageError(f"--cache {options.cache.name} with --world-size {options.parallel.world_size}: dmap does not "
-                         "count a step cache's state per rank yet (and fbc's data-dependent skips would diverge between "
-                         "context-parallel ranks); plan the cache for one process, or drop --cache.")
+                         "count a step cache's state per rank yet; plan the cache for one process (dmap run --parallel "
+                         "cfg or context runs that plan with the cache on every rank), or drop --cache.")
     family = family_for(source.pipeline_class)
     if family is None:
         raise UsageError(f"dmap knows no pipeline family in {source.spec}, so it cannot apply --cache: drop it.")

@@ -371,18 +371,55 @@ class ParallelStageLoop(MainRankStages, StageLoop):
         if self.sharing.ulysses > 1:
             enable_context(model, self.sharing, self.mesh, self.cuda)
         if self.sharing.cfg == 2:
-            dtype = next(model.parameters()).dtype
+            # what the denoiser computes in: the plan's dtype (fp8/int8/GGUF weights are stored in another)
+            dtype = self.torch_dtype or next(model.parameters()).dtype
             model.forward = (self.separate.wrap(model.forward, dtype) if self.separate is not None
                              else BatchHalves(model.forward, self.sharing.branch, self.cfg_group))
+
+    def _apply_step_cache(self, name: str, model, steps: int | None = None) -> None:
+        """The step cache as one process applies it; fbc's skip decision then made over the ranks that share a call
+        (dm_cli.run.step_cache.agree_across). TaylorSeer and MagCache decide by the step's index alone, and under
+        separate CFG calls each rank's branch is its own cache context, as in one process."""
+        super()._apply_step_cache(name, model, steps)
+        group = self.sharing_group()
+        if self.plan.cache is not None and self.plan.cache.name == "fbc" and group is not None:
+            from dm_cli.run.step_cache import agree_across
+
+            agree_across(model, group)
+
+    def sharing_group(self):
+        """The ranks whose parts make one process's denoiser call: the Ulysses group, with its CFG pair when the
+        pair halves a doubled batch (separate calls are separate cache contexts); None when a rank's call is whole."""
+        import torch.distributed as dist
+
+        if self.sharing.cfg == 2 and self.separate is None:
+            return dist.group.WORLD
+        return self.mesh["ulysses"].get_group() if self.sharing.ulysses > 1 else None
 
     def denoise(self, names, job, embeds, on_step, switch=None, image_latents=None, whole: bool = False):
         check_job(self.sharing, self.family, job)
         if self.separate is not None:
             self.separate.reset()
+        computed = {name: counts.computed for name, counts in self.step_counts.items()}
         out = super().denoise(names, job, embeds, on_step, switch, image_latents, whole)
         if self.separate is not None and self.separate.calls:
             raise RuntimeError("CFG-parallel over separate calls ended a denoise between a step's two calls.")
+        if self.separate is not None and self.step_counts:
+            self._pair_counts(computed)
         return out
+
+    def _pair_counts(self, before: dict) -> None:
+        """--cache under separate CFG calls: each rank computes one branch's calls, so the pair's computed calls are
+        summed (every rank counts every call), as one process counts both branches."""
+        import torch
+        import torch.distributed as dist
+
+        names = sorted(self.step_counts)
+        done = torch.tensor([self.step_counts[n].computed - before.get(n, 0) for n in names],
+                            device="cuda" if self.cuda else "cpu")
+        dist.all_reduce(done, group=self.cfg_group)
+        for name, count in zip(names, done.tolist()):
+            self.step_counts[name].computed = before.get(name, 0) + int(count)
 
     def close(self) -> None:
         super().close()

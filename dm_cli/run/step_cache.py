@@ -69,7 +69,7 @@ def _probe(model, cache: StepCache):
     """The first submodule with parameters inside the module whose work the cache skips: the last block (fbc,
     magcache: skipped blocks return their input), or the first hooked attention (taylorseer: predicted outputs)."""
     hooked = [(name, module) for name, module in model.named_modules()
-              if name and getattr(module, "_diffusers_hook", None) is not None and module._diffusers_hook.hooks]
+              if name and getattr(module, "_diffusers_hook", None) is not None and _cache_hooks(module._diffusers_hook)]
     if not hooked:
         return None
     if cache.name == "taylorseer":
@@ -80,3 +80,37 @@ def _probe(model, cache: StepCache):
         name, module = hooked[-1]
     inner = next((m for n, m in module.named_modules() if n and any(True for _ in m.parameters(recurse=False))), None)
     return inner if inner is not None else module
+
+
+def _cache_hooks(registry) -> list[str]:
+    """The names of a module's hooks other than context parallel's ("cp_input---...", "cp_output---..."): under
+    --parallel context the model's output layer carries those, and it runs whether the cache skips or not."""
+    return [name for name in registry.hooks if not name.startswith("cp_")]
+
+
+def agree_across(model, group) -> int:
+    """fbc on ranks that each hold part of what one process's call holds (context parallel's sequence shards, a
+    batched CFG's halves): the first block's residual change is reduced over `group` before it is compared with the
+    threshold, so every rank skips the same steps as one process computing the whole call (a rank skipping alone would
+    leave the others waiting in their all-to-all). Sums, not means: the shards are the same size, so
+    sum|r - prev| / sum|prev| is the whole call's mean ratio. Returns how many of `model`'s hooks now agree."""
+    import torch
+    import torch.distributed as dist
+
+    def decide(hook, residual) -> bool:
+        state = hook.state_manager.get_state()
+        previous = state.head_block_residual
+        if previous is None:
+            return True
+        sums = torch.stack([(residual - previous).abs().sum(), previous.abs().sum()]).float()
+        dist.all_reduce(sums, group=group)
+        return (sums[0] / sums[1]).item() > hook.threshold
+
+    hooks = 0
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        hook = registry.get_hook("fbc_leader_block_hook") if registry is not None else None
+        if hook is not None:
+            hook._should_compute_remaining_blocks = (lambda residual, _hook=hook: decide(_hook, residual))
+            hooks += 1
+    return hooks
