@@ -73,8 +73,17 @@ def plan(
     no_cache: NoCacheOpt = False,
     world_size: int = typer.Option(1, "--world-size", help="torchrun ranks to plan for (rank r on GPU r); 1: one process."),
     parallel: PlanParallelOpt = None,
-    device_tflops: float = typer.Option(100.0, "--device-tflops", help="--parallel auto: TFLOP/s one GPU sustains."),
-    link_gbps: float = typer.Option(25.0, "--link-gbps", help="--parallel auto: GB/s between two GPUs."),
+    device_tflops: float | None = typer.Option(None, "--device-tflops",
+                                               help="--parallel auto: TFLOP/s one GPU sustains (default: the profile's)."),
+    link_gbps: float | None = typer.Option(None, "--link-gbps",
+                                           help="--parallel auto: GB/s between two GPUs (default: the profile's)."),
+    profile: str | None = typer.Option(None, "--profile", metavar="FILE",
+                                       help="Device profile for the predicted step time: a file dmap calibrate wrote, "
+                                            "or table:NAME (h100-sxm, l40s, ...). Default: this machine's calibrated "
+                                            "one, else dmap's defaults."),
+    steps: int | None = typer.Option(None, "--steps", help="Denoising steps the predicted time per image counts "
+                                                           "(default: the pipeline's)."),
+    queue: int = typer.Option(1, "--queue", metavar="N", help="Prompts the predicted time per queue counts."),
     in_flight: int | None = typer.Option(None, "--in-flight", metavar="K",
                                          help="--parallel pipeline: queue prompts in flight (default --world-size)."),
     pipeline: PipelineOpt = None,
@@ -99,7 +108,8 @@ def plan(
                            last_image=last_image, last_image_size=last_image_size,
                            on_progress=progress, world_size=world_size, parallel=parallel,
                            device_tflops=device_tflops, link_gbps=link_gbps, in_flight=in_flight, pipeline=pipeline,
-                           component_files=component_file, lora=lora, cache=cache, **(settings or {}))
+                           component_files=component_file, lora=lora, cache=cache, profile=profile, steps=steps,
+                           queue=queue, **(settings or {}))
     if output:
         write_plan(result, output)
     if as_json:

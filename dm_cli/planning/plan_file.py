@@ -59,6 +59,9 @@ class Plan:
     # --cache: {"name", "settings", "label", "components": {denoiser: {"bytes": {device: n}, "total_bytes", "contexts",
     # "holders": {module: n}}}} (planning/step_cache.py); written only with a cache
     step_cache: dict = field(default_factory=dict)
+    # the denoise stage's predicted seconds per step, image and queue on a device profile (planning/step_time.py);
+    # written only when there is one (a known family, traced)
+    predicted_time: dict = field(default_factory=dict)
 
     @property
     def cache(self) -> StepCache | None:
@@ -144,6 +147,7 @@ class Plan:
             **({"input_images": self.input_images} if self.input_images else {}),
             **({"loras": self.loras} if self.loras else {}),
             **({"step_cache": self.step_cache} if self.step_cache else {}),
+            **({"predicted_time": self.predicted_time} if self.predicted_time else {}),
         }
 
     @classmethod

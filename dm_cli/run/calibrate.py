@@ -1,0 +1,99 @@
+"""`dmap calibrate`: measure this machine's device (the first GPU, else the CPU) into a profile (planning/profiles.py)
+that `dmap plan` predicts step times with.
+
+Each rate is the best of a few timed repeats after a warm-up (the machine's other load only slows a repeat down):
+- matmul: square matmuls at each dtype (float32 always; bfloat16 and float16 on a GPU, bfloat16 on a CPU);
+- attention: scaled_dot_product_attention at a denoiser's shape (heads of 64, a few thousand tokens);
+- memory: a large tensor added to itself (read twice, written once);
+- host and link: pinned host -> GPU copies, GPU -> GPU copies when there are two (on a CPU: the memory rate);
+- op_seconds: the time of one tiny op, which is what each of a small model's thousands of ops costs the host.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+from dm_cli.planning.profiles import DeviceProfile
+
+
+@dataclass(frozen=True)
+class CalibrationSizes:
+    """The sizes measured: `quick` for tests (seconds), the default for a profile worth predicting with."""
+
+    matmul: int = 1024
+    tokens: int = 2048
+    memory_mib: int = 256
+    repeats: int = 5
+
+    @classmethod
+    def quick(cls) -> "CalibrationSizes":
+        return cls(matmul=128, tokens=128, memory_mib=8, repeats=2)
+
+
+def _best(run, repeats: int, sync) -> float:
+    """The fastest of `repeats` timed calls of `run` (after one warm-up)."""
+    run()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
+              on_progress=None) -> DeviceProfile:
+    """Measure the device (`device`: "cpu", "cuda:0"; None: the first GPU, else the CPU) into a profile."""
+    import torch
+
+    sizes = sizes or CalibrationSizes()
+    say = on_progress or (lambda message: None)
+    target = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    gpu = target.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(target)) if gpu else (lambda: None)
+    dtypes = ("float32", "bfloat16", "float16") if gpu else ("float32", "bfloat16")
+    matmul, attention = {}, {}
+    n = sizes.matmul
+    with torch.inference_mode():
+        for name in dtypes:
+            dtype = getattr(torch, name)
+            say(f"Measuring {n}x{n} matmuls in {name}")
+            a, b = torch.randn(n, n, device=target, dtype=dtype), torch.randn(n, n, device=target, dtype=dtype)
+            matmul[name] = 2 * n**3 / _best(lambda: torch.mm(a, b), sizes.repeats, sync) / 1e12
+            say(f"Measuring attention over {sizes.tokens} tokens in {name}")
+            q = torch.randn(1, 8, sizes.tokens, 64, device=target, dtype=dtype)
+            seconds = _best(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), sizes.repeats, sync)
+            attention[name] = 4 * 8 * sizes.tokens**2 * 64 / seconds / 1e12
+        say(f"Measuring memory bandwidth over {sizes.memory_mib} MiB")
+        elements = sizes.memory_mib * 2**20 // 4
+        x = torch.ones(elements, device=target)
+        out = torch.empty_like(x)
+        memory = 3 * x.nbytes / _best(lambda: torch.add(x, x, out=out), sizes.repeats, sync) / 1e9
+        small = torch.ones(8, device=target)
+        ops = 200
+        op_seconds = _best(lambda: [torch.add(small, small) for _ in range(ops)], sizes.repeats, sync) / ops
+        host, link, words = memory, memory, "one device: its memory"
+        if gpu:
+            say("Measuring host -> GPU copies")
+            pinned = torch.ones(elements, pin_memory=True)
+            host = x.nbytes / _best(lambda: x.copy_(pinned, non_blocking=True), sizes.repeats, sync) / 1e9
+            link, words = host, "one GPU: host copies"
+            if torch.cuda.device_count() > 1:
+                other = torch.empty(elements, device="cuda:1")
+                link = x.nbytes / _best(lambda: other.copy_(x), sizes.repeats,
+                                        lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1))) / 1e9
+                words = "GPU 0 -> GPU 1 copies"
+    name = torch.cuda.get_device_name(target) if gpu else (platform.processor() or platform.machine() or "cpu")
+    threads = torch.get_num_threads()
+    where = f"{name}, {threads} torch thread(s)" if not gpu else name
+    source = (f"measured by dmap calibrate on {platform.node() or 'this machine'} at "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} ({where}; load average "
+              f"{os.getloadavg()[0]:.1f}; sizes: matmul {n}, {sizes.tokens} tokens, {sizes.memory_mib} MiB)")
+    return DeviceProfile(where, "gpu" if gpu else "cpu", {k: round(v, 4) for k, v in matmul.items()},
+                         {k: round(v, 4) for k, v in attention.items()}, round(memory, 3), round(host, 3),
+                         round(link, 3), words, round(op_seconds, 9), source, True)
