@@ -39,6 +39,11 @@ class DeviceProfile:
     op_seconds: float = 0.0
     source: str = ""  # "measured by dmap calibrate on HOST at DATE" or the datasheets
     measured: bool = False
+    # measured only: the rate by the size of one op, dtype -> [[FLOPs of one op, TFLOP/s], ...] ascending (a small
+    # matmul runs far below the peak), and GB/s of a denoiser's elementwise mix (add, mul, GELU, SiLU, norms, cat)
+    matmul_curve: dict[str, list] = field(default_factory=dict)
+    attention_curve: dict[str, list] = field(default_factory=dict)
+    elementwise_gbps: float = 0.0
 
     def rate(self, table: dict[str, float], dtype: str) -> float:
         """TFLOP/s at `dtype`, else at the nearest dtype measured (half precision for half, else float32)."""
@@ -47,11 +52,29 @@ class DeviceProfile:
                 return table[candidate]
         raise ValueError(f"profile {self.name!r} has no rates")
 
+    def rate_at(self, kind: str, dtype: str, flops_per_op: float) -> float:
+        """TFLOP/s of one `kind` ("matmul" or "attention") op of `flops_per_op` FLOPs at `dtype`: interpolated on the
+        measured curve (log-log, held at its ends), else the flat rate."""
+        curve = getattr(self, f"{kind}_curve").get(dtype) or (getattr(self, f"{kind}_curve").get(
+            "bfloat16" if dtype == "float16" else dtype))
+        if not curve or flops_per_op <= 0:
+            return self.rate(getattr(self, f"{kind}_tflops"), dtype)
+        if flops_per_op <= curve[0][0]:
+            return curve[0][1]
+        for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+            if flops_per_op <= x1:
+                t = math.log(flops_per_op / x0) / math.log(x1 / x0)
+                return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+        return curve[-1][1]
+
     def to_json(self) -> dict:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": self.name, "kind": self.kind,
                 "matmul_tflops": dict(self.matmul_tflops), "attention_tflops": dict(self.attention_tflops),
                 "memory_gbps": self.memory_gbps, "host_gbps": self.host_gbps, "link_gbps": self.link_gbps,
-                "link": self.link, "op_seconds": self.op_seconds, "source": self.source, "measured": self.measured}
+                "link": self.link, "op_seconds": self.op_seconds, "source": self.source, "measured": self.measured,
+                **({"matmul_curve": self.matmul_curve, "attention_curve": self.attention_curve}
+                   if self.matmul_curve or self.attention_curve else {}),
+                **({"elementwise_gbps": self.elementwise_gbps} if self.elementwise_gbps else {})}
 
     @classmethod
     def from_json(cls, data) -> "DeviceProfile":
@@ -73,13 +96,32 @@ class DeviceProfile:
         return cls(_text(data.get("name"), "name"), kind, rates["matmul_tflops"], rates["attention_tflops"],
                    _rate(data.get("memory_gbps"), "its memory_gbps"), _rate(data.get("host_gbps"), "its host_gbps"),
                    _rate(data.get("link_gbps"), "its link_gbps"), _text(data.get("link", ""), "link"),
-                   float(op_seconds), _text(data.get("source", ""), "source"), data.get("measured") is True)
+                   float(op_seconds), _text(data.get("source", ""), "source"), data.get("measured") is True,
+                   _curves(data.get("matmul_curve", {}), "matmul_curve"),
+                   _curves(data.get("attention_curve", {}), "attention_curve"),
+                   _rate(data.get("elementwise_gbps"), "its elementwise_gbps") if "elementwise_gbps" in data else 0.0)
 
 
-def _rate(value, what: str) -> float:
+def _curves(value, what: str) -> dict[str, list]:
+    """A profile's rate curves: dtype -> ascending [[FLOPs per op, TFLOP/s], ...] (ValueError, one sentence)."""
+    if not isinstance(value, dict) or not set(value) <= set(PROFILE_DTYPES):
+        raise ValueError(f"its {what} must map some of {', '.join(PROFILE_DTYPES)} to [[FLOPs, TFLOP/s], ...]")
+    out = {}
+    for dtype, points in value.items():
+        if not isinstance(points, list) or not 1 <= len(points) <= 64 or not all(
+                isinstance(p, list) and len(p) == 2 for p in points):
+            raise ValueError(f"its {what} {dtype} must be a list of 1 to 64 [FLOPs, TFLOP/s] pairs")
+        pairs = [[_rate(x, f"its {what} {dtype} FLOPs", 1e18), _rate(y, f"its {what} {dtype} TFLOP/s")] for x, y in points]
+        if any(a[0] >= b[0] for a, b in zip(pairs, pairs[1:])):
+            raise ValueError(f"its {what} {dtype} must list FLOPs in ascending order")
+        out[dtype] = pairs
+    return out
+
+
+def _rate(value, what: str, high: float = 1e7) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 < value <= 1e7:
-        raise ValueError(f"{what} must be a number above 0 (at most 1e7), found {shorten(value, quote=True)}")
+            or not 0 < value <= high:
+        raise ValueError(f"{what} must be a number above 0 (at most {high:g}), found {shorten(value, quote=True)}")
     return float(value)
 
 

@@ -4,10 +4,11 @@ The work of one denoiser call is what its meta trace counted (trace_session.py `
 inputs): matmul and convolution FLOPs (torch's own formulas), attention FLOPs, the bytes the other ops read and
 write, and the ops dispatched. One call takes
 
-    matmul FLOPs / matmul rate + attention FLOPs / attention rate + (other bytes + weights) / memory rate
-    + ops x seconds per op
+    matmul FLOPs / matmul rate + attention FLOPs / attention rate + other bytes / elementwise rate
+    + weights / memory rate + ops x seconds per op
 
-at the plan's dtype; a step is the family's calls per step (2 under separate CFG) of that, plus what the plan moves
+at the plan's dtype, the matmul and attention rates read off the profile's measured curves at the call's mean FLOPs
+per op (a small model's matmuls run far below the device's peak); a step is the family's calls per step (2 under separate CFG) of that, plus what the plan moves
 per call: its offloaded weights over the host link and the hidden states at each hop between devices (the same hop
 bytes parallel.py counts for the split). An image is `steps` steps over the images one call makes (batch x images
 per prompt); a queue of N is N prompts one after another. With --world-size, each layout's time is this step scaled by
@@ -32,11 +33,14 @@ class CallWork:
     other_bytes: float
     ops: int
     weight_bytes: int
+    matmul_ops: int = 0
+    attention_ops: int = 0
 
     @classmethod
     def of(cls, work: dict, weight_bytes: int) -> "CallWork":
         return cls(float(work.get("matmul_flops", 0)), float(work.get("attention_flops", 0)),
-                   float(work.get("other_bytes", 0)), int(work.get("ops", 0)), int(weight_bytes))
+                   float(work.get("other_bytes", 0)), int(work.get("ops", 0)), int(weight_bytes),
+                   int(work.get("matmul_ops", 0)), int(work.get("attention_ops", 0)))
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,13 @@ class Traffic:
 
 def call_terms(work: CallWork, profile: DeviceProfile, dtype: str, traffic: Traffic) -> dict[str, float]:
     """The seconds of one denoiser call, term by term (see the module's doc)."""
+    matmul = profile.rate_at("matmul", dtype, work.matmul_flops / max(1, work.matmul_ops))
+    attention = profile.rate_at("attention", dtype, work.attention_flops / max(1, work.attention_ops))
     return {
-        "matmul": work.matmul_flops / (profile.rate(profile.matmul_tflops, dtype) * 1e12),
-        "attention": work.attention_flops / (profile.rate(profile.attention_tflops, dtype) * 1e12),
-        "memory": (work.other_bytes + work.weight_bytes) / (profile.memory_gbps * 1e9),
+        "matmul": work.matmul_flops / (matmul * 1e12),
+        "attention": work.attention_flops / (attention * 1e12),
+        "memory": work.other_bytes / ((profile.elementwise_gbps or profile.memory_gbps) * 1e9)
+        + work.weight_bytes / (profile.memory_gbps * 1e9),
         "ops": work.ops * profile.op_seconds,
         "offload": traffic.offloaded_bytes / (profile.host_gbps * 1e9),
         "hops": traffic.hops * traffic.hop_bytes / (profile.link_gbps * 1e9),

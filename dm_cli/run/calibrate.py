@@ -23,14 +23,15 @@ from dm_cli.planning.profiles import DeviceProfile
 class CalibrationSizes:
     """The sizes measured: `quick` for tests (seconds), the default for a profile worth predicting with."""
 
-    matmul: int = 1024
-    tokens: int = 2048
+    matmul: tuple[int, ...] = (64, 128, 256, 512, 1024)  # square matmuls: the rate curve by the size of one op
+    tokens: tuple[int, ...] = (256, 1024, 2048)  # attention over this many tokens, 8 heads of 64
     memory_mib: int = 256
+    elementwise_mib: int = 4  # a denoiser's activations: a few MiB each
     repeats: int = 5
 
     @classmethod
     def quick(cls) -> "CalibrationSizes":
-        return cls(matmul=128, tokens=128, memory_mib=8, repeats=2)
+        return cls(matmul=(64, 128), tokens=(64, 128), memory_mib=8, elementwise_mib=1, repeats=2)
 
 
 def _best(run, repeats: int, sync) -> float:
@@ -57,18 +58,33 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
     gpu = target.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(target)) if gpu else (lambda: None)
     dtypes = ("float32", "bfloat16", "float16") if gpu else ("float32", "bfloat16")
-    matmul, attention = {}, {}
-    n = sizes.matmul
+    matmul, attention, matmul_curve, attention_curve = {}, {}, {}, {}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.inference_mode():
         for name in dtypes:
             dtype = getattr(torch, name)
-            say(f"Measuring {n}x{n} matmuls in {name}")
-            a, b = torch.randn(n, n, device=target, dtype=dtype), torch.randn(n, n, device=target, dtype=dtype)
-            matmul[name] = 2 * n**3 / _best(lambda: torch.mm(a, b), sizes.repeats, sync) / 1e12
-            say(f"Measuring attention over {sizes.tokens} tokens in {name}")
-            q = torch.randn(1, 8, sizes.tokens, 64, device=target, dtype=dtype)
-            seconds = _best(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), sizes.repeats, sync)
-            attention[name] = 4 * 8 * sizes.tokens**2 * 64 / seconds / 1e12
+            say(f"Measuring matmuls of {', '.join(map(str, sizes.matmul))} in {name}")
+            curve = []
+            for n in sizes.matmul:
+                a, b = torch.randn(n, n, device=target, dtype=dtype), torch.randn(n, n, device=target, dtype=dtype)
+                curve.append([2 * n**3, round(2 * n**3 / _best(lambda: torch.mm(a, b), sizes.repeats, sync) / 1e12, 6)])
+            matmul_curve[name], matmul[name] = curve, max(rate for _, rate in curve)
+            say(f"Measuring attention over {', '.join(map(str, sizes.tokens))} tokens in {name}")
+            curve = []
+            for tokens in sizes.tokens:
+                q = torch.randn(1, 8, tokens, 64, device=target, dtype=dtype)
+                flops = 4 * 8 * tokens**2 * 64
+                curve.append([flops, round(flops / _best(lambda: sdpa(q, q, q), sizes.repeats, sync) / 1e12, 6)])
+            attention_curve[name], attention[name] = curve, max(rate for _, rate in curve)
+        say(f"Measuring a denoiser's elementwise ops over {sizes.elementwise_mib} MiB tensors")
+        y = torch.randn(sizes.elementwise_mib * 2**20 // 4 // 512, 512, device=target)
+        moved = y.nbytes * (3 + 3 + 2 + 2 + 2 + 4)  # bytes read and written by the mix below
+
+        def mix():
+            torch.add(y, y), torch.mul(y, y), torch.nn.functional.gelu(y, approximate="tanh")
+            torch.nn.functional.silu(y), torch.nn.functional.layer_norm(y, (512,)), torch.cat([y, y])
+
+        elementwise = moved / _best(mix, sizes.repeats, sync) / 1e9
         say(f"Measuring memory bandwidth over {sizes.memory_mib} MiB")
         elements = sizes.memory_mib * 2**20 // 4
         x = torch.ones(elements, device=target)
@@ -93,7 +109,8 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
     where = f"{name}, {threads} torch thread(s)" if not gpu else name
     source = (f"measured by dmap calibrate on {platform.node() or 'this machine'} at "
               f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} ({where}; load average "
-              f"{os.getloadavg()[0]:.1f}; sizes: matmul {n}, {sizes.tokens} tokens, {sizes.memory_mib} MiB)")
+              f"{os.getloadavg()[0]:.1f}; sizes: matmuls up to {max(sizes.matmul)}, up to {max(sizes.tokens)} tokens, {sizes.memory_mib} MiB)")
     return DeviceProfile(where, "gpu" if gpu else "cpu", {k: round(v, 4) for k, v in matmul.items()},
                          {k: round(v, 4) for k, v in attention.items()}, round(memory, 3), round(host, 3),
-                         round(link, 3), words, round(op_seconds, 9), source, True)
+                         round(link, 3), words, round(op_seconds, 9), source, True, matmul_curve, attention_curve,
+                         round(elementwise, 3))
