@@ -12,8 +12,8 @@ from dm_cli.planning.step_time import CallWork, Traffic, call_terms, predict
 
 def hand_profile(**changes) -> DeviceProfile:
     """Round rates, so that every term of the hand-made case below is a whole number of seconds."""
-    base = dict(name="hand", kind="gpu", matmul_tflops={"bfloat16": 1.0}, attention_tflops={"bfloat16": 0.5},
-                memory_gbps=2.0, host_gbps=4.0, link_gbps=2.0, op_seconds=1e-3, elementwise_gbps=1.0)
+    base = {"name": "hand", "kind": "gpu", "matmul_tflops": {"bfloat16": 1.0}, "attention_tflops": {"bfloat16": 0.5},
+                "memory_gbps": 2.0, "host_gbps": 4.0, "link_gbps": 2.0, "op_seconds": 1e-3, "elementwise_gbps": 1.0}
     return DeviceProfile(**{**base, **changes})
 
 
@@ -116,3 +116,17 @@ def test_parallel_auto_uses_the_profile_and_prints_each_layout():
     code, out, err = run_dmap("plan", "flux", "-m", "0=80GB,1=80GB,cpu=64GB", "--world-size", "2", "--dtype",
                               "bfloat16", "--profile", "table:h100-sxm", "--no-check", env={"COLUMNS": "200"})
     assert "  split: " in out and "per queue" in out
+
+
+@pytest.mark.parametrize("hostile", [[1], {"step_s": float("nan")}, {"step_s": [1, 2]}, {"a": {"b": {"c": {"d": 1}}}},
+                                     {str(i): 1 for i in range(201)}, {"step_s": True}])
+def test_a_plan_file_with_a_malformed_prediction_is_refused(tmp_path, hostile):
+    from dm_cli.planning.plan_file import Plan
+
+    path = tmp_path / "plan.json"
+    code, _, err = run_dmap("plan", "tiny-flux", "-q", "--no-check", "-o", path)
+    assert code == 0, err
+    data = json.loads(path.read_text())
+    assert Plan.from_json(data).to_json() == data  # the prediction reads back as written
+    with pytest.raises(ValueError):
+        Plan.from_json({**data, "predicted_time": hostile})

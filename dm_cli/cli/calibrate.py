@@ -21,7 +21,8 @@ def calibrate(
     from dm_cli.errors import UsageError
     from dm_cli.io.atomic import atomic_write_bytes, refuse_existing
     from dm_cli.planning.profiles import default_profile_path
-    from dm_cli.run.calibrate import CalibrationSizes, calibrate as measure
+    from dm_cli.run.calibrate import CalibrationSizes
+    from dm_cli.run.calibrate import calibrate as measure
 
     if device is not None and device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise UsageError(f"--device must be cpu or cuda:N, not {device!r}.")

@@ -218,7 +218,26 @@ class Plan:
             dict(_object(data.get("input_images", {}), "'input_images'")),
             _plan_loras(data.get("loras", []), set(components)),
             _plan_step_cache(data["step_cache"], set(components)) if "step_cache" in data else {},
+            _predicted_time(data["predicted_time"]) if "predicted_time" in data else {},
         )
+
+
+def _predicted_time(value, depth: int = 0) -> dict:
+    """A plan file's `predicted_time` (planning/step_time.py): informational, read back as JSON of numbers and short
+    strings, at most 3 levels and 200 entries deep (ValueError otherwise)."""
+    value = _object(value, "'predicted_time'")
+    if len(value) > 200 or depth > 2:
+        raise ValueError("'predicted_time' is larger than a prediction")
+    out = {}
+    for key, entry in value.items():
+        if isinstance(entry, dict):
+            out[key] = _predicted_time(entry, depth + 1)
+        elif isinstance(entry, bool) or not isinstance(entry, (int, float, str)) or (
+                isinstance(entry, float) and not math.isfinite(entry)) or (isinstance(entry, str) and len(entry) > 1000):
+            raise ValueError(f"'predicted_time' {key!r} must be a finite number or a short string")
+        else:
+            out[key] = entry
+    return out
 
 
 def _plan_loras(value, components: set) -> list[dict]:

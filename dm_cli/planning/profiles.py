@@ -135,27 +135,27 @@ def _text(value, what: str) -> str:
 # published. Attention runs near the matmul rate in flash kernels; the table gives it the same peak.
 _NVLINK_NOTE = "NVLink bandwidth is the total of both directions per GPU"
 GPU_TABLE: dict[str, dict] = {
-    "h100-sxm": dict(tflops=989.0, memory_gbps=3350.0, link_gbps=450.0, link="NVLink 4, 900 GB/s both ways",
-                     source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column)"),
-    "h100-pcie": dict(tflops=756.0, memory_gbps=2000.0, link_gbps=64.0, link="PCIe 5 x16 (NVLink bridge: 600 GB/s)",
-                      source="NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe column)"),
-    "h200-sxm": dict(tflops=989.0, memory_gbps=4800.0, link_gbps=450.0, link="NVLink 4, 900 GB/s both ways",
-                     source="NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column)"),
-    "h200-nvl": dict(tflops=835.0, memory_gbps=4800.0, link_gbps=64.0, link="PCIe 5 x16 (2/4-way NVLink bridge)",
-                     source="NVIDIA H200 Tensor Core GPU datasheet (H200 NVL column)"),
-    "a100-40gb": dict(tflops=312.0, memory_gbps=1555.0, link_gbps=300.0, link="NVLink 3, 600 GB/s both ways (SXM)",
-                      source="NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM)"),
-    "a100-80gb": dict(tflops=312.0, memory_gbps=2039.0, link_gbps=300.0, link="NVLink 3, 600 GB/s both ways (SXM)",
-                      source="NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM)"),
-    "l40s": dict(tflops=362.0, memory_gbps=864.0, link_gbps=32.0, link="PCIe 4 x16, no NVLink",
-                 source="NVIDIA L40S datasheet (733 TFLOPS with sparsity, half dense)"),
-    "rtx-4090": dict(tflops=165.2, memory_gbps=1008.0, link_gbps=32.0, link="PCIe 4 x16, no NVLink",
-                     source="NVIDIA Ada GPU architecture whitepaper (RTX 4090, FP16 tensor with FP32 accumulate 165.2)"),
-    "rtx-5090": dict(tflops=209.5, memory_gbps=1792.0, link_gbps=64.0, link="PCIe 5 x16, no NVLink",
-                     source="NVIDIA RTX Blackwell GPU architecture whitepaper (RTX 5090, dense FP16 tensor)"),
-    "rtx-3090": dict(tflops=71.0, memory_gbps=936.0, link_gbps=32.0, link="PCIe 4 x16 (NVLink bridge: 112.5 GB/s)",
-                     source="NVIDIA Ampere GA102 GPU architecture whitepaper (RTX 3090, FP16 tensor with FP16 "
-                            "accumulate 142 dense; 71 with FP32 accumulate, as PyTorch runs it)"),
+    "h100-sxm": {"tflops": 989.0, "memory_gbps": 3350.0, "link_gbps": 450.0, "link": "NVLink 4, 900 GB/s both ways",
+                     "source": "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column)"},
+    "h100-pcie": {"tflops": 756.0, "memory_gbps": 2000.0, "link_gbps": 64.0, "link": "PCIe 5 x16 (NVLink bridge: 600 GB/s)",
+                      "source": "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe column)"},
+    "h200-sxm": {"tflops": 989.0, "memory_gbps": 4800.0, "link_gbps": 450.0, "link": "NVLink 4, 900 GB/s both ways",
+                     "source": "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column)"},
+    "h200-nvl": {"tflops": 835.0, "memory_gbps": 4800.0, "link_gbps": 64.0, "link": "PCIe 5 x16 (2/4-way NVLink bridge)",
+                     "source": "NVIDIA H200 Tensor Core GPU datasheet (H200 NVL column)"},
+    "a100-40gb": {"tflops": 312.0, "memory_gbps": 1555.0, "link_gbps": 300.0, "link": "NVLink 3, 600 GB/s both ways (SXM)",
+                      "source": "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM)"},
+    "a100-80gb": {"tflops": 312.0, "memory_gbps": 2039.0, "link_gbps": 300.0, "link": "NVLink 3, 600 GB/s both ways (SXM)",
+                      "source": "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM)"},
+    "l40s": {"tflops": 362.0, "memory_gbps": 864.0, "link_gbps": 32.0, "link": "PCIe 4 x16, no NVLink",
+                 "source": "NVIDIA L40S datasheet (733 TFLOPS with sparsity, half dense)"},
+    "rtx-4090": {"tflops": 165.2, "memory_gbps": 1008.0, "link_gbps": 32.0, "link": "PCIe 4 x16, no NVLink",
+                     "source": "NVIDIA Ada GPU architecture whitepaper (RTX 4090, FP16 tensor with FP32 accumulate 165.2)"},
+    "rtx-5090": {"tflops": 209.5, "memory_gbps": 1792.0, "link_gbps": 64.0, "link": "PCIe 5 x16, no NVLink",
+                     "source": "NVIDIA RTX Blackwell GPU architecture whitepaper (RTX 5090, dense FP16 tensor)"},
+    "rtx-3090": {"tflops": 71.0, "memory_gbps": 936.0, "link_gbps": 32.0, "link": "PCIe 4 x16 (NVLink bridge: 112.5 GB/s)",
+                     "source": "NVIDIA Ampere GA102 GPU architecture whitepaper (RTX 3090, FP16 tensor with FP16 "
+                            "accumulate 142 dense; 71 with FP32 accumulate, as PyTorch runs it)"},
 }
 GPU_HOST_GBPS = {"PCIe 4": 25.0, "PCIe 5": 50.0}  # pinned host -> device copies, about 80% of the bus
 

@@ -67,14 +67,14 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
             curve = []
             for n in sizes.matmul:
                 a, b = torch.randn(n, n, device=target, dtype=dtype), torch.randn(n, n, device=target, dtype=dtype)
-                curve.append([2 * n**3, round(2 * n**3 / _best(lambda: torch.mm(a, b), sizes.repeats, sync) / 1e12, 6)])
+                curve.append([2 * n**3, round(2 * n**3 / _best(lambda a=a, b=b: torch.mm(a, b), sizes.repeats, sync) / 1e12, 6)])
             matmul_curve[name], matmul[name] = curve, max(rate for _, rate in curve)
             say(f"Measuring attention over {', '.join(map(str, sizes.tokens))} tokens in {name}")
             curve = []
             for tokens in sizes.tokens:
                 q = torch.randn(1, 8, tokens, 64, device=target, dtype=dtype)
                 flops = 4 * 8 * tokens**2 * 64
-                curve.append([flops, round(flops / _best(lambda: sdpa(q, q, q), sizes.repeats, sync) / 1e12, 6)])
+                curve.append([flops, round(flops / _best(lambda q=q: sdpa(q, q, q), sizes.repeats, sync) / 1e12, 6)])
             attention_curve[name], attention[name] = curve, max(rate for _, rate in curve)
         say(f"Measuring a denoiser's elementwise ops over {sizes.elementwise_mib} MiB tensors")
         y = torch.randn(sizes.elementwise_mib * 2**20 // 4 // 512, 512, device=target)
