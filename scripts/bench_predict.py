@@ -58,8 +58,10 @@ def dmap(*args: str, env: dict) -> dict:
 
 def denoise_seconds(result: dict) -> float:
     """The denoise stage's run time (summed over a queue's chunks)."""
-    items = result.get("stages", [])
-    return sum(stage.get("run_s", 0.0) for stage in items if stage.get("name") == "denoise")
+    stages = result.get("stages", [])
+    if isinstance(stages, dict):  # a queue's: stage name -> totals
+        return stages.get("denoise", {}).get("run_s", 0.0)
+    return sum(stage.get("run_s", 0.0) for stage in stages if stage.get("name") == "denoise")
 
 
 def main() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from dm_cli.cli._cli_utils import (
@@ -36,6 +38,19 @@ from dm_cli.cli._cli_utils import (
     word_parser,
 )
 from dm_cli.planning.modes import Strategy
+
+# the predicted step time (dm_cli.planning.step_time) and --parallel auto's time model
+DeviceTflopsOpt = Annotated[float | None, typer.Option(
+    "--device-tflops", help="--parallel auto: TFLOP/s one GPU sustains (default: the device profile's).")]
+LinkGbpsOpt = Annotated[float | None, typer.Option(
+    "--link-gbps", help="--parallel auto: GB/s between two GPUs (default: the device profile's).")]
+ProfileOpt = Annotated[str | None, typer.Option(
+    "--profile", metavar="FILE", help="Device profile for the predicted step time: a file dmap calibrate wrote, or "
+                                      "table:NAME (h100-sxm, l40s, ...). Default: this machine's calibrated one, else "
+                                      "dmap's defaults.")]
+PredictStepsOpt = Annotated[int | None, typer.Option(
+    "--steps", help="Denoising steps the predicted time per image counts (default: the pipeline's).")]
+QueueOpt = Annotated[int, typer.Option("--queue", metavar="N", help="Prompts the predicted time per queue counts.")]
 
 
 def plan(
@@ -73,17 +88,11 @@ def plan(
     no_cache: NoCacheOpt = False,
     world_size: int = typer.Option(1, "--world-size", help="torchrun ranks to plan for (rank r on GPU r); 1: one process."),
     parallel: PlanParallelOpt = None,
-    device_tflops: float | None = typer.Option(None, "--device-tflops",
-                                               help="--parallel auto: TFLOP/s one GPU sustains (default: the profile's)."),
-    link_gbps: float | None = typer.Option(None, "--link-gbps",
-                                           help="--parallel auto: GB/s between two GPUs (default: the profile's)."),
-    profile: str | None = typer.Option(None, "--profile", metavar="FILE",
-                                       help="Device profile for the predicted step time: a file dmap calibrate wrote, "
-                                            "or table:NAME (h100-sxm, l40s, ...). Default: this machine's calibrated "
-                                            "one, else dmap's defaults."),
-    steps: int | None = typer.Option(None, "--steps", help="Denoising steps the predicted time per image counts "
-                                                           "(default: the pipeline's)."),
-    queue: int = typer.Option(1, "--queue", metavar="N", help="Prompts the predicted time per queue counts."),
+    device_tflops: DeviceTflopsOpt = None,
+    link_gbps: LinkGbpsOpt = None,
+    profile: ProfileOpt = None,
+    steps: PredictStepsOpt = None,
+    queue: QueueOpt = 1,
     in_flight: int | None = typer.Option(None, "--in-flight", metavar="K",
                                          help="--parallel pipeline: queue prompts in flight (default --world-size)."),
     pipeline: PipelineOpt = None,
@@ -112,6 +121,11 @@ def plan(
                            queue=queue, **(settings or {}))
     if output:
         write_plan(result, output)
+    return _show(result, output, as_json, quiet, binary)
+
+
+def _show(result, output: str | None, as_json: bool, quiet: bool, binary: bool) -> int:
+    """The plan as JSON, quietly (split-check problems only) or rendered; exit 1 when the split check failed."""
     if as_json:
         from dm_cli.cli._output import print_json
 
