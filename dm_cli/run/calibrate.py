@@ -7,6 +7,8 @@ Each rate is the best of a few timed repeats after a warm-up (the machine's othe
 - memory: a large tensor added to itself (read twice, written once);
 - host and link: pinned host -> GPU copies, GPU -> GPU copies when there are two (on a CPU: the memory rate);
 - op_seconds: the time of one tiny op, which is what each of a small model's thousands of ops costs the host.
+On a CPU with one torch thread the clock is the thread's CPU time (a busy machine's other processes do not count);
+else the wall clock.
 """
 
 from __future__ import annotations
@@ -34,16 +36,16 @@ class CalibrationSizes:
         return cls(matmul=(64, 128), tokens=(64, 128), memory_mib=8, elementwise_mib=1, repeats=2)
 
 
-def _best(run, repeats: int, sync) -> float:
-    """The fastest of `repeats` timed calls of `run` (after one warm-up)."""
+def _best(run, repeats: int, sync, clock=time.perf_counter) -> float:
+    """The fastest of `repeats` timed calls of `run` (after one warm-up), on `clock`."""
     run()
     sync()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         run()
         sync()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return max(best, 1e-9)
 
 
@@ -57,6 +59,11 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
     target = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     gpu = target.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(target)) if gpu else (lambda: None)
+    if not gpu and torch.get_num_threads() == 1:  # the thread does all the work: its CPU clock, which the machine's
+        def timed(run, repeats, sync):  # other load does not inflate (a wall clock there counts the others' turns)
+            return _best(run, repeats, sync, time.thread_time)
+    else:
+        timed = _best
     dtypes = ("float32", "bfloat16", "float16") if gpu else ("float32", "bfloat16")
     matmul, attention, matmul_curve, attention_curve = {}, {}, {}, {}
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -67,14 +74,15 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
             curve = []
             for n in sizes.matmul:
                 a, b = torch.randn(n, n, device=target, dtype=dtype), torch.randn(n, n, device=target, dtype=dtype)
-                curve.append([2 * n**3, round(2 * n**3 / _best(lambda a=a, b=b: torch.mm(a, b), sizes.repeats, sync) / 1e12, 6)])
+                seconds = timed(lambda a=a, b=b: torch.mm(a, b), sizes.repeats, sync)
+                curve.append([2 * n**3, round(2 * n**3 / seconds / 1e12, 6)])
             matmul_curve[name], matmul[name] = curve, max(rate for _, rate in curve)
             say(f"Measuring attention over {', '.join(map(str, sizes.tokens))} tokens in {name}")
             curve = []
             for tokens in sizes.tokens:
                 q = torch.randn(1, 8, tokens, 64, device=target, dtype=dtype)
                 flops = 4 * 8 * tokens**2 * 64
-                curve.append([flops, round(flops / _best(lambda q=q: sdpa(q, q, q), sizes.repeats, sync) / 1e12, 6)])
+                curve.append([flops, round(flops / timed(lambda q=q: sdpa(q, q, q), sizes.repeats, sync) / 1e12, 6)])
             attention_curve[name], attention[name] = curve, max(rate for _, rate in curve)
         say(f"Measuring a denoiser's elementwise ops over {sizes.elementwise_mib} MiB tensors")
         y = torch.randn(sizes.elementwise_mib * 2**20 // 4 // 512, 512, device=target)
@@ -84,24 +92,24 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
             torch.add(y, y), torch.mul(y, y), torch.nn.functional.gelu(y, approximate="tanh")
             torch.nn.functional.silu(y), torch.nn.functional.layer_norm(y, (512,)), torch.cat([y, y])
 
-        elementwise = moved / _best(mix, sizes.repeats, sync) / 1e9
+        elementwise = moved / timed(mix, sizes.repeats, sync) / 1e9
         say(f"Measuring memory bandwidth over {sizes.memory_mib} MiB")
         elements = sizes.memory_mib * 2**20 // 4
         x = torch.ones(elements, device=target)
         out = torch.empty_like(x)
-        memory = 3 * x.nbytes / _best(lambda: torch.add(x, x, out=out), sizes.repeats, sync) / 1e9
+        memory = 3 * x.nbytes / timed(lambda: torch.add(x, x, out=out), sizes.repeats, sync) / 1e9
         small = torch.ones(8, device=target)
         ops = 200
-        op_seconds = _best(lambda: [torch.add(small, small) for _ in range(ops)], sizes.repeats, sync) / ops
+        op_seconds = timed(lambda: [torch.add(small, small) for _ in range(ops)], sizes.repeats, sync) / ops
         host, link, words = memory, memory, "one device: its memory"
         if gpu:
             say("Measuring host -> GPU copies")
             pinned = torch.ones(elements, pin_memory=True)
-            host = x.nbytes / _best(lambda: x.copy_(pinned, non_blocking=True), sizes.repeats, sync) / 1e9
+            host = x.nbytes / timed(lambda: x.copy_(pinned, non_blocking=True), sizes.repeats, sync) / 1e9
             link, words = host, "one GPU: host copies"
             if torch.cuda.device_count() > 1:
                 other = torch.empty(elements, device="cuda:1")
-                link = x.nbytes / _best(lambda: other.copy_(x), sizes.repeats,
+                link = x.nbytes / timed(lambda: other.copy_(x), sizes.repeats,
                                         lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1))) / 1e9
                 words = "GPU 0 -> GPU 1 copies"
     name = torch.cuda.get_device_name(target) if gpu else (platform.processor() or platform.machine() or "cpu")
@@ -109,7 +117,7 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
     where = f"{name}, {threads} torch thread(s)" if not gpu else name
     source = (f"measured by dmap calibrate on {platform.node() or 'this machine'} at "
               f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} ({where}; load average "
-              f"{os.getloadavg()[0]:.1f}; sizes: matmuls up to {max(sizes.matmul)}, up to {max(sizes.tokens)} tokens, {sizes.memory_mib} MiB)")
+              f"{os.getloadavg()[0]:.1f}; {'thread CPU' if timed is not _best else 'wall'} clock; sizes: matmuls up to {max(sizes.matmul)}, up to {max(sizes.tokens)} tokens, {sizes.memory_mib} MiB)")
     return DeviceProfile(where, "gpu" if gpu else "cpu", {k: round(v, 4) for k, v in matmul.items()},
                          {k: round(v, 4) for k, v in attention.items()}, round(memory, 3), round(host, 3),
                          round(link, 3), words, round(op_seconds, 9), source, True, matmul_curve, attention_curve,
