@@ -9,8 +9,10 @@ by the prompts too. The smallest of --repeats runs at each step count is kept (t
 run down). Error = predicted / measured - 1.
 
 Layouts: resident (everything on the CPU), split (two simulated GPUs, `--simulate`: the denoiser's blocks over two
-devices of this CPU), offload (a simulated GPU too small for the denoiser: its weights stream in every step), queue
-(--prompts, 3 prompts).
+devices of this CPU), offload (a simulated GPU too small for the denoiser: its weights stream in every step from the
+checkpoint), queue (3 prompts). Each case is measured in a fresh process through dmap's API (`load`, `generate`: the
+plan `dmap run` makes) timing each denoising step between `on_step` calls, on the main thread's CPU clock (with one
+torch thread it does all the work; other processes on a shared machine do not inflate it) and on the wall clock.
 
 Usage: OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_predict.py [--repeats 1] [--cases a,b] [--steps 2,6]
 """
@@ -33,8 +35,8 @@ CASES = {
     "demo-256": ("demo", ["--height", "256", "--width", "256"], 1),
     "demo-384": ("demo", ["--height", "384", "--width", "384"], 1),
     "demo-512": ("demo", ["--height", "512", "--width", "512"], 1),
-    "demo-256-split": ("demo", ["--height", "256", "--width", "256", "-m", "0=30MB,1=30MB,cpu=4GB", "--mode", "staged",
-                                "--simulate"], 1),
+    "demo-256-split": ("demo", ["--height", "256", "--width", "256", "-m", "0=40MB,1=40MB,cpu=4GB", "--overhead",
+                                "0=0,1=0", "--mode", "staged", "--simulate"], 1),
     "demo-256-offload": ("demo", ["--height", "256", "--width", "256", "-m", "0=24MB,cpu=4GB", "--mode", "staged",
                                   "--simulate"], 1),
     "demo-256-queue3": ("demo", ["--height", "256", "--width", "256"], 3),
@@ -88,6 +90,8 @@ def measure(spec: dict) -> dict:
     options = {"height": int(extra[extra.index("--height") + 1]), "width": int(extra[extra.index("--width") + 1])}
     if "-m" in extra:
         options["max_memory"] = extra[extra.index("-m") + 1]
+    if "--overhead" in extra:
+        options["overhead"] = extra[extra.index("--overhead") + 1]
     if "--mode" in extra:
         options["mode"] = extra[extra.index("--mode") + 1]
     session = load(None if spec["source"] == "demo" else spec["source"], simulate="--simulate" in extra, **options)

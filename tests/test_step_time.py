@@ -20,16 +20,16 @@ def hand_profile(**changes) -> DeviceProfile:
 def test_cost_model_adds_each_term_of_a_hand_made_case():
     work = CallWork(matmul_flops=2e12, attention_flops=1e12, other_bytes=1e9, ops=1000, weight_bytes=2 * 10**9,
                     matmul_ops=10, attention_ops=4)
-    traffic = Traffic(offloaded_bytes=4 * 10**9, hops=2, hop_bytes=10**9)
-    terms = call_terms(work, hand_profile(), "bfloat16", traffic)
+    traffic = Traffic(offloaded_bytes=4 * 10**9, hops=2, hop_bytes=10**9, hooked_modules=500)
+    terms = call_terms(work, hand_profile(hook_seconds=2e-3), "bfloat16", traffic)
     assert terms == pytest.approx({"matmul": 2.0, "attention": 2.0, "memory": 1.0 + 1.0, "ops": 1.0, "offload": 1.0,
-                                   "hops": 1.0})
-    result = predict(work, traffic, hand_profile(), "bfloat16", calls=2, steps=10, images_per_call=2, queue=3,
-                     layout_steps={"split": 4.0, "cfg": 2.0})
-    assert result["step_s"] == pytest.approx(18.0)  # 2 calls x 9 s
-    assert result["image_s"] == pytest.approx(90.0)  # 10 steps x 18 s over 2 images per call
-    assert result["queue_s"] == pytest.approx(540.0)  # 3 prompts of 10 steps
-    assert result["layouts"]["cfg"]["step_s"] == pytest.approx(9.0)  # half the split's, as parallel.py predicts
+                                   "hops": 1.0, "hooks": 1.0})
+    result = predict(work, traffic, hand_profile(hook_seconds=2e-3), "bfloat16", calls=2, steps=10, images_per_call=2,
+                     queue=3, layout_steps={"split": 4.0, "cfg": 2.0})
+    assert result["step_s"] == pytest.approx(20.0)  # 2 calls x 10 s
+    assert result["image_s"] == pytest.approx(100.0)  # 10 steps x 20 s over 2 images per call
+    assert result["queue_s"] == pytest.approx(600.0)  # 3 prompts of 10 steps
+    assert result["layouts"]["cfg"]["step_s"] == pytest.approx(10.0)  # half the split's, as parallel.py predicts
 
 
 def test_rates_are_read_off_the_measured_curve_by_op_size():
@@ -56,6 +56,7 @@ def test_calibrate_quick_on_cpu_writes_a_profile_that_plan_reads(tmp_path):
     profile = DeviceProfile.from_json(json.loads(path.read_text()))
     assert profile.kind == "cpu" and profile.measured and profile.op_seconds > 0
     assert set(profile.matmul_tflops) == {"float32", "bfloat16"} and profile.elementwise_gbps > 0
+    assert profile.hook_seconds > 0 and profile.host_gbps > 0
     assert len(profile.matmul_curve["float32"]) == 2
     code, out, err = run_dmap("plan", "tiny-flux", "--profile", path, "--steps", "7", "--queue", "3", "--json")
     assert code in (0, 1), err
@@ -71,8 +72,10 @@ def test_calibrated_profile_in_the_cache_is_the_default(tmp_path, monkeypatch):
     monkeypatch.setenv("DMAP_CACHE_DIR", str(tmp_path / "cache"))  # not the session's: other tests expect none
     code, _, err = run_dmap("calibrate", "--quick", "--device", "cpu")
     assert code == 0, err
-    code, out, err = run_dmap("plan", "tiny-flux", "--json")
+    code, out, err = run_dmap("plan", "tiny-flux", "-m", "cpu=8GB", "--json")
     assert json.loads(out)["predicted_time"]["profile_origin"] == "cached"
+    code, out, err = run_dmap("plan", "tiny-flux", "-m", "0=8GB", "--json")  # a CPU's profile says nothing of a GPU
+    assert json.loads(out)["predicted_time"]["profile_origin"] == "default"
 
 
 @pytest.mark.parametrize("document", [

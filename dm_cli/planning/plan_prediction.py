@@ -32,12 +32,14 @@ class PredictionRequest:
             raise UsageError(f"--queue must be a whole number from 1 to {MAX_QUEUE}, not {shorten(self.queue, quote=True)}.")
 
 
-def chosen_profile(request: PredictionRequest) -> tuple[DeviceProfile, str]:
-    """(the profile, where it came from: "file", "table", "cached" or "default"); UsageError for a bad file."""
+def chosen_profile(request: PredictionRequest, kind: str) -> tuple[DeviceProfile, str]:
+    """(the profile, where it came from: "file", "table", "cached" or "default"); UsageError for a bad file. The
+    calibrated one only when it measured the kind of device ("gpu", "cpu") the denoiser runs on: a CPU's profile
+    says nothing of the GPUs a plan names."""
     if request.profile is not None:
         return read_profile(request.profile), "table" if str(request.profile).startswith("table:") else "file"
     cached = cached_profile()
-    return (cached, "cached") if cached is not None else (DEFAULT_PROFILE, "default")
+    return (cached, "cached") if cached is not None and cached.kind == kind else (DEFAULT_PROFILE, "default")
 
 
 def with_profile_rates(options):
@@ -47,7 +49,7 @@ def with_profile_rates(options):
     request = options.parallel
     if request.device_tflops is not None and request.link_gbps is not None:
         return options
-    profile, _ = chosen_profile(options.prediction)
+    profile, _ = chosen_profile(options.prediction, "gpu")  # the parallel layouts are over GPUs
     dtype = options.placement.dtype or "bfloat16"
     tflops = request.device_tflops if request.device_tflops is not None else profile.rate(profile.matmul_tflops, dtype)
     link = request.link_gbps if request.link_gbps is not None else profile.link_gbps
@@ -63,12 +65,16 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
     prep = next((p for p in prepared if p.spec.name == denoiser.name), None)
     if prep is None or not prep.facts.work:
         return {}
-    profile, origin = chosen_profile(request)
     placed = plan.components[denoiser.name]
+    on_gpu = any(isinstance(device, int) or str(device).isdigit() for device in placed.device_map.values())
+    profile, origin = chosen_profile(request, "gpu" if on_gpu else "cpu")
     element = 4 if plan.dtype == "float32" else 2
     shape = denoiser_shape(denoiser, source.pipeline_class, inputs, family, element)
     work = CallWork.of(prep.facts.work, placed.weights_bytes)
-    traffic = Traffic(placed.offloaded_bytes, placed.hops, shape.hop_bytes)
+    devices = set(map(str, placed.device_map.values()))
+    hooked = len(prep.facts.execution_order or ()) if placed.offloaded_bytes else (
+        len(placed.device_map) if len(devices) > 1 else 0)  # offloaded: every module holding weights; split: each key
+    traffic = Traffic(placed.offloaded_bytes, placed.hops, shape.hop_bytes, hooked)
     steps = request.steps or family.default_steps
     layouts = dict(plan.parallel.predicted_step_s) if plan.parallel is not None else None
     return predict(work, traffic, profile, plan.dtype, max(1, shape.calls), steps,

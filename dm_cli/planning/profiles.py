@@ -33,7 +33,7 @@ class DeviceProfile:
     matmul_tflops: dict[str, float]
     attention_tflops: dict[str, float]
     memory_gbps: float
-    host_gbps: float  # host <-> device copies (offloaded weights streamed each step); the memory rate on a CPU
+    host_gbps: float  # offloaded weights streamed in each step: read from the checkpoint (and copied to the GPU)
     link_gbps: float  # device <-> device (a split's hops, the parallel layouts' exchanges)
     link: str = ""  # the link, in words ("NVLink 4, 900 GB/s", "PCIe 5 x16")
     op_seconds: float = 0.0
@@ -44,6 +44,7 @@ class DeviceProfile:
     matmul_curve: dict[str, list] = field(default_factory=dict)
     attention_curve: dict[str, list] = field(default_factory=dict)
     elementwise_gbps: float = 0.0
+    hook_seconds: float = 0.0  # accelerate's hook around each module of a split or offloaded denoiser, per call
 
     def rate(self, table: dict[str, float], dtype: str) -> float:
         """TFLOP/s at `dtype`, else at the nearest dtype measured (half precision for half, else float32)."""
@@ -74,7 +75,8 @@ class DeviceProfile:
                 "link": self.link, "op_seconds": self.op_seconds, "source": self.source, "measured": self.measured,
                 **({"matmul_curve": self.matmul_curve, "attention_curve": self.attention_curve}
                    if self.matmul_curve or self.attention_curve else {}),
-                **({"elementwise_gbps": self.elementwise_gbps} if self.elementwise_gbps else {})}
+                **({"elementwise_gbps": self.elementwise_gbps} if self.elementwise_gbps else {}),
+                **({"hook_seconds": self.hook_seconds} if self.hook_seconds else {})}
 
     @classmethod
     def from_json(cls, data) -> "DeviceProfile":
@@ -99,7 +101,8 @@ class DeviceProfile:
                    float(op_seconds), _text(data.get("source", ""), "source"), data.get("measured") is True,
                    _curves(data.get("matmul_curve", {}), "matmul_curve"),
                    _curves(data.get("attention_curve", {}), "attention_curve"),
-                   _rate(data.get("elementwise_gbps"), "its elementwise_gbps") if "elementwise_gbps" in data else 0.0)
+                   _rate(data.get("elementwise_gbps"), "its elementwise_gbps") if "elementwise_gbps" in data else 0.0,
+                   _rate(data.get("hook_seconds"), "its hook_seconds", 1.0) if "hook_seconds" in data else 0.0)
 
 
 def _curves(value, what: str) -> dict[str, list]:
@@ -157,6 +160,7 @@ GPU_TABLE: dict[str, dict] = {
                      "source": "NVIDIA Ampere GA102 GPU architecture whitepaper (RTX 3090, FP16 tensor with FP16 "
                             "accumulate 142 dense; 71 with FP32 accumulate, as PyTorch runs it)"},
 }
+HOOK_SECONDS = 2e-5  # accelerate's AlignDevicesHook around one module call: Python, about 14 us measured on this CPU
 GPU_HOST_GBPS = {"PCIe 4": 25.0, "PCIe 5": 50.0}  # pinned host -> device copies, about 80% of the bus
 
 
@@ -169,7 +173,8 @@ def table_profile(name: str) -> DeviceProfile:
     host = GPU_HOST_GBPS["PCIe 5"] if name.startswith(("h1", "h2", "rtx-5")) else GPU_HOST_GBPS["PCIe 4"]
     half = {"bfloat16": row["tflops"], "float16": row["tflops"]}
     return DeviceProfile(name, "gpu", {**half, "float32": row["tflops"] / 2}, dict(half), row["memory_gbps"], host,
-                         row["link_gbps"], row["link"], 5e-6, row["source"] + f"; {_NVLINK_NOTE}")
+                         row["link_gbps"], row["link"], 5e-6, row["source"] + f"; {_NVLINK_NOTE}",
+                         hook_seconds=HOOK_SECONDS)
 
 
 # The profile a plan uses when given none and none is cached: the time model's old defaults (100 TFLOP/s sustained,
@@ -177,7 +182,7 @@ def table_profile(name: str) -> DeviceProfile:
 DEFAULT_PROFILE = DeviceProfile("default", "gpu", {"bfloat16": 100.0, "float16": 100.0, "float32": 50.0},
                                 {"bfloat16": 100.0, "float16": 100.0, "float32": 50.0}, 1000.0, 25.0, 25.0,
                                 "PCIe 4 x16", 5e-6, "dmap's defaults (--device-tflops 100, --link-gbps 25): no profile "
-                                "given and none calibrated (dmap calibrate)")
+                                "given and none calibrated (dmap calibrate)", hook_seconds=HOOK_SECONDS)
 
 
 def default_profile_path() -> Path:

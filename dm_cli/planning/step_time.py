@@ -9,8 +9,9 @@ write, and the ops dispatched. One call takes
 
 at the plan's dtype, the matmul and attention rates read off the profile's measured curves at the call's mean FLOPs
 per op (a small model's matmuls run far below the device's peak); a step is the family's calls per step (2 under separate CFG) of that, plus what the plan moves
-per call: its offloaded weights over the host link and the hidden states at each hop between devices (the same hop
-bytes parallel.py counts for the split). An image is `steps` steps over the images one call makes (batch x images
+per call: its offloaded weights at the profile's host rate (dmap streams them from the checkpoint, then copies them),
+the hidden states at each hop between devices (the same hop bytes parallel.py counts for the split), and accelerate's
+hook around each module of a split or offloaded denoiser. An image is `steps` steps over the images one call makes (batch x images
 per prompt); a queue of N is N prompts one after another. With --world-size, each layout's time is this step scaled by
 parallel.py's time model (its step seconds for the layout over its seconds for the split), which compares the
 layouts' FLOPs per rank and link traffic on the same profile. The encoders and the decoder are not counted: the
@@ -50,6 +51,7 @@ class Traffic:
     offloaded_bytes: int = 0
     hops: int = 0
     hop_bytes: int = 0
+    hooked_modules: int = 0  # modules accelerate wraps in a hook (a split or offloaded denoiser's)
 
 
 def call_terms(work: CallWork, profile: DeviceProfile, dtype: str, traffic: Traffic) -> dict[str, float]:
@@ -64,6 +66,7 @@ def call_terms(work: CallWork, profile: DeviceProfile, dtype: str, traffic: Traf
         "ops": work.ops * profile.op_seconds,
         "offload": traffic.offloaded_bytes / (profile.host_gbps * 1e9),
         "hops": traffic.hops * traffic.hop_bytes / (profile.link_gbps * 1e9),
+        "hooks": traffic.hooked_modules * profile.hook_seconds,
     }
 
 

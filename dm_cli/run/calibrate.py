@@ -49,6 +49,40 @@ def _best(run, repeats: int, sync, clock=time.perf_counter) -> float:
     return max(best, 1e-9)
 
 
+def _hook_seconds(torch, target, timed, repeats: int, sync) -> float:
+    """What accelerate's AlignDevicesHook adds to one module call (a split or offloaded denoiser has one per module)."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    calls = 200
+    layer, x = torch.nn.Linear(8, 8).to(target), torch.randn(1, 8, device=target)
+    plain = timed(lambda: [layer(x) for _ in range(calls)], repeats, sync)
+    add_hook_to_module(layer, AlignDevicesHook(execution_device=target, io_same_device=True))
+    hooked = timed(lambda: [layer(x) for _ in range(calls)], repeats, sync)
+    return max(hooked - plain, 0.0) / calls or 1e-9
+
+
+def _stream_gbps(torch, sizes: "CalibrationSizes", timed) -> float:
+    """GB/s at which offloaded weights come back each step: dmap reads them from the checkpoint's safetensors (in the
+    page cache after the first step) and casts them (run/loading.py `_load_streamed`), tensor by tensor."""
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    count, size = (8, 2**14) if sizes.memory_mib < 64 else (64, 2**18)  # float32 tensors of 64 KiB / 1 MiB
+    tensors = {f"layer.{i}.weight": torch.randn(size) for i in range(count)}
+    with tempfile.TemporaryDirectory(prefix="dmap-calibrate-") as folder:
+        path = f"{folder}/weights.safetensors"
+        save_file(tensors, path)
+
+        def read() -> None:
+            with safe_open(path, framework="pt", device="cpu") as handle:
+                for name in tensors:
+                    handle.get_tensor(name).to(torch.bfloat16)
+
+        return count * size * 4 / timed(read, sizes.repeats, lambda: None) / 1e9
+
+
 def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
               on_progress=None) -> DeviceProfile:
     """Measure the device (`device`: "cpu", "cuda:0"; None: the first GPU, else the CPU) into a profile."""
@@ -101,12 +135,16 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
         small = torch.ones(8, device=target)
         ops = 200
         op_seconds = timed(lambda: [torch.add(small, small) for _ in range(ops)], sizes.repeats, sync) / ops
-        host, link, words = memory, memory, "one device: its memory"
+        hook = _hook_seconds(torch, target, timed, sizes.repeats, sync)
+        say("Measuring offloaded weights read back from a safetensors file")
+        stream = _stream_gbps(torch, sizes, timed)
+        host, link, words = stream, memory, "one device: its memory"
         if gpu:
             say("Measuring host -> GPU copies")
             pinned = torch.ones(elements, pin_memory=True)
-            host = x.nbytes / timed(lambda: x.copy_(pinned, non_blocking=True), sizes.repeats, sync) / 1e9
-            link, words = host, "one GPU: host copies"
+            copy = x.nbytes / timed(lambda: x.copy_(pinned, non_blocking=True), sizes.repeats, sync) / 1e9
+            host = 1 / (1 / stream + 1 / copy)  # dmap streams offloaded blocks from the checkpoint, then copies them
+            link, words = copy, "one GPU: host copies"
             if torch.cuda.device_count() > 1:
                 other = torch.empty(elements, device="cuda:1")
                 link = x.nbytes / timed(lambda: other.copy_(x), sizes.repeats,
@@ -121,4 +159,4 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
     return DeviceProfile(where, "gpu" if gpu else "cpu", {k: round(v, 4) for k, v in matmul.items()},
                          {k: round(v, 4) for k, v in attention.items()}, round(memory, 3), round(host, 3),
                          round(link, 3), words, round(op_seconds, 9), source, True, matmul_curve, attention_curve,
-                         round(elementwise, 3))
+                         round(elementwise, 3), round(hook, 9) or 1e-9)
