@@ -45,6 +45,9 @@ class DeviceProfile:
     attention_curve: dict[str, list] = field(default_factory=dict)
     elementwise_gbps: float = 0.0
     hook_seconds: float = 0.0  # accelerate's hook around each module of a split or offloaded denoiser, per call
+    # measured only: attention = scores x seconds per score + FLOPs / attention_tflops (dtype -> seconds per query-key
+    # score: the softmax's share, which a small head dimension does not shrink)
+    score_seconds: dict[str, float] = field(default_factory=dict)
 
     def rate(self, table: dict[str, float], dtype: str) -> float:
         """TFLOP/s at `dtype`, else at the nearest dtype measured (half precision for half, else float32)."""
@@ -76,7 +79,8 @@ class DeviceProfile:
                 **({"matmul_curve": self.matmul_curve, "attention_curve": self.attention_curve}
                    if self.matmul_curve or self.attention_curve else {}),
                 **({"elementwise_gbps": self.elementwise_gbps} if self.elementwise_gbps else {}),
-                **({"hook_seconds": self.hook_seconds} if self.hook_seconds else {})}
+                **({"hook_seconds": self.hook_seconds} if self.hook_seconds else {}),
+                **({"score_seconds": dict(self.score_seconds)} if self.score_seconds else {})}
 
     @classmethod
     def from_json(cls, data) -> "DeviceProfile":
@@ -102,7 +106,14 @@ class DeviceProfile:
                    _curves(data.get("matmul_curve", {}), "matmul_curve"),
                    _curves(data.get("attention_curve", {}), "attention_curve"),
                    _rate(data.get("elementwise_gbps"), "its elementwise_gbps") if "elementwise_gbps" in data else 0.0,
-                   _rate(data.get("hook_seconds"), "its hook_seconds", 1.0) if "hook_seconds" in data else 0.0)
+                   _rate(data.get("hook_seconds"), "its hook_seconds", 1.0) if "hook_seconds" in data else 0.0,
+                   _seconds_table(data.get("score_seconds", {})))
+
+
+def _seconds_table(value) -> dict[str, float]:
+    if not isinstance(value, dict) or not set(value) <= set(PROFILE_DTYPES):
+        raise ValueError(f"its score_seconds must map some of {', '.join(PROFILE_DTYPES)} to seconds")
+    return {k: _rate(v, f"its score_seconds {k}", 1.0) for k, v in value.items()}
 
 
 def _curves(value, what: str) -> dict[str, list]:

@@ -36,12 +36,14 @@ class CallWork:
     weight_bytes: int
     matmul_ops: int = 0
     attention_ops: int = 0
+    attention_scores: float = 0.0  # query-key pairs over every head and sample
 
     @classmethod
     def of(cls, work: dict, weight_bytes: int) -> "CallWork":
         return cls(float(work.get("matmul_flops", 0)), float(work.get("attention_flops", 0)),
                    float(work.get("other_bytes", 0)), int(work.get("ops", 0)), int(weight_bytes),
-                   int(work.get("matmul_ops", 0)), int(work.get("attention_ops", 0)))
+                   int(work.get("matmul_ops", 0)), int(work.get("attention_ops", 0)),
+                   float(work.get("attention_scores", 0)))
 
 
 @dataclass(frozen=True)
@@ -57,10 +59,16 @@ class Traffic:
 def call_terms(work: CallWork, profile: DeviceProfile, dtype: str, traffic: Traffic) -> dict[str, float]:
     """The seconds of one denoiser call, term by term (see the module's doc)."""
     matmul = profile.rate_at("matmul", dtype, work.matmul_flops / max(1, work.matmul_ops))
-    attention = profile.rate_at("attention", dtype, work.attention_flops / max(1, work.attention_ops))
+    score = profile.score_seconds.get(dtype) or profile.score_seconds.get("bfloat16" if dtype == "float16" else "")
+    if score and work.attention_scores:  # the softmax per score, the two matmuls per FLOP
+        attention = work.attention_scores * score + work.attention_flops / (
+            profile.rate(profile.attention_tflops, dtype) * 1e12)
+    else:
+        rate = profile.rate_at("attention", dtype, work.attention_flops / max(1, work.attention_ops))
+        attention = work.attention_flops / (rate * 1e12)
     return {
         "matmul": work.matmul_flops / (matmul * 1e12),
-        "attention": work.attention_flops / (attention * 1e12),
+        "attention": attention,
         "memory": work.other_bytes / ((profile.elementwise_gbps or profile.memory_gbps) * 1e9)
         + work.weight_bytes / (profile.memory_gbps * 1e9),
         "ops": work.ops * profile.op_seconds,

@@ -108,8 +108,8 @@ class _Session:
         self.module_outputs: dict[str, int] = {}
         # the work of the call (track_memory only): FLOPs of matmuls and convolutions, of attention, the bytes
         # other ops read and write (memory-bound), and the ops dispatched (each costs the host a fixed time)
-        self.work = {"matmul_flops": 0, "matmul_ops": 0, "attention_flops": 0, "attention_ops": 0, "other_bytes": 0,
-                     "ops": 0}
+        self.work = {"matmul_flops": 0, "matmul_ops": 0, "attention_flops": 0, "attention_ops": 0,
+                     "attention_scores": 0, "other_bytes": 0, "ops": 0}
         self._flop_formulas = None
         # tags
         self.recolor: dict[str, frozenset] = {}  # module prefix -> tag its inputs get at entry
@@ -381,6 +381,7 @@ class _Session:
         if self.track_memory:  # scores and weighted sum: 2 x 2 x queries x keys x head dim per head
             self.work["attention_flops"] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
             self.work["attention_ops"] += 1
+            self.work["attention_scores"] += query.shape[:-1].numel() * key.shape[-2]
             self.work["ops"] += 1
         if self.tag_mode is not None:
             tensors = [query, key, value] + ([attn_mask] if isinstance(attn_mask, torch.Tensor) else [])

@@ -49,6 +49,48 @@ def _best(run, repeats: int, sync, clock=time.perf_counter) -> float:
     return max(best, 1e-9)
 
 
+def _attention_fit(torch, target, dtype, tokens: int, timed, repeats: int, sync) -> tuple[float, float]:
+    """(seconds per query-key score, TFLOP/s of the rest) of attention at `dtype`: timed at head dimensions 16 and 64
+    over `tokens` tokens, 8 heads; time = scores x seconds per score + FLOPs / rate (4 x head dim FLOPs a score)."""
+    scores = 8 * tokens * tokens
+    seconds = {}
+    for dim in (16, 64):
+        q = torch.randn(1, 8, tokens, dim, device=target, dtype=dtype)
+        seconds[dim] = timed(lambda q=q: torch.nn.functional.scaled_dot_product_attention(q, q, q), repeats, sync)
+    extra = seconds[64] - seconds[16]
+    rate = 4 * scores * 48 / extra / 1e12 if extra > 0 else 1e6  # the FLOPs 48 more dimensions add
+    per_score = max(seconds[16] - 4 * scores * 16 / (rate * 1e12), seconds[16] * 0.05) / scores
+    return round(per_score, 15), round(min(rate, 1e6), 6)
+
+
+def _op_seconds(torch, target, timed, repeats: int, sync) -> float:
+    """The host's cost of one op inside a model: tiny resnet and transformer blocks (modules, their Python, the
+    dispatch; kernels of a few elements) timed, over the ops they dispatch as the planner's trace counts them (every
+    op but views)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    nn = torch.nn
+    conv = nn.Sequential(nn.GroupNorm(2, 4), nn.SiLU(), nn.Conv2d(4, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU(),
+                         nn.Conv2d(4, 4, 3, padding=1)).to(target)
+    mlp = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 32), nn.GELU(approximate="tanh"), nn.Linear(32, 8)).to(target)
+    image, tokens = torch.randn(1, 4, 4, 4, device=target), torch.randn(1, 4, 8, device=target)
+
+    def blocks():
+        for _ in range(20):
+            conv(image) + image, mlp(tokens) + tokens
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += not getattr(func, "is_view", False)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        blocks()
+    return timed(blocks, repeats, sync) / max(1, Count.ops)
+
+
 def _hook_seconds(torch, target, timed, repeats: int, sync) -> float:
     """What accelerate's AlignDevicesHook adds to one module call (a split or offloaded denoiser has one per module)."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
@@ -99,7 +141,7 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
     else:
         timed = _best
     dtypes = ("float32", "bfloat16", "float16") if gpu else ("float32", "bfloat16")
-    matmul, attention, matmul_curve, attention_curve = {}, {}, {}, {}
+    matmul, attention, matmul_curve, attention_curve, scores = {}, {}, {}, {}, {}
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.inference_mode():
         for name in dtypes:
@@ -117,7 +159,9 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
                 q = torch.randn(1, 8, tokens, 64, device=target, dtype=dtype)
                 flops = 4 * 8 * tokens**2 * 64
                 curve.append([flops, round(flops / timed(lambda q=q: sdpa(q, q, q), sizes.repeats, sync) / 1e12, 6)])
-            attention_curve[name], attention[name] = curve, max(rate for _, rate in curve)
+            attention_curve[name] = curve
+            scores[name], attention[name] = _attention_fit(torch, target, dtype, max(sizes.tokens), timed,
+                                                           sizes.repeats, sync)
         say(f"Measuring a denoiser's elementwise ops over {sizes.elementwise_mib} MiB tensors")
         y = torch.randn(sizes.elementwise_mib * 2**20 // 4 // 512, 512, device=target)
         moved = y.nbytes * (3 + 3 + 2 + 2 + 2 + 4)  # bytes read and written by the mix below
@@ -132,9 +176,7 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
         x = torch.ones(elements, device=target)
         out = torch.empty_like(x)
         memory = 3 * x.nbytes / timed(lambda: torch.add(x, x, out=out), sizes.repeats, sync) / 1e9
-        small = torch.ones(8, device=target)
-        ops = 200
-        op_seconds = timed(lambda: [torch.add(small, small) for _ in range(ops)], sizes.repeats, sync) / ops
+        op_seconds = _op_seconds(torch, target, timed, sizes.repeats, sync)
         hook = _hook_seconds(torch, target, timed, sizes.repeats, sync)
         say("Measuring offloaded weights read back from a safetensors file")
         stream = _stream_gbps(torch, sizes, timed)
@@ -159,4 +201,4 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
     return DeviceProfile(where, "gpu" if gpu else "cpu", {k: round(v, 4) for k, v in matmul.items()},
                          {k: round(v, 4) for k, v in attention.items()}, round(memory, 3), round(host, 3),
                          round(link, 3), words, round(op_seconds, 9), source, True, matmul_curve, attention_curve,
-                         round(elementwise, 3), round(hook, 9) or 1e-9)
+                         round(elementwise, 3), round(hook, 9) or 1e-9, scores)
