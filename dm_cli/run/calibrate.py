@@ -1,7 +1,7 @@
 """`dmap calibrate`: measure this machine's device (the first GPU, else the CPU) into a profile (planning/profiles.py)
 that `dmap plan` predicts step times with.
 
-Each rate is the best of a few timed repeats after a warm-up (the machine's other load only slows a repeat down):
+Each rate is the median of a few timed repeats after a warm-up:
 - matmul: square matmuls at each dtype (float32 always; bfloat16 and float16 on a GPU, bfloat16 on a CPU);
 - attention: scaled_dot_product_attention at a denoiser's shape (heads of 64, a few thousand tokens);
 - memory: a large tensor added to itself (read twice, written once);
@@ -37,16 +37,17 @@ class CalibrationSizes:
 
 
 def _best(run, repeats: int, sync, clock=time.perf_counter) -> float:
-    """The fastest of `repeats` timed calls of `run` (after one warm-up), on `clock`."""
+    """The median of `repeats` timed calls of `run` (after one warm-up), on `clock`: an op as a model meets it again
+    and again, not its luckiest run (the fastest of 5 put the bench's predictions 15% under)."""
     run()
     sync()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = clock()
         run()
         sync()
-        best = min(best, clock() - start)
-    return max(best, 1e-9)
+        times.append(clock() - start)
+    return max(sorted(times)[len(times) // 2], 1e-9)
 
 
 def _attention_fit(torch, target, dtype, tokens: int, timed, repeats: int, sync) -> tuple[float, float]:
