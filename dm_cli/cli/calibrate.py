@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from dm_cli.cli._cli_utils import JsonOpt, OverwriteOpt
+from dm_cli.cli._cli_utils import JsonOpt, OverwriteOpt, ProfileOutputOpt
 
 
 def calibrate(
-    output: str | None = typer.Option(None, "--output", "-o",
-                                      help="Write the profile here (default: dmap's cache, which dmap plan reads)."),
+    output: ProfileOutputOpt = None,
     device: str | None = typer.Option(None, "--device", help="cpu or cuda:N (default: the first GPU, else the CPU)."),
     quick: bool = typer.Option(False, "--quick", help="Small sizes, seconds: a rough profile (tests)."),
     overwrite: OverwriteOpt = False,

@@ -33,6 +33,7 @@ from dm_cli.cli._cli_utils import (
     PlanParallelOpt,
     QuietOpt,
     SourceArg,
+    StepsOpt,
     WeightsOpt,
     WidthOpt,
     word_parser,
@@ -48,8 +49,6 @@ ProfileOpt = Annotated[str | None, typer.Option(
     "--profile", metavar="FILE", help="Device profile for the predicted step time: a file dmap calibrate wrote, or "
                                       "table:NAME (h100-sxm, l40s, ...). Default: this machine's calibrated one, else "
                                       "dmap's defaults.")]
-PredictStepsOpt = Annotated[int | None, typer.Option(
-    "--steps", help="Denoising steps the predicted time per image counts (default: the pipeline's).")]
 QueueOpt = Annotated[int, typer.Option("--queue", metavar="N", help="Prompts the predicted time per queue counts.")]
 
 
@@ -91,7 +90,7 @@ def plan(
     device_tflops: DeviceTflopsOpt = None,
     link_gbps: LinkGbpsOpt = None,
     profile: ProfileOpt = None,
-    steps: PredictStepsOpt = None,
+    steps: StepsOpt = None,  # the predicted time per image counts them
     queue: QueueOpt = 1,
     in_flight: int | None = typer.Option(None, "--in-flight", metavar="K",
                                          help="--parallel pipeline: queue prompts in flight (default --world-size)."),

@@ -266,7 +266,8 @@ def _print_parallel(out, layout, size, hidden: list) -> None:
 
 
 def _seconds(value: float) -> str:
-    return "under 0.1 ms" if value < 1e-4 else f"{value:.3g} s"
+    """Seconds as people read them: 3 significant figures, whole seconds from 1000 on (never 1.23e+04)."""
+    return "under 0.1 ms" if value < 1e-4 else f"{value:,.0f} s" if value >= 1000 else f"{value:.3g} s"
 
 
 def _print_predicted_time(out, predicted: dict) -> None:
