@@ -35,9 +35,9 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          num_frames: int | None = None, fps: int | None = None, weights: str | None = None,
          negative_prompt: str | None = None, image=None, image_size=None, last_image=None, last_image_size=None,
          on_progress: Callable[[str], None] | None = None, world_size: int = 1, parallel: str | None = None,
-         device_tflops: float = 100.0, link_gbps: float = 25.0, pipeline: str | None = None,
+         device_tflops: float | None = None, link_gbps: float | None = None, pipeline: str | None = None,
          component_files: dict | None = None, lora=None, cache=None, in_flight: int | None = None,
-         **settings) -> Plan:
+         profile: str | None = None, steps: int | None = None, queue: int = 1, **settings) -> Plan:
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -52,7 +52,10 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     `world_size` > 1 with `parallel` ("cfg", "context", "cfg+context", "pipeline" or "auto", the default above one
     rank) adds `Plan.parallel`: how that many torchrun ranks share each denoising step (or, "pipeline", a slice of the
     denoiser's blocks each, with `in_flight` queue prompts in flight: default world_size), with per-rank memory
-    and step times predicted at `device_tflops` per GPU and `link_gbps` between GPUs (dm_cli.planning.parallel).
+    and step times predicted at `device_tflops` per GPU and `link_gbps` between GPUs (dm_cli.planning.parallel; None:
+    the device profile's). `profile` (a file `dmap calibrate` wrote, or "table:h100-sxm"; None: this machine's
+    calibrated one, else dmap's defaults), `steps` (None: the pipeline's default) and `queue` (prompts): the plan's
+    `predicted_time`, the denoise stage's seconds per step, image and queue (dm_cli.planning.step_time).
     `pipeline` (a preset or a folder): SOURCE is a single file (original-layout safetensors or GGUF) holding one
     component, the rest of the pipeline comes from here. `component_files` ({"transformer_2": "LOW.gguf"}): these
     components from these single files (each checked against its config; SOURCE's file then goes to the first
@@ -68,6 +71,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     from dm_cli.planning.make import make_named_plan
     from dm_cli.planning.parallel import ParallelRequest
     from dm_cli.planning.plan_options import PlanOptions
+    from dm_cli.planning.plan_prediction import PredictionRequest
     from dm_cli.planning.step_cache import parse_cache
     from dm_cli.units import parse_dtype
 
@@ -87,7 +91,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
                              on_progress=on_progress, parallel=ParallelRequest(world_size, parallel, device_tflops, link_gbps,
                                                                               in_flight),
                              pipeline=pipeline, component_files=tuple(parse_component_files(component_files).items()),
-                             loras=read_loras(lora, "lora"))
+                             loras=read_loras(lora, "lora"),
+                             prediction=PredictionRequest(profile, pick(steps, "steps"), queue))
     return make_named_plan(root, spec, options)
 
 

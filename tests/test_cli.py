@@ -91,8 +91,8 @@ def test_inspect_and_plan_flux_at_80_columns_show_every_number_whole():
         assert format_size(comp["weights_bytes"]) in out
     # what was left out is said, and nothing shown is a fragment of a number
     assert "hidden at 80 columns" in out
-    allowed = {n for value in re.findall(r"[\d,.]+ ?[KMGT]?B|[\d,]+", out) for n in _numbers(value)}
-    assert _numbers(out) <= allowed
+    allowed = {n for value in re.findall(r"[\d,.]+ s\b|[\d,.]+ ?[KMGT]?B|[\d,]+", out) for n in _numbers(value)}
+    assert _numbers(out) <= allowed  # sizes, counts and (the predicted time) seconds
 
 
 def test_piped_output_uses_80_columns_and_the_bar_reads_without_colour(monkeypatch):

@@ -12,6 +12,7 @@ import sys
 import typer
 
 from dm_cli.cli import cache as cache_command
+from dm_cli.cli import calibrate as calibrate_command
 from dm_cli.cli import demo as demo_command
 from dm_cli.cli import inspect as inspect_command
 from dm_cli.cli import plan as plan_command
@@ -55,6 +56,7 @@ app.command("run", help=run_command.__doc__)(with_family_settings(run_command.ru
 app.command("serve", help=serve_command.__doc__)(with_family_settings(serve_command.serve))
 app.command("cache", help=cache_command.__doc__)(cache_command.cache)
 app.command("demo", help=demo_command.__doc__)(demo_command.demo)
+app.command("calibrate", help=calibrate_command.__doc__)(calibrate_command.calibrate)
 
 
 def main(argv: list[str] | None = None) -> None:

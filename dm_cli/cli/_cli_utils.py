@@ -117,6 +117,13 @@ WeightsOpt = Annotated[str | None, typer.Option(
 
 # ---- outputs -------------------------------------------------------------------------------
 
+StepsOpt = Annotated[int | None, typer.Option("--steps", min=1, help="Denoising steps (default: the pipeline's).")]
+ServeStepsOpt = Annotated[int | None, typer.Option(
+    "--steps", min=1, help="Denoising steps of a request that gives none (default: the pipeline's).")]
+
+ProfileOutputOpt = Annotated[str | None, typer.Option(
+    "--output", "-o", help="Write the profile here (default: dmap's cache, which dmap plan reads).")]
+
 PlanOutputOpt = Annotated[str | None, typer.Option(
     "--output", "-o", help="Write the plan JSON (dmap-plan v1; v2 when a decode is tiled) here.")]
 

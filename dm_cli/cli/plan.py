@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from dm_cli.cli._cli_utils import (
@@ -31,11 +33,23 @@ from dm_cli.cli._cli_utils import (
     PlanParallelOpt,
     QuietOpt,
     SourceArg,
+    StepsOpt,
     WeightsOpt,
     WidthOpt,
     word_parser,
 )
 from dm_cli.planning.modes import Strategy
+
+# the predicted step time (dm_cli.planning.step_time) and --parallel auto's time model
+DeviceTflopsOpt = Annotated[float | None, typer.Option(
+    "--device-tflops", help="--parallel auto: TFLOP/s one GPU sustains (default: the device profile's).")]
+LinkGbpsOpt = Annotated[float | None, typer.Option(
+    "--link-gbps", help="--parallel auto: GB/s between two GPUs (default: the device profile's).")]
+ProfileOpt = Annotated[str | None, typer.Option(
+    "--profile", metavar="FILE", help="Device profile for the predicted step time: a file dmap calibrate wrote, or "
+                                      "table:NAME (h100-sxm, l40s, ...). Default: this machine's calibrated one, else "
+                                      "dmap's defaults.")]
+QueueOpt = Annotated[int, typer.Option("--queue", metavar="N", help="Prompts the predicted time per queue counts.")]
 
 
 def plan(
@@ -73,8 +87,11 @@ def plan(
     no_cache: NoCacheOpt = False,
     world_size: int = typer.Option(1, "--world-size", help="torchrun ranks to plan for (rank r on GPU r); 1: one process."),
     parallel: PlanParallelOpt = None,
-    device_tflops: float = typer.Option(100.0, "--device-tflops", help="--parallel auto: TFLOP/s one GPU sustains."),
-    link_gbps: float = typer.Option(25.0, "--link-gbps", help="--parallel auto: GB/s between two GPUs."),
+    device_tflops: DeviceTflopsOpt = None,
+    link_gbps: LinkGbpsOpt = None,
+    profile: ProfileOpt = None,
+    steps: StepsOpt = None,  # the predicted time per image counts them
+    queue: QueueOpt = 1,
     in_flight: int | None = typer.Option(None, "--in-flight", metavar="K",
                                          help="--parallel pipeline: queue prompts in flight (default --world-size)."),
     pipeline: PipelineOpt = None,
@@ -99,9 +116,15 @@ def plan(
                            last_image=last_image, last_image_size=last_image_size,
                            on_progress=progress, world_size=world_size, parallel=parallel,
                            device_tflops=device_tflops, link_gbps=link_gbps, in_flight=in_flight, pipeline=pipeline,
-                           component_files=component_file, lora=lora, cache=cache, **(settings or {}))
+                           component_files=component_file, lora=lora, cache=cache, profile=profile, steps=steps,
+                           queue=queue, **(settings or {}))
     if output:
         write_plan(result, output)
+    return _show(result, output, as_json, quiet, binary)
+
+
+def _show(result, output: str | None, as_json: bool, quiet: bool, binary: bool) -> int:
+    """The plan as JSON, quietly (split-check problems only) or rendered; exit 1 when the split check failed."""
     if as_json:
         from dm_cli.cli._output import print_json
 

@@ -36,6 +36,7 @@ from dm_cli.cli._cli_utils import (
     RunSeedOpt,
     RunSourceArg,
     SimulateOpt,
+    StepsOpt,
     WeightsOpt,
     WidthOpt,
 )
@@ -47,7 +48,6 @@ PromptsOpt = Annotated[str | None, typer.Option(
                       "seed, steps, guidance_scale, output per line); item i gets seed --seed + i.")]
 DeviceMapOpt = Annotated[str, typer.Option(
     "--device-map", "-d", help="auto | balanced | balanced_low_0 | sequential (plan now), or a plan JSON from dmap plan.")]
-StepsOpt = Annotated[int | None, typer.Option("--steps", min=1, help="Denoising steps (default: the pipeline's).")]
 SaveLatentsOpt = Annotated[str | None, typer.Option(
     "--save-latents", help="Also write the final latents (safetensors).")]
 TrackActivationsOpt = Annotated[bool, typer.Option(

@@ -30,6 +30,7 @@ from dm_cli.cli._cli_utils import (
     PipelineOpt,
     QuietOpt,
     RunSourceArg,
+    ServeStepsOpt,
     SimulateOpt,
     WeightsOpt,
     WidthOpt,
@@ -38,8 +39,6 @@ from dm_cli.cli._cli_utils import (
 # the options only `dmap serve` takes (the shared ones are in _cli_utils)
 ServeDeviceMapOpt = Annotated[str, typer.Option(
     "--device-map", "-d", help="auto | balanced | balanced_low_0 | sequential (plan now), or a plan JSON from dmap plan.")]
-ServeStepsOpt = Annotated[int | None, typer.Option(
-    "--steps", min=1, help="Denoising steps of a request that gives none (default: the pipeline's).")]
 HostOpt = Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")]
 PortOpt = Annotated[int, typer.Option("--port", help="Port to listen on (0: any free port, printed).")]
 ApiKeyOpt = Annotated[str | None, typer.Option(

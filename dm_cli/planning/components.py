@@ -35,6 +35,7 @@ class TraceFacts:
     same_device_groups: dict[str, list[list[str]]]
     warning: str | None
     module_outputs: dict[str, int] = field(default_factory=dict)  # module -> bytes of its largest output
+    work: dict[str, int] = field(default_factory=dict)  # one call's FLOPs, memory-bound bytes and ops (trace.py)
 
 
 def trace_facts(comp: ComponentSource, pipeline_class: str | None, inputs: InputSpec, dtype: str, use_cache: bool = True,
@@ -45,7 +46,7 @@ def trace_facts(comp: ComponentSource, pipeline_class: str | None, inputs: Input
                              on_progress=on_progress)
     return TraceFacts(list(result.execution_order) or None, dict(result.module_peaks), int(result.activation_peak),
                       list(result.unsplittable), dict(getattr(result, "same_device_groups", {}) or {}),
-                      result.fallback_warning, dict(result.module_outputs))
+                      result.fallback_warning, dict(result.module_outputs), dict(getattr(result, "work", {}) or {}))
 
 
 @dataclass

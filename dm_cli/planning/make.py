@@ -30,6 +30,7 @@ from dm_cli.planning.modes import Layout, Mode, Strategy
 from dm_cli.planning.parallel_placement import denoiser_cut, parallel_layout, parallel_request
 from dm_cli.planning.plan_file import Plan, check_weights_only
 from dm_cli.planning.plan_options import PlanOptions, place_or_none
+from dm_cli.planning.plan_prediction import plan_prediction, with_profile_rates
 from dm_cli.planning.search import Device
 from dm_cli.planning.split_check import run_split_check
 from dm_cli.planning.step_cache_plan import fit_step_cache, step_cache_footprints, step_cache_report
@@ -61,6 +62,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     budgets = parse_device_spec(asked.max_memory) if asked.max_memory is not None else local_devices()
     overhead = parse_overhead(asked.overhead, budgets, options.inputs.weights_only)
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
+    options = with_profile_rates(options)  # the profile's rates where --device-tflops / --link-gbps are not given
     parallel = parallel_request(source, comps, devices, options)  # refused before any trace
     if parallel is not None:
         options, asked = parallel[0], parallel[0].placement
@@ -114,6 +116,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
                                              cache_bytes if footprints else {})
     plan.parallel = layout
     plan.warnings += [launch_warning(layout) for layout in [layout] if layout is not None and layout.layout != Layout.SPLIT]
+    plan.predicted_time = plan_prediction(plan, source, prepared, options, options.prediction)
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
     return plan

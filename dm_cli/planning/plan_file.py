@@ -59,6 +59,9 @@ class Plan:
     # --cache: {"name", "settings", "label", "components": {denoiser: {"bytes": {device: n}, "total_bytes", "contexts",
     # "holders": {module: n}}}} (planning/step_cache.py); written only with a cache
     step_cache: dict = field(default_factory=dict)
+    # the denoise stage's predicted seconds per step, image and queue on a device profile (planning/step_time.py);
+    # written only when there is one (a known family, traced)
+    predicted_time: dict = field(default_factory=dict)
 
     @property
     def cache(self) -> StepCache | None:
@@ -144,6 +147,7 @@ class Plan:
             **({"input_images": self.input_images} if self.input_images else {}),
             **({"loras": self.loras} if self.loras else {}),
             **({"step_cache": self.step_cache} if self.step_cache else {}),
+            **({"predicted_time": self.predicted_time} if self.predicted_time else {}),
         }
 
     @classmethod
@@ -214,7 +218,26 @@ class Plan:
             dict(_object(data.get("input_images", {}), "'input_images'")),
             _plan_loras(data.get("loras", []), set(components)),
             _plan_step_cache(data["step_cache"], set(components)) if "step_cache" in data else {},
+            _predicted_time(data["predicted_time"]) if "predicted_time" in data else {},
         )
+
+
+def _predicted_time(value, depth: int = 0) -> dict:
+    """A plan file's `predicted_time` (planning/step_time.py): informational, read back as JSON of numbers and short
+    strings, at most 3 levels and 200 entries deep (ValueError otherwise)."""
+    value = _object(value, "'predicted_time'")
+    if len(value) > 200 or depth > 2:
+        raise ValueError("'predicted_time' is larger than a prediction")
+    out = {}
+    for key, entry in value.items():
+        if isinstance(entry, dict):
+            out[key] = _predicted_time(entry, depth + 1)
+        elif isinstance(entry, bool) or not isinstance(entry, (int, float, str)) or (
+                isinstance(entry, float) and not math.isfinite(entry)) or (isinstance(entry, str) and len(entry) > 1000):
+            raise ValueError(f"'predicted_time' {key!r} must be a finite number or a short string")
+        else:
+            out[key] = entry
+    return out
 
 
 def _plan_loras(value, components: set) -> list[dict]:

@@ -8,6 +8,7 @@ from typing import Callable
 from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec, StepCache
 from dm_cli.planning.parallel import ParallelRequest
 from dm_cli.planning.placement import NoFit, Placement
+from dm_cli.planning.plan_prediction import PredictionRequest
 from dm_cli.planning.search import plan_pipeline
 
 
@@ -29,6 +30,7 @@ class PlanOptions:
     component_files: tuple[tuple[str, str], ...] = ()
     loras: tuple = ()  # LoRA adapters (dm_cli.inputs.LoraAdapter, --lora): their bytes beside the layers they patch
     cache: StepCache | None = None  # --cache: a step cache on the denoiser, its state counted (planning/step_cache.py)
+    prediction: PredictionRequest = field(default_factory=PredictionRequest)  # --profile, --steps, --queue
 
     @classmethod
     def of(cls, generation: Generation, placement: PlacementSpec, **rest) -> "PlanOptions":

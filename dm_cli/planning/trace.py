@@ -36,9 +36,10 @@ from dm_cli.units import parse_dtype
 if TYPE_CHECKING:  # annotations only
     from dm_cli.model.sources import ComponentSource
 
-TRACE_FORMAT_VERSION = 5  # 2: lists given to modules are no longer copied (the Wan VAE cache); 3: weightless
+TRACE_FORMAT_VERSION = 6  # 2: lists given to modules are no longer copied (the Wan VAE cache); 3: weightless
 # modules are no provenance boundary; 4: they are again, and the planner gives a hook (a device_map key) to each
-# one a split module's forward combines (LTX-2's norm_out); 5: module_outputs (a LoRA's transients scale with them)
+# one a split module's forward combines (LTX-2's norm_out); 5: module_outputs (a LoRA's transients scale with them);
+# 6: work (FLOPs, bytes, ops: the step-time prediction)
 WEIGHTS_ONLY_SIZE = 64  # pixels: order and split checks do not depend on size; small fits every model (tiny SD3 pos_embed too)
 
 
@@ -56,6 +57,7 @@ class ComponentTrace:
     dtype: str = ""  # dtype the component ran in
     seconds: float = 0.0  # time the trace took (0 when it came from the cache)
     module_outputs: dict[str, int] = field(default_factory=dict)  # module prefix -> bytes of its largest output
+    work: dict[str, int] = field(default_factory=dict)  # the call's FLOPs, memory-bound bytes and ops (_Session.work)
 
     def to_json(self) -> dict:
         return {
@@ -71,6 +73,7 @@ class ComponentTrace:
             "dtype": self.dtype,
             "seconds": self.seconds,
             "module_outputs": self.module_outputs,
+            "work": self.work,
         }
 
     @classmethod
@@ -88,6 +91,7 @@ class ComponentTrace:
             dtype=data.get("dtype", ""),
             seconds=float(data.get("seconds", 0.0)),
             module_outputs={k: int(v) for k, v in data.get("module_outputs", {}).items()},
+            work={k: int(v) for k, v in data.get("work", {}).items()},
         )
 
 
@@ -349,6 +353,7 @@ def _trace_uncached(comp: ComponentSource, pipeline_class, inputs: InputSpec, dt
         inputs=spec.shapes(),
         dtype=dtype,
         module_outputs=dict(session.module_outputs),
+        work=dict(session.work),
     )
 
 

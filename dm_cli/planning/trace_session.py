@@ -106,6 +106,11 @@ class _Session:
         self.stack: list[list] = []  # [prefix, peak while running]
         self.module_peaks: dict[str, int] = {}
         self.module_outputs: dict[str, int] = {}
+        # the work of the call (track_memory only): FLOPs of matmuls and convolutions, of attention, the bytes
+        # other ops read and write (memory-bound), and the ops dispatched (each costs the host a fixed time)
+        self.work = {"matmul_flops": 0, "matmul_ops": 0, "attention_flops": 0, "attention_ops": 0,
+                     "attention_scores": 0, "other_bytes": 0, "ops": 0}
+        self._flop_formulas = None
         # tags
         self.recolor: dict[str, frozenset] = {}  # module prefix -> tag its inputs get at entry
         self.tagged: list = []
@@ -290,11 +295,33 @@ class _Session:
                 for tensor in outputs:
                     self.set_tag(tensor, tag)
         if self.track_memory:
+            self.count_work(func, args, kwargs, inputs, out)
             for tensor in outputs:
                 self.memory.count(tensor, _META)
             live = self.memory.live[_META]
             if self.stack and live > self.stack[-1][1]:
                 self.stack[-1][1] = live
+
+    def count_work(self, func, args, kwargs, inputs, out) -> None:
+        """Add one dispatched op to `work`: FLOPs by torch's own formulas (torch.utils.flop_counter) for matmuls and
+        convolutions; the bytes read and written for the other ops that are not views."""
+        if self._flop_formulas is None:
+            from torch.utils.flop_counter import flop_registry
+
+            self._flop_formulas = flop_registry
+        if getattr(func, "is_view", False):
+            return
+        self.work["ops"] += 1
+        formula = self._flop_formulas.get(getattr(func, "_overloadpacket", None))
+        if formula is not None:
+            try:
+                self.work["matmul_flops"] += int(formula(*args, **kwargs, out_val=out))
+                self.work["matmul_ops"] += 1
+                return
+            except Exception:  # noqa: BLE001 - a formula that does not take this call: counted as bytes
+                pass
+        outputs = list(_iter_tensors(out, self.torch))
+        self.work["other_bytes"] += sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
 
     def combine(self, tensors, func):
         """Tag of an op's result; report the op when its inputs carry different tags."""
@@ -351,6 +378,11 @@ class _Session:
         torch = self.torch
         shape = tuple(query.shape[:-1]) + (value.shape[-1],)
         out = torch.empty(shape, dtype=query.dtype, device=query.device)
+        if self.track_memory:  # scores and weighted sum: 2 x 2 x queries x keys x head dim per head
+            self.work["attention_flops"] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
+            self.work["attention_ops"] += 1
+            self.work["attention_scores"] += query.shape[:-1].numel() * key.shape[-2]
+            self.work["ops"] += 1
         if self.tag_mode is not None:
             tensors = [query, key, value] + ([attn_mask] if isinstance(attn_mask, torch.Tensor) else [])
             tag = self.combine(tensors, "aten.scaled_dot_product_attention")

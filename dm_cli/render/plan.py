@@ -118,6 +118,8 @@ def render_plan(plan, binary: bool = False, output: str | None = None, hidden: l
     _print_split_maps(out, plan, hidden)
     if getattr(plan, "parallel", None) is not None:
         _print_parallel(out, plan.parallel, size, hidden)
+    if getattr(plan, "predicted_time", None):
+        _print_predicted_time(out, plan.predicted_time)
     if own_note:
         print_hidden(out, hidden)
     _print_notes(out, plan, size)
@@ -261,6 +263,29 @@ def _print_parallel(out, layout, size, hidden: list) -> None:
     out.print(f"Parallel: {layout.reason}.")
     out.print(f"Time model: {layout.device_tflops:g} TFLOP/s per GPU (--device-tflops), {layout.link_gbps:g} GB/s "
               "between GPUs (--link-gbps).")
+
+
+def _seconds(value: float) -> str:
+    """Seconds as people read them: 3 significant figures, whole seconds from 1000 on (never 1.23e+04)."""
+    return "under 0.1 ms" if value < 1e-4 else f"{value:,.0f} s" if value >= 1000 else f"{value:.3g} s"
+
+
+def _print_predicted_time(out, predicted: dict) -> None:
+    """The denoise stage's predicted time (planning/step_time.py): per step, image and queue, its largest terms,
+    each layout considered, and the profile it rests on."""
+    terms = sorted(predicted.get("step_terms_s", {}).items(), key=lambda item: -item[1])
+    shown = ", ".join(f"{name} {_seconds(value)}" for name, value in terms[:3] if value > 0)
+    queue = predicted.get("queue", 1)
+    out.print(f"Predicted denoise time: {_seconds(predicted['step_s'])} per step ({shown}), "
+              f"{_seconds(predicted['image_s'])} per image at {predicted['steps']} steps (--steps), "
+              f"{_seconds(predicted['queue_s'])} for a queue of {queue} (--queue).")
+    for name, times in predicted.get("layouts", {}).items():
+        out.print(f"  {name}: {_seconds(times['step_s'])} per step, {_seconds(times['image_s'])} per image, "
+                  f"{_seconds(times['queue_s'])} per queue")
+    origin = {"default": "no profile (dmap calibrate measures one)", "cached": "this machine's calibrated profile",
+              "file": "--profile", "table": "published figures (--profile table:...)"}.get(
+        predicted.get("profile_origin"), "")
+    out.print(f"Device profile: {predicted.get('profile')}, {origin}.")
 
 
 def _print_notes(out, plan, size) -> None:

@@ -1,0 +1,81 @@
+"""The plan's predicted step time (`Plan.predicted_time`): what step_time.py needs, gathered from the traced and
+placed plan, and the profile a plan predicts with (--profile, else this machine's calibrated one, else the default)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from dm_cli.errors import UsageError
+from dm_cli.families import family_parts
+from dm_cli.inputs import check_count
+from dm_cli.planning.parallel import denoiser_shape
+from dm_cli.planning.profiles import DEFAULT_PROFILE, DeviceProfile, cached_profile, read_profile
+from dm_cli.planning.step_time import CallWork, Traffic, predict
+from dm_cli.units import shorten
+
+MAX_QUEUE = 1_000_000
+
+
+@dataclass(frozen=True)
+class PredictionRequest:
+    """What `dmap plan --profile FILE --steps N --queue N` asks of the prediction."""
+
+    profile: str | None = None  # a profile file or "table:NAME" (None: the cached one, else the default)
+    steps: int | None = None  # None: the family's (or the demo's) default
+    queue: int = 1
+
+    def __post_init__(self) -> None:
+        """--steps and --queue checked, one sentence each."""
+        if self.steps is not None:
+            check_count("steps", self.steps, "--steps")
+        if isinstance(self.queue, bool) or not isinstance(self.queue, int) or not 1 <= self.queue <= MAX_QUEUE:
+            raise UsageError(f"--queue must be a whole number from 1 to {MAX_QUEUE}, not {shorten(self.queue, quote=True)}.")
+
+
+def chosen_profile(request: PredictionRequest, kind: str) -> tuple[DeviceProfile, str]:
+    """(the profile, where it came from: "file", "table", "cached" or "default"); UsageError for a bad file. The
+    calibrated one only when it measured the kind of device ("gpu", "cpu") the denoiser runs on: a CPU's profile
+    says nothing of the GPUs a plan names."""
+    if request.profile is not None:
+        return read_profile(request.profile), "table" if str(request.profile).startswith("table:") else "file"
+    cached = cached_profile()
+    return (cached, "cached") if cached is not None and cached.kind == kind else (DEFAULT_PROFILE, "default")
+
+
+def with_profile_rates(options):
+    """The options with the parallel time model's rates (--device-tflops, --link-gbps) that were not given taken
+    from the profile: its matmul rate at the plan's dtype (bfloat16 when not given) and its link, so that
+    `--parallel auto` chooses on the calibrated device."""
+    request = options.parallel
+    if request.device_tflops is not None and request.link_gbps is not None:
+        return options
+    profile, _ = chosen_profile(options.prediction, "gpu")  # the parallel layouts are over GPUs
+    dtype = options.placement.dtype or "bfloat16"
+    tflops = request.device_tflops if request.device_tflops is not None else profile.rate(profile.matmul_tflops, dtype)
+    link = request.link_gbps if request.link_gbps is not None else profile.link_gbps
+    return replace(options, parallel=replace(request, device_tflops=tflops, link_gbps=link))
+
+
+def plan_prediction(plan, source, prepared, options, request: PredictionRequest) -> dict:
+    """`predicted_time` for the plan ({} when dmap knows no family or its denoiser was not traced)."""
+    family, denoiser, _ = family_parts(source.pipeline_class, source.components)
+    inputs = options.inputs
+    if family is None or denoiser is None or inputs.weights_only or denoiser.name not in plan.components:
+        return {}
+    prep = next((p for p in prepared if p.spec.name == denoiser.name), None)
+    if prep is None or not prep.facts.work:
+        return {}
+    placed = plan.components[denoiser.name]
+    on_gpu = any(isinstance(device, int) or str(device).isdigit() for device in placed.device_map.values())
+    profile, origin = chosen_profile(request, "gpu" if on_gpu else "cpu")
+    element = 4 if plan.dtype == "float32" else 2
+    shape = denoiser_shape(denoiser, source.pipeline_class, inputs, family, element)
+    work = CallWork.of(prep.facts.work, placed.weights_bytes)
+    devices = set(map(str, placed.device_map.values()))
+    hooked = len(prep.facts.execution_order or ()) if placed.offloaded_bytes else (
+        len(placed.device_map) if len(devices) > 1 else 0)  # offloaded: every module holding weights; split: each key
+    traffic = Traffic(placed.offloaded_bytes, placed.hops, shape.hop_bytes, hooked)
+    steps = request.steps or family.default_steps
+    layouts = dict(plan.parallel.predicted_step_s) if plan.parallel is not None else None
+    return predict(work, traffic, profile, plan.dtype, max(1, shape.calls), steps,
+                   inputs.batch_size * inputs.num_images, request.queue, layouts, origin)

@@ -1,0 +1,247 @@
+"""Device profiles: the rates the step-time prediction (`step_time.py`) divides the work of a step by.
+
+A profile is what `dmap calibrate` measured on this machine (written as JSON; `read_profile` checks it, a
+profile file being input like any other) or one row of `GPU_TABLE`: the vendors' published peaks, dense (no
+sparsity), with the datasheet each figure comes from. Published peaks are upper bounds: a denoiser's matmuls
+reach perhaps 50-70% of them, which is why a measured profile is the better basis. Pure but for the file read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dm_cli.errors import UsageError
+from dm_cli.units import shorten
+
+PROFILE_FORMAT = "dmap-device-profile"
+PROFILE_VERSION = 1
+PROFILE_DTYPES = ("float32", "bfloat16", "float16")
+MAX_PROFILE_BYTES = 1_000_000
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One device's rates: matmul and attention TFLOP/s per dtype, memory GB/s, host->device and device->device
+    GB/s (the link between two of them), a fixed seconds per dispatched op (the host's cost of each kernel or CPU
+    op: what dominates a small model), and where the figures come from."""
+
+    name: str
+    kind: str  # "gpu" or "cpu"
+    matmul_tflops: dict[str, float]
+    attention_tflops: dict[str, float]
+    memory_gbps: float
+    host_gbps: float  # offloaded weights streamed in each step: read from the checkpoint (and copied to the GPU)
+    link_gbps: float  # device <-> device (a split's hops, the parallel layouts' exchanges)
+    link: str = ""  # the link, in words ("NVLink 4, 900 GB/s", "PCIe 5 x16")
+    op_seconds: float = 0.0
+    source: str = ""  # "measured by dmap calibrate on HOST at DATE" or the datasheets
+    measured: bool = False
+    # measured only: the rate by the size of one op, dtype -> [[FLOPs of one op, TFLOP/s], ...] ascending (a small
+    # matmul runs far below the peak), and GB/s of a denoiser's elementwise mix (add, mul, GELU, SiLU, norms, cat)
+    matmul_curve: dict[str, list] = field(default_factory=dict)
+    attention_curve: dict[str, list] = field(default_factory=dict)
+    elementwise_gbps: float = 0.0
+    hook_seconds: float = 0.0  # accelerate's hook around each module of a split or offloaded denoiser, per call
+    # measured only: attention = scores x seconds per score + FLOPs / attention_tflops (dtype -> seconds per query-key
+    # score: the softmax's share, which a small head dimension does not shrink)
+    score_seconds: dict[str, float] = field(default_factory=dict)
+
+    def rate(self, table: dict[str, float], dtype: str) -> float:
+        """TFLOP/s at `dtype`, else at the nearest dtype measured (half precision for half, else float32)."""
+        for candidate in (dtype, "bfloat16" if dtype == "float16" else "float16", "float32", *table):
+            if candidate in table:
+                return table[candidate]
+        raise ValueError(f"profile {self.name!r} has no rates")
+
+    def rate_at(self, kind: str, dtype: str, flops_per_op: float) -> float:
+        """TFLOP/s of one `kind` ("matmul" or "attention") op of `flops_per_op` FLOPs at `dtype`: interpolated on the
+        measured curve (log-log, held at its ends), else the flat rate."""
+        curve = getattr(self, f"{kind}_curve").get(dtype) or (getattr(self, f"{kind}_curve").get(
+            "bfloat16" if dtype == "float16" else dtype))
+        if not curve or flops_per_op <= 0:
+            return self.rate(getattr(self, f"{kind}_tflops"), dtype)
+        if flops_per_op <= curve[0][0]:
+            return curve[0][1]
+        for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+            if flops_per_op <= x1:
+                t = math.log(flops_per_op / x0) / math.log(x1 / x0)
+                return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+        return curve[-1][1]
+
+    def to_json(self) -> dict:
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": self.name, "kind": self.kind,
+                "matmul_tflops": dict(self.matmul_tflops), "attention_tflops": dict(self.attention_tflops),
+                "memory_gbps": self.memory_gbps, "host_gbps": self.host_gbps, "link_gbps": self.link_gbps,
+                "link": self.link, "op_seconds": self.op_seconds, "source": self.source, "measured": self.measured,
+                **({"matmul_curve": self.matmul_curve, "attention_curve": self.attention_curve}
+                   if self.matmul_curve or self.attention_curve else {}),
+                **({"elementwise_gbps": self.elementwise_gbps} if self.elementwise_gbps else {}),
+                **({"hook_seconds": self.hook_seconds} if self.hook_seconds else {}),
+                **({"score_seconds": dict(self.score_seconds)} if self.score_seconds else {})}
+
+    @classmethod
+    def from_json(cls, data) -> "DeviceProfile":
+        """A profile document, every field checked (ValueError, one sentence)."""
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT or data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"it is not a {PROFILE_FORMAT} v{PROFILE_VERSION} document (write one with dmap calibrate)")
+        rates = {}
+        for key in ("matmul_tflops", "attention_tflops"):
+            table = data.get(key)
+            if not isinstance(table, dict) or not table or not set(table) <= set(PROFILE_DTYPES):
+                raise ValueError(f"its {key} must map some of {', '.join(PROFILE_DTYPES)} to TFLOP/s")
+            rates[key] = {k: _rate(v, f"its {key} {k}") for k, v in table.items()}
+        kind = data.get("kind")
+        if kind not in ("gpu", "cpu"):
+            raise ValueError(f"its kind must be \"gpu\" or \"cpu\", found {shorten(kind, quote=True)}")
+        op_seconds = data.get("op_seconds", 0.0)
+        if isinstance(op_seconds, bool) or not isinstance(op_seconds, (int, float)) or not 0 <= op_seconds <= 1:
+            raise ValueError(f"its op_seconds must be a number from 0 to 1, found {shorten(op_seconds, quote=True)}")
+        return cls(_text(data.get("name"), "name"), kind, rates["matmul_tflops"], rates["attention_tflops"],
+                   _rate(data.get("memory_gbps"), "its memory_gbps"), _rate(data.get("host_gbps"), "its host_gbps"),
+                   _rate(data.get("link_gbps"), "its link_gbps"), _text(data.get("link", ""), "link"),
+                   float(op_seconds), _text(data.get("source", ""), "source"), data.get("measured") is True,
+                   _curves(data.get("matmul_curve", {}), "matmul_curve"),
+                   _curves(data.get("attention_curve", {}), "attention_curve"),
+                   _rate(data.get("elementwise_gbps"), "its elementwise_gbps") if "elementwise_gbps" in data else 0.0,
+                   _rate(data.get("hook_seconds"), "its hook_seconds", 1.0) if "hook_seconds" in data else 0.0,
+                   _seconds_table(data.get("score_seconds", {})))
+
+
+def _seconds_table(value) -> dict[str, float]:
+    if not isinstance(value, dict) or not set(value) <= set(PROFILE_DTYPES):
+        raise ValueError(f"its score_seconds must map some of {', '.join(PROFILE_DTYPES)} to seconds")
+    return {k: _rate(v, f"its score_seconds {k}", 1.0) for k, v in value.items()}
+
+
+def _curves(value, what: str) -> dict[str, list]:
+    """A profile's rate curves: dtype -> ascending [[FLOPs per op, TFLOP/s], ...] (ValueError, one sentence)."""
+    if not isinstance(value, dict) or not set(value) <= set(PROFILE_DTYPES):
+        raise ValueError(f"its {what} must map some of {', '.join(PROFILE_DTYPES)} to [[FLOPs, TFLOP/s], ...]")
+    out = {}
+    for dtype, points in value.items():
+        if not isinstance(points, list) or not 1 <= len(points) <= 64 or not all(
+                isinstance(p, list) and len(p) == 2 for p in points):
+            raise ValueError(f"its {what} {dtype} must be a list of 1 to 64 [FLOPs, TFLOP/s] pairs")
+        pairs = [[_rate(x, f"its {what} {dtype} FLOPs", 1e18), _rate(y, f"its {what} {dtype} TFLOP/s")] for x, y in points]
+        if any(a[0] >= b[0] for a, b in zip(pairs, pairs[1:])):
+            raise ValueError(f"its {what} {dtype} must list FLOPs in ascending order")
+        out[dtype] = pairs
+    return out
+
+
+def _rate(value, what: str, high: float = 1e7) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= high:
+        raise ValueError(f"{what} must be a number above 0 (at most {high:g}), found {shorten(value, quote=True)}")
+    return float(value)
+
+
+def _text(value, what: str) -> str:
+    if not isinstance(value, str) or len(value) > 500:
+        raise ValueError(f"its {what} must be a string of at most 500 characters")
+    return value
+
+
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s, without sparsity), memory bandwidth and the GPU-to-GPU link, as
+# published. Attention runs near the matmul rate in flash kernels; the table gives it the same peak.
+_NVLINK_NOTE = "NVLink bandwidth is the total of both directions per GPU"
+GPU_TABLE: dict[str, dict] = {
+    "h100-sxm": {"tflops": 989.0, "memory_gbps": 3350.0, "link_gbps": 450.0, "link": "NVLink 4, 900 GB/s both ways",
+                     "source": "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column)"},
+    "h100-pcie": {"tflops": 756.0, "memory_gbps": 2000.0, "link_gbps": 64.0, "link": "PCIe 5 x16 (NVLink bridge: 600 GB/s)",
+                      "source": "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe column)"},
+    "h200-sxm": {"tflops": 989.0, "memory_gbps": 4800.0, "link_gbps": 450.0, "link": "NVLink 4, 900 GB/s both ways",
+                     "source": "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column)"},
+    "h200-nvl": {"tflops": 835.0, "memory_gbps": 4800.0, "link_gbps": 64.0, "link": "PCIe 5 x16 (2/4-way NVLink bridge)",
+                     "source": "NVIDIA H200 Tensor Core GPU datasheet (H200 NVL column)"},
+    "a100-40gb": {"tflops": 312.0, "memory_gbps": 1555.0, "link_gbps": 300.0, "link": "NVLink 3, 600 GB/s both ways (SXM)",
+                      "source": "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM)"},
+    "a100-80gb": {"tflops": 312.0, "memory_gbps": 2039.0, "link_gbps": 300.0, "link": "NVLink 3, 600 GB/s both ways (SXM)",
+                      "source": "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM)"},
+    "l40s": {"tflops": 362.0, "memory_gbps": 864.0, "link_gbps": 32.0, "link": "PCIe 4 x16, no NVLink",
+                 "source": "NVIDIA L40S datasheet (733 TFLOPS with sparsity, half dense)"},
+    "rtx-4090": {"tflops": 165.2, "memory_gbps": 1008.0, "link_gbps": 32.0, "link": "PCIe 4 x16, no NVLink",
+                     "source": "NVIDIA Ada GPU architecture whitepaper (RTX 4090, FP16 tensor with FP32 accumulate 165.2)"},
+    "rtx-5090": {"tflops": 209.5, "memory_gbps": 1792.0, "link_gbps": 64.0, "link": "PCIe 5 x16, no NVLink",
+                     "source": "NVIDIA RTX Blackwell GPU architecture whitepaper (RTX 5090, dense FP16 tensor)"},
+    "rtx-3090": {"tflops": 71.0, "memory_gbps": 936.0, "link_gbps": 32.0, "link": "PCIe 4 x16 (NVLink bridge: 112.5 GB/s)",
+                     "source": "NVIDIA Ampere GA102 GPU architecture whitepaper (RTX 3090, FP16 tensor with FP16 "
+                            "accumulate 142 dense; 71 with FP32 accumulate, as PyTorch runs it)"},
+}
+HOOK_SECONDS = 2e-5  # accelerate's AlignDevicesHook around one module call: Python, about 14 us measured on this CPU
+GPU_HOST_GBPS = {"PCIe 4": 25.0, "PCIe 5": 50.0}  # pinned host -> device copies, about 80% of the bus
+
+
+def table_profile(name: str) -> DeviceProfile:
+    """The profile of one row of `GPU_TABLE` (UsageError naming the rows when it has none)."""
+    row = GPU_TABLE.get(name.lower())
+    if row is None:
+        raise UsageError(f"dmap has no published figures for {shorten(name, quote=True)}: use one of "
+                         f"{', '.join(GPU_TABLE)}, or measure this machine with dmap calibrate.")
+    host = GPU_HOST_GBPS["PCIe 5"] if name.startswith(("h1", "h2", "rtx-5")) else GPU_HOST_GBPS["PCIe 4"]
+    half = {"bfloat16": row["tflops"], "float16": row["tflops"]}
+    return DeviceProfile(name, "gpu", {**half, "float32": row["tflops"] / 2}, dict(half), row["memory_gbps"], host,
+                         row["link_gbps"], row["link"], 5e-6, row["source"] + f"; {_NVLINK_NOTE}",
+                         hook_seconds=HOOK_SECONDS)
+
+
+# The profile a plan uses when given none and none is cached: the time model's old defaults (100 TFLOP/s sustained,
+# a PCIe 4 x16 link), so that a plan without a profile predicts as it always did.
+DEFAULT_PROFILE = DeviceProfile("default", "gpu", {"bfloat16": 100.0, "float16": 100.0, "float32": 50.0},
+                                {"bfloat16": 100.0, "float16": 100.0, "float32": 50.0}, 1000.0, 25.0, 25.0,
+                                "PCIe 4 x16", 5e-6, "dmap's defaults (--device-tflops 100, --link-gbps 25): no profile "
+                                "given and none calibrated (dmap calibrate)", hook_seconds=HOOK_SECONDS)
+
+
+def default_profile_path() -> Path:
+    """Where `dmap calibrate` writes this machine's profile, and where `dmap plan` looks for it."""
+    from dm_cli.io.cache import cache_dir
+
+    return cache_dir() / "profiles" / "device.json"
+
+
+def read_profile(path: str | Path) -> DeviceProfile:
+    """A profile file, or a row of GPU_TABLE by name (`table:h100-sxm`); UsageError (one sentence) when it is
+    missing, too large, not JSON or not a valid profile."""
+    text = str(path)
+    if text.startswith("table:"):
+        return table_profile(text[len("table:"):])
+    file = Path(text).expanduser()
+    try:
+        if file.stat().st_size > MAX_PROFILE_BYTES:
+            raise UsageError(f"The device profile {text} is larger than {MAX_PROFILE_BYTES} bytes: it is not one "
+                             "dmap calibrate wrote.")
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except UsageError:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        why = "it does not exist" if isinstance(error, FileNotFoundError) else "it cannot be read as JSON"
+        raise UsageError(f"The device profile {text} cannot be used: {why} (write one with dmap calibrate).") from None
+    try:
+        return DeviceProfile.from_json(data)
+    except ValueError as error:
+        raise UsageError(f"The device profile {text} cannot be used: {error}.") from None
+
+
+def cached_profile() -> DeviceProfile | None:
+    """This machine's calibrated profile when `dmap calibrate` wrote one (and it still reads), else None."""
+    path = default_profile_path()
+    if not path.is_file():
+        return None
+    try:
+        return read_profile(path)
+    except UsageError:
+        return None
+
+
+@dataclass(frozen=True)
+class ProfileChoice:
+    """The profile a plan predicts with and why that one."""
+
+    profile: DeviceProfile = DEFAULT_PROFILE
+    origin: str = "default"  # "file", "cached" or "default"
+    path: str = ""
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,105 @@
+"""How long will it take: the denoising step's predicted seconds for a plan, on a device profile (profiles.py).
+
+The work of one denoiser call is what its meta trace counted (trace_session.py `_Session.work`, at the planned
+inputs): matmul and convolution FLOPs (torch's own formulas), attention FLOPs, the bytes the other ops read and
+write, and the ops dispatched. One call takes
+
+    matmul FLOPs / matmul rate + attention FLOPs / attention rate + other bytes / elementwise rate
+    + weights / memory rate + ops x seconds per op
+
+at the plan's dtype, the matmul and attention rates read off the profile's measured curves at the call's mean FLOPs
+per op (a small model's matmuls run far below the device's peak); a step is the family's calls per step (2 under separate CFG) of that, plus what the plan moves
+per call: its offloaded weights at the profile's host rate (dmap streams them from the checkpoint, then copies them),
+the hidden states at each hop between devices (the same hop bytes parallel.py counts for the split), and accelerate's
+hook around each module of a split or offloaded denoiser. An image is `steps` steps over the images one call makes (batch x images
+per prompt); a queue of N is N prompts one after another. With --world-size, each layout's time is this step scaled by
+parallel.py's time model (its step seconds for the layout over its seconds for the split), which compares the
+layouts' FLOPs per rank and link traffic on the same profile. The encoders and the decoder are not counted: the
+prediction is of the denoise stage. Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dm_cli.planning.profiles import DeviceProfile
+
+
+@dataclass(frozen=True)
+class CallWork:
+    """One denoiser call's work, as the meta trace counted it, and the weights it reads."""
+
+    matmul_flops: float
+    attention_flops: float
+    other_bytes: float
+    ops: int
+    weight_bytes: int
+    matmul_ops: int = 0
+    attention_ops: int = 0
+    attention_scores: float = 0.0  # query-key pairs over every head and sample
+
+    @classmethod
+    def of(cls, work: dict, weight_bytes: int) -> "CallWork":
+        return cls(float(work.get("matmul_flops", 0)), float(work.get("attention_flops", 0)),
+                   float(work.get("other_bytes", 0)), int(work.get("ops", 0)), int(weight_bytes),
+                   int(work.get("matmul_ops", 0)), int(work.get("attention_ops", 0)),
+                   float(work.get("attention_scores", 0)))
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What the plan moves per denoiser call: offloaded weights streamed in, and the hidden states at each hop."""
+
+    offloaded_bytes: int = 0
+    hops: int = 0
+    hop_bytes: int = 0
+    hooked_modules: int = 0  # modules accelerate wraps in a hook (a split or offloaded denoiser's)
+
+
+def call_terms(work: CallWork, profile: DeviceProfile, dtype: str, traffic: Traffic) -> dict[str, float]:
+    """The seconds of one denoiser call, term by term (see the module's doc)."""
+    matmul = profile.rate_at("matmul", dtype, work.matmul_flops / max(1, work.matmul_ops))
+    score = profile.score_seconds.get(dtype) or profile.score_seconds.get("bfloat16" if dtype == "float16" else "")
+    if score and work.attention_scores:  # the softmax per score, the two matmuls per FLOP
+        attention = work.attention_scores * score + work.attention_flops / (
+            profile.rate(profile.attention_tflops, dtype) * 1e12)
+    else:
+        rate = profile.rate_at("attention", dtype, work.attention_flops / max(1, work.attention_ops))
+        attention = work.attention_flops / (rate * 1e12)
+    return {
+        "matmul": work.matmul_flops / (matmul * 1e12),
+        "attention": attention,
+        "memory": work.other_bytes / ((profile.elementwise_gbps or profile.memory_gbps) * 1e9)
+        + work.weight_bytes / (profile.memory_gbps * 1e9),
+        "ops": work.ops * profile.op_seconds,
+        "offload": traffic.offloaded_bytes / (profile.host_gbps * 1e9),
+        "hops": traffic.hops * traffic.hop_bytes / (profile.link_gbps * 1e9),
+        "hooks": traffic.hooked_modules * profile.hook_seconds,
+    }
+
+
+def predict(work: CallWork, traffic: Traffic, profile: DeviceProfile, dtype: str, calls: int, steps: int,
+            images_per_call: int, queue: int, layout_steps: dict[str, float] | None = None,
+            origin: str = "default") -> dict:
+    """The plan's `predicted_time`: seconds per step, per image and per queue of `queue` prompts, the terms of one
+    step, and (with `layout_steps`, parallel.py's step seconds per layout) the same for each layout considered."""
+    terms = call_terms(work, profile, dtype, traffic)
+    step = calls * sum(terms.values())
+
+    def times(step_s: float) -> dict[str, float]:
+        prompt = steps * step_s
+        return {"step_s": _round(step_s), "image_s": _round(prompt / max(1, images_per_call)),
+                "queue_s": _round(prompt * queue)}
+
+    result = {"profile": profile.name, "profile_origin": origin, "profile_source": profile.source, "dtype": dtype,
+              "steps": steps, "calls_per_step": calls, "images_per_call": images_per_call, "queue": queue,
+              **times(step), "step_terms_s": {k: _round(calls * v) for k, v in terms.items()}}
+    if layout_steps and layout_steps.get("split"):
+        base = layout_steps["split"]
+        result["layouts"] = {name: times(step * seconds / base) for name, seconds in layout_steps.items()}
+    return result
+
+
+def _round(value: float) -> float:
+    """Four significant figures: a prediction is not more precise than that, and the JSON stays readable."""
+    return float(f"{value:.4g}")

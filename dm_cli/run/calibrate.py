@@ -1,0 +1,205 @@
+"""`dmap calibrate`: measure this machine's device (the first GPU, else the CPU) into a profile (planning/profiles.py)
+that `dmap plan` predicts step times with.
+
+Each rate is the median of a few timed repeats after a warm-up:
+- matmul: square matmuls at each dtype (float32 always; bfloat16 and float16 on a GPU, bfloat16 on a CPU);
+- attention: scaled_dot_product_attention at a denoiser's shape (heads of 64, a few thousand tokens);
+- memory: a large tensor added to itself (read twice, written once);
+- host and link: pinned host -> GPU copies, GPU -> GPU copies when there are two (on a CPU: the memory rate);
+- op_seconds: the time of one tiny op, which is what each of a small model's thousands of ops costs the host.
+On a CPU with one torch thread the clock is the thread's CPU time (a busy machine's other processes do not count);
+else the wall clock.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+from dm_cli.planning.profiles import DeviceProfile
+
+
+@dataclass(frozen=True)
+class CalibrationSizes:
+    """The sizes measured: `quick` for tests (seconds), the default for a profile worth predicting with."""
+
+    matmul: tuple[int, ...] = (64, 128, 256, 512, 1024)  # square matmuls: the rate curve by the size of one op
+    tokens: tuple[int, ...] = (256, 1024, 2048)  # attention over this many tokens, 8 heads of 64
+    memory_mib: int = 256
+    elementwise_mib: int = 4  # a denoiser's activations: a few MiB each
+    repeats: int = 5
+
+    @classmethod
+    def quick(cls) -> "CalibrationSizes":
+        return cls(matmul=(64, 128), tokens=(64, 128), memory_mib=8, elementwise_mib=1, repeats=2)
+
+
+def _best(run, repeats: int, sync, clock=time.perf_counter) -> float:
+    """The median of `repeats` timed calls of `run` (after one warm-up), on `clock`: an op as a model meets it again
+    and again, not its luckiest run (the fastest of 5 put the bench's predictions 15% under)."""
+    run()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        run()
+        sync()
+        times.append(clock() - start)
+    return max(sorted(times)[len(times) // 2], 1e-9)
+
+
+def _attention_fit(torch, target, dtype, tokens: int, timed, repeats: int, sync) -> tuple[float, float]:
+    """(seconds per query-key score, TFLOP/s of the rest) of attention at `dtype`: timed at head dimensions 16 and 64
+    over `tokens` tokens, 8 heads; time = scores x seconds per score + FLOPs / rate (4 x head dim FLOPs a score)."""
+    scores = 8 * tokens * tokens
+    seconds = {}
+    for dim in (16, 64):
+        q = torch.randn(1, 8, tokens, dim, device=target, dtype=dtype)
+        seconds[dim] = timed(lambda q=q: torch.nn.functional.scaled_dot_product_attention(q, q, q), repeats, sync)
+    extra = seconds[64] - seconds[16]
+    rate = 4 * scores * 48 / extra / 1e12 if extra > 0 else 1e6  # the FLOPs 48 more dimensions add
+    per_score = max(seconds[16] - 4 * scores * 16 / (rate * 1e12), seconds[16] * 0.05) / scores
+    return round(per_score, 15), round(min(rate, 1e6), 6)
+
+
+def _op_seconds(torch, target, timed, repeats: int, sync) -> float:
+    """The host's cost of one op inside a model: tiny resnet and transformer blocks (modules, their Python, the
+    dispatch; kernels of a few elements) timed, over the ops they dispatch as the planner's trace counts them (every
+    op but views)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    nn = torch.nn
+    conv = nn.Sequential(nn.GroupNorm(2, 4), nn.SiLU(), nn.Conv2d(4, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU(),
+                         nn.Conv2d(4, 4, 3, padding=1)).to(target)
+    mlp = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 32), nn.GELU(approximate="tanh"), nn.Linear(32, 8)).to(target)
+    image, tokens = torch.randn(1, 4, 4, 4, device=target), torch.randn(1, 4, 8, device=target)
+
+    def blocks():
+        for _ in range(20):
+            conv(image) + image, mlp(tokens) + tokens
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += not getattr(func, "is_view", False)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        blocks()
+    return timed(blocks, repeats, sync) / max(1, Count.ops)
+
+
+def _hook_seconds(torch, target, timed, repeats: int, sync) -> float:
+    """What accelerate's AlignDevicesHook adds to one module call (a split or offloaded denoiser has one per module)."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    calls = 200
+    layer, x = torch.nn.Linear(8, 8).to(target), torch.randn(1, 8, device=target)
+    plain = timed(lambda: [layer(x) for _ in range(calls)], repeats, sync)
+    add_hook_to_module(layer, AlignDevicesHook(execution_device=target, io_same_device=True))
+    hooked = timed(lambda: [layer(x) for _ in range(calls)], repeats, sync)
+    return max(hooked - plain, 0.0) / calls or 1e-9
+
+
+def _stream_gbps(torch, sizes: "CalibrationSizes", timed) -> float:
+    """GB/s at which offloaded weights come back each step: dmap reads them from the checkpoint's safetensors (in the
+    page cache after the first step) and casts them (run/loading.py `_load_streamed`), tensor by tensor."""
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    count, size = (8, 2**14) if sizes.memory_mib < 64 else (64, 2**18)  # float32 tensors of 64 KiB / 1 MiB
+    tensors = {f"layer.{i}.weight": torch.randn(size) for i in range(count)}
+    with tempfile.TemporaryDirectory(prefix="dmap-calibrate-") as folder:
+        path = f"{folder}/weights.safetensors"
+        save_file(tensors, path)
+
+        def read() -> None:
+            with safe_open(path, framework="pt", device="cpu") as handle:
+                for name in tensors:
+                    handle.get_tensor(name).to(torch.bfloat16)
+
+        return count * size * 4 / timed(read, sizes.repeats, lambda: None) / 1e9
+
+
+def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
+              on_progress=None) -> DeviceProfile:
+    """Measure the device (`device`: "cpu", "cuda:0"; None: the first GPU, else the CPU) into a profile."""
+    import torch
+
+    sizes = sizes or CalibrationSizes()
+    say = on_progress or (lambda message: None)
+    target = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    gpu = target.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(target)) if gpu else (lambda: None)
+    if not gpu and torch.get_num_threads() == 1:  # the thread does all the work: its CPU clock, which the machine's
+        def timed(run, repeats, sync):  # other load does not inflate (a wall clock there counts the others' turns)
+            return _best(run, repeats, sync, time.thread_time)
+    else:
+        timed = _best
+    dtypes = ("float32", "bfloat16", "float16") if gpu else ("float32", "bfloat16")
+    matmul, attention, matmul_curve, attention_curve, scores = {}, {}, {}, {}, {}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.inference_mode():
+        for name in dtypes:
+            dtype = getattr(torch, name)
+            say(f"Measuring matmuls of {', '.join(map(str, sizes.matmul))} in {name}")
+            curve = []
+            for n in sizes.matmul:
+                a, b = torch.randn(n, n, device=target, dtype=dtype), torch.randn(n, n, device=target, dtype=dtype)
+                seconds = timed(lambda a=a, b=b: torch.mm(a, b), sizes.repeats, sync)
+                curve.append([2 * n**3, round(2 * n**3 / seconds / 1e12, 6)])
+            matmul_curve[name], matmul[name] = curve, max(rate for _, rate in curve)
+            say(f"Measuring attention over {', '.join(map(str, sizes.tokens))} tokens in {name}")
+            curve = []
+            for tokens in sizes.tokens:
+                q = torch.randn(1, 8, tokens, 64, device=target, dtype=dtype)
+                flops = 4 * 8 * tokens**2 * 64
+                curve.append([flops, round(flops / timed(lambda q=q: sdpa(q, q, q), sizes.repeats, sync) / 1e12, 6)])
+            attention_curve[name] = curve
+            scores[name], attention[name] = _attention_fit(torch, target, dtype, max(sizes.tokens), timed,
+                                                           sizes.repeats, sync)
+        say(f"Measuring a denoiser's elementwise ops over {sizes.elementwise_mib} MiB tensors")
+        y = torch.randn(sizes.elementwise_mib * 2**20 // 4 // 512, 512, device=target)
+        moved = y.nbytes * (3 + 3 + 2 + 2 + 2 + 4)  # bytes read and written by the mix below
+
+        def mix():
+            torch.add(y, y), torch.mul(y, y), torch.nn.functional.gelu(y, approximate="tanh")
+            torch.nn.functional.silu(y), torch.nn.functional.layer_norm(y, (512,)), torch.cat([y, y])
+
+        elementwise = moved / timed(mix, sizes.repeats, sync) / 1e9
+        say(f"Measuring memory bandwidth over {sizes.memory_mib} MiB")
+        elements = sizes.memory_mib * 2**20 // 4
+        x = torch.ones(elements, device=target)
+        out = torch.empty_like(x)
+        memory = 3 * x.nbytes / timed(lambda: torch.add(x, x, out=out), sizes.repeats, sync) / 1e9
+        op_seconds = _op_seconds(torch, target, timed, sizes.repeats, sync)
+        hook = _hook_seconds(torch, target, timed, sizes.repeats, sync)
+        say("Measuring offloaded weights read back from a safetensors file")
+        stream = _stream_gbps(torch, sizes, timed)
+        host, link, words = stream, memory, "one device: its memory"
+        if gpu:
+            say("Measuring host -> GPU copies")
+            pinned = torch.ones(elements, pin_memory=True)
+            copy = x.nbytes / timed(lambda: x.copy_(pinned, non_blocking=True), sizes.repeats, sync) / 1e9
+            host = 1 / (1 / stream + 1 / copy)  # dmap streams offloaded blocks from the checkpoint, then copies them
+            link, words = copy, "one GPU: host copies"
+            if torch.cuda.device_count() > 1:
+                other = torch.empty(elements, device="cuda:1")
+                link = x.nbytes / timed(lambda: other.copy_(x), sizes.repeats,
+                                        lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1))) / 1e9
+                words = "GPU 0 -> GPU 1 copies"
+    name = torch.cuda.get_device_name(target) if gpu else (platform.processor() or platform.machine() or "cpu")
+    threads = torch.get_num_threads()
+    where = f"{name}, {threads} torch thread(s)" if not gpu else name
+    source = (f"measured by dmap calibrate on {platform.node() or 'this machine'} at "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} ({where}; load average "
+              f"{os.getloadavg()[0]:.1f}; {'thread CPU' if timed is not _best else 'wall'} clock; sizes: matmuls up to {max(sizes.matmul)}, up to {max(sizes.tokens)} tokens, {sizes.memory_mib} MiB)")
+    return DeviceProfile(where, "gpu" if gpu else "cpu", {k: round(v, 4) for k, v in matmul.items()},
+                         {k: round(v, 4) for k, v in attention.items()}, round(memory, 3), round(host, 3),
+                         round(link, 3), words, round(op_seconds, 9), source, True, matmul_curve, attention_curve,
+                         round(elementwise, 3), round(hook, 9) or 1e-9, scores)

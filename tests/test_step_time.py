@@ -1,0 +1,135 @@
+"""Step time predicted before loading (issue 42): `dmap calibrate`, device profiles, the cost model and its lines in
+`dmap plan`."""
+
+import json
+
+import pytest
+from conftest import run_dmap
+
+from dm_cli.planning.profiles import GPU_TABLE, DeviceProfile, table_profile
+from dm_cli.planning.step_time import CallWork, Traffic, call_terms, predict
+
+
+def hand_profile(**changes) -> DeviceProfile:
+    """Round rates, so that every term of the hand-made case below is a whole number of seconds."""
+    base = {"name": "hand", "kind": "gpu", "matmul_tflops": {"bfloat16": 1.0}, "attention_tflops": {"bfloat16": 0.5},
+                "memory_gbps": 2.0, "host_gbps": 4.0, "link_gbps": 2.0, "op_seconds": 1e-3, "elementwise_gbps": 1.0}
+    return DeviceProfile(**{**base, **changes})
+
+
+def test_cost_model_adds_each_term_of_a_hand_made_case():
+    work = CallWork(matmul_flops=2e12, attention_flops=1e12, other_bytes=1e9, ops=1000, weight_bytes=2 * 10**9,
+                    matmul_ops=10, attention_ops=4)
+    traffic = Traffic(offloaded_bytes=4 * 10**9, hops=2, hop_bytes=10**9, hooked_modules=500)
+    terms = call_terms(work, hand_profile(hook_seconds=2e-3), "bfloat16", traffic)
+    assert terms == pytest.approx({"matmul": 2.0, "attention": 2.0, "memory": 1.0 + 1.0, "ops": 1.0, "offload": 1.0,
+                                   "hops": 1.0, "hooks": 1.0})
+    result = predict(work, traffic, hand_profile(hook_seconds=2e-3), "bfloat16", calls=2, steps=10, images_per_call=2,
+                     queue=3, layout_steps={"split": 4.0, "cfg": 2.0})
+    assert result["step_s"] == pytest.approx(20.0)  # 2 calls x 10 s
+    assert result["image_s"] == pytest.approx(100.0)  # 10 steps x 20 s over 2 images per call
+    assert result["queue_s"] == pytest.approx(600.0)  # 3 prompts of 10 steps
+    assert result["layouts"]["cfg"]["step_s"] == pytest.approx(10.0)  # half the split's, as parallel.py predicts
+
+
+def test_rates_are_read_off_the_measured_curve_by_op_size():
+    profile = hand_profile(matmul_curve={"bfloat16": [[1e6, 1.0], [1e8, 100.0]]})
+    assert profile.rate_at("matmul", "bfloat16", 1e7) == pytest.approx(10.0)  # log-log between the points
+    assert profile.rate_at("matmul", "bfloat16", 1e3) == 1.0 and profile.rate_at("matmul", "bfloat16", 1e12) == 100.0
+    assert profile.rate_at("attention", "bfloat16", 1e7) == 0.5  # no curve: the flat rate
+    assert profile.rate_at("matmul", "float16", 1e7) == pytest.approx(10.0)  # half precision shares bfloat16's
+
+
+def test_profile_round_trips_and_the_table_names_its_sources():
+    measured = hand_profile(matmul_curve={"bfloat16": [[1e6, 1.0], [1e8, 2.0]]}, measured=True, source="here")
+    assert DeviceProfile.from_json(json.loads(json.dumps(measured.to_json()))) == measured
+    for name in GPU_TABLE:
+        profile = table_profile(name)
+        assert profile.source and profile.rate(profile.matmul_tflops, "bfloat16") > 0
+        assert DeviceProfile.from_json(profile.to_json()) == profile
+
+
+def test_calibrate_quick_on_cpu_writes_a_profile_that_plan_reads(tmp_path):
+    path = tmp_path / "cpu.json"
+    code, out, err = run_dmap("calibrate", "--quick", "--device", "cpu", "-o", path)
+    assert code == 0, err
+    profile = DeviceProfile.from_json(json.loads(path.read_text()))
+    assert profile.kind == "cpu" and profile.measured and profile.op_seconds > 0
+    assert set(profile.matmul_tflops) == {"float32", "bfloat16"} and profile.elementwise_gbps > 0
+    assert profile.hook_seconds > 0 and profile.host_gbps > 0
+    assert len(profile.matmul_curve["float32"]) == 2
+    code, out, err = run_dmap("plan", "tiny-flux", "--profile", path, "--steps", "7", "--queue", "3", "--json")
+    assert code in (0, 1), err
+    predicted = json.loads(out)["predicted_time"]
+    assert predicted["profile"] == profile.name and predicted["profile_origin"] == "file"
+    assert predicted["step_s"] > 0 and predicted["image_s"] == pytest.approx(7 * predicted["step_s"], rel=1e-3)
+    assert predicted["queue_s"] == pytest.approx(3 * predicted["image_s"], rel=1e-3)
+    code, out, err = run_dmap("calibrate", "--quick", "--device", "cpu", "-o", path)  # exists: refused
+    assert code == 2 and "Traceback" not in err
+
+
+def test_calibrated_profile_in_the_cache_is_the_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("DMAP_CACHE_DIR", str(tmp_path / "cache"))  # not the session's: other tests expect none
+    code, _, err = run_dmap("calibrate", "--quick", "--device", "cpu")
+    assert code == 0, err
+    code, out, err = run_dmap("plan", "tiny-flux", "-m", "cpu=8GB", "--json")
+    assert json.loads(out)["predicted_time"]["profile_origin"] == "cached"
+    code, out, err = run_dmap("plan", "tiny-flux", "-m", "0=8GB", "--json")  # a CPU's profile says nothing of a GPU
+    assert json.loads(out)["predicted_time"]["profile_origin"] == "default"
+
+
+@pytest.mark.parametrize("document", [
+    "not json", json.dumps({"format": "dmap-device-profile", "version": 1}), json.dumps([1, 2]),
+    json.dumps({**table_profile("l40s").to_json(), "memory_gbps": -1}),
+    json.dumps({**table_profile("l40s").to_json(), "matmul_tflops": {"int4": 5}}),
+    json.dumps({**table_profile("l40s").to_json(), "matmul_curve": {"bfloat16": [[1e8, 1], [1e6, 2]]}}),
+    json.dumps({**table_profile("l40s").to_json(), "op_seconds": "fast"}),
+    json.dumps({**table_profile("l40s").to_json(), "kind": "tpu"}),
+])
+def test_a_bad_profile_is_refused_in_one_sentence(tmp_path, document):
+    path = tmp_path / "bad.json"
+    path.write_text(document)
+    code, out, err = run_dmap("plan", "tiny-flux", "--profile", path)
+    assert code == 2, (out, err)
+    assert err.startswith("Error: The device profile") and "Traceback" not in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args", [["--profile", "/no/such/profile.json"], ["--profile", "table:tpu-v9"],
+                                  ["--steps", "0"], ["--queue", "0"]])
+def test_bad_prediction_options_exit_2(args):
+    code, _, err = run_dmap("plan", "tiny-flux", *args)
+    assert code == 2 and "Traceback" not in err
+
+
+def test_plan_prints_predicted_times_per_step_image_and_queue():
+    code, out, err = run_dmap("plan", "tiny-flux", "--steps", "4", "--queue", "5", env={"COLUMNS": "200"})
+    assert code in (0, 1), err
+    assert "Predicted denoise time:" in out and "at 4 steps" in out and "for a queue of 5" in out
+    assert "Device profile: default" in out
+
+
+def test_parallel_auto_uses_the_profile_and_prints_each_layout():
+    code, out, err = run_dmap("plan", "flux", "-m", "0=80GB,1=80GB,cpu=64GB", "--world-size", "2", "--dtype",
+                              "bfloat16", "--profile", "table:h100-sxm", "--no-check", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["parallel"]["device_tflops"] == 989.0 and data["parallel"]["link_gbps"] == 450.0
+    layouts = data["predicted_time"]["layouts"]
+    assert set(layouts) == set(data["parallel"]["predicted_step_s"]) and "split" in layouts
+    code, out, err = run_dmap("plan", "flux", "-m", "0=80GB,1=80GB,cpu=64GB", "--world-size", "2", "--dtype",
+                              "bfloat16", "--profile", "table:h100-sxm", "--no-check", env={"COLUMNS": "200"})
+    assert "  split: " in out and "per queue" in out
+
+
+@pytest.mark.parametrize("hostile", [[1], {"step_s": float("nan")}, {"step_s": [1, 2]}, {"a": {"b": {"c": {"d": 1}}}},
+                                     {str(i): 1 for i in range(201)}, {"step_s": True}])
+def test_a_plan_file_with_a_malformed_prediction_is_refused(tmp_path, hostile):
+    from dm_cli.planning.plan_file import Plan
+
+    path = tmp_path / "plan.json"
+    code, _, err = run_dmap("plan", "tiny-flux", "-q", "--no-check", "-o", path)
+    assert code == 0, err
+    data = json.loads(path.read_text())
+    assert Plan.from_json(data).to_json() == data  # the prediction reads back as written
+    with pytest.raises(ValueError):
+        Plan.from_json({**data, "predicted_time": hostile})
