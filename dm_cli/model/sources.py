@@ -170,7 +170,7 @@ def resolve_source(spec: str) -> Source:
     broken = _broken_link(path)
     if broken:
         raise SourceError(f"SOURCE {spec} {broken}.")
-    if _looks_like_path(spec):
+    if looks_like_path(spec):
         raise SourceError(f"No such path: {spec} (SOURCE looks like a file or folder, and nothing is there).")
     parent = path.parent
     if parent != Path(".") and parent.is_dir():  # models/flux with a models/ folder here: a path, not a repo id
@@ -202,7 +202,7 @@ def _broken_link(path: Path) -> str | None:
     return None
 
 
-def _looks_like_path(spec: str) -> bool:
+def looks_like_path(spec: str) -> bool:
     """./x, ../x, /x, ~/x, or a name ending like a weight or config file: a path, never a preset or repo id."""
     return spec.startswith((".", "/", "~", os.sep)) or spec.endswith(
         (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", GGUF_SUFFIX)) or spec.count("/") > 2

@@ -243,7 +243,7 @@ def source_of_plan(plan: Plan, plan_file: str | None) -> str:
     found from the working folder or, failing that, beside the plan file; a path that is in neither is refused
     in one sentence naming both."""
     from dm_cli.model.demo import is_demo
-    from dm_cli.model.sources import PRESETS
+    from dm_cli.model.sources import PRESETS, looks_like_path
 
     source, where = str(plan.source), plan_file or "The plan"
     if not source or source == "?":
@@ -254,15 +254,11 @@ def source_of_plan(plan: Plan, plan_file: str | None) -> str:
     beside = Path(plan_file).parent / path if plan_file is not None and not path.is_absolute() else None
     if beside is not None and beside.exists():
         return str(beside)
-    looks_like_path = path.is_absolute() or source.startswith((".", "~")) or len(path.parts) > 2 or (
-        path.suffix in (".safetensors", ".json", ".gguf"))
-    if looks_like_path or source in PRESETS:  # a preset is refused by `prepare` in its own words (no weights)
-        if source in PRESETS:
-            return source
-        places = f"{Path.cwd()}" + (f" or beside {plan_file}" if beside is not None else "")
-        raise UsageError(f"{where} was made for {source}, which does not exist (looked from {places}): give the "
-                         f"model's SOURCE (dmap run SOURCE -d {where} ...), or plan it again.")
-    return source  # a Hub id: resolved from the local cache like any SOURCE
+    if source in PRESETS or not looks_like_path(source):  # a preset (refused by `prepare` in its own words) or a
+        return source                                      # Hub id, resolved from the local cache like any SOURCE
+    places = f"{Path.cwd()}" + (f" or beside {plan_file}" if beside is not None else "")
+    raise UsageError(f"{where} was made for {source}, which does not exist (looked from {places}): give the "
+                     f"model's SOURCE (dmap run SOURCE -d {where} ...), or plan it again.")
 
 
 def _plan_again(plan: Plan, source: Source, plan_file: str | None, same_model: bool) -> str:
