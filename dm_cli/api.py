@@ -64,6 +64,9 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     "NAME[:KEY=VALUE,...]" as `--cache` takes it (fbc, taylorseer, magcache): what its hooks hold is counted on the
     devices of the blocks that hold it (`Plan.step_cache`).
     """
+    from dm_cli.run.options import refuse_untaken
+
+    refuse_untaken("api.plan", settings)  # an option of dmap run's (seed=, ...): refused with its reason
     from dm_cli.inputs import Generation, InputImage, PlacementSpec
     from dm_cli.model.demo import source_root
     from dm_cli.model.lora import read_loras
@@ -161,8 +164,10 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
     each time it loads, at their scales (`set_adapters`), unfused. `cache`: a step cache on the denoiser
     ("NAME[:KEY=VALUE,...]", as `--cache`; None: the plan's), applied with diffusers' `enable_cache` each time it loads.
     """
+    from dm_cli.run.options import refuse_untaken
     from dm_cli.run.request import RunRequest
 
+    refuse_untaken("api.load", settings)  # an option of dmap plan's or generate()'s (steps=, ...): refused with its reason
     device_map = plan if isinstance(plan, (str, Path)) else strategy
     request = RunRequest.of(source, "", device_map=str(device_map), max_memory=max_memory, mode=mode,
                             dtype=dtype, overhead=overhead, height=height, width=width, guidance_scale=guidance_scale,

@@ -1,10 +1,11 @@
-"""Options that several commands take are declared once (dm_cli/cli/_cli_utils.py) and read the same everywhere.
+"""Options that several commands take are declared once (the options table dm_cli/run/options.py, the aliases
+dm_cli/cli/_cli_utils.py) and read the same everywhere.
 
-`dmap plan --height` and `dmap run --height` are one option: same flags, same help. The commands take
-them as `typing.Annotated` aliases from `_cli_utils`, so a help text cannot be edited in one command and
-forgotten in the other. Checked here, cheaply (no model, no torch): the click commands Typer builds, the
-rendered --help of each command, and the source of dm_cli/cli/ (no shared flag is declared outside
-`_cli_utils.py`).
+`dmap plan --height` and `dmap run --height` are one option: same flags, same help. plan, run and serve take
+them from the options table (`_cli_utils.table_options`), the other commands as `typing.Annotated` aliases from
+`_cli_utils`, so a help text cannot be edited in one command and forgotten in the other. Checked here, cheaply
+(no model, no torch): the click commands Typer builds, the rendered --help of each command, and the source of
+dm_cli/cli/ (no shared flag is declared outside `_cli_utils.py` and the table).
 
 A flag that means different things to different commands has variants, side by side in `_cli_utils`:
 `--output` (a plan file, an image, a shard folder, a demo folder), `--seed` (of the image, of the random
@@ -112,12 +113,21 @@ def _flags_declared(path: Path) -> set[str]:
     return {flag for value in found for flag in value.split("/")}  # "--resume/--no-resume"
 
 
+def _flags_in_the_table() -> set[str]:
+    """The flags (an argument: its metavar) of the options table the aliases and plan/run/serve are made from."""
+    from dm_cli.run.options import OPTIONS
+
+    return {flag for row in OPTIONS for flags in row.flags for flag in flags.split("/")}
+
+
 def test_shared_options_are_declared_only_in_the_aliases_module():
     from dm_cli.families import all_settings
 
-    # a family's own settings are declared once too, in their family's module (dm_cli.families.Setting)
+    # a family's own settings are declared once too, in their family's module (dm_cli.families.Setting); the options
+    # of plan, run and serve in the options table (dm_cli.run.options), which the aliases module turns into Typer's
     shared = set(_shared()) - {setting.flag for setting in all_settings().values()}
-    assert shared <= _flags_declared(ALIASES), f"declared elsewhere only: {sorted(shared - _flags_declared(ALIASES))}"
+    declared = _flags_declared(ALIASES) | _flags_in_the_table()
+    assert shared <= declared, f"declared elsewhere only: {sorted(shared - declared)}"
     for path in sorted(CLI.glob("*.py")):
         if path != ALIASES:
             again = shared & _flags_declared(path)

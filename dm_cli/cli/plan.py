@@ -2,102 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import typer
 
-from dm_cli.cli._cli_utils import (
-    BinaryOpt,
-    CacheOpt,
-    ComponentFileOpt,
-    ComponentOpt,
-    DtypeOpt,
-    FpsOpt,
-    FramesOpt,
-    GuidanceScaleOpt,
-    ImageOpt,
-    JsonOpt,
-    LastImageOpt,
-    LoraOpt,
-    MaxMemoryOpt,
-    MaxSequenceLengthOpt,
-    ModeOpt,
-    NegativePromptOpt,
-    NoCacheOpt,
-    NumImagesOpt,
-    OverheadOpt,
-    OverwriteOpt,
-    PipelineOpt,
-    PlanHeightOpt,
-    PlanOutputOpt,
-    PlanParallelOpt,
-    QuietOpt,
-    SourceArg,
-    StepsOpt,
-    WeightsOpt,
-    WidthOpt,
-    word_parser,
-)
-from dm_cli.planning.modes import Strategy
-
-# the predicted step time (dm_cli.planning.step_time) and --parallel auto's time model
-DeviceTflopsOpt = Annotated[float | None, typer.Option(
-    "--device-tflops", help="--parallel auto: TFLOP/s one GPU sustains (default: the device profile's).")]
-LinkGbpsOpt = Annotated[float | None, typer.Option(
-    "--link-gbps", help="--parallel auto: GB/s between two GPUs (default: the device profile's).")]
-ProfileOpt = Annotated[str | None, typer.Option(
-    "--profile", metavar="FILE", help="Device profile for the predicted step time: a file dmap calibrate wrote, or "
-                                      "table:NAME (h100-sxm, l40s, ...). Default: this machine's calibrated one, else "
-                                      "dmap's defaults.")]
-QueueOpt = Annotated[int, typer.Option("--queue", metavar="N", help="Prompts the predicted time per queue counts.")]
+from dm_cli.cli._cli_utils import table_options
 
 
+# every parameter but ctx and settings is its row of dm_cli.run.options: flags, type, default and help
+@table_options("plan")
 def plan(
     ctx: typer.Context,
-    source: SourceArg,
-    max_memory: MaxMemoryOpt = None,
-    strategy: Strategy = typer.Option("auto", "--strategy", parser=word_parser(Strategy, "--strategy"),
-                                      help="auto | sequential | balanced | balanced_low_0."),
-    mode: ModeOpt = "auto",
-    height: PlanHeightOpt = None,
-    width: WidthOpt = None,
-    batch_size: int = typer.Option(1, "--batch-size", help="Prompts per call."),
-    num_images: NumImagesOpt = 1,
-    guidance_scale: GuidanceScaleOpt = None,
-    negative_prompt: NegativePromptOpt = None,
-    image: ImageOpt = None,
-    last_image: LastImageOpt = None,
-    last_image_size: str | None = typer.Option(None, "--last-image-size", metavar="WxH",
-                                               help="The last frame's size only (a plan needs no pixels)."),
-    image_size: list[str] | None = typer.Option(None, "--image-size", metavar="WxH",
-                                                help="An input image's size only (a plan needs no pixels); repeatable."),
-    max_sequence_length: MaxSequenceLengthOpt = None,
-    frames: FramesOpt = None,
-    fps: FpsOpt = None,
-    dtype: DtypeOpt = None,
-    weights: WeightsOpt = None,
-    overhead: OverheadOpt = None,
-    component: ComponentOpt = None,
-    output: PlanOutputOpt = None,
-    overwrite: OverwriteOpt = False,
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
-    no_check: bool = typer.Option(False, "--no-check", help="Skip the split check on the meta device."),
-    binary: BinaryOpt = False,
-    no_cache: NoCacheOpt = False,
-    world_size: int = typer.Option(1, "--world-size", help="torchrun ranks to plan for (rank r on GPU r); 1: one process."),
-    parallel: PlanParallelOpt = None,
-    device_tflops: DeviceTflopsOpt = None,
-    link_gbps: LinkGbpsOpt = None,
-    profile: ProfileOpt = None,
-    steps: StepsOpt = None,  # the predicted time per image counts them
-    queue: QueueOpt = 1,
-    in_flight: int | None = typer.Option(None, "--in-flight", metavar="K",
-                                         help="--parallel pipeline: queue prompts in flight (default --world-size)."),
-    pipeline: PipelineOpt = None,
-    component_file: ComponentFileOpt = None,
-    lora: LoraOpt = None,
-    cache: CacheOpt = None,
+    source, max_memory, strategy, mode, height, width, batch_size, num_images, guidance_scale, negative_prompt,
+    image, last_image, last_image_size, image_size, max_sequence_length, frames, fps, dtype, weights, overhead,
+    component, output, overwrite, as_json, quiet, no_check, binary, no_cache, world_size, parallel, device_tflops,
+    link_gbps, profile, steps, queue, in_flight, pipeline, component_file, lora, cache,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     from dm_cli.api import plan as make_plan

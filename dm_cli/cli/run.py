@@ -4,103 +4,19 @@ With --prompts FILE, a whole queue: stage-major in chunks, resumable, spread ove
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import typer
 
-from dm_cli.cli._cli_utils import (
-    BinaryOpt,
-    CacheOpt,
-    ComponentFileOpt,
-    DtypeOpt,
-    FpsOpt,
-    FramesOpt,
-    GpusPerRankOpt,
-    GuidanceScaleOpt,
-    HeightOpt,
-    ImageOpt,
-    JsonOpt,
-    LastImageOpt,
-    LoraOpt,
-    MaxMemoryOpt,
-    MaxSequenceLengthOpt,
-    ModeOpt,
-    NegativePromptOpt,
-    OverheadOpt,
-    OverwriteOpt,
-    ParallelOpt,
-    PipelineOpt,
-    QuietOpt,
-    RunNumImagesOpt,
-    RunOutputOpt,
-    RunSeedOpt,
-    RunSourceArg,
-    SimulateOpt,
-    StepsOpt,
-    WeightsOpt,
-    WidthOpt,
-)
-
-# the options only `dmap run` takes (the shared ones are in _cli_utils)
-PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="What to draw.")]
-PromptsOpt = Annotated[str | None, typer.Option(
-    "--prompts", help="A queue: a text file (one prompt a line) or JSONL (prompt, negative_prompt, "
-                      "seed, steps, guidance_scale, output per line); item i gets seed --seed + i.")]
-DeviceMapOpt = Annotated[str, typer.Option(
-    "--device-map", "-d", help="auto | balanced | balanced_low_0 | sequential (plan now), or a plan JSON from dmap plan.")]
-SaveLatentsOpt = Annotated[str | None, typer.Option(
-    "--save-latents", help="Also write the final latents (safetensors).")]
-TrackActivationsOpt = Annotated[bool, typer.Option(
-    "--track-activations", help="Measure activations op by op on CPU (slower; default: the process's peak RSS).")]
-ResumeOpt = Annotated[bool, typer.Option(
-    "--resume/--no-resume", help="--prompts: skip items whose PNG is complete and made for them (default), or redo all.")]
-ChunkSizeOpt = Annotated[int | None, typer.Option(
-    "--chunk-size", min=1, help="--prompts, staged: prompts per chunk (default: what --chunk-memory holds).")]
-ChunkMemoryOpt = Annotated[str | None, typer.Option(
-    "--chunk-memory", help="--prompts, staged: RAM for embeddings and latents waiting between "
-                           "stages (default: 10% of available RAM).")]
+from dm_cli.cli._cli_utils import table_options
 
 
+# every parameter but ctx and settings is its row of dm_cli.run.options: flags, type, default and help
+@table_options("run")
 def run(
     ctx: typer.Context,
-    source: RunSourceArg = None,
-    prompt: PromptOpt = None,
-    prompts: PromptsOpt = None,
-    negative_prompt: NegativePromptOpt = None,
-    image: ImageOpt = None,
-    last_image: LastImageOpt = None,
-    device_map: DeviceMapOpt = "auto",
-    max_memory: MaxMemoryOpt = None,
-    mode: ModeOpt = "auto",
-    overhead: OverheadOpt = None,
-    steps: StepsOpt = None,
-    guidance_scale: GuidanceScaleOpt = None,
-    seed: RunSeedOpt = 0,
-    height: HeightOpt = None,
-    width: WidthOpt = None,
-    num_images: RunNumImagesOpt = None,
-    max_sequence_length: MaxSequenceLengthOpt = None,
-    frames: FramesOpt = None,
-    fps: FpsOpt = None,
-    output: RunOutputOpt = None,
-    save_latents: SaveLatentsOpt = None,
-    dtype: DtypeOpt = None,
-    weights: WeightsOpt = None,
-    simulate: SimulateOpt = False,
-    overwrite: OverwriteOpt = False,
-    track_activations: TrackActivationsOpt = False,
-    resume: ResumeOpt = True,
-    chunk_size: ChunkSizeOpt = None,
-    chunk_memory: ChunkMemoryOpt = None,
-    gpus_per_rank: GpusPerRankOpt = None,
-    parallel: ParallelOpt = None,
-    pipeline: PipelineOpt = None,
-    component_file: ComponentFileOpt = None,
-    lora: LoraOpt = None,
-    cache: CacheOpt = None,
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
-    binary: BinaryOpt = False,
+    source, prompt, prompts, negative_prompt, image, last_image, device_map, max_memory, mode, overhead, steps,
+    guidance_scale, seed, height, width, num_images, max_sequence_length, frames, fps, output, save_latents, dtype,
+    weights, simulate, overwrite, track_activations, resume, chunk_size, chunk_memory, gpus_per_rank, parallel,
+    pipeline, component_file, lora, cache, as_json, quiet, binary,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     _refuse_early(ctx, prompt, prompts, dtype, steps=steps, num_images=num_images, height=height, width=width,

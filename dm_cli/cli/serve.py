@@ -7,95 +7,17 @@ stops at once)."""
 from __future__ import annotations
 
 import sys
-from typing import Annotated
 
-import typer
-
-from dm_cli.cli._cli_utils import (
-    CacheOpt,
-    ComponentFileOpt,
-    DtypeOpt,
-    FpsOpt,
-    FramesOpt,
-    GpusPerRankOpt,
-    GuidanceScaleOpt,
-    HeightOpt,
-    LoraOpt,
-    MaxMemoryOpt,
-    MaxSequenceLengthOpt,
-    ModeOpt,
-    NegativePromptOpt,
-    OverheadOpt,
-    ParallelOpt,
-    PipelineOpt,
-    QuietOpt,
-    RunSourceArg,
-    ServeStepsOpt,
-    SimulateOpt,
-    WeightsOpt,
-    WidthOpt,
-)
-
-# the options only `dmap serve` takes (the shared ones are in _cli_utils)
-ServeDeviceMapOpt = Annotated[str, typer.Option(
-    "--device-map", "-d", help="auto | balanced | balanced_low_0 | sequential (plan now), or a plan JSON from dmap plan.")]
-HostOpt = Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")]
-PortOpt = Annotated[int, typer.Option("--port", help="Port to listen on (0: any free port, printed).")]
-ApiKeyOpt = Annotated[str | None, typer.Option(
-    "--api-key", envvar="DMAP_API_KEY", show_envvar=True,
-    help="Require 'Authorization: Bearer KEY' on every route but /health.")]
-QueueSizeOpt = Annotated[int, typer.Option(
-    "--queue-size", help="Images that may wait; a request that does not fit is answered 429 (400 when it asks for "
-                         "more images than the whole queue holds).")]
-MaxBatchOpt = Annotated[int, typer.Option(
-    "--max-batch", help="Images generated together at most, stage-major (and at most what 10% of RAM holds between "
-                        "stages); within it, the batch size measured fastest (1 to start on a CPU).")]
-MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (base64 input images).")]
-MaxConnectionsOpt = Annotated[int | None, typer.Option(
-    "--max-connections", help="Open connections at most; at the bound the oldest idle one makes room (default: what "
-                              "the file limit, ulimit -n, leaves room for, at most 4096).")]
-ReadTimeoutOpt = Annotated[float, typer.Option(
-    "--read-timeout", help="Seconds a client has to send a whole request head, and the longest its body may pause.")]
-BodyTimeoutOpt = Annotated[float, typer.Option(
-    "--body-timeout", help="Seconds a request body may take in all.")]
-ModelNameOpt = Annotated[str | None, typer.Option(
-    "--model-name", help="The model id /v1/models lists and requests may name (default: SOURCE, or demo).")]
+from dm_cli.cli._cli_utils import table_options
 
 
+# every parameter but ctx and settings is its row of dm_cli.run.options: flags, type, default and help
+@table_options("serve")
 def serve(
-    source: RunSourceArg = None,
-    device_map: ServeDeviceMapOpt = "auto",
-    max_memory: MaxMemoryOpt = None,
-    mode: ModeOpt = "auto",
-    overhead: OverheadOpt = None,
-    steps: ServeStepsOpt = None,
-    guidance_scale: GuidanceScaleOpt = None,
-    negative_prompt: NegativePromptOpt = None,
-    height: HeightOpt = None,
-    width: WidthOpt = None,
-    max_sequence_length: MaxSequenceLengthOpt = None,
-    frames: FramesOpt = None,
-    fps: FpsOpt = None,
-    dtype: DtypeOpt = None,
-    weights: WeightsOpt = None,
-    simulate: SimulateOpt = False,
-    parallel: ParallelOpt = None,
-    gpus_per_rank: GpusPerRankOpt = None,
-    pipeline: PipelineOpt = None,
-    component_file: ComponentFileOpt = None,
-    lora: LoraOpt = None,
-    cache: CacheOpt = None,
-    host: HostOpt = "127.0.0.1",
-    port: PortOpt = 8000,
-    api_key: ApiKeyOpt = None,
-    queue_size: QueueSizeOpt = 64,
-    max_batch: MaxBatchOpt = 8,
-    max_body: MaxBodyOpt = 64 * 2**20,
-    model_name: ModelNameOpt = None,
-    max_connections: MaxConnectionsOpt = None,
-    read_timeout: ReadTimeoutOpt = 10.0,
-    body_timeout: BodyTimeoutOpt = 300.0,
-    quiet: QuietOpt = False,
+    source, device_map, max_memory, mode, overhead, steps, guidance_scale, negative_prompt, height, width,
+    max_sequence_length, frames, fps, dtype, weights, simulate, parallel, gpus_per_rank, pipeline, component_file,
+    lora, cache, host, port, api_key, queue_size, max_batch, max_body, model_name, max_connections, read_timeout,
+    body_timeout, quiet,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     from dm_cli.inputs import check_counts

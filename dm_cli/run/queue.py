@@ -31,11 +31,11 @@ from dm_cli.inputs import check_scale, check_text
 from dm_cli.io.atomic import atomic_write
 from dm_cli.io.images import DEFAULT_IMAGE_SUFFIX
 from dm_cli.run.checks import check_seed, load_json
+from dm_cli.run.options import queue_keys
 
 MANIFEST = "manifest.jsonl"
 MAX_PROMPTS_BYTES = 1 << 30  # millions of prompts; never a whole disk
-JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "output", "image", "last_image", "lora",
-              "cache"}
+JSONL_KEYS = queue_keys()  # the options a queue item takes (dm_cli.run.options: prompt, seed, steps, ...)
 
 
 @dataclass(frozen=True)
