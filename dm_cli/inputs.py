@@ -219,8 +219,8 @@ def lora_choices(value, where: str) -> tuple[LoraChoice, ...]:
         return ()
     texts = [value] if isinstance(value, str) else value
     if not isinstance(texts, list) or not all(isinstance(t, str) and t.strip() and len(t) <= 4096 for t in texts):
-        raise UsageError(f"{where} must be \"NAME[:SCALE]\" (an adapter loaded with --lora), a list of them, or [] "
-                         "for none.")
+        raise UsageError(f"{where} must be \"NAME[:SCALE]\" (an adapter loaded at start), a list of them, or [] for "
+                         "none.")
     if len(texts) > MAX_LORA_CHOICES:
         raise UsageError(f"{where} lists {len(texts)} adapters; at most {MAX_LORA_CHOICES} apply at once.")
     choices = []

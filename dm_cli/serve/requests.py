@@ -8,8 +8,9 @@ link to), `output_format` (png, jpeg, webp; mp4 for videos), `model` (the served
 `--prompts` JSONL line has them: `seed`, `steps`, `guidance_scale`, `negative_prompt` and the family's settings
 (`true_cfg_scale`, ...), checked by the same code (`dm_cli.run.queue.queue_item`); `image` and `last_image` are
 base64 (or data: URLs) instead of paths, read as hostile as `--image` files are; `lora` chooses among the adapters
-the server loaded (`"NAME[:SCALE]"`, a list of them, or `[]`), as a queue item's does. Then `Session.job_for` settles and checks the job as it does a queue
-item's, before the request takes a place. The sentences of that shared code name `dmap run`'s flags: a client sent
+the server loaded (`"NAME[:SCALE]"`, a list of them, or `[]`), as a queue item's does (`ServedRequest.adapters`: the
+worker batches by them). Then `Session.job_for` settles and checks the job as it does a queue item's, before the
+request takes a place. The sentences of that shared code name `dmap run`'s flags: a client sent
 JSON keys, so they are said as keys (FLAG_KEYS, `as_keys`).
 """
 
