@@ -6,6 +6,7 @@ Shared by the tracer (activation estimates), the planner and the runner. No torc
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field, replace
 
 from dm_cli.errors import UsageError
@@ -159,6 +160,75 @@ class InputImage:
             raise UsageError("An input image must be given as {\"width\": W, \"height\": H}.")
         return cls(data["width"], data["height"], data.get("path"), data.get("digest"), frame=data.get("frame"),
                    strength=data.get("strength"))
+
+
+# A LoRA's scale after the last ':' of `--lora FILE:SCALE` and of a request's or queue item's "lora": "NAME:SCALE"
+_LORA_SCALE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_NOT_FINITE = ("nan", "inf", "+inf", "-inf", "infinity")
+_COMPONENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MAX_LORA_CHOICES = 64  # adapters one request or queue item may choose: more than any server loads
+
+
+def lora_scale(text: str, where: str, strict: bool = False) -> tuple[str, float | None]:
+    """`TEXT[:SCALE]` -> (TEXT, SCALE or None): the one reading of a LoRA's scale that `--lora FILE:SCALE`, a queue
+    item's and a served request's `"lora": "NAME:SCALE"` share, so the three refuse a bad scale with one sentence.
+    The part after the last ':' is the scale when it is a number, at most MAX_SCALE either way; 'nan' or 'inf' there
+    (or, `strict`, any word that is not a number) is refused, naming `where`; else TEXT holds the ':' itself."""
+    stem, colon, last = text.rpartition(":")
+    if not colon:
+        return text, None
+    if _LORA_SCALE.fullmatch(last):
+        scale = float(last)
+        if not math.isfinite(scale):
+            raise UsageError(f"{where}: the scale must be a finite number, not {last}.")
+        if abs(scale) > MAX_SCALE:
+            raise UsageError(f"{where}: the scale {last} is oversized: a LoRA's scale is a weight like 0.8, at most "
+                             f"{MAX_SCALE:g} either way (beyond it the model's numbers overflow).")
+        return stem, scale
+    if strict or last.strip().lower() in _NOT_FINITE:
+        raise UsageError(f"{where}: the scale after ':' must be a finite number, like 0.8, not '{shorten(last)}'.")
+    return text, None
+
+
+@dataclass(frozen=True)
+class LoraChoice:
+    """One of the adapters loaded at start (`--lora`) that a served request or a queue item chooses, as its
+    `"lora"` names it: `[COMPONENT=]NAME[:SCALE]`, NAME the file's name (or its path as `--lora` gave it, or the
+    name without `.safetensors`), SCALE None for the scale it was loaded with (`dm_cli.model.lora.chosen_loras`
+    finds the adapter)."""
+
+    text: str  # as given, without the scale
+    scale: float | None = None
+
+    @property
+    def split(self) -> tuple[str | None, str]:
+        """(COMPONENT or None, NAME): a `COMPONENT=` prefix read as one (the name is tried whole too)."""
+        head, sep, rest = self.text.partition("=")
+        return (head, rest) if sep and rest and _COMPONENT.fullmatch(head) else (None, self.text)
+
+    @property
+    def label(self) -> str:
+        return self.text if self.scale is None else f"{self.text}:{self.scale:g}"
+
+
+def lora_choices(value, where: str) -> tuple[LoraChoice, ...]:
+    """A served request's or a queue item's `"lora"`: `"[COMPONENT=]NAME[:SCALE]"` or a list of them, in the order
+    the adapters apply; `[]` or `"none"` for none. Checked here alike for both (the scale as `--lora`'s,
+    `lora_scale`); which adapters the names are is the session's to say (what it loaded)."""
+    if value == "none" or value == []:
+        return ()
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not all(isinstance(t, str) and t.strip() and len(t) <= 4096 for t in texts):
+        raise UsageError(f"{where} must be \"NAME[:SCALE]\" (an adapter loaded at start), a list of them, or [] for "
+                         "none.")
+    if len(texts) > MAX_LORA_CHOICES:
+        raise UsageError(f"{where} lists {len(texts)} adapters; at most {MAX_LORA_CHOICES} apply at once.")
+    choices = []
+    for text in texts:
+        check_text(text, where)
+        name, scale = lora_scale(text.strip(), f"{where} {shorten(text.strip())}")
+        choices.append(LoraChoice(name, scale))
+    return tuple(choices)
 
 
 @dataclass(frozen=True)

@@ -466,7 +466,7 @@ def diffusers_free_plan(folder, lora):
     return dm_cli.plan(str(folder), max_memory="cpu=8GB", height=SIZE, width=SIZE, check=False, lora=[str(lora)])
 
 
-def test_queue_resume_compares_the_lora_and_items_may_not_name_another(flux, tmp_path):
+def test_queue_resume_compares_the_lora_and_items_choose_among_the_loaded_ones(flux, tmp_path):
     folder, lora = flux
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "a fox"}) + "\n" + json.dumps({"prompt": "an owl", "lora": f"{lora}:0.7"}) + "\n")
@@ -490,9 +490,14 @@ def test_queue_resume_compares_the_lora_and_items_may_not_name_another(flux, tmp
     code, stdout, err = run_dmap(*args)  # no LoRA at all: redone too
     assert code == 0 and json.loads(stdout)["generated"] == [0, 1], err
     assert "lora" not in _png(out / "00000.png")[1]
-    prompts.write_text(json.dumps({"prompt": "an owl", "lora": f"{lora}:0.9"}) + "\n")
+    prompts.write_text(json.dumps({"prompt": "an owl", "lora": f"{lora}:0.9"}) + "\n")  # the run's LoRA, another scale
     code, _, err = run_dmap(*args[:-1], "--lora", f"{lora}:0.3")
-    assert code == 2 and "one set of LoRAs per run" in err, err
+    assert code == 0, err
+    meta = _png(out / "00000.png")[1]
+    assert meta["lora"].endswith(":0.9") and "lora_fused" not in meta  # switched per item: unfused
+    prompts.write_text(json.dumps({"prompt": "an owl", "lora": "other.safetensors"}) + "\n")
+    code, _, err = run_dmap(*args[:-1], "--lora", f"{lora}:0.3")
+    assert code == 2 and f"the loaded ones are {lora.name}" in err, err
 
 
 def test_api_load_and_plan_take_lora(flux):

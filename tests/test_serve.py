@@ -138,7 +138,7 @@ def test_a_served_image_is_dmap_runs_file_byte_for_byte(server, tmp_path):
     ({"prompt": "a fox", "image": "bm90IGFuIGltYWdl"}, "takes no input image"),
     ({"prompt": "a fox", "seed": -1}, "seed"),
     ({"prompt": "x" * 10_001}, "more than the 10,000"),
-    ({"prompt": "a fox", "lora": "/etc/passwd"}, "this server loads none"),
+    ({"prompt": "a fox", "lora": "/etc/passwd"}, "not among the adapters loaded at start: none was"),
     ({"prompt": ""}, "non-empty string 'prompt'"),
 ])
 def test_what_the_plan_cannot_run_is_a_400_with_one_sentence(server, body, words):

@@ -99,6 +99,8 @@ class Job:
     settings: tuple[tuple[str, object], ...] = ()  # the family's own settings (Family.settings), given or default
     images: tuple[InputImage, ...] = ()  # input images, in order (read with dm_cli.io.input_images.read_image)
     last_image: InputImage | None = None  # a first-last-frame video's last frame (Wan 2.2 image-to-video)
+    # the LoRA adapters this job runs with (settled, in order): the run's, or those a queue item or request chose
+    loras: tuple = ()
 
     def setting(self, name: str, default=None):
         return dict(self.settings).get(name, default)
@@ -110,7 +112,7 @@ class Job:
                    guidance_scale=generation.guidance_scale, height=generation.height, width=generation.width,
                    num_images=generation.num_images, max_sequence_length=generation.max_sequence_length,
                    num_frames=generation.num_frames, settings=generation.settings, images=generation.images,
-                   last_image=generation.last_image)
+                   last_image=generation.last_image, loras=generation.loras)
 
 
 def denormalized(vae, latents):

@@ -10,7 +10,7 @@ own `load_lora_weights` (dm_cli.run.adapters).
 
 What would only fail (or silently blacken the image) after the models load is refused here, one sentence naming
 the key: a tensor of rank 0, an alpha (a `.alpha` scalar or the adapter metadata's `lora_alpha`) that is not
-finite or is oversized, a scale beyond `MAX_LORA_SCALE`. A file in a layout diffusers converts while loading
+finite or is oversized, a scale beyond `inputs.MAX_SCALE`. A file in a layout diffusers converts while loading
 (kohya's, ...) is converted on shapes alone (meta tensors) by the pipeline's own `lora_state_dict`
 (`converted_layers`), so its
 layers are checked against the component like a peft file's. NaN/Inf weights are found when the adapter loads
@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dm_cli.errors import CheckpointError, UsageError
-from dm_cli.inputs import LoraAdapter, LoraLayer
+from dm_cli.inputs import LoraAdapter, LoraLayer, lora_scale
 from dm_cli.units import FLOATING_DTYPES
 
 # The largest LoRA file dmap reads: a rank-256 LoRA of every linear layer of a 20B model is a few GB.
@@ -38,14 +38,12 @@ MAX_LORA_BYTES = 32 * 2**30
 # The components whose diffusers key prefix a LoRA file may use; the denoisers are the ones dmap patches.
 PREFIXES = ("transformer", "transformer_2", "unet", "text_encoder", "text_encoder_2", "text_encoder_3", "prior")
 DENOISERS = ("transformer", "transformer_2", "unet")
-# The largest scale --lora takes either way, and the largest alpha/rank a file may hold: a LoRA's weight is a number
-# like 0.8 (alpha/rank 1 or 2); past these only overflow comes out (NaN latents, a black image).
-MAX_LORA_SCALE = 1000.0
+# The largest alpha/rank a file may hold: a LoRA's weight is a number like 0.8 (alpha/rank 1 or 2); past it only
+# overflow comes out (NaN latents, a black image). The largest scale is inputs.MAX_SCALE (`inputs.lora_scale`).
 MAX_ALPHA_RATIO = 1000.0
 # Layouts diffusers converts while loading (kohya's `lora_unet_`, the original model's `diffusion_model.`, ...):
 # their layers are counted per component, not per block (diffusers renames them only at load time).
 _FOREIGN_TEXT_ENCODER = re.compile(r"^(lora_te\d*_|te\d*_|text_model\.|lora_te_text_model)")
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _COMPONENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PEFT = re.compile(r"^(?P<module>.+)\.(?P<which>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
 _EXTRA = re.compile(r"^(?P<module>.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.bias$|^(?P<alpha>.+)\.alpha$")
@@ -64,17 +62,9 @@ def parse_lora(text: str, where: str = "--lora") -> tuple[str | None, str, float
         component, text = head, rest
     path, scale = text, 1.0
     stem, colon, last = text.rpartition(":")
-    if colon and not os.path.exists(text):
-        if _NUMBER.fullmatch(last):
-            path, scale = stem, float(last)
-        elif last.strip().lower() in ("nan", "inf", "+inf", "-inf", "infinity") or (stem and os.path.exists(stem)):
-            raise UsageError(f"{where} {shown(text)}: the scale after ':' must be a finite number, like 0.8, "
-                             f"not '{shown(last)}'.")
-    if not math.isfinite(scale):
-        raise UsageError(f"{where} {shown(text)}: the scale must be a finite number, not {last}.")
-    if abs(scale) > MAX_LORA_SCALE:
-        raise UsageError(f"{where} {shown(text)}: the scale {last} is oversized: a LoRA's scale is a weight like 0.8, "
-                         f"at most {MAX_LORA_SCALE:g} either way (beyond it the model's numbers overflow).")
+    if colon and not os.path.exists(text):  # the scale as a request's or a queue item's "lora" reads it (inputs)
+        path, given = lora_scale(text, f"{where} {shown(text)}", strict=bool(stem) and os.path.exists(stem))
+        scale = 1.0 if given is None else given
     if not path:
         raise UsageError(f"{where} needs a file before the scale: --lora FILE:{last}.")
     return component, path, scale
@@ -141,6 +131,35 @@ def read_loras(values, where: str = "--lora") -> tuple[LoraAdapter, ...]:
             raise UsageError(f"{where} names {shown(lora.path)} twice: give it once, with one scale.")
         seen[key] = lora
     return tuple(out)
+
+
+def chosen_loras(loaded: tuple[LoraAdapter, ...], choices: tuple, where: str) -> tuple[LoraAdapter, ...]:
+    """The adapters loaded at start (`loaded`, `--lora`'s) that a request's or a queue item's `"lora"` chooses
+    (dm_cli.inputs.LoraChoice), in the order chosen, each at its chosen scale (else the one it loaded with). A name
+    is the file's name, its path as `--lora` gave it, or its name without `.safetensors`; a file loaded into two
+    components (Wan 2.2's experts) is chosen in both unless `COMPONENT=` names one. Refused, one sentence naming the
+    loaded ones: a name that was not loaded (a path is never read here), an adapter chosen twice."""
+    out: list[LoraAdapter] = []
+    for choice in choices:
+        component, name = choice.split
+        found = [lora for lora in loaded if _is_named(lora, name) and component in (None, lora.component)]
+        if not found and component is not None:  # a name holding '='
+            found = [lora for lora in loaded if _is_named(lora, choice.text)]
+        if not found:
+            names = ", ".join(dict.fromkeys(lora.name for lora in loaded))
+            offer = f"the loaded ones are {names}; give NAME[:SCALE], or [] for none" if names else "none was"
+            raise UsageError(f"{where} chooses the LoRA {shown(choice.text)}, which is not among the adapters loaded "
+                             f"at start: {offer}.")
+        for lora in found:
+            if any(lora.path == o.path and lora.component == o.component for o in out):
+                raise UsageError(f"{where} chooses the LoRA {shown(choice.text)} twice: give it once, with one scale.")
+            out.append(lora if choice.scale is None else replace(lora, scale=choice.scale))
+    return tuple(out)
+
+
+def _is_named(lora: LoraAdapter, name: str) -> bool:
+    """`name` is this adapter's: its file's name, its path as given, or its name without the suffix."""
+    return name in (lora.name, lora.path, Path(lora.name).stem)
 
 
 def file_digest(path, size: int | None = None, where: str = "--lora") -> str:

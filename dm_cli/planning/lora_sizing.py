@@ -81,10 +81,12 @@ def _adapter_itemsize(weight, dtype: str) -> int:
     return DTYPE_BYTES["float32"] if weight.quantized_bytes else DTYPE_BYTES[weight.dtype_at(dtype)]
 
 
-def lora_unfused_because(prepared, device_map: dict) -> str | None:
+def lora_unfused_because(prepared, device_map: dict, switched: bool = False) -> str | None:
     """Why the LoRAs of a component cannot be fused into its weights at load (diffusers' `fuse_lora`, then
     `unload_lora`: no peft layer left, no per-call cost), or None when they can: fusing needs every weight real and
-    in a floating dtype."""
+    in a floating dtype, and `switched` adapters (chosen per image: peft's set_adapters) stay peft layers."""
+    if switched:
+        return "requests or queue items choose among the adapters per image, which only unfused adapters allow"
     if prepared.weights:
         return f"its layers are stored as {prepared.weights}, which peft cannot merge into"
     if prepared.skeleton.quantized:

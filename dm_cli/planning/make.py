@@ -105,7 +105,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         if problem:
             plan.warnings.append(f"{problem} dmap run refuses this plan (except with --simulate).")
     plan.input_images = input_image_report(source, comps, prepared, options)
-    unfused = {p.spec.name: lora_unfused_because(p, plan.components[p.spec.name].device_map)
+    unfused = {p.spec.name: lora_unfused_because(p, plan.components[p.spec.name].device_map, options.switch_loras)
                for p in prepared if p.lora_bytes}
     plan.loras = [{**lora.to_json(), "bytes": count, "fused": unfused[p.spec.name] is None}
                   for p in prepared for lora, count in p.lora_bytes]

@@ -29,6 +29,8 @@ class PlanOptions:
     # --component-file: (component, file) pairs, these components from these single files
     component_files: tuple[tuple[str, str], ...] = ()
     loras: tuple = ()  # LoRA adapters (dm_cli.inputs.LoraAdapter, --lora): their bytes beside the layers they patch
+    # the LoRAs stay unfused, switchable per image: `dmap serve`'s requests (and a queue's items) choose among them
+    switch_loras: bool = False
     cache: StepCache | None = None  # --cache: a step cache on the denoiser, its state counted (planning/step_cache.py)
     prediction: PredictionRequest = field(default_factory=PredictionRequest)  # --profile, --steps, --queue
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dm_cli.errors import UsageError
 from dm_cli.families import all_settings
-from dm_cli.inputs import check_scale, check_text
+from dm_cli.inputs import check_scale, check_text, lora_choices
 from dm_cli.io.atomic import atomic_write
 from dm_cli.io.images import DEFAULT_IMAGE_SUFFIX
 from dm_cli.run.checks import check_seed, load_json
@@ -52,13 +52,14 @@ class QueueItem:
     settings: tuple[tuple[str, object], ...] = ()  # the family's own (dm_cli.families.Setting), from its JSONL keys
     images: tuple = ()  # input images (dm_cli.inputs.InputImage), from the JSONL key "image"; (): the run's
     last_image: object = None  # a video's last frame (InputImage), from the JSONL key "last_image"; None: the run's
-    loras: tuple | None = None  # LoRA adapters (dm_cli.inputs.LoraAdapter), from the JSONL key "lora"; None: the run's
+    # the adapters loaded at start it chooses (dm_cli.inputs.LoraChoice), from the JSONL key "lora"; None: the run's
+    loras: tuple | None = None
     cache: object = None  # a step cache (dm_cli.inputs.StepCache), from the JSONL key "cache"; None: the run's
 
     def to_json(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         last = self.last_image.to_json() if self.last_image is not None else None
-        loras = [lora.to_json() for lora in self.loras] if self.loras is not None else None
+        loras = [choice.label for choice in self.loras] if self.loras is not None else None
         return {**data, "settings": dict(self.settings), "images": [image.to_json() for image in self.images],
                 "last_image": last, "loras": loras}
 
@@ -97,11 +98,10 @@ def read_prompts(path: str | os.PathLike, base_seed: int = 0,
         raise UsageError(f"Prompts file {path} has no prompts: write one prompt per line (or one JSON object per line).")
     jsonl = path.suffix.lower() in (".jsonl", ".ndjson") or lines[0][1].startswith("{")
     items = []
-    read: dict = {}  # the LoRA files items name, each read (and hashed) once
     for index, (number, line) in enumerate(lines):
         where = f"{path}, line {number}"
         if jsonl:
-            items.append(_jsonl_item(line, index, base_seed, where, read))
+            items.append(_jsonl_item(line, index, base_seed, where))
         else:
             items.append(QueueItem(index, line, check_seed(base_seed + index, f"{where}: the seed"), default_output_name(index)))
     seen: dict[str, int] = {}
@@ -116,17 +116,17 @@ def read_prompts(path: str | os.PathLike, base_seed: int = 0,
     return items
 
 
-def _jsonl_item(line: str, index: int, base_seed: int, where: str, read: dict | None = None) -> QueueItem:
+def _jsonl_item(line: str, index: int, base_seed: int, where: str) -> QueueItem:
     try:
         data = load_json(line, where)
     except ValueError as error:
         raise UsageError(f"{where} is not a JSON object ({error}).") from None
     if not isinstance(data, dict):
         raise UsageError(f"{where} is not a JSON object: write {{\"prompt\": \"...\"}}.")
-    return queue_item(data, index, base_seed, where, read)
+    return queue_item(data, index, base_seed, where)
 
 
-def queue_item(data: dict, index: int, base_seed: int, where: str, read: dict | None = None) -> QueueItem:
+def queue_item(data: dict, index: int, base_seed: int, where: str) -> QueueItem:
     """One item from a JSON object: a JSONL line's, or a `dmap serve` request's (dm_cli.serve.requests), checked
     key by key, each problem one sentence starting with `where`."""
     declared = all_settings()  # the families' own settings are keys too (true_cfg_scale, guidance_scale_2, ...)
@@ -156,7 +156,7 @@ def queue_item(data: dict, index: int, base_seed: int, where: str, read: dict | 
     output = default_output_name(index) if output is None else _output_name(output, where)
     return QueueItem(index, prompt.strip(), check_seed(seed, f"{where}: the seed"), output, negative or None, steps, guidance,
                      settings, _item_images(data.get("image"), where), _item_last_image(data.get("last_image"), where),
-                     _item_loras(data.get("lora"), where, {} if read is None else read), _item_cache(data.get("cache"), where))
+                     _item_loras(data.get("lora"), where), _item_cache(data.get("cache"), where))
 
 
 def _item_cache(value, where: str):
@@ -168,20 +168,13 @@ def _item_cache(value, where: str):
     return parse_cache(value, f"{where}: 'cache'")
 
 
-def _item_loras(value, where: str, read: dict) -> tuple | None:
-    """A JSONL item's "lora": "[COMPONENT=]FILE[:SCALE]" or a list of them, as --lora (read as hostile input, each
-    file once per queue); [] is no LoRA; None: the run's."""
+def _item_loras(value, where: str) -> tuple | None:
+    """A JSONL item's "lora": "[COMPONENT=]NAME[:SCALE]" or a list of them, chosen among the adapters the run loaded
+    (`--lora`; `Session.chosen_loras` finds them), as a served request's "lora" (dm_cli.inputs.lora_choices); [] or
+    "none": no LoRA; None: the run's."""
     if value is None:
         return None
-    texts = [value] if isinstance(value, str) else value
-    if not isinstance(texts, list) or not all(isinstance(text, str) and text for text in texts):
-        raise UsageError(f"{where}: 'lora' must be \"[COMPONENT=]FILE[:SCALE]\" or a list of them.")
-    from dm_cli.model.lora import read_loras
-
-    key = tuple(texts)
-    if key not in read:
-        read[key] = read_loras(list(texts), f"{where}: 'lora'")
-    return read[key]
+    return lora_choices(value, f"{where}: 'lora'")
 
 
 def _item_images(value, where: str) -> tuple:

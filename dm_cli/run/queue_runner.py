@@ -9,7 +9,7 @@ gloo group and writes the merged `manifest.jsonl`. No Typer, no Rich: the CLI pa
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -152,7 +152,8 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
     from dm_cli.run.session import Session
 
     started = time.perf_counter()
-    pipeline = Session(request.run, on_plan=events.on_plan, on_status=events.on_status)
+    run = replace(request.run, switch_loras=request.run.switch_loras or chooses_loras(items, request.run.generation.loras))
+    pipeline = Session(run, on_plan=events.on_plan, on_status=events.on_status)
     if pipeline.defaults.num_frames:
         pipeline.close()
         raise UsageError(f"--prompts writes images; {pipeline.source.pipeline_class} makes videos: run one prompt at a time.")
@@ -215,6 +216,26 @@ def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget,
     result.seconds = time.perf_counter() - started
 
 
+def chooses_loras(items: list[QueueItem], loaded: tuple) -> bool:
+    """Whether some item chooses other adapters than the run's `--lora` set (another set, scale or order, or none):
+    then the plan keeps them unfused, so that the run switches them between items (peft's set_adapters). A choice
+    that names no loaded adapter counts too: the session refuses it in one sentence."""
+    from dm_cli.model.lora import chosen_loras
+
+    def key(loras) -> list:
+        return [(lora.path, lora.component, lora.scale) for lora in loras]
+
+    for item in items:
+        if item.loras is None:
+            continue
+        try:
+            if key(chosen_loras(loaded, item.loras, "")) != key(loaded):
+                return True
+        except UsageError:
+            return True
+    return False
+
+
 def _as_on_main(ranks: Ranks, todo: list[QueueItem], chunk_size: int, mine: list[QueueItem]):
     """Rank 0's items to generate and chunk size, on every rank."""
     from dm_cli.run.distributed import broadcast
@@ -230,6 +251,8 @@ def _record(item: QueueItem, job, digest: str, seconds: float | None, rank: int,
               "guidance_scale": job.guidance_scale}
     if job.negative_prompt:
         record["negative_prompt"] = job.negative_prompt
+    if job.loras:  # the adapters it ran with, as a request or an item names them (NAME:SCALE)
+        record["lora"] = [f"{lora.name}:{lora.scale:g}" for lora in job.loras]
     if resumed:
         record["resumed"] = True
     return record

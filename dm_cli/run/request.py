@@ -73,6 +73,7 @@ class RunRequest:
     pipeline: str | None = None  # --pipeline: SOURCE is a single file, the rest of the pipeline comes from here
     component_files: dict | None = None  # --component-file NAME=FILE: these components from these single files
     cache_off: bool = False  # --cache none: a plan file's step cache is switched off (check_plan_cache)
+    switch_loras: bool = False  # the inline plan keeps the LoRAs unfused: served requests, queue items choose
 
     def __post_init__(self) -> None:
         """The prompt is text the tokenizer takes (the check queue items and `dmap serve` share), before SOURCE."""
@@ -211,6 +212,7 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
         placement = replace(placement, max_memory=cpu_rank_devices(parallel.world_size))
     plan = make_named_plan(root, source.spec, PlanOptions.of(generation, placement, pipeline=pipeline,
                                                              component_files=files, loras=generation.loras,
+                                                             switch_loras=request.switch_loras,
                                                              parallel=parallel))
     if plan.parallel is not None:  # planned for the ranks of this very launch: no advice to launch it
         plan.warnings = [w for w in plan.warnings if w != launch_warning(plan.parallel)]

@@ -220,8 +220,7 @@ class Session:
         job = self.defaults
         if item.steps is not None:  # a queue line's steps get --steps' bound
             check_count("steps", item.steps, f"Item {item.index}: 'steps'")
-        if item.loras is not None:
-            self._check_item_loras(item)
+        loras = self.generation.loras if item.loras is None else self.chosen_loras(item.loras, f"Item {item.index}")
         if item.cache is not None and item.cache != self.generation.cache:
             run = self.generation.cache.label if self.generation.cache is not None else "none"
             raise UsageError(f"Item {item.index} asks for --cache {item.cache.label}, this run uses {run}: the plan counts "
@@ -229,7 +228,8 @@ class Session:
         generation = replace(self.generation, negative_prompt=item.negative_prompt or job.negative_prompt,
                              steps=item.steps or job.steps, images=item.images or self.generation.images,
                              last_image=item.last_image or self.generation.last_image,
-                             guidance_scale=job.guidance_scale if item.guidance_scale is None else item.guidance_scale)
+                             guidance_scale=job.guidance_scale if item.guidance_scale is None else item.guidance_scale,
+                             loras=loras)
         generation = generation.with_settings({**(settings or {}), **dict(item.settings)})
         try:
             self._validate(generation)
@@ -237,20 +237,21 @@ class Session:
             raise UsageError(f"Item {item.index}: {error}") from None
         return Job.of(generation, item.prompt, item.seed)
 
-    def _check_item_loras(self, item: QueueItem) -> None:
-        """A queue item's "lora" must be the run's (dmap loads one set of adapters per run, into the denoiser)."""
-        from dm_cli.planning.lora_sizing import lora_targets
+    def chosen_loras(self, choices: tuple, where: str) -> tuple:
+        """The adapters a queue item or a served request chooses (dm_cli.inputs.LoraChoice) among those loaded at start
+        (dm_cli.model.lora.chosen_loras), which the stage loop switches to before its denoise (peft's set_adapters).
+        Refused, one sentence: another choice than the loaded set where the plan fused it into the weights."""
+        from dm_cli.model.lora import chosen_loras
+        from dm_cli.run.stages import fused_loras
 
-        ours = sorted(lora.key() for lora in self.generation.loras)
-        try:
-            theirs = sorted(lora.key() for lora in lora_targets(self.source, item.loras))
-        except UsageError as error:
-            raise UsageError(f"Item {item.index}: {error}") from None
-        if theirs != ours:
-            names = ", ".join(f"{lora.name}:{lora.scale:g}" for lora in item.loras) or "none"
-            run = ", ".join(f"{lora.name}:{lora.scale:g}" for lora in self.generation.loras) or "none"
-            raise UsageError(f"Item {item.index} asks for LoRA(s) {names}, this run loads {run}: dmap loads one set "
-                             "of LoRAs per run; give such items a queue of their own, with its --lora.")
+        chosen = chosen_loras(self.generation.loras, choices, where)
+        fused = sorted(fused_loras(self.plan))
+        if fused and [lora.key() for lora in chosen] != [lora.key() for lora in self.generation.loras]:
+            raise UsageError(f"{where} chooses the LoRA(s) {', '.join(c.label for c in choices) or 'none'}, but the "
+                             f"plan fused this run's LoRAs into the weights of {', '.join(fused)} at load, and fused "
+                             "adapters cannot be switched per image: give a plan made without them fused (dmap plans "
+                             "a server's, and a queue's whose items choose, unfused), or leave 'lora' out.")
+        return chosen
 
     def _validate(self, generation) -> None:
         """`Family.validate` with this SOURCE's configs, as `dmap plan` and the run's own generation get it."""
@@ -273,7 +274,7 @@ class Session:
         from dm_cli.run.stages import fused_loras
 
         meta = job_metadata(job, self.source.spec, self.source.pipeline_class, self.plan_digest, self.demo, self.fps,
-                            self.plan.tiled_decode, self.generation.loras, fused_loras(self.plan), self.plan.cache)
+                            self.plan.tiled_decode, job.loras, fused_loras(self.plan), self.plan.cache)
         files = component_files_metadata(self.source)  # single files (SOURCE's, --component-file's) by their sha256
         if files:
             meta["component_files"] = files

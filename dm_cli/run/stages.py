@@ -114,6 +114,10 @@ class StageLoop:
         self.measure = measure
         self.loras = tuple(loras)  # LoRA adapters (settled): loaded into their component each time it loads
         self.fused_loras = fused_loras(plan)  # components whose LoRAs the plan fuses into the weights at load
+        # unfused components with adapters -> the LoRAs active in them now (set_adapters), and those the running job
+        # chose (None: the run's own), applied to each such component as it loads and before each denoise
+        self._active_loras: dict[str, tuple] = {}
+        self._job_loras: tuple | None = None
         # --cache: diffusers' hooks on each cached denoiser while it is loaded (dm_cli.run.step_cache), their counts
         self.step_counters: dict[str, object] = {}
         self.step_counts: dict[str, object] = {}  # component -> StepCounts over every denoise of this loop
@@ -160,6 +164,9 @@ class StageLoop:
 
                     self.status(f"Loading {len(patching)} LoRA(s) into {name}…")
                     load_loras(self.pipe, name, model, patching, self.torch_dtype, fuse=name in self.fused_loras)
+                    if name not in self.fused_loras:
+                        self._active_loras[name] = tuple(patching)
+                        self._switch_loras(name, model)
                 self._apply_step_cache(name, model)
                 default_dev = str(next(iter(cmap.values())))
                 self.meter.register_weights(model, cmap, default_dev)
@@ -188,6 +195,7 @@ class StageLoop:
                 counter.remove()
             if not last:
                 setattr(self.pipe, name, self.placeholder(name))
+            self._active_loras.pop(name, None)
             models.append(self.loaded.pop(name))
         if last:
             self._pipe = None  # rebuilt, with placeholders, if the loop runs again
@@ -216,6 +224,31 @@ class StageLoop:
                 self._apply_step_cache(name, counter.model, steps)
             else:
                 counter.reset()
+
+    def use_loras(self, loras: tuple) -> None:
+        """The adapters a job runs with (settled, in order: `Job.loras`), made the active ones of every loaded
+        component that holds them unfused, and of each such component loaded later (Wan 2.2's second expert)."""
+        self._job_loras = tuple(loras)
+        for name in list(self._active_loras):
+            self._switch_loras(name, self.loaded[name])
+
+    def _switch_loras(self, name: str, model) -> None:
+        """peft's `set_adapters` on component `name` for the running job's adapters, only where they differ from the
+        active ones: the adapters dmap loaded from the same files, at the job's scales, in the job's order (each
+        adapter's term is added in that order, as `dmap run --lora` with that set adds them); none: the base layers
+        alone. An unchosen adapter is inactive, never computed."""
+        if self._job_loras is None:
+            return
+        wanted = tuple(lora for lora in self._job_loras if lora.component == name)
+        if wanted == self._active_loras[name]:
+            return
+        from dm_cli.run.adapters import ADAPTER_PREFIX
+
+        patching = [lora for lora in self.loras if lora.component == name]
+        index = {(lora.path, lora.digest): n for n, lora in enumerate(patching)}
+        model.set_adapters([f"{ADAPTER_PREFIX}{index[lora.path, lora.digest]}" for lora in wanted],
+                           [lora.scale for lora in wanted])
+        self._active_loras[name] = wanted
 
     def close(self) -> None:
         self.meter.stop()  # an interrupted stage may have left the tracker on
@@ -295,7 +328,7 @@ class StageLoop:
         def step_end(_pipe, step, _t, callback_kwargs):
             latents = callback_kwargs.get("latents")
             if latents is not None and not bool(torch.isfinite(latents).all()):
-                raise UsageError(nonfinite_refusal(step + 1, job.steps, self.loras, self.torch_dtype))
+                raise UsageError(nonfinite_refusal(step + 1, job.steps, job.loras, self.torch_dtype))
             if tracked is not None and step + 1 - self._tracking_from == tracked:
                 meter.stop()  # later steps repeat this one's graph on the same shapes: its peak is the stage's
             if on_step is not None:
@@ -304,6 +337,7 @@ class StageLoop:
                 switch(step)
             return callback_kwargs
 
+        self.use_loras(job.loras)
         self._reset_step_caches(job.steps)
         try:
             out = pipe(

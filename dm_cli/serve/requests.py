@@ -7,9 +7,10 @@ link to), `output_format` (png, jpeg, webp; mp4 for videos), `model` (the served
 `style`, `background`, ...) are refused, each with the sentence why (OPENAI_REFUSED). dmap's own, exactly as a
 `--prompts` JSONL line has them: `seed`, `steps`, `guidance_scale`, `negative_prompt` and the family's settings
 (`true_cfg_scale`, ...), checked by the same code (`dm_cli.run.queue.queue_item`); `image` and `last_image` are
-base64 (or data: URLs) instead of paths, read as hostile as `--image` files are; `lora` must name the server's own
-adapters (one set per server, as per queue). Then `Session.job_for` settles and checks the job as it does a queue
-item's, before the request takes a place. The sentences of that shared code name `dmap run`'s flags: a client sent
+base64 (or data: URLs) instead of paths, read as hostile as `--image` files are; `lora` chooses among the adapters
+the server loaded (`"NAME[:SCALE]"`, a list of them, or `[]`), as a queue item's does (`ServedRequest.adapters`: the
+worker batches by them). Then `Session.job_for` settles and checks the job as it does a queue item's, before the
+request takes a place. The sentences of that shared code name `dmap run`'s flags: a client sent
 JSON keys, so they are said as keys (FLAG_KEYS, `as_keys`).
 """
 
@@ -48,7 +49,7 @@ FLAG_KEYS = {"--prompt": "prompt", "--negative-prompt": "negative_prompt", "--se
 # the largest random seed: a request's n images take seeds seed .. seed + n - 1, and every one stays below 2^53, the
 # largest whole number a JSON client in JavaScript (or jq) reads exactly
 MAX_RANDOM_SEED = 2**53 - 1 - MAX_N
-NOT_QUEUE_KEYS = {*OPENAI_KEYS, "image", "last_image", "lora"} - {"prompt"}
+NOT_QUEUE_KEYS = {*OPENAI_KEYS, "image", "last_image"} - {"prompt"}
 IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
 MIME = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "MP4": "video/mp4"}
 WHERE = "The request"
@@ -65,7 +66,7 @@ class Served:
     height: int
     video: bool  # a video family: POST /v1/videos/generations
     max_input_images: int  # the family's (0: it takes none)
-    loras: tuple[tuple[str, float], ...] = ()  # the adapters loaded (file name, scale)
+    loras: tuple[tuple[str, float], ...] = ()  # the adapters loaded at start (file name, scale): a request chooses
     max_n: int = MAX_N
     settings: tuple[str, ...] | None = None  # the family's own settings' names (None: every family's)
     negative_prompt: bool = True  # the family takes a negative prompt
@@ -91,6 +92,7 @@ def as_keys(message: str) -> str:
 class ServedRequest:
     items: tuple[QueueItem, ...]  # one per image, seeds seed, seed + 1, ...
     output_format: str  # PNG, JPEG, WEBP, or MP4 for videos
+    adapters: tuple[str, ...] = ()  # the LoRAs its images run with (LoraAdapter.key: component, digest, scale), in order
 
     @property
     def mime(self) -> str:
@@ -137,7 +139,6 @@ def parse_request(data: dict, served: Served, session) -> ServedRequest:
         if isinstance(value, str) and len(value) > MAX_PROMPT_CHARS:
             raise UsageError(f"{WHERE}: '{key}' has {len(value):,} characters, more than the {MAX_PROMPT_CHARS:,} "
                              "a prompt may have here.")
-    _check_loras(data.get("lora"), served)
     seed = data.get("seed")
     if seed is None:  # a client that gives none gets a new image each time, and hears its seed
         seed = secrets.randbelow(MAX_RANDOM_SEED + 1)
@@ -155,10 +156,10 @@ def parse_request(data: dict, served: Served, session) -> ServedRequest:
     items = tuple(replace(first, index=i, seed=check_seed(first.seed + i, f"{WHERE}: the seed of image {i + 1}"),
                           output=default_output_name(i), images=images, last_image=last) for i in range(n))
     try:
-        session.job_for(items[0])  # the rules a queue item meets: settled and checked as Family.validate says
+        job = session.job_for(items[0])  # the rules a queue item meets: settled and checked as Family.validate says
     except UsageError as error:
-        raise UsageError(as_keys(re.sub(r"^Item 0: ", f"{WHERE}: ", str(error)))) from None
-    return ServedRequest(items, output_format)
+        raise UsageError(as_keys(re.sub(r"^Item 0(:?) ", rf"{WHERE}\1 ", str(error)))) from None
+    return ServedRequest(items, output_format, tuple(lora.key() for lora in job.loras))
 
 
 def _check_model(model, served: Served) -> None:
@@ -202,27 +203,6 @@ def _check_size(size, served: Served) -> None:
                          "dmap serve with a plan for the larger size.")
     raise UsageError(f"{WHERE}: 'size' {width}x{height} is not this server's size: it makes "
                      f"{served.width}x{served.height} (the size its plan was made for); ask for that or \"auto\".")
-
-
-def _check_loras(value, served: Served) -> None:
-    """A request's 'lora' may only name what the server loaded (dmap loads one set of adapters per server):
-    "NAME[:SCALE]" or a list of them, the files' names as `--lora` gave them. A path is never read."""
-    if value is None:
-        return
-    texts = [value] if isinstance(value, str) else value
-    if not isinstance(texts, list) or not all(isinstance(t, str) and 0 < len(t) <= 300 for t in texts):
-        raise UsageError(f"{WHERE}: 'lora' must be \"NAME[:SCALE]\" or a list of them (the server's adapters).")
-    asked = []
-    for text in texts:
-        name, _, scale = text.rpartition(":") if re.search(r":[0-9.eE+-]+$", text) else (text, "", "")
-        try:
-            asked.append((name, float(scale) if scale else 1.0))
-        except ValueError:
-            asked.append((text, 1.0))
-    if sorted(asked) != sorted(served.loras):
-        ours = ", ".join(f"{name}:{scale:g}" for name, scale in served.loras) or "none"
-        raise UsageError(f"{WHERE} asks for LoRA(s) {shorten(', '.join(texts), 120)}; this server loads {ours}: dmap "
-                         "loads one set of LoRAs per server (leave 'lora' out, or start another dmap serve --lora).")
 
 
 def _decoded(text, where: str):

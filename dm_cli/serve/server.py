@@ -101,7 +101,8 @@ def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Cal
         _stop_with_launcher()
     sock = bind(request.host, request.port) if ranks.is_main else None
     try:
-        session = Session(request.run, on_plan=on_plan, on_status=on_status)
+        # its LoRAs stay unfused: each request chooses among them (dm_cli.serve.requests), switched per batch
+        session = Session(replace(request.run, switch_loras=True), on_plan=on_plan, on_status=on_status)
     except BaseException:
         if sock is not None:
             sock.close()

@@ -2,8 +2,8 @@
 
 Requests wait in arrival order, counted in images (a request of n images takes n places); a request that does not
 fit the queue is refused at once (429; 400 when it is larger than the whole queue: it never fits). The worker takes
-everything waiting, whole requests in arrival order up to the batch limit (`BatchSizer`: at most `max_batch`
-images, as many as measured to pay), and generates them together: `Session.generate` runs them stage-major (a staged plan loads each
+the oldest request and those waiting with its LoRA adapters and scales, whole requests in arrival order up to the
+batch limit (`BatchSizer`: at most `max_batch` images, as many as measured to pay), and generates them together: `Session.generate` runs them stage-major (a staged plan loads each
 stage's components once per batch), the same code and the same pixels as `dmap run --prompts`. Each request is
 answered as soon as its last image is encoded. A batch that fails runs each request it left unanswered again on its
 own: one request's failure is never another's. A request whose client went away while it waited leaves the queue
@@ -179,8 +179,9 @@ class Batcher:
     # --- the worker -----------------------------------------------------------------------------------------
 
     def _take(self) -> list[Ticket] | None:
-        """The next batch: whole requests in arrival order, up to max_batch images (one request may be larger);
-        None when stopping."""
+        """The next batch: whole requests in arrival order, up to max_batch images (one request may be larger), all
+        with the oldest one's LoRA adapters and scales (a batch runs one adapter set; the others keep their places,
+        and the oldest of them heads the next batch); None when stopping."""
         while True:
             with self._cond:
                 if not self._pending and not self.stopping:
@@ -190,10 +191,14 @@ class Batcher:
                 if self._pending:
                     batch, size = [], 0
                     limit = self.sizer.limit
-                    while self._pending and (not batch or size + self._pending[0].size <= limit):
-                        ticket = self._pending.popleft()
-                        batch.append(ticket)
-                        size += ticket.size
+                    adapters = _adapters(self._pending[0])
+                    for ticket in list(self._pending):  # the oldest first, then the later ones with its adapters
+                        if batch and size + ticket.size > limit:
+                            break
+                        if _adapters(ticket) == adapters:
+                            self._pending.remove(ticket)
+                            batch.append(ticket)
+                            size += ticket.size
                     self.depth -= size
                     self.running = size
                     self._batch = batch
@@ -265,6 +270,11 @@ class Batcher:
             steps = sum(item.steps or self._default_steps for item, _ in pairs)
             self.sizer.measured(len(pairs), self._clock() - started, steps)
         return failure, [ticket for ticket in batch if id(ticket) not in done]
+
+
+def _adapters(ticket: Ticket) -> tuple:
+    """The LoRA adapters (and scales) a waiting request's images run with: a batch shares them."""
+    return getattr(ticket.request, "adapters", ())
 
 
 # --- computing a batch -----------------------------------------------------------------------------------------
