@@ -616,22 +616,38 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         cache = self.plan.cache
         if cache is None or name not in self.plan.step_cache.get("components", {}):
             return None
+        import contextlib
+
+        from diffusers.hooks.hooks import CacheContext
+
         from dm_cli.planning.step_cache import CACHES, enable
-        from dm_cli.run.step_cache import SliceRelay
+        from dm_cli.run.step_cache import SliceRelay, drop_states
 
         enable(model, cache, self.family, None, self.plan.dtype)
         relay = SliceRelay(model, cache, self.rank, self.world_size) if CACHES[cache.name].head_and_tail else None
         self._relays[name] = relay
         own = model.cache_context
 
+        @contextlib.contextmanager
         def cache_context(context: str, **kwargs):
             config = getattr(self.local, "cache_config", None)
             if relay is not None and config is not None:
                 relay.use_config(config)
             slot = getattr(self.local, "slot", None)
-            return own(context if slot is None else f"{slot}:{context}", **kwargs)
+            with own(context if slot is None else f"{slot}:{context}", **kwargs):
+                if relay is None:
+                    yield
+                    return
+                # diffusers sets the shared state's context through the first block's hook, which the other ranks lack
+                relay.manager.set_context(CacheContext(context if slot is None else f"{slot}:{context}", **kwargs))
+                try:
+                    yield
+                finally:
+                    relay.manager.set_context(None)
 
         model.cache_context = cache_context
+        # the diffusers pipeline resets the hooks at the end of its call (maybe_free_model_hooks): this prompt's only
+        model._reset_stateful_cache = lambda recurse=True: drop_states(model, f"{getattr(self.local, 'slot', None)}:")
         return relay
 
     def _count_slice_cache(self, name: str, model, relay) -> None:
@@ -641,6 +657,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
             return
         from dm_cli.run.step_cache import StepCounter, StepCounts
 
+        model._diffusers_hook.invalidate_child_registries_cache()  # the dropped blocks' hooks are gone
         counter = StepCounter(model, self.plan.cache, probe=relay is None)
         counter.counts = self.step_counts.setdefault(name, StepCounts())
         if relay is not None:
