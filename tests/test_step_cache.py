@@ -195,3 +195,20 @@ def test_a_split_denoiser_runs_each_cache_with_the_whole_models_pixels(tiny_flux
     pixels = [np.asarray(Image.open(tmp_path / f).convert("RGB")) for f in ("split.png", "whole.png")]
     assert (pixels[0] == pixels[1]).all()  # the files' metadata differ: each names its own plan
     assert read_metadata(tmp_path / "split.png")["step_cache"] == read_metadata(tmp_path / "whole.png")["step_cache"]
+
+
+def test_a_pipeline_plan_counts_each_slices_cache_on_its_rank(tiny_flux):
+    """--parallel pipeline with fbc: rank 0 holds the first block's residual, rank 1 the last block's residuals and
+    the first block's output, which travels to it with the activations; each rank's peak in the layout has its part."""
+    pytest.importorskip("torch")
+    from dm_cli import plan
+
+    common = {"max_memory": "0=1GB,1=1GB", "world_size": 2, "parallel": "pipeline", "height": 64, "width": 64}
+    bare, cached = plan(tiny_flux, **common), plan(tiny_flux, cache="fbc", **common)
+    held = cached.step_cache["components"]["transformer"]
+    assert cached.parallel.layout == "pipeline" and set(held["ranks"]) == {"0", "1"}
+    assert held["ranks"] == held["bytes"] and sum(held["ranks"].values()) == held["total_bytes"]
+    hidden = held["ranks"]["0"]  # the first block's residual: the image tokens' hidden states
+    assert hidden > 0 and held["ranks"]["1"] > 2 * hidden  # output and residuals of both streams
+    assert {rank: cached.parallel.per_rank_peak_bytes[rank] - bare.parallel.per_rank_peak_bytes[rank]
+            for rank in ("0", "1")} == held["ranks"]

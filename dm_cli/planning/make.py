@@ -33,8 +33,12 @@ from dm_cli.planning.plan_options import PlanOptions, place_or_none
 from dm_cli.planning.plan_prediction import plan_prediction, with_profile_rates
 from dm_cli.planning.search import Device
 from dm_cli.planning.split_check import run_split_check
-from dm_cli.planning.step_cache_plan import (fit_step_cache, step_cache_footprints, step_cache_report,
-                                             with_cache_per_rank)
+from dm_cli.planning.step_cache_plan import (
+    fit_step_cache,
+    step_cache_footprints,
+    step_cache_report,
+    with_cache_per_rank,
+)
 from dm_cli.planning.tiling import TilingChoice, choose_tiling
 from dm_cli.units import parse_device_spec, parse_dtype
 
