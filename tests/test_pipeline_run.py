@@ -191,3 +191,22 @@ def test_a_killed_rank_stops_the_others_and_the_same_command_resumes(models):
     _same_files(out, root / "four-single", [f"{i:05d}.png" for i in range(4)])
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # nothing of the killed launch is left running
+
+
+@pytest.mark.parametrize("cache", ["fbc:threshold=0.3", pytest.param("magcache:threshold=0.5", marks=pytest.mark.slow),
+                                   pytest.param("taylorseer", marks=pytest.mark.slow)])
+def test_a_queue_with_a_step_cache_on_two_ranks_is_one_process_byte_for_byte(models, cache):
+    """Each slice's hook state on its rank, one state per prompt in flight (3 prompts, 2 in flight): fbc's and
+    magcache's decision made on rank 0 travels with the activations, so both ranks skip the calls one process
+    skips, and the images are one process's bytes running the same plan with the same cache."""
+    root, _, model = models
+    name = cache.partition(":")[0]
+    plan = _plan(root, model, 2, f"{name}.json", "--cache", cache)
+    output = _torchrun(2, "run", model, "-d", plan, "--prompts", root / "prompts.txt", "--output", root / f"{name}-piped",
+                       "--steps", 8, "--json", cwd=root)
+    counts = [result["step_cache"]["counts"]["transformer"] for result in _results(output) if "step_cache" in result]
+    single = json.loads(_dmap("run", model, "-d", plan, "--simulate", "--prompts", root / "prompts.txt", "--output",
+                              root / f"{name}-single", "--steps", 8, "--json", cwd=root))
+    assert len(counts) == 2 and all(c == single["step_cache"]["counts"]["transformer"] for c in counts), counts
+    assert counts[0]["skipped"] > 0 and counts[0]["calls"] == 3 * 8
+    _same_files(root / f"{name}-piped", root / f"{name}-single", [f"{i:05d}.png" for i in range(3)])

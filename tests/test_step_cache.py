@@ -77,18 +77,15 @@ def test_taylorseer_holds_more_per_guidance_branch():
     assert second["total_bytes"] == 2 * first["total_bytes"]
 
 
-def test_cache_bytes_go_to_the_blocks_devices_and_split_fbc_is_refused():
-    from dm_cli.planning.step_cache import Footprint, parse_cache, placed_bytes, split_refusal
+def test_cache_bytes_go_to_the_blocks_devices():
+    from dm_cli.planning.step_cache import Footprint, placed_bytes
 
     fbc = Footprint({"transformer_blocks.0": 300, "single_transformer_blocks.7": 200})
     split = {"x_embedder": 0, "transformer_blocks": 0, "single_transformer_blocks": 1, "proj_out": 1}
     assert placed_bytes(fbc, split, 0) == {"0": 300, "1": 200}
-    assert "cannot run with transformer split over 0, 1" in split_refusal(parse_cache("fbc"), fbc, "transformer", split, 0)
-    assert split_refusal(parse_cache("taylorseer"), fbc, "transformer", split, 0) is None
     # offloaded blocks keep their state on the execution device (accelerate streams the weights there)
     offloaded = {"transformer_blocks": 0, "single_transformer_blocks": "cpu"}
     assert placed_bytes(fbc, offloaded, 0) == {"0": 500}
-    assert split_refusal(parse_cache("fbc"), fbc, "transformer", offloaded, 0) is None
 
 
 @pytest.fixture(scope="module")
@@ -161,17 +158,22 @@ def test_cli_api_and_queue_item_make_the_same_cached_image(tiny_flux, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_split_denoiser_runs_taylorseer_with_the_whole_models_pixels_and_refuses_fbc(tiny_flux, tmp_path):
-    """A real split: the plan cuts tiny FLUX's transformer over two (simulated) GPUs and counts each attention's
-    Taylor terms on its own GPU; the run with the hooks on gives the unsplit cached image, pixel for pixel. fbc
-    (one state for the first and the last block) is refused on that split, one sentence."""
+@pytest.mark.parametrize("name", ["taylorseer", "fbc", "magcache"])
+def test_a_split_denoiser_runs_each_cache_with_the_whole_models_pixels(tiny_flux, tmp_path, name):
+    """A real split: the plan cuts tiny FLUX's transformer over two (simulated) GPUs and counts the cache's state on
+    the GPU of the block that holds it; the split check with the hooks on finds nothing (fbc's and magcache's first
+    and last blocks each take the other's tensors onto their own device); the run with the hooks on gives the
+    unsplit cached image, pixel for pixel, and skips the same calls."""
     pytest.importorskip("torch")
     import numpy as np
     from PIL import Image
 
+    from dm_cli.io.outputs import read_metadata
+
     split = ["--max-memory", "0=800KB,1=800KB", "--overhead", "0=0,1=0", "--height", "32", "--width", "32",
              "--max-sequence-length", "8"]
-    code, _, err = run_dmap("plan", tiny_flux, *split, "--cache", "taylorseer", "--output", tmp_path / "split.json",
+    settings = {"taylorseer": "taylorseer", "fbc": "fbc:threshold=0.3", "magcache": "magcache:threshold=0.5"}[name]
+    code, _, err = run_dmap("plan", tiny_flux, *split, "--cache", settings, "--output", tmp_path / "split.json",
                             "--quiet")
     assert code == 0, err
     plan = json.loads((tmp_path / "split.json").read_text())
@@ -179,15 +181,34 @@ def test_a_split_denoiser_runs_taylorseer_with_the_whole_models_pixels_and_refus
     assert {device_map["transformer_blocks.0"], device_map["single_transformer_blocks.0"]} == {0, 1}, device_map
     held = plan["step_cache"]["components"]["transformer"]
     assert set(held["bytes"]) == {"0", "1"} and sum(held["bytes"].values()) == held["total_bytes"] > 0
-    assert plan["check"]["ran"] and not plan["check"]["problems"]
-    run = ["run", tiny_flux, "--prompt", "a fox", "--steps", "6", "--seed", "3", "--quiet"]
-    code, _, err = run_dmap(*run, "--device-map", tmp_path / "split.json", "--simulate", "--output",
-                            tmp_path / "split.png")
+    assert plan["check"]["ran"] and not plan["check"]["problems"], plan["check"]
+    run = ["run", tiny_flux, "--prompt", "a fox", "--steps", "8", "--seed", "3", "--quiet", "--json"]
+    code, out, err = run_dmap(*run, "--device-map", tmp_path / "split.json", "--simulate", "--output",
+                              tmp_path / "split.png")
     assert code == 0, err
-    code, _, err = run_dmap(*run, "--max-memory", "cpu=10GB", "--height", "32", "--width", "32",
-                            "--max-sequence-length", "8", "--cache", "taylorseer", "--output", tmp_path / "whole.png")
+    split_counts = json.loads(out)["step_cache"]["counts"]["transformer"]
+    code, out, err = run_dmap(*run, "--max-memory", "cpu=10GB", "--height", "32", "--width", "32",
+                              "--max-sequence-length", "8", "--cache", settings, "--output", tmp_path / "whole.png")
     assert code == 0, err
-    pixels = [np.asarray(Image.open(tmp_path / name).convert("RGB")) for name in ("split.png", "whole.png")]
-    assert (pixels[0] == pixels[1]).all()
-    code, _, err = run_dmap("plan", tiny_flux, *split, "--cache", "fbc", "--output", tmp_path / "fbc.json")
-    assert code == 2 and "cannot run with transformer split over 0, 1" in err and "Traceback" not in err, err
+    whole_counts = json.loads(out)["step_cache"]["counts"]["transformer"]
+    assert split_counts == whole_counts and whole_counts["skipped"] > 0, (split_counts, whole_counts)
+    pixels = [np.asarray(Image.open(tmp_path / f).convert("RGB")) for f in ("split.png", "whole.png")]
+    assert (pixels[0] == pixels[1]).all()  # the files' metadata differ: each names its own plan
+    assert read_metadata(tmp_path / "split.png")["step_cache"] == read_metadata(tmp_path / "whole.png")["step_cache"]
+
+
+def test_a_pipeline_plan_counts_each_slices_cache_on_its_rank(tiny_flux):
+    """--parallel pipeline with fbc: rank 0 holds the first block's residual, rank 1 the last block's residuals and
+    the first block's output, which travels to it with the activations; each rank's peak in the layout has its part."""
+    pytest.importorskip("torch")
+    from dm_cli import plan
+
+    common = {"max_memory": "0=1GB,1=1GB", "world_size": 2, "parallel": "pipeline", "height": 64, "width": 64}
+    bare, cached = plan(tiny_flux, **common), plan(tiny_flux, cache="fbc", **common)
+    held = cached.step_cache["components"]["transformer"]
+    assert cached.parallel.layout == "pipeline" and set(held["ranks"]) == {"0", "1"}
+    assert held["ranks"] == held["bytes"] and sum(held["ranks"].values()) == held["total_bytes"]
+    hidden = held["ranks"]["0"]  # the first block's residual: the image tokens' hidden states
+    assert hidden > 0 and held["ranks"]["1"] > 2 * hidden  # output and residuals of both streams
+    assert {rank: cached.parallel.per_rank_peak_bytes[rank] - bare.parallel.per_rank_peak_bytes[rank]
+            for rank in ("0", "1")} == held["ranks"]

@@ -33,7 +33,12 @@ from dm_cli.planning.plan_options import PlanOptions, place_or_none
 from dm_cli.planning.plan_prediction import plan_prediction, with_profile_rates
 from dm_cli.planning.search import Device
 from dm_cli.planning.split_check import run_split_check
-from dm_cli.planning.step_cache_plan import fit_step_cache, step_cache_footprints, step_cache_report
+from dm_cli.planning.step_cache_plan import (
+    fit_step_cache,
+    step_cache_footprints,
+    step_cache_report,
+    with_cache_per_rank,
+)
 from dm_cli.planning.tiling import TilingChoice, choose_tiling
 from dm_cli.units import parse_device_spec, parse_dtype
 
@@ -87,9 +92,11 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     layout = None
     if parallel is not None:
         layout, placement, prepared = parallel_layout(placement, specs, prepared, stages, devices, cut, *parallel)
-    footprints = step_cache_footprints(source, prepared, options)
-    if footprints:
-        placement, cache_bytes = fit_step_cache(source_spec, specs, stages, devices, options, placement, footprints)
+    footprints = step_cache_footprints(source, prepared, options, layout)
+    if footprints:  # the pipeline's cut stays the denoiser's map while the search makes room for the cache
+        cut_specs = {p.spec.name: p.spec for p in prepared if p.spec.fixed_map is not None}
+        placement, cache_bytes = fit_step_cache(source_spec, [cut_specs.get(s.name, s) for s in specs], stages,
+                                                devices, options, placement, footprints)
     dtype = asked.dtype or (prepared[0].dtype if prepared else "bfloat16")
     plan = Plan(source_spec, dtype, asked.strategy, placement.mode, devices, options.inputs, placement.components,
                 placement.stages, source.pipeline_class,
@@ -111,10 +118,11 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
                   for p in prepared for lora, count in p.lora_bytes]
     plan.warnings += [f"{name}: its LoRA stays unfused (peft's layers beside the weights, a little slower per step): "
                       f"{why}." for name, why in unfused.items() if why]
+    plan.parallel = layout
     if options.cache is not None:
         plan.step_cache = step_cache_report(plan, source, prepared, options, footprints,
                                              cache_bytes if footprints else {})
-    plan.parallel = layout
+        plan.parallel = with_cache_per_rank(layout, plan.step_cache)
     plan.warnings += [launch_warning(layout) for layout in [layout] if layout is not None and layout.layout != Layout.SPLIT]
     plan.predicted_time = plan_prediction(plan, source, prepared, options, options.prediction)
     if options.check:

@@ -8,7 +8,9 @@ once per guidance branch (each branch is a cache context with its own state), th
 attributed to the block that holds them (fbc and magcache: the first block's input/output and the last block's
 residuals; taylorseer: each hooked attention's Taylor terms, `max_order + 1` of them). `placed_bytes` puts those
 bytes on the device of their block (a block streamed from cpu or disk keeps them on its execution device), and
-`fit` makes the search leave room for them. The split check runs with the hooks on (`check`).
+`fit` makes the search leave room for them. The split check runs with the hooks on (`check`). `enable` puts the
+hooks on, at plan and at run time alike: on a denoiser split over devices, fbc's and magcache's first and last
+blocks each take the other's tensors onto their own device (`_across_devices`).
 
 FasterCache and Pyramid Attention Broadcast are not offered: both need a timestep callback into the pipeline's
 loop (`current_timestep_callback`) and FasterCache a batched CFG, which FLUX, Wan and Qwen-Image do not run.
@@ -16,6 +18,7 @@ loop (`current_timestep_callback`) and FasterCache a batched CFG, which FLUX, Wa
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -195,10 +198,92 @@ def diffusers_config(cache: StepCache, family, steps: int | None = None, dtype: 
     raise AssertionError(f"no config for {cache.name}")
 
 
+def enable(model, cache: StepCache, family, steps: int | None = None, dtype: str | None = None) -> None:
+    """diffusers' hooks for `cache` on `model` (`enable_cache`), fbc's and magcache's made to run on a split."""
+    model.enable_cache(diffusers_config(cache, family, steps, dtype))
+    if CACHES[cache.name].head_and_tail:
+        _across_devices(model)
+
+
+# fbc, magcache: the tensors one end block's hook keeps in the shared state for the other end block
+_SHARED = ("head_block_output", "head_block_input", "tail_block_residuals", "previous_residual")
+
+
+def _across_devices(model) -> int:
+    """fbc and magcache keep one state for the first and the last block, and each of the two hooks computes with
+    the other's tensors (the last block subtracts the first's output or input; the first adds the last's residuals
+    when it skips). On a denoiser split over two devices those sit on two devices: each end block's hook here takes
+    its call's tensors and the other end's state onto its own execution device for that call (a copy only where
+    they differ), and leaves the state where it was, as the plan counts it. Returns the hooks wrapped."""
+    wrapped = 0
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        for hook in (registry.hooks.values() if registry is not None else ()):
+            ends = "Head" in type(hook).__name__ or getattr(hook, "is_tail", False)
+            if ends and getattr(hook, "state_manager", None) is not None and not getattr(hook, "_dmap_devices", False):
+                # the registry calls `fn_ref.forward` (the hook's new_forward, bound to the module when registered)
+                hook.fn_ref.forward = functools.partial(_on_own_device(hook, hook.fn_ref.forward), module)
+                hook._dmap_devices = True
+                wrapped += 1
+    return wrapped
+
+
+def _on_own_device(hook, forward):
+    def new_forward(module, *args, **kwargs):
+        device = _execution_device(module)
+        manager = hook.state_manager
+        if device is None or manager._context is None:
+            return forward(*args, **kwargs)
+        args, kwargs = _to_device(args, device), _to_device(kwargs, device)
+        state = manager.get_state()
+        swapped = {}
+        for name in _SHARED:
+            value = getattr(state, name, None)
+            if value is not None:
+                swapped[name] = (value, _to_device(value, device))
+                setattr(state, name, swapped[name][1])
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for name, (value, moved) in swapped.items():
+                if getattr(state, name, None) is moved:  # not replaced by this call: back to where it is kept
+                    setattr(state, name, value)
+
+    return new_forward
+
+
+def _execution_device(module):
+    """Where `module` computes: accelerate's execution device (a split or streamed block), else its weights'."""
+    import torch
+
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if device is not None:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    weight = next(module.parameters(), None)
+    return weight.device if weight is not None else None
+
+
+def _to_device(value, device):
+    """`value` with each tensor in it on `device` (`to` even where it is there already: under the split check's
+    virtual devices that is what says the hook moves it)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(item, device) for item in value)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    return value
+
+
 # --- what the hooks hold --------------------------------------------------------------------------
 
 HEAD_STATE = ("head_block_output", "head_block_residual", "head_block_input")  # fbc, magcache: the first block's
 TAIL_STATE = ("tail_block_residuals", "previous_residual")  # fbc, magcache: the last block's
+# --parallel pipeline: the first block's output (fbc) or input (magcache) travels with the activations to the rank of
+# the last block, which alone computes with it (dm_cli.run.step_cache.SliceRelay): held there, not on the first's
+TRAVEL = ("head_block_output", "head_block_input")
 
 
 @dataclass
@@ -227,25 +312,27 @@ def contexts(family, inputs: InputSpec) -> tuple[str, ...]:
 
 
 def measure(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str, cache: StepCache, family,
-            use_cache: bool = True, device_map: dict | None = None) -> tuple[Footprint, list[str]]:
+            use_cache: bool = True, device_map: dict | None = None,
+            sliced: bool = False) -> tuple[Footprint, list[str]]:
     """Run the denoiser on the meta device with the cache's hooks on, once per cache context: (what the hooks'
-    states hold, by holder; the split check's problems when `device_map` places it on several devices)."""
+    states hold, by holder; the split check's problems when `device_map` places it on several devices). `sliced`:
+    for --parallel pipeline, where the first block's tensors that the last block takes travel to its rank (`TRAVEL`)."""
     from dm_cli.io.cache import cache_key, read_cached, write_cached
 
     key = cache_key({"what": "step-cache", "class": comp.cls, "config": comp.config, "pipeline": pipeline_class,
                      "inputs": inputs.to_json(), "dtype": dtype, "cache": cache.label,
-                     "map": list((device_map or {}).items())})
+                     "map": list((device_map or {}).items()), **({"sliced": True} if sliced else {})})
     cached = read_cached("checks", key) if use_cache else None
     if cached is not None and isinstance(cached.get("footprint"), dict):
         return Footprint.from_json(cached["footprint"]), list(cached.get("problems", []))
-    footprint, problems = _measure(comp, pipeline_class, inputs, dtype, cache, family, device_map)
+    footprint, problems = _measure(comp, pipeline_class, inputs, dtype, cache, family, device_map, sliced)
     if use_cache and not any("failed on the meta device" in p for p in problems):
         write_cached("checks", key, {"footprint": footprint.to_json(), "problems": problems})
     return footprint, problems
 
 
 def _measure(comp, pipeline_class, inputs: InputSpec, dtype: str, cache: StepCache, family,
-             device_map: dict | None) -> tuple[Footprint, list[str]]:
+             device_map: dict | None, sliced: bool = False) -> tuple[Footprint, list[str]]:
     import torch
 
     from dm_cli.families import call_spec
@@ -262,7 +349,7 @@ def _measure(comp, pipeline_class, inputs: InputSpec, dtype: str, cache: StepCac
     problems: list[str] = []
     seen: set = set()
     split = device_map is not None and len(set(device_map.values())) > 1
-    model.enable_cache(diffusers_config(cache, family, 28, run_dtype))
+    enable(model, cache, family, 28, run_dtype)
     try:
         for name in names:
             session = _Session(model, replace_sdpa=True, tag_mode="device" if split else None,
@@ -274,15 +361,15 @@ def _measure(comp, pipeline_class, inputs: InputSpec, dtype: str, cache: StepCac
                     problems.append(f"{comp.cls} ({comp.name}) with --cache {cache.name} failed on the meta device "
                                     f"({type(error).__name__}: {shorten(str(error), 120)}).")
                     break
-        holders = _held(model, cache, torch)
+        holders = _held(model, cache, torch, sliced)
     finally:
         model.disable_cache()
     return Footprint(holders, len(names)), problems
 
 
-def _held(model, cache: StepCache, torch) -> dict[str, int]:
+def _held(model, cache: StepCache, torch, sliced: bool = False) -> dict[str, int]:
     """Bytes each hooked module's state holds now (each tensor once); taylorseer's after one update hold one term of
-    `max_order + 1`, so they count that many times."""
+    `max_order + 1`, so they count that many times. `sliced`: the tensors of `TRAVEL` go to the last block."""
     from diffusers.hooks.hooks import StateManager
 
     terms = cache.setting("max_order", 0) + 1 if cache.name == "taylorseer" else 1
@@ -310,7 +397,7 @@ def _held(model, cache: StepCache, torch) -> dict[str, int]:
     holders: dict[str, int] = {}
     tensors_seen: set = set()
     for prefix, name, value in found:
-        where = head if name in HEAD_STATE else tail if name in TAIL_STATE else prefix
+        where = tail if sliced and name in TRAVEL else head if name in HEAD_STATE else tail if name in TAIL_STATE else prefix
         nbytes = sum(t.numel() * t.element_size() for t in _tensors(value, torch) if not (
             id(t) in tensors_seen or tensors_seen.add(id(t))))
         if nbytes and where is not None:
@@ -344,20 +431,6 @@ def placed_bytes(footprint: Footprint, device_map: dict, execution_device) -> di
             device = execution_device
         out[str(device)] = out.get(str(device), 0) + nbytes
     return out
-
-
-def split_refusal(cache: StepCache, footprint: Footprint, component: str, device_map: dict, execution_device) -> str | None:
-    """fbc and magcache keep one state for the first and the last block: diffusers' hooks subtract one from the
-    other, which fails when the two run on different devices."""
-    if not CACHES[cache.name].head_and_tail or len(footprint.holders) < 2:
-        return None
-    devices = {str(d) for d in placed_bytes(footprint, device_map, execution_device)}
-    if len(devices) < 2:
-        return None
-    return (f"--cache {cache.name} keeps the first and the last block's tensors of {component} in one state, and "
-            f"diffusers' hook subtracts one from the other: it cannot run with {component} split over "
-            f"{', '.join(sorted(devices))}; use --cache taylorseer (each attention's state stays on its own device) "
-            "or more memory on one GPU.")
 
 
 def fit(place: Callable, devices: list, denoisers: dict[str, Footprint], rounds: int = 6):

@@ -561,6 +561,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         self.links = Links(self.rank_device)
         self.local = threading.local()
         self.turns = Turns(0)
+        self._relays: dict = {}  # denoiser -> its slice's SliceRelay (fbc, magcache) or None (taylorseer)
 
     # --- where things go --------------------------------------------------------------------------
 
@@ -590,8 +591,11 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         others = frozenset(self.slices.every_block) - set(self.slices.blocks[self.rank])
         self.status(f"Loading slice {self.rank + 1} of {self.world_size} of {name} ({self.rank_device})…")
         model = load_slice(self.components[name], str(self.rank_device), self.plan.dtype, others)
-        cut_to_slice(model, self.slices, self.rank, lambda tensors: self.links.send(tensors, self.rank + 1),
-                     lambda: self.links.recv(self.rank - 1))
+        relay = self._cache_slice(name, model)
+        cut_to_slice(model, self.slices, self.rank,
+                     lambda tensors: self.links.send(relay.outgoing(tensors) if relay else tensors, self.rank + 1),
+                     lambda: relay.incoming(self.links.recv(self.rank - 1)) if relay else self.links.recv(self.rank - 1))
+        self._count_slice_cache(name, model, relay)
         cmap = self.device_map(name)
         self.meter.register_weights(model, cmap, cmap[""])
         self._hooks[name] = self.meter.attach(model, cmap, cmap[""])
@@ -600,6 +604,77 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         if self._pipe is not None:
             setattr(self._pipe, name, model)
         self.status(None)
+
+    # --- --cache on a slice -------------------------------------------------------------------------
+
+    def _cache_slice(self, name: str, model):
+        """--cache on this rank's slice: diffusers' hooks put on the whole model before the cut (its first and last
+        blocks are the model's; none lands on SliceEnd), so each kept block keeps its hook and its state lives on
+        this rank. fbc and magcache: a SliceRelay carries the decision and the first block's tensors with the
+        activations (dm_cli.run.step_cache). Every hook state is a prompt in flight's: its cache contexts are named
+        after its slot (`cache_context`), and only its own are reset (`_reset_step_caches`)."""
+        cache = self.plan.cache
+        if cache is None or name not in self.plan.step_cache.get("components", {}):
+            return None
+        import contextlib
+
+        from diffusers.hooks.hooks import CacheContext
+
+        from dm_cli.planning.step_cache import CACHES, enable
+        from dm_cli.run.step_cache import SliceRelay, drop_states
+
+        enable(model, cache, self.family, None, self.plan.dtype)
+        relay = SliceRelay(model, cache, self.rank, self.world_size) if CACHES[cache.name].head_and_tail else None
+        self._relays[name] = relay
+        own = model.cache_context
+
+        @contextlib.contextmanager
+        def cache_context(context: str, **kwargs):
+            config = getattr(self.local, "cache_config", None)
+            if relay is not None and config is not None:
+                relay.use_config(config)
+            slot = getattr(self.local, "slot", None)
+            with own(context if slot is None else f"{slot}:{context}", **kwargs):
+                if relay is None:
+                    yield
+                    return
+                # diffusers sets the shared state's context through the first block's hook, which the other ranks lack
+                relay.manager.set_context(CacheContext(context if slot is None else f"{slot}:{context}", **kwargs))
+                try:
+                    yield
+                finally:
+                    relay.manager.set_context(None)
+
+        model.cache_context = cache_context
+        # the diffusers pipeline resets the hooks at the end of its call (maybe_free_model_hooks): this prompt's only
+        model._reset_stateful_cache = lambda recurse=True: drop_states(model, f"{getattr(self.local, 'slot', None)}:")
+        return relay
+
+    def _count_slice_cache(self, name: str, model, relay) -> None:
+        """The counter of the slice's calls (after the cut: its probe is a kept module); fbc's and magcache's
+        computed calls counted by the relay, from the decision every rank shares."""
+        if name not in self._relays:
+            return
+        from dm_cli.run.step_cache import StepCounter, StepCounts
+
+        model._diffusers_hook.invalidate_child_registries_cache()  # the dropped blocks' hooks are gone
+        counter = StepCounter(model, self.plan.cache, probe=relay is None)
+        counter.counts = self.step_counts.setdefault(name, StepCounts())
+        if relay is not None:
+            relay.counter = counter
+        self.step_counters[name] = counter
+
+    def _reset_step_caches(self, steps: int | None = None) -> None:
+        """This prompt's hook states emptied (the other prompts in flight keep theirs); magcache made for its steps."""
+        from dm_cli.run.step_cache import drop_states
+
+        slot = getattr(self.local, "slot", None)
+        for counter in self.step_counters.values():
+            drop_states(counter.model, f"{slot}:")
+        if steps is not None and self.plan.cache is not None and self.plan.cache.name == "magcache":
+            from dm_cli.planning.step_cache import diffusers_config
+
+            self.local.cache_config = diffusers_config(self.plan.cache, self.family, steps, self.plan.dtype)
 
     # --- running ------------------------------------------------------------------------------------
 

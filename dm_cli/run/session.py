@@ -84,10 +84,6 @@ class Session:
         # refused (one sentence) before anything is imported or planned
         self.sharing = step_sharing(request.parallel, plan, self)
         self.is_main = self.sharing is None or self.sharing.is_main  # rank 0 decodes and gets the images
-        if self.sharing is not None and self.sharing.layout == "pipeline" and self.generation.cache is not None:
-            raise UsageError(f"--cache {self.generation.cache.name} with --parallel pipeline: dmap does not keep a step "
-                             "cache's hook state per slice of the denoiser yet; run with --parallel cfg or context, "
-                             "or in one process, or drop --cache.")
         # missing or corrupt weights are bad input: say so before importing the libraries or planning
         largest = {c.name: check_component_files(c) for c in self.source.components}
         if any(c.single_file is not None for c in self.source.components):  # their sha256 goes into the metadata
