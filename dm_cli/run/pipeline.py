@@ -33,6 +33,7 @@ Without a GPU each rank computes on its CPU, standing for GPU r of the plan.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import threading
@@ -375,6 +376,26 @@ def cut_to_slice(model, slices: Slices, rank: int, send, receive) -> None:
         first.register_forward_pre_hook(take_inputs, with_kwargs=True)
 
 
+@contextlib.contextmanager
+def without_blocks(model, keys: frozenset[str]):
+    """The blocks named in `keys` (another rank's: their tensors on the meta device) swapped for empty modules at
+    the same index while a LoRA loads: peft then patches this rank's layers only, so that the rank holds its slice's
+    adapters alone and can fuse them (a meta weight cannot take a merged adapter). The blocks come back after."""
+    import torch
+
+    swapped = []
+    for key in keys:
+        list_name, _, index = key.rpartition(".")
+        blocks = model.get_submodule(list_name)
+        swapped.append((blocks, int(index), blocks[int(index)]))
+        blocks[int(index)] = torch.nn.Module()
+    try:
+        yield
+    finally:
+        for blocks, index, block in swapped:
+            blocks[index] = block
+
+
 class CallPairs:
     """One prompt's denoiser calls, for the two CFG branches as micro-batches: a pipeline that makes two calls per
     step (cond, then uncond: Qwen-Image's true CFG, Wan's CFG) sends both calls' activations before it waits for
@@ -502,15 +523,9 @@ def pipeline_refusal(family, generation, plan, world_size: int) -> str | None:
     if denoiser is not None and denoiser not in PIPELINE_CLASSES:
         return (f"--parallel pipeline cuts the denoisers whose blocks pass their whole state from one to the next "
                 f"({', '.join(PIPELINE_CLASSES)}), not {denoiser}: for one prompt use --parallel cfg or context; for a queue drop --parallel (the ranks then share the prompts).")
-    if family.experts:
+    if any(name in plan.components for name in family.experts) if plan is not None else family.experts:
         return (f"--parallel pipeline does not yet run {family.title()}'s experts (they take turns within a "
                 "prompt's steps): for one prompt use --parallel cfg or context; for a queue drop --parallel (the ranks then share the prompts).")
-    if generation.loras:
-        return "--parallel pipeline does not load LoRAs yet: run without --lora, or in one process."
-    weights = plan.weights.get(family.denoiser) if plan is not None else None
-    if weights:
-        return (f"--parallel pipeline reads the denoiser's weights as stored, and the plan stores them as {weights}: "
-                "plan without --weights.")
     return None
 
 
@@ -589,7 +604,15 @@ class PipelineStageLoop(MainRankStages, StageLoop):
 
         others = frozenset(self.slices.every_block) - set(self.slices.blocks[self.rank])
         self.status(f"Loading slice {self.rank + 1} of {self.world_size} of {name} ({self.rank_device})…")
-        model = load_slice(self.components[name], str(self.rank_device), self.plan.dtype, others)
+        model = load_slice(self.components[name], str(self.rank_device), self.plan.dtype, others,
+                           self.plan.weights.get(name))
+        patching = [lora for lora in self.loras if lora.component == name]
+        if patching:  # before the cut: the LoRA's keys name the blocks by their index in the whole model
+            from dm_cli.run.adapters import load_loras
+
+            self.status(f"Loading {len(patching)} LoRA(s) into slice {self.rank + 1} of {name}…")
+            with without_blocks(model, others):
+                load_loras(self.pipe, name, model, patching, self.torch_dtype, fuse=name in self.fused_loras)
         cut_to_slice(model, self.slices, self.rank, lambda tensors: self.links.send(tensors, self.rank + 1),
                      lambda: self.links.recv(self.rank - 1))
         cmap = self.device_map(name)
