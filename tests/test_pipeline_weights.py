@@ -124,3 +124,24 @@ def test_a_gguf_denoiser_on_two_ranks_is_one_process_bytes(tmp_path):
     _dmap(*args, "--simulate", "--output", tmp_path / "single.webp", cwd=tmp_path)
     assert (tmp_path / "piped.webp").read_bytes() == (tmp_path / "single.webp").read_bytes()
 
+
+
+def test_wan22_experts_each_cut_into_slices_on_two_ranks_are_one_process_bytes(tmp_path):
+    """Wan 2.2 A14B's two experts (tiny-wan, tests/test_wan.py's twin): the plan cuts both at the same blocks and
+    counts both slices on each rank; every rank holds its slice of each and switches at the boundary step with the
+    others (the same diffusers loop). The video is one process's bytes, whose experts switch as planned."""
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
+
+    folder = write_random_pipeline(PRESETS_DIR / "tiny-wan", tmp_path / "tiny-wan", seed=0)
+    plan = tmp_path / "wan.json"
+    _dmap("plan", folder, "--max-memory", "0=1GB,1=1GB", "--world-size", 2, "--parallel", "pipeline", "--height", 32,
+          "--width", 32, "--frames", 9, "-o", plan, cwd=tmp_path)
+    recorded = json.loads(plan.read_text())
+    maps = {name: recorded["components"][name]["device_map"] for name in ("transformer", "transformer_2")}
+    assert maps["transformer"] == maps["transformer_2"] and set(maps["transformer"].values()) == {0, 1}
+    assert recorded["parallel"]["layout"] == "pipeline"
+    args = ("run", folder, "-d", plan, "--prompt", PROMPTS[0], "--steps", 4)
+    _torchrun(2, *args, "--output", tmp_path / "piped.webp", cwd=tmp_path)
+    _dmap(*args, "--simulate", "--output", tmp_path / "single.webp", cwd=tmp_path)
+    assert (tmp_path / "piped.webp").read_bytes() == (tmp_path / "single.webp").read_bytes()

@@ -216,9 +216,6 @@ def context_refusal(shape: DenoiserShape, ulysses: int) -> str | None:
 
 def pipeline_refusal(shape: DenoiserShape, world: int) -> str | None:
     """Why pipeline parallel cannot cut this denoiser over `world` ranks, from its config (None: it can)."""
-    if shape.experts:
-        return (f"pipeline parallel cuts one denoiser's blocks, and this pipeline switches between {shape.cls} "
-                f"experts ({', '.join(shape.experts)} too) during the steps: use --parallel cfg or context.")
     if shape.cls not in PIPELINE_CLASSES:
         other = "cfg or context" if shape.split_sequences else "cfg"
         return (f"pipeline parallel cuts {', '.join(PIPELINE_CLASSES[:-1])} and {PIPELINE_CLASSES[-1]} (whose blocks "

@@ -523,9 +523,6 @@ def pipeline_refusal(family, generation, plan, world_size: int) -> str | None:
     if denoiser is not None and denoiser not in PIPELINE_CLASSES:
         return (f"--parallel pipeline cuts the denoisers whose blocks pass their whole state from one to the next "
                 f"({', '.join(PIPELINE_CLASSES)}), not {denoiser}: for one prompt use --parallel cfg or context; for a queue drop --parallel (the ranks then share the prompts).")
-    if any(name in plan.components for name in family.experts) if plan is not None else family.experts:
-        return (f"--parallel pipeline does not yet run {family.title()}'s experts (they take turns within a "
-                "prompt's steps): for one prompt use --parallel cfg or context; for a queue drop --parallel (the ranks then share the prompts).")
     return None
 
 
@@ -602,7 +599,8 @@ class PipelineStageLoop(MainRankStages, StageLoop):
     def _load_slice(self, name: str) -> None:
         from dm_cli.run.loading import load_slice
 
-        others = frozenset(self.slices.every_block) - set(self.slices.blocks[self.rank])
+        slices = plan_slices(self.plan, name, self.world_size)  # Wan 2.2's experts: each cut as the plan cuts it
+        others = frozenset(slices.every_block) - set(slices.blocks[self.rank])
         self.status(f"Loading slice {self.rank + 1} of {self.world_size} of {name} ({self.rank_device})…")
         model = load_slice(self.components[name], str(self.rank_device), self.plan.dtype, others,
                            self.plan.weights.get(name))
@@ -613,7 +611,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
             self.status(f"Loading {len(patching)} LoRA(s) into slice {self.rank + 1} of {name}…")
             with without_blocks(model, others):
                 load_loras(self.pipe, name, model, patching, self.torch_dtype, fuse=name in self.fused_loras)
-        cut_to_slice(model, self.slices, self.rank, lambda tensors: self.links.send(tensors, self.rank + 1),
+        cut_to_slice(model, slices, self.rank, lambda tensors: self.links.send(tensors, self.rank + 1),
                      lambda: self.links.recv(self.rank - 1))
         cmap = self.device_map(name)
         self.meter.register_weights(model, cmap, cmap[""])
@@ -628,6 +626,22 @@ class PipelineStageLoop(MainRankStages, StageLoop):
 
     def runs_together(self, stage_plan) -> bool:
         return stage_plan.kind == DENOISE
+
+    def stage_groups(self) -> list[list]:
+        """Wan 2.2's experts, planned one at a time, run as one stage holding both slices: the prompts in flight
+        may stand on either side of the boundary step, and each switches on every rank at the same step (the same
+        diffusers loop, the same timesteps)."""
+        import dataclasses
+
+        groups = []
+        for group in super().stage_groups():
+            if len(group) > 1:
+                names = [name for part in group for name in part.components]
+                peaks = {key: max(part.peak_bytes.get(key, 0) for part in group)
+                         for key in {k for part in group for k in part.peak_bytes}}
+                group = [dataclasses.replace(group[0], components=names, peak_bytes=peaks)]
+            groups.append(group)
+        return groups
 
     def run_stage_together(self, stage_plan, jobs: list, carries: list, on_step, stage) -> None:
         """Denoise every job of the chunk, up to `in_flight` at a time, taking turns (see the module's doc)."""
