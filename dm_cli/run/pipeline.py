@@ -3,7 +3,10 @@ prompts' steps in flight at once, so that every rank computes all the time.
 
 A denoiser split over two GPUs in one process runs one GPU at a time. Here rank r holds slice r of the blocks, the
 ones the plan puts on GPU r (the same cut points, `plan_slices`), plus the small modules around the blocks (the
-embedders and the output layers), and loads nothing of the other slices (`dm_cli.run.loading.load_slice`).
+embedders and the output layers), and loads nothing of the other slices (`dm_cli.run.loading.load_slice`): its
+weights as the plan stores them (fp8, int8; a GGUF file, which diffusers reads whole: the other slices' tensors
+dropped at once), a LoRA's adapters of its own layers
+(`without_blocks`), and of Wan 2.2's two experts its slice of each (both held: see `stage_groups`).
 
 Every rank runs the same diffusers denoising loop for each prompt in flight (the same seeds, the same scheduler
 steps); in each denoiser call rank r computes the embedders and its own blocks only:
