@@ -141,7 +141,17 @@ def test_wan22_experts_each_cut_into_slices_on_two_ranks_are_one_process_bytes(t
     maps = {name: recorded["components"][name]["device_map"] for name in ("transformer", "transformer_2")}
     assert maps["transformer"] == maps["transformer_2"] and set(maps["transformer"].values()) == {0, 1}
     assert recorded["parallel"]["layout"] == "pipeline"
-    args = ("run", folder, "-d", plan, "--prompt", PROMPTS[0], "--steps", 4)
+    # the experts as sub-stages, loaded one at a time by one process (as planned where both do not fit a GPU): the
+    # ranks still hold both slices, and one process switches at the boundary step by freeing one, loading the other
+    denoise = next(stage for stage in recorded["stages"] if stage["name"] == "denoise")
+    assert denoise["components"] == ["transformer", "transformer_2"]
+    position = recorded["stages"].index(denoise)
+    recorded["stages"][position:position + 1] = [{**denoise, "components": [name], "note": ""}
+                                                 for name in denoise["components"]]
+    plan.write_text(json.dumps(recorded))
+    args = ("run", folder, "-d", plan, "--prompt", PROMPTS[0], "--steps", 4)  # 2 steps per expert
     _torchrun(2, *args, "--output", tmp_path / "piped.webp", cwd=tmp_path)
-    _dmap(*args, "--simulate", "--output", tmp_path / "single.webp", cwd=tmp_path)
+    single = json.loads(_dmap(*args, "--simulate", "--output", tmp_path / "single.webp", "--json", cwd=tmp_path))
+    assert [(s["components"], s["tracked"].split(", ")[-1]) for s in single["stages"] if s["name"] == "denoise"] == [
+        (["transformer"], "2 of 4 steps"), (["transformer_2"], "2 of 4 steps")]  # the switch at the boundary step
     assert (tmp_path / "piped.webp").read_bytes() == (tmp_path / "single.webp").read_bytes()

@@ -640,9 +640,12 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         for group in super().stage_groups():
             if len(group) > 1:
                 names = [name for part in group for name in part.components]
-                peaks = {key: max(part.peak_bytes.get(key, 0) for part in group)
-                         for key in {k for part in group for k in part.peak_bytes}}
-                group = [dataclasses.replace(group[0], components=names, peak_bytes=peaks)]
+                use = {}  # per device, the sub-stage using it most
+                for part in group:
+                    for device, each in part.use.items():
+                        if device not in use or each.peak > use[device].peak:
+                            use[device] = each
+                group = [dataclasses.replace(group[0], components=names, use=use, note="")]
             groups.append(group)
         return groups
 
