@@ -24,7 +24,8 @@ sequence) plus one layer's all-to-all buffers, and the rank's GPU overhead. Enco
 copied: they run once, as the single-process plan places them (their stages' peaks on that GPU count).
 Pipeline: rank r holds its slice, every module of the denoiser outside the block lists (embedders, output
 layers: small), the denoiser's activation peak (one micro-batch computes at a time), `in_flight` x (send +
-receive buffers of one micro-batch's hidden and text hidden states) and its overhead.
+receive buffers of one micro-batch's hidden and text hidden states) and its overhead; the LoRA adapters of its
+slice's layers, as its blocks' bytes count them; Wan 2.2's experts, cut at the same blocks, both slices of each.
 
 Step times (`auto`) from a simple model: FLOPs per step (2 x params x tokens x calls, plus attention's
 4 x layers x tokens^2 x hidden) at `device_tflops`, plus what crosses the links at `link_gbps` (split:
@@ -216,9 +217,6 @@ def context_refusal(shape: DenoiserShape, ulysses: int) -> str | None:
 
 def pipeline_refusal(shape: DenoiserShape, world: int) -> str | None:
     """Why pipeline parallel cannot cut this denoiser over `world` ranks, from its config (None: it can)."""
-    if shape.experts:
-        return (f"pipeline parallel cuts one denoiser's blocks, and this pipeline switches between {shape.cls} "
-                f"experts ({', '.join(shape.experts)} too) during the steps: use --parallel cfg or context.")
     if shape.cls not in PIPELINE_CLASSES:
         other = "cfg or context" if shape.split_sequences else "cfg"
         return (f"pipeline parallel cuts {', '.join(PIPELINE_CLASSES[:-1])} and {PIPELINE_CLASSES[-1]} (whose blocks "

@@ -91,14 +91,14 @@ def parallel_layout(placement: Placement, specs: list[ComponentInput], prepared:
     fixed = next((s for s in specs if s.name == family.denoiser), None)
     if layout.layout != "pipeline" or fixed is None or fixed.fixed_map is not None:
         return layout, placement, prepared
-    cut_specs = [replace(s, fixed_map=dict(cut.block_map)) if s is fixed else s for s in specs]
+    cut_specs = [replace(s, fixed_map=dict(cut.block_map)) if s.name in experts else s for s in specs]
     cut_placement = place_or_none(cut_specs, stages, devices, options)
     if cut_placement is None:  # the cut fits each rank, but not one process's device map: the split it is compared to
         layout = choose_layout(options.parallel, guidance, shape, load, ranks,
                                f"pipeline parallel's cut of {family.denoiser} fits each rank but not as one process's "
                                "device map, which the plan must stay.")
         return layout, placement, prepared
-    return layout, cut_placement, _with_cut(prepared, family.denoiser, cut)
+    return layout, cut_placement, _with_cut(prepared, experts, cut)
 
 
 def denoiser_cut(prepared: list[PreparedComponent], devices: list[Device], options: PlanOptions, family, guidance,
@@ -111,6 +111,14 @@ def denoiser_cut(prepared: list[PreparedComponent], devices: list[Device], optio
     prep = next((p for p in prepared if p.spec.name == family.denoiser), None)
     if request.choice not in ("pipeline", "auto") or prep is None:
         return None, prepared
+    names = [family.denoiser, *(p.spec.name for p in prepared if p.spec.name in family.experts)]
+    experts = [p for p in prepared if p.spec.name in names[1:]]
+    if any([(b.name, b.keys) for b in p.spec.blocks] != [(b.name, b.keys) for b in prep.spec.blocks] for p in experts):
+        problem = (f"pipeline parallel cuts {', '.join(names)} at the same blocks, and their blocks differ: use "
+                   "--parallel cfg or context.")
+        if request.choice == "pipeline":
+            raise UsageError(problem)
+        return problem, prepared
     owner = {key: block.name for block in prep.spec.blocks for key in block.keys}
     params = dict.fromkeys(owner.values(), 0)
     work = dict.fromkeys(owner.values(), 0)
@@ -121,21 +129,29 @@ def denoiser_cut(prepared: list[PreparedComponent], devices: list[Device], optio
         if name in owner:
             params[owner[name]] += tensor.numel
             work[owner[name]] += tensor.numel * weight_tokens(tensor.name, shape)
-    units = [Unit(b.name, b.keys, b.bytes, params[b.name], work[b.name]) for b in prep.spec.blocks]
+    # Wan 2.2's experts are cut alike and both held (prompts in flight may be on either side of the switch): a
+    # unit's bytes are those of its block in every expert; one expert computes at a time (its FLOPs, its activations)
+    held = {b.name: b.bytes for b in prep.spec.blocks}
+    for expert in experts:
+        for block in expert.spec.blocks:
+            held[block.name] += block.bytes
+    units = [Unit(b.name, b.keys, held[b.name], params[b.name], work[b.name]) for b in prep.spec.blocks]
+    activation_peak = max(p.spec.activation_peak for p in (prep, *experts))
     by_key = {d.key: d for d in devices}
     shared = sum(u.bytes for u in units if not u.entries)
-    extras = beside_slice(shared, prep.spec.activation_peak, shape, request.planned_in_flight)
+    extras = beside_slice(shared, activation_peak, shape, request.planned_in_flight)
     room = [max(0, (by_key[r].capacity or 0) - by_key[r].overhead - extras) if r in by_key else 0
             for r in range(request.world_size)]  # the block weights each rank can hold beside the rest
     cut = pipeline_cut(units, request.world_size, shape, room)
     if request.choice == "pipeline":
         ranks = [Rank(r, by_key[r].capacity or 0, by_key[r].overhead) for r in range(request.world_size)]
-        pipeline_candidate(request, shape, prep.spec.activation_peak, ranks, cut, {})  # refuses, one sentence
-        return cut, _with_cut(prepared, family.denoiser, cut)
+        pipeline_candidate(request, shape, activation_peak, ranks, cut, {})  # refuses, one sentence
+        return cut, _with_cut(prepared, names, cut)
     return cut, prepared
 
 
-def _with_cut(prepared: list[PreparedComponent], denoiser: str, cut) -> list[PreparedComponent]:
-    """The components with the denoiser's map fixed to the cut (the search keeps it and places the rest around it)."""
-    return [replace(p, spec=replace(p.spec, fixed_map=dict(cut.block_map))) if p.spec.name == denoiser else p
+def _with_cut(prepared: list[PreparedComponent], denoisers, cut) -> list[PreparedComponent]:
+    """The components with the denoiser's map (each expert's) fixed to the cut (the search keeps it and places the
+    rest around it)."""
+    return [replace(p, spec=replace(p.spec, fixed_map=dict(cut.block_map))) if p.spec.name in denoisers else p
             for p in prepared]

@@ -164,11 +164,11 @@ def _hooked_gguf_parameter():
     return HookedGGUFParameter
 
 
-def load_slice(comp: ComponentSource, device: str, dtype: str | None, skip: frozenset[str]):
+def load_slice(comp: ComponentSource, device: str, dtype: str | None, skip: frozenset[str], weights: str | None = None):
     """The component on `device` without the blocks named in `skip` (device_map keys such as
     `transformer_blocks.3`), whose tensors stay on the meta device: a pipeline rank's slice
-    (dm_cli.run.pipeline) reads only its own blocks' weights from the checkpoint, as stored, cast as
-    `from_pretrained` casts them."""
+    (dm_cli.run.pipeline) reads only its own blocks' weights from the checkpoint, cast as
+    `from_pretrained` casts them and stored as the plan stores them (`weights`: fp8, int8; as `load_component`)."""
     import torch
 
     def kept(name: str) -> bool:
@@ -177,7 +177,14 @@ def load_slice(comp: ComponentSource, device: str, dtype: str | None, skip: froz
 
     torch_dtype = getattr(torch, dtype) if dtype else None
     try:
-        model = _load_streamed(comp, {"": device}, torch_dtype, resident=True, place=device, keep=kept)
+        if comp.single_file is not None:  # diffusers' from_single_file reads every tensor; the other slices' go at once
+            model = _from_single_file(comp, {"": "cpu"}, torch_dtype)
+            for key in skip:  # an empty module in the block's place (the cut drops it)
+                list_name, _, index = key.rpartition(".")
+                model.get_submodule(list_name)[int(index)] = torch.nn.Module()
+            model.to(device)
+        else:
+            model = _load_streamed(comp, {"": device}, torch_dtype, weights, resident=True, place=device, keep=kept)
     except (OSError, ValueError, RuntimeError, KeyError) as error:
         raise _unloadable(comp, error) from error
     model.eval()

@@ -3,7 +3,10 @@ prompts' steps in flight at once, so that every rank computes all the time.
 
 A denoiser split over two GPUs in one process runs one GPU at a time. Here rank r holds slice r of the blocks, the
 ones the plan puts on GPU r (the same cut points, `plan_slices`), plus the small modules around the blocks (the
-embedders and the output layers), and loads nothing of the other slices (`dm_cli.run.loading.load_slice`).
+embedders and the output layers), and loads nothing of the other slices (`dm_cli.run.loading.load_slice`): its
+weights as the plan stores them (fp8, int8; a GGUF file, which diffusers reads whole: the other slices' tensors
+dropped at once), a LoRA's adapters of its own layers
+(`without_blocks`), and of Wan 2.2's two experts its slice of each (both held: see `stage_groups`).
 
 Every rank runs the same diffusers denoising loop for each prompt in flight (the same seeds, the same scheduler
 steps); in each denoiser call rank r computes the embedders and its own blocks only:
@@ -33,6 +36,7 @@ Without a GPU each rank computes on its CPU, standing for GPU r of the plan.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import threading
@@ -375,6 +379,26 @@ def cut_to_slice(model, slices: Slices, rank: int, send, receive) -> None:
         first.register_forward_pre_hook(take_inputs, with_kwargs=True)
 
 
+@contextlib.contextmanager
+def without_blocks(model, keys: frozenset[str]):
+    """The blocks named in `keys` (another rank's: their tensors on the meta device) swapped for empty modules at
+    the same index while a LoRA loads: peft then patches this rank's layers only, so that the rank holds its slice's
+    adapters alone and can fuse them (a meta weight cannot take a merged adapter). The blocks come back after."""
+    import torch
+
+    swapped = []
+    for key in keys:
+        list_name, _, index = key.rpartition(".")
+        blocks = model.get_submodule(list_name)
+        swapped.append((blocks, int(index), blocks[int(index)]))
+        blocks[int(index)] = torch.nn.Module()
+    try:
+        yield
+    finally:
+        for blocks, index, block in swapped:
+            blocks[index] = block
+
+
 class CallPairs:
     """One prompt's denoiser calls, for the two CFG branches as micro-batches: a pipeline that makes two calls per
     step (cond, then uncond: Qwen-Image's true CFG, Wan's CFG) sends both calls' activations before it waits for
@@ -502,15 +526,6 @@ def pipeline_refusal(family, generation, plan, world_size: int) -> str | None:
     if denoiser is not None and denoiser not in PIPELINE_CLASSES:
         return (f"--parallel pipeline cuts the denoisers whose blocks pass their whole state from one to the next "
                 f"({', '.join(PIPELINE_CLASSES)}), not {denoiser}: for one prompt use --parallel cfg or context; for a queue drop --parallel (the ranks then share the prompts).")
-    if family.experts:
-        return (f"--parallel pipeline does not yet run {family.title()}'s experts (they take turns within a "
-                "prompt's steps): for one prompt use --parallel cfg or context; for a queue drop --parallel (the ranks then share the prompts).")
-    if generation.loras:
-        return "--parallel pipeline does not load LoRAs yet: run without --lora, or in one process."
-    weights = plan.weights.get(family.denoiser) if plan is not None else None
-    if weights:
-        return (f"--parallel pipeline reads the denoiser's weights as stored, and the plan stores them as {weights}: "
-                "plan without --weights.")
     return None
 
 
@@ -588,11 +603,20 @@ class PipelineStageLoop(MainRankStages, StageLoop):
     def _load_slice(self, name: str) -> None:
         from dm_cli.run.loading import load_slice
 
-        others = frozenset(self.slices.every_block) - set(self.slices.blocks[self.rank])
+        slices = plan_slices(self.plan, name, self.world_size)  # Wan 2.2's experts: each cut as the plan cuts it
+        others = frozenset(slices.every_block) - set(slices.blocks[self.rank])
         self.status(f"Loading slice {self.rank + 1} of {self.world_size} of {name} ({self.rank_device})…")
-        model = load_slice(self.components[name], str(self.rank_device), self.plan.dtype, others)
+        model = load_slice(self.components[name], str(self.rank_device), self.plan.dtype, others,
+                           self.plan.weights.get(name))
+        patching = [lora for lora in self.loras if lora.component == name]
+        if patching:  # before the cut: the LoRA's keys name the blocks by their index in the whole model
+            from dm_cli.run.adapters import load_loras
+
+            self.status(f"Loading {len(patching)} LoRA(s) into slice {self.rank + 1} of {name}…")
+            with without_blocks(model, others):
+                load_loras(self.pipe, name, model, patching, self.torch_dtype, fuse=name in self.fused_loras)
         relay = self._cache_slice(name, model)
-        cut_to_slice(model, self.slices, self.rank,
+        cut_to_slice(model, slices, self.rank,
                      lambda tensors: self.links.send(relay.outgoing(tensors) if relay else tensors, self.rank + 1),
                      lambda: relay.incoming(self.links.recv(self.rank - 1)) if relay else self.links.recv(self.rank - 1))
         self._count_slice_cache(name, model, relay)
@@ -680,6 +704,25 @@ class PipelineStageLoop(MainRankStages, StageLoop):
 
     def runs_together(self, stage_plan) -> bool:
         return stage_plan.kind == DENOISE
+
+    def stage_groups(self) -> list[list]:
+        """Wan 2.2's experts, planned one at a time, run as one stage holding both slices: the prompts in flight
+        may stand on either side of the boundary step, and each switches on every rank at the same step (the same
+        diffusers loop, the same timesteps)."""
+        import dataclasses
+
+        groups = []
+        for group in super().stage_groups():
+            if len(group) > 1:
+                names = [name for part in group for name in part.components]
+                use = {}  # per device, the sub-stage using it most
+                for part in group:
+                    for device, each in part.use.items():
+                        if device not in use or each.peak > use[device].peak:
+                            use[device] = each
+                group = [dataclasses.replace(group[0], components=names, use=use, note="")]
+            groups.append(group)
+        return groups
 
     def run_stage_together(self, stage_plan, jobs: list, carries: list, on_step, stage) -> None:
         """Denoise every job of the chunk, up to `in_flight` at a time, taking turns (see the module's doc)."""
