@@ -270,7 +270,9 @@ def join_all(threads, timeout_s: float = STOP_WAIT_S) -> bool:
 
 def _lost(peer: int | None, error: Exception) -> RankLostError:
     who = f"rank {peer}" if peer is not None else "another rank"
-    reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+    # gloo's text starts with its source line ("[/path/pair.cc:553] Connection closed by peer [addr]:port. This is...")
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h)[^\]]*\]\s*", "", str(error).strip())
+    reason = re.split(r"(?<=[^\s\]])\.\s", text.splitlines()[0] if text else "")[0][:160] or type(error).__name__
     return RankLostError(f"The pipeline lost {who} ({reason}): the run stops here; what was written is complete, and "
                          "the same command resumes the rest.")
 
