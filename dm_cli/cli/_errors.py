@@ -43,7 +43,9 @@ def torchrun_rank_prefix(exit_code: int) -> str | None:
     import os
 
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
-    if exit_code != EXIT_USAGE or "TORCHELASTIC_RUN_ID" not in os.environ or rank in ("", "0") or world in ("", "1"):
+    if exit_code != EXIT_USAGE or "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's own launch only
+        return None
+    if not (rank.isdecimal() and world.isdecimal() and len(rank + world) < 20 and 0 < int(rank) < int(world)):
         return None
     import time
 
