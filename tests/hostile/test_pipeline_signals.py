@@ -224,3 +224,27 @@ def test_a_finished_pipeline_queue_exits_0_without_an_abort(piped, tmp_path, att
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-4000:]
     assert "terminate called" not in output and len(list(out.glob("0000*.png"))) == 4
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs SIGALRM")
+def test_a_signal_while_joining_does_not_leave_a_prompt_thread_running():
+    """The cause of the aborts: Python 3.11's `Thread.join(timeout)`, interrupted by a signal handler's exception,
+    marks the thread it joins stopped while it still runs, and a wait on `is_alive()` returns at once. `join_all`
+    waits on each RankThread's own event: it returns only once the work has really ended, signals or not."""
+    from dm_cli.run.pipeline import RankThread, join_all
+
+    ended = []
+    thread = RankThread(lambda: (time.sleep(1.0), ended.append(True)), (), "dmap-test")
+
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        thread.start()
+        signal.setitimer(signal.ITIMER_REAL, 0.2, 0.2)  # a signal every 0.2 s while join_all waits
+        assert join_all([thread], timeout_s=30)
+        assert ended == [True]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
