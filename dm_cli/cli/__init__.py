@@ -87,7 +87,7 @@ def _exiting() -> None:
 
 
 def _main(args: list[str]) -> None:
-    from dm_cli.cli._errors import EXIT_INTERRUPTED, click_exception_types, report_error
+    from dm_cli.cli._errors import EXIT_INTERRUPTED, click_exception_types, report_error, torchrun_rank_prefix
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
     click_error, no_args_is_help = click_exception_types()
@@ -102,7 +102,11 @@ def _main(args: list[str]) -> None:
         print(error.ctx.get_help())
         sys.exit(0)
     except click_error as error:  # usage errors: click's usage line, its message and hints, exit 2
-        error.show()
+        prefix = torchrun_rank_prefix(error.exit_code)
+        if prefix is None:
+            error.show()
+        else:  # every rank parsed the same command: one line of this rank's
+            print(f"{prefix}Error: {error.format_message()}", file=sys.stderr)
         sys.exit(error.exit_code)
     except Exception as error:  # noqa: BLE001 - every error ends in one sentence and an exit code
         sys.exit(report_error(error, debug))

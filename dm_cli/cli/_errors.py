@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import traceback
 
-from dm_cli.errors import EXIT_INTERNAL, DiskFullError, DmapError
+from dm_cli.errors import EXIT_INTERNAL, EXIT_USAGE, DiskFullError, DmapError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
@@ -31,6 +31,33 @@ def usage_error(message: str, ctx) -> Exception:
     return sys.modules[click_exception.__module__].UsageError(message, ctx=ctx)
 
 
+# Under torchrun, how long a rank other than 0 keeps a usage error to itself: every rank checks the same command, so
+# rank 0 says it and exits 2, and torchrun then stops the others (SIGTERM) before they repeat it. A rank whose error
+# is its own (rank 0 has none) says it after this wait, prefixed with its rank.
+RANK_0_FIRST_S = 10.0
+
+
+def torchrun_rank_prefix(exit_code: int) -> str | None:
+    """None: say the error now, as one process does. Otherwise (a usage error on a torchrun rank other than 0) the
+    wait above has passed without torchrun stopping this rank, and the "[rank r/N] " its line starts with."""
+    import os
+
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    if exit_code != EXIT_USAGE or "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's own launch only
+        return None
+    if not (rank.isdecimal() and world.isdecimal() and len(rank + world) < 20 and 0 < int(rank) < int(world)):
+        return None
+    import time
+
+    deadline = time.monotonic() + RANK_0_FIRST_S
+    while time.monotonic() < deadline:
+        try:
+            time.sleep(max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            break
+    return f"[rank {rank}/{world}] "
+
+
 def _say(message: str) -> None:
     """One message on stderr, wrapped at spaces on a terminal (`_output.say`)."""
     from dm_cli.cli._output import say
@@ -45,7 +72,8 @@ def report_error(error: BaseException, debug: bool) -> int:
     from dm_cli.render import plain  # messages quote names read from files: never raw escapes on a terminal
 
     if isinstance(error, DmapError):
-        _say(f"Error: {plain(error, keep_newlines=True)}")
+        prefix = torchrun_rank_prefix(error.exit_code) or ""
+        _say(f"{prefix}Error: {plain(error, keep_newlines=True)}")
         return error.exit_code
     if isinstance(error, KeyboardInterrupt):
         _say("Interrupted: stopped before finishing; nothing was left half-written (outputs are only renamed "

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from dm_cli.errors import UsageError
+from dm_cli.errors import DmapError, UsageError
 
 # Ranks finish their shares at different times and wait for each other only at the end; if a rank
 # dies, torchrun stops the others, so a long wait never hangs a job. Override in seconds.
@@ -159,6 +159,55 @@ class Ranks:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as shells report it
+
+
+class Terminated(DmapError):
+    """SIGTERM (torchrun sends it to every other rank when one ends), raised in the main thread: a pipeline rank then
+    stops its threads and leaves its process group in order, as for Ctrl-C, instead of dying mid-step."""
+
+    exit_code = EXIT_TERMINATED
+
+    def __init__(self):
+        super().__init__("Stopped by SIGTERM: what was written is complete, and the same command resumes the rest.")
+
+
+class TerminateRaises:
+    """While in effect, SIGTERM raises `Terminated` in the main thread, once (a repeated SIGTERM is ignored: the rank
+    is already stopping in order); the handler before is restored on exit. A no-op outside the main thread, where
+    Python cannot handle signals. Entered again (the queue, then its pipeline's stage loop), the outermost exit
+    restores the handler."""
+
+    def __init__(self):
+        self._previous = None
+        self._installed = False
+        self.raised = False
+
+    def _raise(self, _signum, _frame):
+        if self.raised:
+            return
+        self.raised = True
+        raise Terminated()
+
+    def __enter__(self) -> "TerminateRaises":
+        import signal
+        import threading
+
+        current = signal.getsignal(signal.SIGTERM) if hasattr(signal, "SIGTERM") else None
+        if (threading.current_thread() is threading.main_thread() and current is not None
+                and not isinstance(getattr(current, "__self__", None), TerminateRaises)):
+            self._previous = signal.signal(signal.SIGTERM, self._raise)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._installed = False
 
 
 def _cuda_initialised() -> bool:

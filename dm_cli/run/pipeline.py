@@ -47,6 +47,7 @@ from dm_cli.devices import device_key, is_gpu
 from dm_cli.errors import EXIT_INTERNAL, DmapError, UsageError
 from dm_cli.families.stages import DENOISE
 from dm_cli.planning.parallel import PIPELINE_CLASSES, ParallelRequest
+from dm_cli.run.distributed import TerminateRaises
 from dm_cli.run.stages import MainRankStages, StageLoop
 
 PIPELINE = "pipeline"
@@ -121,11 +122,10 @@ class Links:
         # go (kept until the end of the chunk, the first rank of the bench held every activation it sent, +180 MB)
         self._sent: queue.Queue | None = None
         self._error: BaseException | None = None
-        self._reaper: threading.Thread | None = None
+        self._reaper: RankThread | None = None
         if device.type == "cpu":
             self._sent = queue.Queue()
-            self._reaper = threading.Thread(target=self._reap, args=(self._sent,), name="dmap-pipeline-sends",
-                                            daemon=True)
+            self._reaper = RankThread(self._reap, (self._sent,), "dmap-pipeline-sends")
             self._reaper.start()
 
     def _reap(self, sent: queue.Queue) -> None:
@@ -236,25 +236,47 @@ class Links:
 STOP_WAIT_S = 120.0
 
 
+class RankThread(threading.Thread):
+    """A daemon thread of a pipeline rank that says when its target has returned (`finished`). Its end is waited for
+    on that event, never on `Thread.join`/`is_alive`: in Python 3.9.8 to 3.11, a `join(timeout)` interrupted by a
+    signal handler's exception (Ctrl-C, SIGTERM: always the main thread, and it is always joining here) marks the
+    thread it joins stopped although it still runs (bpo-45274's fix releases the thread's own lock); the rank then
+    leaves and kills it inside torch's C++ code (`terminate called without an active exception`, SIGABRT)."""
+
+    def __init__(self, target, args: tuple, name: str):
+        super().__init__(name=name, daemon=True)
+        self.finished = threading.Event()
+        self._work = (target, args)
+
+    def run(self) -> None:
+        target, args = self._work
+        try:
+            target(*args)
+        finally:
+            self.finished.set()
+
+
 def join_all(threads, timeout_s: float = STOP_WAIT_S) -> bool:
-    """Wait for `threads` to end, a second Ctrl-C or SIGTERM included (the first already stopped them; leaving now
-    would kill them inside torch's C++ code at the interpreter's exit: `terminate called without an active
-    exception`, SIGABRT). Returns whether they all ended within `timeout_s`."""
+    """Wait for `threads` (RankThreads) to end, a second Ctrl-C or SIGTERM included (the first already stopped them;
+    leaving now would kill them inside torch's C++ code at the interpreter's exit: `terminate called without an
+    active exception`, SIGABRT). Returns whether they all ended within `timeout_s`."""
     import time
 
     deadline = time.monotonic() + timeout_s
     for thread in threads:
-        while thread.is_alive() and time.monotonic() < deadline:
+        while not thread.finished.is_set() and time.monotonic() < deadline:
             try:
-                thread.join(0.2)
+                thread.finished.wait(0.2)
             except BaseException:  # noqa: BLE001 - already stopping: a repeated signal waits for the same end
                 continue
-    return not any(thread.is_alive() for thread in threads)
+    return all(thread.finished.is_set() for thread in threads)
 
 
 def _lost(peer: int | None, error: Exception) -> RankLostError:
     who = f"rank {peer}" if peer is not None else "another rank"
-    reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+    # gloo's text starts with its source line ("[/path/pair.cc:553] Connection closed by peer [addr]:port. This is...")
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h)[^\]]*\]\s*", "", str(error).strip())
+    reason = re.split(r"(?<=[^\s\]])\.\s", text.splitlines()[0] if text else "")[0][:160] or type(error).__name__
     return RankLostError(f"The pipeline lost {who} ({reason}): the run stops here; what was written is complete, and "
                          "the same command resumes the rest.")
 
@@ -577,6 +599,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         self.local = threading.local()
         self.turns = Turns(0)
         self._relays: dict = {}  # denoiser -> its slice's SliceRelay (fbc, magcache) or None (taylorseer)
+        self._terminate = TerminateRaises().__enter__()  # SIGTERM stops this rank as Ctrl-C does, in order (close)
 
     # --- where things go --------------------------------------------------------------------------
 
@@ -774,15 +797,14 @@ class PipelineStageLoop(MainRankStages, StageLoop):
             finally:
                 self.local.pipe = None
 
-        threads = [threading.Thread(target=work, args=(slot,), name=f"dmap-pipeline-{slot}", daemon=True)
-                   for slot in range(slots)]
+        threads = [RankThread(work, (slot,), f"dmap-pipeline-{slot}") for slot in range(slots)]
         for thread in threads:
             thread.start()
         try:
             for thread in threads:
-                while thread.is_alive():
-                    thread.join(0.5)
-        except BaseException as error:  # Ctrl-C in the calling thread: stop the prompts in flight, in order
+                while not thread.finished.wait(0.5):  # not join(): see RankThread
+                    pass
+        except BaseException as error:  # Ctrl-C or SIGTERM in the calling thread: stop the prompts in flight, in order
             turns.fail(error)
             join_all(threads)  # each ends at its next turn: none is left running when the process exits
             raise
@@ -805,7 +827,10 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         try:
             self.links.flush()
         finally:
-            self.links.close()
-            super().close()
-            if self.owns_group:
-                self.sharing.ranks.leave()
+            try:
+                self.links.close()
+                super().close()
+                if self.owns_group:
+                    self.sharing.ranks.leave()
+            finally:
+                self._terminate.__exit__(None, None, None)
