@@ -369,6 +369,13 @@ def check_tiled_decode(plan: Plan, source: Source, where: str) -> None:
                              f"plan again with dmap plan {source.spec} --output PLAN.json.")
 
 
+def run_inputs(generation: Generation) -> InputSpec:
+    """A settled generation as the planner sees it for `dmap run` (batch 1; fps is no input of a plan)."""
+    from dataclasses import replace
+
+    return replace(generation.inputs(), batch_size=1, fps=None)
+
+
 def inputs_from_plan(plan: Plan) -> dict:
     """What a plan file says about the run's inputs: the defaults `dmap run -d PLAN.json` takes from it."""
     given = {"height": plan.inputs.height, "width": plan.inputs.width, "num_images": plan.inputs.num_images,
