@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import sys
 import tempfile
 from collections import Counter
@@ -39,6 +40,7 @@ def walk(source: str, output: str) -> dict:
     rooms: list[str] = []
     entries: Counter = Counter()
     returns_into_cli: list[str] = []
+    doors: list[str] = []  # each entry into a run-layer room: from where, into which function
     state = {"done": False}
 
     def module_of(frame) -> str:
@@ -60,6 +62,8 @@ def walk(source: str, output: str) -> dict:
                 rooms.append(here)
             if came_from.startswith("dm_cli") and came_from != here:
                 entries[here] += 1
+                if here.startswith(RUN_LAYER):
+                    doors.append(f"{came_from} -> {here}.{frame.f_code.co_name}")
         elif came_from == CLI_RUN and here != CLI_RUN:
             returns_into_cli.append(f"{here}.{frame.f_code.co_name}")
 
@@ -80,12 +84,13 @@ def walk(source: str, output: str) -> dict:
             "run_layer_entries": sum(entries[room] for room in run_layer),
             "returns_into_cli_run": len(returns_into_cli), "room_list": rooms,
             "run_layer_entries_by_room": {room: entries[room] for room in run_layer},
-            "entries_by_room": dict(entries.most_common()), "returns": returns_into_cli}
+            "entries_by_room": dict(entries.most_common()), "returns": returns_into_cli, "run_layer_doors": doors}
 
 
 def main() -> int:
     args = [a for a in sys.argv[1:] if a != "--json"]
     with tempfile.TemporaryDirectory() as folder:
+        os.environ["DMAP_CACHE_DIR"] = str(Path(folder) / "cache")  # a cold cache: the same walk every time
         if args:
             source = args[0]
         else:
@@ -104,6 +109,7 @@ def main() -> int:
               f"times: {found['run_layer_entries_by_room']}")
         print(f"returns into cli/run.py: {found['returns_into_cli_run']}")
         print("returns:", ", ".join(found["returns"]))
+        print("run-layer entries:\n  " + "\n  ".join(found["run_layer_doors"]))
     return 0
 
 

@@ -79,8 +79,9 @@ class Session:
         self.plan, self.plan_digest, self.planned_here = settled.plan, settled.plan_digest, settled.planned_here
         self.source_from_plan = settled.source_from_plan
         self.sharing, self.is_main = settled.sharing, settled.is_main
-        self.simulate, self.staged, self.pipelined = request.simulate, settled.staged, settled.pipelined
-        if settled.loop is Loop.PIPELINE:
+        self.simulate, self.staged = request.simulate, settled.staged
+        self.pipelined = settled.loop is Loop.PIPELINE
+        if self.pipelined:
             from dm_cli.run.pipeline import PipelineStageLoop
 
             loop, shared = PipelineStageLoop, {"sharing": self.sharing, "notices": self.notices}

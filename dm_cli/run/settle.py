@@ -79,21 +79,14 @@ class SettledRun:
     where: str  # what messages call the plan
     sharing: StepSharing | None  # how torchrun ranks share each step; None: one process per image
     loop: Loop
+    staged: bool  # the plan loads stage by stage (not resident), whichever loop runs it
+    is_main: bool  # this rank decodes and gets the images (every process when steps are not shared)
     largest_shard: dict  # component -> its largest weights file's bytes
     notices: tuple[str, ...] = ()
 
     @property
-    def is_main(self) -> bool:
-        """Rank 0 decodes and gets the images (every process when steps are not shared)."""
-        return self.sharing is None or self.sharing.is_main
-
-    @property
     def pipelined(self) -> bool:
         return self.loop is Loop.PIPELINE
-
-    @property
-    def staged(self) -> bool:
-        return self.plan.mode != "resident"
 
 
 # --- 1-3: what `dmap run` refuses before it reads a request -------------------------------------------------
@@ -199,90 +192,28 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
     # before the libraries' first import: some of them warn while importing (torchvision fallbacks)
     environment.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     environment.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    from dm_cli.families import Job
-    from dm_cli.planning.plan_file import load_plan
     from dm_cli.run.distributed import Ranks
-    from dm_cli.run.parallel import cpu_ranks
-    from dm_cli.run.request import (
-        check_devices_present,
-        check_plan_cache,
-        check_plan_matches,
-        inputs_from_plan,
-        prepare,
-        refuse_existing_outputs,
-        run_inputs,
-        settle_generation,
-        source_of_plan,
-    )
-    from dm_cli.units import parse_dtype
+    from dm_cli.run.parallel import checked_pipeline, step_sharing
+    from dm_cli.run.request import plan_digest, prepare
 
     status = on_status or (lambda message: None)
-    if request.placement.dtype is not None:
-        parse_dtype(request.placement.dtype)
-    plan_file = request.plan_file
-    if plan is None and plan_file is not None and not (plan_file.endswith(".json") or Path(plan_file).is_file()):
-        raise UsageError(device_map_refusal(plan_file))
-    # `dmap run -d PLAN.json` without SOURCE: the plan's source (None still means the demo without a plan); the
-    # plan file is read once, before SOURCE only when SOURCE comes from it (else SOURCE's problems come first)
-    source_from_plan = request.source is None and (plan is not None or plan_file is not None)
-    if source_from_plan:
-        plan = plan if plan is not None else load_plan(plan_file)
-        request = replace(request, source=source_of_plan(plan, plan_file))
-    source, family, demo, defaults, notices = prepare(request, status)
-    if plan_file is not None and plan is None:
-        plan = load_plan(plan_file)
     ranks = Ranks.from_env()
+    request, plan, source_from_plan = _plan_file(request, plan)
+    source, family, demo, defaults, notices = prepare(request, status)
+    if request.plan_file is not None and plan is None:
+        plan = _load_plan(request.plan_file)
     if entry is Entry.QUEUE and request.parallel is None:  # a queue's ranks take prompts, not steps
         request = replace(request, parallel=queue_parallel(plan, ranks))
-    if plan is not None and not request.simulate:  # before anything is shown or torch is imported
-        check_devices_present(plan, cpu_ranks(request.parallel, plan))
-    if plan is not None:  # a plan's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
-        defaults = {**defaults, **inputs_from_plan(plan)}
-    # the generation first: the plan is made for (and checked against) it
-    generation = settle_generation(request.generation, source, family, defaults, request.per_prompt_images)
-    if generation.loras:  # each LoRA with the component it patches, as the planner settles them
-        from dm_cli.planning.lora_sizing import lora_targets
-
-        generation = replace(generation, loras=lora_targets(source, generation.loras))
-    refuse_existing_outputs(request, family, generation.num_images)
-    job = Job.of(generation, request.prompt, request.seed)
-    where = plan_file or "The plan"
-    if plan is not None:
-        check_plan_matches(plan, source, run_inputs(generation), request.placement, where, generation.loras,
-                           plan_file=plan_file, source_from_plan=source_from_plan)
-        plan = check_plan_cache(plan, request.generation.cache, where, off=request.cache_off)
-        generation = replace(generation, cache=plan.cache)
-
+    generation, job, plan = _generation(request, plan, source, family, defaults, source_from_plan)
     # torchrun ranks sharing each step (--parallel, or the plan file's `parallel`): refused (one sentence) before
     # anything is imported or planned
-    from dm_cli.run.parallel import checked_pipeline, step_sharing
-
     sharing, shared = step_sharing(request.parallel, plan, source, family, generation, ranks)
     notices = [*notices, *shared]
     if sharing is not None and sharing.layout == "pipeline" and generation.cache is not None:
         raise UsageError(pipeline_cache_refusal(generation.cache))
     largest = _checked_weights(source, status)
-    status("Importing torch, diffusers and transformers…")
-    from dm_cli.model.models import quiet_libraries
-
-    quiet_libraries()
     planned_here = plan is None
-    if planned_here:
-        from dm_cli.run.request import make_run_plan
-
-        status(f"Planning {source.spec} (meta-device traces are cached after the first run)…")
-        plan = make_run_plan(source, request, generation, family)
-    else:
-        from dm_cli.run.request import check_tiled_decode
-
-        check_tiled_decode(plan, source, where)
-    status(None)
-    if planned_here and not request.simulate:  # a plan made here: before it is shown
-        check_devices_present(plan, cpu_ranks(request.parallel, plan))
-    if on_plan is not None:
-        on_plan(plan)
-    if not request.simulate:
-        _refuse_int8_offload(plan)
+    plan = _final_plan(request, plan, source, family, generation, status, on_plan)
     if planned_here and sharing is not None and sharing.layout == "pipeline":
         # the plan made here must cut the denoiser into the ranks' slices: what pipeline_refusal reads of a plan
         # (its denoiser's class, its weights) is known only now
@@ -290,13 +221,106 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
         notices += shared
     if entry is Entry.QUEUE and job.num_frames:
         raise UsageError(f"--prompts writes images; {source.pipeline_class} makes videos: run one prompt at a time.")
-    from dm_cli.run.request import plan_digest
-
     return SettledRun(request=request, entry=entry, source=source, family=family, demo=demo, generation=generation,
                       defaults=job, fps=generation.fps if generation.num_frames else None, plan=plan,
                       plan_digest=plan_digest(plan), planned_here=planned_here, source_from_plan=source_from_plan,
-                      where=where, sharing=sharing, loop=_loop(plan, sharing), largest_shard=largest,
-                      notices=tuple(notices))
+                      where=_where(request), sharing=sharing, loop=_loop(plan, sharing),
+                      staged=plan.mode != "resident", is_main=sharing is None or sharing.is_main,
+                      largest_shard=largest, notices=tuple(notices))
+
+
+def _plan_file(request: RunRequest, plan: Plan | None) -> tuple[RunRequest, Plan | None, bool]:
+    """--dtype, then the plan file as a name; `dmap run -d PLAN.json` without SOURCE: the plan's source (None still
+    means the demo without a plan), the plan file read first. (request, the plan if read, SOURCE taken from it)"""
+    from dm_cli.run.request import source_of_plan
+    from dm_cli.units import parse_dtype
+
+    if request.placement.dtype is not None:
+        parse_dtype(request.placement.dtype)
+    plan_file = request.plan_file
+    if plan is None and plan_file is not None and not (plan_file.endswith(".json") or Path(plan_file).is_file()):
+        raise UsageError(device_map_refusal(plan_file))
+    # the plan file is read once, before SOURCE only when SOURCE comes from it (else SOURCE's problems come first)
+    source_from_plan = request.source is None and (plan is not None or plan_file is not None)
+    if source_from_plan:
+        plan = plan if plan is not None else _load_plan(plan_file)
+        request = replace(request, source=source_of_plan(plan, plan_file))
+    return request, plan, source_from_plan
+
+
+def _load_plan(path: str) -> Plan:
+    from dm_cli.planning.plan_file import load_plan
+
+    return load_plan(path)
+
+
+def _where(request: RunRequest) -> str:
+    """What messages call the plan."""
+    return request.plan_file or "The plan"
+
+
+def _generation(request: RunRequest, plan: Plan | None, source: Source, family: Family, defaults: dict,
+                source_from_plan: bool) -> tuple[Generation, Job, Plan | None]:
+    """A given plan's devices (before anything is shown or torch is imported), then the generation settled with
+    the plan's inputs as defaults (the plan is made for, and checked against, it), the outputs as settled, the plan
+    against the run and its step cache: (generation, the job each prompt starts from, the plan as the run follows
+    it)."""
+    from dm_cli.families import Job
+    from dm_cli.run.parallel import cpu_ranks
+    from dm_cli.run.request import (
+        check_devices_present,
+        check_plan_cache,
+        check_plan_matches,
+        inputs_from_plan,
+        refuse_existing_outputs,
+        run_inputs,
+        settle_generation,
+    )
+
+    if plan is not None and not request.simulate:
+        check_devices_present(plan, cpu_ranks(request.parallel, plan))
+    if plan is not None:  # a plan's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
+        defaults = {**defaults, **inputs_from_plan(plan)}
+    generation = settle_generation(request.generation, source, family, defaults, request.per_prompt_images)
+    if generation.loras:  # each LoRA with the component it patches, as the planner settles them
+        from dm_cli.planning.lora_sizing import lora_targets
+
+        generation = replace(generation, loras=lora_targets(source, generation.loras))
+    refuse_existing_outputs(request, family, generation.num_images)
+    job = Job.of(generation, request.prompt, request.seed)
+    if plan is not None:
+        where = _where(request)
+        check_plan_matches(plan, source, run_inputs(generation), request.placement, where, generation.loras,
+                           plan_file=request.plan_file, source_from_plan=source_from_plan)
+        plan = check_plan_cache(plan, request.generation.cache, where, off=request.cache_off)
+        generation = replace(generation, cache=plan.cache)
+    return generation, job, plan
+
+
+def _final_plan(request: RunRequest, plan: Plan | None, source: Source, family: Family, generation: Generation,
+                status, on_plan) -> Plan:
+    """The libraries imported; a given plan's tiled decode checked, or the plan made here and its devices; shown
+    (`on_plan`); int8 placements refused (unless simulated)."""
+    from dm_cli.model.models import quiet_libraries
+    from dm_cli.run.parallel import cpu_ranks
+    from dm_cli.run.request import check_devices_present, check_tiled_decode, make_run_plan
+
+    status("Importing torch, diffusers and transformers…")
+    quiet_libraries()
+    planned_here = plan is None
+    if planned_here:
+        status(f"Planning {source.spec} (meta-device traces are cached after the first run)…")
+        plan = make_run_plan(source, request, generation, family)
+    else:
+        check_tiled_decode(plan, source, _where(request))
+    status(None)
+    if planned_here and not request.simulate:  # a plan made here: before it is shown
+        check_devices_present(plan, cpu_ranks(request.parallel, plan))
+    if on_plan is not None:
+        on_plan(plan)
+    if not request.simulate:
+        _refuse_int8_offload(plan)
+    return plan
 
 
 def queue_parallel(plan: Plan | None, ranks) -> str:
