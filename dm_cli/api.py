@@ -175,7 +175,11 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
                             num_frames=num_frames, fps=fps, negative_prompt=negative_prompt, images=image, simulate=simulate,
                             last_image=last_image, output=None, per_prompt_images=True, parallel=parallel, pipeline=pipeline,
                             component_files=component_files, loras=lora, cache=cache)
-    return Session(request, None if isinstance(plan, (str, Path)) else plan, on_plan, on_status)
+    from dm_cli.run.settle import Entry, settle
+
+    settled = settle(request, None if isinstance(plan, (str, Path)) else plan, entry=Entry.API, on_plan=on_plan,
+                     on_status=on_status)
+    return Session(settled, on_status=on_status)
 
 
 # --- dispatch -----------------------------------------------------------------------------------

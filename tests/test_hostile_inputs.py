@@ -94,10 +94,12 @@ def test_5_absurd_run_counts_are_exit_2_before_anything_loads(tmp_path, monkeypa
 @pytest.mark.parametrize("args", [["--steps", "100000"], ["--max-sequence-length", "100000"]])
 def test_5_absurd_counts_for_a_queue_are_exit_2_before_anything_loads(tmp_path, monkeypatch, capsys, args):
     import dm_cli.run.session
+    import dm_cli.run.settle
 
     def refuse(*a, **k):
         raise AssertionError("the pipeline was made: the bad input should have been caught before")
 
+    monkeypatch.setattr(dm_cli.run.settle, "settle", refuse)  # where SOURCE is resolved and the plan made
     monkeypatch.setattr(dm_cli.run.session.Session, "__init__", refuse)
     (tmp_path / "p.txt").write_text("a fox\n")
     code, out, err = cli(capsys, "run", "--prompts", tmp_path / "p.txt", "-o", tmp_path / "out", *args)

@@ -75,7 +75,7 @@ def test_8_an_existing_output_among_many_is_still_refused(tmp_path, monkeypatch)
     from dm_cli.errors import UsageError
     from dm_cli.io.atomic import refuse_existing
     from dm_cli.io.images import existing_image_paths
-    from dm_cli.run.checks import check_run_request
+    from dm_cli.run.settle import check_run_request
 
     (tmp_path / "out-4999.png").mkdir()
     with pytest.raises(UsageError, match="out-4999.png is a folder"):

@@ -282,14 +282,15 @@ def test_layouts_a_pipeline_cannot_run_are_refused_before_loading(folders, prese
     from dm_cli.run.distributed import Ranks
     from dm_cli.run.parallel import step_sharing
 
-    session = _settled(folders[preset])
+    run = _settled(folders[preset])
     with pytest.raises(UsageError, match=message):
-        step_sharing(choice, None, session, Ranks(0, 2))
+        step_sharing(choice, None, *run, Ranks(0, 2))
     if preset == "tiny-qwenimage":  # no negative prompt, and 3 heads: neither layout runs on 2 ranks
         with pytest.raises(UsageError, match="auto finds no layout for 2 ranks: .* does not divide .* 3 attention heads"):
-            step_sharing("auto", None, session, Ranks(1, 2))
+            step_sharing("auto", None, *run, Ranks(1, 2))
         return
-    auto = step_sharing("auto", None, session, Ranks(1, 2))
+    auto, notices = step_sharing("auto", None, *run, Ranks(1, 2))
+    assert "Each denoising step is shared" in notices[0]
     assert auto.layout == {"tiny-flux": "context", "tiny-sdxl": "cfg"}[preset]
 
 
@@ -300,28 +301,24 @@ def test_a_plans_parallel_is_followed_only_with_its_world_size(folders):
     from dm_cli.run.distributed import Ranks
     from dm_cli.run.parallel import step_sharing
 
-    session = _settled(folders["tiny-sdxl"])
+    run = _settled(folders["tiny-sdxl"])
     plan = SimpleNamespace(parallel=SimpleNamespace(layout="cfg", world_size=2, title="CFG-parallel (2 branches)"))
-    assert step_sharing(None, plan, session, Ranks()) is None
-    assert "launch with torchrun --nproc-per-node 2 to share" in session.notices[-1]
+    sharing, notices = step_sharing(None, plan, *run, Ranks())
+    assert sharing is None and "launch with torchrun --nproc-per-node 2 to share" in notices[-1]
     with pytest.raises(UsageError, match="torchrun started 4: launch with --nproc-per-node 2"):
-        step_sharing(None, plan, session, Ranks(0, 4))
-    sharing = step_sharing(None, plan, session, Ranks(1, 2))
+        step_sharing(None, plan, *run, Ranks(0, 4))
+    sharing, _ = step_sharing(None, plan, *run, Ranks(1, 2))
     assert (sharing.layout, sharing.cfg, sharing.branch, sharing.is_main) == ("cfg", 2, 1, False)
-    assert step_sharing("none", plan, session, Ranks(1, 2)) is None
+    assert step_sharing("none", plan, *run, Ranks(1, 2)) == (None, ())
 
 
 def _settled(folder: str):
-    """What step_sharing reads of a Session (source, family, settled generation), without loading anything."""
-    from types import SimpleNamespace
-
+    """What step_sharing reads of a run (source, family, settled generation), without loading anything."""
     from dm_cli.run.request import RunRequest, prepare, settle_generation
 
     request = RunRequest.of(folder, PROMPT, height=64, width=64)
     source, family, _, defaults, _ = prepare(request)
-    generation = settle_generation(request.generation, source, family, defaults)
-    inputs = generation.inputs()
-    return SimpleNamespace(source=source, family=family, generation=generation, notices=[], _inputs=lambda: inputs)
+    return source, family, settle_generation(request.generation, source, family, defaults)
 
 
 if __name__ == "__main__":  # a torchrun rank of the `launched` fixture

@@ -34,8 +34,9 @@ def run(
     }
     if prompts is not None:
         from dm_cli.run.queue_runner import QueueRequest
+        from dm_cli.run.settle import refuse_single_only
 
-        _refuse_single_only(fields)
+        refuse_single_only(fields)
         queue = QueueRequest(prompts=prompts, run=_request(fields, output=None, per_prompt_images=True), output_dir=output or "dmap-out",
                              resume=resume and not overwrite, chunk_size=chunk_size, chunk_memory=chunk_memory,
                              gpus_per_rank=gpus_per_rank)
@@ -45,25 +46,17 @@ def run(
 
 def _refuse_early(ctx, prompt, prompts, dtype, *, steps, num_images, height, width, max_sequence_length, frames,
                   fps) -> None:
-    """What no run could use, refused before outputs, plans or SOURCE are touched: cheap, and the user
-    hears of a typo before minutes of loading rather than after."""
+    """--prompt or --prompts, said in Typer's words; then what no run could use (dm_cli.run.settle.check_options),
+    before outputs, plans or SOURCE are touched."""
     if (prompt is None) == (prompts is None):
         from dm_cli.cli._errors import usage_error
 
         which = "Missing option '--prompt'" if prompt is None else "Both --prompt and --prompts given"
         raise usage_error(f"{which}: give --prompt TEXT for one image or --prompts FILE for a queue.", ctx)
-    from dm_cli.inputs import check_counts
-    from dm_cli.units import parse_dtype
+    from dm_cli.run.settle import check_options
 
-    # counts no run could use and an unknown (or empty) --dtype: refused before outputs, plans or SOURCE
-    check_counts(steps=steps, num_images=num_images, height=height, width=width,
-                 max_sequence_length=max_sequence_length, num_frames=frames, fps=fps)
-    if height and width:  # a size given in full: its pixels per call (inputs.MAX_PIXELS) before SOURCE is resolved
-        from dm_cli.inputs import InputSpec
-
-        InputSpec(height, width, num_images=num_images or 1, num_frames=frames)
-    if dtype is not None:
-        parse_dtype(dtype)
+    check_options(dtype, steps=steps, num_images=num_images, height=height, width=width,
+                  max_sequence_length=max_sequence_length, frames=frames, fps=fps)
 
 
 def _request(fields: dict, output: str | None, per_prompt_images: bool = False):
@@ -71,26 +64,6 @@ def _request(fields: dict, output: str | None, per_prompt_images: bool = False):
     from dm_cli.run.request import RunRequest
 
     return RunRequest.of(**fields, output=output, per_prompt_images=per_prompt_images)
-
-
-def _refuse_single_only(fields: dict) -> None:
-    """Options that only make sense for one prompt, refused with --prompts rather than silently ignored."""
-    from dm_cli.errors import UsageError
-
-    if fields["num_images"] not in (None, 1):
-        raise UsageError("--num-images is for one prompt: with --prompts, repeat a line with another seed instead.")
-    if (fields["save_latents"] or fields["num_frames"] or fields["fps"] or "guidance_scale_2" in fields["settings"]
-            or fields["track_activations"]):
-        raise UsageError("--save-latents, --frames, --fps, --guidance-scale-2 and --track-activations are for one "
-                         "prompt, not --prompts.")
-    if fields["parallel"] not in (None, "none", "pipeline"):
-        raise UsageError("--parallel shares one image's steps among the torchrun ranks; with --prompts the ranks "
-                         "already share the queue (one prompt each at a time): drop --parallel, or give --parallel "
-                         "pipeline to cut the denoiser among them.")
-    from dm_cli.run.queue_runner import queue_parallel
-
-    # a queue's ranks take prompts, not steps: it follows a plan file's 'parallel' only when that is a pipeline
-    fields["parallel"] = fields["parallel"] or queue_parallel(fields["device_map"])
 
 
 def _run_one(fields: dict, output: str | None, gpus_per_rank: int | None, as_json: bool, quiet: bool,
@@ -101,20 +74,20 @@ def _run_one(fields: dict, output: str | None, gpus_per_rank: int | None, as_jso
         from dm_cli.run.distributed import Ranks, select_gpus
 
         select_gpus(Ranks.from_env(), gpus_per_rank)
-    from dm_cli.run.checks import check_run_request
+    from dm_cli.run.settle import check_run_request
 
-    check_run_request(output or "dmap.png", fields["save_latents"], fields["num_images"], fields["seed"],
-                      fields["device_map"])  # before anything is loaded
+    plan = check_run_request(output or "dmap.png", fields["save_latents"], fields["num_images"], fields["seed"],
+                             fields["device_map"])  # before anything is loaded; the plan file read here, once
     from dm_cli.run.single import run as run_pipeline
 
     request = _request(fields, output=output or "dmap.png")
     from dm_cli.run.distributed import Ranks
 
     if not Ranks.from_env().is_main:  # torchrun's other ranks (sharing each step: rank 0 writes) report nothing
-        run_pipeline(request)
+        run_pipeline(request, plan=plan)
         return 0
     if as_json:
-        result = run_pipeline(request)
+        result = run_pipeline(request, plan=plan)
         from dm_cli.cli._output import print_json
 
         print_json(result.to_json())
@@ -122,7 +95,7 @@ def _run_one(fields: dict, output: str | None, gpus_per_rank: int | None, as_jso
     from dm_cli.render.run import RunView
 
     with RunView(quiet=quiet, binary=binary, plan_file=_source_from(request)) as view:
-        result = run_pipeline(request, on_plan=view.show_plan, on_step=view.step, on_status=view.status)
+        result = run_pipeline(request, on_plan=view.show_plan, on_step=view.step, on_status=view.status, plan=plan)
     view.summary(result)
     return 0
 

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 from dm_cli.devices import device_of, execution_device_key, normalise_map, streams_blocks, torch_device
 from dm_cli.errors import CheckpointError, SourceError
-from dm_cli.model.formats.weight_formats import int8_offload_problem
 
 if TYPE_CHECKING:  # annotations only
     from dm_cli.model.sources import ComponentSource
@@ -43,8 +42,6 @@ def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, s
     torch_dtype = getattr(torch, dtype) if dtype else None
     device_map = normalise_map(device_map)
     cpu_only = simulate or set(device_map.values()) == {"cpu"}
-    problem = None if simulate else int8_offload_problem(comp.name, weights, device_map)
-    assert problem is None, problem  # the run refuses such a plan before it loads anything (api.Session)
     try:
         if comp.single_file is not None:
             model = _from_single_file(comp, {"": "cpu"} if cpu_only else device_map, torch_dtype)

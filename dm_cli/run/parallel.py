@@ -70,32 +70,32 @@ class StepSharing:
 # --- settling the choice ------------------------------------------------------------------------------
 
 
-def step_sharing(choice: str | None, plan, session, ranks: Ranks | None = None) -> StepSharing | None:
-    """The sharing this run uses: `choice` (--parallel; None: follow the plan file's `parallel` when torchrun
-    started as many ranks as it records), or None for one process per image. Refusals are one sentence."""
+def step_sharing(choice: str | None, plan, source, family, generation,
+                 ranks: Ranks | None = None) -> tuple[StepSharing | None, tuple[str, ...]]:
+    """The sharing this run uses and what to tell the user of it: `choice` (--parallel; None: follow the plan file's
+    `parallel` when torchrun started as many ranks as it records), or None for one process per image; `source`,
+    `family` and the settled `generation` are the run's (dm_cli.run.settle). Refusals are one sentence."""
     ranks = ranks or Ranks.from_env()
     recorded = getattr(plan, "parallel", None)
     if choice is None and recorded is not None and recorded.layout != Layout.SPLIT:
         if ranks.world_size == 1:
-            session.notices.append(f"The plan shares each step over {recorded.world_size} torchrun ranks "
-                                   f"({recorded.title}); this is one process, so it runs the single-process "
-                                   f"placement: launch with torchrun --nproc-per-node {recorded.world_size} to share.")
-            return None
+            return None, (f"The plan shares each step over {recorded.world_size} torchrun ranks ({recorded.title}); "
+                          "this is one process, so it runs the single-process placement: launch with torchrun "
+                          f"--nproc-per-node {recorded.world_size} to share.",)
         check_rank_count(recorded, ranks)
         choice = Layout(recorded.layout).choice.value
     if choice in (None, Parallel.NONE):
-        return None
+        return None, ()
     if choice not in Parallel.words():
         raise UsageError(f"--parallel must be {', '.join(Parallel.words()[:-1])} or auto, not {choice!r}.")
     if choice == "pipeline":
-        return checked_pipeline(plan, session, ranks)
+        return checked_pipeline(plan, family, generation, ranks)
     if ranks.world_size == 1:
         raise UsageError(f"--parallel {choice} shares each step among torchrun ranks and this is one process: {LAUNCH}.")
-    layout, guidance = _layout(choice, ranks.world_size, session)
+    layout, guidance = _layout(choice, ranks.world_size, source, family, generation)
     sharing = StepSharing(layout.layout, layout.cfg, layout.ulysses, ranks, guidance.kind)
-    session.notices.append(f"Each denoising step is shared: {sharing.describe()}; rank 0 encodes, decodes and "
-                           "writes the outputs.")
-    return sharing
+    return sharing, (f"Each denoising step is shared: {sharing.describe()}; rank 0 encodes, decodes and writes the "
+                     "outputs.",)
 
 
 def check_rank_count(recorded, ranks: Ranks) -> None:
@@ -126,32 +126,32 @@ def cpu_ranks(choice: str | None, plan) -> int:
     return ranks.world_size if visible_gpus() == 0 else 0
 
 
-def checked_pipeline(plan, session, ranks: Ranks) -> StepSharing:
+def checked_pipeline(plan, family, generation, ranks: Ranks) -> tuple[StepSharing, tuple[str, ...]]:
     """Pipeline parallel (dm_cli.run.pipeline): refused in one sentence unless the plan cuts the denoiser into one
-    slice per rank."""
+    slice per rank (`plan` None: a plan still to be made, what can be known without it); and what to tell the user."""
     from dm_cli.run.pipeline import pipeline_refusal, plan_slices
 
-    problem = pipeline_refusal(session.family, session.generation, plan, ranks.world_size)
+    problem = pipeline_refusal(family, generation, plan, ranks.world_size)
     if problem:
         raise UsageError(problem)
     sharing = StepSharing("pipeline", 1, 1, ranks)
-    if plan is not None:
-        slices = plan_slices(plan, session.family.denoiser, ranks.world_size)
-        session.notices.append(f"The denoiser is cut into {ranks.world_size} slices ({sharing.describe()}), up to "
-                               f"{slices.in_flight} prompts in flight; rank 0 encodes, decodes and writes the outputs.")
-    return sharing
+    if plan is None:
+        return sharing, ()
+    slices = plan_slices(plan, family.denoiser, ranks.world_size)
+    return sharing, (f"The denoiser is cut into {ranks.world_size} slices ({sharing.describe()}), up to "
+                     f"{slices.in_flight} prompts in flight; rank 0 encodes, decodes and writes the outputs.",)
 
 
-def _layout(choice: str, world_size: int, session):
+def _layout(choice: str, world_size: int, source, family, generation):
     """(candidate, guidance) for `choice` on this SOURCE and generation; auto prefers cfg+context, then cfg
     (one exchange per step), then context."""
     from dm_cli.planning.parallel import ParallelRequest, candidates, denoiser_shape, guidance_branches
+    from dm_cli.run.request import run_inputs
 
-    family, generation = session.family, session.generation
-    inputs = session._inputs()
-    comp = next(c for c in session.source.components if c.name == family.denoiser)
+    inputs = run_inputs(generation)
+    comp = next(c for c in source.components if c.name == family.denoiser)
     guidance = guidance_branches(family, inputs, generation.negative_prompt, dict(generation.settings))
-    shape = denoiser_shape(comp, session.source.pipeline_class, inputs, family, 4)
+    shape = denoiser_shape(comp, source.pipeline_class, inputs, family, 4)
     found, refused = candidates(ParallelRequest(world_size, choice).settled(), guidance, shape)
     order = ("cfg+context", "cfg", "context")  # auto without a plan's memory model: the layouts that share a step
     found = [c for c in found if c.layout in order]

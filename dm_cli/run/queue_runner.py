@@ -88,28 +88,6 @@ class QueueEvents:
     on_status: Callable[[str | None], None] | None = None  # what is happening now (importing, planning, loading)
 
 
-def queue_parallel(plan_file: str | None) -> str:
-    """A queue's --parallel when none is given: "pipeline" when the plan file records a pipeline layout for as many
-    torchrun ranks as this launch has (they then hold slices of one denoiser and every prompt passes through all of
-    them), else "none" (each rank takes its own prompts; one process runs the plan's single-process placement). A
-    pipeline plan under torchrun with another number of ranks is refused (one sentence, on every rank, before
-    anything loads or joins), as for one prompt: its slices are cut for its own count. A plan file that cannot be
-    read is reported where the run loads it."""
-    if not plan_file or not plan_file.endswith(".json"):
-        return "none"
-    from dm_cli.planning.plan_file import load_plan
-    from dm_cli.run.parallel import check_rank_count, pipelined
-
-    try:
-        plan = load_plan(plan_file)
-    except Exception:  # noqa: BLE001 - the session loads it again and says what is wrong, in one sentence
-        return "none"
-    recorded = getattr(plan, "parallel", None)
-    if recorded is not None and recorded.layout == "pipeline":
-        check_rank_count(recorded, Ranks.from_env())
-    return "pipeline" if pipelined(None, plan) else "none"
-
-
 def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> QueueResult:
     """Generate this rank's missing items and record them; rank 0 writes the merged manifest."""
     from dm_cli.units import parse_size
@@ -126,14 +104,21 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UsageError(f"Cannot create the output folder {folder}: {error.strerror or error}.") from None
+    from dm_cli.run.settle import Entry, settle
+
+    started = time.perf_counter()
+    # every check, the plan and the queue's --parallel (dm_cli.run.settle), on every rank before anything joins
+    # items choosing among the run's LoRAs keep them unfused, switched per item (dm_cli.run.queue)
+    run = replace(request.run, switch_loras=request.run.switch_loras or chooses_loras(items, request.run.generation.loras))
+    settled = settle(run, entry=Entry.QUEUE, on_plan=events.on_plan, on_status=events.on_status)
     # a pipeline's ranks each hold a slice of one denoiser: every prompt passes through all of them (rank 0 writes)
-    pipelined = request.run.parallel == "pipeline" and ranks.distributed
+    pipelined = settled.pipelined
     mine = items if pipelined else items_for_rank(items, ranks.rank, ranks.world_size)
     result = QueueResult(str(folder), ranks.rank, ranks.world_size, len(items), len(mine), resume=request.resume)
     with claim_queue_folder(folder, ranks.is_main):  # a second queue into this folder stops, naming this one
         ranks.join(_backend(pipelined))
         try:
-            _run_share(request, events, ranks, items, mine, folder, budget, result)
+            _run_share(request, settled, events, ranks, items, mine, folder, budget, result, started)
         finally:
             ranks.leave()
     return result
@@ -148,15 +133,11 @@ def _backend(pipelined: bool) -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _run_share(request, events, ranks: Ranks, items, mine, folder: Path, budget, result: QueueResult) -> None:
+def _run_share(request, settled, events, ranks: Ranks, items, mine, folder: Path, budget, result: QueueResult,
+               started: float) -> None:
     from dm_cli.run.session import Session
 
-    started = time.perf_counter()
-    run = replace(request.run, switch_loras=request.run.switch_loras or chooses_loras(items, request.run.generation.loras))
-    pipeline = Session(run, on_plan=events.on_plan, on_status=events.on_status)
-    if pipeline.defaults.num_frames:
-        pipeline.close()
-        raise UsageError(f"--prompts writes images; {pipeline.source.pipeline_class} makes videos: run one prompt at a time.")
+    pipeline = Session(settled, on_status=events.on_status)
     result.notices = pipeline.notices  # the session's own list: what the run adds as it runs shows too (as single.py)
     result.mode, result.plan_digest = pipeline.plan.mode, pipeline.plan_digest
     todo: list[QueueItem] = []

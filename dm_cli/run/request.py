@@ -2,9 +2,10 @@
 
 The diffusers "distributed inference" recipe (load the text encoders, encode, free them; load the
 denoiser, denoise to latents, free it; load the VAE, decode) for any pipeline a family in
-`dm_cli.families` knows: this module settles the request (SOURCE, defaults, plan) and writes the
-outputs; `dm_cli.run.stages` loads each stage's components to their planned devices and runs it;
-`dm_cli.run.loading` loads and frees components; `dm_cli.run.meter` measures. `simulate=True` runs every
+`dm_cli.families` knows: this module holds the request and the facts its checks compare (SOURCE,
+defaults, the plan against the run), which `dm_cli.run.settle` applies once, in order; `dm_cli.run.stages`
+loads each stage's components to their planned devices and runs it; `dm_cli.run.loading` loads and
+frees components; `dm_cli.run.meter` measures. `simulate=True` runs every
 virtual device on the CPU with the tracer's split check active, so a two-GPU plan can be proven on
 a laptop. No Typer, no Rich here.
 """
@@ -369,6 +370,13 @@ def check_tiled_decode(plan: Plan, source: Source, where: str) -> None:
         if comp is not None and not can_tile(comp):
             raise UsageError(f"{where} decodes '{name}' in tiles, but {comp.cls} cannot (it has no enable_tiling): "
                              f"plan again with dmap plan {source.spec} --output PLAN.json.")
+
+
+def run_inputs(generation: Generation) -> InputSpec:
+    """A settled generation as the planner sees it for `dmap run` (batch 1; fps is no input of a plan)."""
+    from dataclasses import replace
+
+    return replace(generation.inputs(), batch_size=1, fps=None)
 
 
 def inputs_from_plan(plan: Plan) -> dict:

@@ -1,8 +1,8 @@
 """A SOURCE loaded per its plan, ready to generate: the session the one-prompt run, the queue, torchrun
 ranks and `dm_cli.load` share.
 
-`Session` settles the request (SOURCE, defaults, plan) once, keeps resident components loaded, and
-runs the stage loop (`dm_cli.run.stages`) for each prompt or chunk of prompts.
+`Session` takes a run settled once (`dm_cli.run.settle.settle`: SOURCE, defaults, plan, every check), keeps
+resident components loaded, and runs the stage loop (`dm_cli.run.stages`) for each prompt or chunk of prompts.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from dm_cli.errors import UsageError
@@ -18,8 +17,7 @@ from dm_cli.run.checks import check_seed
 from dm_cli.run.queue import QueueItem, chunk_size_for, chunks, default_output_name
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
-    from dm_cli.planning.plan_file import Plan
-    from dm_cli.run.request import RunRequest
+    from dm_cli.run.settle import SettledRun
 
 # What embeddings and latents waiting between stages may take by default: this share of the RAM
 # available when the queue starts (the components themselves need the rest).
@@ -59,150 +57,52 @@ class Generated:
 
 
 class Session:
-    """A SOURCE with its plan, ready to generate; components load per the plan's mode.
+    """A settled run (`dm_cli.run.settle.SettledRun`) ready to generate; components load per the plan's mode.
 
     `defaults` is the settled generation (steps, guidance, size, sequence length) each prompt
     starts from. Use as a context manager, or call `close()`, to free resident components.
     """
 
-    def __init__(self, request: RunRequest, plan: Plan | None = None, on_plan: Callable | None = None,
-                 on_status: Callable[[str | None], None] | None = None, measure: bool = False):
-        import os
+    def __init__(self, settled: SettledRun, on_status: Callable[[str | None], None] | None = None,
+                 measure: bool = False):
+        """The stage loop `settled` chose (dm_cli.run.settle decided and checked everything); nothing is loaded
+        yet. measure=False: no activation tracker (Python work on every op) nor RSS sampling; `dmap run --prompt`
+        measures each stage, a queue only wants its images."""
+        from dm_cli.run.request import TRACKED_STEPS
+        from dm_cli.run.settle import Loop
 
-        # before the libraries' first import: some of them warn while importing (torchvision fallbacks)
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-        from dm_cli.model.models import quiet_libraries
-        from dm_cli.run.request import TRACKED_STEPS, check_component_files, check_tiled_decode, plan_digest
-        from dm_cli.run.stages import StageLoop
+        request = settled.request
+        self.settled = settled
+        self.source, self.family, self.demo = settled.source, settled.family, settled.demo
+        self.notices = list(settled.notices)  # the loop adds what it learns as it runs (a pipeline's notices)
+        self.generation, self.defaults, self.fps = settled.generation, settled.defaults, settled.fps
+        self.plan, self.plan_digest, self.planned_here = settled.plan, settled.plan_digest, settled.planned_here
+        self.source_from_plan = settled.source_from_plan
+        self.sharing, self.is_main = settled.sharing, settled.is_main
+        self.simulate, self.staged = request.simulate, settled.staged
+        self.pipelined = settled.loop is Loop.PIPELINE
+        if self.pipelined:
+            from dm_cli.run.pipeline import PipelineStageLoop
 
-        status = on_status or (lambda message: None)
-        plan, where = self._settle(request, plan, status)
-        from dm_cli.run.parallel import step_sharing
+            loop, shared = PipelineStageLoop, {"sharing": self.sharing, "notices": self.notices}
+        elif self.sharing is not None:
+            from dm_cli.run.parallel import ParallelStageLoop
 
-        # torchrun ranks sharing each step (--parallel, or the plan file's `parallel`): None for one process per image;
-        # refused (one sentence) before anything is imported or planned
-        self.sharing = step_sharing(request.parallel, plan, self)
-        self.is_main = self.sharing is None or self.sharing.is_main  # rank 0 decodes and gets the images
-        # missing or corrupt weights are bad input: say so before importing the libraries or planning
-        largest = {c.name: check_component_files(c) for c in self.source.components}
-        if any(c.single_file is not None for c in self.source.components):  # their sha256 goes into the metadata
-            from dm_cli.model.single_file_weights import component_files_metadata
+            loop, shared = ParallelStageLoop, {"sharing": self.sharing}
+        else:
+            from dm_cli.run.stages import StageLoop
 
-            status("Hashing the single files (sha256, for the outputs' metadata)…")
-            component_files_metadata(self.source)
-        status("Importing torch, diffusers and transformers…")
-        quiet_libraries()
-        if plan is not None:
-            check_tiled_decode(plan, self.source, where)
-        self.planned_here = plan is None
-        self.plan = plan = self._checked_plan(plan, request, status, on_plan)
-        self.simulate = request.simulate
-        self.plan_digest = plan_digest(plan)
-        self.staged = plan.mode != "resident"
-        # measure=False: no activation tracker (Python work on every op) nor RSS sampling; `dmap run --prompt`
-        # measures each stage, a queue only wants its images
-        from dm_cli.run.parallel import ParallelStageLoop, checked_pipeline
-        from dm_cli.run.pipeline import PipelineStageLoop
-
-        self.pipelined = self.sharing is not None and self.sharing.layout == "pipeline"
-        if self.pipelined and self.planned_here:  # the plan made here must cut the denoiser into the ranks' slices
-            checked_pipeline(plan, self, self.sharing.ranks)
-        loop, shared = (StageLoop, {}) if self.sharing is None else (
-            (PipelineStageLoop, {"sharing": self.sharing, "notices": self.notices}) if self.pipelined
-            else (ParallelStageLoop, {"sharing": self.sharing}))
-        self._loop = loop(self.source, plan, self.family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
-                          largest_shard=largest, track_activations=request.simulate or request.track_activations,
-                          on_status=on_status, measure=measure, loras=self.generation.loras, **shared)
+            loop, shared = StageLoop, {}
+        self._loop = loop(self.source, self.plan, self.family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
+                          largest_shard=settled.largest_shard,
+                          track_activations=request.simulate or request.track_activations, on_status=on_status,
+                          measure=measure, loras=self.generation.loras, **shared)
         # per stage of the plan, over every generate(): how often its components were loaded, and the time
         # spent loading and running them (what a queue saves by loading once per chunk)
-        self.stage_totals: dict[str, dict] = {s.name: {"loads": 0, "load_s": 0.0, "run_s": 0.0} for s in plan.stages}
+        self.stage_totals: dict[str, dict] = {s.name: {"loads": 0, "load_s": 0.0, "run_s": 0.0}
+                                              for s in self.plan.stages}
         if not self.staged:
             self.stage_totals["load"] = {"loads": 0, "load_s": 0.0, "run_s": 0.0}
-
-    def _settle(self, request: RunRequest, plan: Plan | None, status) -> tuple[Plan | None, str]:
-        """Resolve SOURCE, read the plan file, settle and check the generation against both, before torch is
-        imported: (the plan or None, what to call it in messages)."""
-        from dm_cli.families import Job
-        from dm_cli.planning.plan_file import load_plan
-        from dm_cli.run.checks import device_map_refusal
-        from dm_cli.run.parallel import cpu_ranks
-        from dm_cli.run.request import (
-            check_devices_present,
-            check_plan_matches,
-            inputs_from_plan,
-            prepare,
-            refuse_existing_outputs,
-            settle_generation,
-            source_of_plan,
-        )
-        from dm_cli.units import parse_dtype
-
-        if request.placement.dtype is not None:
-            parse_dtype(request.placement.dtype)
-        plan_file = request.plan_file if plan is None else None
-        if plan_file is not None and not (plan_file.endswith(".json") or Path(plan_file).is_file()):
-            raise UsageError(device_map_refusal(plan_file))
-        # `dmap run -d PLAN.json` without SOURCE: the plan's source (None still means the demo without a plan); the
-        # plan file is read once, before SOURCE only when SOURCE comes from it (else SOURCE's problems come first)
-        self.source_from_plan = request.source is None and (plan is not None or plan_file is not None)
-        if self.source_from_plan:
-            plan = plan if plan_file is None else load_plan(plan_file)
-            request = replace(request, source=source_of_plan(plan, plan_file))
-        source, family, demo, defaults, notices = prepare(request, status)
-        self.source, self.family, self.demo, self.notices = source, family, demo, notices
-        if plan_file is not None and plan is None:
-            plan = load_plan(plan_file)
-        if plan is not None and not request.simulate:  # before anything is shown or torch is imported
-            check_devices_present(plan, cpu_ranks(request.parallel, plan))
-        if plan is not None:  # a plan's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
-            defaults = {**defaults, **inputs_from_plan(plan)}
-        # Settle the generation first: the plan is made for (and checked against) it.
-        self.generation = settle_generation(request.generation, source, family, defaults, request.per_prompt_images)
-        if self.generation.loras:  # each LoRA with the component it patches, as the planner settles them
-            from dm_cli.planning.lora_sizing import lora_targets
-
-            self.generation = replace(self.generation, loras=lora_targets(source, self.generation.loras))
-        refuse_existing_outputs(request, family, self.generation.num_images)
-        self.defaults = Job.of(self.generation, request.prompt, request.seed)
-        self.fps = self.generation.fps if self.generation.num_frames else None  # video families
-        where = plan_file or "The plan"
-        if plan is not None:
-            check_plan_matches(plan, source, self._inputs(), request.placement, where, self.generation.loras,
-                               plan_file=plan_file, source_from_plan=self.source_from_plan)
-            from dm_cli.run.request import check_plan_cache
-
-            plan = check_plan_cache(plan, request.generation.cache, where, off=request.cache_off)
-            self.generation = replace(self.generation, cache=plan.cache)
-        return plan, where
-
-    def _inputs(self):
-        """The settled generation as the planner sees it (dmap run makes batch 1)."""
-        from dataclasses import replace as replaced
-
-        return replaced(self.generation.inputs(), batch_size=1, fps=None)
-
-    def _checked_plan(self, plan: Plan | None, request: RunRequest, status, on_plan) -> Plan:
-        """The given plan, or one made here; its devices and int8 placements checked before anything loads."""
-        from dm_cli.run.parallel import cpu_ranks
-        from dm_cli.run.request import check_devices_present, make_run_plan
-
-        if plan is None:
-            status(f"Planning {self.source.spec} (meta-device traces are cached after the first run)…")
-            plan = make_run_plan(self.source, request, self.generation, self.family)
-        status(None)
-        if not request.simulate:
-            check_devices_present(plan, cpu_ranks(request.parallel, plan))  # a plan made here: before it is shown
-        if on_plan is not None:
-            on_plan(plan)
-        if not request.simulate:
-            from dm_cli.model.formats.weight_formats import int8_offload_problem
-
-            for name, fmt in plan.weights.items():  # before anything loads, not when that component's stage comes
-                problem = int8_offload_problem(name, fmt, plan.components[name].device_map)
-                if problem:
-                    raise UsageError(problem)
-        return plan
 
     # --- what a queue needs to know before it starts -------------------------------------------
 

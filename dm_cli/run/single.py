@@ -77,8 +77,9 @@ class RunResult:
 
 def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
         on_step: Callable[[int, int, str | None], None] | None = None,
-        on_status: Callable[[str | None], None] | None = None) -> RunResult:
-    """Plan (or read and check a plan), then encode -> denoise -> decode following it.
+        on_status: Callable[[str | None], None] | None = None, plan: Plan | None = None) -> RunResult:
+    """Plan (or read and check a plan), then encode -> denoise -> decode following it. `plan`: the plan to follow
+    (with `request.plan_file`, that file as already read: `dm_cli.run.settle.settle`).
 
     `on_step(done, total, component)`: after each denoising step; `component` names the denoiser that
     ran it for families with experts (Wan 2.2), else None.
@@ -90,12 +91,15 @@ def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
     stages free is still collected. Unfrozen at the end (unless the caller had frozen first).
     """
     with claim_run_outputs(request), frozen_gc() as owner:  # a second run writing the same output stops
-        return _run(request, on_plan, on_step, on_status, owner)
+        return _run(request, plan, on_plan, on_step, on_status, owner)
 
 
-def _run(request: RunRequest, on_plan, on_step, on_status, freeze: bool) -> RunResult:
+def _run(request: RunRequest, plan: Plan | None, on_plan, on_step, on_status, freeze: bool) -> RunResult:
     """One prompt through the session (`dm_cli.run.session.Session`), every stage measured."""
-    pipeline = Session(request, on_plan=on_plan, on_status=on_status, measure=True)
+    from dm_cli.run.settle import Entry, settle
+
+    pipeline = Session(settle(request, plan, entry=Entry.SINGLE, on_plan=on_plan, on_status=on_status),
+                       on_status=on_status, measure=True)
     job = pipeline.defaults
     result = RunResult(
         source=pipeline.source.spec, pipeline_class=pipeline.source.pipeline_class, demo=pipeline.demo,

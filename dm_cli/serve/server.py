@@ -91,6 +91,7 @@ def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Cal
     when the server listens (rank 0)."""
     from dm_cli.run.distributed import Ranks, select_gpus
     from dm_cli.run.session import Session
+    from dm_cli.run.settle import Entry, settle
 
     request.check()
     ranks = Ranks.from_env()
@@ -102,7 +103,8 @@ def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Cal
     sock = bind(request.host, request.port) if ranks.is_main else None
     try:
         # its LoRAs stay unfused: each request chooses among them (dm_cli.serve.requests), switched per batch
-        session = Session(replace(request.run, switch_loras=True), on_plan=on_plan, on_status=on_status)
+        session = Session(settle(replace(request.run, switch_loras=True), entry=Entry.SERVE, on_plan=on_plan,
+                                 on_status=on_status), on_status=on_status)
     except BaseException:
         if sock is not None:
             sock.close()

@@ -19,6 +19,7 @@ def served_app(tmp_path_factory, source=None, size=64, steps=2, max_batch=8, sta
     from dm_cli.run.distributed import Ranks
     from dm_cli.run.request import RunRequest
     from dm_cli.run.session import Session
+    from dm_cli.run.settle import Entry, settle
     from dm_cli.serve.app import AppState, make_app
     from dm_cli.serve.server import ServeRequest, _served
     from dm_cli.serve.worker import Batcher, RankCompute
@@ -29,7 +30,7 @@ def served_app(tmp_path_factory, source=None, size=64, steps=2, max_batch=8, sta
         patch.setenv("HF_HUB_OFFLINE", "1")
         run = RunRequest.of(source, "", height=size, width=size, steps=steps, mode="staged", output=None,
                             per_prompt_images=True)
-        session = Session(run)
+        session = Session(settle(run, entry=Entry.SERVE))
         compute = RankCompute(session, Ranks.from_env())
         batcher = Batcher(compute, 16, max_batch)
         state = AppState(_served(ServeRequest(run), session), session, batcher)
