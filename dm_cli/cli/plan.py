@@ -50,6 +50,9 @@ ProfileOpt = Annotated[str | None, typer.Option(
                                       "table:NAME (h100-sxm, l40s, ...). Default: this machine's calibrated one, else "
                                       "dmap's defaults.")]
 QueueOpt = Annotated[int, typer.Option("--queue", metavar="N", help="Prompts the predicted time per queue counts.")]
+PlanPromptOpt = Annotated[str | None, typer.Option(
+    "--prompt", "-p", help="The prompt the predicted time is for (Qwen-Image and Z-Image run its own length; default: "
+                           "the longest text).")]
 
 
 def plan(
@@ -92,6 +95,7 @@ def plan(
     profile: ProfileOpt = None,
     steps: StepsOpt = None,  # the predicted time per image counts them
     queue: QueueOpt = 1,
+    prompt: PlanPromptOpt = None,
     in_flight: int | None = typer.Option(None, "--in-flight", metavar="K",
                                          help="--parallel pipeline: queue prompts in flight (default --world-size)."),
     pipeline: PipelineOpt = None,
@@ -117,7 +121,7 @@ def plan(
                            on_progress=progress, world_size=world_size, parallel=parallel,
                            device_tflops=device_tflops, link_gbps=link_gbps, in_flight=in_flight, pipeline=pipeline,
                            component_files=component_file, lora=lora, cache=cache, profile=profile, steps=steps,
-                           queue=queue, **(settings or {}))
+                           queue=queue, prompt=prompt, **(settings or {}))
     if output:
         write_plan(result, output)
     return _show(result, output, as_json, quiet, binary)
