@@ -86,6 +86,11 @@ NumImagesOpt = Annotated[int | None, typer.Option("--num-images", help=_NUM_IMAG
 RunNumImagesOpt = Annotated[int | None, typer.Option("--num-images", min=1, help=_NUM_IMAGES_HELP)]
 """`dmap run`: the same option, bounded by click (min=1) as it always was."""
 
+# --prompt: what dmap run draws; what dmap plan predicts the time of (its text length)
+PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="What to draw.")]
+PlanPromptOpt = Annotated[str | None, typer.Option(
+    "--prompt", "-p", help="The prompt the predicted time is for (Qwen-Image and Z-Image run its own length; default: "
+                           "the longest text).")]
 NegativePromptOpt = Annotated[str | None, typer.Option(
     "--negative-prompt", help="What to avoid (CFG and true-CFG pipelines).")]
 GuidanceScaleOpt = Annotated[float | None, typer.Option(

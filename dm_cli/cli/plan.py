@@ -31,6 +31,7 @@ from dm_cli.cli._cli_utils import (
     PlanHeightOpt,
     PlanOutputOpt,
     PlanParallelOpt,
+    PlanPromptOpt,
     QuietOpt,
     SourceArg,
     StepsOpt,
@@ -50,9 +51,6 @@ ProfileOpt = Annotated[str | None, typer.Option(
                                       "table:NAME (h100-sxm, l40s, ...). Default: this machine's calibrated one, else "
                                       "dmap's defaults.")]
 QueueOpt = Annotated[int, typer.Option("--queue", metavar="N", help="Prompts the predicted time per queue counts.")]
-PlanPromptOpt = Annotated[str | None, typer.Option(
-    "--prompt", "-p", help="The prompt the predicted time is for (Qwen-Image and Z-Image run its own length; default: "
-                           "the longest text).")]
 
 
 def plan(

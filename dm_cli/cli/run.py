@@ -30,6 +30,7 @@ from dm_cli.cli._cli_utils import (
     OverwriteOpt,
     ParallelOpt,
     PipelineOpt,
+    PromptOpt,
     QuietOpt,
     RunNumImagesOpt,
     RunOutputOpt,
@@ -42,7 +43,6 @@ from dm_cli.cli._cli_utils import (
 )
 
 # the options only `dmap run` takes (the shared ones are in _cli_utils)
-PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="What to draw.")]
 PromptsOpt = Annotated[str | None, typer.Option(
     "--prompts", help="A queue: a text file (one prompt a line) or JSONL (prompt, negative_prompt, "
                       "seed, steps, guidance_scale, output per line); item i gets seed --seed + i.")]

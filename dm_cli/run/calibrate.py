@@ -84,6 +84,17 @@ def _row_seconds(torch, target, dtype, tokens: int, per_score: float, rate: floa
     return round(max(rest, 0.0) / rows, 15) or 1e-15
 
 
+def _attention_curve(torch, target, dtype, sizes: "CalibrationSizes", timed, sync) -> list:
+    """[[FLOPs of one attention, TFLOP/s], ...]: self-attention over each of `sizes.tokens` tokens, 8 heads of 64."""
+    curve = []
+    for tokens in sizes.tokens:
+        q = torch.randn(1, 8, tokens, 64, device=target, dtype=dtype)
+        flops = 4 * 8 * tokens**2 * 64
+        seconds = timed(lambda q=q: torch.nn.functional.scaled_dot_product_attention(q, q, q), sizes.repeats, sync)
+        curve.append([flops, round(flops / seconds / 1e12, 6)])
+    return curve
+
+
 def _conv_curve(torch, target, dtype, sizes: "CalibrationSizes", timed, sync) -> list:
     """[[FLOPs of one conv, TFLOP/s], ...]: 3x3 convolutions (padding 1) of each of `sizes.conv_channels` channels in
     and out over conv_pixels x conv_pixels, a UNet's resnet convolutions at the sizes a small one has."""
@@ -178,7 +189,6 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
     dtypes = ("float32", "bfloat16", "float16") if gpu else ("float32", "bfloat16")
     matmul, attention, matmul_curve, attention_curve, scores = {}, {}, {}, {}, {}
     rows, conv_curve = {}, {}
-    sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.inference_mode():
         for name in dtypes:
             dtype = getattr(torch, name)
@@ -190,12 +200,7 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
                 curve.append([2 * n**3, round(2 * n**3 / seconds / 1e12, 6)])
             matmul_curve[name], matmul[name] = curve, max(rate for _, rate in curve)
             say(f"Measuring attention over {', '.join(map(str, sizes.tokens))} tokens in {name}")
-            curve = []
-            for tokens in sizes.tokens:
-                q = torch.randn(1, 8, tokens, 64, device=target, dtype=dtype)
-                flops = 4 * 8 * tokens**2 * 64
-                curve.append([flops, round(flops / timed(lambda q=q: sdpa(q, q, q), sizes.repeats, sync) / 1e12, 6)])
-            attention_curve[name] = curve
+            attention_curve[name] = _attention_curve(torch, target, dtype, sizes, timed, sync)
             scores[name], attention[name] = _attention_fit(torch, target, dtype, max(sizes.tokens), timed,
                                                            sizes.repeats, sync)
             rows[name] = _row_seconds(torch, target, dtype, max(sizes.tokens), scores[name], attention[name], timed,
