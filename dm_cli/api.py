@@ -37,7 +37,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          on_progress: Callable[[str], None] | None = None, world_size: int = 1, parallel: str | None = None,
          device_tflops: float | None = None, link_gbps: float | None = None, pipeline: str | None = None,
          component_files: dict | None = None, lora=None, cache=None, in_flight: int | None = None,
-         profile: str | None = None, steps: int | None = None, queue: int = 1, **settings) -> Plan:
+         profile: str | None = None, steps: int | None = None, queue: int = 1, prompt: str | None = None,
+         **settings) -> Plan:
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -55,7 +56,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     and step times predicted at `device_tflops` per GPU and `link_gbps` between GPUs (dm_cli.planning.parallel; None:
     the device profile's). `profile` (a file `dmap calibrate` wrote, or "table:h100-sxm"; None: this machine's
     calibrated one, else dmap's defaults), `steps` (None: the pipeline's default) and `queue` (prompts): the plan's
-    `predicted_time`, the denoise stage's seconds per step, image and queue (dm_cli.planning.step_time).
+    `predicted_time`, the denoise stage's seconds per step, image and queue (dm_cli.planning.step_time); `prompt`:
+    the prompt it is for (Qwen-Image and Z-Image run the text at the prompt's length, not the maximum).
     `pipeline` (a preset or a folder): SOURCE is a single file (original-layout safetensors or GGUF) holding one
     component, the rest of the pipeline comes from here. `component_files` ({"transformer_2": "LOW.gguf"}): these
     components from these single files (each checked against its config; SOURCE's file then goes to the first
@@ -95,7 +97,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
                                                                               in_flight),
                              pipeline=pipeline, component_files=tuple(parse_component_files(component_files).items()),
                              loras=read_loras(lora, "lora"),
-                             prediction=PredictionRequest(profile, pick(steps, "steps"), queue))
+                             prediction=PredictionRequest(profile, pick(steps, "steps"), queue, prompt))
     return make_named_plan(root, spec, options)
 
 

@@ -30,7 +30,7 @@ ALIASES = CLI / "_cli_utils.py"
 COMMANDS = ("inspect", "shard", "plan", "run", "cache", "demo")
 # flag -> the commands whose text is their own (the other commands taking the flag share one text)
 VARIANTS = {"--output": {"plan", "run", "shard", "demo"}, "--seed": {"run", "demo"}, "--dtype": {"shard"},
-            "SOURCE": {"run", "shard"}, "--height": {"plan"}, "--parallel": {"plan"}}
+            "SOURCE": {"run", "shard"}, "--height": {"plan"}, "--parallel": {"plan"}, "--prompt": {"plan"}}
 
 
 def _commands() -> dict:

@@ -22,14 +22,38 @@ def test_cost_model_adds_each_term_of_a_hand_made_case():
                     matmul_ops=10, attention_ops=4)
     traffic = Traffic(offloaded_bytes=4 * 10**9, hops=2, hop_bytes=10**9, hooked_modules=500)
     terms = call_terms(work, hand_profile(hook_seconds=2e-3), "bfloat16", traffic)
-    assert terms == pytest.approx({"matmul": 2.0, "attention": 2.0, "memory": 1.0 + 1.0, "ops": 1.0, "offload": 1.0,
-                                   "hops": 1.0, "hooks": 1.0})
+    assert terms == pytest.approx({"matmul": 2.0, "conv": 0.0, "attention": 2.0, "memory": 1.0 + 1.0, "ops": 1.0,
+                                   "offload": 1.0, "hops": 1.0, "hooks": 1.0})
     result = predict(work, traffic, hand_profile(hook_seconds=2e-3), "bfloat16", calls=2, steps=10, images_per_call=2,
                      queue=3, layout_steps={"split": 4.0, "cfg": 2.0})
     assert result["step_s"] == pytest.approx(20.0)  # 2 calls x 10 s
     assert result["image_s"] == pytest.approx(100.0)  # 10 steps x 20 s over 2 images per call
     assert result["queue_s"] == pytest.approx(600.0)  # 3 prompts of 10 steps
     assert result["layouts"]["cfg"]["step_s"] == pytest.approx(10.0)  # half the split's, as parallel.py predicts
+
+
+def test_convolutions_are_priced_at_the_convolution_curve():
+    """A convolution's FLOPs (a share of the matmul FLOPs the trace counts) go at the measured convolution rate, which
+    for a few channels is far below a matmul's; a profile without one prices them as matmuls."""
+    work = CallWork(matmul_flops=3e12, attention_flops=0, other_bytes=0, ops=0, weight_bytes=0, matmul_ops=3,
+                    conv_flops=2e12, conv_ops=2)
+    plain = call_terms(work, hand_profile(), "bfloat16", Traffic())
+    assert plain["matmul"] + plain["conv"] == pytest.approx(3.0)  # every FLOP at the matmul rate of 1 TFLOP/s
+    slow = call_terms(work, hand_profile(conv_curve={"bfloat16": [[1e6, 0.25], [1e15, 0.25]]}), "bfloat16", Traffic())
+    assert slow["matmul"] == pytest.approx(1.0) and slow["conv"] == pytest.approx(8.0)  # 2e12 FLOPs at 0.25
+
+
+def test_attention_counts_each_query_row():
+    """Attention = scores x seconds per score + query rows x seconds per row + FLOPs / rate: the same scores over
+    short keys (a cross-attention to 77 text tokens) are more rows, and cost more."""
+    profile = hand_profile(score_seconds={"bfloat16": 1e-9}, row_seconds={"bfloat16": 1e-7})
+
+    def attention(rows):
+        work = CallWork(0, 1e9, 0, 0, 0, attention_ops=1, attention_scores=1e8, attention_rows=rows)
+        return call_terms(work, profile, "bfloat16", Traffic())["attention"]
+
+    assert attention(1e5) == pytest.approx(0.1 + 0.01 + 1e9 / 0.5e12)
+    assert attention(1e6) - attention(1e5) == pytest.approx(9e5 * 1e-7)
 
 
 def test_rates_are_read_off_the_measured_curve_by_op_size():
@@ -41,7 +65,9 @@ def test_rates_are_read_off_the_measured_curve_by_op_size():
 
 
 def test_profile_round_trips_and_the_table_names_its_sources():
-    measured = hand_profile(matmul_curve={"bfloat16": [[1e6, 1.0], [1e8, 2.0]]}, measured=True, source="here")
+    measured = hand_profile(matmul_curve={"bfloat16": [[1e6, 1.0], [1e8, 2.0]]}, measured=True, source="here",
+                            conv_curve={"float32": [[1e6, 0.1]]}, row_seconds={"bfloat16": 1e-7},
+                            score_seconds={"bfloat16": 1e-9})
     assert DeviceProfile.from_json(json.loads(json.dumps(measured.to_json()))) == measured
     for name in GPU_TABLE:
         profile = table_profile(name)
@@ -58,6 +84,7 @@ def test_calibrate_quick_on_cpu_writes_a_profile_that_plan_reads(tmp_path):
     assert set(profile.matmul_tflops) == {"float32", "bfloat16"} and profile.elementwise_gbps > 0
     assert profile.hook_seconds > 0 and profile.host_gbps > 0
     assert len(profile.matmul_curve["float32"]) == 2
+    assert len(profile.conv_curve["float32"]) == 2 and profile.row_seconds["float32"] > 0
     code, out, err = run_dmap("plan", "tiny-flux", "--profile", path, "--steps", "7", "--queue", "3", "--json")
     assert code in (0, 1), err
     predicted = json.loads(out)["predicted_time"]
@@ -133,3 +160,54 @@ def test_a_plan_file_with_a_malformed_prediction_is_refused(tmp_path, hostile):
     assert Plan.from_json(data).to_json() == data  # the prediction reads back as written
     with pytest.raises(ValueError):
         Plan.from_json({**data, "predicted_time": hostile})
+
+
+def predicted(*args) -> dict:
+    code, out, err = run_dmap("plan", *args, "--no-check", "--json")
+    assert code in (0, 1), err
+    return json.loads(out)["predicted_time"]
+
+
+def test_a_unets_convolutions_are_counted_apart():
+    """The trace counts a UNet's convolutions apart from its matmuls (the transformer has none)."""
+    assert predicted("tiny-sd15", "--height", "64", "--width", "64")["step_terms_s"]["conv"] > 0
+    assert predicted("tiny-flux", "--height", "64", "--width", "64")["step_terms_s"]["conv"] == 0
+
+
+def test_qwen_image_calls_twice_per_step_only_with_a_negative_prompt():
+    """QwenImagePipeline's true CFG (the second call) runs only with a negative prompt; the plan's memory view
+    counts it anyway, the time prediction only when it runs."""
+    alone = predicted("tiny-qwenimage", "--height", "64", "--width", "64")
+    both = predicted("tiny-qwenimage", "--height", "64", "--width", "64", "--negative-prompt", "blurry")
+    assert alone["calls_per_step"] == 1 and both["calls_per_step"] == 2
+    assert both["step_s"] == pytest.approx(2 * alone["step_s"], rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def text_pipelines(tmp_path_factory):
+    """Tiny Qwen-Image, Z-Image and FLUX folders with their tokenizers (random weights)."""
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
+
+    root = tmp_path_factory.mktemp("text")
+    return {name: write_random_pipeline(PRESETS_DIR / name, root / name) for name in
+            ("tiny-qwenimage", "tiny-zimage", "tiny-flux")}
+
+
+@pytest.mark.parametrize("name", ["tiny-qwenimage", "tiny-zimage"])
+def test_predicted_time_grows_with_the_text_length_the_pipeline_runs(text_pipelines, name):
+    """Qwen-Image and Z-Image drop the text's padding: the denoiser runs the prompt's own tokens, fewer than the
+    maximum the plan traces for memory, and more of them take longer."""
+    size = ["--height", "128", "--width", "128"]
+    longest = predicted(text_pipelines[name], *size)
+    short = predicted(text_pipelines[name], *size, "--prompt", "a cat")
+    long = predicted(text_pipelines[name], *size, "--prompt", "a cat " * 60)
+    assert "text_tokens" not in longest  # no prompt: the longest text, as traced
+    assert short["text_tokens"] < long["text_tokens"]
+    assert short["step_s"] < long["step_s"] < longest["step_s"]
+
+
+def test_flux_pads_the_text_so_the_prompt_does_not_change_its_time(text_pipelines):
+    size = ["--height", "64", "--width", "64"]
+    assert predicted(text_pipelines["tiny-flux"], *size, "--prompt", "a cat") == predicted(text_pipelines["tiny-flux"],
+                                                                                             *size)

@@ -227,6 +227,18 @@ class Family:
         """Denoiser calls per step: 2 under true CFG (separate conditional and unconditional calls)."""
         return 1
 
+    def calls_at_run(self, inputs: InputSpec, negative_prompt: str | None, settings: dict) -> int:
+        """Denoiser calls per step a run makes with this negative prompt and these settings (the time it takes);
+        `denoiser_calls` is the plan's (memory) view, which may count a second call the run only makes on request."""
+        return self.denoiser_calls(inputs)
+
+    def run_text_tokens(self, tokenizer_folder, prompt: str | None, negative_prompt: str | None,
+                        max_length: int) -> int | None:
+        """The text tokens the denoiser sees at run time for `prompt` (tokenized with the pipeline's tokenizer in
+        `tokenizer_folder`); None when the pipeline pads the text to `max_length` (the traced length) or the prompt
+        or tokenizer is not known."""
+        return None
+
     def max_sequence_length(self, comp: Component, inputs: InputSpec) -> int | None:
         if inputs.max_sequence_length:
             return int(inputs.max_sequence_length)
@@ -502,3 +514,17 @@ def unknown_family_warning(pipeline_class: str) -> str:
             "are estimated only where a forward can be called with generic inputs), takes the stage order from "
             "diffusers' model_cpu_offload_seq, and dmap run cannot run it; a family module in dm_cli/families adds all "
             "three (docs/adding-a-family.md).")
+
+
+def local_tokenizer(folder):
+    """The pipeline's tokenizer from its folder (local files only), or None when it has none that loads."""
+    from pathlib import Path
+
+    if folder is None or not (Path(folder) / "tokenizer_config.json").is_file():
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception:  # noqa: BLE001 - a tokenizer that does not load: the prediction keeps the traced length
+        return None

@@ -5,7 +5,16 @@ then unconditional), never on a doubled batch."""
 
 from __future__ import annotations
 
-from dm_cli.families import GUIDANCE_SEPARATE, Embeds, Family, Job, Setting, denormalized, packed_latents
+from dm_cli.families import (
+    GUIDANCE_SEPARATE,
+    Embeds,
+    Family,
+    Job,
+    Setting,
+    denormalized,
+    local_tokenizer,
+    packed_latents,
+)
 from dm_cli.families.calls import CallSpec, Component, TensorSpec, sibling_config, vae_config
 from dm_cli.inputs import InputSpec
 
@@ -13,6 +22,10 @@ from dm_cli.inputs import InputSpec
 # the encoder sees at most tokenizer_max_length (1024) prompt tokens plus these.
 TEMPLATE_TOKENS = 34
 ENCODER_MAX_TOKENS = 1024
+# QwenImagePipeline.prompt_template_encode: the prompt goes in its user turn
+PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+                   "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+                   "<|im_start|>assistant\n")
 
 
 class QwenImageFamily(Family):
@@ -46,6 +59,21 @@ class QwenImageFamily(Family):
         """Planned for true CFG (the pipeline's default true_cfg_scale is 4.0): two calls per step.
         They run one after the other on the same shapes, so the activation peak is one call's."""
         return 2
+
+    def calls_at_run(self, inputs: InputSpec, negative_prompt: str | None, settings: dict) -> int:
+        """The second (unconditional) call runs only under true CFG: with a negative prompt (`true_cfg`)."""
+        return 2 if uses_true_cfg(settings.get("true_cfg_scale", 4.0), negative_prompt) else 1
+
+    def run_text_tokens(self, tokenizer_folder, prompt: str | None, negative_prompt: str | None,
+                        max_length: int) -> int | None:
+        """QwenImagePipeline drops the template's system part and the padding: the denoiser sees the tokens of the
+        prompt and the template's tail (`_get_qwen_prompt_embeds`), at most `max_length`."""
+        tokenizer = local_tokenizer(tokenizer_folder) if prompt is not None else None
+        if tokenizer is None:
+            return None
+        ids = tokenizer(PROMPT_TEMPLATE.format(prompt), max_length=ENCODER_MAX_TOKENS + TEMPLATE_TOKENS,
+                        truncation=True).input_ids
+        return max(1, min(len(ids) - TEMPLATE_TOKENS, max_length))
 
     def call_spec(self, comp: Component, inputs: InputSpec) -> CallSpec | None:
         config = comp.config or {}
@@ -85,7 +113,7 @@ class QwenImageFamily(Family):
 
     def true_cfg(self, job: Job) -> bool:
         """QwenImagePipeline's do_true_cfg: true_cfg_scale > 1 and a negative prompt (even an empty one)."""
-        return (job.setting("true_cfg_scale") or 0) > 1 and job.negative_prompt is not None
+        return uses_true_cfg(job.setting("true_cfg_scale"), job.negative_prompt)
 
     def encode(self, pipe, job: Job, device) -> Embeds:
         max_seq = job.max_sequence_length or self.default_max_sequence_length
@@ -107,6 +135,11 @@ class QwenImageFamily(Family):
         latents = pipe._unpack_latents(latents, job.height, job.width, pipe.vae_scale_factor).to(vae.dtype)
         image = vae.decode(denormalized(vae, latents).to(device), return_dict=False)[0][:, :, 0]
         return pipe.image_processor.postprocess(image, output_type="pil")
+
+
+def uses_true_cfg(true_cfg_scale, negative_prompt: str | None) -> bool:
+    """QwenImagePipeline's do_true_cfg: true_cfg_scale > 1 and a negative prompt (even an empty one)."""
+    return (true_cfg_scale or 0) > 1 and negative_prompt is not None
 
 
 FAMILY = QwenImageFamily()

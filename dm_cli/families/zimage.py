@@ -21,7 +21,7 @@ What ZImagePipeline feeds its models (diffusers 0.42, `pipeline_z_image.py`):
 
 from __future__ import annotations
 
-from dm_cli.families import GUIDANCE_BATCH, Embeds, Family, Job
+from dm_cli.families import GUIDANCE_BATCH, Embeds, Family, Job, local_tokenizer
 from dm_cli.families.calls import CallSpec, Component, TensorSpec, component_call, vae_config
 from dm_cli.inputs import InputSpec
 
@@ -71,6 +71,22 @@ class ZImageFamily(Family):
     def cfg_batch(self, inputs: InputSpec) -> int:
         """ZImagePipeline's do_classifier_free_guidance is guidance_scale > 0 (not > 1): then the batch doubles."""
         return 2 if self.guidance_scale(inputs) > 0 else 1
+
+    def run_text_tokens(self, tokenizer_folder, prompt: str | None, negative_prompt: str | None,
+                        max_length: int) -> int | None:
+        """ZImagePipeline keeps the real tokens of the prompt in Qwen's chat template (`_encode_prompt`); under CFG the
+        transformer pads the batch's captions to the longest, the negative prompt's ("" by default) included, and
+        rounds up to SEQ_MULTI_OF itself (the trace does too)."""
+        tokenizer = local_tokenizer(tokenizer_folder) if prompt is not None else None
+        if tokenizer is None:
+            return None
+
+        def length(text: str) -> int:
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True, enable_thinking=True)
+            return len(tokenizer(chat, max_length=max_length, truncation=True).input_ids)
+
+        return max(length(prompt), length(negative_prompt or ""))
 
     def call_spec(self, comp: Component, inputs: InputSpec) -> CallSpec | None:
         config = comp.config or {}

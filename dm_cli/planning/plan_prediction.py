@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from dm_cli.errors import UsageError
 from dm_cli.families import family_parts
 from dm_cli.inputs import check_count
+from dm_cli.planning.components import trace_facts
 from dm_cli.planning.parallel import denoiser_shape
 from dm_cli.planning.profiles import DEFAULT_PROFILE, DeviceProfile, cached_profile, read_profile
 from dm_cli.planning.step_time import CallWork, Traffic, predict
@@ -23,6 +24,7 @@ class PredictionRequest:
     profile: str | None = None  # a profile file or "table:NAME" (None: the cached one, else the default)
     steps: int | None = None  # None: the family's (or the demo's) default
     queue: int = 1
+    prompt: str | None = None  # the prompt: pipelines that drop the text's padding run its own length
 
     def __post_init__(self) -> None:
         """--steps and --queue checked, one sentence each."""
@@ -65,17 +67,38 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
     prep = next((p for p in prepared if p.spec.name == denoiser.name), None)
     if prep is None or not prep.facts.work:
         return {}
+    work_facts, text_tokens = run_work(prep, source, family, denoiser, inputs, options, request)
     placed = plan.components[denoiser.name]
     on_gpu = any(isinstance(device, int) or str(device).isdigit() for device in placed.device_map.values())
     profile, origin = chosen_profile(request, "gpu" if on_gpu else "cpu")
     element = 4 if plan.dtype == "float32" else 2
     shape = denoiser_shape(denoiser, source.pipeline_class, inputs, family, element)
-    work = CallWork.of(prep.facts.work, placed.weights_bytes)
+    work = CallWork.of(work_facts, placed.weights_bytes)
     devices = set(map(str, placed.device_map.values()))
     hooked = len(prep.facts.execution_order or ()) if placed.offloaded_bytes else (
         len(placed.device_map) if len(devices) > 1 else 0)  # offloaded: every module holding weights; split: each key
     traffic = Traffic(placed.offloaded_bytes, placed.hops, shape.hop_bytes, hooked)
     steps = request.steps or family.default_steps
     layouts = dict(plan.parallel.predicted_step_s) if plan.parallel is not None else None
-    return predict(work, traffic, profile, plan.dtype, max(1, shape.calls), steps,
-                   inputs.batch_size * inputs.num_images, request.queue, layouts, origin)
+    calls = family.calls_at_run(inputs, options.negative_prompt, options.settings)
+    result = predict(work, traffic, profile, plan.dtype, max(1, calls), steps,
+                     inputs.batch_size * inputs.num_images, request.queue, layouts, origin)
+    if text_tokens is not None:
+        result["text_tokens"] = text_tokens
+    return result
+
+
+def run_work(prep, source, family, denoiser, inputs, options, request: PredictionRequest) -> tuple[dict, int | None]:
+    """(one denoiser call's work at run time, the text tokens it sees or None): the plan traces the text at its
+    maximum length (the memory worst case); a pipeline that drops the padding (Qwen-Image, Z-Image) runs the prompt's
+    own length, so with a prompt and the pipeline's tokenizer the denoiser is traced again at that length."""
+    maximum = family.max_sequence_length(denoiser, inputs)
+    if not maximum:
+        return prep.facts.work, None
+    folder = source.root / "tokenizer" if source.root is not None else None
+    tokens = family.run_text_tokens(folder, request.prompt, options.negative_prompt, int(maximum))
+    if tokens is None or tokens >= maximum:
+        return prep.facts.work, None
+    facts = trace_facts(prep.source, source.pipeline_class, replace(inputs, max_sequence_length=tokens), prep.dtype,
+                        options.use_cache)
+    return (facts.work or prep.facts.work), tokens

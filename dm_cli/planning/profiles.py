@@ -48,6 +48,12 @@ class DeviceProfile:
     # measured only: attention = scores x seconds per score + FLOPs / attention_tflops (dtype -> seconds per query-key
     # score: the softmax's share, which a small head dimension does not shrink)
     score_seconds: dict[str, float] = field(default_factory=dict)
+    # measured only: seconds per query row of attention (dtype -> seconds: the kernel's fixed work per row, which a
+    # short key length, a cross-attention's 77 text tokens, does not spread over many scores)
+    row_seconds: dict[str, float] = field(default_factory=dict)
+    # measured only: the convolutions' rate by the size of one op (a conv of a few channels runs far below a matmul
+    # of the same FLOPs); none: convolutions at the matmul curve
+    conv_curve: dict[str, list] = field(default_factory=dict)
 
     def rate(self, table: dict[str, float], dtype: str) -> float:
         """TFLOP/s at `dtype`, else at the nearest dtype measured (half precision for half, else float32)."""
@@ -57,10 +63,12 @@ class DeviceProfile:
         raise ValueError(f"profile {self.name!r} has no rates")
 
     def rate_at(self, kind: str, dtype: str, flops_per_op: float) -> float:
-        """TFLOP/s of one `kind` ("matmul" or "attention") op of `flops_per_op` FLOPs at `dtype`: interpolated on the
+        """TFLOP/s of one `kind` ("matmul", "conv" or "attention") op of `flops_per_op` FLOPs at `dtype`: interpolated on the
         measured curve (log-log, held at its ends), else the flat rate."""
         curve = getattr(self, f"{kind}_curve").get(dtype) or (getattr(self, f"{kind}_curve").get(
             "bfloat16" if dtype == "float16" else dtype))
+        if kind == "conv" and (not curve or flops_per_op <= 0):  # none measured: the matmul curve
+            return self.rate_at("matmul", dtype, flops_per_op)
         if not curve or flops_per_op <= 0:
             return self.rate(getattr(self, f"{kind}_tflops"), dtype)
         if flops_per_op <= curve[0][0]:
@@ -80,7 +88,9 @@ class DeviceProfile:
                    if self.matmul_curve or self.attention_curve else {}),
                 **({"elementwise_gbps": self.elementwise_gbps} if self.elementwise_gbps else {}),
                 **({"hook_seconds": self.hook_seconds} if self.hook_seconds else {}),
-                **({"score_seconds": dict(self.score_seconds)} if self.score_seconds else {})}
+                **({"score_seconds": dict(self.score_seconds)} if self.score_seconds else {}),
+                **({"row_seconds": dict(self.row_seconds)} if self.row_seconds else {}),
+                **({"conv_curve": self.conv_curve} if self.conv_curve else {})}
 
     @classmethod
     def from_json(cls, data) -> "DeviceProfile":
@@ -107,13 +117,15 @@ class DeviceProfile:
                    _curves(data.get("attention_curve", {}), "attention_curve"),
                    _rate(data.get("elementwise_gbps"), "its elementwise_gbps") if "elementwise_gbps" in data else 0.0,
                    _rate(data.get("hook_seconds"), "its hook_seconds", 1.0) if "hook_seconds" in data else 0.0,
-                   _seconds_table(data.get("score_seconds", {})))
+                   _seconds_table(data.get("score_seconds", {}), "score_seconds"),
+                   _seconds_table(data.get("row_seconds", {}), "row_seconds"),
+                   _curves(data.get("conv_curve", {}), "conv_curve"))
 
 
-def _seconds_table(value) -> dict[str, float]:
+def _seconds_table(value, what: str) -> dict[str, float]:
     if not isinstance(value, dict) or not set(value) <= set(PROFILE_DTYPES):
-        raise ValueError(f"its score_seconds must map some of {', '.join(PROFILE_DTYPES)} to seconds")
-    return {k: _rate(v, f"its score_seconds {k}", 1.0) for k, v in value.items()}
+        raise ValueError(f"its {what} must map some of {', '.join(PROFILE_DTYPES)} to seconds")
+    return {k: _rate(v, f"its {what} {k}", 1.0) for k, v in value.items()}
 
 
 def _curves(value, what: str) -> dict[str, list]:

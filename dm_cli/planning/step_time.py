@@ -4,11 +4,12 @@ The work of one denoiser call is what its meta trace counted (trace_session.py `
 inputs): matmul and convolution FLOPs (torch's own formulas), attention FLOPs, the bytes the other ops read and
 write, and the ops dispatched. One call takes
 
-    matmul FLOPs / matmul rate + attention FLOPs / attention rate + other bytes / elementwise rate
-    + weights / memory rate + ops x seconds per op
+    matmul FLOPs / matmul rate + convolution FLOPs / convolution rate
+    + attention scores x seconds per score + attention query rows x seconds per row + attention FLOPs / attention rate
+    + other bytes / elementwise rate + weights / memory rate + ops x seconds per op
 
-at the plan's dtype, the matmul and attention rates read off the profile's measured curves at the call's mean FLOPs
-per op (a small model's matmuls run far below the device's peak); a step is the family's calls per step (2 under separate CFG) of that, plus what the plan moves
+at the plan's dtype, the matmul, convolution and attention rates read off the profile's measured curves at the call's
+mean FLOPs per op (a small model's matmuls and few-channel convolutions run far below the device's peak); a step is the family's calls per step (2 under separate CFG) of that, plus what the plan moves
 per call: its offloaded weights at the profile's host rate (dmap streams them from the checkpoint, then copies them),
 the hidden states at each hop between devices (the same hop bytes parallel.py counts for the split), and accelerate's
 hook around each module of a split or offloaded denoiser. An image is `steps` steps over the images one call makes (batch x images
@@ -37,13 +38,17 @@ class CallWork:
     matmul_ops: int = 0
     attention_ops: int = 0
     attention_scores: float = 0.0  # query-key pairs over every head and sample
+    attention_rows: float = 0.0  # query rows over every head and sample
+    conv_flops: float = 0.0  # the convolutions' share of matmul_flops
+    conv_ops: int = 0
 
     @classmethod
     def of(cls, work: dict, weight_bytes: int) -> "CallWork":
         return cls(float(work.get("matmul_flops", 0)), float(work.get("attention_flops", 0)),
                    float(work.get("other_bytes", 0)), int(work.get("ops", 0)), int(weight_bytes),
                    int(work.get("matmul_ops", 0)), int(work.get("attention_ops", 0)),
-                   float(work.get("attention_scores", 0)))
+                   float(work.get("attention_scores", 0)), float(work.get("attention_rows", 0)),
+                   float(work.get("conv_flops", 0)), int(work.get("conv_ops", 0)))
 
 
 @dataclass(frozen=True)
@@ -58,16 +63,19 @@ class Traffic:
 
 def call_terms(work: CallWork, profile: DeviceProfile, dtype: str, traffic: Traffic) -> dict[str, float]:
     """The seconds of one denoiser call, term by term (see the module's doc)."""
-    matmul = profile.rate_at("matmul", dtype, work.matmul_flops / max(1, work.matmul_ops))
-    score = profile.score_seconds.get(dtype) or profile.score_seconds.get("bfloat16" if dtype == "float16" else "")
-    if score and work.attention_scores:  # the softmax per score, the two matmuls per FLOP
-        attention = work.attention_scores * score + work.attention_flops / (
-            profile.rate(profile.attention_tflops, dtype) * 1e12)
+    dense_flops, dense_ops = work.matmul_flops - work.conv_flops, work.matmul_ops - work.conv_ops
+    matmul = profile.rate_at("matmul", dtype, dense_flops / max(1, dense_ops))
+    conv = profile.rate_at("conv", dtype, work.conv_flops / max(1, work.conv_ops))
+    score = _per_dtype(profile.score_seconds, dtype)
+    if score and work.attention_scores:  # the softmax per score, each query row's fixed work, the two matmuls per FLOP
+        attention = work.attention_scores * score + work.attention_rows * _per_dtype(profile.row_seconds, dtype) \
+            + work.attention_flops / (profile.rate(profile.attention_tflops, dtype) * 1e12)
     else:
         rate = profile.rate_at("attention", dtype, work.attention_flops / max(1, work.attention_ops))
         attention = work.attention_flops / (rate * 1e12)
     return {
-        "matmul": work.matmul_flops / (matmul * 1e12),
+        "matmul": dense_flops / (matmul * 1e12),
+        "conv": work.conv_flops / (conv * 1e12),
         "attention": attention,
         "memory": work.other_bytes / ((profile.elementwise_gbps or profile.memory_gbps) * 1e9)
         + work.weight_bytes / (profile.memory_gbps * 1e9),
@@ -98,6 +106,11 @@ def predict(work: CallWork, traffic: Traffic, profile: DeviceProfile, dtype: str
         base = layout_steps["split"]
         result["layouts"] = {name: times(step * seconds / base) for name, seconds in layout_steps.items()}
     return result
+
+
+def _per_dtype(table: dict[str, float], dtype: str) -> float:
+    """A profile's seconds at `dtype` (float16 read as bfloat16 when only that was measured); 0 when not measured."""
+    return table.get(dtype) or table.get("bfloat16" if dtype == "float16" else "") or 0.0
 
 
 def _round(value: float) -> float:

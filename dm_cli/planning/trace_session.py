@@ -109,7 +109,8 @@ class _Session:
         # the work of the call (track_memory only): FLOPs of matmuls and convolutions, of attention, the bytes
         # other ops read and write (memory-bound), and the ops dispatched (each costs the host a fixed time)
         self.work = {"matmul_flops": 0, "matmul_ops": 0, "attention_flops": 0, "attention_ops": 0,
-                     "attention_scores": 0, "other_bytes": 0, "ops": 0}
+                     "attention_scores": 0, "attention_rows": 0, "conv_flops": 0, "conv_ops": 0, "other_bytes": 0,
+                     "ops": 0}
         self._flop_formulas = None
         # tags
         self.recolor: dict[str, frozenset] = {}  # module prefix -> tag its inputs get at entry
@@ -315,8 +316,12 @@ class _Session:
         formula = self._flop_formulas.get(getattr(func, "_overloadpacket", None))
         if formula is not None:
             try:
-                self.work["matmul_flops"] += int(formula(*args, **kwargs, out_val=out))
+                flops = int(formula(*args, **kwargs, out_val=out))
+                self.work["matmul_flops"] += flops
                 self.work["matmul_ops"] += 1
+                if "conv" in str(getattr(func, "_overloadpacket", "")):  # counted in the matmul FLOPs too
+                    self.work["conv_flops"] += flops
+                    self.work["conv_ops"] += 1
                 return
             except Exception:  # noqa: BLE001 - a formula that does not take this call: counted as bytes
                 pass
@@ -382,6 +387,7 @@ class _Session:
             self.work["attention_flops"] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
             self.work["attention_ops"] += 1
             self.work["attention_scores"] += query.shape[:-1].numel() * key.shape[-2]
+            self.work["attention_rows"] += query.shape[:-1].numel()  # each query row's fixed cost (its softmax)
             self.work["ops"] += 1
         if self.tag_mode is not None:
             tensors = [query, key, value] + ([attn_mask] if isinstance(attn_mask, torch.Tensor) else [])

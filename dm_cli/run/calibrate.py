@@ -3,7 +3,9 @@ that `dmap plan` predicts step times with.
 
 Each rate is the median of a few timed repeats after a warm-up:
 - matmul: square matmuls at each dtype (float32 always; bfloat16 and float16 on a GPU, bfloat16 on a CPU);
-- attention: scaled_dot_product_attention at a denoiser's shape (heads of 64, a few thousand tokens);
+- attention: scaled_dot_product_attention at a denoiser's shape (heads of 64, a few thousand tokens), fit as seconds
+  per score plus FLOPs (two head dimensions) plus seconds per query row (a cross-attention to 77 text tokens);
+- convolutions: 3x3 convolutions of a few to a few hundred channels (a small one runs far below the matmul rate);
 - memory: a large tensor added to itself (read twice, written once);
 - host and link: pinned host -> GPU copies, GPU -> GPU copies when there are two (on a CPU: the memory rate);
 - op_seconds: the time of one tiny op, which is what each of a small model's thousands of ops costs the host.
@@ -27,13 +29,16 @@ class CalibrationSizes:
 
     matmul: tuple[int, ...] = (64, 128, 256, 512, 1024)  # square matmuls: the rate curve by the size of one op
     tokens: tuple[int, ...] = (256, 1024, 2048)  # attention over this many tokens, 8 heads of 64
+    conv_channels: tuple[int, ...] = (4, 16, 64, 256)  # 3x3 convolutions of this many channels, 64x64 pixels
+    conv_pixels: int = 64
     memory_mib: int = 256
     elementwise_mib: int = 4  # a denoiser's activations: a few MiB each
     repeats: int = 5
 
     @classmethod
     def quick(cls) -> "CalibrationSizes":
-        return cls(matmul=(64, 128), tokens=(64, 128), memory_mib=8, elementwise_mib=1, repeats=2)
+        return cls(matmul=(64, 128), tokens=(64, 128), conv_channels=(4, 16), conv_pixels=16, memory_mib=8,
+                   elementwise_mib=1, repeats=2)
 
 
 def _best(run, repeats: int, sync, clock=time.perf_counter) -> float:
@@ -51,17 +56,57 @@ def _best(run, repeats: int, sync, clock=time.perf_counter) -> float:
 
 
 def _attention_fit(torch, target, dtype, tokens: int, timed, repeats: int, sync) -> tuple[float, float]:
-    """(seconds per query-key score, TFLOP/s of the rest) of attention at `dtype`: timed at head dimensions 16 and 64
-    over `tokens` tokens, 8 heads; time = scores x seconds per score + FLOPs / rate (4 x head dim FLOPs a score)."""
+    """(seconds per query-key score, TFLOP/s of the rest) of attention at `dtype`: timed at head dimensions 8 and 64
+    over `tokens` tokens, 8 heads; time = scores x seconds per score + FLOPs / rate (4 x head dim FLOPs a score).
+    The small end is 8, not 16: the cost is not linear in the head dimension below 16 (on this CPU, a line through 16
+    and 64 put heads of 8 some 15% under); through 8 and 64 it is right from 8 up and over below (1: ~30%)."""
     scores = 8 * tokens * tokens
     seconds = {}
-    for dim in (16, 64):
+    small, large = 8, 64
+    for dim in (small, large):
         q = torch.randn(1, 8, tokens, dim, device=target, dtype=dtype)
         seconds[dim] = timed(lambda q=q: torch.nn.functional.scaled_dot_product_attention(q, q, q), repeats, sync)
-    extra = seconds[64] - seconds[16]
-    rate = 4 * scores * 48 / extra / 1e12 if extra > 0 else 1e6  # the FLOPs 48 more dimensions add
-    per_score = max(seconds[16] - 4 * scores * 16 / (rate * 1e12), seconds[16] * 0.05) / scores
+    extra = seconds[large] - seconds[small]
+    rate = 4 * scores * (large - small) / extra / 1e12 if extra > 0 else 1e6  # the FLOPs the larger heads add
+    per_score = max(seconds[small] - 4 * scores * small / (rate * 1e12), seconds[small] * 0.05) / scores
     return round(per_score, 15), round(min(rate, 1e6), 6)
+
+
+def _row_seconds(torch, target, dtype, tokens: int, per_score: float, rate: float, timed, repeats: int, sync) -> float:
+    """Seconds per query row of attention at `dtype`: `tokens` queries over 77 keys (a cross-attention to CLIP's
+    text), 8 heads of 16, less what its scores and FLOPs cost at the self-attention fit (`_attention_fit`)."""
+    keys = 77
+    q = torch.randn(1, 8, tokens, 16, device=target, dtype=dtype)
+    k = torch.randn(1, 8, keys, 16, device=target, dtype=dtype)
+    seconds = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k), repeats, sync)
+    rows, scores = 8 * tokens, 8 * tokens * keys
+    rest = seconds - scores * per_score - 4 * scores * 16 / (rate * 1e12)
+    return round(max(rest, 0.0) / rows, 15) or 1e-15
+
+
+def _attention_curve(torch, target, dtype, sizes: "CalibrationSizes", timed, sync) -> list:
+    """[[FLOPs of one attention, TFLOP/s], ...]: self-attention over each of `sizes.tokens` tokens, 8 heads of 64."""
+    curve = []
+    for tokens in sizes.tokens:
+        q = torch.randn(1, 8, tokens, 64, device=target, dtype=dtype)
+        flops = 4 * 8 * tokens**2 * 64
+        seconds = timed(lambda q=q: torch.nn.functional.scaled_dot_product_attention(q, q, q), sizes.repeats, sync)
+        curve.append([flops, round(flops / seconds / 1e12, 6)])
+    return curve
+
+
+def _conv_curve(torch, target, dtype, sizes: "CalibrationSizes", timed, sync) -> list:
+    """[[FLOPs of one conv, TFLOP/s], ...]: 3x3 convolutions (padding 1) of each of `sizes.conv_channels` channels in
+    and out over conv_pixels x conv_pixels, a UNet's resnet convolutions at the sizes a small one has."""
+    curve = []
+    side = sizes.conv_pixels
+    for channels in sizes.conv_channels:
+        x = torch.randn(1, channels, side, side, device=target, dtype=dtype)
+        w = torch.randn(channels, channels, 3, 3, device=target, dtype=dtype)
+        flops = 2 * side * side * channels * channels * 9
+        seconds = timed(lambda x=x, w=w: torch.nn.functional.conv2d(x, w, padding=1), sizes.repeats, sync)
+        curve.append([flops, round(flops / seconds / 1e12, 6)])
+    return curve
 
 
 def _op_seconds(torch, target, timed, repeats: int, sync) -> float:
@@ -143,7 +188,7 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
         timed = _best
     dtypes = ("float32", "bfloat16", "float16") if gpu else ("float32", "bfloat16")
     matmul, attention, matmul_curve, attention_curve, scores = {}, {}, {}, {}, {}
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows, conv_curve = {}, {}
     with torch.inference_mode():
         for name in dtypes:
             dtype = getattr(torch, name)
@@ -155,14 +200,13 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
                 curve.append([2 * n**3, round(2 * n**3 / seconds / 1e12, 6)])
             matmul_curve[name], matmul[name] = curve, max(rate for _, rate in curve)
             say(f"Measuring attention over {', '.join(map(str, sizes.tokens))} tokens in {name}")
-            curve = []
-            for tokens in sizes.tokens:
-                q = torch.randn(1, 8, tokens, 64, device=target, dtype=dtype)
-                flops = 4 * 8 * tokens**2 * 64
-                curve.append([flops, round(flops / timed(lambda q=q: sdpa(q, q, q), sizes.repeats, sync) / 1e12, 6)])
-            attention_curve[name] = curve
+            attention_curve[name] = _attention_curve(torch, target, dtype, sizes, timed, sync)
             scores[name], attention[name] = _attention_fit(torch, target, dtype, max(sizes.tokens), timed,
                                                            sizes.repeats, sync)
+            rows[name] = _row_seconds(torch, target, dtype, max(sizes.tokens), scores[name], attention[name], timed,
+                                      sizes.repeats, sync)
+            say(f"Measuring 3x3 convolutions of {', '.join(map(str, sizes.conv_channels))} channels in {name}")
+            conv_curve[name] = _conv_curve(torch, target, dtype, sizes, timed, sync)
         say(f"Measuring a denoiser's elementwise ops over {sizes.elementwise_mib} MiB tensors")
         y = torch.randn(sizes.elementwise_mib * 2**20 // 4 // 512, 512, device=target)
         moved = y.nbytes * (3 + 3 + 2 + 2 + 2 + 4)  # bytes read and written by the mix below
@@ -202,4 +246,4 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
     return DeviceProfile(where, "gpu" if gpu else "cpu", {k: round(v, 4) for k, v in matmul.items()},
                          {k: round(v, 4) for k, v in attention.items()}, round(memory, 3), round(host, 3),
                          round(link, 3), words, round(op_seconds, 9), source, True, matmul_curve, attention_curve,
-                         round(elementwise, 3), round(hook, 9) or 1e-9, scores)
+                         round(elementwise, 3), round(hook, 9) or 1e-9, scores, rows, conv_curve)

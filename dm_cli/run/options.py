@@ -85,6 +85,8 @@ _NUM_IMAGES_HELP = "Images per prompt (dmap run writes out-0.png, out-1.png, ...
 _PARALLEL_HELP = "How torchrun ranks share each denoising step: none | cfg | context | cfg+context | pipeline | auto"
 _DEVICE_MAP_HELP = "auto | balanced | balanced_low_0 | sequential (plan now), or a plan JSON from dmap plan."
 
+_PLAN_PROMPT_HELP = ("The prompt the predicted time is for (Qwen-Image and Z-Image run its own length; default: "
+                     "the longest text).")
 OPTIONS: tuple[Option, ...] = (
     # ---- SOURCE and what the pipeline is asked for ------------------------------------------------------------
     Option("source", ("SOURCE",), str | None, argument=True, metavar="SOURCE",
@@ -92,9 +94,8 @@ OPTIONS: tuple[Option, ...] = (
            without={"queue": SOURCE_OF_RUN},
            variants={"plan": {"type": str, "default": REQUIRED, "help": _SOURCE_HELP}}),
     Option("prompt", ("--prompt", "-p"), str | None, "What to draw.",
-           without={"plan": "a plan needs no prompt (its token count is --max-sequence-length)",
-                    "api.plan": "a plan needs no prompt (its token count is max_sequence_length)",
-                    "serve": "each request brings its prompt", "api.load": "each generate() call brings its prompts"}),
+           without={"serve": "each request brings its prompt", "api.load": "each generate() call brings its prompts"},
+           variants={taker: {"help": _PLAN_PROMPT_HELP} for taker in ("plan", "api.plan")}),
     Option("prompts", ("--prompts",), str | None,
            "A queue: a text file (one prompt a line) or JSONL (prompt, negative_prompt, seed, steps, guidance_scale, "
            "output per line); item i gets seed --seed + i.",
