@@ -1,5 +1,5 @@
 """import-linter contract types of our own (pyproject's [tool.importlinter] `contract_types`; lint-imports puts
-the working directory on sys.path, so it runs from the repository root, as tests/test_lint.py runs it).
+the working directory on sys.path, so it runs from the repository root, as tests/e2e/test_lint.py runs it).
 
 `acyclic_packages`: no import cycle between a package's `__init__` and a module inside it. import-linter's
 `acyclic_siblings` compares a package's children with each other, so `dm_cli.families` (the registry, in the

@@ -8,7 +8,7 @@ no longer matches the source exactly once stops the script: the list must follow
     .venv/bin/python scripts/mutation_planner.py              # every mutant, then the score
     .venv/bin/python scripts/mutation_planner.py --list       # names and what each one changes
     .venv/bin/python scripts/mutation_planner.py --only first-fit --only no-skip-fill
-    .venv/bin/python scripts/mutation_planner.py --tests tests/test_planner_kernels.py   # one file's kills
+    .venv/bin/python scripts/mutation_planner.py --tests tests/planning/test_planner_kernels.py   # one file's kills
 
 Exit status 0 when every mutant is killed, 1 when one survives, 2 when the unmutated tests fail.
 
@@ -20,10 +20,10 @@ the score ignoring disk bytes (every fill puts blocks on the cpu before disk, an
 streaming reserve is charged to the cpu: no candidates left to tell apart; 8,000 cases).
 Also the cpu as the last resort (`if not ok and offload`): since the refill charges an unchanged
 fill's excess until a block moves, the search itself reaches the all-cpu placement (5,000 cases, no
-difference); tests/test_planner_search.py still checks that such a component runs on the cpu.
+difference); tests/planning/test_planner_search.py still checks that such a component runs on the cpu.
 `no-refill-scaling` guards the 16-round limit when an excess is far smaller than the reserve growth
 that moves a block; a targeted search (one GPU, four blocks with activations) found the case that
-tests/test_planner_search.py now pins.
+tests/planning/test_planner_search.py now pins.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PLANNER = REPO / "dm_cli" / "planning" / "search.py"
-TESTS = ["tests/test_planner.py", "tests/test_planner_search.py", "tests/test_planner_kernels.py"]
+TESTS = ["tests/planning/test_planner.py", "tests/planning/test_planner_search.py", "tests/planning/test_planner_kernels.py"]
 
 # The fill's test for room on a GPU (`_FillState.room`), which several mutants change.
 ROOM = ("total = (self.weights[key] + add_weights + self.reserves.get(key, 0) + max(self.acts[key], add_act)\n"
@@ -196,6 +196,7 @@ def main() -> int:
         (root / "tests").mkdir()
         tests = args.tests or TESTS
         for name in ["tests/conftest.py", *tests]:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / name, root / name)
         target = root / "dm_cli" / "planning" / "search.py"
         where = imported_from(root)

@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The tests' folders mirror the package's (cli/, planning/, run/, ...): a test may import another folder's helpers
+# by module name (`from test_lora import ...`), whichever file this worker collected first.
+sys.path.extend(str(folder) for folder in sorted(Path(__file__).parent.iterdir())
+                if folder.is_dir() and folder.name not in {"golden", "__pycache__"})
 
 # The property tests (hypothesis) draw the same examples on every run, so a submission's CI cannot fail on
 # a draw it never saw; DMAP_TEST_RANDOM=1 explores new ones (do that when changing shard, headers or planner).

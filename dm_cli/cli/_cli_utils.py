@@ -5,7 +5,7 @@ type, default, help, parser, who takes it): `table_options(COMMAND)` gives a com
 from it, and the other commands take the rows they share as the aliases below (`table_annotation`). Where one flag
 means different things to different commands (`--output` is a plan file for `plan`, an image for `run`, a folder
 for `shard` and `demo`), the other commands' variants are declared here side by side, each with the text true for
-its command (`tests/test_cli_options.py` checks that a shared flag reads the same everywhere else).
+its command (`tests/cli/test_cli_options.py` checks that a shared flag reads the same everywhere else).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from dm_cli.families.stages import image_to_image_stages
 from dm_cli.inputs import LIMITS, Generation, InputSpec
 
 # diffusers.pipelines.flux.pipeline_flux_kontext.PREFERRED_KONTEXT_RESOLUTIONS as (width, height), copied so
-# that plans need no diffusers import; tests/test_flux_edit.py checks they are the pipeline's.
+# that plans need no diffusers import; tests/families/test_flux_edit.py checks they are the pipeline's.
 PREFERRED_KONTEXT_RESOLUTIONS = (
     (672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184), (944, 1104),
     (1024, 1024), (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752), (1456, 720), (1504, 688),

@@ -17,7 +17,7 @@ hands the noised latents to __call__ as `latents`.
 
 The run reads the sizes from the pipeline's module, its constants and calculate_dimensions (a test may shrink them for
 dmap and diffusers alike);
-plans use the copies here, which tests/test_qwen_edit.py checks against diffusers'. No torch at import.
+plans use the copies here, which tests/families/test_qwen_edit.py checks against diffusers'. No torch at import.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One row per option of `dmap plan`, `dmap run` and `dmap serve`. The CLI makes those commands' Typer parameters from
 these rows (`dm_cli.cli._cli_utils.table_options`), the Python API refuses a keyword its function does not take with
 the row's reason (`refuse_untaken`), and a queue item's JSON keys are the rows a queue takes (`queue_keys`). Every
-row is taken by all of TAKERS unless its `without` says why not; `tests/test_options_table.py` walks the table over
+row is taken by all of TAKERS unless its `without` says why not; `tests/cli/test_options_table.py` walks the table over
 the Typer commands, the API's signatures and the queue's keys. Plain data: no Typer here (the CLI wraps it).
 """
 

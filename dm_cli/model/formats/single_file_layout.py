@@ -9,7 +9,7 @@ order, the same shape checks, and the same answer; where diffusers raises (a sha
 1-D tensor, a branch that assigns nothing), the file is "not recognized". Two differences, both said in the
 output: diffusers answers "v1" for any file it does not know, which dmap calls recognized only when the file
 holds the SD 1.x key; and the one answer diffusers takes from tensor values (Z-Image ControlNet 2.0 or 2.1) is
-left open. tests/test_single_file.py checks that diffusers' function gives the same answer on every test file
+left open. tests/model/test_single_file.py checks that diffusers' function gives the same answer on every test file
 and that the key names and default repos here are diffusers' own.
 
 dmap then maps the answer to its bundled presets (dm_cli/presets) and checks the file's shapes against the

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPT, NEGATIVE, SEED = "a red fox in the snow", "blurry", 7
 # name -> (preset, parallel, load options, generate options); Wan: 4 steps, the expert switch after step 2
 CASES = {

@@ -157,9 +157,9 @@ def test_every_existing_family_declares_todays_stages():
     from dm_cli.families import all_families, offload_sequence, pipeline_stages
 
     for family in all_families():
-        if family.max_input_images:  # image-input families declare an encode_image stage (tests/test_flux_edit.py)
+        if family.max_input_images:  # image-input families declare an encode_image stage (tests/families/test_flux_edit.py)
             continue
-        if family.name == "ltx-2":  # the audio track adds a decode_audio stage (tests/test_ltx2.py)
+        if family.name == "ltx-2":  # the audio track adds a decode_audio stage (tests/families/test_ltx2.py)
             assert [s.kind for s in family.declared_stages][-1] == "decode_audio"
             continue
         assert not family.declared_stages

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_queue_on_two_ranks_with_magcache_a_lora_and_fp8_is_one_process_byte_for_byte(tmp_path):

@@ -45,7 +45,7 @@ def test_the_tiny_text_encoder_feeds_the_connectors_what_they_expect():
     assert text["num_hidden_layers"] + 1 == connectors["text_proj_in_factor"]
 
 
-_WRITTEN: dict = {}  # the random-weight twin, written once per session for this module and tests/test_ltx2_i2v.py
+_WRITTEN: dict = {}  # the random-weight twin, written once per session for this module and tests/families/test_ltx2_i2v.py
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["a red fox", "a blue whale", "a green tree", "a yellow sun", "a black cat", "a white dog"]
 SIZE, STEPS, SEED = 64, 2, 3
 RUN_ARGS = ["--height", str(SIZE), "--width", str(SIZE), "--steps", str(STEPS), "--seed", str(SEED), "--mode", "staged"]

@@ -1,6 +1,6 @@
 """The planner's steps one at a time, on hand-made inputs (no search around them).
 
-tests/test_planner_search.py pins what the whole search finds; these pin what each named step of
+tests/planning/test_planner_search.py pins what the whole search finds; these pin what each named step of
 `dm_cli/planning/search.py` decides on its own, so that a broken step fails its own test. Each docstring says
 what the step decides and which mutant of `scripts/mutation_planner.py` (or which wrong answer) the
 test catches. Sizes are plain bytes.
@@ -247,7 +247,7 @@ def test_grown_reserves_charge_the_stream_and_the_excess_times_over():
 
 def test_refill_offloads_until_the_reserve_fits():
     """`_ResidencySearch.refill` decides one fill style's candidate: the fill, refilled with the reserves
-    it showed until it fits (use) or cannot (None). The skip fill of tests/test_planner_search.py's first
+    it showed until it fits (use) or cannot (None). The skip fill of tests/planning/test_planner_search.py's first
     case (one 4-byte GPU; blocks 2, 3, 1): the 3-byte block is offloaded alone. Kills `no-refill`."""
     t = comp("t", [2, 3, 1])
     search = _ResidencySearch([t], [Device(0, 4), CPU])

@@ -162,7 +162,7 @@ def test_plan_traces_every_component_at_1024(preset):
     assert not [w for w in plan.warnings if "meta device" in w or "registration order" in w], plan.warnings
     assert all(plan.activation_peaks[name] > 0 for name in plan.components), plan.activation_peaks  # all traced
     assert plan.check["ran"] and not plan.check["problems"]
-    # the VAE also encodes reference images (none here: tests/test_flux2_refs.py)
+    # the VAE also encodes reference images (none here: tests/families/test_flux2_refs.py)
     assert [s.name for s in plan.stages] == ["encode", "encode_image", "denoise", "decode"]
 
 

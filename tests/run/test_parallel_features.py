@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPT, NEGATIVE, SEED, STEPS = "a red fox in the snow", "blurry", 7, 8
 FLUX = {"height": 32, "width": 32, "mode": "resident"}
 QWEN = {"height": 32, "width": 32, "mode": "staged", "true_cfg_scale": 4.0, "negative_prompt": NEGATIVE}
 LORA = "{lora}:0.7"  # the preset's LoRA (the `folders` fixture writes one per preset)
 # name -> (preset, parallel, base load options, the feature's load options); fbc's threshold set so that the tiny
-# models skip some steps; fp8 computes in float32 and int8 in bfloat16, as tests/test_weight_formats.py runs them
+# models skip some steps; fp8 computes in float32 and int8 in bfloat16, as tests/model/test_weight_formats.py runs them
 CASES = {
     "context-taylorseer": ("tiny-flux", "context", FLUX, {"cache": "taylorseer"}),
     "context-magcache": ("tiny-flux", "context", FLUX, {"cache": "magcache"}),
@@ -99,7 +99,7 @@ def _fbc_decision(rank: int) -> bool:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """preset -> its random-weight folder; "PRESET-lora" -> a LoRA of its transformer (tests/test_lora.py's)."""
+    """preset -> its random-weight folder; "PRESET-lora" -> a LoRA of its transformer (tests/run/test_lora.py's)."""
     import diffusers
     from test_lora import make_lora
 
@@ -155,7 +155,7 @@ def test_a_feature_on_ranks_sharing_a_step_equals_one_process(launched, folders,
     latents = np.load(launched / f"{case}-latents.npy")
     if case.startswith("cfg"):  # each rank runs one whole branch: bit for bit
         assert np.array_equal(latents, alone["latents"])
-    else:  # Ulysses' all-to-all adds its own rounding: as context parallel without a cache (tests/test_parallel_run.py)
+    else:  # Ulysses' all-to-all adds its own rounding: as context parallel without a cache (tests/run/test_parallel_run.py)
         assert np.abs(latents - alone["latents"]).max() < 1e-5
     assert np.array_equal(np.load(launched / f"{case}-images.npy"), np.stack(alone["images"]))
 

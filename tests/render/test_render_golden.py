@@ -20,7 +20,7 @@ from dm_cli.model.inspection import ComponentReport, InspectReport
 from dm_cli.model.skeleton import ModuleSize
 from dm_cli.planning.plan_file import Plan
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 WIDTHS = (80, 120)
 
 

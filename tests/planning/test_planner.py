@@ -254,7 +254,7 @@ def test_any_plan_stays_within_capacity_covers_every_block_and_is_contiguous(siz
     except NoFit:
         placement = None
     # a drawn case may not fit: hypothesis draws others until 60 examples were checked (fits and no-fits
-    # by construction are tests/test_planner_search.py's properties)
+    # by construction are tests/planning/test_planner_search.py's properties)
     assume(placement is not None)
     assert_within_capacity(placement, devices)
     device_map = placement.components["m"].device_map

@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 
 from test_serve import SEED, SERVE_ARGS, SIZE, STEPS, _cache_dir  # noqa: E402 - after the skips
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_two_ranks_serve_dmap_runs_bytes_and_stop_on_sigterm(tmp_path_factory, tmp_path):

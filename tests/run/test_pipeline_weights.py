@@ -19,8 +19,8 @@ pytest.importorskip("peft")
 
 @pytest.fixture(scope="module")
 def flux(tmp_path_factory):
-    """(folder, LoRA file, queue file): tiny-flux with 2 + 2 blocks (tests/test_pipeline_run.py's), random weights,
-    and a LoRA of its attention layers (tests/test_lora.py's)."""
+    """(folder, LoRA file, queue file): tiny-flux with 2 + 2 blocks (tests/run/test_pipeline_run.py's), random weights,
+    and a LoRA of its attention layers (tests/run/test_lora.py's)."""
     import shutil
 
     from test_lora import make_lora
@@ -104,7 +104,7 @@ def test_a_fused_lora_on_two_ranks_is_one_process_bytes_and_each_rank_plans_its_
 
 
 def test_a_gguf_denoiser_on_two_ranks_is_one_process_bytes(tmp_path):
-    """Wan 2.2 TI2V's transformer from a GGUF file (Q8_0 and F32 tensors, tests/test_single_file_run.py's writer):
+    """Wan 2.2 TI2V's transformer from a GGUF file (Q8_0 and F32 tensors, tests/model/test_single_file_run.py's writer):
     each rank keeps its slice of what diffusers' from_single_file reads, quantized as stored."""
     from original_layouts import q8_0_rows, wan_name, write_gguf
     from safetensors.torch import load_file
@@ -127,7 +127,7 @@ def test_a_gguf_denoiser_on_two_ranks_is_one_process_bytes(tmp_path):
 
 
 def test_wan22_experts_each_cut_into_slices_on_two_ranks_are_one_process_bytes(tmp_path):
-    """Wan 2.2 A14B's two experts (tiny-wan, tests/test_wan.py's twin): the plan cuts both at the same blocks and
+    """Wan 2.2 A14B's two experts (tiny-wan, tests/families/test_wan.py's twin): the plan cuts both at the same blocks and
     counts both slices on each rank; every rank holds its slice of each and switches at the boundary step with the
     others (the same diffusers loop). The video is one process's bytes, whose experts switch as planned."""
     from dm_cli.model.demo import write_random_pipeline

@@ -24,7 +24,7 @@ pytest.importorskip("torch")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SIZE, STEPS, SEED = 64, 2, 3
 SERVE_ARGS = ["--height", str(SIZE), "--width", str(SIZE), "--steps", str(STEPS), "--mode", "staged", "--port", "0"]
 

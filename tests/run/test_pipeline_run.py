@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_queue_run import _rank_pid  # the torchrun worker with RANK=r, read from /proc
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["a red fox", "a blue bird", "a green tree", "a grey cat"]
 
 
