@@ -1,7 +1,8 @@
 """The meta trace's engine (`_Session`, used by `trace.py`): one forward under a torch dispatch mode and module hooks
 that records the order modules first run in, counts live activation bytes per storage (`LiveStorages`) and the peak
 while each module runs, and tags tensors with a virtual device (or the module they came from) to report ops that
-combine two tags, moving inputs at module boundaries as accelerate's AlignDevicesHook does.
+combine two tags, moving inputs at module boundaries as accelerate's AlignDevicesHook does. The session is three
+parts: `_ModuleHooks` (module boundaries), `_OpAccounting` (what each op costs) and `_Session` (state and tags).
 
 torch is imported inside functions only: importing this module (and `dmap --help`) must not pay for it.
 """
@@ -82,101 +83,10 @@ def _mode_classes():
     return DispatchMode, FunctionMode
 
 
-class _Session:
-    """Hooks + modes around one forward. `tag_mode`: None, "device" (virtual devices) or "provenance"."""
-
-    def __init__(self, model, *, track_memory=False, replace_sdpa=False, tag_mode=None, device_map=None,
-                 problems: list | None = None, seen_problems: set | None = None):
-        import torch  # here only: importing this module stays torch-free
-
-        self.torch = torch
-        self.model = model
-        self.track_memory = track_memory
-        self.replace_sdpa = replace_sdpa
-        self.tag_mode = tag_mode
-        self.memory = LiveStorages()
-        # modules
-        self.names: dict[int, str] = {}
-        self.classes: dict[str, str] = {}
-        self.holds_tensors: set[str] = set()
-        self.weight_owner: dict[int, str] = {}
-        self.order: list[str] = []
-        self.ordered: set[str] = set()
-        self.called: set[str] = set()
-        self.stack: list[list] = []  # [prefix, peak while running]
-        self.module_peaks: dict[str, int] = {}
-        self.module_outputs: dict[str, int] = {}
-        # the work of the call (track_memory only): FLOPs of matmuls and convolutions, of attention, the bytes
-        # other ops read and write (memory-bound), and the ops dispatched (each costs the host a fixed time)
-        self.work = {"matmul_flops": 0, "matmul_ops": 0, "attention_flops": 0, "attention_ops": 0,
-                     "attention_scores": 0, "other_bytes": 0, "ops": 0}
-        self._flop_formulas = None
-        # tags
-        self.recolor: dict[str, frozenset] = {}  # module prefix -> tag its inputs get at entry
-        self.tagged: list = []
-        self.problems: list[str] = problems if problems is not None else []
-        self._seen_problems: set = seen_problems if seen_problems is not None else set()
-        self.groups: dict[str, list[frozenset]] = {}
-        self._unit_cache: dict[tuple[str, str], str] = {}
-        self._handles: list = []
-        self._modes: list = []
-
-        for prefix, module in model.named_modules():
-            if id(module) in self.names:
-                continue
-            self.names[id(module)] = prefix
-            self.classes[prefix] = type(module).__name__
-            own = [t for t in list(module._parameters.values()) + list(module._buffers.values()) if t is not None]
-            if own:
-                self.holds_tensors.add(prefix)
-            for tensor in own:
-                self.weight_owner.setdefault(id(tensor), prefix)
-                if track_memory:
-                    self.memory.skip(tensor)
-        if tag_mode == "provenance":
-            # every module is a possible hook point: one without tensors (LTX-2's norm_out, a LayerNorm without
-            # affine) that a split module combines gets its own device_map key from the planner
-            # (search.component_blocks), so that accelerate moves its inputs as this trace assumes
-            for prefix in self.classes:
-                self.recolor[prefix] = frozenset((prefix,))
-            for name, tensor in _named_tensors(self.model):
-                self.set_tag(tensor, frozenset((self.weight_owner.get(id(tensor), ""),)))
-                self.tagged.append(tensor)
-        elif tag_mode == "device":
-            self._setup_devices(device_map or {})
-
-    # --- setup ---------------------------------------------------------------------------------
-
-    def _setup_devices(self, device_map: dict) -> None:
-        placed = normalise_map(device_map)
-        gpus = sorted({d for d in placed.values() if d not in ("cpu", "disk")}, key=str)
-        main = gpus[0] if gpus else "cpu"
-        execution = {k: (main if d in ("cpu", "disk") else d) for k, d in placed.items()}
-        uncovered: dict[str, int] = {}
-        for name, tensor in _named_tensors(self.model):
-            key = map_entry(name, execution)
-            if key is None:
-                owner = name.rpartition(".")[0]
-                uncovered[owner] = uncovered.get(owner, 0) + 1
-                continue
-            self.set_tag(tensor, frozenset((execution[key],)))
-            self.tagged.append(tensor)
-        if uncovered:
-            owners = sorted(uncovered)
-            shown = ", ".join(o or "(root)" for o in owners[:3]) + (", ..." if len(owners) > 3 else "")
-            self.report(f"device_map places no entry for {sum(uncovered.values())} tensors of {len(owners)} modules "
-                        f"({shown}): accelerate would refuse the map", key=("uncovered",))
-        if len(set(execution.values())) > 1 or "disk" in placed.values():
-            # accelerate hooks: every mapped module and, below one, every module holding tensors
-            for prefix in self.classes:
-                key = map_entry(prefix, execution)
-                if key is None:
-                    continue
-                if prefix == key or prefix in self.holds_tensors:
-                    self.recolor[prefix] = frozenset((execution[key],))
-            self.recolor[""] = frozenset((main,))
-
-    # --- enter / exit --------------------------------------------------------------------------------
+class _ModuleHooks:
+    """Module hooks around one forward (`_Session`'s first part): entering and leaving each module (its peak and
+    the size of its output), and moving its inputs to its tag as accelerate's AlignDevicesHook does. Uses the
+    state `_Session.__init__` sets up."""
 
     def __enter__(self):
         dispatch_cls, function_cls = _mode_classes()
@@ -269,13 +179,11 @@ class _Session:
             return {k: self._move(v, target) for k, v in value.items()}
         return value
 
-    # --- ops -------------------------------------------------------------------------------------
 
-    def set_tag(self, tensor, tag) -> None:
-        try:
-            setattr(tensor, _TAG, tag)
-        except (AttributeError, RuntimeError):
-            pass
+class _OpAccounting:
+    """What each dispatched op costs (`_Session`'s second part): the first use of each weight (the execution
+    order), live activation bytes and the peak of the running module, the work (FLOPs, memory-bound bytes, ops),
+    and fused attention counted as its kernel allocates. Uses the state `_Session.__init__` sets up."""
 
     def after_op(self, func, args, kwargs, out) -> None:
         torch = self.torch
@@ -322,6 +230,126 @@ class _Session:
                 pass
         outputs = list(_iter_tensors(out, self.torch))
         self.work["other_bytes"] += sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
+
+    def fused_attention(self, query, key, value, attn_mask=None, *args, **kwargs):
+        """What fused SDPA kernels allocate: the output only (the meta decomposition would materialise n^2)."""
+        torch = self.torch
+        shape = tuple(query.shape[:-1]) + (value.shape[-1],)
+        out = torch.empty(shape, dtype=query.dtype, device=query.device)
+        if self.track_memory:  # scores and weighted sum: 2 x 2 x queries x keys x head dim per head
+            self.work["attention_flops"] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
+            self.work["attention_ops"] += 1
+            self.work["attention_scores"] += query.shape[:-1].numel() * key.shape[-2]
+            self.work["ops"] += 1
+        if self.tag_mode is not None:
+            tensors = [query, key, value] + ([attn_mask] if isinstance(attn_mask, torch.Tensor) else [])
+            tag = self.combine(tensors, "aten.scaled_dot_product_attention")
+            self.set_tag(out, tag)
+        return out
+
+
+class _Session(_ModuleHooks, _OpAccounting):
+    """Hooks + modes around one forward. `tag_mode`: None, "device" (virtual devices) or "provenance". The module
+    hooks and the op accounting are its parts `_ModuleHooks` and `_OpAccounting`; here: the state, the tags."""
+
+    def __init__(self, model, *, track_memory=False, replace_sdpa=False, tag_mode=None, device_map=None,
+                 problems: list | None = None, seen_problems: set | None = None):
+        import torch  # here only: importing this module stays torch-free
+
+        self.torch = torch
+        self.model = model
+        self.track_memory = track_memory
+        self.replace_sdpa = replace_sdpa
+        self.tag_mode = tag_mode
+        self.memory = LiveStorages()
+        # modules
+        self.names: dict[int, str] = {}
+        self.classes: dict[str, str] = {}
+        self.holds_tensors: set[str] = set()
+        self.weight_owner: dict[int, str] = {}
+        self.order: list[str] = []
+        self.ordered: set[str] = set()
+        self.called: set[str] = set()
+        self.stack: list[list] = []  # [prefix, peak while running]
+        self.module_peaks: dict[str, int] = {}
+        self.module_outputs: dict[str, int] = {}
+        # the work of the call (track_memory only): FLOPs of matmuls and convolutions, of attention, the bytes
+        # other ops read and write (memory-bound), and the ops dispatched (each costs the host a fixed time)
+        self.work = {"matmul_flops": 0, "matmul_ops": 0, "attention_flops": 0, "attention_ops": 0,
+                     "attention_scores": 0, "other_bytes": 0, "ops": 0}
+        self._flop_formulas = None
+        # tags
+        self.recolor: dict[str, frozenset] = {}  # module prefix -> tag its inputs get at entry
+        self.tagged: list = []
+        self.problems: list[str] = problems if problems is not None else []
+        self._seen_problems: set = seen_problems if seen_problems is not None else set()
+        self.groups: dict[str, list[frozenset]] = {}
+        self._unit_cache: dict[tuple[str, str], str] = {}
+        self._handles: list = []
+        self._modes: list = []
+
+        for prefix, module in model.named_modules():
+            if id(module) in self.names:
+                continue
+            self.names[id(module)] = prefix
+            self.classes[prefix] = type(module).__name__
+            own = [t for t in list(module._parameters.values()) + list(module._buffers.values()) if t is not None]
+            if own:
+                self.holds_tensors.add(prefix)
+            for tensor in own:
+                self.weight_owner.setdefault(id(tensor), prefix)
+                if track_memory:
+                    self.memory.skip(tensor)
+        if tag_mode == "provenance":
+            # every module is a possible hook point: one without tensors (LTX-2's norm_out, a LayerNorm without
+            # affine) that a split module combines gets its own device_map key from the planner
+            # (search.component_blocks), so that accelerate moves its inputs as this trace assumes
+            for prefix in self.classes:
+                self.recolor[prefix] = frozenset((prefix,))
+            for name, tensor in _named_tensors(self.model):
+                self.set_tag(tensor, frozenset((self.weight_owner.get(id(tensor), ""),)))
+                self.tagged.append(tensor)
+        elif tag_mode == "device":
+            self._setup_devices(device_map or {})
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    def _setup_devices(self, device_map: dict) -> None:
+        placed = normalise_map(device_map)
+        gpus = sorted({d for d in placed.values() if d not in ("cpu", "disk")}, key=str)
+        main = gpus[0] if gpus else "cpu"
+        execution = {k: (main if d in ("cpu", "disk") else d) for k, d in placed.items()}
+        uncovered: dict[str, int] = {}
+        for name, tensor in _named_tensors(self.model):
+            key = map_entry(name, execution)
+            if key is None:
+                owner = name.rpartition(".")[0]
+                uncovered[owner] = uncovered.get(owner, 0) + 1
+                continue
+            self.set_tag(tensor, frozenset((execution[key],)))
+            self.tagged.append(tensor)
+        if uncovered:
+            owners = sorted(uncovered)
+            shown = ", ".join(o or "(root)" for o in owners[:3]) + (", ..." if len(owners) > 3 else "")
+            self.report(f"device_map places no entry for {sum(uncovered.values())} tensors of {len(owners)} modules "
+                        f"({shown}): accelerate would refuse the map", key=("uncovered",))
+        if len(set(execution.values())) > 1 or "disk" in placed.values():
+            # accelerate hooks: every mapped module and, below one, every module holding tensors
+            for prefix in self.classes:
+                key = map_entry(prefix, execution)
+                if key is None:
+                    continue
+                if prefix == key or prefix in self.holds_tensors:
+                    self.recolor[prefix] = frozenset((execution[key],))
+            self.recolor[""] = frozenset((main,))
+
+    # --- tags ---------------------------------------------------------------------------------------
+
+    def set_tag(self, tensor, tag) -> None:
+        try:
+            setattr(tensor, _TAG, tag)
+        except (AttributeError, RuntimeError):
+            pass
 
     def combine(self, tensors, func):
         """Tag of an op's result; report the op when its inputs carry different tags."""
@@ -373,22 +401,6 @@ class _Session:
         self._seen_problems.add(key)
         self.problems.append(message)
 
-    def fused_attention(self, query, key, value, attn_mask=None, *args, **kwargs):
-        """What fused SDPA kernels allocate: the output only (the meta decomposition would materialise n^2)."""
-        torch = self.torch
-        shape = tuple(query.shape[:-1]) + (value.shape[-1],)
-        out = torch.empty(shape, dtype=query.dtype, device=query.device)
-        if self.track_memory:  # scores and weighted sum: 2 x 2 x queries x keys x head dim per head
-            self.work["attention_flops"] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
-            self.work["attention_ops"] += 1
-            self.work["attention_scores"] += query.shape[:-1].numel() * key.shape[-2]
-            self.work["ops"] += 1
-        if self.tag_mode is not None:
-            tensors = [query, key, value] + ([attn_mask] if isinstance(attn_mask, torch.Tensor) else [])
-            tag = self.combine(tensors, "aten.scaled_dot_product_attention")
-            self.set_tag(out, tag)
-        return out
-
     # --- results -------------------------------------------------------------------------------
 
     def execution_order(self) -> list[str]:
@@ -401,6 +413,7 @@ class _Session:
 
     def same_device_groups(self) -> dict[str, list[list[str]]]:
         return {frame: _merged_groups(sets) for frame, sets in self.groups.items()}
+
 
 
 def _named_tensors(model):
