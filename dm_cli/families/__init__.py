@@ -21,6 +21,7 @@ from functools import lru_cache
 
 from dm_cli.errors import UsageError
 from dm_cli.families.calls import CallSpec, Component, block_scale, component_call
+from dm_cli.families.stages import declared, default_stages
 from dm_cli.inputs import SCALES, Generation, InputImage, InputSpec, check_number, check_scale, check_text
 from dm_cli.units import shorten
 
@@ -390,8 +391,6 @@ class Family:
         """The stages of a pipeline with these components, in run order: `declared_stages` (each with the
         components the pipeline has), else encode (what runs before the denoiser in `offload_seq`), denoise
         (`denoiser` and `experts`), decode (what runs after it)."""
-        from dm_cli.families.stages import declared, default_stages
-
         if self.declared_stages:
             return declared(self.declared_stages, components)
         return default_stages(components, offload_seq, (self.denoiser, *self.experts))
@@ -500,8 +499,6 @@ def pipeline_stages(pipeline_class: str | None, components: list[str]):
     declares them (`Family.stages`); for an unknown family, encode / denoise / decode in offload order
     around the first component with a name diffusers gives denoisers (transformer, unet, prior, decoder).
     """
-    from dm_cli.families.stages import default_stages
-
     family = family_for(pipeline_class)
     if family is not None:
         return family.stages(components, offload_sequence(pipeline_class))

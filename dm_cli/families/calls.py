@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from dm_cli.errors import CheckpointError
 from dm_cli.inputs import InputSpec
+from dm_cli.io.checkpoint import read_json_object
 
 CLIP_TOKENS = 77
 
@@ -62,9 +64,6 @@ def sibling_config(comp: Component, name: str) -> dict | None:
     folder = getattr(comp, "folder", None)
     if folder is None:
         return None
-    from dm_cli.errors import CheckpointError
-    from dm_cli.io.checkpoint import read_json_object
-
     try:
         return read_json_object(Path(folder).parent / name / "config.json", "config.json")
     except CheckpointError:

@@ -32,10 +32,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from dm_cli.errors import CheckpointError, UsageError
 from dm_cli.families import GUIDANCE_DISTILLED, Embeds, Family, Job, packed_latents
 from dm_cli.families.calls import CallSpec, Component, TensorSpec, component_call, vae_config
 from dm_cli.families.stages import image_to_image_stages
 from dm_cli.inputs import Generation, InputSpec
+from dm_cli.io.checkpoint import read_json_object
+from dm_cli.io.input_images import open_input
 
 # text_encoder_out_layers defaults of the pipelines' __call__
 DEFAULT_OUT_LAYERS = {"Flux2Pipeline": (10, 20, 30), "Flux2KleinPipeline": (9, 18, 27)}
@@ -71,9 +74,6 @@ def _model_index(comp: Component) -> dict:
     folder = getattr(comp, "folder", None)
     if folder is None:
         return {}
-    from dm_cli.errors import CheckpointError
-    from dm_cli.io.checkpoint import read_json_object
-
     try:
         return read_json_object(Path(folder).parent / "model_index.json", "model_index.json")
     except CheckpointError:
@@ -172,8 +172,6 @@ class Flux2Family(Family):
                  components: tuple[str, ...] = (), per_prompt_images: bool = False) -> None:
         """The base rules, and the pipelines' check of each reference (Flux2ImageProcessor.check_image_input)."""
         super().validate(generation, pipeline_class, denoiser_config, vae_config, components, per_prompt_images)
-        from dm_cli.errors import UsageError
-
         for n, image in enumerate(generation.images, 1):
             width, height = image.size
             if min(width, height) < MIN_REFERENCE_SIDE:
@@ -237,8 +235,6 @@ class Flux2Family(Family):
         (1, tokens of all references, channels); no reference: an empty tensor."""
         import torch
 
-        from dm_cli.io.input_images import open_input
-
         if not job.images:
             return torch.zeros(0)
         condition = [self._condition_image(pipe, open_input(image)) for image in job.images]
@@ -250,9 +246,6 @@ class Flux2Family(Family):
         """Guidance and settings; with references, the images themselves (the pipeline sizes its call by them),
         and until `image_kwargs` hands over their latents, a `prepare_image_latents` that refuses: a plan without
         an encode_image stage (made before FLUX.2 took references) has nowhere to encode them."""
-        from dm_cli.errors import UsageError
-        from dm_cli.io.input_images import open_input
-
         kwargs = super().call_kwargs(pipe, job)
         pipe.__dict__.pop("prepare_image_latents", None)  # a previous job's latents never reach this one
         if job.images:

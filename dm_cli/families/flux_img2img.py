@@ -19,6 +19,7 @@ from dm_cli.families import Job, Setting
 from dm_cli.families.flux import FluxFamily
 from dm_cli.families.stages import image_to_image_stages
 from dm_cli.inputs import Generation
+from dm_cli.io.input_images import open_input
 
 DEFAULT_STRENGTH = 0.6  # FluxImg2ImgPipeline.__call__'s strength
 
@@ -42,8 +43,6 @@ def noised_image_latents(pipe, job: Job, device, calculate_shift, retrieve_times
     Returns what that prepare_latents returns."""
     import numpy as np
     import torch
-
-    from dm_cli.io.input_images import open_input
 
     image = pipe.image_processor.preprocess(open_input(job.images[0]), height=job.height, width=job.width)
     image = image.to(dtype=torch.float32)

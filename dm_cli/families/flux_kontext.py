@@ -16,11 +16,15 @@ it keeps. No torch at import.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from dm_cli.errors import UsageError
 from dm_cli.families import Job, Setting
 from dm_cli.families.calls import CallSpec, Component, TensorSpec, vae_config
 from dm_cli.families.flux import FluxFamily
 from dm_cli.families.stages import image_to_image_stages
 from dm_cli.inputs import LIMITS, Generation, InputSpec
+from dm_cli.io.input_images import open_input
 
 # diffusers.pipelines.flux.pipeline_flux_kontext.PREFERRED_KONTEXT_RESOLUTIONS as (width, height), copied so
 # that plans need no diffusers import; tests/families/test_flux_edit.py checks they are the pipeline's.
@@ -132,8 +136,6 @@ class FluxKontextFamily(FluxFamily):
         given = generation.height is not None or generation.width is not None or (defaults or {}).get("height")
         if given or settled.weights_only:
             return settled
-        from dataclasses import replace
-
         side = settled.setting("max_area", DEFAULT_MAX_AREA)
         if not isinstance(side, int) or isinstance(side, bool) or side < 1:
             return settled  # refused by `refusal`
@@ -145,8 +147,6 @@ class FluxKontextFamily(FluxFamily):
         super().validate(generation, pipeline_class, denoiser_config, vae_config, components, per_prompt_images)
         if generation.weights_only:
             return
-        from dm_cli.errors import UsageError
-
         factor = self.vae_scale(vae_config)
         area = generation.setting("max_area", DEFAULT_MAX_AREA)
         height, width = generation.height, generation.width
@@ -176,8 +176,6 @@ class FluxKontextFamily(FluxFamily):
         """The reference resized and VAE-encoded as FluxKontextPipeline.prepare_latents does (unpacked latents,
         shifted and scaled); no reference: an empty tensor (the denoise then runs from text alone)."""
         import torch
-
-        from dm_cli.io.input_images import open_input
 
         if not job.images:
             return torch.zeros(0)

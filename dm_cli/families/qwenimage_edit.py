@@ -22,7 +22,10 @@ plans use the copies here, which tests/families/test_qwen_edit.py checks against
 
 from __future__ import annotations
 
+import copy
 import math
+import sys
+from dataclasses import replace
 
 from dm_cli.families import Embeds, Job, Setting
 from dm_cli.families.calls import CallSpec, Component, TensorSpec, sibling_config, vae_config
@@ -30,6 +33,7 @@ from dm_cli.families.flux_img2img import DEFAULT_STRENGTH, noised_image_latents,
 from dm_cli.families.qwenimage import QwenImageFamily
 from dm_cli.families.stages import image_to_image_stages
 from dm_cli.inputs import Generation, InputSpec
+from dm_cli.io.input_images import open_input
 
 # diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus's CONDITION_IMAGE_SIZE and VAE_IMAGE_SIZE, and the 1024²
 # area both edit pipelines make their default output size of
@@ -83,8 +87,6 @@ def reference_tokens(width: int, height: int, vae_scale: int) -> int:
 
 def pipeline_module(pipe):
     """The diffusers module of the pipeline's class (dmap's pipeline is a subclass of it: dm_cli.run.loading)."""
-    import sys
-
     for cls in type(pipe).__mro__:
         if cls.__module__.startswith("diffusers."):
             return sys.modules[cls.__module__]
@@ -184,8 +186,6 @@ class QwenImageEditPlusFamily(QwenImageFamily):
         given = generation.height is not None or generation.width is not None or (defaults or {}).get("height")
         if given or not generation.images:
             return settled
-        from dataclasses import replace
-
         image = generation.images[-1] if self.plus else generation.images[0]
         width, height = calculate_dimensions(VAE_IMAGE_SIZE, image.width / image.height)
         multiple = self.size_multiple(denoiser_config, vae_config)
@@ -211,8 +211,6 @@ class QwenImageEditPlusFamily(QwenImageFamily):
 
     def images(self, pipe, job: Job) -> list:
         """The job's images, read as diffusers' load_image reads them."""
-        from dm_cli.io.input_images import open_input
-
         return [open_input(image) for image in job.images]
 
     def condition_images(self, pipe, job: Job) -> list:
@@ -267,8 +265,6 @@ class QwenImageEditPlusFamily(QwenImageFamily):
         stage's latents, in the order the pipeline asks for them, shaped as the VAE would give them."""
         if image_latents is None:
             return pipe
-        import copy
-
         view = copy.copy(pipe)
         state = {"offset": 0}
         channels, factor = pipe.latent_channels, pipe.vae_scale_factor
@@ -327,8 +323,6 @@ class QwenImageImg2ImgFamily(QwenImageFamily):
     def image_kwargs(self, pipe, job: Job, image_latents) -> dict:
         """The prepared latents as `latents` (taken as they are, nothing drawn); the image only for the pipeline's
         preprocess, whose result its prepare_latents then leaves alone."""
-        from dm_cli.io.input_images import open_input
-
         return {"latents": image_latents, "image": open_input(job.images[0])}
 
 

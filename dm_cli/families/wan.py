@@ -15,6 +15,8 @@ Facts from diffusers 0.42's `pipeline_wan.py`:
 
 from __future__ import annotations
 
+import copy
+
 from dm_cli.errors import UsageError
 from dm_cli.families import (
     GUIDANCE_SEPARATE,
@@ -28,6 +30,7 @@ from dm_cli.families import (
 )
 from dm_cli.families.calls import CallSpec, Component, TensorSpec, vae_config
 from dm_cli.inputs import InputSpec
+from dm_cli.io.video import to_uint8
 
 TRANSFORMER = "WanTransformer3DModel"
 VAE = "AutoencoderKLWan"
@@ -164,8 +167,6 @@ class WanFamily(Family):
         ratio = pipe.config.get("boundary_ratio") if hasattr(pipe, "config") else None
         if ratio is None or getattr(pipe, "transformer_2", None) is None:
             return None
-        import copy
-
         scheduler = copy.deepcopy(pipe.scheduler)
         scheduler.set_timesteps(job.steps, device="cpu")
         boundary = ratio * scheduler.config.num_train_timesteps
@@ -190,8 +191,6 @@ class WanFamily(Family):
         return image_to_video().image_kwargs(pipe, job, image_latents)
 
     def decode(self, pipe, latents, job: Job, device) -> list:
-        from dm_cli.io.video import to_uint8
-
         vae = pipe.vae
         latents = latents.to(device, dtype=vae.dtype)
         video = vae.decode(denormalized(vae, latents), return_dict=False)[0]

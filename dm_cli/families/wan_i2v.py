@@ -30,6 +30,7 @@ from dm_cli.families.calls import CallSpec, Component, TensorSpec
 from dm_cli.families.stages import EMBEDS, IMAGE, IMAGE_LATENTS, IMAGES, LATENTS, PROMPT, Stage, declared
 from dm_cli.families.wan import WanFamily, wan22_vae
 from dm_cli.inputs import Generation, InputSpec
+from dm_cli.io.input_images import open_input
 
 PIPELINE = "WanImageToVideoPipeline"
 # encode the prompt; VAE-encode the conditioning video; denoise (the experts one at a time); decode
@@ -124,8 +125,6 @@ class WanImageToVideoFamily(WanFamily):
         No image (TI2V-5B from text): an empty tensor, and the denoise is WanPipeline's own."""
         import torch
 
-        from dm_cli.io.input_images import open_input
-
         if not job.images:
             return torch.zeros(0)
         i2v = self.denoising_pipeline(pipe, job)
@@ -152,8 +151,6 @@ class WanImageToVideoFamily(WanFamily):
         prepared latents)."""
         if not image_latents.numel():
             return {}
-        from dm_cli.io.input_images import open_input
-
         return {"image": open_input(job.images[0])}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -10,7 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from dm_cli.errors import DiskFullError, DmapError, disk_full
+from dm_cli.errors import DiskFullError, DmapError, UsageError, disk_full
+from dm_cli.units import format_size
 
 
 def _umask() -> int:
@@ -67,10 +69,6 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def disk_full_error(path: str | os.PathLike, needed: int | None = None, cause: BaseException | None = None) -> DiskFullError:
     """One sentence for a write of `path` that found no room (`cause`: what said so): what it needed (when known),
     where, what is free."""
-    import errno
-
-    from dm_cli.units import format_size
-
     found = disk_full(cause)
     quota = found is not None and (getattr(found, "errno", None) == errno.EDQUOT or "quota" in str(found).lower())
     path = Path(path)
@@ -92,8 +90,6 @@ def refuse_existing(paths, overwrite: bool) -> None:
 
     Checked before any work starts, so a refusal costs nothing.
     """
-    from dm_cli.errors import UsageError
-
     for path in map(Path, paths):
         try:
             mode = os.lstat(path).st_mode

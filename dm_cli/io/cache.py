@@ -13,11 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata as importlib_metadata
 from pathlib import Path
+
+from dm_cli import version  # the module: tests replace its __version__
+from dm_cli.errors import CheckpointError
+from dm_cli.io.checkpoint import read_json_object
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # Subpackages that only talk to people (options, tables): they never compute a cached entry.
@@ -66,9 +71,7 @@ def code_digest(package_dir: Path) -> str:
 
 def producer() -> str:
     """What produces a cache entry: dmap's version and a digest of its code."""
-    from dm_cli.version import __version__
-
-    return f"dmap {__version__} code {code_digest(PACKAGE_DIR)}"
+    return f"dmap {version.__version__} code {code_digest(PACKAGE_DIR)}"
 
 
 def cache_key(parts: dict) -> str:
@@ -83,9 +86,6 @@ def cache_path(kind: str, key: str) -> Path:
 
 def read_cached(kind: str, key: str) -> dict | None:
     """The entry, or None when it is missing or damaged (not JSON, not an object): it is then rebuilt."""
-    from dm_cli.errors import CheckpointError
-    from dm_cli.io.checkpoint import read_json_object
-
     try:
         return read_json_object(cache_path(kind, key), "cache entry", 1 << 30)
     except CheckpointError:
@@ -147,8 +147,6 @@ def cache_usage() -> list[CacheEntry]:
 
 def clear_cache(kinds: list[str] | None = None) -> int:
     """Delete the cache's entries (every kind, or these): they are rebuilt when needed. Returns bytes freed."""
-    import shutil
-
     root = cache_dir()
     freed = 0
     for entry in cache_usage():

@@ -185,7 +185,7 @@ def _open_claim(claim: Path, label: str) -> int | None:
 
 def _readable_claim(claim: Path, label: str) -> int | None:
     """Another user's claim file: held, it is refused by the caller's lock; not held, it is stale and removed."""
-    import fcntl
+    import fcntl  # POSIX only: reached only where take() could import it
 
     try:
         fd = os.open(claim, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 
 from dm_cli.errors import CheckpointError, UsageError
 from dm_cli.inputs import LIMITS, InputImage
+from dm_cli.io.checkpoint import open_regular
 from dm_cli.units import format_size
 
 # The largest input a run reads: a file of 512 MiB, and 2**27 pixels (134 million: 16384 x 8192, an 11585-pixel
@@ -189,8 +190,6 @@ def parse_image_size(text, where: str = "--image-size") -> InputImage:
 
 
 def _read_bytes(path, where: str) -> bytes:
-    from dm_cli.io.checkpoint import open_regular
-
     shown = shown_path(path)
     try:
         path = os.fspath(path)

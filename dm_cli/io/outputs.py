@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple
 
 from dm_cli.errors import UsageError
 from dm_cli.io.atomic import atomic_write, atomic_write_bytes
+from dm_cli.io.checkpoint import read_safetensors_header
 from dm_cli.io.images import (
     IMAGE_FORMATS,
     image_format,
@@ -179,8 +180,6 @@ def _frames_metadata(path: Path) -> dict:
 
 
 def _latents_metadata(path: Path) -> dict:
-    from dm_cli.io.checkpoint import read_safetensors_header
-
     return read_safetensors_header(path, validate=False).metadata
 
 
@@ -219,8 +218,6 @@ def _probe_mp4(path: Path) -> Found:
 
 
 def _probe_latents(path: Path) -> Found:
-    from dm_cli.io.checkpoint import read_safetensors_header
-
     header = read_safetensors_header(path)  # the layout is checked against the file's size: truncation fails
     if "latents" not in header.tensors:
         raise ValueError(f"{path}: no latents tensor")

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 from pathlib import Path
 
@@ -200,8 +201,6 @@ def audio_of(frames) -> tuple | None:
 
 def write_wav(path, wave, sample_rate: int) -> None:
     """A 32-bit float WAV (format 3, IEEE float): the samples exactly as generated, channels interleaved."""
-    import struct
-
     import numpy as np
 
     samples = np.ascontiguousarray(np.asarray(wave, dtype="<f4").T)  # (samples, channels)
@@ -216,8 +215,6 @@ def write_wav(path, wave, sample_rate: int) -> None:
 
 def read_wav(path) -> tuple:
     """(waveform (channels, samples) float32, sample rate) of a WAV `write_wav` wrote; ValueError otherwise."""
-    import struct
-
     import numpy as np
 
     raw = Path(path).read_bytes()

@@ -26,11 +26,15 @@ import math
 import os
 import re
 import struct
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
 from dm_cli.errors import CheckpointError, UsageError
 from dm_cli.inputs import LoraAdapter, LoraLayer, lora_scale
+from dm_cli.io.checkpoint import LEGACY_SUFFIXES, TensorEntry, open_regular, read_safetensors_header
+from dm_cli.io.input_images import shown_path
+from dm_cli.model import models  # the module: tests replace its quiet_libraries
 from dm_cli.units import FLOATING_DTYPES
 
 # The largest LoRA file dmap reads: a rank-256 LoRA of every linear layer of a 20B model is a few GB.
@@ -72,8 +76,6 @@ def parse_lora(text: str, where: str = "--lora") -> tuple[str | None, str, float
 
 def shown(text) -> str:
     """A path or argument for a message: control characters escaped, at most about 120 characters."""
-    from dm_cli.io.input_images import shown_path
-
     return shown_path(text)
 
 
@@ -88,8 +90,6 @@ def read_lora(value, where: str = "--lora") -> LoraAdapter:
         component, path, scale = parse_lora(value, where)
     else:
         raise UsageError(f"{where} takes '[COMPONENT=]FILE[:SCALE]' strings or paths, not a {type(value).__name__}.")
-    from dm_cli.io.checkpoint import LEGACY_SUFFIXES, open_regular, read_safetensors_header
-
     name = shown(path)
     if not os.path.lexists(path):
         raise UsageError(f"{where} {name} does not exist.")
@@ -164,8 +164,6 @@ def _is_named(lora: LoraAdapter, name: str) -> bool:
 
 def file_digest(path, size: int | None = None, where: str = "--lora") -> str:
     """sha256 of the file's bytes, read in 1 MiB pieces (a LoRA of gigabytes never sits in memory)."""
-    from dm_cli.io.checkpoint import open_regular
-
     digest = hashlib.sha256()
     try:
         handle, _ = open_regular(Path(path), "LoRA file", MAX_LORA_BYTES)
@@ -362,15 +360,9 @@ def converted_layers(lora: LoraAdapter, pipeline_class: str | None) -> LoraAdapt
 def _converted_layers(path: str, digest: str, pipeline_class: str) -> tuple:
     """The LoraLayers of the denoiser part of `path` as `pipeline_class.lora_state_dict` converts it (see
     `converted_layers`); () when that cannot be told from shapes. `digest`: a changed file is converted again."""
-    import warnings
-
-    from dm_cli.model.models import quiet_libraries
-
-    quiet_libraries()  # a pipeline class's first import: transformers' advice would precede dmap's own lines
+    models.quiet_libraries()  # a pipeline class's first import: transformers' advice would precede dmap's own lines
     import diffusers
     import torch
-
-    from dm_cli.io.checkpoint import TensorEntry, read_safetensors_header
 
     loader = getattr(getattr(diffusers, pipeline_class, None), "lora_state_dict", None)
     if loader is None:

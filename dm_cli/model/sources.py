@@ -6,6 +6,7 @@ No torch here: resolution reads JSON files only, so cached skeletons keep `inspe
 from __future__ import annotations
 
 import difflib
+import errno
 import hashlib
 import json
 import os
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from dm_cli.errors import CheckpointError, SourceError
 from dm_cli.io.checkpoint import find_component_weights, legacy_weight_files, read_json_object
+from dm_cli.io.input_images import shown_path
+from dm_cli.io.swap import pending_swap
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
 
@@ -186,8 +189,6 @@ def resolve_source(spec: str) -> Source:
 def _broken_link(path: Path) -> str | None:
     """What is at a path that does not exist though a name is there: a symlink loop (stat says ELOOP, on the path
     or a folder above it) or a symlink to nothing; None when nothing is there at all."""
-    import errno
-
     try:
         os.stat(path)
     except OSError as error:
@@ -196,8 +197,6 @@ def _broken_link(path: Path) -> str | None:
     except ValueError:  # a NUL byte: no such name
         return None
     if os.path.islink(path):
-        from dm_cli.io.input_images import shown_path
-
         return f"is a symlink to {shown_path(os.readlink(path))}, which does not exist"
     return None
 
@@ -217,8 +216,6 @@ def gguf_file(spec: str) -> Path | None:
 
 
 def _resolve_path(spec: str, path: Path) -> Source:
-    from dm_cli.io.swap import pending_swap
-
     swap = pending_swap((path if path.is_dir() else path.parent).resolve())
     if swap is not None:
         raise SourceError(f"An interrupted `dmap shard --in-place` of {spec} left its weights half-swapped; the verified "

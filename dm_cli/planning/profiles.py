@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dm_cli.errors import UsageError
+from dm_cli.io.cache import cache_dir
 from dm_cli.units import shorten
 
 PROFILE_FORMAT = "dmap-device-profile"
@@ -210,8 +211,6 @@ DEFAULT_PROFILE = DeviceProfile("default", "gpu", {"bfloat16": 100.0, "float16":
 
 def default_profile_path() -> Path:
     """Where `dmap calibrate` writes this machine's profile, and where `dmap plan` looks for it."""
-    from dm_cli.io.cache import cache_dir
-
     return cache_dir() / "profiles" / "device.json"
 
 

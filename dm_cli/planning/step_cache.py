@@ -23,8 +23,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from dm_cli.devices import device_of, is_gpu
 from dm_cli.errors import UsageError
+from dm_cli.families import call_spec
 from dm_cli.inputs import InputSpec, StepCache
+from dm_cli.io.cache import cache_key, read_cached, write_cached
+from dm_cli.planning import trace  # the module: tests replace its _run to see that no trace runs
+from dm_cli.planning.search import DeviceUse
 from dm_cli.units import shorten
 
 
@@ -317,8 +322,6 @@ def measure(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str, cac
     """Run the denoiser on the meta device with the cache's hooks on, once per cache context: (what the hooks'
     states hold, by holder; the split check's problems when `device_map` places it on several devices). `sliced`:
     for --parallel pipeline, where the first block's tensors that the last block takes travel to its rank (`TRAVEL`)."""
-    from dm_cli.io.cache import cache_key, read_cached, write_cached
-
     key = cache_key({"what": "step-cache", "class": comp.cls, "config": comp.config, "pipeline": pipeline_class,
                      "inputs": inputs.to_json(), "dtype": dtype, "cache": cache.label,
                      "map": list((device_map or {}).items()), **({"sliced": True} if sliced else {})})
@@ -335,13 +338,10 @@ def _measure(comp, pipeline_class, inputs: InputSpec, dtype: str, cache: StepCac
              device_map: dict | None, sliced: bool = False) -> tuple[Footprint, list[str]]:
     import torch
 
-    from dm_cli.families import call_spec
-    from dm_cli.planning.trace import _meta_model, _resolve_call, _run, _Session, _torch_dtype_name, compute_dtype
-
-    dtype = _torch_dtype_name(dtype, comp)
-    run_dtype = compute_dtype(call_spec(comp, pipeline_class, inputs), dtype)
-    model = _meta_model(comp, run_dtype)
-    spec = _resolve_call(model, comp, pipeline_class, inputs)
+    dtype = trace._torch_dtype_name(dtype, comp)
+    run_dtype = trace.compute_dtype(call_spec(comp, pipeline_class, inputs), dtype)
+    model = trace._meta_model(comp, run_dtype)
+    spec = trace._resolve_call(model, comp, pipeline_class, inputs)
     if spec is None:
         raise UsageError(f"dmap cannot run {comp.cls} on the meta device, so it cannot count what --cache "
                          f"{cache.name} holds: drop --cache.")
@@ -352,11 +352,11 @@ def _measure(comp, pipeline_class, inputs: InputSpec, dtype: str, cache: StepCac
     enable(model, cache, family, 28, run_dtype)
     try:
         for name in names:
-            session = _Session(model, replace_sdpa=True, tag_mode="device" if split else None,
-                               device_map=device_map if split else None, problems=problems, seen_problems=seen)
+            session = trace._Session(model, replace_sdpa=True, tag_mode="device" if split else None,
+                                     device_map=device_map if split else None, problems=problems, seen_problems=seen)
             with model.cache_context(name):
                 try:
-                    _run(model, spec, run_dtype, session)
+                    trace._run(model, spec, run_dtype, session)
                 except Exception as error:  # noqa: BLE001 - said as the check's problem, never a traceback
                     problems.append(f"{comp.cls} ({comp.name}) with --cache {cache.name} failed on the meta device "
                                     f"({type(error).__name__}: {shorten(str(error), 120)}).")
@@ -422,8 +422,6 @@ def _tensors(value, torch):
 def placed_bytes(footprint: Footprint, device_map: dict, execution_device) -> dict[str, int]:
     """Device name -> bytes the cache holds there: each holder on its block's device; a block streamed from cpu or
     disk computes (and keeps its state) on the execution device."""
-    from dm_cli.devices import device_of, is_gpu
-
     out: dict[str, int] = {}
     for holder, nbytes in footprint.holders.items():
         device = device_of(holder, device_map, execution_device)
@@ -478,6 +476,4 @@ def _stage_cache(stage, per_component: dict[str, dict[str, int]]) -> dict[str, i
 
 
 def _device_use():
-    from dm_cli.planning.search import DeviceUse
-
     return DeviceUse()

@@ -1,7 +1,8 @@
 """The meta trace's engine (`_Session`, used by `trace.py`): one forward under a torch dispatch mode and module hooks
 that records the order modules first run in, counts live activation bytes per storage (`LiveStorages`) and the peak
 while each module runs, and tags tensors with a virtual device (or the module they came from) to report ops that
-combine two tags, moving inputs at module boundaries as accelerate's AlignDevicesHook does.
+combine two tags, moving inputs at module boundaries as accelerate's AlignDevicesHook does. The session is three
+parts: `_ModuleHooks` (module boundaries), `_OpAccounting` (what each op costs) and `_Session` (state and tags).
 
 torch is imported inside functions only: importing this module (and `dmap --help`) must not pay for it.
 """
@@ -82,8 +83,179 @@ def _mode_classes():
     return DispatchMode, FunctionMode
 
 
-class _Session:
-    """Hooks + modes around one forward. `tag_mode`: None, "device" (virtual devices) or "provenance"."""
+class _ModuleHooks:
+    """Module hooks around one forward (`_Session`'s first part): entering and leaving each module (its peak and
+    the size of its output), and moving its inputs to its tag as accelerate's AlignDevicesHook does. Uses the
+    state `_Session.__init__` sets up."""
+
+    def __enter__(self):
+        dispatch_cls, function_cls = _mode_classes()
+        for module in self.model.modules():
+            prefix = self.names.get(id(module))
+            if prefix is None:
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(prefix), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_hook(prefix), always_call=True))
+        self._modes = [function_cls(self), dispatch_cls(self)]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        self._modes = []
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for tensor in self.tagged:
+            try:
+                delattr(tensor, _TAG)
+            except AttributeError:
+                pass
+        self.tagged = []
+        return False
+
+    # --- module boundaries -------------------------------------------------------------------
+
+    def enter_module(self, prefix: str) -> None:
+        self.stack.append([prefix, self.memory.live[_META]])
+        self.called.add(prefix)
+        if prefix in self.holds_tensors and prefix not in self.ordered:
+            self.ordered.add(prefix)
+            self.order.append(prefix)
+
+    def exit_module(self, prefix: str) -> None:
+        if not any(frame[0] == prefix for frame in self.stack):
+            return
+        while self.stack:
+            name, peak = self.stack.pop()
+            peak = max(peak, self.memory.live[_META])
+            if self.stack:
+                self.stack[-1][1] = max(self.stack[-1][1], peak)
+            self.module_peaks[name] = max(self.module_peaks.get(name, 0), peak)
+            if name == prefix:
+                break
+
+    def _pre_hook(self, prefix):
+        def hook(module, args, kwargs):
+            self.enter_module(prefix)
+            target = self.recolor.get(prefix)
+            if target is None:
+                return None
+            return self._move(args, target), self._move(kwargs, target)
+
+        return hook
+
+    def _post_hook(self, prefix):
+        def hook(module, args, kwargs_or_output, output=None):
+            self.exit_module(prefix)
+            produced = kwargs_or_output if output is None else output
+            size = sum(t.numel() * t.element_size() for t in _iter_tensors(produced, self.torch))
+            if size > self.module_outputs.get(prefix, 0):
+                self.module_outputs[prefix] = size
+            return None
+
+        return hook
+
+    def _move(self, value, target):
+        """What accelerate's send_to_device does to a module's inputs: tensors land on `target`."""
+        torch = self.torch
+        if isinstance(value, torch.Tensor):
+            if getattr(value, _TAG, None) == target:
+                return value
+            alias = value.view_as(value)
+            self.set_tag(alias, target)
+            return alias
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(self._move(v, target) for v in value)
+        if isinstance(value, list):
+            # in place: models mutate lists they are given (the Wan VAE's feature cache, `feat_cache`),
+            # and a copy would lose what they write into it (accelerate skips those keys: `_skip_keys`)
+            for index, item in enumerate(value):
+                value[index] = self._move(item, target)
+            return value
+        if type(value) is dict:
+            return {k: self._move(v, target) for k, v in value.items()}
+        return value
+
+
+class _OpAccounting:
+    """What each dispatched op costs (`_Session`'s second part): the first use of each weight (the execution
+    order), live activation bytes and the peak of the running module, the work (FLOPs, memory-bound bytes, ops),
+    and fused attention counted as its kernel allocates. Uses the state `_Session.__init__` sets up."""
+
+    def after_op(self, func, args, kwargs, out) -> None:
+        torch = self.torch
+        inputs = list(_iter_tensors(args, torch))
+        if kwargs:
+            inputs.extend(_iter_tensors(kwargs, torch))
+        input_ids = {id(t) for t in inputs}
+        for tensor in inputs:
+            owner = self.weight_owner.get(id(tensor))
+            if owner is not None and owner not in self.ordered:
+                self.ordered.add(owner)
+                self.order.append(owner)
+        outputs = [t for t in _iter_tensors(out, torch) if id(t) not in input_ids]
+        if self.tag_mode is not None:
+            tag = self.combine(inputs, func)
+            if tag is not None:
+                for tensor in outputs:
+                    self.set_tag(tensor, tag)
+        if self.track_memory:
+            self.count_work(func, args, kwargs, inputs, out)
+            for tensor in outputs:
+                self.memory.count(tensor, _META)
+            live = self.memory.live[_META]
+            if self.stack and live > self.stack[-1][1]:
+                self.stack[-1][1] = live
+
+    def count_work(self, func, args, kwargs, inputs, out) -> None:
+        """Add one dispatched op to `work`: FLOPs by torch's own formulas (torch.utils.flop_counter) for matmuls and
+        convolutions; the bytes read and written for the other ops that are not views."""
+        if self._flop_formulas is None:
+            from torch.utils.flop_counter import flop_registry
+
+            self._flop_formulas = flop_registry
+        if getattr(func, "is_view", False):
+            return
+        self.work["ops"] += 1
+        formula = self._flop_formulas.get(getattr(func, "_overloadpacket", None))
+        if formula is not None:
+            try:
+                flops = int(formula(*args, **kwargs, out_val=out))
+                self.work["matmul_flops"] += flops
+                self.work["matmul_ops"] += 1
+                if "conv" in str(getattr(func, "_overloadpacket", "")):  # counted in the matmul FLOPs too
+                    self.work["conv_flops"] += flops
+                    self.work["conv_ops"] += 1
+                return
+            except Exception:  # noqa: BLE001 - a formula that does not take this call: counted as bytes
+                pass
+        outputs = list(_iter_tensors(out, self.torch))
+        self.work["other_bytes"] += sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
+
+    def fused_attention(self, query, key, value, attn_mask=None, *args, **kwargs):
+        """What fused SDPA kernels allocate: the output only (the meta decomposition would materialise n^2)."""
+        torch = self.torch
+        shape = tuple(query.shape[:-1]) + (value.shape[-1],)
+        out = torch.empty(shape, dtype=query.dtype, device=query.device)
+        if self.track_memory:  # scores and weighted sum: 2 x 2 x queries x keys x head dim per head
+            self.work["attention_flops"] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
+            self.work["attention_ops"] += 1
+            self.work["attention_scores"] += query.shape[:-1].numel() * key.shape[-2]
+            self.work["attention_rows"] += query.shape[:-1].numel()  # each query row's fixed cost (its softmax)
+            self.work["ops"] += 1
+        if self.tag_mode is not None:
+            tensors = [query, key, value] + ([attn_mask] if isinstance(attn_mask, torch.Tensor) else [])
+            tag = self.combine(tensors, "aten.scaled_dot_product_attention")
+            self.set_tag(out, tag)
+        return out
+
+
+class _Session(_ModuleHooks, _OpAccounting):
+    """Hooks + modes around one forward. `tag_mode`: None, "device" (virtual devices) or "provenance". The module
+    hooks and the op accounting are its parts `_ModuleHooks` and `_OpAccounting`; here: the state, the tags."""
 
     def __init__(self, model, *, track_memory=False, replace_sdpa=False, tag_mode=None, device_map=None,
                  problems: list | None = None, seen_problems: set | None = None):
@@ -177,156 +349,13 @@ class _Session:
                     self.recolor[prefix] = frozenset((execution[key],))
             self.recolor[""] = frozenset((main,))
 
-    # --- enter / exit --------------------------------------------------------------------------------
-
-    def __enter__(self):
-        dispatch_cls, function_cls = _mode_classes()
-        for module in self.model.modules():
-            prefix = self.names.get(id(module))
-            if prefix is None:
-                continue
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(prefix), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_hook(prefix), always_call=True))
-        self._modes = [function_cls(self), dispatch_cls(self)]
-        for mode in self._modes:
-            mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        for mode in reversed(self._modes):
-            mode.__exit__(*exc)
-        self._modes = []
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        for tensor in self.tagged:
-            try:
-                delattr(tensor, _TAG)
-            except AttributeError:
-                pass
-        self.tagged = []
-        return False
-
-    # --- module boundaries -------------------------------------------------------------------
-
-    def enter_module(self, prefix: str) -> None:
-        self.stack.append([prefix, self.memory.live[_META]])
-        self.called.add(prefix)
-        if prefix in self.holds_tensors and prefix not in self.ordered:
-            self.ordered.add(prefix)
-            self.order.append(prefix)
-
-    def exit_module(self, prefix: str) -> None:
-        if not any(frame[0] == prefix for frame in self.stack):
-            return
-        while self.stack:
-            name, peak = self.stack.pop()
-            peak = max(peak, self.memory.live[_META])
-            if self.stack:
-                self.stack[-1][1] = max(self.stack[-1][1], peak)
-            self.module_peaks[name] = max(self.module_peaks.get(name, 0), peak)
-            if name == prefix:
-                break
-
-    def _pre_hook(self, prefix):
-        def hook(module, args, kwargs):
-            self.enter_module(prefix)
-            target = self.recolor.get(prefix)
-            if target is None:
-                return None
-            return self._move(args, target), self._move(kwargs, target)
-
-        return hook
-
-    def _post_hook(self, prefix):
-        def hook(module, args, kwargs_or_output, output=None):
-            self.exit_module(prefix)
-            produced = kwargs_or_output if output is None else output
-            size = sum(t.numel() * t.element_size() for t in _iter_tensors(produced, self.torch))
-            if size > self.module_outputs.get(prefix, 0):
-                self.module_outputs[prefix] = size
-            return None
-
-        return hook
-
-    def _move(self, value, target):
-        """What accelerate's send_to_device does to a module's inputs: tensors land on `target`."""
-        torch = self.torch
-        if isinstance(value, torch.Tensor):
-            if getattr(value, _TAG, None) == target:
-                return value
-            alias = value.view_as(value)
-            self.set_tag(alias, target)
-            return alias
-        if isinstance(value, tuple) and not hasattr(value, "_fields"):
-            return tuple(self._move(v, target) for v in value)
-        if isinstance(value, list):
-            # in place: models mutate lists they are given (the Wan VAE's feature cache, `feat_cache`),
-            # and a copy would lose what they write into it (accelerate skips those keys: `_skip_keys`)
-            for index, item in enumerate(value):
-                value[index] = self._move(item, target)
-            return value
-        if type(value) is dict:
-            return {k: self._move(v, target) for k, v in value.items()}
-        return value
-
-    # --- ops -------------------------------------------------------------------------------------
+    # --- tags ---------------------------------------------------------------------------------------
 
     def set_tag(self, tensor, tag) -> None:
         try:
             setattr(tensor, _TAG, tag)
         except (AttributeError, RuntimeError):
             pass
-
-    def after_op(self, func, args, kwargs, out) -> None:
-        torch = self.torch
-        inputs = list(_iter_tensors(args, torch))
-        if kwargs:
-            inputs.extend(_iter_tensors(kwargs, torch))
-        input_ids = {id(t) for t in inputs}
-        for tensor in inputs:
-            owner = self.weight_owner.get(id(tensor))
-            if owner is not None and owner not in self.ordered:
-                self.ordered.add(owner)
-                self.order.append(owner)
-        outputs = [t for t in _iter_tensors(out, torch) if id(t) not in input_ids]
-        if self.tag_mode is not None:
-            tag = self.combine(inputs, func)
-            if tag is not None:
-                for tensor in outputs:
-                    self.set_tag(tensor, tag)
-        if self.track_memory:
-            self.count_work(func, args, kwargs, inputs, out)
-            for tensor in outputs:
-                self.memory.count(tensor, _META)
-            live = self.memory.live[_META]
-            if self.stack and live > self.stack[-1][1]:
-                self.stack[-1][1] = live
-
-    def count_work(self, func, args, kwargs, inputs, out) -> None:
-        """Add one dispatched op to `work`: FLOPs by torch's own formulas (torch.utils.flop_counter) for matmuls and
-        convolutions; the bytes read and written for the other ops that are not views."""
-        if self._flop_formulas is None:
-            from torch.utils.flop_counter import flop_registry
-
-            self._flop_formulas = flop_registry
-        if getattr(func, "is_view", False):
-            return
-        self.work["ops"] += 1
-        formula = self._flop_formulas.get(getattr(func, "_overloadpacket", None))
-        if formula is not None:
-            try:
-                flops = int(formula(*args, **kwargs, out_val=out))
-                self.work["matmul_flops"] += flops
-                self.work["matmul_ops"] += 1
-                if "conv" in str(getattr(func, "_overloadpacket", "")):  # counted in the matmul FLOPs too
-                    self.work["conv_flops"] += flops
-                    self.work["conv_ops"] += 1
-                return
-            except Exception:  # noqa: BLE001 - a formula that does not take this call: counted as bytes
-                pass
-        outputs = list(_iter_tensors(out, self.torch))
-        self.work["other_bytes"] += sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
 
     def combine(self, tensors, func):
         """Tag of an op's result; report the op when its inputs carry different tags."""
@@ -378,23 +407,6 @@ class _Session:
         self._seen_problems.add(key)
         self.problems.append(message)
 
-    def fused_attention(self, query, key, value, attn_mask=None, *args, **kwargs):
-        """What fused SDPA kernels allocate: the output only (the meta decomposition would materialise n^2)."""
-        torch = self.torch
-        shape = tuple(query.shape[:-1]) + (value.shape[-1],)
-        out = torch.empty(shape, dtype=query.dtype, device=query.device)
-        if self.track_memory:  # scores and weighted sum: 2 x 2 x queries x keys x head dim per head
-            self.work["attention_flops"] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
-            self.work["attention_ops"] += 1
-            self.work["attention_scores"] += query.shape[:-1].numel() * key.shape[-2]
-            self.work["attention_rows"] += query.shape[:-1].numel()  # each query row's fixed cost (its softmax)
-            self.work["ops"] += 1
-        if self.tag_mode is not None:
-            tensors = [query, key, value] + ([attn_mask] if isinstance(attn_mask, torch.Tensor) else [])
-            tag = self.combine(tensors, "aten.scaled_dot_product_attention")
-            self.set_tag(out, tag)
-        return out
-
     # --- results -------------------------------------------------------------------------------
 
     def execution_order(self) -> list[str]:
@@ -407,6 +419,7 @@ class _Session:
 
     def same_device_groups(self) -> dict[str, list[list[str]]]:
         return {frame: _merged_groups(sets) for frame, sets in self.groups.items()}
+
 
 
 def _named_tensors(model):

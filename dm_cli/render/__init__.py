@@ -9,6 +9,7 @@ important columns are dropped (and the output says which), text columns wrap.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -79,8 +80,6 @@ def console(stderr: bool = False):
 
 def status(message: str, enabled: bool = True):
     """A spinner with `message` on stderr while a long step runs (nothing when stderr is not a terminal)."""
-    import contextlib
-
     if not enabled or not sys.stderr.isatty():
         return contextlib.nullcontext()
     return console(stderr=True).status(message, spinner="dots")

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+
 from dm_cli.devices import device_label, device_rank
+from dm_cli.io.input_images import shown_path
+from dm_cli.model.sources import PRESETS
 from dm_cli.planning.blocks import clean_device_map
 from dm_cli.render import Col, console, print_hidden, print_table
+from dm_cli.run import request  # the module: tests replace its cuda_devices_without_torch
 from dm_cli.units import format_size
 
 BAR_WIDTH = (16, 32)  # the bar takes the room the numbers leave, within these widths
@@ -59,10 +65,6 @@ def _stage_labels(stages) -> list[str]:
 
 
 def _is_preset(source: str) -> bool:
-    from pathlib import Path
-
-    from dm_cli.model.sources import PRESETS
-
     return source in PRESETS and not Path(source).expanduser().exists()
 
 
@@ -84,12 +86,8 @@ def next_step(plan, output: str | None) -> str:
 def run_command(plan, output: str) -> str:
     """The command that runs this plan file, here, as pasted: `dmap run -d PLAN.json` (the plan knows its SOURCE),
     under torchrun for a plan of several ranks, with --simulate where this machine has none of the planned GPUs."""
-    import shlex
-
-    from dm_cli.run.request import cuda_devices_without_torch
-
     gpus = {dev for comp in plan.components.values() for dev in comp.device_map.values()} - {"cpu", "disk", "mps"}
-    simulate = " --simulate" if gpus and cuda_devices_without_torch() == 0 else ""
+    simulate = " --simulate" if gpus and request.cuda_devices_without_torch() == 0 else ""
     run = f"run -d {shlex.quote(output)} -p \"a prompt\"{simulate}"
     ranks = plan.parallel.world_size if plan.parallel is not None else 1
     return f"torchrun --nproc-per-node {ranks} -m dm_cli {run}" if ranks > 1 else f"dmap {run}"
@@ -319,8 +317,6 @@ def _print_notes(out, plan, size) -> None:
                   f"sequence: its activations {size(report['activation_peak_bytes'])}, "
                   f"{size(report['activation_peak_without_bytes'])} without them.")
     for lora in getattr(plan, "loras", None) or []:
-        from dm_cli.io.input_images import shown_path
-
         name = shown_path(lora["path"].replace("\\", "/").rsplit("/", 1)[-1])
         out.print(Text.assemble(("LoRA ", "bold"), f"{name}: scale {lora['scale']:g} on {lora['component']}, "
                                 f"{lora['tensors']} tensors, {size(lora['bytes'])} counted beside the layers it patches"

@@ -12,14 +12,13 @@ import time
 
 from dm_cli.render import console, plain
 from dm_cli.render.run import RunView, step_cache_summary
+from dm_cli.run.distributed import Ranks
 from dm_cli.units import format_size
 
 
 def live_allowed() -> bool:
     """Whether this process may draw a live spinner or bar: always, except under torchrun, where the ranks of a
     node share its terminal: a spinner's redraws would run into the other ranks' lines, so each prints plain ones."""
-    from dm_cli.run.distributed import Ranks
-
     try:
         return not Ranks.from_env().distributed
     except Exception:  # noqa: BLE001 - bad torchrun variables are refused elsewhere, with a message
@@ -135,8 +134,6 @@ class QueueView(RunView):
 
     def __init__(self, quiet: bool = False, binary: bool = False, plan_file: str | None = None):
         super().__init__(quiet=quiet, binary=binary, plan_file=plan_file)
-        from dm_cli.run.distributed import Ranks
-
         ranks = Ranks.from_env()
         self.prefix = f"[rank {ranks.rank}/{ranks.world_size}] " if ranks.distributed else ""
         self.show_plans = ranks.is_main

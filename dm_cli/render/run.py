@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 from dm_cli.devices import device_label, device_rank, is_cuda
 from dm_cli.render import Col, console, print_hidden, print_table
+from dm_cli.render.plan import render_plan
 from dm_cli.units import format_size
 
 
@@ -45,8 +48,6 @@ class RunView:
         if self.quiet:
             return
         from rich.text import Text
-
-        from dm_cli.render.plan import render_plan
 
         if self.plan_file is not None:  # no markup: the names come from the command line and the plan file
             self.console.print(Text(f"Running {plan.source} from {self.plan_file}"), soft_wrap=True)
@@ -187,8 +188,6 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 def written(path: str, result, binary: bool = False) -> str:
     """What a written output is, from the file itself: `512x512 PNG, 389.42 KB`; a folder: its files and size."""
-    import os
-
     try:
         if os.path.isdir(path):
             files = [e for e in os.scandir(path) if e.is_file(follow_symlinks=False)]
