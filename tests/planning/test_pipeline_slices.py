@@ -186,7 +186,7 @@ def test_cpu_links_let_each_sent_tensor_go_once_its_send_is_done(monkeypatch):
 
     import torch.distributed as dist
 
-    from dm_cli.run.pipeline import Links, RankLostError
+    from dm_cli.run.pipeline_links import Links, RankLostError
 
     monkeypatch.setattr(dist, "isend", lambda tensor, dst: _GlooSend())
     links = Links(torch.device("cpu"))
