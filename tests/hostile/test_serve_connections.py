@@ -13,10 +13,7 @@ import logging
 import os
 import re
 import resource
-import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +22,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
+
+from serve_process import port_of, start_serve, stop_serve  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 FILE_LIMIT = 256
@@ -47,14 +46,8 @@ class Server:
         self.stderr_path = tmp_path_factory.mktemp("serve-connections") / "stderr.txt"
         self.stderr = open(self.stderr_path, "w")
         env = {**os.environ, "DMAP_CACHE_DIR": cache, "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "dm_cli", "serve", *SERVE_ARGS], cwd=REPO, env=env,
-                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-                                     preexec_fn=_low_file_limit)
-        line = self.proc.stdout.readline()  # "Serving demo (...) on http://127.0.0.1:PORT; ..."
-        if "http://" not in line:
-            self.proc.kill()
-            raise AssertionError(f"no server: {line}{self.log()}")
-        self.port = int(line.split("127.0.0.1:", 1)[1].split(";", 1)[0])
+        self.proc, url = start_serve(SERVE_ARGS, cwd=REPO, env=env, stderr=self.stderr, preexec_fn=_low_file_limit)
+        self.port = port_of(url)
 
     def log(self) -> str:
         return self.stderr_path.read_text(errors="replace")
@@ -85,14 +78,9 @@ class Server:
         assert status == 200 and len(data["data"]) == 1, data
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        code = stop_serve(self.proc)
         self.stderr.close()
-        return self.proc.wait(), self.log()
+        return code, self.log()
 
 
 @pytest.fixture(scope="module")

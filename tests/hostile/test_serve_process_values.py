@@ -13,8 +13,6 @@ import io
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -25,6 +23,7 @@ pytest.importorskip("torch")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 from PIL import Image  # noqa: E402
+from serve_process import port_of, start_serve, stop_serve  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SIZE, STEPS = 32, 2
@@ -49,14 +48,9 @@ class Server:
         self.stderr = open(self.stderr_path, "w")
         env = {**os.environ, "DMAP_CACHE_DIR": str(tmp / "cache"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "dm_cli", "serve", str(folder), "--height", str(SIZE),
-                                      "--width", str(SIZE), "--steps", str(STEPS), "--port", "0"], cwd=tmp, env=env,
-                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True)
-        line = self.proc.stdout.readline()  # "Serving ... on http://127.0.0.1:PORT; ..."
-        if "http://" not in line:
-            self.proc.kill()
-            raise AssertionError(f"no server: {line}{self.log()}")
-        self.port = int(re.search(r"127\.0\.0\.1:(\d+)", line).group(1))
+        self.proc, url = start_serve([folder, "--height", SIZE, "--width", SIZE, "--steps", STEPS, "--port", "0"],
+                                     cwd=tmp, env=env, stderr=self.stderr)
+        self.port = port_of(url)
 
     def log(self) -> str:
         return self.stderr_path.read_text(errors="replace")
@@ -83,14 +77,9 @@ class Server:
         return base64.b64decode(data["data"][0]["b64_json"])
 
     def stop(self) -> tuple[int, str]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        code = stop_serve(self.proc)
         self.stderr.close()
-        return self.proc.wait(), self.log()
+        return code, self.log()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +22,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
+
+from serve_process import start_serve, stop_serve  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SIZE, STEPS, SEED = 64, 2, 3
@@ -36,13 +37,7 @@ def _cache_dir(tmp_path_factory) -> str:
 class Server:
     def __init__(self, tmp_path_factory, *args, env=None):
         self.env = {**os.environ, "DMAP_CACHE_DIR": _cache_dir(tmp_path_factory), "HF_HUB_OFFLINE": "1", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "dm_cli", "serve", *SERVE_ARGS, *args], cwd=REPO,
-                                     env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()  # "Serving demo (...) on http://127.0.0.1:PORT; ..."
-        if "http://" not in line:
-            self.proc.kill()
-            raise AssertionError(f"no server: {line}{self.proc.stderr.read()}")
-        self.url = line.split(" on ", 1)[1].split(";", 1)[0]
+        self.proc, self.url = start_serve([*SERVE_ARGS, *args], cwd=REPO, env=self.env, stderr=subprocess.PIPE)
         self.host, self.port = urlsplit(self.url).hostname, urlsplit(self.url).port
 
     def request(self, method, path, body=None, headers=None, timeout=120):
@@ -66,13 +61,7 @@ class Server:
         return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"dmap_{name} "))
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait(), self.proc.stderr.read()
+        return stop_serve(self.proc), self.proc.stderr.read()
 
 
 @pytest.fixture(scope="module")
