@@ -38,12 +38,13 @@ def serve(
 
     from dm_cli.run.distributed import Ranks
 
-    ranks = Ranks.from_env()
-    prefix = f"[rank {ranks.rank}/{ranks.world_size}] " if ranks.distributed else ""  # as a queue's lines under torchrun
+    # under torchrun rank 0 speaks for the server (every rank loads, plans and warms up alike; rank 0 alone listens and
+    # counts what it answered); another rank says only what is its own, an error, prefixed "[rank r/N]" (cli._errors)
+    speaks = Ranks.from_env().is_main
 
     def say(message: str | None) -> None:
-        if message and not quiet:
-            print(prefix + message, file=sys.stderr, flush=True)
+        if message and speaks and not quiet:
+            print(message, file=sys.stderr, flush=True)
 
     def ready(url: str, session) -> None:
         job = session.defaults
