@@ -22,7 +22,7 @@ def serve(
 ) -> int:
     from dm_cli.inputs import check_counts
     from dm_cli.run.request import RunRequest
-    from dm_cli.serve.server import ServeRequest
+    from dm_cli.serve.server import ServeRequest, launch_sigterm_notice
     from dm_cli.serve.server import serve as serve_forever
 
     check_counts(steps=steps, num_images=None, height=height, width=width, max_sequence_length=max_sequence_length,
@@ -53,6 +53,7 @@ def serve(
         kind = "videos" if job.num_frames else "images"
         if session.source_from_plan:
             say(f"Running {session.source.spec} from {run.plan_file}")
+        say(launch_sigterm_notice())
         print(f"Serving {request.model or session.source.spec} ({session.source.pipeline_class}, {job.width}x{job.height} "
               f"{kind}, plan {session.plan.mode} {session.plan_digest}) on {url}; SIGTERM or Ctrl-C stops.",
               flush=True)

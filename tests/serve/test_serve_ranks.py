@@ -22,6 +22,8 @@ pytest.importorskip("uvicorn")
 
 from test_serve import SEED, SERVE_ARGS, SIZE, STEPS, _cache_dir  # noqa: E402 - after the skips
 
+from dm_cli.serve.server import LAUNCH_SIGTERM  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -83,6 +85,21 @@ def test_two_ranks_serve_dmap_runs_bytes_and_stop_on_sigterm(tmp_path_factory, t
     for start in ("Serving demo (", "Warming up: ", "Stopping (SIGTERM): ", "Stopped after 2 image(s)."):
         assert sum(line.startswith(start) for line in lines) == 1, (start, said)  # rank 0's, unprefixed, once
     assert "[rank " not in said, said  # a rank other than 0 has nothing of its own to say here
+    assert LAUNCH_SIGTERM not in said, said  # this torchrun leaves SIGTERM alone: nothing to advise
+
+
+def test_rank_0_advises_leaving_sigterm_to_torchruns_default_where_torchrun_handles_it():
+    """torchrun's own default (SIGTERM handled: its SignalException traceback and exit 1 at any stop) is advised
+    against once, on rank 0's start; a launch with SIGTERM left out, or no torchrun, has nothing to advise."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from dm_cli.serve.server import launch_sigterm_notice
+
+    launch = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_SIGNALS_TO_HANDLE": LaunchConfig.signals_to_handle}
+    assert "SIGTERM" in LaunchConfig.signals_to_handle
+    assert launch_sigterm_notice(launch) == LAUNCH_SIGTERM
+    assert launch_sigterm_notice({**launch, "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT,SIGHUP,SIGQUIT"}) is None
+    assert launch_sigterm_notice({"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM"}) is None  # not under torchrun
 
 
 # The launch's parent, a Linux subreaper: the ranks that outlive torchrun become its children, so their own exit
