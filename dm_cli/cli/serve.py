@@ -22,7 +22,7 @@ def serve(
 ) -> int:
     from dm_cli.inputs import check_counts
     from dm_cli.run.request import RunRequest
-    from dm_cli.serve.server import ServeRequest
+    from dm_cli.serve.server import ServeRequest, launch_sigterm_notice
     from dm_cli.serve.server import serve as serve_forever
 
     check_counts(steps=steps, num_images=None, height=height, width=width, max_sequence_length=max_sequence_length,
@@ -38,12 +38,13 @@ def serve(
 
     from dm_cli.run.distributed import Ranks
 
-    ranks = Ranks.from_env()
-    prefix = f"[rank {ranks.rank}/{ranks.world_size}] " if ranks.distributed else ""  # as a queue's lines under torchrun
+    # under torchrun rank 0 speaks for the server (every rank loads, plans and warms up alike; rank 0 alone listens and
+    # counts what it answered); another rank says only what is its own, an error, prefixed "[rank r/N]" (cli._errors)
+    speaks = Ranks.from_env().is_main
 
     def say(message: str | None) -> None:
-        if message and not quiet:
-            print(prefix + message, file=sys.stderr, flush=True)
+        if message and speaks and not quiet:
+            print(message, file=sys.stderr, flush=True)
 
     def ready(url: str, session) -> None:
         job = session.defaults
@@ -52,6 +53,7 @@ def serve(
         kind = "videos" if job.num_frames else "images"
         if session.source_from_plan:
             say(f"Running {session.source.spec} from {run.plan_file}")
+        say(launch_sigterm_notice())
         print(f"Serving {request.model or session.source.spec} ({session.source.pipeline_class}, {job.width}x{job.height} "
               f"{kind}, plan {session.plan.mode} {session.plan_digest}) on {url}; SIGTERM or Ctrl-C stops.",
               flush=True)

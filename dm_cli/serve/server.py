@@ -138,6 +138,23 @@ def _stop_with_launcher() -> None:
         pass
 
 
+LAUNCH_SIGTERM = ("torchrun handles SIGTERM itself here: a SIGTERM to it stops the server cleanly, but torchrun then "
+                  "ends in its own traceback and exit 1 (and kills a batch still running after its --shutdown-timeout, "
+                  "30 s). For a clean stop, start torchrun with --signals-to-handle SIGINT,SIGHUP,SIGQUIT (or set "
+                  "PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT).")
+
+
+def launch_sigterm_notice(env=None) -> str | None:
+    """What rank 0 says when its torchrun handles SIGTERM (its default: torchrun raises its SignalException, prints
+    its traceback and exits 1 whatever the ranks do); None where SIGTERM is left to its default (torchrun ends at
+    once, exit 143, and the ranks stop with it, `_stop_with_launcher`), or outside a torchrun that says."""
+    env = os.environ if env is None else env
+    handled = env.get("TORCHELASTIC_SIGNALS_TO_HANDLE")  # set for its ranks by a torchrun with --signals-to-handle
+    if handled is None or "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    return LAUNCH_SIGTERM if "SIGTERM" in (name.strip().upper() for name in handled.split(",")) else None
+
+
 def warm_up(session, say: Callable[[str | None], None]) -> None:
     """One image of the served defaults before the server says it serves: what the plan keeps resident loads, and the
     libraries make their first calls (the first request would pay seconds for them while /health said ok). A family
