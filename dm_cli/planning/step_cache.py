@@ -27,7 +27,6 @@ from dm_cli.errors import UsageError
 from dm_cli.inputs import InputSpec, StepCache
 from dm_cli.units import shorten
 
-
 AUTO = "auto"  # a setting left to the family (Key.auto)
 
 
