@@ -15,6 +15,21 @@ transformer are not the smooth trajectory of a trained one), so skip counts and 
 hooks behave, not what quality a trained model keeps.
 
     .venv/bin/python scripts/bench_cache.py [--steps 20] [--families flux,wan,qwenimage] [--size 256]
+
+The gain by step count and size (issue 40), two more modes:
+
+- `--flops`: the denoiser's calls counted on the meta device (torch's FlopCounterMode: matmuls and attention, no
+  weights, no noise, seconds), a run of N calls with the cache's hooks on against N without, for each steps x size
+  x cache, on the twins and on the real configs of the presets (FLUX.1 [dev] at 1024x1024, Wan 2.2's high-noise
+  expert at 480x832 x 81 frames). What the hooks skip, so the most a cache can gain
+  where matmuls are the time (a GPU at real sizes);
+- `--sweep`: timed runs of the twins, each steps x size with no cache and each cache side by side, interleaved
+  (the order turned each round), the median of `--repeat`, the load average printed: the denoise stage's ratio
+  and the image against the uncached one.
+
+    .venv/bin/python scripts/bench_cache.py --flops [--steps-list 8,16,28] [--sizes 64,128]
+    .venv/bin/python scripts/bench_cache.py --sweep --families flux --steps-list 16 --sizes 64 --repeat 3 \\
+        --caches taylorseer,taylorseer:lite=false,magcache
 """
 
 from __future__ import annotations
@@ -22,7 +37,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -105,15 +122,161 @@ def compare(base, other) -> tuple[float, int]:
     return (math.inf if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)), int(np.max(np.abs(diff)))
 
 
+# the real configs the --flops mode counts beside the twins: preset, the denoiser, size (h, w), extra inputs
+# (Qwen-Image's 60 blocks 3072 wide took over 15 minutes of meta calls here: its twin only)
+REAL = {
+    "flux": ("flux.1-dev", "transformer", (1024, 1024), {"max_sequence_length": 512}),
+    "wan": ("wan2.2-t2v-a14b", "transformer", (480, 832), {"frames": 81, "max_sequence_length": 512}),
+}
+
+
+def counted_flops(folder: Path, component: str, height: int, width: int, extra: dict, caches: list[str],
+                  steps_list: list[int]) -> dict:
+    """(cache, steps) -> the FLOPs of `steps` denoiser calls with the cache's hooks on (one cache context: every
+    guidance branch is its own and skips alike), and (None, steps) -> without, counted on the meta device."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dm_cli.families import family_for
+    from dm_cli.inputs import InputSpec
+    from dm_cli.model.sources import resolve_source
+    from dm_cli.planning.step_cache import enable, parse_cache
+    from dm_cli.planning.trace import _materialise, _meta_model, _resolve_call
+
+    source = resolve_source(str(folder))
+    comp = source.component(component)
+    pipeline_class = json.loads((folder / "model_index.json").read_text())["_class_name"]
+    family = family_for(pipeline_class)
+    model = _meta_model(comp, "bfloat16")
+    inputs = InputSpec(height=height, width=width, max_sequence_length=extra.get("max_sequence_length"),
+                       num_frames=extra.get("frames"))
+    spec = _resolve_call(model, comp, pipeline_class, inputs)
+    kwargs = _materialise(spec.kwargs, torch.bfloat16, torch.device("meta"))
+
+    def one_call() -> int:
+        with FlopCounterMode(display=False) as counter:
+            model(**kwargs)
+        return counter.get_total_flops()
+
+    out = {}
+    with torch.no_grad():
+        full = one_call()
+        for steps in steps_list:
+            out[(None, steps)] = full * steps
+            for label in caches:
+                cache = parse_cache(label)
+                if cache.name not in family.step_caches or cache.name == "fbc":
+                    continue  # fbc decides on the tensors' values, which the meta device has not
+                enable(model, cache, family, steps, "bfloat16")
+                try:
+                    with model.cache_context("cond"):
+                        out[(label, steps)] = sum(one_call() for _ in range(steps))
+                finally:
+                    model.disable_cache()
+    return out
+
+
+def flops_table(args) -> int:
+    from dm_cli.families import family_for
+
+    steps_list, sizes = _ints(args.steps_list), _ints(args.sizes)
+    caches = [c for c in args.caches.split(",") if c]
+    print("| model | size | cache | " + " | ".join(f"{n} steps" for n in steps_list) + " |")
+    print("|---|---|---|" + "---:|" * len(steps_list))
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in args.families.split(","):
+            folder = build(family, Path(tmp))
+            cases = [(f"{family} twin", folder, "transformer", (size, size), FAMILIES[family][2]) for size in sizes]
+            if family in REAL:
+                preset, component, (height, width), extra = REAL[family]
+                cases.append((preset, REPO / "dm_cli" / "presets" / preset, component, (height, width), extra))
+            for name, path, component, (height, width), extra in cases:
+                pipeline_class = json.loads((path / "model_index.json").read_text())["_class_name"]
+                takes = [c for c in caches if c.split(":")[0] in family_for(pipeline_class).step_caches]
+                counted = counted_flops(path, component, height, width, extra, takes, steps_list)
+                for label in takes:
+                    if (label, steps_list[0]) not in counted:
+                        continue
+                    gains = [counted[(None, n)] / counted[(label, n)] for n in steps_list]
+                    print(f"| {name} | {height}x{width}{'x%d' % extra['frames'] if extra.get('frames') else ''} | "
+                          f"{label} | " + " | ".join(f"{g:.2f}x" for g in gains) + " |", flush=True)
+    return 0
+
+
+def sweep_table(args) -> int:
+    from dm_cli.families import family_for
+
+    steps_list, sizes = _ints(args.steps_list), _ints(args.sizes)
+    rows = []
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for family in args.families.split(","):
+            folder = build(family, root)
+            extra = FAMILIES[family][2]
+            pipeline_class = json.loads((folder / "model_index.json").read_text())["_class_name"]
+            caches = [None, *(c for c in args.caches.split(",") if c.split(":")[0] in family_for(pipeline_class).step_caches)]
+            out = root / f"{family}.{'mp4' if extra.get('frames') else 'png'}"
+            run(folder, out, None, 2, min(sizes), extra, simulate=False)  # warm-up: the first run in a process is slow
+            for size in sizes:
+                for steps in steps_list:
+                    timed = {cache: [] for cache in caches}
+                    images, skipped = {}, {}
+                    for round_ in range(args.repeat):
+                        for cache in (caches if round_ % 2 == 0 else caches[::-1]):
+                            result = run(folder, out, cache, steps, size, extra, simulate=False)
+                            timed[cache].append(denoise(result)[0])
+                            images[cache] = pixels(result)
+                            counts = result.step_cache.get("counts", {}) if cache else {}
+                            skipped[cache] = (sum(c["skipped"] for c in counts.values()),
+                                              sum(c["calls"] for c in counts.values()))
+                    base = statistics.median(timed[None])
+                    for cache in caches[1:]:
+                        psnr, max_diff = compare(images[None], images[cache])
+                        median = statistics.median(timed[cache])
+                        rows.append({"family": family, "size": size, "steps": steps, "cache": cache,
+                                     "uncached_s": round(base, 2), "denoise_s": round(median, 2),
+                                     "speedup": round(base / median, 2),
+                                     "skipped": f"{skipped[cache][0]}/{skipped[cache][1]}",
+                                     "psnr_db": round(psnr, 1), "max_pixel_diff": max_diff,
+                                     "runs_s": [round(t, 2) for t in timed[cache]],
+                                     "uncached_runs_s": [round(t, 2) for t in timed[None]]})
+                        print(json.dumps(rows[-1]), flush=True)
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print()
+    print("| family | size | steps | cache | denoise s, median (none -> cache) | speed-up | skipped calls | PSNR dB "
+          "| max pixel diff |")
+    print("|---|---|---:|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['family']} | {r['size']} | {r['steps']} | {r['cache']} | {r['uncached_s']} -> {r['denoise_s']} | "
+              f"{r['speedup']}x | {r['skipped']} | {r['psnr_db']} | {r['max_pixel_diff']} |")
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--families", default="flux,wan,qwenimage")
-    parser.add_argument("--repeat", type=int, default=1, help="timed runs per case (the fastest counts)")
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs per case (the fastest counts; --sweep: the median)")
     parser.add_argument("--gpu", action="store_true", help="run on CUDA GPU 0: speed and memory from the same real "
                         "runs (max_memory_allocated), no simulated run")
+    parser.add_argument("--flops", action="store_true", help="count each cache's FLOPs on the meta device, by steps "
+                        "and size, twins and real configs")
+    parser.add_argument("--sweep", action="store_true", help="timed runs by steps and size (the median of --repeat)")
+    parser.add_argument("--steps-list", default="8,16,28")
+    parser.add_argument("--sizes", default="64,128")
+    parser.add_argument("--caches", default="fbc,taylorseer,taylorseer:lite=false,magcache",
+                        help="the caches (--cache specs) --flops and --sweep compare; each family runs those it takes")
     args = parser.parse_args()
+    if args.flops:
+        return flops_table(args)
+    if args.sweep:
+        return sweep_table(args)
     import dm_cli.run.request as request_module
     from dm_cli.families import family_for
 

@@ -21,8 +21,9 @@ class FluxFamily(Family):
     default_sample_size = 128
     negative_prompt = False
 
-    # diffusers ships MagCache's magnitude ratios for FLUX.1 (FLUX_MAG_RATIOS); fbc and taylorseer hook its blocks
-    step_caches = {"fbc": {}, "taylorseer": {}, "magcache": {"mag_ratios": "flux"}}
+    # diffusers ships MagCache's magnitude ratios for FLUX.1 (FLUX_MAG_RATIOS); fbc and taylorseer hook its blocks;
+    # taylorseer's lite=auto is lite here (its MLPs are most of a block's work: dm_cli.planning.step_cache.resolved_lite)
+    step_caches = {"fbc": {}, "taylorseer": {"lite": True}, "magcache": {"mag_ratios": "flux"}}
 
     def call_spec(self, comp: Component, inputs: InputSpec) -> CallSpec | None:
         config = comp.config or {}

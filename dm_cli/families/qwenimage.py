@@ -44,8 +44,9 @@ class QwenImageFamily(Family):
     default_max_sequence_length = 512
     default_sample_size = 128
 
-    # fbc and taylorseer hook its transformer_blocks (MagCache has no magnitude ratios for it in diffusers)
-    step_caches = {"fbc": {}, "taylorseer": {}}
+    # fbc and taylorseer hook its transformer_blocks (MagCache has no magnitude ratios for it in diffusers);
+    # taylorseer's lite=auto is lite here (its MLPs are most of a block's work: dm_cli.planning.step_cache.resolved_lite)
+    step_caches = {"fbc": {}, "taylorseer": {"lite": True}}
 
     def title(self) -> str:
         return "Qwen-Image"

@@ -32,10 +32,13 @@ from dm_cli.planning import trace  # the module: tests replace its _run to see t
 from dm_cli.planning.search import DeviceUse
 from dm_cli.units import shorten
 
+AUTO = "auto"  # a setting left to the family (Key.auto)
+
 
 @dataclass(frozen=True)
 class Key:
-    """One setting of a cache: its type, default and bounds (`low_open`: the low bound is excluded)."""
+    """One setting of a cache: its type, default and bounds (`low_open`: the low bound is excluded). `auto`: the key
+    also takes "auto", the family's choice (resolved where the family is known: `resolved_lite`)."""
 
     type: type
     default: object
@@ -43,14 +46,18 @@ class Key:
     high: float | None = None
     low_open: bool = False
     help: str = ""
+    auto: bool = False
 
     def check(self, value, where: str):
         """The value as this key's type, within bounds, else UsageError (one sentence)."""
+        if self.auto and isinstance(value, str) and value.strip().lower() == AUTO:
+            return AUTO
         if self.type is bool:
             if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
                 value = value.lower() in ("true", "1", "yes", "on")
             if not isinstance(value, bool):
-                raise UsageError(f"{where} must be true or false, not {shorten(value, quote=True)}.")
+                raise UsageError(f"{where} must be true{', false or auto' if self.auto else ' or false'}, "
+                                 f"not {shorten(value, quote=True)}.")
             return value
         number = value
         if isinstance(value, str):
@@ -98,7 +105,10 @@ CACHES: dict[str, CacheKind] = {
         "cache_interval": Key(int, 5, 1, 1000, help="steps between full computations"),
         "disable_cache_before_step": Key(int, 3, 0, 10_000, help="steps computed in full first"),
         "max_order": Key(int, 1, 0, 4, help="order of the Taylor expansion (terms kept: max_order + 1)"),
-        "lite": Key(bool, False, help="predict proj_out only and skip whole blocks (less memory)"),
+        # auto: the family's (Family.step_caches["taylorseer"]["lite"]): lite where the MLPs, which full mode still
+        # runs, are most of a block's work (FLUX, Qwen-Image: full mode could not reach 1.5x there, issue 40)
+        "lite": Key(bool, AUTO, auto=True, help="predict proj_out only and skip whole blocks (less memory); auto: "
+                    "the family's choice"),
     }),
     "magcache": CacheKind("magcache", "MagCache", "MagCacheConfig", {
         "threshold": Key(float, 0.06, 0.0, 1.0, low_open=True, help="accumulated error below which a step is skipped"),
@@ -186,10 +196,11 @@ def diffusers_config(cache: StepCache, family, steps: int | None = None, dtype: 
     if cache.name == "taylorseer":
         import torch
 
+        lite = resolved_lite(cache, family)
         kwargs = {"cache_interval": values["cache_interval"], "disable_cache_before_step": values["disable_cache_before_step"],
-                  "max_order": values["max_order"], "use_lite_mode": values["lite"],
+                  "max_order": values["max_order"], "use_lite_mode": lite,
                   "taylor_factors_dtype": getattr(torch, dtype) if dtype else torch.bfloat16}
-        if own.get("cache_identifiers") and not values["lite"]:
+        if own.get("cache_identifiers") and not lite:
             kwargs["cache_identifiers"] = list(own["cache_identifiers"])
         return cls(**kwargs)
     if cache.name == "magcache":
@@ -201,6 +212,19 @@ def diffusers_config(cache: StepCache, family, steps: int | None = None, dtype: 
         return cls(threshold=values["threshold"], max_skip_steps=values["max_skip_steps"],
                    retention_ratio=values["retention_ratio"], num_inference_steps=steps or 28, mag_ratios=ratios)
     raise AssertionError(f"no config for {cache.name}")
+
+
+def resolved_lite(cache: StepCache, family) -> bool:
+    """taylorseer's `lite` as it runs: the user's true or false, else (auto) the family's choice
+    (`step_caches["taylorseer"]["lite"]`, False where the family names none). Lite skips whole blocks on predicted
+    steps; full mode predicts only the attentions and still runs the MLPs, which in FLUX.1 [dev] at 1024x1024 are
+    58% of a call's FLOPs: full mode skips at most 1.36x at 16 steps and 1.43x at 28 (scripts/bench_cache.py
+    --flops), lite 2.67x and 3.5x. Wan's attentions over 81 frames are most of its work: full mode there gains 1.95x
+    at 16 steps and keeps the MLPs exact."""
+    value = cache.setting("lite", AUTO)
+    if value == AUTO:
+        return bool(((getattr(family, "step_caches", {}) or {}).get("taylorseer") or {}).get("lite", False))
+    return bool(value)
 
 
 def enable(model, cache: StepCache, family, steps: int | None = None, dtype: str | None = None) -> None:

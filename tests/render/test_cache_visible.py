@@ -41,7 +41,7 @@ def test_plan_tables_name_the_cache_and_its_bytes(plans):
     held = json.loads(cached.read_text())["step_cache"]["components"]["transformer"]
     assert held["total_bytes"] > 0 and list(held["bytes"]) == ["cpu"]
     text = flat(cached_out)
-    assert ("Step cache: taylorseer (cache_interval=5, disable_cache_before_step=3, lite=false, max_order=1): "
+    assert ("Step cache: taylorseer (cache_interval=5, disable_cache_before_step=3, lite=auto, max_order=1): "
             f"transformer holds {format_size(held['total_bytes'])} between steps on cpu, counted in the peaks.") in text
     header = next(line for line in cached_out.splitlines() if "weights" in line and "peak" in line)
     assert "step cache" in header and "░ cache" in cached_out  # the memory table's column and the bar's legend

@@ -18,6 +18,7 @@ DEVICES = ["--max-memory", "0=10GB,cpu=10GB", "--simulate"]
     ("fbc:threshold=2", "at most 1"),
     ("fbc:threshold", "needs a value"),
     ("taylorseer:cache_interval=0", "from 1 to 1000"),
+    ("taylorseer:lite=maybe", "lite must be true, false or auto, not 'maybe'"),
     ("fbc:threshold=0.1,threshold=0.2", "twice"),
     ("fastercache", "FasterCache needs a timestep callback"),
     ("pyramid_attention_broadcast", "Pyramid Attention Broadcast needs a timestep callback"),
@@ -41,6 +42,40 @@ def test_parse_fills_defaults_and_labels():
     cache = parse_cache("taylorseer:max_order=2,lite=true")
     assert cache.label == "taylorseer:cache_interval=5,disable_cache_before_step=3,lite=true,max_order=2"
     assert parse_cache(cache.label) == cache == parse_cache({"name": "taylorseer", "max_order": 2, "lite": True})
+
+
+def test_taylorseer_lite_is_the_familys_unless_the_user_sets_it():
+    """lite=auto (the default, issue 40): lite on FLUX and Qwen-Image, whose MLPs full mode still runs, full mode
+    (attentions predicted, Wan's own patterns) on Wan; a user's true or false wins on every family."""
+    pytest.importorskip("diffusers")
+    from dm_cli.families.flux import FluxFamily
+    from dm_cli.families.qwenimage import QwenImageFamily
+    from dm_cli.families.wan import WanFamily
+    from dm_cli.planning.step_cache import diffusers_config, parse_cache
+
+    default = parse_cache("taylorseer")
+    assert default.setting("lite") == "auto" and "lite=auto" in default.label and parse_cache(default.label) == default
+    for family, lite in ((FluxFamily(), True), (QwenImageFamily(), True), (WanFamily(), False)):
+        config = diffusers_config(default, family, 16)
+        assert config.use_lite_mode is lite, family
+        assert bool(config.cache_identifiers) is (isinstance(family, WanFamily) and not lite)
+    for family in (FluxFamily(), QwenImageFamily(), WanFamily()):
+        assert diffusers_config(parse_cache("taylorseer:lite=false"), family, 16).use_lite_mode is False
+        assert diffusers_config(parse_cache("taylorseer:lite=true"), family, 16).use_lite_mode is True
+    assert diffusers_config(parse_cache("taylorseer:lite=false"), WanFamily(), 16).cache_identifiers
+
+
+def test_taylorseer_default_plans_the_lite_hooks_on_flux():
+    """The default reaches the hooks the plan counts: on tiny FLUX the state of lite (proj_out's terms), not of full
+    mode (every attention's)."""
+    pytest.importorskip("torch")
+    from dm_cli import plan
+
+    held = {spec: plan("tiny-flux", max_memory="0=10GB,cpu=10GB", cache=spec).step_cache["components"]["transformer"]
+            for spec in ("taylorseer", "taylorseer:lite=true", "taylorseer:lite=false")}
+    assert held["taylorseer"]["holders"] == held["taylorseer:lite=true"]["holders"] == {"proj_out": held[
+        "taylorseer"]["total_bytes"]}
+    assert len(held["taylorseer:lite=false"]["holders"]) > 1
 
 
 @pytest.mark.parametrize("name", ["fbc", "taylorseer", "magcache"])
