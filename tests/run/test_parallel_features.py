@@ -167,25 +167,18 @@ def test_fbc_ranks_holding_parts_of_a_call_decide_on_the_whole_call(launched):
     assert decisions == [True, True]
 
 
-def test_a_step_cache_with_pipeline_ranks_is_refused_in_one_sentence(folders, tmp_path, monkeypatch):
-    """Rank 0 of a 2-rank pipeline launch asking for --cache: refused before anything loads or joins."""
+def test_a_plan_for_context_ranks_with_a_cache_counts_the_whole_cache_on_every_rank(folders):
+    """Under cfg/context each rank keeps the hooks of the whole denoiser: the one process's cache bytes, per rank
+    (the pipeline's per-slice figure: test_step_cache.py::test_a_pipeline_plan_counts_each_slices_cache_on_its_rank)."""
     from conftest import run_dmap
 
-    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
-        monkeypatch.setenv(name, value)
-    code, _, err = run_dmap("run", folders["tiny-flux"], "--prompt", PROMPT, "--parallel", "pipeline", "--cache",
-                            "taylorseer", "--height", 32, "--width", 32, "--output", tmp_path / "x.png")
-    assert code == 2 and "--cache taylorseer with --parallel pipeline: dmap does not keep" in err, err
-    assert "Traceback" not in err
-
-
-def test_a_plan_for_several_ranks_with_a_cache_is_refused_and_points_to_the_one_process_plan(folders):
-    from conftest import run_dmap
-
-    code, _, err = run_dmap("plan", folders["tiny-flux"], "--world-size", 2, "--parallel", "context", "--cache",
-                            "taylorseer", "--height", 32, "--width", 32, "--max-memory", "0=1GB,1=1GB")
-    assert code == 2 and "plan the cache for one process (dmap run --parallel cfg or context runs" in err, err
+    code, out, err = run_dmap("plan", folders["tiny-flux"], "--world-size", 2, "--parallel", "context", "--cache",
+                              "taylorseer", "--height", 32, "--width", 32, "--max-memory", "0=1GB,1=1GB", "--json")
+    assert code == 0, err
+    cache = json.loads(out)["step_cache"]["components"]["transformer"]
+    assert cache["total_bytes"] > 0
+    assert {int(rank): held for rank, held in cache["ranks"].items()} == {0: cache["total_bytes"],
+                                                                        1: cache["total_bytes"]}
 
 
 if __name__ == "__main__":  # a torchrun rank of the `launched` fixture
