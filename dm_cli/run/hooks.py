@@ -69,10 +69,10 @@ class LoopHooks:
         return hook
 
     def apply(self, name: str, model, only: tuple[str, ...] | None = None) -> None:
-        """Every hook (or those named in `only`) on component `name`, in the registry's order."""
-        done = self.applied.setdefault(name, [])
+        """Every hook (or those named in `only`) on component `name` as it loads, in the registry's order."""
+        done = self.applied[name] = []
         for hook_name, hook in list(self.hooks.items()):
-            if (only is None or hook_name in only) and hook_name not in done:
+            if only is None or hook_name in only:
                 hook.apply(name, model)
                 done.append(hook_name)
 
