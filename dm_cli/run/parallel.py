@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from dm_cli.errors import UsageError
 from dm_cli.planning.modes import Layout, Parallel
+from dm_cli.run.component_hooks import StepCache
 from dm_cli.run.distributed import Ranks
 from dm_cli.run.stages import MainRankStages, StageLoop
 
@@ -350,6 +351,7 @@ class ParallelStageLoop(MainRankStages, StageLoop):
         self.denoisers = {self.family.denoiser, *self.family.experts}
         self.mesh, self.cfg_group, self.owns_group = join(sharing, self.cuda)
         self.separate = SeparateCalls(sharing.branch, self.cfg_group) if sharing.guidance == "separate" else None
+        self.hooks.replace_hook("step_cache", AgreedStepCache(self))
 
     def device_map(self, name: str) -> dict:
         """The denoiser whole on this rank's GPU (rank r on GPU r); everything else as planned."""
@@ -375,17 +377,6 @@ class ParallelStageLoop(MainRankStages, StageLoop):
             dtype = self.torch_dtype or next(model.parameters()).dtype
             model.forward = (self.separate.wrap(model.forward, dtype) if self.separate is not None
                              else BatchHalves(model.forward, self.sharing.branch, self.cfg_group))
-
-    def _apply_step_cache(self, name: str, model, steps: int | None = None) -> None:
-        """The step cache as one process applies it; fbc's skip decision then made over the ranks that share a call
-        (dm_cli.run.step_cache.agree_across). TaylorSeer and MagCache decide by the step's index alone, and under
-        separate CFG calls each rank's branch is its own cache context, as in one process."""
-        super()._apply_step_cache(name, model, steps)
-        group = self.sharing_group()
-        if self.plan.cache is not None and self.plan.cache.name == "fbc" and group is not None:
-            from dm_cli.run.step_cache import agree_across
-
-            agree_across(model, group)
 
     def sharing_group(self):
         """The ranks whose parts make one process's denoiser call: the Ulysses group, with its CFG pair when the
@@ -425,3 +416,21 @@ class ParallelStageLoop(MainRankStages, StageLoop):
         super().close()
         if self.owns_group:
             self.sharing.ranks.leave()
+
+
+class AgreedStepCache(StepCache):
+    """The step cache as one process applies it; fbc's skip decision then made over the ranks that share a call
+    (dm_cli.run.step_cache.agree_across). TaylorSeer and MagCache decide by the step's index alone, and under
+    separate CFG calls each rank's branch is its own cache context, as in one process."""
+
+    def __init__(self, loop: ParallelStageLoop):
+        super().__init__(loop)
+        self.loop = loop
+
+    def enable(self, name: str, model, steps: int | None) -> None:
+        super().enable(name, model, steps)
+        group = self.loop.sharing_group()
+        if self.plan.cache is not None and self.plan.cache.name == "fbc" and group is not None:
+            from dm_cli.run.step_cache import agree_across
+
+            agree_across(model, group)

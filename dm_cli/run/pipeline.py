@@ -46,7 +46,9 @@ from dm_cli.devices import device_key, is_gpu
 from dm_cli.errors import UsageError
 from dm_cli.families.stages import DENOISE
 from dm_cli.planning.parallel import PIPELINE_CLASSES, ParallelRequest
+from dm_cli.run.component_hooks import StepCache
 from dm_cli.run.distributed import TerminateRaises
+from dm_cli.run.hooks import LoopHook
 from dm_cli.run.pipeline_links import (
     Links,
     RankThread,
@@ -374,8 +376,9 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         self.links = Links(self.rank_device)
         self.local = threading.local()
         self.turns = Turns(0)
-        self._relays: dict = {}  # denoiser -> its slice's SliceRelay (fbc, magcache) or None (taylorseer)
         self._terminate = TerminateRaises().__enter__()  # SIGTERM stops this rank as Ctrl-C does, in order (close)
+        self.hooks.replace_hook("step_cache", SliceStepCache(self))
+        self.hooks.register_hook(SliceEnds(self), "slice_end", after="step_cache")
 
     # --- where things go --------------------------------------------------------------------------
 
@@ -414,90 +417,12 @@ class PipelineStageLoop(MainRankStages, StageLoop):
             self.status(f"Loading {len(patching)} LoRA(s) into slice {self.rank + 1} of {name}…")
             with without_blocks(model, others):
                 load_loras(self.pipe, name, model, patching, self.torch_dtype, fuse=name in self.fused_loras)
-        relay = self._cache_slice(name, model)
-        cut_to_slice(model, slices, self.rank,
-                     lambda tensors: self.links.send(relay.outgoing(tensors) if relay else tensors, self.rank + 1),
-                     lambda: relay.incoming(self.links.recv(self.rank - 1)) if relay else self.links.recv(self.rank - 1))
-        self._count_slice_cache(name, model, relay)
-        cmap = self.device_map(name)
-        self.meter.register_weights(model, cmap, cmap[""])
-        self._hooks[name] = self.meter.attach(model, cmap, cmap[""])
+        self.hooks.apply(name, model, only=SLICE_HOOKS)
         model.forward = SliceForward(model.forward, self)
         self.loaded[name] = model
         if self._pipe is not None:
             setattr(self._pipe, name, model)
         self.status(None)
-
-    # --- --cache on a slice -------------------------------------------------------------------------
-
-    def _cache_slice(self, name: str, model):
-        """--cache on this rank's slice: diffusers' hooks put on the whole model before the cut (its first and last
-        blocks are the model's; none lands on SliceEnd), so each kept block keeps its hook and its state lives on
-        this rank. fbc and magcache: a SliceRelay carries the decision and the first block's tensors with the
-        activations (dm_cli.run.step_cache). Every hook state is a prompt in flight's: its cache contexts are named
-        after its slot (`cache_context`), and only its own are reset (`_reset_step_caches`)."""
-        cache = self.plan.cache
-        if cache is None or name not in self.plan.step_cache.get("components", {}):
-            return None
-        import contextlib
-
-        from diffusers.hooks.hooks import CacheContext
-
-        from dm_cli.planning.step_cache import CACHES, enable
-        from dm_cli.run.step_cache import SliceRelay, drop_states
-
-        enable(model, cache, self.family, None, self.plan.dtype)
-        relay = SliceRelay(model, cache, self.rank, self.world_size) if CACHES[cache.name].head_and_tail else None
-        self._relays[name] = relay
-        own = model.cache_context
-
-        @contextlib.contextmanager
-        def cache_context(context: str, **kwargs):
-            config = getattr(self.local, "cache_config", None)
-            if relay is not None and config is not None:
-                relay.use_config(config)
-            slot = getattr(self.local, "slot", None)
-            with own(context if slot is None else f"{slot}:{context}", **kwargs):
-                if relay is None:
-                    yield
-                    return
-                # diffusers sets the shared state's context through the first block's hook, which the other ranks lack
-                relay.manager.set_context(CacheContext(context if slot is None else f"{slot}:{context}", **kwargs))
-                try:
-                    yield
-                finally:
-                    relay.manager.set_context(None)
-
-        model.cache_context = cache_context
-        # the diffusers pipeline resets the hooks at the end of its call (maybe_free_model_hooks): this prompt's only
-        model._reset_stateful_cache = lambda recurse=True: drop_states(model, f"{getattr(self.local, 'slot', None)}:")
-        return relay
-
-    def _count_slice_cache(self, name: str, model, relay) -> None:
-        """The counter of the slice's calls (after the cut: its probe is a kept module); fbc's and magcache's
-        computed calls counted by the relay, from the decision every rank shares."""
-        if name not in self._relays:
-            return
-        from dm_cli.run.step_cache import StepCounter, StepCounts
-
-        model._diffusers_hook.invalidate_child_registries_cache()  # the dropped blocks' hooks are gone
-        counter = StepCounter(model, self.plan.cache, probe=relay is None)
-        counter.counts = self.step_counts.setdefault(name, StepCounts())
-        if relay is not None:
-            relay.counter = counter
-        self.step_counters[name] = counter
-
-    def _reset_step_caches(self, steps: int | None = None) -> None:
-        """This prompt's hook states emptied (the other prompts in flight keep theirs); magcache made for its steps."""
-        from dm_cli.run.step_cache import drop_states
-
-        slot = getattr(self.local, "slot", None)
-        for counter in self.step_counters.values():
-            drop_states(counter.model, f"{slot}:")
-        if steps is not None and self.plan.cache is not None and self.plan.cache.name == "magcache":
-            from dm_cli.planning.step_cache import diffusers_config
-
-            self.local.cache_config = diffusers_config(self.plan.cache, self.family, steps, self.plan.dtype)
 
     # --- running ------------------------------------------------------------------------------------
 
@@ -534,7 +459,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         if missing:
             raise UsageError(f"The plan runs {stage_plan.name} before the stage that makes its {missing[0]}: the "
                              "stages are out of order.")
-        self._reset_peaks()
+        self.hooks["meter"].reset_peaks()
         self.meter.current[:] = [str(self.rank_device) if self.cuda else "cpu"]
         sampled = self.measure and not self.cuda
         stage.tracked = "process peak RSS" if sampled else ("none (CUDA: max_memory_allocated)" if self.measure
@@ -543,7 +468,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         with RssSampler() if sampled else contextlib.nullcontext() as rss:
             self._denoise_in_flight(stage_plan, jobs, carries, on_step)
         stage.run_s = time.perf_counter() - start
-        self._measured(stage, rss)
+        self.hooks["meter"].measured(stage, rss)
 
     def _denoise_in_flight(self, stage_plan, jobs: list, carries: list, on_step) -> None:
         import copy
@@ -610,3 +535,106 @@ class PipelineStageLoop(MainRankStages, StageLoop):
                     self.sharing.ranks.leave()
             finally:
                 self._terminate.__exit__(None, None, None)
+
+
+# --- the hooks of a slice (dm_cli.run.hooks) -------------------------------------------------------------------
+
+SLICE_HOOKS = ("step_cache", "slice_end", "meter")  # what a rank puts on its slice of the denoiser, in this order
+
+
+class SliceStepCache(StepCache):
+    """--cache on this rank's slice: diffusers' hooks put on the whole model before the cut (its first and last
+    blocks are the model's; none lands on SliceEnd), so each kept block keeps its hook and its state lives on
+    this rank. fbc and magcache: a SliceRelay carries the decision and the first block's tensors with the
+    activations (dm_cli.run.step_cache). Every hook state is a prompt in flight's: its cache contexts are named
+    after its slot (`cache_context`), and only its own are reset (`reset`)."""
+
+    def __init__(self, loop: PipelineStageLoop):
+        super().__init__(loop)
+        self.loop = loop
+        self.relays: dict = {}  # denoiser -> its slice's SliceRelay (fbc, magcache) or None (taylorseer)
+
+    def apply(self, name: str, model) -> None:
+        if not self.cached(name):
+            return
+        import contextlib
+
+        from diffusers.hooks.hooks import CacheContext
+
+        from dm_cli.planning.step_cache import CACHES, enable
+        from dm_cli.run.step_cache import SliceRelay, drop_states
+
+        loop, cache = self.loop, self.plan.cache
+        enable(model, cache, self.family, None, self.plan.dtype)
+        relay = SliceRelay(model, cache, loop.rank, loop.world_size) if CACHES[cache.name].head_and_tail else None
+        self.relays[name] = relay
+        own = model.cache_context
+
+        @contextlib.contextmanager
+        def cache_context(context: str, **kwargs):
+            config = getattr(loop.local, "cache_config", None)
+            if relay is not None and config is not None:
+                relay.use_config(config)
+            slot = getattr(loop.local, "slot", None)
+            with own(context if slot is None else f"{slot}:{context}", **kwargs):
+                if relay is None:
+                    yield
+                    return
+                # diffusers sets the shared state's context through the first block's hook, which the other ranks lack
+                relay.manager.set_context(CacheContext(context if slot is None else f"{slot}:{context}", **kwargs))
+                try:
+                    yield
+                finally:
+                    relay.manager.set_context(None)
+
+        model.cache_context = cache_context
+        # the diffusers pipeline resets the hooks at the end of its call (maybe_free_model_hooks): this prompt's only
+        model._reset_stateful_cache = lambda recurse=True: drop_states(model, f"{getattr(loop.local, 'slot', None)}:")
+
+    def count(self, name: str, model) -> None:
+        """The counter of the slice's calls (after the cut: its probe is a kept module); fbc's and magcache's
+        computed calls counted by the relay, from the decision every rank shares."""
+        if name not in self.relays:
+            return
+        from dm_cli.run.step_cache import StepCounter, StepCounts
+
+        relay = self.relays[name]
+        model._diffusers_hook.invalidate_child_registries_cache()  # the dropped blocks' hooks are gone
+        counter = StepCounter(model, self.plan.cache, probe=relay is None)
+        counter.counts = self.counts.setdefault(name, StepCounts())
+        if relay is not None:
+            relay.counter = counter
+        self.counters[name] = counter
+
+    def reset(self, job=None) -> None:
+        """This prompt's hook states emptied (the other prompts in flight keep theirs); magcache made for its steps."""
+        from dm_cli.run.step_cache import drop_states
+
+        loop = self.loop
+        slot = getattr(loop.local, "slot", None)
+        for counter in self.counters.values():
+            drop_states(counter.model, f"{slot}:")
+        if job is not None and self.plan.cache is not None and self.plan.cache.name == "magcache":
+            from dm_cli.planning.step_cache import diffusers_config
+
+            loop.local.cache_config = diffusers_config(self.plan.cache, self.family, job.steps, self.plan.dtype)
+
+
+class SliceEnds(LoopHook):
+    """The slice's ends (`cut_to_slice`): the other ranks' blocks dropped, the first block fed by the previous rank,
+    a SliceEnd sending on to the next; the slice's step cache relay in between, then its counter (after the cut)."""
+
+    def __init__(self, loop: PipelineStageLoop):
+        self.loop = loop
+
+    def apply(self, name: str, model) -> None:
+        loop = self.loop
+        if name not in loop.denoisers:
+            return
+        cache = loop.hooks["step_cache"]
+        relay = cache.relays.get(name)
+        slices = plan_slices(loop.plan, name, loop.world_size)  # Wan 2.2's experts: each cut as the plan cuts it
+        cut_to_slice(model, slices, loop.rank,
+                     lambda tensors: loop.links.send(relay.outgoing(tensors) if relay else tensors, loop.rank + 1),
+                     lambda: relay.incoming(loop.links.recv(loop.rank - 1)) if relay else loop.links.recv(loop.rank - 1))
+        cache.count(name, model)
