@@ -251,7 +251,8 @@ def _queue(folder: Path, ranks: int, prompts: Path, out: Path, steps: int, extra
         peak, imported = (int(x) for x in (memory / f"rank{rank}.txt").read_text().split())
         added.append(peak - imported)
     return {"process": wall, "denoise": result["stages"].get("denoise", {}).get("run_s", 0.0), "added": added,
-            "notices": result["notices"], "cache": [r["step_cache"]["counts"] for r in results if "step_cache" in r],
+            "notices": result["notices"],
+            "cache": [r["step_cache"]["counts"] for r in results if (r.get("step_cache") or {}).get("counts")],
             "stages": {name: stage.get("load_s", 0.0) + stage.get("run_s", 0.0)
                        for name, stage in result["stages"].items()}}
 
