@@ -26,8 +26,15 @@ denoise stage's run time, and each process's peak memory above what it held afte
 the ENTRY's imports: what the run itself added, the CPU's stand-in for a GPU's max_memory_allocated), the largest
 rank's against the single process's. Pixels compared image by image.
 
+Pipeline parallel with features (`--case pipeline-features --features int8,lora,taylorseer`, issue 40): the same
+queue, twin and fastest cut, the plan and the one process both given the features (`--weights int8` computing in
+bfloat16 or `--weights fp8` in float32, a LoRA made as tests/run/test_lora.py makes one at scale 0.7, `--cache
+taylorseer`, fbc or magcache); each rank loads its slice that way. The same columns, pixels and the step cache's
+counts (calls, computed, skipped) of each process.
+
 Usage: .venv/bin/python scripts/bench_parallel.py [--repeats N] [--steps N] [--cfg-size 256] [--context-size 512]
-       [--case cfg,context,pipeline,pipeline-cfg] [--prompts 8] [--pipeline-size 256] [--pipeline-steps 28]
+       [--case cfg,context,pipeline,pipeline-cfg,pipeline-features] [--prompts 8] [--pipeline-size 256]
+       [--pipeline-steps 28] [--features fp8,lora,taylorseer]
 """
 
 from __future__ import annotations
@@ -244,7 +251,10 @@ def _queue(folder: Path, ranks: int, prompts: Path, out: Path, steps: int, extra
         peak, imported = (int(x) for x in (memory / f"rank{rank}.txt").read_text().split())
         added.append(peak - imported)
     return {"process": wall, "denoise": result["stages"].get("denoise", {}).get("run_s", 0.0), "added": added,
-            "notices": result["notices"]}
+            "notices": result["notices"],
+            "cache": [r["step_cache"]["counts"] for r in results if (r.get("step_cache") or {}).get("counts")],
+            "stages": {name: stage.get("load_s", 0.0) + stage.get("run_s", 0.0)
+                       for name, stage in result["stages"].items()}}
 
 
 # The two plans the pipeline case compares: the fastest cut (room to spare), and the cut that fits 1.1 GB per rank
@@ -252,30 +262,67 @@ def _queue(folder: Path, ranks: int, prompts: Path, out: Path, steps: int, extra
 PIPELINE_PLANS = {"fastest cut": "0=4GB,1=4GB", "cut that fits 1.1 GB per rank": "0=1.1GB,1=1.1GB"}
 
 
-def _pipeline_case(flux: Path, size: int, steps: int, prompts: int, repeats: int, tmp: Path):
-    """The queue on one process against the 2-rank pipeline of each plan (plans made once, outside the timing)."""
+def _pipeline_case(flux: Path, size: int, steps: int, prompts: int, repeats: int, tmp: Path,
+                   plans: dict[str, str] = PIPELINE_PLANS, features: tuple[str, ...] = (),
+                   run_features: tuple[str, ...] = ()):
+    """The queue on one process against the 2-rank pipeline of each plan (plans made once, outside the timing);
+    `features` (--weights, --lora, --cache ...) given to the plans and to the one process alike, `run_features` (the
+    LoRA files, which a plan names but does not hold) to the ranks' runs of a plan too."""
     queue = tmp / "pipeline-prompts.txt"
     queue.write_text("".join(f"{PROMPT}, picture {i}\n" for i in range(prompts)))
-    common = ["--height", str(size), "--width", str(size), "--max-sequence-length", "64"]
+    common = ["--height", str(size), "--width", str(size), "--max-sequence-length", "64", *features]
     kinds, layouts = {"1 process": (1, common)}, {}
-    for n, (title, budget) in enumerate(PIPELINE_PLANS.items()):
+    for n, (title, budget) in enumerate(plans.items()):
         plan = tmp / f"pipeline-plan-{n}.json"
         subprocess.run([sys.executable, "-m", "dm_cli", "plan", str(flux), "--max-memory", budget, "--world-size", "2",
                         "--parallel", "pipeline", *common, "-o", str(plan), "--overwrite"], check=True,
                        capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
         layouts[title] = json.loads(plan.read_text())["parallel"]
-        kinds[title] = (2, ["-d", str(plan)])
+        kinds[title] = (2, ["-d", str(plan), *run_features])
     for n, (ranks, extra) in enumerate(kinds.values()):  # warm-up: trace cache, page cache
         _queue(flux, ranks, queue, tmp / f"pipeline-warm-{n}", 1, extra, tmp / "memory")
     runs: dict[str, list[dict]] = {title: [] for title in kinds}
     for i in range(repeats):
         for n, (title, (ranks, extra)) in enumerate(kinds.items()):
             runs[title].append(_queue(flux, ranks, queue, tmp / f"pipeline-{n}-{i}", steps, extra, tmp / "memory"))
-    assert all(any("slices" in line for line in runs[t][0]["notices"]) for t in PIPELINE_PLANS), runs
+    assert all(any("slices" in line for line in runs[t][0]["notices"]) for t in plans), runs
     difference = max(int(abs(_pixels(tmp / f"pipeline-0-{i}" / f"{k:05d}.png")
                              - _pixels(tmp / f"pipeline-{n}-{i}" / f"{k:05d}.png")).max())
                      for i in range(repeats) for k in range(prompts) for n in range(1, len(kinds)))
     return runs, difference, layouts
+
+
+# --features: what each word adds to the plans and the one process (the plan records the weights and the cache; a run of
+# a plan is given the LoRA file again). fp8 keeps fp32 compute (the plain case's dtype; diffusers' layerwise casting
+# upcasts each layer's weights per call), int8 computes in bfloat16 (torchao's weight-only int8, as the tests run it).
+WEIGHT_FEATURES = {"fp8": ["--weights", "fp8", "--dtype", "float32"], "int8": ["--weights", "int8", "--dtype", "bfloat16"]}
+CACHE_FEATURES = ("taylorseer", "fbc", "magcache")
+
+
+def _feature_args(words: list[str], flux: Path, models: Path) -> tuple[list[str], list[str]]:
+    """(plan and one-process arguments, arguments a run of the plan takes too) for `--features`; the LoRA is made as
+    tests/run/test_lora.py makes one (rank 4 on the attention projections, random B matrices), kept beside the twin."""
+    plan_args: list[str] = []
+    run_args: list[str] = []
+    for word in words:
+        if word in WEIGHT_FEATURES:
+            plan_args += WEIGHT_FEATURES[word]
+        elif word.partition(":")[0] in CACHE_FEATURES:
+            plan_args += ["--cache", word]
+        elif word == "lora":
+            lora = models / "flux-15-lora.safetensors"
+            if not lora.is_file():
+                import diffusers
+
+                sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "run")]
+                from test_lora import make_lora
+
+                make_lora(diffusers.FluxTransformer2DModel, flux / "transformer", lora, diffusers.FluxPipeline, seed=1)
+            plan_args += ["--lora", f"{lora}:0.7"]
+            run_args += ["--lora", f"{lora}:0.7"]
+        else:
+            raise SystemExit(f"Unknown feature '{word}': use fp8 or int8, lora, and taylorseer, fbc or magcache.")
+    return plan_args, run_args
 
 
 def _pipeline_cfg_case(qwen: Path, size: int, steps: int, repeats: int, tmp: Path):
@@ -319,6 +366,16 @@ def _pipeline_rows(runs: dict, difference: int, layouts: dict, prompts: int) -> 
                     f"**{denoise0 / denoise:.2f}x** | rank 0 {ranks[0] / mb:.0f}, rank 1 {ranks[1] / mb:.0f} = "
                     f"**{max(ranks) / added0:.2f}x** | {layout.get('predicted_speedup')}x |")
     rows += ["", f"Largest pixel difference against 1 process, every image: {difference}."]
+    for title, got in runs.items():  # where the time goes: rank 0's stages (load + run), the rest is the launch
+        stages = {name: statistics.median(r["stages"].get(name, 0.0) for r in got) for name in got[0]["stages"]}
+        whole = statistics.median(r["process"] for r in got)
+        rows.append(f"Stages, {title} (rank 0, load + run s): " + ", ".join(f"{n} {t:.1f}" for n, t in stages.items())
+                    + f"; the rest of the {whole:.1f} s process (launch, imports, planning, exit) "
+                      f"{whole - sum(stages.values()):.1f}.")
+    for title, got in runs.items():
+        if got[0]["cache"]:
+            rows.append(f"Step cache, {title}: " + "; ".join(f"rank {k}: {json.dumps(c)}"
+                                                             for k, c in enumerate(got[0]["cache"])) + ".")
     for title, layout in layouts.items():
         slices = "; ".join(f"rank {k}: {v[0]} .. {v[-1]}" for k, v in layout["slices"].items())
         rows.append(f"{title}: {slices} ({layout.get('in_flight')} prompts in flight at most).")
@@ -336,17 +393,22 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="pipeline: prompts in the queue")
     parser.add_argument("--pipeline-size", type=int, default=256)
     parser.add_argument("--pipeline-steps", type=int, default=28, help="FLUX.1 [dev]'s default")
+    parser.add_argument("--features", default="fp8,lora,taylorseer",
+                        help="pipeline-features: fp8 or int8, lora, taylorseer (or fbc, magcache), comma-separated")
     options = parser.parse_args()
     cases = set(options.case.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="bench-parallel-"))
     models = Path(options.model_dir or tmp)
     sd15, flux = build_pipeline(models / "sd15-mid"), build_flux(models / "flux-mid")  # outside any timing
-    if "pipeline" in cases:
+    if cases & {"pipeline", "pipeline-features"}:
         build_flux(models / "flux-15", FLUX_WIDE_TRANSFORMER, FLUX_WIDE_T5)
     # dm_cli's bytecode, as a wheel install has it (see bench_run.py)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "dm_cli")], check=True, stdout=subprocess.DEVNULL)
     load_before = os.getloadavg()
-    cfg = context = pipeline = pipeline_cfg = None
+    cfg = context = pipeline = pipeline_cfg = featured = None
+    if "pipeline-features" in cases:  # the LoRA made outside any timing too
+        wide = build_flux(models / "flux-15", FLUX_WIDE_TRANSFORMER, FLUX_WIDE_T5)
+        plan_args, run_args = _feature_args(options.features.split(","), wide, models)
     if "cfg" in cases:
         cfg = _case("cfg", sd15, "cfg", options.cfg_size, options.steps, options.repeats, tmp,
                     ["--guidance-scale", str(GUIDANCE)])
@@ -357,6 +419,10 @@ def main() -> None:
         wide = build_flux(models / "flux-15", FLUX_WIDE_TRANSFORMER, FLUX_WIDE_T5)
         pipeline = _pipeline_case(wide, options.pipeline_size, options.pipeline_steps, options.prompts,
                                   options.repeats, tmp)
+    if "pipeline-features" in cases:
+        featured = _pipeline_case(wide, options.pipeline_size, options.pipeline_steps, options.prompts, options.repeats,
+                                  tmp, {"fastest cut": PIPELINE_PLANS["fastest cut"]}, tuple(plan_args),
+                                  tuple(run_args))
     if "pipeline-cfg" in cases:
         pipeline_cfg = _pipeline_cfg_case(build_qwen(models / "qwen-mid"), options.pipeline_size, options.steps,
                                           options.repeats, tmp)
@@ -378,6 +444,11 @@ def main() -> None:
               f"{options.pipeline_size}, a queue of "
               f"{options.prompts} prompts:\n")
         print("\n".join(_pipeline_rows(*pipeline, options.prompts)))
+    if featured:
+        print(f"\nPipeline parallel with {options.features} (`{' '.join(plan_args)}`, the same for the one process "
+              f"and the plan), the same twin, {options.pipeline_size}x{options.pipeline_size}, a queue of "
+              f"{options.prompts} prompts:\n")
+        print("\n".join(_pipeline_rows(*featured, options.prompts)))
     if pipeline_cfg:
         print(f"\nPipeline parallel, one prompt with true CFG (Qwen-Image twin, 8 blocks 512 wide), "
               f"{options.pipeline_size}x{options.pipeline_size}, {options.steps} steps: the step's two calls as two "
