@@ -413,10 +413,11 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         patching = [lora for lora in self.loras if lora.component == name]
         if patching:  # before the cut: the LoRA's keys name the blocks by their index in the whole model
             from dm_cli.run.adapters import load_loras
+            from dm_cli.run.component_hooks import fused_loras
 
             self.status(f"Loading {len(patching)} LoRA(s) into slice {self.rank + 1} of {name}…")
             with without_blocks(model, others):
-                load_loras(self.pipe, name, model, patching, self.torch_dtype, fuse=name in self.fused_loras)
+                load_loras(self.pipe, name, model, patching, self.torch_dtype, fuse=name in fused_loras(self.plan))
         self.hooks.apply(name, model, only=SLICE_HOOKS)
         model.forward = SliceForward(model.forward, self)
         self.loaded[name] = model
