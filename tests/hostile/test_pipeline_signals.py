@@ -128,10 +128,10 @@ def test_sigint_to_rank_0_mid_queue_exits_130_without_an_abort(piped, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attempt", [1, 2])
-def test_sigint_to_rank_0_again(piped, tmp_path, attempt):
-    """It aborted 2 times of 2 before: twice more."""
-    _sigint_rank_0(piped, tmp_path, f"int{attempt}")
+def test_sigint_to_rank_0_again(piped, tmp_path):
+    """It aborted 2 times of 2 before: once more (the cause, a join a signal cut short, is pinned without processes
+    by test_a_signal_while_joining_does_not_leave_a_prompt_thread_running)."""
+    _sigint_rank_0(piped, tmp_path, "int-again")
 
 
 def test_sigterm_to_a_rank_mid_queue_exits_143_without_an_abort(piped, tmp_path):
@@ -215,8 +215,7 @@ def test_a_pipeline_plan_under_another_rank_count_is_refused_once(piped):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attempt", [1, 2])
-def test_a_finished_pipeline_queue_exits_0_without_an_abort(piped, tmp_path, attempt):
+def test_a_finished_pipeline_queue_exits_0_without_an_abort(piped, tmp_path):
     root, model, plan = piped
     out = tmp_path / "done"
     proc = _launch(root, 2, "run", model, "-d", plan, "--prompts", root / "prompts.txt", "--output", out,
