@@ -5,9 +5,25 @@ the process."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 import os
 from contextlib import contextmanager
+
+
+def png_bytes(side: int, mode: str = "L") -> bytes:
+    """A PNG of one colour: a few KB for millions of pixels (what a decode budget must bound)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new(mode, (side, side), 7).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def png_base64(side: int, mode: str = "RGB") -> str:
+    """png_bytes as a request's "image" carries it."""
+    return base64.b64encode(png_bytes(side, mode)).decode()
 
 
 @contextmanager

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from serve_values_harness import post, served_app
+from serve_values_harness import png_bytes, post, served_app
 
 pytest.importorskip("torch")
 pytest.importorskip("starlette")
@@ -24,10 +24,6 @@ REPO = Path(__file__).resolve().parents[2]
 SIZE, STEPS = 32, 2
 
 
-def png_bytes(side: int, mode: str = "L") -> bytes:
-    buffer = io.BytesIO()
-    Image.new(mode, (side, side), 7).save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 @pytest.fixture(scope="module")

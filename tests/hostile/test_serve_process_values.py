@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import http.client
-import io
 import json
 import os
 import re
@@ -22,21 +21,16 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
-from PIL import Image  # noqa: E402
 from serve_process import port_of, start_serve, stop_serve  # noqa: E402
+from serve_values_harness import png_base64  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SIZE, STEPS = 32, 2
 
 
-def png(side: int, mode: str = "RGB") -> str:
-    """A PNG of one colour, base64: a few KB for millions of pixels."""
-    buffer = io.BytesIO()
-    Image.new(mode, (side, side), 7).save(buffer, "PNG")
-    return base64.b64encode(buffer.getvalue()).decode()
 
 
-SMALL = png(16)
+SMALL = png_base64(16)
 NORMAL = {"prompt": "a red fox", "seed": 5, "image": SMALL}
 
 
@@ -149,7 +143,7 @@ def test_concurrent_small_files_of_many_pixels_are_let_go_once_resized(server):
     before (the unbounded server held every request's decoded pixels afterwards: 4 x 64 MiB here; measured now: about
     one decode's 64 MiB, the new threads' malloc arenas), and it answers a normal request."""
     side, count = 4096, 4
-    body = {"prompt": "a fox", "seed": 3, "image": png(side, "L")}
+    body = {"prompt": "a fox", "seed": 3, "image": png_base64(side, "L")}
     assert len(body["image"]) < 100_000
     status, first = server.post(body)  # the decoder's first use (its plugins, its pools) is not the attack
     assert status == 200, first
