@@ -11,6 +11,7 @@ The Python API is `plan`, `load` and `dispatch` (the names in `__all__`; docs/co
 Nothing else in the package is promised to stay. Importing dm_cli imports no torch.
 """
 
+from dm_cli import api
 from dm_cli.version import __version__
 
 __all__ = ["plan", "load", "dispatch", "__version__"]
@@ -19,7 +20,5 @@ __all__ = ["plan", "load", "dispatch", "__version__"]
 def __getattr__(name: str):
     """The API on first use: `dmap --help` must not pay for it."""
     if name in ("plan", "load", "dispatch"):
-        from dm_cli import api
-
         return getattr(api, name)
     raise AttributeError(f"module 'dm_cli' has no attribute '{name}'")

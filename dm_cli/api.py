@@ -16,11 +16,27 @@ Everything else in dm_cli may change.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from dm_cli.devices import normalise_map
 from dm_cli.errors import UsageError
+from dm_cli.inputs import Generation, InputImage, PlacementSpec
+from dm_cli.io.input_images import parse_image_size
+from dm_cli.model.demo import source_root
+from dm_cli.model.lora import read_loras
+from dm_cli.model.single_file_weights import parse_component_files
+from dm_cli.planning.make import make_named_plan
+from dm_cli.planning.parallel import ParallelRequest
+from dm_cli.planning.plan_options import PlanOptions
+from dm_cli.planning.plan_prediction import PredictionRequest
+from dm_cli.planning.step_cache import parse_cache
+from dm_cli.run.loading import execution_device
+from dm_cli.run.options import refuse_untaken
+from dm_cli.run.request import RunRequest, input_images, last_input_image
 from dm_cli.run.session import Session
+from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # annotations only: the plan module costs start-up time
     from dm_cli.planning.plan_file import Plan
@@ -66,19 +82,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     "NAME[:KEY=VALUE,...]" as `--cache` takes it (fbc, taylorseer, magcache): what its hooks hold is counted on the
     devices of the blocks that hold it (`Plan.step_cache`).
     """
-    from dm_cli.run.options import refuse_untaken
-
     refuse_untaken("api.plan", settings)  # an option of dmap run's (seed=, ...): refused with its reason
-    from dm_cli.inputs import Generation, InputImage, PlacementSpec
-    from dm_cli.model.demo import source_root
-    from dm_cli.model.lora import read_loras
-    from dm_cli.model.single_file_weights import parse_component_files
-    from dm_cli.planning.make import make_named_plan
-    from dm_cli.planning.parallel import ParallelRequest
-    from dm_cli.planning.plan_options import PlanOptions
-    from dm_cli.planning.plan_prediction import PredictionRequest
-    from dm_cli.planning.step_cache import parse_cache
-    from dm_cli.units import parse_dtype
 
     spec, root, defaults = source_root(source)
     pick = lambda given, key: defaults.get(key) if given is None else given  # noqa: E731 - the demo's defaults
@@ -104,24 +108,16 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
 def _input_image_sizes(image, image_size) -> tuple:
     """The input images as a plan sees them (`InputImage`s without pixels: each one's size and, for an LTX-2
     keyframe `PATH@FRAME`, its frame): the images' (read as `dmap run` reads them), then the sizes'."""
-    from dm_cli.inputs import InputImage
-    from dm_cli.run.request import input_images
-
     sized = [InputImage(*i.size, frame=i.frame) for i in input_images(image)]
     if image_size is not None:
-        from dm_cli.io.input_images import parse_image_size
-
         sized += [parse_image_size(text) for text in ([image_size] if isinstance(image_size, str) else image_size)]
     return tuple(sized)
 
 
 def _last_image_size(last_image, last_image_size) -> tuple[int, int] | None:
     """(width, height) of a video's last frame: the image's (read as `dmap run` reads it), else the size's."""
-    from dm_cli.run.request import last_input_image
-
     if last_image is not None and last_image_size is not None:
         raise UsageError("Give last_image or last_image_size, not both (a video has one last frame).")
-    from dm_cli.io.input_images import parse_image_size
 
     if last_image_size is not None:
         return parse_image_size(last_image_size, "--last-image-size").size
@@ -132,8 +128,6 @@ def _last_image_size(last_image, last_image_size) -> tuple[int, int] | None:
 
 
 def _is_size(text: str) -> bool:
-    import re
-
     return re.fullmatch(r"\d+x\d+", text.strip(), re.IGNORECASE) is not None
 
 
@@ -166,9 +160,6 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
     each time it loads, at their scales (`set_adapters`), unfused. `cache`: a step cache on the denoiser
     ("NAME[:KEY=VALUE,...]", as `--cache`; None: the plan's), applied with diffusers' `enable_cache` each time it loads.
     """
-    from dm_cli.run.options import refuse_untaken
-    from dm_cli.run.request import RunRequest
-
     refuse_untaken("api.load", settings)  # an option of dmap plan's or generate()'s (steps=, ...): refused with its reason
     device_map = plan if isinstance(plan, (str, Path)) else strategy
     request = RunRequest.of(source, "", device_map=str(device_map), max_memory=max_memory, mode=mode,
@@ -177,7 +168,7 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
                             num_frames=num_frames, fps=fps, negative_prompt=negative_prompt, images=image, simulate=simulate,
                             last_image=last_image, output=None, per_prompt_images=True, parallel=parallel, pipeline=pipeline,
                             component_files=component_files, loras=lora, cache=cache)
-    from dm_cli.run.settle import Entry, settle
+    from dm_cli.run.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
 
     settled = settle(request, None if isinstance(plan, (str, Path)) else plan, entry=Entry.API, on_plan=on_plan,
                      on_status=on_status)
@@ -196,13 +187,12 @@ def dispatch(pipe, plan: Plan | str | Path):
     their GPU when they run); nothing is written. A component the plan decodes in tiles gets its
     `enable_tiling()` called (UsageError for a class without it). Returns `pipe`.
     """
-    from accelerate import dispatch_model
-    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from accelerate import dispatch_model  # lazy: accelerate (heavy, off start-up)
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module  # lazy: accelerate (heavy, off start-up)
 
-    from dm_cli.devices import normalise_map
+    # lazy: looked up per call (tests patch model_tiles, count load_plan's and check_devices_present's calls)
     from dm_cli.planning.plan_file import load_plan
     from dm_cli.planning.trace import model_tiles
-    from dm_cli.run.loading import execution_device
     from dm_cli.run.request import check_devices_present
 
     if isinstance(plan, (str, Path)):

@@ -94,7 +94,7 @@ def execution_device_key(device_map: dict):
 
 def torch_device(key, simulate: bool = False):
     """The torch.device of a device key; every device is the CPU under --simulate (disk runs on cpu)."""
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     if simulate or key in ("cpu", "disk"):
         return torch.device("cpu")

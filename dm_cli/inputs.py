@@ -6,6 +6,7 @@ Shared by the tracer (activation estimates), the planner and the runner. No torc
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, field, replace
 
@@ -264,8 +265,6 @@ class LoraAdapter:
 
     @property
     def name(self) -> str:
-        import os
-
         return os.path.basename(self.path)
 
     def key(self) -> str:

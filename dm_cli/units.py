@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal
 
+from dm_cli.devices import device_key, device_rank
 from dm_cli.errors import UsageError
 
 _UNITS = {
@@ -186,8 +187,6 @@ class DeviceBudget:
 
 
 def _parse_device_name(name: str) -> int | str:
-    from dm_cli.devices import device_key
-
     try:
         device = device_key(name)
     except ValueError:
@@ -234,6 +233,4 @@ def parse_device_spec(spec: str) -> list[DeviceBudget]:
 
 
 def _device_rank(budget: DeviceBudget) -> tuple[int, int]:
-    from dm_cli.devices import device_rank
-
     return device_rank(budget.device)

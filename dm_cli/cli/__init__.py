@@ -7,6 +7,7 @@ to the renderer (or prints JSON). Heavy imports stay inside the command function
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import typer
@@ -20,6 +21,7 @@ from dm_cli.cli import run as run_command
 from dm_cli.cli import serve as serve_command
 from dm_cli.cli import shard as shard_command
 from dm_cli.cli._cli_utils import refresh_family_options, with_family_settings
+from dm_cli.cli._errors import EXIT_INTERRUPTED, click_exception_types, report_error, torchrun_rank_prefix
 from dm_cli.version import __version__
 
 app = typer.Typer(
@@ -81,13 +83,10 @@ def _exiting() -> None:
     still frees what it frees, atexit handlers and weakref.finalize still run, the standard streams are still
     flushed; only cycles stay where they are until the OS takes the memory back. Only here, never for a caller
     of `main(argv)` (tests, the API), whose process goes on."""
-    import gc
-
     gc.freeze()
 
 
 def _main(args: list[str]) -> None:
-    from dm_cli.cli._errors import EXIT_INTERRUPTED, click_exception_types, report_error, torchrun_rank_prefix
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
     click_error, no_args_is_help = click_exception_types()

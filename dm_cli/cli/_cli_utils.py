@@ -10,11 +10,16 @@ its command (`tests/cli/test_cli_options.py` checks that a shared flag reads the
 
 from __future__ import annotations
 
+import functools
+import inspect
+import typing
 from typing import Annotated
 
 import typer
 
+from dm_cli.families import all_settings
 from dm_cli.planning.modes import Word
+from dm_cli.run.options import REQUIRED, option
 from dm_cli.units import shorten
 
 
@@ -38,8 +43,6 @@ def word_parser(vocabulary: type[Word], flag: str):
 def table_annotation(name: str, command: str | None = None):
     """The Typer annotation of the table's option `name` (dm_cli.run.options.OPTIONS) as `command` declares it:
     its flags, help, metavar, bound, envvar and, for a mode's words, `word_parser`."""
-    from dm_cli.run.options import option
-
     row = option(name, command)
     if row.argument:
         return Annotated[row.type, typer.Argument(metavar=row.metavar, help=row.help)]
@@ -57,11 +60,6 @@ def table_options(command: str):
     """`dmap COMMAND`'s function with its parameters (all but `ctx` and `settings`, in its own order: the order of
     its --help) typed and defaulted from the options table, so no flag, help or default is written in the command."""
     def declare(function):
-        import inspect
-        import typing
-
-        from dm_cli.run.options import REQUIRED, option
-
         hints = typing.get_type_hints(function, include_extras=True)
         params = []
         for param in inspect.signature(function).parameters.values():
@@ -127,12 +125,8 @@ def with_family_settings(command):
     """`command(..., settings: dict)` as a Typer command with one option per setting the registered families
     declare (`--true-cfg-scale`, `--guidance-scale-2`, ...) in place of `settings`: a family's new setting
     becomes an option of `dmap plan` and `dmap run` with no edit here."""
-    import functools
-
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        from dm_cli.families import all_settings
-
         settings = {name: kwargs.pop(name) for name in list(kwargs) if name in all_settings()}
         return command(*args, settings={k: v for k, v in settings.items() if v is not None}, **kwargs)
 
@@ -149,11 +143,6 @@ def refresh_family_options() -> None:
 
 
 def _refresh(wrapper) -> None:
-    import inspect
-    import typing
-
-    from dm_cli.families import all_settings
-
     command = wrapper.__wrapped_command__
     hints = typing.get_type_hints(command, include_extras=True)
     own = [p.replace(annotation=hints.get(p.name, p.annotation))

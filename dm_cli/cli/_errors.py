@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 import traceback
 
+from dm_cli.cli._output import say
 from dm_cli.errors import EXIT_INTERNAL, EXIT_USAGE, DiskFullError, DmapError
+from dm_cli.render import plain
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
@@ -17,7 +21,7 @@ def click_exception_types() -> tuple[type, type]:
     separately installed click never matches what typer raises. typer's public BadParameter is
     a subclass of the right ClickException: take the classes from its module.
     """
-    import typer
+    import typer  # lazy: typer
 
     click_exception = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
     module = sys.modules[click_exception.__module__]
@@ -40,14 +44,11 @@ RANK_0_FIRST_S = 10.0
 def torchrun_rank_prefix(exit_code: int) -> str | None:
     """None: say the error now, as one process does. Otherwise (a usage error on a torchrun rank other than 0) the
     wait above has passed without torchrun stopping this rank, and the "[rank r/N] " its line starts with."""
-    import os
-
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
     if exit_code != EXIT_USAGE or "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's own launch only
         return None
     if not (rank.isdecimal() and world.isdecimal() and len(rank + world) < 20 and 0 < int(rank) < int(world)):
         return None
-    import time
 
     deadline = time.monotonic() + RANK_0_FIRST_S
     while time.monotonic() < deadline:
@@ -60,8 +61,6 @@ def torchrun_rank_prefix(exit_code: int) -> str | None:
 
 def _say(message: str) -> None:
     """One message on stderr, wrapped at spaces on a terminal (`_output.say`)."""
-    from dm_cli.cli._output import say
-
     say(message, sys.stderr)
 
 
@@ -69,7 +68,6 @@ def report_error(error: BaseException, debug: bool) -> int:
     """Print the error the way a user should see it and return the exit code."""
     if debug:
         traceback.print_exception(error)
-    from dm_cli.render import plain  # messages quote names read from files: never raw escapes on a terminal
 
     if isinstance(error, DmapError):
         prefix = torchrun_rank_prefix(error.exit_code) or ""

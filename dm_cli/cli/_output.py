@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import textwrap
 
 
 def print_json(data) -> None:
@@ -18,9 +20,6 @@ def say(message: str, stream=None) -> None:
     command to paste (a `Next:` hint): a line break inside it would run half of it."""
     stream = stream or sys.stdout
     if stream.isatty():
-        import os
-        import textwrap
-
         try:
             width = int(os.environ.get("COLUMNS", "")) or os.get_terminal_size(stream.fileno()).columns
         except (ValueError, OSError):

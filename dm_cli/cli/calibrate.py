@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 import typer
 
 from dm_cli.cli._cli_utils import JsonOpt, OverwriteOpt, ProfileOutputOpt
+from dm_cli.cli._output import print_json, say
+from dm_cli.errors import UsageError
+from dm_cli.io.atomic import atomic_write_bytes, refuse_existing
+from dm_cli.planning.profiles import default_profile_path
+from dm_cli.run.calibrate import CalibrationSizes
+from dm_cli.run.calibrate import calibrate as measure
 
 
 def calibrate(
@@ -14,15 +22,6 @@ def calibrate(
     overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,
 ) -> int:
-    import json
-
-    from dm_cli.cli._output import print_json, say
-    from dm_cli.errors import UsageError
-    from dm_cli.io.atomic import atomic_write_bytes, refuse_existing
-    from dm_cli.planning.profiles import default_profile_path
-    from dm_cli.run.calibrate import CalibrationSizes
-    from dm_cli.run.calibrate import calibrate as measure
-
     if device is not None and device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise UsageError(f"--device must be cpu or cuda:N, not {device!r}.")
     path = output or str(default_profile_path())

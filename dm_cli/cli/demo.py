@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from dm_cli.cli._cli_utils import DemoOutputOpt, DemoSeedOpt, OverwriteOpt
+from dm_cli.cli._output import say
+from dm_cli.io.claims import claim_outputs
+from dm_cli.model.demo import tiny_presets, write_preset
+from dm_cli.render import plain, status
+from dm_cli.units import format_size
 
 
 def demo(
@@ -17,18 +24,7 @@ def demo(
     seed: DemoSeedOpt = 0,
     overwrite: OverwriteOpt = False,
 ) -> int:
-    import sys
-    from pathlib import Path
-
-    from dm_cli.cli._output import say
-    from dm_cli.io.claims import claim_outputs
-    from dm_cli.model.demo import write_preset
-    from dm_cli.render import plain, status
-    from dm_cli.units import format_size
-
     if preset == "list":
-        from dm_cli.model.demo import tiny_presets
-
         print("\n".join(tiny_presets()))
         return 0
     output = output or preset  # the preset's name, here

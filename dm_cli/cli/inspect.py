@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
 from dm_cli.cli._cli_utils import BinaryOpt, ComponentOpt, DtypeOpt, JsonOpt, NoCacheOpt, SourceArg, WeightsOpt
+from dm_cli.cli._output import print_json
+from dm_cli.errors import EXIT_USAGE
+from dm_cli.render import plain, status
+from dm_cli.render.inspect import render_inspect
+from dm_cli.units import parse_dtype
 
 
 def inspect(
@@ -17,9 +24,7 @@ def inspect(
     binary: BinaryOpt = False,
     no_cache: NoCacheOpt = False,
 ) -> int:
-    from dm_cli.model.inspection import inspect_source
-    from dm_cli.render import status
-    from dm_cli.units import parse_dtype
+    from dm_cli.model.inspection import inspect_source  # lazy: looked up per call (tests patch inspect_source)
 
     with status(f"Inspecting {source}: reading configs and headers…"):
         report = inspect_source(
@@ -27,21 +32,11 @@ def inspect(
             weights=weights,
         )
     if as_json:
-        from dm_cli.cli._output import print_json
-
         print_json(report.to_json())
     else:
-        from dm_cli.render.inspect import render_inspect
-
         render_inspect(report, binary=binary)
     if report.problems:
-        from dm_cli.errors import EXIT_USAGE
-
         if as_json:  # the table renderer already listed them
-            import sys
-
-            from dm_cli.render import plain
-
             print(f"Error: {len(report.problems)} checkpoint problem(s):", file=sys.stderr)
             for problem in report.problems:
                 print(f"  - {plain(problem)}", file=sys.stderr)

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
+from dm_cli.api import plan as make_plan
 from dm_cli.cli._cli_utils import table_options
+from dm_cli.cli._output import print_json
+from dm_cli.io.atomic import refuse_existing
+from dm_cli.io.claims import claim_outputs
+from dm_cli.planning.plan_file import write_plan
+from dm_cli.render.plan import render_plan
+from dm_cli.render.queue import TickingStatus
 
 
 # every parameter but ctx and settings is its row of dm_cli.run.options: flags, type, default and help
@@ -17,10 +26,6 @@ def plan(
     link_gbps, profile, steps, queue, prompt, in_flight, pipeline, component_file, lora, cache,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
-    from dm_cli.api import plan as make_plan
-    from dm_cli.planning.plan_file import write_plan
-    from dm_cli.render.queue import TickingStatus
-
     if output:
         _claim_output(ctx, output, overwrite)
     # the spinner names each step (which component, which trace) with its seconds, redrawn every second
@@ -43,19 +48,13 @@ def plan(
 def _show(result, output: str | None, as_json: bool, quiet: bool, binary: bool) -> int:
     """The plan as JSON, quietly (split-check problems only) or rendered; exit 1 when the split check failed."""
     if as_json:
-        from dm_cli.cli._output import print_json
-
         print_json(result.to_json())
     elif quiet:
-        import sys
-
         for problem in result.check.get("problems", []):
             print(f"Split check: {problem}", file=sys.stderr)
         if output:
             print(f"Plan written to {output}.")
     else:
-        from dm_cli.render.plan import render_plan
-
         render_plan(result, binary=binary, output=output)
     return 1 if result.check.get("problems") else 0
 
@@ -63,8 +62,5 @@ def _show(result, output: str | None, as_json: bool, quiet: bool, binary: bool) 
 def _claim_output(ctx, output: str, overwrite: bool) -> None:
     """--output claimed until the command ends (a second `dmap plan -o` of it stops, naming this one), then checked
     against the overwrite policy (dm_cli.io.atomic.refuse_existing)."""
-    from dm_cli.io.atomic import refuse_existing
-    from dm_cli.io.claims import claim_outputs
-
     ctx.with_resource(claim_outputs([output], "dmap plan"))
     refuse_existing([output], overwrite)

@@ -7,6 +7,14 @@ from __future__ import annotations
 import typer
 
 from dm_cli.cli._cli_utils import table_options
+from dm_cli.cli._errors import usage_error
+from dm_cli.cli._output import print_json
+from dm_cli.render.queue import QueueView
+from dm_cli.render.run import RunView
+from dm_cli.run.distributed import Ranks, select_gpus
+from dm_cli.run.queue_runner import QueueEvents, QueueRequest, run_queue
+from dm_cli.run.request import RunRequest
+from dm_cli.run.settle import check_options, check_run_request, refuse_single_only
 
 
 # every parameter but ctx and settings is its row of dm_cli.run.options: flags, type, default and help
@@ -33,9 +41,6 @@ def run(
         "settings": dict(settings or {}),
     }
     if prompts is not None:
-        from dm_cli.run.queue_runner import QueueRequest
-        from dm_cli.run.settle import refuse_single_only
-
         refuse_single_only(fields)
         queue = QueueRequest(prompts=prompts, run=_request(fields, output=None, per_prompt_images=True), output_dir=output or "dmap-out",
                              resume=resume and not overwrite, chunk_size=chunk_size, chunk_memory=chunk_memory,
@@ -49,11 +54,8 @@ def _refuse_early(ctx, prompt, prompts, dtype, *, steps, num_images, height, wid
     """--prompt or --prompts, said in Typer's words; then what no run could use (dm_cli.run.settle.check_options),
     before outputs, plans or SOURCE are touched."""
     if (prompt is None) == (prompts is None):
-        from dm_cli.cli._errors import usage_error
-
         which = "Missing option '--prompt'" if prompt is None else "Both --prompt and --prompts given"
         raise usage_error(f"{which}: give --prompt TEXT for one image or --prompts FILE for a queue.", ctx)
-    from dm_cli.run.settle import check_options
 
     check_options(dtype, steps=steps, num_images=num_images, height=height, width=width,
                   max_sequence_length=max_sequence_length, frames=frames, fps=fps)
@@ -61,8 +63,6 @@ def _refuse_early(ctx, prompt, prompts, dtype, *, steps, num_images, height, wid
 
 def _request(fields: dict, output: str | None, per_prompt_images: bool = False):
     """The run options, one RunRequest for one prompt and for a queue alike (whose items may bring their images)."""
-    from dm_cli.run.request import RunRequest
-
     return RunRequest.of(**fields, output=output, per_prompt_images=per_prompt_images)
 
 
@@ -71,28 +71,22 @@ def _run_one(fields: dict, output: str | None, gpus_per_rank: int | None, as_jso
     """One prompt: the GPUs of this rank chosen and the outputs checked before anything is loaded, then
     the run, printed as JSON or drawn live by the renderer."""
     if gpus_per_rank is not None:
-        from dm_cli.run.distributed import Ranks, select_gpus
-
         select_gpus(Ranks.from_env(), gpus_per_rank)
-    from dm_cli.run.settle import check_run_request
 
     plan = check_run_request(output or "dmap.png", fields["save_latents"], fields["num_images"], fields["seed"],
                              fields["device_map"])  # before anything is loaded; the plan file read here, once
-    from dm_cli.run.single import run as run_pipeline
+    from dm_cli.run.single import run as run_pipeline  # lazy: looked up per call (tests patch run)
 
     request = _request(fields, output=output or "dmap.png")
-    from dm_cli.run.distributed import Ranks
 
     if not Ranks.from_env().is_main:  # torchrun's other ranks (sharing each step: rank 0 writes) report nothing
         run_pipeline(request, plan=plan)
         return 0
     if as_json:
         result = run_pipeline(request, plan=plan)
-        from dm_cli.cli._output import print_json
 
         print_json(result.to_json())
         return 0
-    from dm_cli.render.run import RunView
 
     with RunView(quiet=quiet, binary=binary, plan_file=_source_from(request)) as view:
         result = run_pipeline(request, on_plan=view.show_plan, on_step=view.step, on_status=view.status, plan=plan)
@@ -106,14 +100,9 @@ def _source_from(request) -> str | None:
 
 
 def _run_queue(request, as_json: bool, quiet: bool, binary: bool) -> int:
-    from dm_cli.run.queue_runner import QueueEvents, run_queue
-
     if as_json:
-        from dm_cli.cli._output import print_json
-
         print_json(run_queue(request).to_json())
         return 0
-    from dm_cli.render.queue import QueueView
 
     with QueueView(quiet=quiet, binary=binary, plan_file=_source_from(request.run)) as view:
         result = run_queue(request, QueueEvents(on_plan=view.show_plan, on_start=view.start, on_item=view.item,

@@ -9,6 +9,11 @@ from __future__ import annotations
 import sys
 
 from dm_cli.cli._cli_utils import table_options
+from dm_cli.inputs import check_counts
+from dm_cli.run.distributed import Ranks
+from dm_cli.run.request import RunRequest
+from dm_cli.serve.server import ServeRequest, launch_sigterm_notice
+from dm_cli.serve.server import serve as serve_forever
 
 
 # every parameter but ctx and settings is its row of dm_cli.run.options: flags, type, default and help
@@ -20,11 +25,6 @@ def serve(
     body_timeout, quiet,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
-    from dm_cli.inputs import check_counts
-    from dm_cli.run.request import RunRequest
-    from dm_cli.serve.server import ServeRequest, launch_sigterm_notice
-    from dm_cli.serve.server import serve as serve_forever
-
     check_counts(steps=steps, num_images=None, height=height, width=width, max_sequence_length=max_sequence_length,
                  num_frames=frames, fps=fps)
     run = RunRequest.of(source, "", device_map=device_map, max_memory=max_memory, mode=mode, overhead=overhead,
@@ -35,8 +35,6 @@ def serve(
                         output=None, per_prompt_images=True)
     request = ServeRequest(run, host, port, api_key, queue_size, max_batch, max_body, model_name, gpus_per_rank,
                            max_connections, read_timeout, body_timeout)
-
-    from dm_cli.run.distributed import Ranks
 
     # under torchrun rank 0 speaks for the server (every rank loads, plans and warms up alike; rank 0 alone listens and
     # counts what it answered); another rank says only what is its own, an error, prefixed "[rank r/N]" (cli._errors)

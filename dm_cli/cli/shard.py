@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
 from dm_cli.cli._cli_utils import (
@@ -14,6 +16,12 @@ from dm_cli.cli._cli_utils import (
     ShardOutputOpt,
     ShardSourceArg,
 )
+from dm_cli.cli._output import print_json
+from dm_cli.errors import UsageError
+from dm_cli.io.claims import claim_outputs
+from dm_cli.model.shard import shard as shard_source
+from dm_cli.model.shard import shard_to_diffusers
+from dm_cli.render.shard import ShardProgressBar, render_shard
 
 
 def shard(
@@ -37,38 +45,24 @@ def shard(
     quiet: QuietOpt = False,
     binary: BinaryOpt = False,
 ) -> int:
-    from dm_cli.render.shard import ShardProgressBar
-
     if to_diffusers:
         _refuse_with_to_diffusers(variant, in_place)
     elif pipeline is not None:
-        from dm_cli.errors import UsageError
-
         raise UsageError("--pipeline goes with --to-diffusers (dmap shard reshards a folder's own weights otherwise).")
     if not dry_run and (output or in_place):  # claimed until the command ends: a second shard of it stops
-        from dm_cli.io.claims import claim_outputs
-
         ctx.with_resource(claim_outputs([output or source], "dmap shard"))
     with ShardProgressBar(enabled=False if (quiet or as_json or dry_run) else None) as bar:
         if to_diffusers:
-            from dm_cli.model.shard import shard_to_diffusers
-
             result = shard_to_diffusers(source, max_shard_size, output=output, dtype=dtype, pipeline=pipeline,
                                         dry_run=dry_run, overwrite=overwrite, verify=not no_verify, progress=bar)
         else:
-            from dm_cli.model.shard import shard as shard_source
-
             result = shard_source(source, max_shard_size, output=output, dtype=dtype, variant=variant, dry_run=dry_run,
                                   overwrite=overwrite, in_place=in_place, verify=not no_verify, progress=bar)
     if as_json:
-        from dm_cli.cli._output import print_json
-
         print_json(result.to_json())
     elif quiet:
         _print_quiet(result)
     else:
-        from dm_cli.render.shard import render_shard
-
         render_shard(result, binary=binary)
         for note in result.notes:
             print(note)
@@ -76,16 +70,12 @@ def shard(
 
 
 def _refuse_with_to_diffusers(variant: str | None, in_place: bool) -> None:
-    from dm_cli.errors import UsageError
-
     if variant is not None or in_place:
         raise UsageError("--to-diffusers writes a new folder from one file: drop --variant and --in-place.")
 
 
 def _print_quiet(result) -> None:
     """-q: one line of what was written where (stdout); what recovery did and tensors above the limit (stderr)."""
-    import sys
-
     for comp in result.components:
         for file_name, tensor, _nbytes in comp.oversized:
             print(f"Note: tensor {tensor} is larger than the limit: it has a shard of its own ({file_name}).",

@@ -18,6 +18,7 @@ import importlib
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from pathlib import Path
 
 from dm_cli.errors import UsageError
 from dm_cli.families.calls import CallSpec, Component, block_scale, component_call
@@ -119,7 +120,7 @@ class Job:
 def denormalized(vae, latents):
     """Undo the per-channel latents_mean/latents_std of a Wan-style VAE, exactly as WanPipeline and
     QwenImagePipeline do (dividing by 1 / std, for the same bits)."""
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     shape = (1, vae.config.z_dim, 1, 1, 1)
     mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
@@ -486,7 +487,7 @@ def offload_sequence(pipeline_class: str | None) -> list[str] | None:
     seq = family.offload_seq if family is not None else None
     if not seq:
         try:
-            import diffusers
+            import diffusers  # lazy: diffusers (heavy, off start-up)
 
             seq = getattr(getattr(diffusers, pipeline_class, None), "model_cpu_offload_seq", None)
         except Exception:
@@ -515,12 +516,10 @@ def unknown_family_warning(pipeline_class: str) -> str:
 
 def local_tokenizer(folder):
     """The pipeline's tokenizer from its folder (local files only), or None when it has none that loads."""
-    from pathlib import Path
-
     if folder is None or not (Path(folder) / "tokenizer_config.json").is_file():
         return None
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: transformers (heavy, off start-up)
 
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception:  # noqa: BLE001 - a tokenizer that does not load: the prediction keeps the traced length

@@ -201,7 +201,7 @@ class Flux2Family(Family):
         return Embeds(tensors)
 
     def decode(self, pipe, latents, job: Job, device) -> list:
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         vae = pipe.vae
         if latents.ndim == 3:  # Flux2Pipeline's latent output is still packed: (B, tokens, channels)
@@ -233,7 +233,7 @@ class Flux2Family(Family):
     def encode_image(self, pipe, job: Job, device):
         """The references VAE-encoded, patchified and packed by the pipeline's own `prepare_image_latents`:
         (1, tokens of all references, channels); no reference: an empty tensor."""
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         if not job.images:
             return torch.zeros(0)
@@ -260,7 +260,7 @@ class Flux2Family(Family):
     def image_kwargs(self, pipe, job: Job, image_latents) -> dict:
         """The encoded references for this call: the pipeline's __call__ asks `prepare_image_latents` for them
         (and their ids) after drawing its noise, and gets what the encode_image stage made, repeated per image."""
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         if not image_latents.numel():
             return {}

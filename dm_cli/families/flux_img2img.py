@@ -41,8 +41,8 @@ def noised_image_latents(pipe, job: Job, device, calculate_shift, retrieve_times
     image-to-image pipelines (FluxImg2ImgPipeline, QwenImageImg2ImgPipeline) do before their loop: their timesteps
     (`calculate_shift`, `retrieve_timesteps` from the pipeline's module), their prepare_latents, the run's seed.
     Returns what that prepare_latents returns."""
-    import numpy as np
-    import torch
+    import numpy as np  # lazy: numpy (heavy, off start-up)
+    import torch  # lazy: torch (heavy, off start-up)
 
     image = pipe.image_processor.preprocess(open_input(job.images[0]), height=job.height, width=job.width)
     image = image.to(dtype=torch.float32)
@@ -88,6 +88,7 @@ class FluxImg2ImgFamily(FluxFamily):
 
     def encode_image(self, pipe, job: Job, device):
         """The input image noised to the first step `strength` leaves, as FluxImg2ImgPipeline.__call__ does."""
+        # lazy: diffusers (heavy, off start-up)
         from diffusers.pipelines.flux.pipeline_flux_img2img import calculate_shift, retrieve_timesteps
 
         return noised_image_latents(pipe, job, device, calculate_shift, retrieve_timesteps)[0]

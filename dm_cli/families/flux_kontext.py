@@ -175,7 +175,7 @@ class FluxKontextFamily(FluxFamily):
     def encode_image(self, pipe, job: Job, device):
         """The reference resized and VAE-encoded as FluxKontextPipeline.prepare_latents does (unpacked latents,
         shifted and scaled); no reference: an empty tensor (the denoise then runs from text alone)."""
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         if not job.images:
             return torch.zeros(0)

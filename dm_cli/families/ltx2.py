@@ -316,7 +316,7 @@ class LTX2Family(LTX2ImageConditioning, Family):
         vae = pipe.vae
         timestep = None
         if vae.config.timestep_conditioning:  # decode_timestep 0.0: no noise is mixed in
-            import torch
+            import torch  # lazy: torch (heavy, off start-up)
 
             timestep = torch.zeros(latents.shape[0], device=device, dtype=vae.dtype)
         video = vae.decode(latents.to(device, dtype=vae.dtype), timestep, return_dict=False)[0]

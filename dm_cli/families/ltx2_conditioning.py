@@ -82,12 +82,13 @@ class LTX2ImageConditioning:
         height x width (bilinear), VAE-encoded (the distribution's mode: no generator draw), in float32 and not yet
         normalised: `(1, C, 1, H', W')`. Keyframes: `encode_keyframes`. No image: an empty tensor (text-to-video;
         the VAE is not loaded)."""
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         if not job.images:
             return torch.zeros(0)
         if pipeline_kind(image.frame for image in job.images) == CONDITION:
             return self.encode_keyframes(pipe, job, device)
+        # lazy: numpy, PIL, diffusers (heavy, off start-up)
         import numpy as np
         import PIL.Image
         from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import retrieve_latents
@@ -109,6 +110,7 @@ class LTX2ImageConditioning:
         """Every keyframe as LTX2ConditionPipeline.prepare_latents encodes it: its own preprocess_conditions (H.264
         at `image_crf`, resized to cover height x width and centre-cropped), then one VAE encode per image (the
         distribution's mode), in the VAE's dtype and not yet normalised: `(N, C, 1, H', W')`, in --image order."""
+        # lazy: torch, diffusers (heavy, off start-up)
         import torch
         from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition, retrieve_latents
         from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
@@ -127,6 +129,7 @@ class LTX2ImageConditioning:
         """__call__'s `conditions`: each input image at its latent index with its strength (default 1). Their pixels
         are a blank of the output size (crf 0: nothing to re-compress): the VAE stand-in of the denoise stage
         (`EncodedConditions`) hands back the latents encode_keyframes made instead of encoding them."""
+        # lazy: torch, diffusers (heavy, off start-up)
         import torch
         from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
 

@@ -248,7 +248,7 @@ class QwenImageEditPlusFamily(QwenImageFamily):
     def encode_image(self, pipe, job: Job, device):
         """Each image VAE-encoded as the pipeline's prepare_latents does (its own `_encode_vae_image`: the mode,
         normalised), flattened and joined in order into one tensor (`denoising_pipeline` cuts it up again)."""
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         latents = [pipe._encode_vae_image(image=image.to(device=device, dtype=pipe.vae.dtype), generator=None)
                    for image in self.vae_images(pipe, job)]
@@ -316,6 +316,7 @@ class QwenImageImg2ImgFamily(QwenImageFamily):
 
     def encode_image(self, pipe, job: Job, device):
         """The input image noised to the first step `strength` leaves, as QwenImageImg2ImgPipeline.__call__ does."""
+        # lazy: diffusers (heavy, off start-up)
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import calculate_shift, retrieve_timesteps
 
         return noised_image_latents(pipe, job, device, calculate_shift, retrieve_timesteps)

@@ -38,7 +38,7 @@ class SDXLFamily(Family):
         return pooled_embeds(do_cfg, pe, npe, ppe, nppe)
 
     def decode(self, pipe, latents, job: Job, device) -> list:
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         vae = pipe.vae
         if vae.dtype == torch.float16 and vae.config.force_upcast:

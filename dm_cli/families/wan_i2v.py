@@ -103,7 +103,7 @@ class WanImageToVideoFamily(WanFamily):
         """`pipe`, or for TI2V-5B's image-to-video (a WanPipeline folder) a WanImageToVideoPipeline over its
         components, as `WanImageToVideoPipeline.from_pretrained` builds it from the same folder. With the
         `image_latents` of `encode_image`, its `prepare_latents` returns them for one call instead of encoding again."""
-        import diffusers
+        import diffusers  # lazy: diffusers (heavy, off start-up)
 
         target = pipe
         if job.images and not isinstance(pipe, diffusers.WanImageToVideoPipeline):
@@ -123,7 +123,7 @@ class WanImageToVideoFamily(WanFamily):
         """The noise and the condition of WanImageToVideoPipeline.prepare_latents (the pipeline's own, with the VAE
         loaded and the run's seed), in one tensor on the channels: noise, condition (and TI2V's first-frame mask).
         No image (TI2V-5B from text): an empty tensor, and the denoise is WanPipeline's own."""
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         if not job.images:
             return torch.zeros(0)
@@ -157,7 +157,7 @@ class WanImageToVideoFamily(WanFamily):
 def image_to_video_pipeline(pipe):
     """WanImageToVideoPipeline over a TI2V-5B WanPipeline's components, its execution device the stage loop's (as
     dm_cli.run.loading builds pipelines)."""
-    import diffusers
+    import diffusers  # lazy: diffusers (heavy, off start-up)
 
     if not pipe.config.get("expand_timesteps"):
         raise UsageError("This WanPipeline does not expand timesteps (model_index.json), which image-to-video with "

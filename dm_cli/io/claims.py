@@ -88,7 +88,7 @@ class Claims:
         no permission: the write itself says why later, in its own words). A live claim of another run is a
         UsageError naming it; a full disk a DiskFullError."""
         try:
-            import fcntl
+            import fcntl  # lazy: fcntl is POSIX only
         except ImportError:  # no flock on this platform: no claims
             return False
         for _ in range(20):  # a run releasing its claim between our open and our lock: open the new file

@@ -197,7 +197,7 @@ def image_save_options(fmt: str, metadata: dict[str, str]) -> dict:
     """Pillow's save options that put the metadata into an image of `fmt`: PNG text chunks; a JPEG (quality 95)
     comment holding the JSON (UTF-8); lossless WebP with the JSON in EXIF ImageDescription; a GIF comment."""
     if fmt == "PNG":
-        from PIL.PngImagePlugin import PngInfo
+        from PIL.PngImagePlugin import PngInfo  # lazy: PIL (heavy, off start-up)
 
         info = PngInfo()
         for key, value in metadata.items():
@@ -211,7 +211,7 @@ def image_save_options(fmt: str, metadata: dict[str, str]) -> dict:
         return {"quality": 95, "comment": comment}
     if fmt == "GIF":
         return {"comment": text.encode("utf-8")}
-    from PIL import Image
+    from PIL import Image  # lazy: PIL (heavy, off start-up)
 
     exif = Image.Exif()
     exif[EXIF_IMAGE_DESCRIPTION] = text  # ASCII (JSON escapes the rest): EXIF strings are ASCII

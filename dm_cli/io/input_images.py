@@ -241,7 +241,7 @@ def _check_decodes(data: bytes, path, where: str) -> tuple[int, int]:
 
 
 def _decoded(data: bytes, path, where: str, check_only: bool):
-    from PIL import ImageOps
+    from PIL import ImageOps  # lazy: PIL (heavy, off start-up)
 
     image = _opened(data, path, where)
     with DECODE_BUDGET.hold(image.width * image.height):
@@ -257,7 +257,7 @@ def _decoded(data: bytes, path, where: str, check_only: bool):
 
 
 def _loaded(image, path, where: str) -> None:
-    from PIL import Image
+    from PIL import Image  # lazy: PIL (heavy, off start-up)
 
     shown = shown_path(path)
     with warnings.catch_warnings():
@@ -274,7 +274,7 @@ def _loaded(image, path, where: str) -> None:
 
 def _opened(data: bytes, path, where: str):
     """The image's header read (format, bounds), no pixel decoded."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # lazy: PIL (heavy, off start-up)
 
     if "PILLOW_BLOCK_SIZE" not in os.environ and Image.core.get_block_size() < PIXEL_BLOCK_BYTES:
         Image.core.set_block_size(PIXEL_BLOCK_BYTES)

@@ -128,8 +128,8 @@ def _video_writer(kind: str) -> Callable[..., list[str]]:
         _check_folder(path, output)
         if fps < 1:
             raise UsageError(f"--fps must be at least 1 (got {fps}).")
-        import numpy as np
-        from PIL import Image
+        import numpy as np  # lazy: numpy (heavy, off start-up)
+        from PIL import Image  # lazy: PIL (heavy, off start-up)
 
         audio = audio_of(frames)  # LTX-2: the video's audio track (in the MP4, else a WAV beside the frames)
         if audio is not None:
@@ -157,7 +157,7 @@ def _video_writer(kind: str) -> Callable[..., list[str]]:
 
 
 def _write_latents(latents, output: str, metadata: dict[str, str], fps=None, overwrite=False) -> list[str]:
-    from safetensors.torch import save
+    from safetensors.torch import save  # lazy: safetensors (heavy, off start-up)
 
     path = Path(output)
     _check_folder(path, path)
@@ -169,7 +169,7 @@ def _write_latents(latents, output: str, metadata: dict[str, str], fps=None, ove
 
 
 def _pillow_metadata(path: Path) -> dict:
-    from PIL import Image
+    from PIL import Image  # lazy: PIL (heavy, off start-up)
 
     with Image.open(path) as image:
         return read_image_metadata(image)
@@ -185,7 +185,7 @@ def _latents_metadata(path: Path) -> dict:
 
 def _probe_pillow(path: Path) -> Found:
     """Every frame decoded (one for a still image): a truncated or corrupt file fails here."""
-    from PIL import Image
+    from PIL import Image  # lazy: PIL (heavy, off start-up)
 
     with Image.open(path) as image:
         frames = getattr(image, "n_frames", 1)

@@ -58,7 +58,7 @@ def sidecar_path(output: str) -> Path:
 
 def to_uint8(frames):
     """Float frames in [0, 1] (diffusers' `output_type="np"`) to uint8, rounding to nearest (one rule for all outputs)."""
-    import numpy as np
+    import numpy as np  # lazy: numpy (heavy, off start-up)
 
     return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
@@ -111,7 +111,7 @@ def write_frames_folder(images, folder: Path, text: str, options: dict, overwrit
 def write_mp4(images, tmp: str, fps: int, comment: str, audio=None) -> None:
     """export_to_video encodes (H.264 via imageio-ffmpeg); a stream copy adds the comment tag. `audio`:
     (waveform, sample rate), muxed in the same step as an AAC track."""
-    try:
+    try:  # lazy: imageio_ffmpeg (optional), diffusers (heavy, off start-up)
         import imageio_ffmpeg
         from diffusers.utils import export_to_video
     except ImportError as error:
@@ -137,7 +137,7 @@ def write_mp4(images, tmp: str, fps: int, comment: str, audio=None) -> None:
 
 def read_mp4_metadata(path: str | os.PathLike) -> dict:
     """The JSON in an MP4's comment tag ({} when there is none), read with imageio-ffmpeg's binary."""
-    import imageio_ffmpeg
+    import imageio_ffmpeg  # lazy: imageio_ffmpeg (optional)
 
     done = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-loglevel", "error", "-i", str(path), "-f", "ffmetadata",
                            "-"], capture_output=True, text=True)
@@ -150,7 +150,7 @@ def read_mp4_metadata(path: str | os.PathLike) -> dict:
 
 def probe_mp4(path: str | os.PathLike) -> tuple[int, tuple[int, int]]:
     """(frames, (width, height)) of an MP4's video, decoding every frame: a damaged file is a ValueError."""
-    import imageio_ffmpeg
+    import imageio_ffmpeg  # lazy: imageio_ffmpeg (optional)
 
     done = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-loglevel", "error", "-xerror", "-i", str(path),
                            "-map", "0:v:0", "-f", "framemd5", "-"], capture_output=True, text=True)
@@ -169,7 +169,7 @@ AUDIO_NAME = "audio.wav"  # a frames folder's audio track, beside the PNGs
 def with_audio(frames, wave, sample_rate: int):
     """`frames` (uint8, (F, H, W, 3)) as an array that also carries `wave` (float, (channels, samples)) and its
     sample rate: every writer takes it where it takes frames."""
-    import numpy as np
+    import numpy as np  # lazy: numpy (heavy, off start-up)
 
     out = np.asarray(frames).view(_frames_class())
     out.audio, out.sample_rate = np.asarray(wave, dtype=np.float32), int(sample_rate)
@@ -181,7 +181,7 @@ _FRAMES_CLASS: list = []  # made on first use: numpy is not imported with dm_cli
 
 def _frames_class():
     if not _FRAMES_CLASS:
-        import numpy as np
+        import numpy as np  # lazy: numpy (heavy, off start-up)
 
         class VideoFrames(np.ndarray):
             """uint8 frames with an audio track (`audio`, `sample_rate`); slices and single frames drop it."""
@@ -201,7 +201,7 @@ def audio_of(frames) -> tuple | None:
 
 def write_wav(path, wave, sample_rate: int) -> None:
     """A 32-bit float WAV (format 3, IEEE float): the samples exactly as generated, channels interleaved."""
-    import numpy as np
+    import numpy as np  # lazy: numpy (heavy, off start-up)
 
     samples = np.ascontiguousarray(np.asarray(wave, dtype="<f4").T)  # (samples, channels)
     channels = samples.shape[1] if samples.ndim == 2 else 1
@@ -215,7 +215,7 @@ def write_wav(path, wave, sample_rate: int) -> None:
 
 def read_wav(path) -> tuple:
     """(waveform (channels, samples) float32, sample rate) of a WAV `write_wav` wrote; ValueError otherwise."""
-    import numpy as np
+    import numpy as np  # lazy: numpy (heavy, off start-up)
 
     raw = Path(path).read_bytes()
     if raw[:4] != b"RIFF" or raw[8:12] != b"WAVE" or raw[12:16] != b"fmt ":

@@ -396,7 +396,7 @@ class WrittenPreset:
 
 def _write_example_image(folder: Path) -> None:
     """A small input image for a preset that needs one (a gradient: its outputs are noise anyway)."""
-    from PIL import Image
+    from PIL import Image  # lazy: PIL (heavy, off start-up)
 
     image = Image.linear_gradient("L").resize((64, 64)).convert("RGB")
     image.save(folder / EXAMPLE_IMAGE)

@@ -329,8 +329,8 @@ def nonfinite_tensor(path: str, digest: str = "") -> str | None:
     """The first tensor of a LoRA file holding NaN or Inf, or None: read tensor by tensor (a LoRA is small beside
     its model) when the adapter loads, so it is refused instead of turning every image black. `digest`: the file's
     sha256 as dmap read it (a component loaded again does not read the same file again)."""
-    import torch
-    from safetensors import safe_open
+    import torch  # lazy: torch (heavy, off start-up)
+    from safetensors import safe_open  # lazy: safetensors (heavy, off start-up)
 
     with safe_open(os.fspath(path), "pt") as handle:
         for key in handle.keys():
@@ -361,8 +361,8 @@ def _converted_layers(path: str, digest: str, pipeline_class: str) -> tuple:
     """The LoraLayers of the denoiser part of `path` as `pipeline_class.lora_state_dict` converts it (see
     `converted_layers`); () when that cannot be told from shapes. `digest`: a changed file is converted again."""
     models.quiet_libraries()  # a pipeline class's first import: transformers' advice would precede dmap's own lines
-    import diffusers
-    import torch
+    import diffusers  # lazy: diffusers (heavy, off start-up)
+    import torch  # lazy: torch (heavy, off start-up)
 
     loader = getattr(getattr(diffusers, pipeline_class, None), "lora_state_dict", None)
     if loader is None:
@@ -406,7 +406,7 @@ def _converted_layers(path: str, digest: str, pipeline_class: str) -> tuple:
                          f"converts none of its keys (such as '{shown(first)}') to one (it is a LoRA for another "
                          "model).")
     if any(".lora.down." in k or ".lora.up." in k or "_lora.down." in k for k in denoiser):
-        from diffusers.utils import convert_unet_state_dict_to_peft  # what diffusers' UNet loader does next
+        from diffusers.utils import convert_unet_state_dict_to_peft  # lazy: diffusers; what its UNet loader does next
 
         try:
             denoiser = convert_unet_state_dict_to_peft(denoiser)

@@ -328,8 +328,8 @@ def _resolve_hub(spec: str) -> Source:
     repo_id, component = "/".join(parts[:2]), (parts[2] if len(parts) == 3 else None)
     if not all(_HUB_PART_RE.match(part) for part in parts):
         raise SourceError(f"'{spec}' is not a Hub repo id (org/name or org/name/component, no '.' or '..' parts).")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub import snapshot_download  # lazy: huggingface_hub (heavy, off start-up)
+    from huggingface_hub.errors import LocalEntryNotFoundError  # lazy: huggingface_hub (heavy, off start-up)
 
     configs_only = ["*.json", "*/*.json", "*.txt", "*/*.txt"]
     try:

@@ -185,7 +185,7 @@ def parse_cache(value, where: str = "--cache") -> StepCache | None:
 def diffusers_config(cache: StepCache, family, steps: int | None = None, dtype: str | None = None):
     """diffusers' config for `cache` on `family`'s denoiser (the family's own defaults under the user's settings):
     magcache is given the family's magnitude ratios and the run's number of steps."""
-    import diffusers
+    import diffusers  # lazy: diffusers (heavy, off start-up)
 
     kind = CACHES[cache.name]
     own = dict((getattr(family, "step_caches", {}) or {}).get(cache.name, {}))
@@ -194,7 +194,7 @@ def diffusers_config(cache: StepCache, family, steps: int | None = None, dtype: 
     if cache.name == "fbc":
         return cls(threshold=values["threshold"])
     if cache.name == "taylorseer":
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         lite = resolved_lite(cache, family)
         kwargs = {"cache_interval": values["cache_interval"], "disable_cache_before_step": values["disable_cache_before_step"],
@@ -206,7 +206,7 @@ def diffusers_config(cache: StepCache, family, steps: int | None = None, dtype: 
     if cache.name == "magcache":
         ratios = own.get("mag_ratios")
         if ratios == "flux":
-            from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+            from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS  # lazy: diffusers (heavy, off start-up)
 
             ratios = FLUX_MAG_RATIOS
         return cls(threshold=values["threshold"], max_skip_steps=values["max_skip_steps"],
@@ -283,7 +283,7 @@ def _on_own_device(hook, forward):
 
 def _execution_device(module):
     """Where `module` computes: accelerate's execution device (a split or streamed block), else its weights'."""
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
     if device is not None:
@@ -295,7 +295,7 @@ def _execution_device(module):
 def _to_device(value, device):
     """`value` with each tensor in it on `device` (`to` even where it is there already: under the split check's
     virtual devices that is what says the hook moves it)."""
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     if isinstance(value, torch.Tensor):
         return value.to(device)
@@ -360,7 +360,7 @@ def measure(comp, pipeline_class: str | None, inputs: InputSpec, dtype: str, cac
 
 def _measure(comp, pipeline_class, inputs: InputSpec, dtype: str, cache: StepCache, family,
              device_map: dict | None, sliced: bool = False) -> tuple[Footprint, list[str]]:
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     dtype = trace._torch_dtype_name(dtype, comp)
     run_dtype = trace.compute_dtype(call_spec(comp, pipeline_class, inputs), dtype)
@@ -394,7 +394,7 @@ def _measure(comp, pipeline_class, inputs: InputSpec, dtype: str, cache: StepCac
 def _held(model, cache: StepCache, torch, sliced: bool = False) -> dict[str, int]:
     """Bytes each hooked module's state holds now (each tensor once); taylorseer's after one update hold one term of
     `max_order + 1`, so they count that many times. `sliced`: the tensors of `TRAVEL` go to the last block."""
-    from diffusers.hooks.hooks import StateManager
+    from diffusers.hooks.hooks import StateManager  # lazy: diffusers (heavy, off start-up)
 
     terms = cache.setting("max_order", 0) + 1 if cache.name == "taylorseer" else 1
     head = tail = None

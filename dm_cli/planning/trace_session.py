@@ -35,8 +35,8 @@ def _iter_tensors(value, torch):
 def _mode_classes():
     """The dispatch and function modes, defined on first use so that importing this module needs no torch."""
     import torch  # here only: importing this module stays torch-free
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.overrides import TorchFunctionMode  # lazy: torch (heavy, off start-up)
+    from torch.utils._python_dispatch import TorchDispatchMode  # lazy: torch (heavy, off start-up)
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     to_methods = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
@@ -214,7 +214,7 @@ class _OpAccounting:
         """Add one dispatched op to `work`: FLOPs by torch's own formulas (torch.utils.flop_counter) for matmuls and
         convolutions; the bytes read and written for the other ops that are not views."""
         if self._flop_formulas is None:
-            from torch.utils.flop_counter import flop_registry
+            from torch.utils.flop_counter import flop_registry  # lazy: torch (heavy, off start-up)
 
             self._flop_formulas = flop_registry
         if getattr(func, "is_view", False):

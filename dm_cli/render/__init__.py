@@ -42,7 +42,7 @@ def plain(text, keep_newlines: bool = False) -> str:
 
 def _inert(renderable):
     """A string or Text with control characters made visible (`plain`); other renderables as they are."""
-    from rich.text import Text
+    from rich.text import Text  # lazy: rich only when drawing
 
     if isinstance(renderable, str):
         return plain(renderable)
@@ -59,7 +59,7 @@ def _console_class():
     where file-borne text is made safe for the terminal, whatever the renderer prints."""
     global _CONSOLE_CLASS
     if _CONSOLE_CLASS is None:
-        from rich.console import Console
+        from rich.console import Console  # lazy: rich only when drawing
 
         class InertConsole(Console):
             def print(self, *objects, **kwargs):
@@ -120,7 +120,7 @@ def fitted_table(out, title: str | None, columns: list[Col], rows: list[list[str
     name stays whole), so columns are dropped, least important first, before a word would be cut; only
     when nothing is left to drop are words folded. Returns (table, names of the columns dropped to fit).
     """
-    from rich.text import Text
+    from rich.text import Text  # lazy: rich only when drawing
 
     rows = [None if r is None else [c if callable(c) else _inert(c) if isinstance(c, Text) else plain(c) for c in r]
             for r in rows]
@@ -216,8 +216,8 @@ def _fit_widths(sizes: _ColumnSizes, keep: list[int], width: int) -> dict[int, i
 def _build_table(title: str | None, columns: list[Col], rows: list, keep: list[int], widths: dict[int, int]):
     """The Rich Table of the kept columns at their fitted widths: numbers and bars never wrap, text folds
     only what is wider than its column; callable cells (bars) are drawn at their column's width."""
-    from rich.table import Table
-    from rich.text import Text
+    from rich.table import Table  # lazy: rich only when drawing
+    from rich.text import Text  # lazy: rich only when drawing
 
     table = Table(title=Text(title) if title else None, title_justify="left")
     for i in keep:

@@ -24,7 +24,7 @@ BAR_CACHE = ("cache", "░", "green")  # drawn, and in the legend, only for a pl
 def _bar(values: list[int], capacity: int | None, parts=BAR_PARTS):
     """A bar of weights/reserve/activations/overhead (and the step cache's state) against the device capacity: a
     callable width -> Text."""
-    from rich.text import Text
+    from rich.text import Text  # lazy: rich only when drawing
 
     def draw(width: int):
         if not capacity:
@@ -43,7 +43,7 @@ def _bar(values: list[int], capacity: int | None, parts=BAR_PARTS):
 
 
 def bar_legend(parts=BAR_PARTS):
-    from rich.text import Text
+    from rich.text import Text  # lazy: rich only when drawing
 
     legend = Text("bar: ")
     for name, glyph, style in parts + (BAR_FREE,):
@@ -100,7 +100,7 @@ def render_plan(plan, binary: bool = False, output: str | None = None, hidden: l
     `hidden`: a list to collect the columns left out (the caller prints one note for the whole
     command, `print_hidden`); without it the note is printed here. `show_next`: end with the next step.
     """
-    from rich.text import Text
+    from rich.text import Text  # lazy: rich only when drawing
 
     out = console()
     own_note = hidden is None
@@ -289,7 +289,7 @@ def _print_predicted_time(out, predicted: dict) -> None:
 def _print_notes(out, plan, size) -> None:
     """The sentences after the tables: the split check's verdict (failures on stderr), what is offloaded
     and what that costs, and the planner's warnings."""
-    from rich.text import Text
+    from rich.text import Text  # lazy: rich only when drawing
 
     check = plan.check or {}
     if check.get("ran"):

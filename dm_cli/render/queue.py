@@ -73,7 +73,7 @@ class TickingStatus:
         return False
 
     def _make_status(self):
-        from rich.text import Text
+        from rich.text import Text  # lazy: rich only when drawing
 
         return console(stderr=True).status(Text(plain(self.message)), spinner="dots")
 
@@ -95,7 +95,7 @@ class TickingStatus:
     def _draw(self) -> None:
         status = self._status
         if status is not None:
-            from rich.text import Text
+            from rich.text import Text  # lazy: rich only when drawing
 
             status.update(Text(plain(self.text())))
 

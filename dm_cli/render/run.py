@@ -47,7 +47,7 @@ class RunView:
     def show_plan(self, plan) -> None:
         if self.quiet:
             return
-        from rich.text import Text
+        from rich.text import Text  # lazy: rich only when drawing
 
         if self.plan_file is not None:  # no markup: the names come from the command line and the plan file
             self.console.print(Text(f"Running {plan.source} from {self.plan_file}"), soft_wrap=True)
@@ -66,6 +66,7 @@ class RunView:
             return
         if self._progress is None:
             self.status(None)  # one live display at a time
+            # lazy: rich only when drawing
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -199,7 +200,7 @@ def written(path: str, result, binary: bool = False) -> str:
     what = ""
     if suffix in IMAGE_SUFFIXES:
         try:
-            from PIL import Image
+            from PIL import Image  # lazy: PIL (heavy, off start-up)
 
             with Image.open(path) as image:  # reads the header only
                 what = f"{image.width}x{image.height} {image.format}, "

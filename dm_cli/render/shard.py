@@ -21,6 +21,7 @@ class ShardProgressBar:
 
     def __enter__(self):
         if self.enabled:
+            # lazy: rich only when drawing
             from rich.progress import (
                 BarColumn,
                 DownloadColumn,

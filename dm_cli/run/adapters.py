@@ -16,8 +16,10 @@ peft sees it (`dm_cli.model.lora.nonfinite_tensor`). No Typer, no Rich.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 from dm_cli.errors import UsageError
+from dm_cli.model.lora import file_digest, nonfinite_tensor, shown
 
 ADAPTER_PREFIX = "dmap_lora_"
 
@@ -32,10 +34,6 @@ def load_loras(pipe, name: str, model, loras: tuple, compute_dtype=None, fuse: b
     (diffusers' `fuse_lora`), then their peft layers removed (`unload_lora`), so the component runs as a plain one
     with no per-call cost (a rank-32 LoRA on every linear layer of a mid-size FLUX: +15% per step unfused, +2%
     fused)."""
-    import warnings
-
-    from dm_cli.model.lora import file_digest, nonfinite_tensor, shown
-
     if compute_dtype is None:
         compute_dtype = model.dtype  # diffusers' ModelMixin reports the compute dtype under layerwise casting
     setattr(pipe, name, model)  # load_lora_weights patches the pipeline's own attribute
@@ -79,7 +77,7 @@ def load_loras(pipe, name: str, model, loras: tuple, compute_dtype=None, fuse: b
 def _streamed_layers(model) -> list:
     """(module, hook) for each module whose own tensors accelerate streams to its execution device on every
     forward (dispatch_model hooks each layer of an offloaded block)."""
-    from accelerate.hooks import AlignDevicesHook, SequentialHook
+    from accelerate.hooks import AlignDevicesHook, SequentialHook  # lazy: accelerate (heavy, off start-up)
 
     out = []
     for module in model.modules():
@@ -96,7 +94,7 @@ def _stand_ins(model, compute_dtype):
     a one-element view of its shape, in its own dtype (a GGUF weight keeps its type) or, for fp8, the compute
     dtype: peft puts each adapter on its layer's device and in its dtype, and a meta adapter would lose its
     values, an fp8 one its precision (and CPUs have no fp8 matmul). The weights themselves come back after it."""
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     low = {torch.float8_e4m3fn, torch.float8_e5m2}
     replaced = []
@@ -121,11 +119,9 @@ def _stream_adapters(model, lora_name: str) -> None:
     """Each new adapter module of a layer accelerate streams to its execution device (dispatch_model hooks each
     layer of an offloaded block) streamed like that layer: its tensors kept on the cpu, moved to the layer's
     execution device for each forward."""
-    import torch
-    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    from dm_cli.model.lora import shown
+    import torch  # lazy: torch (heavy, off start-up)
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module  # lazy: accelerate (heavy, off start-up)
+    from peft.tuners.tuners_utils import BaseTunerLayer  # lazy: peft (heavy, off start-up)
 
     layers = _streamed_layers(model)
     if any(hook.place_submodules and any(isinstance(m, BaseTunerLayer) for m in module.modules())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import platform
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -113,7 +114,7 @@ def _op_seconds(torch, target, timed, repeats: int, sync) -> float:
     """The host's cost of one op inside a model: tiny resnet and transformer blocks (modules, their Python, the
     dispatch; kernels of a few elements) timed, over the ops they dispatch as the planner's trace counts them (every
     op but views)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode  # lazy: torch (heavy, off start-up)
 
     nn = torch.nn
     conv = nn.Sequential(nn.GroupNorm(2, 4), nn.SiLU(), nn.Conv2d(4, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU(),
@@ -139,7 +140,7 @@ def _op_seconds(torch, target, timed, repeats: int, sync) -> float:
 
 def _hook_seconds(torch, target, timed, repeats: int, sync) -> float:
     """What accelerate's AlignDevicesHook adds to one module call (a split or offloaded denoiser has one per module)."""
-    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module  # lazy: accelerate (heavy, off start-up)
 
     calls = 200
     layer, x = torch.nn.Linear(8, 8).to(target), torch.randn(1, 8, device=target)
@@ -152,10 +153,8 @@ def _hook_seconds(torch, target, timed, repeats: int, sync) -> float:
 def _stream_gbps(torch, sizes: "CalibrationSizes", timed) -> float:
     """GB/s at which offloaded weights come back each step: dmap reads them from the checkpoint's safetensors (in the
     page cache after the first step) and casts them (run/loading.py `_load_streamed`), tensor by tensor."""
-    import tempfile
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors import safe_open  # lazy: safetensors (heavy, off start-up)
+    from safetensors.torch import save_file  # lazy: safetensors (heavy, off start-up)
 
     count, size = (8, 2**14) if sizes.memory_mib < 64 else (64, 2**18)  # float32 tensors of 64 KiB / 1 MiB
     tensors = {f"layer.{i}.weight": torch.randn(size) for i in range(count)}
@@ -174,7 +173,7 @@ def _stream_gbps(torch, sizes: "CalibrationSizes", timed) -> float:
 def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
               on_progress=None) -> DeviceProfile:
     """Measure the device (`device`: "cpu", "cuda:0"; None: the first GPU, else the CPU) into a profile."""
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     sizes = sizes or CalibrationSizes()
     say = on_progress or (lambda message: None)

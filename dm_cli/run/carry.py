@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from dm_cli.families import Embeds
 from dm_cli.families.stages import IMAGE_LATENTS, INPUTS
+from dm_cli.io.video import with_audio
 
 
 @dataclass
@@ -48,8 +49,6 @@ def join_audio(carry: Carry) -> None:
     """Each video's frames carry its waveform once both are decoded (dm_cli.io.video.with_audio): the writers put
     it in the MP4, or as a WAV beside a frames folder."""
     if carry.audio is not None and carry.images:
-        from dm_cli.io.video import with_audio
-
         waves, rate = carry.audio
         carry.images = [with_audio(frames, wave, rate) for frames, wave in zip(carry.images, waves)]
         carry.audio = None

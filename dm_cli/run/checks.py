@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 from dm_cli.errors import UsageError
 
 # torch.Generator.manual_seed's unsigned range. It also takes negative seeds, but wraps them (-1 is the
@@ -27,8 +29,6 @@ MAX_JSON_DIGITS = 100
 def load_json(text: str, where: str):
     """`json.loads(text)`; a whole number of more than MAX_JSON_DIGITS digits is a UsageError naming `where`
     (other malformed JSON raises ValueError, as json.loads does)."""
-    import json
-
     def whole_number(digits: str) -> int:
         count = len(digits.lstrip("-"))
         if count > MAX_JSON_DIGITS:

@@ -4,7 +4,9 @@ under the same name (dm_cli.run.parallel's step cache, dm_cli.run.pipeline's sli
 
 from __future__ import annotations
 
+from dm_cli.run.adapters import ADAPTER_PREFIX, load_loras
 from dm_cli.run.hooks import LoopHook, LoopHooks
+from dm_cli.run.step_cache import StepCounts, apply
 
 
 def fused_loras(plan) -> frozenset:
@@ -52,7 +54,6 @@ class Loras(LoopHook):
         patching = [lora for lora in self.loras if lora.component == name]
         if not patching:
             return
-        from dm_cli.run.adapters import load_loras
 
         loop = self.loop
         loop.status(f"Loading {len(patching)} LoRA(s) into {name}…")
@@ -85,7 +86,6 @@ class Loras(LoopHook):
         wanted = tuple(lora for lora in self.job_loras if lora.component == name)
         if wanted == self.active[name]:
             return
-        from dm_cli.run.adapters import ADAPTER_PREFIX
 
         patching = [lora for lora in self.loras if lora.component == name]
         index = {(lora.path, lora.digest): n for n, lora in enumerate(patching)}
@@ -113,7 +113,6 @@ class StepCache(LoopHook):
         """The plan's step cache on a cached denoiser (diffusers' enable_cache; magcache for `steps`)."""
         if not self.cached(name):
             return
-        from dm_cli.run.step_cache import StepCounts, apply
 
         counter = apply(model, self.plan.cache, self.family, steps, self.plan.dtype)
         counter.counts = self.counts.setdefault(name, StepCounts())
@@ -166,7 +165,7 @@ class Meter(LoopHook):
         return track, on_cpu and not track
 
     def reset_peaks(self) -> None:
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         self.meter.reset_peaks()
         if self.loop.cuda:
@@ -176,7 +175,7 @@ class Meter(LoopHook):
     def measured(self, stage, rss=None) -> None:
         """Peak per device since the last reset: weights resident after the load + tracked activations
         (without the tracker, `rss`: what the process's resident set grew by, charged to the cpu)."""
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         resident = stage.resident_after_load
         grown = dict(self.meter.peak)
@@ -201,7 +200,7 @@ class SplitCheck(LoopHook):
 
     def apply(self, name: str, model) -> None:
         try:
-            from dm_cli.planning.trace import VirtualDevices
+            from dm_cli.planning.trace import VirtualDevices  # lazy: a build without the tracer skips the check
         except ImportError:
             return
         checker = VirtualDevices(model, self.loop.device_map(name))

@@ -18,9 +18,12 @@ under a CPU-only torchrun unless given cpu=True, and dmap needs nothing else fro
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -135,7 +138,7 @@ class Ranks:
         (dm_cli.run.parallel)."""
         if not self.distributed:
             return
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
         if dist.is_initialized():
             return
@@ -146,7 +149,7 @@ class Ranks:
         """Every rank's `obj` on rank 0 (in rank order), None elsewhere; `[obj]` alone."""
         if not self.distributed:
             return [obj]
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
         out = [None] * self.world_size if self.is_main else None
         dist.gather_object(obj, out, dst=0)
@@ -155,7 +158,7 @@ class Ranks:
     def leave(self) -> None:
         if not self.distributed:
             return
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -192,9 +195,6 @@ class TerminateRaises:
         raise Terminated()
 
     def __enter__(self) -> "TerminateRaises":
-        import signal
-        import threading
-
         current = signal.getsignal(signal.SIGTERM) if hasattr(signal, "SIGTERM") else None
         if (threading.current_thread() is threading.main_thread() and current is not None
                 and not isinstance(getattr(current, "__self__", None), TerminateRaises)):
@@ -203,8 +203,6 @@ class TerminateRaises:
         return self
 
     def __exit__(self, *exc) -> None:
-        import signal
-
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
             self._installed = False
@@ -249,8 +247,6 @@ def select_gpus(ranks: Ranks, gpus_per_rank: int | None, env: dict | None = None
 def _count_gpus() -> int:
     """GPUs on this node without initialising CUDA in this process (NVML via nvidia-smi's library)."""
     try:
-        import ctypes
-
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
         if nvml.nvmlInit_v2() != 0:
             return 0
@@ -265,8 +261,8 @@ def _count_gpus() -> int:
 def broadcast(value, sharing):
     """Rank 0's `value` on every rank (tensors through the CPU: they may sit on rank 0's GPUs); `sharing`: anything
     that says whether this is rank 0 (`is_main`)."""
-    import torch
-    import torch.distributed as dist
+    import torch  # lazy: torch (heavy, off start-up)
+    import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
     box = [_to_cpu(value) if sharing.is_main else None]
     dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))

@@ -31,7 +31,7 @@ class JobLoop:
     def run_stage(self, stage_plan, job: Job, carry: Carry, on_step=None, result: StageResult | None = None) -> StageResult:
         """Run one planned stage of `job` (its components must be loaded) with the runner of its kind,
         measuring its peaks."""
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         name = stage_plan.name
         names = list(stage_plan.components)
@@ -75,7 +75,7 @@ class JobLoop:
         """One denoise call over consecutive sub-stages (Wan 2.2's experts): only the sub-stage whose
         expert runs the first step is loaded; at the step where the next expert takes over, the current
         one is freed and only then the next one loaded (an expert that never runs is never loaded)."""
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         owner = {name: i for i, part in enumerate(parts) for name in part.components}
         running = self._step_components(job) or [self.family.denoiser] * job.steps

@@ -20,6 +20,12 @@ from typing import TYPE_CHECKING
 
 from dm_cli.devices import device_of, execution_device_key, normalise_map, streams_blocks, torch_device
 from dm_cli.errors import CheckpointError, SourceError
+from dm_cli.io.checkpoint import open_checkpoint
+from dm_cli.model.formats.weight_formats import CastingWeights, LoadedTensor, apply_fp8, quantize_int8, read_cast
+from dm_cli.model.models import build_model, component_class, is_transformers_model
+from dm_cli.model.single_file_weights import GGUF
+from dm_cli.model.skeleton import as_loaded, build_on_meta
+from dm_cli.model.tokenizers import torchvision_free_processor
 
 if TYPE_CHECKING:  # annotations only
     from dm_cli.model.sources import ComponentSource
@@ -37,7 +43,7 @@ def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, s
     component is always loaded tensor by tensor (`_load_streamed`), each tensor cast on its way to
     its device, so the run dtype copy of the whole component never exists.
     """
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     torch_dtype = getattr(torch, dtype) if dtype else None
     device_map = normalise_map(device_map)
@@ -54,6 +60,7 @@ def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, s
         else:
             model = _from_pretrained(comp, device_map, torch_dtype)
             if len(set(device_map.values())) == 1:
+                # lazy: accelerate (heavy, off start-up)
                 from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
                 # Inputs made on another device (embeddings, latents) follow the component.
@@ -66,7 +73,7 @@ def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, s
 
 def _unloadable(comp: ComponentSource, error: Exception) -> Exception:
     """A load that failed: out of GPU memory as it is (the run says what to plan instead), else the checkpoint's fault."""
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     if isinstance(error, torch.OutOfMemoryError):
         return error
@@ -74,8 +81,6 @@ def _unloadable(comp: ComponentSource, error: Exception) -> Exception:
 
 
 def _from_pretrained(comp: ComponentSource, device_map, torch_dtype):
-    from dm_cli.model.models import component_class, is_transformers_model
-
     cls = component_class(comp.library, comp.cls)
     if not is_transformers_model(cls):
         return cls.from_pretrained(comp.folder, torch_dtype=torch_dtype, device_map=device_map)
@@ -85,17 +90,14 @@ def _from_pretrained(comp: ComponentSource, device_map, torch_dtype):
 def _from_single_file(comp: ComponentSource, device_map: dict, torch_dtype):
     """`from_single_file` with the pipeline's own config for the component, offline: diffusers renames the original
     layout; a GGUF file stays quantized (`GGUFQuantizationConfig`, dequantized per layer at the run dtype)."""
-    import torch
-
-    from dm_cli.model.models import component_class
-    from dm_cli.model.single_file_weights import GGUF
+    import torch  # lazy: torch (heavy, off start-up)
 
     if "disk" in device_map.values():
         raise CheckpointError(f"Component '{comp.name}' comes from the single file {comp.single_file.path.name}, which "
                               "dmap cannot offload to disk: plan with more GPU or CPU memory.")
     kwargs = {}
     if comp.single_file.format == GGUF:
-        from diffusers import GGUFQuantizationConfig
+        from diffusers import GGUFQuantizationConfig  # lazy: diffusers (heavy, off start-up)
 
         kwargs["quantization_config"] = GGUFQuantizationConfig(compute_dtype=torch_dtype or torch.bfloat16)
     cls = component_class(comp.library, comp.cls)
@@ -120,7 +122,7 @@ def _dispatch(model, device_map: dict, streamed_weights):
     """accelerate's dispatch_model for a plan's map: blocks on a GPU moved there, blocks on cpu or disk streamed to
     the execution device for each forward from `streamed_weights` (name -> tensor), which accelerate reads as its
     offload state dict (no .dat files are written)."""
-    from accelerate import dispatch_model
+    from accelerate import dispatch_model  # lazy: accelerate (heavy, off start-up)
 
     main = execution_device(device_map, False)
     dispatch_map = {key: ("disk" if device in ("cpu", "disk") else device) for key, device in device_map.items()}
@@ -135,8 +137,8 @@ def _hookable_parameters(model) -> None:
     GGUFParameter's quant_type (diffusers cannot dequantize it then) and fails on a plain tensor: each GGUFParameter
     swapped for a subclass that takes its quant_type from the value it is rebuilt from, each plain tensor made a
     Parameter."""
-    import torch
-    from diffusers.quantizers.gguf.utils import GGUFParameter
+    import torch  # lazy: torch (heavy, off start-up)
+    from diffusers.quantizers.gguf.utils import GGUFParameter  # lazy: diffusers (heavy, off start-up)
 
     hooked = _hooked_gguf_parameter()
     for module in model.modules():
@@ -151,7 +153,7 @@ def _hookable_parameters(model) -> None:
 
 @functools.cache
 def _hooked_gguf_parameter():
-    from diffusers.quantizers.gguf.utils import GGUFParameter
+    from diffusers.quantizers.gguf.utils import GGUFParameter  # lazy: diffusers (heavy, off start-up)
 
     class HookedGGUFParameter(GGUFParameter):
         def __new__(cls, data, requires_grad=False, quant_type=None):
@@ -166,7 +168,7 @@ def load_slice(comp: ComponentSource, device: str, dtype: str | None, skip: froz
     `transformer_blocks.3`), whose tensors stay on the meta device: a pipeline rank's slice
     (dm_cli.run.pipeline) reads only its own blocks' weights from the checkpoint, cast as
     `from_pretrained` casts them and stored as the plan stores them (`weights`: fp8, int8; as `load_component`)."""
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     def kept(name: str) -> bool:
         parts = name.split(".")
@@ -198,14 +200,9 @@ def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights
     would, one tensor at a time. `resident`: everything stays on `place`, the CPU unless a pipeline slice says
     otherwise (simulated or cpu-only plans). `keep(name)` False: that tensor is not read (it stays on meta).
     """
-    import torch
-    from accelerate.utils import set_module_tensor_to_device
-    from safetensors import safe_open
-
-    from dm_cli.io.checkpoint import open_checkpoint
-    from dm_cli.model.formats.weight_formats import CastingWeights, LoadedTensor, apply_fp8, quantize_int8, read_cast
-    from dm_cli.model.models import build_model
-    from dm_cli.model.skeleton import as_loaded
+    import torch  # lazy: torch (heavy, off start-up)
+    from accelerate.utils import set_module_tensor_to_device  # lazy: accelerate (heavy, off start-up)
+    from safetensors import safe_open  # lazy: safetensors (heavy, off start-up)
 
     loaded = as_loaded(comp)  # an lm_head the checkpoint stores is its own tensor, as from_pretrained keeps it
     comp, skeleton, checkpoint = loaded.comp, loaded.skeleton, loaded.checkpoint
@@ -263,10 +260,9 @@ def _checkpoint_keys(model, keys: list[str], comp: ComponentSource) -> dict[str,
     """Model tensor name -> checkpoint key. transformers 5 renames legacy checkpoint keys while loading
     (Mistral-3 saves `language_model.model.*` for `model.language_model.*`): the same renamings, by
     transformers' own `rename_source_key`. A key that needs a converter (merged or split tensors) is refused."""
-    from dm_cli.model.models import is_transformers_model
-
     if not is_transformers_model(type(model)):
         return {key: key for key in keys}
+    # lazy: transformers (heavy, off start-up)
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
@@ -291,8 +287,8 @@ def free_components(models: list) -> None:
     an empty meta tensor first, so a reference the caller cannot drop (WanPipeline's loop keeps the
     high-noise expert in a local variable until the next step) does not keep the weights alive.
     """
-    import torch
-    from accelerate.hooks import remove_hook_from_module
+    import torch  # lazy: torch (heavy, off start-up)
+    from accelerate.hooks import remove_hook_from_module  # lazy: accelerate (heavy, off start-up)
 
     while models:
         model = models.pop()
@@ -332,7 +328,6 @@ def placeholder(comp: ComponentSource, torch_dtype, real_tensors: tuple[str, ...
     """
     if comp.name.startswith("text_encoder"):
         return None
-    from dm_cli.model.skeleton import build_on_meta
 
     model = build_on_meta(comp.library, comp.cls, comp.config)
     if torch_dtype is not None:
@@ -344,10 +339,8 @@ def placeholder(comp: ComponentSource, torch_dtype, real_tensors: tuple[str, ...
 
 def _read_tensors(model, comp, names: tuple[str, ...]) -> None:
     """Named tensors of a meta model replaced by their values in the checkpoint (cast as loading casts)."""
-    from accelerate.utils import set_module_tensor_to_device
-    from safetensors import safe_open
-
-    from dm_cli.io.checkpoint import open_checkpoint
+    from accelerate.utils import set_module_tensor_to_device  # lazy: accelerate (heavy, off start-up)
+    from safetensors import safe_open  # lazy: safetensors (heavy, off start-up)
 
     checkpoint = open_checkpoint(comp.weights, strict=True)
     folder = Path(comp.weights).parent
@@ -364,7 +357,7 @@ def _read_tensors(model, comp, names: tuple[str, ...]) -> None:
 
 def build_pipeline(source, torch_dtype, placeholders: dict):
     """The pipeline object with tokenizers and scheduler loaded and every model a meta placeholder."""
-    import diffusers
+    import diffusers  # lazy: diffusers (heavy, off start-up)
 
     cls = getattr(diffusers, source.pipeline_class)
     params = pyinspect.signature(cls.__init__).parameters
@@ -399,7 +392,7 @@ def _load_weightless(source, name, library, class_name):
         return None
     folder = source.root / name
     if "Scheduler" in class_name:
-        import diffusers
+        import diffusers  # lazy: diffusers (heavy, off start-up)
 
         scheduler_cls = getattr(diffusers, class_name, None)
         if scheduler_cls is None:
@@ -408,7 +401,7 @@ def _load_weightless(source, name, library, class_name):
             raise SourceError(f"The scheduler config of {source.spec} is missing: {folder / 'scheduler_config.json'}.")
         return scheduler_cls.from_pretrained(source.root, subfolder=name)
     if "Tokenizer" in class_name or class_name.endswith("Processor"):
-        import transformers
+        import transformers  # lazy: transformers (heavy, off start-up)
 
         if not folder.is_dir() or not any(folder.iterdir()):
             raise SourceError(
@@ -422,8 +415,6 @@ def _load_weightless(source, name, library, class_name):
                     raise
                 # a processor whose image half needs a missing backend (torchvision): dmap's PIL one where it has
                 # one (Qwen2VLProcessor); else (PixtralProcessor) text-to-image only tokenizes, and its tokenizer loads
-                from dm_cli.model.tokenizers import torchvision_free_processor
-
                 processor = torchvision_free_processor(class_name, folder)
                 return processor if processor is not None else transformers.AutoTokenizer.from_pretrained(folder)
         except (OSError, ValueError, TypeError, ImportError) as error:

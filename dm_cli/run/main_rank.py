@@ -7,6 +7,7 @@ from __future__ import annotations
 from dm_cli.families import Job
 from dm_cli.families.stages import DECODE, DECODE_AUDIO, ENCODE, ENCODE_IMAGE
 from dm_cli.run.carry import Carry
+from dm_cli.run.distributed import broadcast
 
 
 class MainRankStages:
@@ -22,8 +23,6 @@ class MainRankStages:
 
     def _run_once_and_share(self, stage_plan, job: Job, carry: Carry, on_step) -> None:
         """Encode on rank 0; every rank gets what the stage produces (embeddings, image latents)."""
-        from dm_cli.run.distributed import broadcast
-
         if self.sharing.is_main:
             super()._runner(stage_plan)(self, stage_plan, job, carry, on_step)
         made = broadcast({value: getattr(carry, value) for value in stage_plan.produces}, self.sharing)

@@ -69,9 +69,9 @@ class MemoryMeter(LiveStorages):
         if self._mode is not None:
             self.tracking = True
             return
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
+        import torch  # lazy: torch (heavy, off start-up)
+        from torch.utils._python_dispatch import TorchDispatchMode  # lazy: torch (heavy, off start-up)
+        from torch.utils._pytree import tree_flatten  # lazy: torch (heavy, off start-up)
 
         tensor_type = torch.Tensor
         meter = self
@@ -102,7 +102,7 @@ class MemoryMeter(LiveStorages):
         self.tracking = False
         if self._mode is None:
             return
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
+        from torch.utils._python_dispatch import _get_current_dispatch_mode  # lazy: torch (heavy, off start-up)
 
         if _get_current_dispatch_mode() is self._mode:
             mode, self._mode = self._mode, None
@@ -152,7 +152,7 @@ class RssSampler:
         if self._exact:
             self.start = self.peak = _proc_status("VmRSS")
             return
-        import psutil
+        import psutil  # lazy: psutil (optional)
 
         self._process = psutil.Process()
         self.start = self.peak = self._process.memory_info().rss

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dm_cli.families import Job
 from dm_cli.io.claims import Claims, claim_folder, claim_outputs
+from dm_cli.run.distributed import Ranks
 from dm_cli.version import __version__
 
 
@@ -17,8 +18,6 @@ def claim_run_outputs(request) -> Claims:
     """`dmap run --prompt`'s claims on its --output and --save-latents, taken before anything loads; a second run
     writing either stops (exit 2) naming this one. Under torchrun, rank 0 writes and claims: the ranks of one run
     never refuse each other."""
-    from dm_cli.run.distributed import Ranks
-
     if not Ranks.from_env().is_main:
         return Claims()
     return claim_outputs([path for path in (request.output, request.save_latents) if path], "dmap run")

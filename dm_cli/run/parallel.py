@@ -32,10 +32,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dm_cli.errors import UsageError
+from dm_cli.inputs import InputSpec
 from dm_cli.planning.modes import Layout, Parallel
+from dm_cli.planning.parallel import ParallelRequest, candidates, denoiser_shape, guidance_branches, layout_title
 from dm_cli.run.component_hooks import StepCache
 from dm_cli.run.distributed import Ranks
+from dm_cli.run.pipeline import pipeline_refusal, plan_slices
+from dm_cli.run.request import run_inputs, visible_gpus
 from dm_cli.run.stages import MainRankStages, StageLoop
+from dm_cli.run.step_cache import agree_across
 
 LAUNCH = ("launch it with torchrun --nproc-per-node N (N = 2 for cfg, the Ulysses degree for context, the plan's GPUs "
           "for pipeline)")
@@ -61,8 +66,6 @@ class StepSharing:
         return self.ranks.is_main
 
     def describe(self) -> str:
-        from dm_cli.planning.parallel import layout_title
-
         if self.layout == "pipeline":
             return f"pipeline parallel: one slice of the denoiser on each of {self.ranks.world_size} torchrun ranks"
         return f"{layout_title(self.layout, self.cfg, self.ulysses)} over {self.ranks.world_size} torchrun ranks"
@@ -122,7 +125,6 @@ def cpu_ranks(choice: str | None, plan) -> int:
     ranks = Ranks.from_env()
     if ranks.world_size < 2 or not pipelined(choice, plan, ranks):
         return 0
-    from dm_cli.run.request import visible_gpus
 
     return ranks.world_size if visible_gpus() == 0 else 0
 
@@ -130,8 +132,6 @@ def cpu_ranks(choice: str | None, plan) -> int:
 def checked_pipeline(plan, family, generation, ranks: Ranks) -> tuple[StepSharing, tuple[str, ...]]:
     """Pipeline parallel (dm_cli.run.pipeline): refused in one sentence unless the plan cuts the denoiser into one
     slice per rank (`plan` None: a plan still to be made, what can be known without it); and what to tell the user."""
-    from dm_cli.run.pipeline import pipeline_refusal, plan_slices
-
     problem = pipeline_refusal(family, generation, plan, ranks.world_size)
     if problem:
         raise UsageError(problem)
@@ -146,9 +146,6 @@ def checked_pipeline(plan, family, generation, ranks: Ranks) -> tuple[StepSharin
 def _layout(choice: str, world_size: int, source, family, generation):
     """(candidate, guidance) for `choice` on this SOURCE and generation; auto prefers cfg+context, then cfg
     (one exchange per step), then context."""
-    from dm_cli.planning.parallel import ParallelRequest, candidates, denoiser_shape, guidance_branches
-    from dm_cli.run.request import run_inputs
-
     inputs = run_inputs(generation)
     comp = next(c for c in source.components if c.name == family.denoiser)
     guidance = guidance_branches(family, inputs, generation.negative_prompt, dict(generation.settings))
@@ -165,8 +162,6 @@ def check_job(sharing: StepSharing, family, job) -> None:
     """A job (a generate() call may change guidance) must still have two guidance branches under cfg."""
     if sharing.cfg != 2:
         return
-    from dm_cli.inputs import InputSpec
-    from dm_cli.planning.parallel import guidance_branches
 
     inputs = InputSpec(job.height, job.width, 1, job.num_images, job.guidance_scale, job.max_sequence_length,
                        job.num_frames)
@@ -181,9 +176,9 @@ def check_job(sharing: StepSharing, family, job) -> None:
 def join(sharing: StepSharing, cuda: bool):
     """Join the group (gloo for objects; NCCL for tensors on GPUs) and build the (cfg, ring, ulysses) mesh:
     (mesh, the CFG pair's group, whether this call joined)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch  # lazy: torch (heavy, off start-up)
+    import torch.distributed as dist  # lazy: torch (heavy, off start-up)
+    from torch.distributed.device_mesh import init_device_mesh  # lazy: torch (heavy, off start-up)
 
     owner = not dist.is_initialized()  # a script that joined first keeps its group after the session
     sharing.ranks.join("cpu:gloo,cuda:nccl" if cuda else "gloo")
@@ -196,8 +191,8 @@ def join(sharing: StepSharing, cuda: bool):
 
 def _gather(tensor, group):
     """Every member's `tensor` of `group`, in rank order."""
-    import torch
-    import torch.distributed as dist
+    import torch  # lazy: torch (heavy, off start-up)
+    import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
@@ -223,7 +218,7 @@ def _batch_of(value) -> int | None:
 
 def _half(value, batch: int, branch: int):
     """`value`'s half for `branch` when it is batched (first dimension or length `batch`), else itself."""
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     size = batch // 2
     if isinstance(value, torch.Tensor):
@@ -237,7 +232,7 @@ def _half(value, batch: int, branch: int):
 
 def _joined(value, half: int, group):
     """The all-gathered halves of an output value (a batched tensor, or a list of per-sample tensors)."""
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == half:
         return torch.cat(_gather(value, group), dim=0)
@@ -284,7 +279,7 @@ class SeparateCalls:
         return call
 
     def _call(self, forward, dtype, args, kwargs):
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         if kwargs.get("return_dict", True):
             raise RuntimeError("CFG-parallel over separate calls needs the pipeline's return_dict=False calls.")
@@ -315,7 +310,7 @@ class SeparateCalls:
 
 def enable_context(model, sharing: StepSharing, mesh, cuda: bool) -> None:
     """diffusers' Ulysses context parallel on `model` over this rank's Ulysses group of `mesh`."""
-    from diffusers import ContextParallelConfig
+    from diffusers import ContextParallelConfig  # lazy: diffusers (heavy, off start-up)
 
     if not getattr(model, "_cp_plan", None):
         raise UsageError(f"{type(model).__name__} has no _cp_plan in this diffusers, so it cannot run context "
@@ -328,8 +323,8 @@ def enable_context(model, sharing: StepSharing, mesh, cuda: bool) -> None:
 
 def _cpu_parallel_config(model, config, sharing: StepSharing):
     """diffusers' `_resolve_parallel_config` with the CPU as the device (see the module's doc)."""
-    import torch
-    from diffusers.models._modeling_parallel import ParallelConfig
+    import torch  # lazy: torch (heavy, off start-up)
+    from diffusers.models._modeling_parallel import ParallelConfig  # lazy: diffusers (heavy, off start-up)
 
     config = ParallelConfig(context_parallel_config=config)
     config.setup(sharing.ranks.rank, sharing.ranks.world_size, torch.device("cpu"),
@@ -356,7 +351,7 @@ class ParallelStageLoop(MainRankStages, StageLoop):
     def device_map(self, name: str) -> dict:
         """The denoiser whole on this rank's GPU (rank r on GPU r); everything else as planned."""
         if name in self.denoisers and self.cuda:
-            import torch
+            import torch  # lazy: torch (heavy, off start-up)
 
             return {"": torch.cuda.current_device()}
         return super().device_map(name)
@@ -381,7 +376,7 @@ class ParallelStageLoop(MainRankStages, StageLoop):
     def sharing_group(self):
         """The ranks whose parts make one process's denoiser call: the Ulysses group, with its CFG pair when the
         pair halves a doubled batch (separate calls are separate cache contexts); None when a rank's call is whole."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
         if self.sharing.cfg == 2 and self.separate is None:
             return dist.group.WORLD
@@ -402,8 +397,8 @@ class ParallelStageLoop(MainRankStages, StageLoop):
     def _pair_counts(self, before: dict) -> None:
         """--cache under separate CFG calls: each rank computes one branch's calls, so the pair's computed calls are
         summed (every rank counts every call), as one process counts both branches."""
-        import torch
-        import torch.distributed as dist
+        import torch  # lazy: torch (heavy, off start-up)
+        import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
         names = sorted(self.step_counts)
         done = torch.tensor([self.step_counts[n].computed - before.get(n, 0) for n in names],
@@ -431,6 +426,4 @@ class AgreedStepCache(StepCache):
         super().enable(name, model, steps)
         group = self.loop.sharing_group()
         if self.plan.cache is not None and self.plan.cache.name == "fbc" and group is not None:
-            from dm_cli.run.step_cache import agree_across
-
             agree_across(model, group)

@@ -37,8 +37,13 @@ Without a GPU each rank computes on its CPU, standing for GPU r of the plan.
 from __future__ import annotations
 
 import contextlib
+import copy
+import ctypes.util
+import dataclasses
+import platform
 import re
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -46,9 +51,13 @@ from dm_cli.devices import device_key, is_gpu
 from dm_cli.errors import UsageError
 from dm_cli.families.stages import DENOISE
 from dm_cli.planning.parallel import PIPELINE_CLASSES, ParallelRequest
-from dm_cli.run.component_hooks import StepCache
+from dm_cli.planning.step_cache import CACHES, diffusers_config, enable
+from dm_cli.run.adapters import load_loras
+from dm_cli.run.component_hooks import StepCache, fused_loras
 from dm_cli.run.distributed import TerminateRaises
 from dm_cli.run.hooks import LoopHook
+from dm_cli.run.loading import load_slice
+from dm_cli.run.meter import RssSampler
 from dm_cli.run.pipeline_links import (
     Links,
     RankThread,
@@ -57,6 +66,7 @@ from dm_cli.run.pipeline_links import (
     join_all,
 )
 from dm_cli.run.stages import MainRankStages, StageLoop
+from dm_cli.run.step_cache import SliceRelay, StepCounter, StepCounts, drop_states
 
 PIPELINE = "pipeline"
 _BLOCK_KEY = re.compile(r"(?P<list>[A-Za-z_][\w.]*)\.(?P<index>[0-9]+)")
@@ -109,15 +119,15 @@ class SliceDone(Exception):
 
 
 def _tensor_leaves(args, kwargs):
-    import torch
-    from torch.utils._pytree import tree_flatten
+    import torch  # lazy: torch (heavy, off start-up)
+    from torch.utils._pytree import tree_flatten  # lazy: torch (heavy, off start-up)
 
     leaves, spec = tree_flatten((args, kwargs))
     return leaves, spec, [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
 
 def _end_of_slice_class():
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     class SliceEnd(torch.nn.Module):
         """Stands for the next rank's first block: sends that block's inputs on, then stops this rank's forward."""
@@ -138,7 +148,7 @@ def cut_to_slice(model, slices: Slices, rank: int, send, receive) -> None:
     """Keep rank `rank`'s blocks in the model's block lists (the others are dropped: their weights were never
     read); its first block takes its inputs from `receive()` (rank > 0); a `SliceEnd` calling `send(tensors)`
     stands where the next rank's first block is (rank < N - 1)."""
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     mine = slices.blocks[rank]
     everything = set(slices.every_block)
@@ -165,7 +175,7 @@ def cut_to_slice(model, slices: Slices, rank: int, send, receive) -> None:
         first = model.get_submodule(mine[0].rpartition(".")[0])[0]
 
         def take_inputs(_module, args, kwargs):
-            from torch.utils._pytree import tree_unflatten
+            from torch.utils._pytree import tree_unflatten  # lazy: torch (heavy, off start-up)
 
             leaves, spec, tensors = _tensor_leaves(args, kwargs)
             got = receive()
@@ -184,7 +194,7 @@ def without_blocks(model, keys: frozenset[str]):
     """The blocks named in `keys` (another rank's: their tensors on the meta device) swapped for empty modules at
     the same index while a LoRA loads: peft then patches this rank's layers only, so that the rank holds its slice's
     adapters alone and can fuse them (a meta weight cannot take a merged adapter). The blocks come back after."""
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     swapped = []
     for key in keys:
@@ -243,7 +253,7 @@ def _call_of(args, kwargs) -> tuple:
 
 def _same_call(call: tuple, other: tuple) -> bool:
     """Whether two calls denoise the same latents at the same timestep (a step's cond and uncond calls)."""
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     if any(value is None for value in (*call, *other)):
         return False
@@ -260,7 +270,7 @@ class SliceForward:
         self.forward, self.loop = forward, loop
 
     def __call__(self, *args, **kwargs):
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         loop = self.loop
         slot, pairs = loop.local.slot, loop.local.calls
@@ -309,7 +319,7 @@ class SliceForward:
             pairs.like = (prediction.shape, prediction.dtype)
         if not kwargs.get("return_dict", True):
             return (prediction,)
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput  # lazy: diffusers (heavy, off start-up)
 
         return Transformer2DModelOutput(sample=prediction)
 
@@ -335,10 +345,6 @@ def _one_malloc_arena() -> None:
     rank's peak +548 MB instead of +703 MB). A fixed small mmap threshold held less again (+484 MB) but made every
     activation a fresh mapping, page faults and all: each rank computed 20% slower, so it is not set. GPUs allocate
     through CUDA's caching allocator and are not concerned; other C libraries are left as they are."""
-    import ctypes
-    import ctypes.util
-    import platform
-
     name = ctypes.util.find_library("c")
     if not name or platform.libc_ver()[0] != "glibc":
         return
@@ -354,8 +360,8 @@ class PipelineStageLoop(MainRankStages, StageLoop):
     rank holds its slice of the denoiser and denoises the prompts of a chunk together, taking turns."""
 
     def __init__(self, *args, sharing, notices: list | None = None, **kwargs):
-        import torch
-        import torch.distributed as dist
+        import torch  # lazy: torch (heavy, off start-up)
+        import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
         super().__init__(*args, **kwargs)
         self.sharing = sharing
@@ -403,8 +409,6 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         super().load_stage([n for n in mine if n not in self.denoisers], stage)
 
     def _load_slice(self, name: str) -> None:
-        from dm_cli.run.loading import load_slice
-
         slices = plan_slices(self.plan, name, self.world_size)  # Wan 2.2's experts: each cut as the plan cuts it
         others = frozenset(slices.every_block) - set(slices.blocks[self.rank])
         self.status(f"Loading slice {self.rank + 1} of {self.world_size} of {name} ({self.rank_device})…")
@@ -412,9 +416,6 @@ class PipelineStageLoop(MainRankStages, StageLoop):
                            self.plan.weights.get(name))
         patching = [lora for lora in self.loras if lora.component == name]
         if patching:  # before the cut: the LoRA's keys name the blocks by their index in the whole model
-            from dm_cli.run.adapters import load_loras
-            from dm_cli.run.component_hooks import fused_loras
-
             self.status(f"Loading {len(patching)} LoRA(s) into slice {self.rank + 1} of {name}…")
             with without_blocks(model, others):
                 load_loras(self.pipe, name, model, patching, self.torch_dtype, fuse=name in fused_loras(self.plan))
@@ -434,8 +435,6 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         """Wan 2.2's experts, planned one at a time, run as one stage holding both slices: the prompts in flight
         may stand on either side of the boundary step, and each switches on every rank at the same step (the same
         diffusers loop, the same timesteps)."""
-        import dataclasses
-
         groups = []
         for group in super().stage_groups():
             if len(group) > 1:
@@ -451,11 +450,6 @@ class PipelineStageLoop(MainRankStages, StageLoop):
 
     def run_stage_together(self, stage_plan, jobs: list, carries: list, on_step, stage) -> None:
         """Denoise every job of the chunk, up to `in_flight` at a time, taking turns (see the module's doc)."""
-        import contextlib
-        import time
-
-        from dm_cli.run.meter import RssSampler
-
         missing = [value for value in stage_plan.consumes if not all(c.has(value) for c in carries)]
         if missing:
             raise UsageError(f"The plan runs {stage_plan.name} before the stage that makes its {missing[0]}: the "
@@ -472,8 +466,6 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         self.hooks["meter"].measured(stage, rss)
 
     def _denoise_in_flight(self, stage_plan, jobs: list, carries: list, on_step) -> None:
-        import copy
-
         base = StageLoop.pipe.fget(self)
         slots = min(self.slices.in_flight, len(jobs))
         self.turns = turns = Turns(slots)
@@ -558,12 +550,8 @@ class SliceStepCache(StepCache):
     def apply(self, name: str, model) -> None:
         if not self.cached(name):
             return
-        import contextlib
 
-        from diffusers.hooks.hooks import CacheContext
-
-        from dm_cli.planning.step_cache import CACHES, enable
-        from dm_cli.run.step_cache import SliceRelay, drop_states
+        from diffusers.hooks.hooks import CacheContext  # lazy: diffusers (heavy, off start-up)
 
         loop, cache = self.loop, self.plan.cache
         enable(model, cache, self.family, None, self.plan.dtype)
@@ -597,7 +585,6 @@ class SliceStepCache(StepCache):
         computed calls counted by the relay, from the decision every rank shares."""
         if name not in self.relays:
             return
-        from dm_cli.run.step_cache import StepCounter, StepCounts
 
         relay = self.relays[name]
         model._diffusers_hook.invalidate_child_registries_cache()  # the dropped blocks' hooks are gone
@@ -609,15 +596,11 @@ class SliceStepCache(StepCache):
 
     def reset(self, job=None) -> None:
         """This prompt's hook states emptied (the other prompts in flight keep theirs); magcache made for its steps."""
-        from dm_cli.run.step_cache import drop_states
-
         loop = self.loop
         slot = getattr(loop.local, "slot", None)
         for counter in self.counters.values():
             drop_states(counter.model, f"{slot}:")
         if job is not None and self.plan.cache is not None and self.plan.cache.name == "magcache":
-            from dm_cli.planning.step_cache import diffusers_config
-
             loop.local.cache_config = diffusers_config(self.plan.cache, self.family, job.steps, self.plan.dtype)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import re
 import threading
+import time
 
 from dm_cli.errors import EXIT_INTERNAL, DmapError
 
@@ -24,7 +25,7 @@ _HEADER = 11  # dtype code, complex flag, ndim, up to 8 dimensions
 
 
 def _dtypes():
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     return (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
             torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -63,7 +64,7 @@ class Links:
                 sent.task_done()
 
     def send(self, tensors: list, dst: int) -> None:
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         codes = _dtypes()
         header = torch.zeros(1 + _HEADER * len(tensors), dtype=torch.int64)
@@ -85,7 +86,7 @@ class Links:
             self._send(payload, dst)
 
     def recv(self, src: int) -> list:
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         codes = _dtypes()
         count = torch.empty(1, dtype=torch.int64)
@@ -102,7 +103,7 @@ class Links:
         return out
 
     def _send(self, tensor, dst: int) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
         if self._error is not None:
             raise _lost(dst, self._error)
@@ -117,7 +118,7 @@ class Links:
         self.pending = [(work, t) for work, t in self.pending if not work.is_completed()]
 
     def _recv(self, tensor, src: int) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
         try:
             dist.recv(tensor, src)
@@ -179,8 +180,6 @@ def join_all(threads, timeout_s: float = STOP_WAIT_S) -> bool:
     """Wait for `threads` (RankThreads) to end, a second Ctrl-C or SIGTERM included (the first already stopped them;
     leaving now would kill them inside torch's C++ code at the interpreter's exit: `terminate called without an
     active exception`, SIGABRT). Returns whether they all ended within `timeout_s`."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     for thread in threads:
         while not thread.finished.is_set() and time.monotonic() < deadline:

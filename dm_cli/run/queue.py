@@ -25,13 +25,17 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from dm_cli.errors import UsageError
+from dm_cli.errors import CheckpointError, UsageError
 from dm_cli.families import all_settings
 from dm_cli.inputs import check_scale, check_text, lora_choices
 from dm_cli.io.atomic import atomic_write
-from dm_cli.io.images import DEFAULT_IMAGE_SUFFIX
+from dm_cli.io.checkpoint import open_regular
+from dm_cli.io.images import DEFAULT_IMAGE_SUFFIX, IMAGE_FORMATS, check_file_name, check_metadata_room, name_limits
+from dm_cli.io.outputs import MATCHED_METADATA
+from dm_cli.planning.step_cache import parse_cache
 from dm_cli.run.checks import check_seed, load_json
 from dm_cli.run.options import queue_keys
+from dm_cli.run.request import input_images, last_input_image
 
 MANIFEST = "manifest.jsonl"
 MAX_PROMPTS_BYTES = 1 << 30  # millions of prompts; never a whole disk
@@ -75,9 +79,6 @@ def read_prompts(path: str | os.PathLike, base_seed: int = 0,
     Blank lines are skipped and do not count as items. Every problem is a UsageError naming the line.
     With `output_dir`, every item's file there is checked too (`check_output_names`).
     """
-    from dm_cli.errors import CheckpointError
-    from dm_cli.io.checkpoint import open_regular
-
     path = Path(path)
     if not os.path.lexists(path):
         raise UsageError(f"Prompts file {path} does not exist.")
@@ -163,7 +164,6 @@ def _item_cache(value, where: str):
     """A JSONL item's "cache": NAME[:KEY=VALUE,...] as --cache takes it (dm_cli.planning.step_cache.parse_cache)."""
     if value is None:
         return None
-    from dm_cli.planning.step_cache import parse_cache
 
     return parse_cache(value, f"{where}: 'cache'")
 
@@ -185,7 +185,6 @@ def _item_images(value, where: str) -> tuple:
     paths = [value] if isinstance(value, str) else value
     if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
         raise UsageError(f"{where}: 'image' must be a path or a list of paths.")
-    from dm_cli.run.request import input_images
 
     return input_images(paths, f"{where}: 'image'")
 
@@ -196,7 +195,6 @@ def _item_last_image(value, where: str):
         return None
     if not isinstance(value, str) or not value:
         raise UsageError(f"{where}: 'last_image' must be a path.")
-    from dm_cli.run.request import last_input_image
 
     return last_input_image(value, f"{where}: 'last_image'")
 
@@ -215,7 +213,6 @@ def _output_name(value, where: str) -> str:
         raise UsageError(f"{where}: 'output' must be a plain file name inside the output folder, not '{value}'.")
     if name == MANIFEST or name.startswith("manifest-rank"):
         raise UsageError(f"{where}: 'output' may not be named {name} (the manifest's name).")
-    from dm_cli.io.images import IMAGE_FORMATS
 
     if Path(name).suffix.lower() not in IMAGE_FORMATS:
         name += DEFAULT_IMAGE_SUFFIX  # as before .jpg/.webp were written: shot.001 and x.v2 stay PNGs named shot.001.png
@@ -226,8 +223,6 @@ def check_output_names(items: list[QueueItem], folder: str | os.PathLike, path: 
                        numbers: dict[int, int] | None = None) -> None:
     """Every item's file in `folder` is a name (and path) the file system takes, with room for its temporary
     name, and a JPEG's metadata fits: checked when the queue is read, before anything loads."""
-    from dm_cli.io.images import check_file_name, check_metadata_room, name_limits
-
     folder = Path(folder)
     limits = name_limits(folder)  # one file system for every item
     for item in items:
@@ -247,8 +242,6 @@ def items_for_rank(items: list[QueueItem], rank: int, world_size: int) -> list[Q
 def resume_keys() -> tuple[str, ...]:
     """The metadata keys an item's finished output must agree on (`dm_cli.io.outputs.is_complete`): those every
     output has (MATCHED_METADATA) and every family's own settings, which change pixels too."""
-    from dm_cli.io.outputs import MATCHED_METADATA
-
     return (*MATCHED_METADATA, "last_image", *all_settings())  # last_image: Wan's first-last-frame video
 
 

@@ -9,13 +9,14 @@ gloo group and writes the merged `manifest.jsonl`. No Typer, no Rich: the CLI pa
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from dm_cli.errors import UsageError
 from dm_cli.io.outputs import is_complete
-from dm_cli.run.distributed import Ranks, select_gpus
+from dm_cli.model.lora import chosen_loras
+from dm_cli.run.distributed import Ranks, broadcast, select_gpus
 from dm_cli.run.outputs import claim_queue_folder
 from dm_cli.run.queue import (
     MANIFEST,
@@ -31,6 +32,8 @@ from dm_cli.run.queue import (
     write_manifest,
 )
 from dm_cli.run.request import RunRequest
+from dm_cli.run.session import Session
+from dm_cli.units import parse_size
 
 
 @dataclass
@@ -71,8 +74,6 @@ class QueueResult:
     resume: bool = True  # complete items were skipped: running the same command again resumes
 
     def to_json(self) -> dict:
-        from dataclasses import asdict
-
         return asdict(self)
 
 
@@ -90,8 +91,6 @@ class QueueEvents:
 
 def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> QueueResult:
     """Generate this rank's missing items and record them; rank 0 writes the merged manifest."""
-    from dm_cli.units import parse_size
-
     events = events or QueueEvents()
     ranks = Ranks.from_env()
     select_gpus(ranks, request.gpus_per_rank)  # before anything initialises CUDA
@@ -104,7 +103,7 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UsageError(f"Cannot create the output folder {folder}: {error.strerror or error}.") from None
-    from dm_cli.run.settle import Entry, settle
+    from dm_cli.run.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
 
     started = time.perf_counter()
     # every check, the plan and the queue's --parallel (dm_cli.run.settle), on every rank before anything joins
@@ -128,15 +127,13 @@ def _backend(pipelined: bool) -> str:
     """gloo for the queue's small objects; a pipeline on GPUs also sends tensors over NCCL."""
     if not pipelined:
         return "gloo"
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def _run_share(request, settled, events, ranks: Ranks, items, mine, folder: Path, budget, result: QueueResult,
                started: float) -> None:
-    from dm_cli.run.session import Session
-
     pipeline = Session(settled, on_status=events.on_status)
     result.notices = pipeline.notices  # the session's own list: what the run adds as it runs shows too (as single.py)
     result.mode, result.plan_digest = pipeline.plan.mode, pipeline.plan_digest
@@ -164,7 +161,7 @@ def _run_share(request, settled, events, ranks: Ranks, items, mine, folder: Path
     if events.on_start is not None:
         events.on_start(result)
     manifest = folder / (MANIFEST if not ranks.distributed else rank_manifest_name(ranks.rank))
-    from dm_cli.io.outputs import save_images
+    from dm_cli.io.outputs import save_images  # lazy: looked up per call (tests patch save_images)
 
     by_index = {item.index: item for item in todo}
     try:
@@ -201,8 +198,6 @@ def chooses_loras(items: list[QueueItem], loaded: tuple) -> bool:
     """Whether some item chooses other adapters than the run's `--lora` set (another set, scale or order, or none):
     then the plan keeps them unfused, so that the run switches them between items (peft's set_adapters). A choice
     that names no loaded adapter counts too: the session refuses it in one sentence."""
-    from dm_cli.model.lora import chosen_loras
-
     def key(loras) -> list:
         return [(lora.path, lora.component, lora.scale) for lora in loras]
 
@@ -219,8 +214,6 @@ def chooses_loras(items: list[QueueItem], loaded: tuple) -> bool:
 
 def _as_on_main(ranks: Ranks, todo: list[QueueItem], chunk_size: int, mine: list[QueueItem]):
     """Rank 0's items to generate and chunk size, on every rank."""
-    from dm_cli.run.distributed import broadcast
-
     indices, size = broadcast(([item.index for item in todo], chunk_size), ranks)
     by_index = {item.index: item for item in mine}
     return [by_index[i] for i in indices], size

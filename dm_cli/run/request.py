@@ -14,15 +14,34 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+import os
+import sys
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from dm_cli.devices import device_key
 from dm_cli.errors import CheckpointError, SourceError, UsageError
 from dm_cli.families import Family, family_for, supported_pipelines
 from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec, check_text
+from dm_cli.io.atomic import refuse_existing
+from dm_cli.io.checkpoint import open_checkpoint
 from dm_cli.io.images import check_image_output, check_metadata_room, existing_image_paths
-from dm_cli.model.sources import config_digest
+from dm_cli.io.input_images import describe_image, split_keyframe
+from dm_cli.io.video import sidecar_path
+from dm_cli.model.demo import DEMO_NOTICE, is_demo, source_root
+from dm_cli.model.formats.weight_formats import parse_weights_spec, storage_dtype
+from dm_cli.model.lora import read_loras
+from dm_cli.model.single_file_weights import named_component_files, resolve_with_pipeline, without_weights
+from dm_cli.model.sources import PRESETS, config_digest, looks_like_path, preset_refusal
+from dm_cli.planning.make import launch_warning, make_named_plan
+from dm_cli.planning.modes import Strategy
+from dm_cli.planning.parallel import ParallelRequest
+from dm_cli.planning.plan_command import plan_command
+from dm_cli.planning.plan_options import PlanOptions
+from dm_cli.planning.step_cache import parse_cache
+from dm_cli.planning.trace import can_tile
+from dm_cli.run.distributed import Ranks
 from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
@@ -86,14 +105,10 @@ class RunRequest:
         """A request from flat options, as `dmap run` and `dm_cli.load` take them: the generation's names
         (GENERATION_FIELDS, `images`, `last_image`, `settings`: the family's own), the placement's (PLACEMENT_FIELDS), `device_map` (a
         strategy, else a plan file) and the request's own (seed, output, ...)."""
-        from dm_cli.planning.modes import Strategy
-
         images = input_images(options.pop("images", None))  # paths and PIL images read here, before SOURCE
         last = last_input_image(options.pop("last_image", None))
-        from dm_cli.model.lora import read_loras
 
         loras = read_loras(options.pop("loras", None))
-        from dm_cli.planning.step_cache import parse_cache
 
         asked_cache = options.pop("cache", None)
         cache = parse_cache(asked_cache)
@@ -116,8 +131,6 @@ def input_images(values, where: str = "--image") -> tuple[InputImage, ...]:
     image (the API's `image=`), or an InputImage; one value or a list of them, in order. A keyframe (LTX-2) is a
     string `PATH@FRAME[:STRENGTH]` (`dm_cli.io.input_images.split_keyframe`) or, for the API, a dict
     {"image": PATH or PIL image, "frame": N, "strength": S} (its path taken as it is, '@' and all)."""
-    import os
-
     if values is None:
         return ()
     if isinstance(values, (str, os.PathLike, InputImage, dict)) or hasattr(values, "getpixel"):
@@ -126,14 +139,9 @@ def input_images(values, where: str = "--image") -> tuple[InputImage, ...]:
 
 
 def _input_image(value, where: str, split: bool = True) -> InputImage:
-    import os
-    from dataclasses import replace
-
     if isinstance(value, InputImage):
         return value
     if isinstance(value, (str, os.PathLike)):
-        from dm_cli.io.input_images import describe_image, split_keyframe
-
         path, frame, strength = split_keyframe(value, where) if split and isinstance(value, str) else (value, None, None)
         image = describe_image(path, where)
         return replace(image, frame=frame, strength=strength) if frame is not None else image
@@ -190,18 +198,11 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
 
     A session whose prompts bring their own input images (`per_prompt_images`) and gave none is planned for
     the images the family needs, each of the output's size (what an image-to-image pipeline resizes it to)."""
-    from dataclasses import replace
-
-    from dm_cli.planning.make import launch_warning, make_named_plan
-    from dm_cli.planning.plan_options import PlanOptions
-
     # dmap run makes batch 1; the LoRAs as asked (make_plan settles their targets, as for dmap plan)
     generation = replace(generation, batch_size=1, loras=request.generation.loras)
     needed = family.min_input_images if family is not None and request.per_prompt_images else 0
     if needed and not generation.images:
         generation = replace(generation, images=(InputImage(generation.width, generation.height),) * needed)
-
-    from dm_cli.model.single_file_weights import named_component_files
 
     single = next((c.single_file for c in source.components if c.single_file is not None and not c.single_file.named),
                   None)
@@ -223,7 +224,7 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
 def cpu_rank_devices(world_size: int) -> str:
     """Pipeline ranks on a machine without GPUs: each rank's CPU stands for GPU r (as the run places them,
     `dm_cli.run.parallel.cpu_ranks`), with an equal share of the available RAM."""
-    from dm_cli.planning.budgets import available_ram
+    from dm_cli.planning.budgets import available_ram  # lazy: looked up per call (tests patch available_ram)
 
     share = available_ram() // world_size
     return ",".join(f"{rank}={share}B" for rank in range(world_size))
@@ -232,9 +233,6 @@ def cpu_rank_devices(world_size: int) -> str:
 def _planned_parallel(request: RunRequest):
     """What the inline plan plans for the ranks: `--parallel pipeline` under torchrun cuts the denoiser into one
     slice per rank (dm_cli.run.pipeline); the other layouts run the single-process plan."""
-    from dm_cli.planning.parallel import ParallelRequest
-    from dm_cli.run.distributed import Ranks
-
     ranks = Ranks.from_env()
     if request.parallel == "pipeline" and ranks.world_size > 1:
         return ParallelRequest(ranks.world_size, "pipeline")
@@ -245,9 +243,6 @@ def source_of_plan(plan: Plan, plan_file: str | None) -> str:
     """The SOURCE a plan was made for, to run when none is given (`dmap run -d PLAN.json`): a relative path is
     found from the working folder or, failing that, beside the plan file; a path that is in neither is refused
     in one sentence naming both."""
-    from dm_cli.model.demo import is_demo
-    from dm_cli.model.sources import PRESETS, looks_like_path
-
     source, where = str(plan.source), plan_file or "The plan"
     if not source or source == "?":
         raise UsageError(f"{where} does not say which model it was made for: give SOURCE (dmap run SOURCE -d {where}).")
@@ -267,8 +262,6 @@ def source_of_plan(plan: Plan, plan_file: str | None) -> str:
 def _plan_again(plan: Plan, source: Source, plan_file: str | None, same_model: bool) -> str:
     """The pasteable `dmap plan` that makes this plan again for `source`: over the plan file when the model is
     the one it was made for (it changed since), into a file of its own beside it otherwise."""
-    from dm_cli.planning.plan_command import plan_command
-
     if plan_file is None:
         return plan_command(plan, source.spec, "PLAN.json")
     if same_model:
@@ -315,8 +308,6 @@ def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement:
     if dtype and plan.dtype and parse_dtype(dtype) != plan.dtype:
         problems.append(f"it was made for {plan.dtype}, this run asks for {dtype} (drop --dtype)")
     if weights is not None:
-        from dm_cli.model.formats.weight_formats import parse_weights_spec, storage_dtype
-
         for name, fmt in parse_weights_spec(weights, sorted(names)).items():
             stored, wanted = storage_dtype(plan.weights.get(name), plan.dtype), storage_dtype(fmt, plan.dtype)
             if stored != wanted:
@@ -346,8 +337,6 @@ def check_plan_cache(plan: Plan, asked, where: str, off: bool = False) -> Plan:
     devices), which `asked` (--cache, settled; None: not given) must be; the plan's cache is kept when none is asked.
     `off` (--cache none, which settles to None like no --cache): the plan without its cache, neither hooks nor their
     state, so the run is a run of the same placement planned without one."""
-    from dataclasses import replace
-
     planned = plan.cache
     if off and planned is not None:
         stages = [replace(stage, use={device: replace(use, cache=0) for device, use in stage.use.items()})
@@ -362,8 +351,6 @@ def check_plan_cache(plan: Plan, asked, where: str, off: bool = False) -> Plan:
 
 def check_tiled_decode(plan: Plan, source: Source, where: str) -> None:
     """A plan that decodes a component in tiles needs a class that can (diffusers' enable_tiling())."""
-    from dm_cli.planning.trace import can_tile
-
     comps = {c.name: c for c in source.components}
     for name in plan.tiled_decode:
         comp = comps.get(name)
@@ -374,8 +361,6 @@ def check_tiled_decode(plan: Plan, source: Source, where: str) -> None:
 
 def run_inputs(generation: Generation) -> InputSpec:
     """A settled generation as the planner sees it for `dmap run` (batch 1; fps is no input of a plan)."""
-    from dataclasses import replace
-
     return replace(generation.inputs(), batch_size=1, fps=None)
 
 
@@ -393,9 +378,6 @@ def cuda_devices_without_torch() -> int | None:
     """How many CUDA (or ROCm) GPUs this process can see, when that is known without importing torch
     (~9 s): 0 when CUDA_VISIBLE_DEVICES hides every GPU or, on Linux, no GPU driver is loaded (no
     /proc/driver/nvidia, /dev/nvidia*, /dev/kfd nor /dev/dxg); None when only torch can say."""
-    import os
-    import sys
-
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and (not visible.strip() or visible.strip().startswith("-")):
         return 0  # CUDA stops at the first invalid entry: "" and "-1" hide every GPU
@@ -415,7 +397,7 @@ def visible_gpus() -> int:
     """CUDA GPUs this process sees (without importing torch when the driver answers)."""
     gpus = cuda_devices_without_torch()
     if gpus is None:
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return gpus
@@ -426,10 +408,6 @@ def check_devices_present(plan: Plan, cpu_ranks: int = 0) -> None:
     and, when the answer is known without it (no GPU driver, `cuda_devices_without_torch`), before torch
     is imported. `cpu_ranks`: the pipeline ranks of a machine without GPUs stand in for GPUs 0 .. N - 1
     (dm_cli.run.pipeline)."""
-    import sys
-
-    from dm_cli.devices import device_key
-
     devices = {device_key(dev) for comp in plan.components.values() for dev in comp.device_map.values()}
     gpus = None
     for dev in sorted(devices, key=str):
@@ -449,7 +427,7 @@ def check_devices_present(plan: Plan, cpu_ranks: int = 0) -> None:
 
 
 def _mps_available() -> bool:
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     return hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
 
@@ -459,10 +437,6 @@ def _mps_available() -> bool:
 
 def prepare(request: RunRequest, status: Callable[[str | None], None] = lambda message: None):
     """Resolve SOURCE (the demo when None), refuse what cannot run; (source, family, demo, defaults, notices)."""
-    from dm_cli.model.demo import DEMO_NOTICE, is_demo, source_root
-    from dm_cli.model.single_file_weights import resolve_with_pipeline, without_weights
-    from dm_cli.model.sources import preset_refusal
-
     demo = is_demo(request.source)
     spec, root, defaults = source_root(request.source, status)
     source = resolve_with_pipeline(root, request.pipeline, request.component_files)
@@ -501,12 +475,8 @@ def settle_generation(generation: Generation, source: Source, family: Family, de
 
 def refuse_existing_outputs(request: RunRequest, family: Family, num_images: int) -> None:
     """Every file this run will write, as settled (a plan's num_images, a video and its sidecar), before any work."""
-    from dm_cli.io.atomic import refuse_existing
-
     outputs: list = [Path(request.save_latents)] if request.save_latents else []
     if request.output and family.default_num_frames is not None:
-        from dm_cli.io.video import sidecar_path
-
         output = output_path(request, family)  # a .png for a video is refused here
         outputs += [output.rstrip("/"), sidecar_path(output)]
     elif request.output:
@@ -525,8 +495,6 @@ def output_path(request: RunRequest, family: Family) -> str:
 
 def check_component_files(comp) -> int:
     """Headers of a component's safetensors validated; returns the largest shard's size."""
-    from dm_cli.io.checkpoint import open_checkpoint
-
     if comp.single_file is not None:  # its header was read (and checked) when SOURCE was resolved
         return comp.single_file.path.stat().st_size
     if comp.weights is None:

@@ -13,8 +13,20 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from dm_cli.errors import UsageError
+from dm_cli.families import Job, call_spec
+from dm_cli.families.calls import TensorSpec
+from dm_cli.inputs import InputSpec, check_count, check_text
+from dm_cli.model.lora import chosen_loras
+from dm_cli.model.single_file_weights import component_files_metadata
 from dm_cli.run.checks import check_seed
+from dm_cli.run.outputs import job_metadata
+from dm_cli.run.parallel import ParallelStageLoop
+from dm_cli.run.pipeline import PipelineStageLoop
 from dm_cli.run.queue import QueueItem, chunk_size_for, chunks, default_output_name
+from dm_cli.run.request import input_images, last_input_image
+from dm_cli.run.settle import Loop
+from dm_cli.run.stages import StageLoop, fused_loras
+from dm_cli.units import DTYPE_BYTES, numel
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
     from dm_cli.run.settle import SettledRun
@@ -68,8 +80,7 @@ class Session:
         """The stage loop `settled` chose (dm_cli.run.settle decided and checked everything); nothing is loaded
         yet. measure=False: no activation tracker (Python work on every op) nor RSS sampling; `dmap run --prompt`
         measures each stage, a queue only wants its images."""
-        from dm_cli.run.request import TRACKED_STEPS
-        from dm_cli.run.settle import Loop
+        from dm_cli.run.request import TRACKED_STEPS  # lazy: looked up per call (tests patch TRACKED_STEPS)
 
         request = settled.request
         self.settled = settled
@@ -82,16 +93,10 @@ class Session:
         self.simulate, self.staged = request.simulate, settled.staged
         self.pipelined = settled.loop is Loop.PIPELINE
         if self.pipelined:
-            from dm_cli.run.pipeline import PipelineStageLoop
-
             loop, shared = PipelineStageLoop, {"sharing": self.sharing, "notices": self.notices}
         elif self.sharing is not None:
-            from dm_cli.run.parallel import ParallelStageLoop
-
             loop, shared = ParallelStageLoop, {"sharing": self.sharing}
         else:
-            from dm_cli.run.stages import StageLoop
-
             loop, shared = StageLoop, {}
         self._loop = loop(self.source, self.plan, self.family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
                           largest_shard=settled.largest_shard,
@@ -110,9 +115,6 @@ class Session:
         """The settled job of one queue item: the run's generation with the item's own seed, steps, guidance,
         negative prompt and settings (`settings`: a generate() call's, under the item's), checked as
         `dmap plan` and `dmap run` check theirs."""
-        from dm_cli.families import Job
-        from dm_cli.inputs import check_count
-
         job = self.defaults
         if item.steps is not None:  # a queue line's steps get --steps' bound
             check_count("steps", item.steps, f"Item {item.index}: 'steps'")
@@ -137,9 +139,6 @@ class Session:
         """The adapters a queue item or a served request chooses (dm_cli.inputs.LoraChoice) among those loaded at start
         (dm_cli.model.lora.chosen_loras), which the stage loop switches to before its denoise (peft's set_adapters).
         Refused, one sentence: another choice than the loaded set where the plan fused it into the weights."""
-        from dm_cli.model.lora import chosen_loras
-        from dm_cli.run.stages import fused_loras
-
         chosen = chosen_loras(self.generation.loras, choices, where)
         fused = sorted(fused_loras(self.plan))
         if fused and [lora.key() for lora in chosen] != [lora.key() for lora in self.generation.loras]:
@@ -165,10 +164,6 @@ class Session:
                 "counts": {name: counts.to_json() for name, counts in self._loop.step_counts.items()}}
 
     def metadata(self, job) -> dict[str, str]:
-        from dm_cli.model.single_file_weights import component_files_metadata
-        from dm_cli.run.outputs import job_metadata
-        from dm_cli.run.stages import fused_loras
-
         meta = job_metadata(job, self.source.spec, self.source.pipeline_class, self.plan_digest, self.demo, self.fps,
                             self.plan.tiled_decode, job.loras, fused_loras(self.plan), self.plan.cache)
         files = component_files_metadata(self.source)  # single files (SOURCE's, --component-file's) by their sha256
@@ -178,11 +173,6 @@ class Session:
 
     def bytes_per_item(self) -> int:
         """Embeddings and latents one prompt holds between stages: what the pipeline feeds the denoiser per step."""
-        from dm_cli.families import call_spec
-        from dm_cli.families.calls import TensorSpec
-        from dm_cli.inputs import InputSpec
-        from dm_cli.units import DTYPE_BYTES, numel
-
         job = self.defaults
         denoiser = next((c for c in self.source.components if c.name == self.family.denoiser), None)
         inputs = InputSpec(job.height, job.width, 1, job.num_images, job.guidance_scale, job.max_sequence_length)
@@ -200,7 +190,7 @@ class Session:
 
     def chunk_size(self, items: int, chunk_memory: int | None = None) -> tuple[int, int, int]:
         """(chunk size, bytes per item, budget): as many items as the RAM budget holds between stages."""
-        from dm_cli.planning.budgets import available_ram
+        from dm_cli.planning.budgets import available_ram  # lazy: looked up per call (tests patch available_ram)
 
         budget = chunk_memory if chunk_memory is not None else int(available_ram() * DEFAULT_CHUNK_MEMORY_SHARE)
         per_item = self.bytes_per_item()
@@ -282,9 +272,6 @@ class Session:
 
 
 def _items(prompts, seed: int, negative_prompt, steps, guidance_scale, image=None, last_image=None) -> list[QueueItem]:
-    from dm_cli.inputs import check_count, check_text
-    from dm_cli.run.request import input_images, last_input_image
-
     images = input_images(image, "image")  # read once, before anything runs
     last = last_input_image(last_image, "last_image")
 

@@ -27,11 +27,33 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import UsageError
+from dm_cli.families import Job
+from dm_cli.inputs import InputSpec, check_count, check_counts
+from dm_cli.io.images import check_image_output, image_paths
+from dm_cli.io.video import names_folder
+from dm_cli.model.formats.weight_formats import int8_offload_problem
+from dm_cli.model.single_file_weights import component_files_metadata
+from dm_cli.planning.lora_sizing import lora_targets
 from dm_cli.planning.modes import Strategy, Word
 from dm_cli.run.checks import check_seed
+from dm_cli.run.distributed import Ranks
+from dm_cli.run.parallel import check_rank_count, checked_pipeline, cpu_ranks, pipelined, step_sharing
+from dm_cli.run.request import (
+    check_plan_cache,
+    check_plan_matches,
+    check_tiled_decode,
+    inputs_from_plan,
+    plan_digest,
+    prepare,
+    refuse_existing_outputs,
+    run_inputs,
+    settle_generation,
+    source_of_plan,
+)
+from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
-    from dm_cli.families import Family, Job
+    from dm_cli.families import Family
     from dm_cli.inputs import Generation
     from dm_cli.model.sources import Source
     from dm_cli.planning.plan_file import Plan
@@ -95,14 +117,9 @@ class SettledRun:
 def check_options(dtype: str | None, *, steps, num_images, height, width, max_sequence_length, frames, fps) -> None:
     """What no run could use, refused before outputs, plans or SOURCE are touched: cheap, and the user hears of a
     typo before minutes of loading rather than after."""
-    from dm_cli.inputs import check_counts
-    from dm_cli.units import parse_dtype
-
     check_counts(steps=steps, num_images=num_images, height=height, width=width,
                  max_sequence_length=max_sequence_length, num_frames=frames, fps=fps)
     if height and width:  # a size given in full: its pixels per call (inputs.MAX_PIXELS) before SOURCE is resolved
-        from dm_cli.inputs import InputSpec
-
         InputSpec(height, width, num_images=num_images or 1, num_frames=frames)
     if dtype is not None:
         parse_dtype(dtype)
@@ -127,13 +144,8 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
                       device_map: str) -> Plan | None:
     """Raise UsageError for anything about the outputs, seed or plan file that would fail later; returns the plan
     file, read (boundedly) here once, for `settle` (None: --device-map is a strategy)."""
-    from dm_cli.io.images import check_image_output, image_paths
-    from dm_cli.io.video import names_folder
-
     check_seed(seed, "--seed")
     if num_images is not None:  # inputs.LIMITS, before a name is made for each image
-        from dm_cli.inputs import check_count
-
         check_count("num_images", num_images)
     images = image_paths(output, num_images or 1) if output else []
     if output and names_folder(output):  # a video's frames folder: its parent must take it (the writer checks the rest)
@@ -156,7 +168,7 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
         return None
     if not device_map.endswith(".json") and not os.path.lexists(device_map):
         raise UsageError(device_map_refusal(device_map))
-    from dm_cli.planning.plan_file import load_plan
+    from dm_cli.planning.plan_file import load_plan  # lazy: looked up per call (tests count its calls)
 
     return load_plan(device_map)  # a FIFO, /dev/zero or a broken plan: refused here, read boundedly
 
@@ -187,14 +199,9 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
     `plan`: a Plan to follow; with `request.plan_file` set, that file as `check_run_request` read it (it is not
     read again). `on_plan(plan)` when the plan is known and checked against this machine; `on_status(message)`:
     what is happening (hashing, importing, planning; None: nothing now)."""
-    import os as environment
-
     # before the libraries' first import: some of them warn while importing (torchvision fallbacks)
-    environment.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    environment.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    from dm_cli.run.distributed import Ranks
-    from dm_cli.run.parallel import checked_pipeline, step_sharing
-    from dm_cli.run.request import plan_digest, prepare
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
     status = on_status or (lambda message: None)
     ranks = Ranks.from_env()
@@ -230,9 +237,6 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
 def _plan_file(request: RunRequest, plan: Plan | None) -> tuple[RunRequest, Plan | None, bool]:
     """--dtype, then the plan file as a name; `dmap run -d PLAN.json` without SOURCE: the plan's source (None still
     means the demo without a plan), the plan file read first. (request, the plan if read, SOURCE taken from it)"""
-    from dm_cli.run.request import source_of_plan
-    from dm_cli.units import parse_dtype
-
     if request.placement.dtype is not None:
         parse_dtype(request.placement.dtype)
     plan_file = request.plan_file
@@ -247,7 +251,7 @@ def _plan_file(request: RunRequest, plan: Plan | None) -> tuple[RunRequest, Plan
 
 
 def _load_plan(path: str) -> Plan:
-    from dm_cli.planning.plan_file import load_plan
+    from dm_cli.planning.plan_file import load_plan  # lazy: looked up per call (tests count its calls)
 
     return load_plan(path)
 
@@ -263,17 +267,7 @@ def _generation(request: RunRequest, plan: Plan | None, source: Source, family: 
     the plan's inputs as defaults (the plan is made for, and checked against, it), the outputs as settled, the plan
     against the run and its step cache: (generation, the job each prompt starts from, the plan as the run follows
     it)."""
-    from dm_cli.families import Job
-    from dm_cli.run.parallel import cpu_ranks
-    from dm_cli.run.request import (
-        check_devices_present,
-        check_plan_cache,
-        check_plan_matches,
-        inputs_from_plan,
-        refuse_existing_outputs,
-        run_inputs,
-        settle_generation,
-    )
+    from dm_cli.run.request import check_devices_present  # lazy: looked up per call (tests count its calls)
 
     if plan is not None and not request.simulate:
         check_devices_present(plan, cpu_ranks(request.parallel, plan))
@@ -281,8 +275,6 @@ def _generation(request: RunRequest, plan: Plan | None, source: Source, family: 
         defaults = {**defaults, **inputs_from_plan(plan)}
     generation = settle_generation(request.generation, source, family, defaults, request.per_prompt_images)
     if generation.loras:  # each LoRA with the component it patches, as the planner settles them
-        from dm_cli.planning.lora_sizing import lora_targets
-
         generation = replace(generation, loras=lora_targets(source, generation.loras))
     refuse_existing_outputs(request, family, generation.num_images)
     job = Job.of(generation, request.prompt, request.seed)
@@ -299,9 +291,10 @@ def _final_plan(request: RunRequest, plan: Plan | None, source: Source, family: 
                 status, on_plan) -> Plan:
     """The libraries imported; a given plan's tiled decode checked, or the plan made here and its devices; shown
     (`on_plan`); int8 placements refused (unless simulated)."""
-    from dm_cli.model.models import quiet_libraries
-    from dm_cli.run.parallel import cpu_ranks
-    from dm_cli.run.request import check_devices_present, check_tiled_decode, make_run_plan
+    from dm_cli.model.models import quiet_libraries  # lazy: looked up per call (tests patch quiet_libraries)
+
+    # lazy: looked up per call (tests patch make_run_plan, count check_devices_present's calls)
+    from dm_cli.run.request import check_devices_present, make_run_plan
 
     status("Importing torch, diffusers and transformers…")
     quiet_libraries()
@@ -327,8 +320,6 @@ def queue_parallel(plan: Plan | None, ranks) -> str:
     them), else "none" (each rank takes its own prompts; one process runs the plan's single-process placement). A
     pipeline plan under torchrun with another number of ranks is refused (one sentence, on every rank, before
     anything loads or joins), as for one prompt: its slices are cut for its own count."""
-    from dm_cli.run.parallel import check_rank_count, pipelined
-
     recorded = getattr(plan, "parallel", None)
     if recorded is not None and recorded.layout == "pipeline":
         check_rank_count(recorded, ranks)
@@ -339,12 +330,10 @@ def _checked_weights(source: Source, status) -> dict:
     """Missing or corrupt weights are bad input: said before importing the libraries or planning; the largest
     shard of each component (what its load may add to the host's peak). Single files are hashed for the
     outputs' metadata."""
-    from dm_cli.run.request import check_component_files
+    from dm_cli.run.request import check_component_files  # lazy: looked up per call (tests patch check_component_files)
 
     largest = {c.name: check_component_files(c) for c in source.components}
     if any(c.single_file is not None for c in source.components):  # their sha256 goes into the metadata
-        from dm_cli.model.single_file_weights import component_files_metadata
-
         status("Hashing the single files (sha256, for the outputs' metadata)…")
         component_files_metadata(source)
     return largest
@@ -353,8 +342,6 @@ def _checked_weights(source: Source, status) -> dict:
 def _refuse_int8_offload(plan: Plan) -> None:
     """int8 weights a plan offloads cannot run (weight_formats.int8_offload_problem): before anything loads, not
     when that component's stage comes."""
-    from dm_cli.model.formats.weight_formats import int8_offload_problem
-
     for name, fmt in plan.weights.items():
         problem = int8_offload_problem(name, fmt, plan.components[name].device_map)
         if problem:

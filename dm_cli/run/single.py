@@ -96,7 +96,7 @@ def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
 
 def _run(request: RunRequest, plan: Plan | None, on_plan, on_step, on_status, freeze: bool) -> RunResult:
     """One prompt through the session (`dm_cli.run.session.Session`), every stage measured."""
-    from dm_cli.run.settle import Entry, settle
+    from dm_cli.run.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
 
     pipeline = Session(settle(request, plan, entry=Entry.SINGLE, on_plan=on_plan, on_status=on_status),
                        on_status=on_status, measure=True)

@@ -6,6 +6,7 @@ the family's encoders (`Family.encode`, `Family.encode_image`), the pipeline's o
 from __future__ import annotations
 
 import inspect as pyinspect
+import re
 from typing import Callable
 
 from dm_cli.errors import DoesNotFitError, UsageError
@@ -36,7 +37,7 @@ class StageRunners:
         `image_latents`: an encoded input image the denoising starts from (`Family.image_kwargs`).
         `whole`: every output of the call (LTX-2: video and audio latents), not just the first.
         """
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         if embeds is None:
             raise UsageError("The plan runs denoise before encode: the stages are out of order.")
@@ -68,7 +69,7 @@ class StageRunners:
 
     def _step_end(self, job: Job, on_step, switch):
         """The pipeline's callback at the end of each step: the NaN check, the tracker's stop, progress, the switch."""
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         meter, tracked = self.meter, self.tracked_steps
         self._tracking_from = 0
@@ -172,9 +173,7 @@ def nonfinite_refusal(step: int, steps: int, loras: tuple = (), dtype=None) -> s
 
 def out_of_memory(error, stage: str, planned: dict) -> DoesNotFitError:
     """The refusal for a GPU's OutOfMemoryError during `stage`: planned and reached bytes, and a smaller budget."""
-    import re
-
-    import torch
+    import torch  # lazy: torch (heavy, off start-up)
 
     match = re.search(r"GPU (\d+)", str(error))
     gpu = match.group(1) if match else "0"

@@ -40,7 +40,7 @@ class StageLoop(JobLoop, BatchLoop, StageRunners):
     def __init__(self, source, plan, family: Family, *, simulate: bool, tracked_steps: int | None,
                  largest_shard: dict[str, int] | None = None, track_activations: bool = False,
                  on_status: Callable[[str | None], None] | None = None, measure: bool = True, loras: tuple = ()):
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         self.source = source
         self.plan = plan

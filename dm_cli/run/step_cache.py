@@ -13,6 +13,7 @@ import functools
 from dataclasses import dataclass
 
 from dm_cli.inputs import StepCache
+from dm_cli.planning.step_cache import enable
 
 
 @dataclass
@@ -33,8 +34,6 @@ class StepCounts:
 def apply(model, cache: StepCache, family, steps: int | None, dtype: str | None) -> "StepCounter":
     """The cache's hooks on `model` (diffusers' `enable_cache`, as the plan counted them: planning's `enable`), and
     a counter of the calls they skip."""
-    from dm_cli.planning.step_cache import enable
-
     enable(model, cache, family, steps, dtype)
     return StepCounter(model, cache)
 
@@ -97,8 +96,8 @@ def agree_across(model, group) -> int:
     threshold, so every rank skips the same steps as one process computing the whole call (a rank skipping alone would
     leave the others waiting in their all-to-all). Sums, not means: the shards are the same size, so
     sum|r - prev| / sum|prev| is the whole call's mean ratio. Returns how many of `model`'s hooks now agree."""
-    import torch
-    import torch.distributed as dist
+    import torch  # lazy: torch (heavy, off start-up)
+    import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
     def decide(hook, residual) -> bool:
         state = hook.state_manager.get_state()
@@ -163,7 +162,7 @@ class SliceRelay:
 
     def outgoing(self, tensors: list) -> list:
         """The block inputs sent to the next rank, then this call's decision and the tensors that travel with it."""
-        import torch
+        import torch  # lazy: torch (heavy, off start-up)
 
         state = self.manager.get_state()
         travelling = getattr(state, self.held)
@@ -217,7 +216,7 @@ def _first_block(hook, name: str):
         return output
 
     def magcache(module, *args, **kwargs):
-        from diffusers.hooks.hooks import CacheContext
+        from diffusers.hooks.hooks import CacheContext  # lazy: diffusers (heavy, off start-up)
 
         if hook.state_manager._context is None:
             hook.state_manager.set_context(CacheContext(name="inference"))

@@ -37,7 +37,7 @@ class AppState:
 
 
 def error(status: int, message: str, headers: dict | None = None):
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse  # lazy: starlette (optional)
 
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[:MAX_MESSAGE_CHARS] + "…"
@@ -47,10 +47,10 @@ def error(status: int, message: str, headers: dict | None = None):
 
 def make_app(state: AppState):
     """The ASGI application over `state` (its batcher already started by the caller)."""
-    from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse, PlainTextResponse
-    from starlette.routing import Route
+    from starlette.applications import Starlette  # lazy: starlette (optional)
+    from starlette.exceptions import HTTPException  # lazy: starlette (optional)
+    from starlette.responses import JSONResponse, PlainTextResponse  # lazy: starlette (optional)
+    from starlette.routing import Route  # lazy: starlette (optional)
 
     def authorised(request) -> bool:
         if state.api_key is None:
@@ -136,9 +136,9 @@ class _TooLarge(Exception):
 
 async def generate(request, state: AppState, *, video: bool, authorised: bool, refused):
     """POST /v1/images/generations and /v1/videos/generations: checked, queued, answered when generated."""
-    from starlette.concurrency import run_in_threadpool
-    from starlette.requests import ClientDisconnect
-    from starlette.responses import JSONResponse
+    from starlette.concurrency import run_in_threadpool  # lazy: starlette (optional)
+    from starlette.requests import ClientDisconnect  # lazy: starlette (optional)
+    from starlette.responses import JSONResponse  # lazy: starlette (optional)
 
     if not authorised:
         return refused()
@@ -242,7 +242,7 @@ def _label(value) -> str:
 
 
 def _peaks() -> list[tuple[str, int]]:
-    import resource
+    import resource  # lazy: resource is POSIX only
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     peaks = [("cpu", rss)]

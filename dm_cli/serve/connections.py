@@ -65,7 +65,7 @@ def connection_room() -> tuple[int, int]:
     """(the connections the file limit leaves room for, the limit): the soft `RLIMIT_NOFILE`, less the files
     open now and a reserve (a quarter of the limit, at least `RESERVED_FILES`) for the files the session opens
     while serving and the connections accepted in one wake-up."""
-    import resource
+    import resource  # lazy: resource is POSIX only
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft > 2**24:
@@ -173,8 +173,8 @@ class ConnectionGuard:
 
 def guarded_protocol(guard: ConnectionGuard) -> type:
     """uvicorn's h11 protocol, telling `guard` when bytes arrive and where its request stands."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    import h11  # lazy: h11 (optional)
+    from uvicorn.protocols.http.h11_impl import H11Protocol  # lazy: uvicorn (optional)
 
     def phase(conn) -> str | None:
         state = conn.their_state

@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 
 from dm_cli.errors import UsageError
 from dm_cli.families import all_settings
+from dm_cli.io.images import check_metadata_room
+from dm_cli.io.input_images import describe_bytes
 from dm_cli.run.checks import check_seed, load_json
 from dm_cli.run.queue import QueueItem, default_output_name, queue_item
 
@@ -150,8 +152,6 @@ def parse_request(data: dict, served: Served, session) -> ServedRequest:
     images = _images(data.get("image"), served)
     last = _last_image(data.get("last_image"), served)
     if output_format == "JPEG":
-        from dm_cli.io.images import check_metadata_room
-
         check_metadata_room("served.jpg", first.prompt, first.negative_prompt, f"{WHERE}'s 'output_format' jpeg")
     items = tuple(replace(first, index=i, seed=check_seed(first.seed + i, f"{WHERE}: the seed of image {i + 1}"),
                           output=default_output_name(i), images=images, last_image=last) for i in range(n))
@@ -208,8 +208,6 @@ def _check_size(size, served: Served) -> None:
 def _decoded(text, where: str):
     """An input image from base64 (or a data: URL), checked as `--image` files are (dm_cli.io.input_images) and kept
     encoded until its batch runs: a waiting request holds its bytes, not its decoded pixels."""
-    from dm_cli.io.input_images import describe_bytes
-
     if not isinstance(text, str) or not text:
         raise UsageError(f"{where} must be a base64 string (or a data: URL) of an image file.")
     text = _DATA_URL.sub("", text[:100], count=1) + text[100:]

@@ -7,6 +7,8 @@ stops (exit 0); a second Ctrl-C stops at once (the running requests 503, exit 13
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import logging
 import os
 import signal
 import socket
@@ -15,9 +17,23 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from dm_cli.devices import device_key, is_gpu
 from dm_cli.errors import UsageError
+from dm_cli.run.distributed import Ranks, select_gpus
 from dm_cli.run.request import RunRequest
-from dm_cli.serve.connections import DEFAULT_BODY_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, max_connections
+from dm_cli.run.session import Session
+from dm_cli.serve.app import AppState, make_app
+from dm_cli.serve.connections import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_READ_TIMEOUT_S,
+    Acceptor,
+    ConnectionGuard,
+    RepeatedLines,
+    guarded_protocol,
+    max_connections,
+)
+from dm_cli.serve.requests import Served
+from dm_cli.serve.worker import Batcher, BatchSizer, RankCompute
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -89,9 +105,7 @@ def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Cal
           on_ready: Callable[[str, object], None] | None = None) -> int:
     """Load, serve until SIGTERM or Ctrl-C, stop; returns the number of images answered. `on_ready(url, session)`
     when the server listens (rank 0)."""
-    from dm_cli.run.distributed import Ranks, select_gpus
-    from dm_cli.run.session import Session
-    from dm_cli.run.settle import Entry, settle
+    from dm_cli.run.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
 
     request.check()
     ranks = Ranks.from_env()
@@ -109,7 +123,6 @@ def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Cal
         if sock is not None:
             sock.close()
         raise
-    from dm_cli.serve.worker import RankCompute
 
     try:
         warm_up(session, on_status or (lambda message: None))
@@ -130,7 +143,6 @@ def _stop_with_launcher() -> None:
     `--signals-to-handle` without SIGTERM ends at once, with no traceback) leaves no rank serving on."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
 
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
@@ -159,12 +171,10 @@ def warm_up(session, say: Callable[[str | None], None]) -> None:
     """One image of the served defaults before the server says it serves: what the plan keeps resident loads, and the
     libraries make their first calls (the first request would pay seconds for them while /health said ok). A family
     that needs an input image gets a grey one. Every rank warms up (ranks sharing each step, together)."""
-    from dm_cli.errors import UsageError
-
     job, started = session.defaults, time.monotonic()
     image = None
     if session.family.min_input_images:
-        from PIL import Image
+        from PIL import Image  # lazy: PIL (heavy, off start-up)
 
         image = Image.new("RGB", (job.width, job.height), (128, 128, 128))
     say("Warming up: one image of the defaults (loading what the plan keeps resident)…")
@@ -179,14 +189,10 @@ def warm_up(session, say: Callable[[str | None], None]) -> None:
 
 def runs_on_gpu(plan) -> bool:
     """Whether any stage of the plan runs on a GPU (a batch pays there: one pass over the weights for its images)."""
-    from dm_cli.devices import device_key, is_gpu
-
     return any(is_gpu(device_key(device)) for stage in plan.stages for device in stage.peak_bytes if device != "disk")
 
 
 def _served(request: ServeRequest, session):
-    from dm_cli.serve.requests import Served
-
     job = session.defaults
     model = request.model or session.source.spec  # SOURCE as given, the plan's (-d without one), or "demo"
     loras = tuple((lora.name, lora.scale) for lora in session.generation.loras)
@@ -235,13 +241,7 @@ class Stopping:
 
 
 def _serve_main(request: ServeRequest, session, compute, sock, on_ready, on_status=None) -> int:
-    import logging
-
-    import uvicorn
-
-    from dm_cli.serve.app import AppState, make_app
-    from dm_cli.serve.connections import Acceptor, ConnectionGuard, RepeatedLines, guarded_protocol
-    from dm_cli.serve.worker import Batcher, BatchSizer
+    import uvicorn  # lazy: uvicorn (optional)
 
     say = on_status or (lambda message: None)
     heartbeat_s = max(1.0, min(600.0, compute.ranks.timeout_s / 4))

@@ -17,14 +17,18 @@ them; with `--parallel` every rank runs every image, sharing each step. No Starl
 from __future__ import annotations
 
 import io
+import tempfile
 import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable, Iterator
 
 from dm_cli.errors import DiskFullError, UsageError
+from dm_cli.io.images import image_save_options
 from dm_cli.io.input_images import size_decode_budget
+from dm_cli.io.outputs import save_video
 
 USAGE = "UsageError:"  # a rank's problem that is the request's fault (a 400), as gathered to rank 0
 STOPPING = "The server is stopping (SIGTERM): this request had not started; send it again to another server."
@@ -284,16 +288,10 @@ def encode(generated, fmt: str, fps: int | None) -> bytes:
     """A generated image as the bytes `dmap run` writes to a file of that format (the same metadata, the same
     encoder options: dm_cli.io.images.image_save_options), or a video as the MP4 it writes."""
     if fmt == "MP4":
-        import tempfile
-        from pathlib import Path
-
-        from dm_cli.io.outputs import save_video
-
         with tempfile.TemporaryDirectory(prefix="dmap-serve-") as folder:
             path = Path(folder) / "video.mp4"
             save_video(generated.images[0], str(path), fps, generated.metadata)
             return path.read_bytes()
-    from dm_cli.io.images import image_save_options
 
     image = generated.images[0]
     if fmt == "JPEG" and image.mode not in ("RGB", "L"):
@@ -310,7 +308,7 @@ DECODE_RAM_SHARE = 0.25
 
 def decode_room() -> int:
     """Bytes the server's concurrent decodes of input images may take: a share of the RAM its loaded plan leaves."""
-    from dm_cli.planning.budgets import available_ram
+    from dm_cli.planning.budgets import available_ram  # lazy: looked up per call (tests patch available_ram)
 
     return int(available_ram() * DECODE_RAM_SHARE)
 
@@ -368,8 +366,8 @@ class RankCompute:
             self._broadcast(None)
 
     def _broadcast(self, value):
-        import torch
-        import torch.distributed as dist
+        import torch  # lazy: torch (heavy, off start-up)
+        import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
         box = [value]
         dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))

@@ -178,9 +178,12 @@ def test_warm_inspect_does_not_import_torch(tmp_path):
 
 
 def test_help_does_not_import_torch():
-    code = "import sys; from dm_cli.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nprint('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)"
+    """Nor any other heavy library (the imports inside functions that stay there keep it so, issue 39)."""
+    heavy = ["torch", "numpy", "PIL", "safetensors", "diffusers", "transformers"]
+    code = ("import sys; from dm_cli.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            f"print('LOADED', [name for name in {heavy!r} if name in sys.modules], file=sys.stderr)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.stderr.strip().endswith("NO-TORCH")
+    assert proc.stderr.strip().endswith("LOADED []"), proc.stderr
     assert "inspect" in proc.stdout
 
 
