@@ -78,7 +78,8 @@ def step_sharing(choice: str | None, plan, source, family, generation,
                  ranks: Ranks | None = None) -> tuple[StepSharing | None, tuple[str, ...]]:
     """The sharing this run uses and what to tell the user of it: `choice` (--parallel; None: follow the plan file's
     `parallel` when torchrun started as many ranks as it records), or None for one process per image; `source`,
-    `family` and the settled `generation` are the run's (dm_cli.run.settle). Refusals are one sentence."""
+    `family` and the settled `generation` are the run's (dm_cli.run.settle). Refusals are one sentence; a pipeline's
+    (`checked_pipeline`) are settle's, once, when the plan it reads is known."""
     ranks = ranks or Ranks.from_env()
     recorded = getattr(plan, "parallel", None)
     if choice is None and recorded is not None and recorded.layout != Layout.SPLIT:
@@ -93,7 +94,7 @@ def step_sharing(choice: str | None, plan, source, family, generation,
     if choice not in Parallel.words():
         raise UsageError(f"--parallel must be {', '.join(Parallel.words()[:-1])} or auto, not {choice!r}.")
     if choice == "pipeline":
-        return checked_pipeline(plan, family, generation, ranks)
+        return StepSharing("pipeline", 1, 1, ranks), ()
     if ranks.world_size == 1:
         raise UsageError(f"--parallel {choice} shares each step among torchrun ranks and this is one process: {LAUNCH}.")
     layout, guidance = _layout(choice, ranks.world_size, source, family, generation)

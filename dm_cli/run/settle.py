@@ -215,13 +215,16 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
     # torchrun ranks sharing each step (--parallel, or the plan file's `parallel`): refused (one sentence) before
     # anything is imported or planned
     sharing, shared = step_sharing(request.parallel, plan, source, family, generation, ranks)
+    pipeline = sharing is not None and sharing.layout == "pipeline"
+    # a pipeline's refusal (pipeline_refusal), once: here when what it reads is known (the plan given, or one
+    # process, which no plan helps), else once the plan made here is known (its denoiser's class)
+    if pipeline and (plan is not None or sharing.ranks.world_size < 2):
+        sharing, shared = checked_pipeline(plan, family, generation, sharing.ranks)
     notices = [*notices, *shared]
     largest = _checked_weights(source, status)
     planned_here = plan is None
     plan = _final_plan(request, plan, source, family, generation, status, on_plan)
-    if planned_here and sharing is not None and sharing.layout == "pipeline":
-        # the plan made here must cut the denoiser into the ranks' slices: what pipeline_refusal reads of a plan
-        # (its denoiser's class, its weights) is known only now
+    if pipeline and planned_here:
         sharing, shared = checked_pipeline(plan, family, generation, sharing.ranks)
         notices += shared
     if entry is Entry.QUEUE and job.num_frames:

@@ -88,3 +88,37 @@ def test_a_queue_refuses_a_video_family_before_anything_loads(tmp_path, monkeypa
     code, _, err = run_dmap("run", "./wan", "--prompts", "queue.txt", "-o", "out", "--steps", "1", cwd=tmp_path)
     assert code == 2 and "--prompts writes images" in err and "makes videos" in err, err
     assert built == []
+
+
+@pytest.mark.parametrize("plan_file", [False, True], ids=["inline plan", "plan file"])
+def test_a_pipelines_refusal_runs_once_for_a_plan_made_here_as_for_a_plan_file(work, monkeypatch, plan_file):
+    """--parallel pipeline under 2 ranks: pipeline_refusal runs once, in settle, whether the plan is made there
+    (then after it is made: it reads its denoiser's class) or given."""
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.settle import settle
+
+    budget = ("--max-memory", "0=1GB,1=1GB")
+    if plan_file:
+        code, _, err = run_dmap("plan", "./flux", *SIZE, *budget, "--world-size", "2", "--parallel", "pipeline", "-o",
+                                "p.json", cwd=work)
+        assert code == 0, err
+    monkeypatch.chdir(work)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "CUDA_VISIBLE_DEVICES": ""}.items():
+        monkeypatch.setenv(name, value)
+    refusals = _counted(monkeypatch, "dm_cli.run.parallel", "pipeline_refusal")
+    placement = {"device_map": "p.json"} if plan_file else {"max_memory": "0=1GB,1=1GB"}
+    settled = settle(RunRequest.of("./flux", "a fox", height=64, width=64, steps=1, parallel="pipeline", **placement))
+    assert settled.pipelined and len(refusals) == 1
+
+
+def test_one_process_pipeline_is_refused_in_one_sentence_with_a_plan_made_here_or_given(work):
+    """The refusal that needs no plan is the same sentence and exit code for both (the plan made here is not made)."""
+    code, _, err = run_dmap("plan", "./flux", *SIZE, "--max-memory", "0=1GB,1=1GB", "-o", "p.json", cwd=work)
+    assert code == 0, err
+    refusals = []
+    for placement in ((), ("-d", "p.json")):
+        code, _, err = run_dmap("run", "./flux", *SIZE, *placement, "--parallel", "pipeline", "--simulate", "-p",
+                                "a fox", "-o", "a.png", cwd=work)
+        refusals.append((code, err))
+    assert refusals[0] == refusals[1] and refusals[0][0] == 2 and "this is one process" in refusals[0][1], refusals
