@@ -22,11 +22,22 @@ settings.load_profile("dmap-random" if os.environ.get("DMAP_TEST_RANDOM") else "
 PRESETS = REPO / "dm_cli" / "presets"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+    """Each test run gets its own skeleton cache; tests never touch the user's. The xdist workers of one run share
+    it (their basetemps' common parent), so a full-size model's meta trace at a shape is made once per run, not once
+    per worker: entries are written to a temporary file and renamed, and the demo is generated under a lock. Set as
+    DMAP_TEST_CACHE, which the fixtures that start servers and ranks read too."""
+    if not os.environ.get("DMAP_TEST_CACHE"):
+        base = tmp_path_factory.getbasetemp()
+        shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+        os.environ["DMAP_TEST_CACHE"] = str(shared / "dmap-cache")
+
+
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Each test session gets its own skeleton cache; tests never touch the user's."""
-    cache = os.environ.get("DMAP_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "dmap-cache")
-    monkeypatch.setenv("DMAP_CACHE_DIR", cache)
+def _isolated_cache(_session_cache, monkeypatch):
+    """Every test reads and writes the run's cache (above), offline."""
+    monkeypatch.setenv("DMAP_CACHE_DIR", os.environ["DMAP_TEST_CACHE"])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
