@@ -12,6 +12,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.extend(str(folder) for folder in sorted(Path(__file__).parent.iterdir())
                 if folder.is_dir() and folder.name not in {"golden", "__pycache__"})
 
+# One torch (OpenMP) thread per test process, and so per rank and server the tests start (they inherit it): CI runs
+# two workers on two cores, and two threads each leave OpenMP spinning for cores the other worker holds (a tiny FLUX
+# run measured 0.6-0.9 s with one thread against 2.4-11.6 s with two, the same bytes). Set before torch is imported;
+# an OMP_NUM_THREADS already given is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The property tests (hypothesis) draw the same examples on every run, so a submission's CI cannot fail on
 # a draw it never saw; DMAP_TEST_RANDOM=1 explores new ones (do that when changing shard, headers or planner).
 from hypothesis import settings  # noqa: E402
