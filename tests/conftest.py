@@ -12,6 +12,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.extend(str(folder) for folder in sorted(Path(__file__).parent.iterdir())
                 if folder.is_dir() and folder.name not in {"golden", "__pycache__"})
 
+# One torch (OpenMP) thread per test process, and so per rank and server the tests start (they inherit it): CI runs
+# two workers on two cores, and two threads each leave OpenMP spinning for cores the other worker holds (a tiny FLUX
+# run measured 0.6-0.9 s with one thread against 2.4-11.6 s with two, the same bytes). Set before torch is imported;
+# an OMP_NUM_THREADS already given is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The property tests (hypothesis) draw the same examples on every run, so a submission's CI cannot fail on
 # a draw it never saw; DMAP_TEST_RANDOM=1 explores new ones (do that when changing shard, headers or planner).
 from hypothesis import settings  # noqa: E402
@@ -22,11 +28,22 @@ settings.load_profile("dmap-random" if os.environ.get("DMAP_TEST_RANDOM") else "
 PRESETS = REPO / "dm_cli" / "presets"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+    """Each test run gets its own skeleton cache; tests never touch the user's. The xdist workers of one run share
+    it (their basetemps' common parent), so a full-size model's meta trace at a shape is made once per run, not once
+    per worker: entries are written to a temporary file and renamed, and the demo is generated under a lock. Set as
+    DMAP_TEST_CACHE, which the fixtures that start servers and ranks read too."""
+    if not os.environ.get("DMAP_TEST_CACHE"):
+        base = tmp_path_factory.getbasetemp()
+        shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+        os.environ["DMAP_TEST_CACHE"] = str(shared / "dmap-cache")
+
+
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Each test session gets its own skeleton cache; tests never touch the user's."""
-    cache = os.environ.get("DMAP_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "dmap-cache")
-    monkeypatch.setenv("DMAP_CACHE_DIR", cache)
+def _isolated_cache(_session_cache, monkeypatch):
+    """Every test reads and writes the run's cache (above), offline."""
+    monkeypatch.setenv("DMAP_CACHE_DIR", os.environ["DMAP_TEST_CACHE"])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 

@@ -45,7 +45,7 @@ def test_the_tiny_text_encoder_feeds_the_connectors_what_they_expect():
     assert text["num_hidden_layers"] + 1 == connectors["text_proj_in_factor"]
 
 
-_WRITTEN: dict = {}  # the random-weight twin, written once per session for this module and tests/families/test_ltx2_i2v.py
+_WRITTEN: dict = {}  # the random-weight twin (and its oracle), made once per session for this module and the ones importing it
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +60,18 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oracle(folder):
+    """diffusers' LTX2Pipeline on the twin: (frames, audio, rate), made once per session for this module and
+    tests/planning/test_ltx2_split_plan.py (same folder, same call; the arrays are only read)."""
     from dm_cli.io.video import to_uint8
 
-    pipe = diffusers.LTX2Pipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    out = pipe(PROMPT, num_frames=FRAMES, height=SIZE, width=SIZE, num_inference_steps=STEPS, max_sequence_length=SEQ,
-               generator=torch.Generator().manual_seed(SEED), output_type="np")
-    return to_uint8(out.frames[0]), out.audio[0].float().numpy(), pipe.vocoder.config.output_sampling_rate
+    if "oracle" not in _WRITTEN:
+        pipe = diffusers.LTX2Pipeline.from_pretrained(folder)
+        pipe.set_progress_bar_config(disable=True)
+        out = pipe(PROMPT, num_frames=FRAMES, height=SIZE, width=SIZE, num_inference_steps=STEPS,
+                   max_sequence_length=SEQ, generator=torch.Generator().manual_seed(SEED), output_type="np")
+        _WRITTEN["oracle"] = (to_uint8(out.frames[0]), out.audio[0].float().numpy(),
+                              pipe.vocoder.config.output_sampling_rate)
+    return _WRITTEN["oracle"]
 
 
 def _run(folder, output, **extra):
