@@ -5,7 +5,10 @@
 diffusers' `convert_flux_transformer_checkpoint_to_diffusers` (0.42.1) splits each single block's fused projection
 with a hard-coded inner dimension of 3072, so the model here is FLUX.1's width (24 heads of 128) with one double
 and one single block (~0.5B parameters, bf16) around tiny-flux's other components: the smallest FLUX.1 the converter
-loads. Slow: it writes and loads about 1 GB several times.
+loads. Slow: it writes and loads about 1 GB several times. What is compared is how each file is read (its layout
+converted, its quantized tensors dequantized for each forward as diffusers does) and placed, so one step and a prompt
+of 32 T5 tokens (not 512) do: every run calls the transformer once, on 36 tokens, where two steps on 516 tokens made
+each GGUF run dequantize the whole transformer twice (the file's test was over a minute of CPU).
 """
 
 import json
@@ -17,7 +20,7 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 pytestmark = pytest.mark.slow
 
-PROMPT, SIZE, STEPS, SEED = "a red fox in the snow", 32, 2, 7
+PROMPT, SIZE, STEPS, SEED, TOKENS = "a red fox in the snow", 32, 1, 7, 32
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def _diffusers_latents(folder, file):
         **kwargs)
     pipe = diffusers.FluxPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
-    return pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=STEPS,
+    return pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=STEPS, max_sequence_length=TOKENS,
                 generator=torch.Generator().manual_seed(SEED), output_type="latent").images
 
 
@@ -75,8 +78,8 @@ def _dmap_latents(folder, file, tmp_path, **extra):
 
     tmp_path.mkdir()
     request = RunRequest.of(source=str(file), pipeline=str(folder), prompt=PROMPT, steps=STEPS, height=SIZE,
-                            width=SIZE, seed=SEED, dtype="bfloat16", output=str(tmp_path / "fox.png"),
-                            save_latents=str(tmp_path / "latents.safetensors"), **extra)
+                            width=SIZE, seed=SEED, max_sequence_length=TOKENS, dtype="bfloat16",
+                            output=str(tmp_path / "fox.png"), save_latents=str(tmp_path / "latents.safetensors"), **extra)
     result = run(request)
     return result, load_file(tmp_path / "latents.safetensors")["latents"]
 

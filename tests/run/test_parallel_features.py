@@ -138,13 +138,29 @@ def launched(folders, tmp_path_factory, one_thread) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def plain_runs(folders, one_thread):
+    """One process's run without the feature, made once per (preset, options): several cases share their plain run
+    (the four FLUX ones in bfloat16, the three Qwen-Image ones), the same inputs giving the same latents."""
+    runs = {}
+
+    def plain(case: str) -> dict:
+        preset = CASES[case][0]
+        key = (preset, json.dumps(_options(folders, case, with_feature=False), sort_keys=True))
+        if key not in runs:
+            runs[key] = _generate(folders[preset], "none", _options(folders, case, with_feature=False))
+        return runs[key]
+
+    return plain
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_feature_on_ranks_sharing_a_step_equals_one_process(launched, folders, case):
+def test_a_feature_on_ranks_sharing_a_step_equals_one_process(launched, folders, plain_runs, case):
     """A step cache, a LoRA, fp8 or int8 weights under cfg or context: one process's latents and pixels, and with a
     cache its counts (the same calls, as many computed: the same skip decisions)."""
     preset = CASES[case][0]
     alone = _generate(folders[preset], "none", _options(folders, case))
-    plain = _generate(folders[preset], "none", _options(folders, case, with_feature=False))
+    plain = plain_runs(case)
     assert not np.array_equal(alone["latents"], plain["latents"])  # the feature changes the result
     counts, fused = json.loads(Path(launched, f"{case}-counts.json").read_text())
     assert counts == alone["counts"] and fused == alone["fused"]

@@ -156,22 +156,36 @@ def _launch(folders, tmp_path_factory, cases, ranks: int = 2) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def launched(folders, tmp_path_factory, one_thread):
-    """Qwen-Image (two calls), SDXL (a doubled batch) and FLUX (context): the quick launch."""
-    return _launch(folders, tmp_path_factory, ["qwen-cfg", "sdxl-cfg", "flux-context"])
+QUICK, WAN = ["qwen-cfg", "sdxl-cfg", "flux-context"], ["wan-cfg", "wan-context"]
+
+
+def _wan_selected(request) -> bool:
+    """Whether this run runs a Wan case of the launch (slow: `scripts/test` leaves them out, CI runs them)."""
+    return any(getattr(item, "module", None) is request.module and any(f"[{case}]" in item.name for case in WAN)
+               for item in request.session.items)
 
 
 @pytest.fixture(scope="module")
-def launched_wan(folders, tmp_path_factory, one_thread):
-    """Wan 2.2 with both experts, CFG-parallel and context parallel: the slow launch."""
-    return _launch(folders, tmp_path_factory, ["wan-cfg", "wan-context"])
+def launched(folders, tmp_path_factory, one_thread, request):
+    """Qwen-Image (two calls), SDXL (a doubled batch) and FLUX (context): the quick launch; with Wan 2.2 (both
+    experts, CFG-parallel and context parallel) when its slow cases run too: one launch for all, not a second one
+    (each launch starts two ranks that import torch and diffusers)."""
+    return _launch(folders, tmp_path_factory, QUICK + (WAN if _wan_selected(request) else []))
 
 
-@pytest.fixture
-def ranks_of(request):
-    """The launch that ran a case."""
-    return lambda case: request.getfixturevalue("launched_wan" if case.startswith("wan") else "launched")
+@pytest.fixture(scope="module")
+def one_process(folders, one_thread):
+    """A case run here in one process (parallel none), made once per (preset, options): "wan-context" and
+    "wan-cfg+context" are the same run alone."""
+    runs = {}
+
+    def run(case: str) -> tuple[list, list]:
+        key = (CASES[case][0], json.dumps(CASES[case][2:], sort_keys=True))
+        if key not in runs:
+            runs[key] = _generate(folders[CASES[case][0]], case, "none")
+        return runs[key]
+
+    return run
 
 
 def _rank_calls(out: Path, case: str, ranks: int = 2) -> list[list]:
@@ -179,9 +193,9 @@ def _rank_calls(out: Path, case: str, ranks: int = 2) -> list[list]:
 
 
 @pytest.mark.parametrize("case", ["qwen-cfg", "sdxl-cfg", pytest.param("wan-cfg", marks=pytest.mark.slow)])
-def test_cfg_parallel_on_two_ranks_equals_one_rank(ranks_of, folders, case):
-    preset, launched = CASES[case][0], ranks_of(case)
-    alone, single_calls = _generate(folders[preset], case, "none")
+def test_cfg_parallel_on_two_ranks_equals_one_rank(launched, folders, one_process, case):
+    preset = CASES[case][0]
+    alone, single_calls = one_process(case)
     ranks = _rank_calls(launched, case)
     assert ranks[0]["images"] == len(alone) and ranks[1]["images"] == 0  # rank 0 decodes, the other gets nothing
     shared = np.load(launched / f"{case}.npy")
@@ -205,9 +219,8 @@ def test_cfg_parallel_on_two_ranks_equals_one_rank(ranks_of, folders, case):
 
 
 @pytest.mark.parametrize("case", ["flux-context", pytest.param("wan-context", marks=pytest.mark.slow)])
-def test_context_parallel_ulysses_2_equals_one_rank(ranks_of, folders, case):
-    preset, launched = CASES[case][0], ranks_of(case)
-    alone, single_calls = _generate(folders[preset], case, "none")
+def test_context_parallel_ulysses_2_equals_one_rank(launched, one_process, case):
+    alone, single_calls = one_process(case)
     ranks = _rank_calls(launched, case)
     assert all(len(r["calls"]) == len(single_calls) and all(cp for _, cp in r["calls"]) for r in ranks)
     assert not any(cp for _, cp in single_calls)
@@ -216,12 +229,12 @@ def test_context_parallel_ulysses_2_equals_one_rank(ranks_of, folders, case):
 
 
 @pytest.mark.slow
-def test_cfg_and_context_together_on_four_ranks_equal_one_rank(folders, tmp_path_factory, one_thread):
+def test_cfg_and_context_together_on_four_ranks_equal_one_rank(folders, one_process, tmp_path_factory, one_thread):
     """Wan 2.2 (two calls per step, through the expert switch) on 2 x 2 ranks: each CFG pair of ranks runs one
     branch with Ulysses 2 inside it."""
     case = "wan-cfg+context"
     launched = _launch(folders, tmp_path_factory, [case], ranks=4)
-    alone, single_calls = _generate(folders[CASES[case][0]], case, "none")
+    alone, single_calls = one_process(case)
     ranks = _rank_calls(launched, case, ranks=4)
     assert [r["images"] for r in ranks] == [len(alone), 0, 0, 0]  # rank 0 decodes and writes
     # alone: two calls per step; each rank joins one branch's call per step, with context parallel on

@@ -288,11 +288,15 @@ def _rank_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
-def test_torchrun_two_ranks_killed_rank_then_rerun_completes_only_the_missing(references, prompts_file, tmp_path):
-    """2 ranks on CPU (gloo): rank 1 is killed after its first image; the same command finishes the rest."""
+def test_torchrun_killed_rank_then_a_rerun_on_two_nodes_completes_only_the_missing(references, prompts_file,
+                                                                                    tmp_path):
+    """2 ranks on CPU (gloo): rank 1 is killed after its first image; the same queue, launched again as two torchrun
+    invocations with --nnodes 2 (c10d rendezvous on 127.0.0.1, one rank each), finishes the rest: rank 1, now the
+    second node's, makes rank 1's missing items and rank 0 merges both ranks' records (one launch for what were two
+    tests, the rerun and a two-node queue: the items' ranks are the same for both launches)."""
     out = tmp_path / "out"
-    launch = ("--standalone", "--nproc-per-node", 2)
-    proc = _torchrun(*launch, prompts=prompts_file, out=out, extra=("--chunk-size", 1), wait=False)
+    proc = _torchrun("--standalone", "--nproc-per-node", 2, prompts=prompts_file, out=out, extra=("--chunk-size", 1),
+                     wait=False)
     deadline = time.time() + 600
     # rank 1's process is found before it can finish anything, so the kill follows its first record by one poll
     # however loaded the machine is (finding it after the record let a slow /proc scan see items 3 and 5 done)
@@ -313,24 +317,15 @@ def test_torchrun_two_ranks_killed_rank_then_rerun_completes_only_the_missing(re
     assert "00001.png" in done_before and not {"00003.png", "00005.png"} <= set(done_before), sorted(done_before)
     assert not (out / "manifest.jsonl").exists()  # rank 0 never got to merge
 
-    code, output = _torchrun(*launch, prompts=prompts_file, out=out)
-    assert code == 0, output
-    after = {p.name: p.stat().st_mtime_ns for p in out.glob("0000*.png")}
-    assert all(after[name] == stamp for name, stamp in done_before.items())  # nothing complete was redone
-    assert len(after) == 6
-    records = _assert_queue_output(out, references)
-    assert [r["rank"] for r in records] == [0, 1, 0, 1, 0, 1]
-    assert records[1]["seconds"] is not None  # item 1's record survived the kill (rank 1's manifest)
-
-
-def test_torchrun_two_nodes_on_localhost(references, prompts_file, tmp_path):
-    """Two torchrun invocations with --nnodes 2 (c10d rendezvous on 127.0.0.1), one rank each."""
-    out = tmp_path / "out"
     port = _free_port()
     common = ("--nnodes", 2, "--nproc-per-node", 1, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--rdzv-id", "dmap-test")
     nodes = [_torchrun(*common, "--node-rank", rank, prompts=prompts_file, out=out, wait=False) for rank in (0, 1)]
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
+    after = {p.name: p.stat().st_mtime_ns for p in out.glob("0000*.png")}
+    assert all(after[name] == stamp for name, stamp in done_before.items())  # nothing complete was redone
+    assert len(after) == 6
     records = _assert_queue_output(out, references)
-    assert sorted(r["rank"] for r in records) == [0, 0, 0, 1, 1, 1]
+    assert [r["rank"] for r in records] == [0, 1, 0, 1, 0, 1]  # three items each: sorted, [0, 0, 0, 1, 1, 1]
+    assert records[1]["seconds"] is not None  # item 1's record survived the kill (rank 1's manifest)
