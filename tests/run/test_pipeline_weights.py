@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_dmap
-from test_pipeline_run import PROMPTS, _dmap, _plan, _same_files, _torchrun
+from pipeline_launch import PROMPTS, dmap_inline, pipeline_plan, same_files, torchrun
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -40,10 +40,11 @@ def flux(tmp_path_factory):
 
 
 def _piped_and_single(tmp_path: Path, model: Path, plan: Path, *args) -> None:
-    """A queue on 2 pipeline ranks and one process (its GPUs simulated) running `plan`: the same image bytes."""
-    _torchrun(2, "run", model, "-d", plan, *args, "--output", tmp_path / "piped", "--steps", 3, cwd=tmp_path)
-    _dmap("run", model, "-d", plan, "--simulate", *args, "--output", tmp_path / "single", "--steps", 3, cwd=tmp_path)
-    _same_files(tmp_path / "piped", tmp_path / "single", ["00000.png", "00001.png"])
+    """A queue on 2 pipeline ranks and one process (its GPUs simulated; this one) running `plan`: the same image bytes."""
+    torchrun(2, "run", model, "-d", plan, *args, "--output", tmp_path / "piped", "--steps", 3, cwd=tmp_path)
+    dmap_inline("run", model, "-d", plan, "--simulate", *args, "--output", tmp_path / "single", "--steps", 3,
+                cwd=tmp_path)
+    same_files(tmp_path / "piped", tmp_path / "single", ["00000.png", "00001.png"])
 
 
 def _fused(plan: Path) -> list[bool]:
@@ -53,7 +54,7 @@ def _fused(plan: Path) -> list[bool]:
 def test_fp8_weights_and_an_unfused_lora_on_two_ranks_are_one_process_bytes(flux, tmp_path):
     model, lora, queue = flux
     features = ("--lora", f"{lora}:0.7")
-    plan = _plan(tmp_path, model, 2, "fp8.json", "--weights", "fp8", "--dtype", "float32", *features)
+    plan = pipeline_plan(tmp_path, model, 2, "fp8.json", "--weights", "fp8", "--dtype", "float32", *features)
     assert _fused(plan) == [False]  # peft cannot merge into fp8 layers: each rank keeps its slice's adapters
     _piped_and_single(tmp_path, model, plan, "--prompts", queue, *features)
 
@@ -61,7 +62,7 @@ def test_fp8_weights_and_an_unfused_lora_on_two_ranks_are_one_process_bytes(flux
 def test_int8_weights_and_an_unfused_lora_on_two_ranks_are_one_process_bytes(flux, tmp_path):
     model, lora, queue = flux
     features = ("--lora", f"{lora}:0.7")
-    plan = _plan(tmp_path, model, 2, "int8.json", "--weights", "int8", "--dtype", "bfloat16", *features)
+    plan = pipeline_plan(tmp_path, model, 2, "int8.json", "--weights", "int8", "--dtype", "bfloat16", *features)
     assert _fused(plan) == [False]
     _piped_and_single(tmp_path, model, plan, "--prompts", queue, *features)
 
@@ -98,7 +99,7 @@ def test_a_fused_lora_on_two_ranks_is_one_process_bytes_and_each_rank_plans_its_
     assert all(added.values())  # both slices have patched layers
     assert {rank: patched["per_rank_peak_bytes"][rank] - plain["per_rank_peak_bytes"][rank] for rank in added} == added
 
-    plan = _plan(tmp_path, model, 2, "fused.json", *features)
+    plan = pipeline_plan(tmp_path, model, 2, "fused.json", *features)
     assert _fused(plan) == [True]  # each rank merges its slice's adapters into its weights
     _piped_and_single(tmp_path, model, plan, "--prompts", queue, *features)
 
@@ -116,14 +117,13 @@ def test_a_gguf_denoiser_on_two_ranks_is_one_process_bytes(tmp_path):
     state = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
     gguf = write_gguf(tmp_path / "ti2v-Q8_0.gguf", {wan_name(k): v for k, v in state.items()}, "wan", q8_0_rows)
     plan = tmp_path / "gguf.json"
-    _dmap("plan", gguf, "--pipeline", folder, "--max-memory", "0=1GB,1=1GB", "--world-size", 2, "--parallel",
-          "pipeline", "--height", 32, "--width", 32, "--frames", 9, "-o", plan, cwd=tmp_path)
+    dmap_inline("plan", gguf, "--pipeline", folder, "--max-memory", "0=1GB,1=1GB", "--world-size", 2, "--parallel",
+                "pipeline", "--height", 32, "--width", 32, "--frames", 9, "-o", plan, cwd=tmp_path)
     assert "Q8_0" in " ".join(json.loads(plan.read_text())["warnings"])
     args = ("run", gguf, "--pipeline", folder, "-d", plan, "--prompt", PROMPTS[0], "--steps", 3)
-    _torchrun(2, *args, "--output", tmp_path / "piped.webp", cwd=tmp_path)
-    _dmap(*args, "--simulate", "--output", tmp_path / "single.webp", cwd=tmp_path)
+    torchrun(2, *args, "--output", tmp_path / "piped.webp", cwd=tmp_path)
+    dmap_inline(*args, "--simulate", "--output", tmp_path / "single.webp", cwd=tmp_path)
     assert (tmp_path / "piped.webp").read_bytes() == (tmp_path / "single.webp").read_bytes()
-
 
 
 def test_wan22_experts_each_cut_into_slices_on_two_ranks_are_one_process_bytes(tmp_path):
@@ -135,8 +135,8 @@ def test_wan22_experts_each_cut_into_slices_on_two_ranks_are_one_process_bytes(t
 
     folder = write_random_pipeline(PRESETS_DIR / "tiny-wan", tmp_path / "tiny-wan", seed=0)
     plan = tmp_path / "wan.json"
-    _dmap("plan", folder, "--max-memory", "0=1GB,1=1GB", "--world-size", 2, "--parallel", "pipeline", "--height", 32,
-          "--width", 32, "--frames", 9, "-o", plan, cwd=tmp_path)
+    dmap_inline("plan", folder, "--max-memory", "0=1GB,1=1GB", "--world-size", 2, "--parallel", "pipeline", "--height",
+                32, "--width", 32, "--frames", 9, "-o", plan, cwd=tmp_path)
     recorded = json.loads(plan.read_text())
     maps = {name: recorded["components"][name]["device_map"] for name in ("transformer", "transformer_2")}
     assert maps["transformer"] == maps["transformer_2"] and set(maps["transformer"].values()) == {0, 1}
@@ -150,8 +150,8 @@ def test_wan22_experts_each_cut_into_slices_on_two_ranks_are_one_process_bytes(t
                                                  for name in denoise["components"]]
     plan.write_text(json.dumps(recorded))
     args = ("run", folder, "-d", plan, "--prompt", PROMPTS[0], "--steps", 4)  # 2 steps per expert
-    _torchrun(2, *args, "--output", tmp_path / "piped.webp", cwd=tmp_path)
-    single = json.loads(_dmap(*args, "--simulate", "--output", tmp_path / "single.webp", "--json", cwd=tmp_path))
+    torchrun(2, *args, "--output", tmp_path / "piped.webp", cwd=tmp_path)
+    single = json.loads(dmap_inline(*args, "--simulate", "--output", tmp_path / "single.webp", "--json", cwd=tmp_path))
     assert [(s["components"], s["tracked"].split(", ")[-1]) for s in single["stages"] if s["name"] == "denoise"] == [
         (["transformer"], "2 of 4 steps"), (["transformer_2"], "2 of 4 steps")]  # the switch at the boundary step
     assert (tmp_path / "piped.webp").read_bytes() == (tmp_path / "single.webp").read_bytes()
