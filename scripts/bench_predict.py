@@ -49,6 +49,15 @@ CASES = {
     "tiny-sd3-64": ("tiny-sd3", ["--height", "64", "--width", "64"], 1),  # its pos_embed stops at 64 pixels
     "tiny-zimage-128": ("tiny-zimage", ["--height", "128", "--width", "128"], 1),
 }
+# 2-rank groups (torchrun, gloo, one torch thread per rank: each rank's CPU stands for one GPU of the plan): name ->
+# (source, args for plan and run, {layout: prompts}); "one" is the same case on one rank (the plan's resident CPU
+# placement), each other layout `--parallel LAYOUT` over two ranks (GPUs 0 and 1 of the plan, RANK_MEMORY each).
+# Seconds per denoising step (per image-step for the pipeline's queue of 2: both prompts in flight).
+RANK_GROUPS = {
+    "demo-256-ranks": ("demo", ["--height", "256", "--width", "256"], {"one": 1, "context": 1, "pipeline": 2}),
+    "tiny-sd15-128-ranks": ("tiny-sd15", ["--height", "128", "--width", "128"], {"one": 1, "cfg": 1}),
+}
+RANK_MEMORY = "0=2GB,1=2GB"
 RUN_ONLY = ("--simulate",)
 PROMPT = "a cat number {}"  # the prompts measured; the plan predicts for the first (its text length)
 
@@ -99,13 +108,100 @@ def measure(spec: dict) -> dict:
     return {"wall_step_s": statistics.median(walls), "cpu_step_s": statistics.median(cpus), "marks": len(marks)}
 
 
+def _results(output: str) -> list[dict]:
+    """Every JSON object a launch printed (each rank of a queue prints its own)."""
+    results, decoder = [], json.JSONDecoder()
+    while "{" in output:
+        obj, end = decoder.raw_decode(output, output.index("{"))
+        results.append(obj)
+        output = output[end:]
+    return results
+
+
+def denoise_seconds(where: str, extra: list[str], layout: str, prompts: int, steps: int, work: Path,
+                    env: dict) -> float:
+    """Rank 0's denoise stage (`dmap run --json`: its run_s) of one launch: `dmap run` alone for "one", else under
+    torchrun on 2 ranks with `--parallel LAYOUT`."""
+    queue = work / f"prompts-{prompts}.txt"
+    queue.write_text("".join(PROMPT.format(i) + "\n" for i in range(prompts)))
+    what = ["--prompt", PROMPT.format(0), "--output", str(work / "one.png")] if prompts == 1 else [
+        "--prompts", str(queue), "--output", str(work / f"queue-{layout}-{steps}"), "--overwrite"]
+    args = ["run", where, *extra, *what, "--steps", str(steps), "--json", "--overwrite"]
+    if layout == "one":
+        command = [*DMAP, *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                   "dm_cli", *args, "--max-memory", RANK_MEMORY, "--parallel", layout]
+        if layout != "pipeline":  # the plan's GPU 0 on each rank's CPU (the denoiser whole there: no split to check)
+            command.append("--simulate")
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=work)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(command)} failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-1500:]}")
+    for result in _results(proc.stdout):
+        if result.get("rank", 0) != 0:
+            continue
+        stages = result.get("stages")
+        found = stages.get("denoise") if isinstance(stages, dict) else next(
+            (stage for stage in stages or () if stage.get("name") == "denoise"), None)
+        if found:
+            return float(found["run_s"])
+    raise SystemExit(f"{' '.join(command)} printed no denoise stage on rank 0: {proc.stdout[-800:]}")
+
+
+def measure_ranks(where: str, extra: list[str], layout: str, prompts: int, s1: int, s2: int, work: Path,
+                  env: dict) -> float:
+    """Seconds per image-step of `layout`: the denoise stage at S2 steps less at S1, over (S2 - S1) x prompts (what
+    the first step's warm-up, the encoders' broadcast and the pipeline's fill and drain cost cancels)."""
+    short = denoise_seconds(where, extra, layout, prompts, s1, work, env)
+    long = denoise_seconds(where, extra, layout, prompts, s2, work, env)
+    return (long - short) / ((s2 - s1) * prompts)
+
+
+def rank_group(name: str, sources: dict, profile: str, s1: int, s2: int, repeats: int, work: Path,
+               env: dict) -> list[tuple]:
+    """One 2-rank group: per layout the predicted and measured seconds per image-step (printed as rows), then what
+    `--parallel auto` picks against the measured fastest. Returns the rows (name, predicted, measured, error)."""
+    source, extra, layouts = RANK_GROUPS[name]
+    where = sources[source]
+    common = [*extra, "--profile", profile, "--steps", str(s2), "--prompt", PROMPT.format(0), "--no-check", "--json"]
+    rows, measured = [], {}
+    for layout, prompts in layouts.items():
+        if layout == "one":
+            planned = dmap("plan", where, *common, env=env)
+            predicted = (planned.get("predicted_time") or {}).get("step_s")
+        else:
+            planned = dmap("plan", where, *common, "--max-memory", RANK_MEMORY, "--world-size", "2", "--parallel",
+                           layout, env=env)
+            predicted = (((planned.get("predicted_time") or {}).get("layouts") or {}).get(layout) or {}).get("step_s")
+        runs = [measure_ranks(where, extra, layout, prompts, s1, s2, work, env) for _ in range(repeats)]
+        seconds = statistics.median(runs)
+        measured[layout] = seconds
+        error = predicted / seconds - 1 if predicted else None
+        rows.append((f"{name} {layout}", predicted, seconds, error))
+        spread = f"{min(runs):.4f}-{max(runs):.4f}"
+        print(f"| {name} {layout}{' (queue of 2, per image-step)' if prompts > 1 else ''} | "
+              f"{predicted if predicted is None else f'{predicted:.4f}'} | {seconds:.4f} ({spread}) | "
+              f"{'-' if error is None else f'{error:+.0%}'} | (wall, rank 0's denoise stage) | | |", flush=True)
+    auto = dmap("plan", where, *common, "--max-memory", RANK_MEMORY, "--world-size", "2", "--parallel", "auto",
+                env=env).get("parallel") or {}
+    picked = "one" if auto.get("layout") == "split" else auto.get("layout")  # the split runs as one rank would
+    ranked = sorted(measured, key=measured.get)
+    margin = measured[ranked[1]] / measured[ranked[0]] - 1 if len(ranked) > 1 else 0.0
+    verdict = ("right" if picked == ranked[0] else "WRONG") if margin >= 0.10 else "no clear fastest (<10%)"
+    print(f"  auto on {name}: picks {picked} ({auto.get('reason', '')}); measured fastest {ranked[0]}, "
+          f"{margin:.0%} faster than {ranked[1] if len(ranked) > 1 else '-'}: {verdict}", flush=True)
+    return rows
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--measure":
         print(json.dumps(measure(json.loads(sys.argv[2]))))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs per case, the median kept")
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join([*CASES, *RANK_GROUPS]),
+                        help=f"comma-separated; one-process cases: {', '.join(CASES)}; 2-rank groups: "
+                             f"{', '.join(RANK_GROUPS)}")
     parser.add_argument("--steps", default="2,6", help="the two step counts S1,S2")
     parser.add_argument("--profile", help="use this profile instead of calibrating")
     args = parser.parse_args()
@@ -120,14 +216,25 @@ def main() -> None:
         subprocess.run([*DMAP, "calibrate", "-o", profile], check=True, env=env, cwd=REPO)
     sources = {}
     rows = []
-    for name in args.cases.split(","):
-        source, extra, prompts = CASES[name]
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in CASES and n not in RANK_GROUPS]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {', '.join(unknown)}: use {', '.join([*CASES, *RANK_GROUPS])}")
+    for name in names:
+        source = (CASES.get(name) or RANK_GROUPS[name])[0]
         if source != "demo" and source not in sources:
             folder = work / source
             subprocess.run([*DMAP, "demo", source, "-o", str(folder)], check=True, env=env, cwd=REPO,
                            capture_output=True)
             sources[source] = str(folder)
-        where = sources.get(source, source)
+        sources.setdefault(source, source)
+    rank_rows = []
+    for name in names:
+        if name in RANK_GROUPS:
+            rank_rows += rank_group(name, sources, profile, s1, s2, args.repeats, work, env)
+            continue
+        source, extra, prompts = CASES[name]
+        where = sources[source]
         plan_args = [a for a in extra if a not in RUN_ONLY]
         planned = dmap("plan", where, *plan_args, "--steps", str(s2), "--queue", str(prompts), "--profile", profile,
                        "--prompt", PROMPT.format(0), "--no-check", "--json", env=env)
@@ -147,7 +254,9 @@ def main() -> None:
               f"{error:+.0%} | {wall:.4f} | {predicted['step_s'] / wall - 1:+.0%} | "
               f"{', '.join(f'{k} {v:.3g}' for k, v in top)} |", flush=True)
     print(f"load average after: {os.getloadavg()}")
-    for label, chosen in (("goal cases (not simulated)", [r for r in rows if not r[4]]), ("all cases", rows)):
+    rank_rows = [(r[0], r[1], r[2], r[3], False) for r in rank_rows if r[3] is not None]
+    for label, chosen in (("goal cases (not simulated)", [r for r in rows if not r[4]] + rank_rows),
+                          ("of them on 2 ranks (groups)", rank_rows), ("all cases", rows + rank_rows)):
         errors = [abs(r[3]) for r in chosen]
         if errors:
             print(f"{label}: {len(errors)}, within 25%: {sum(e <= 0.25 for e in errors)}, median |error| "

@@ -46,8 +46,9 @@ def chosen_profile(request: PredictionRequest, kind: str) -> tuple[DeviceProfile
 
 def with_profile_rates(options):
     """The options with the parallel time model's rates (--device-tflops, --link-gbps) that were not given taken
-    from the profile: its matmul rate at the plan's dtype (bfloat16 when not given) and its link, so that
-    `--parallel auto` chooses on the calibrated device."""
+    from the profile: its matmul rate at the plan's dtype (bfloat16 when not given) and its link (rate and latency per
+    message: a given --link-gbps describes the link alone, bytes only), so that `--parallel auto` chooses on the
+    calibrated device."""
     request = options.parallel
     if request.device_tflops is not None and request.link_gbps is not None:
         return options
@@ -55,7 +56,8 @@ def with_profile_rates(options):
     dtype = options.placement.dtype or "bfloat16"
     tflops = request.device_tflops if request.device_tflops is not None else profile.rate(profile.matmul_tflops, dtype)
     link = request.link_gbps if request.link_gbps is not None else profile.link_gbps
-    return replace(options, parallel=replace(request, device_tflops=tflops, link_gbps=link))
+    latency = profile.link_latency_s if request.link_gbps is None else 0.0
+    return replace(options, parallel=replace(request, device_tflops=tflops, link_gbps=link, link_latency_s=latency))
 
 
 def plan_prediction(plan, source, prepared, options, request: PredictionRequest) -> dict:
