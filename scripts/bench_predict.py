@@ -15,6 +15,14 @@ streamed), which one CPU cannot have. Each case is measured in a fresh process t
 plan `dmap run` makes) timing each denoising step between `on_step` calls, on the main thread's CPU clock (with one
 torch thread it does all the work; other processes on a shared machine do not inflate it) and on the wall clock.
 
+2-rank groups (RANK_GROUPS): the same case on one rank and under `torchrun --nproc-per-node 2` with `--parallel
+cfg`, `context` or `pipeline` (gloo, one torch thread per rank: each rank's CPU stands for one GPU, so the calibrated
+link is gloo between two processes). Each layout's seconds per image-step are rank 0's denoise stage (`dmap run
+--json`) at S2 steps less at S1, over (S2 - S1) x prompts, on the wall clock (the ranks wait on each other: a CPU clock
+would miss it), so they need a quiet machine; the prediction is `dmap plan --world-size 2 --parallel LAYOUT`'s
+`predicted_time.layouts`. Then `--parallel auto`'s pick and reason against the measured fastest layout ("one" stands
+for auto's split: one process), judged where the fastest is at least 10% faster than the next.
+
 Usage: OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_predict.py [--repeats 3] [--cases a,b] [--steps 2,6]
 """
 

@@ -60,6 +60,21 @@ def with_profile_rates(options):
     return replace(options, parallel=replace(request, device_tflops=tflops, link_gbps=link, link_latency_s=latency))
 
 
+def at_plan_dtype(parallel: tuple, given, dtype: str) -> tuple:
+    """`parallel_request`'s (options, family, guidance, denoiser shape) at the plan's dtype when none was asked (the
+    checkpoint's: float32 for a CPU plan of the demo), where they were first rated at bfloat16 and 2-byte
+    activations: on this CPU bfloat16 matmuls run 7x float32's, which made the layouts' exchanges look 7x their share
+    of a step. `given`: the parallel request as asked, before the profile's rates filled it in."""
+    options, family, guidance, shape = parallel
+    rated = with_profile_rates(replace(options, parallel=given, placement=replace(options.placement, dtype=dtype)))
+    element = 4 if dtype == "float32" else 2
+    shape = replace(shape, element_bytes=element,
+                    prediction_bytes=shape.prediction_bytes * element // max(1, shape.element_bytes))
+    request = replace(options.parallel, device_tflops=rated.parallel.device_tflops, link_gbps=rated.parallel.link_gbps,
+                      link_latency_s=rated.parallel.link_latency_s)
+    return replace(options, parallel=request), family, guidance, shape
+
+
 def plan_prediction(plan, source, prepared, options, request: PredictionRequest) -> dict:
     """`predicted_time` for the plan ({} when dmap knows no family or its denoiser was not traced)."""
     family, denoiser, _ = family_parts(source.pipeline_class, source.components)

@@ -295,3 +295,18 @@ def test_calibrate_on_a_cpu_measures_gloo_between_two_processes():
     profile = calibrate(replace(CalibrationSizes.quick(), link_mib=1), device="cpu")
     assert "gloo" in profile.link and profile.link_latency_s > 0 and profile.link_gbps > 0
     assert DeviceProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+
+
+def test_parallel_layouts_are_rated_at_the_plans_dtype(tmp_path):
+    """A plan without --dtype runs at the checkpoint's (the demo's float32): `--parallel`'s time model takes the profile's
+    float32 rate and 4-byte activations, not bfloat16's (on this CPU 7x faster, which made the exchanges 7x their share)."""
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(hand_profile(kind="cpu", matmul_tflops={"float32": 0.25, "bfloat16": 2.0}).to_json()))
+    found = {}
+    for dtype in ([], ["--dtype", "bfloat16"]):
+        code, out, err = run_dmap("plan", "demo", "--height", "64", "--width", "64", "-m", "0=1GB,1=1GB",
+                                  "--world-size", "2", "--profile", path, "--no-check", "--json", *dtype)
+        assert code == 0, err
+        data = json.loads(out)
+        found[data["dtype"]] = data["parallel"]["device_tflops"]
+    assert found == {"float32": 0.25, "bfloat16": 2.0}
