@@ -67,8 +67,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     budgets = parse_device_spec(asked.max_memory) if asked.max_memory is not None else local_devices()
     overhead = parse_overhead(asked.overhead, budgets, options.inputs.weights_only)
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
-    given = options.parallel
-    options = with_profile_rates(options)  # the profile's rates where --device-tflops / --link-gbps are not given
+    given, options = options.parallel, with_profile_rates(options)  # the profile's rates where not given (flags)
     parallel = parallel_request(source, comps, devices, options)  # refused before any trace
     if parallel is not None:
         options, asked = parallel[0], parallel[0].placement

@@ -286,8 +286,7 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
         host, link, words, latency = stream, memory, "one device: its memory", 0.0
         if not gpu and sizes.link_mib:  # CPU ranks (torchrun, one CPU standing for each GPU of a plan) exchange over gloo
             say(f"Measuring gloo between two processes ({sizes.link_mib} MiB and one-float messages)")
-            link, latency = _gloo_link(torch, sizes)
-            words = "gloo between two processes of this machine (loopback)"
+            (link, latency), words = _gloo_link(torch, sizes), "gloo between two processes of this machine (loopback)"
         if gpu:
             say("Measuring host -> GPU copies")
             pinned = torch.ones(elements, pin_memory=True)

@@ -226,8 +226,16 @@ def _flux_shape():
 def test_each_layouts_exchanges_pay_the_links_latency():
     """Ulysses: 4 all-to-alls per attention layer and call plus the output's gather; CFG: one gather per step; a
     pipeline hop: a header and two tensors; the split (one process): none."""
-    from dm_cli.planning.parallel import (HOP_MESSAGES, Candidate, DenoiserLoad, Guidance, ParallelRequest,
-                                          PipelineCut, pipeline_seconds, step_seconds)
+    from dm_cli.planning.parallel import (
+        HOP_MESSAGES,
+        Candidate,
+        DenoiserLoad,
+        Guidance,
+        ParallelRequest,
+        PipelineCut,
+        pipeline_seconds,
+        step_seconds,
+    )
 
     shape, load = _flux_shape(), DenoiserLoad((10**6,), 10**6, 10**6)
     bytes_only = ParallelRequest(2, "auto", 1.0, 1.0).settled()
