@@ -18,12 +18,13 @@ torch thread it does all the work; other processes on a shared machine do not in
 2-rank groups (RANK_GROUPS): the same case on one rank and under `torchrun --nproc-per-node 2` with `--parallel
 cfg`, `context` or `pipeline` (gloo, one torch thread per rank: each rank's CPU stands for one GPU, so the calibrated
 link is gloo between two processes). Each layout's seconds per image-step are rank 0's denoise stage (`dmap run
---json`) at S2 steps less at S1, over (S2 - S1) x prompts, on the wall clock (the ranks wait on each other: a CPU clock
+--json`) at S2 steps less at S1 (--rank-steps, 2 and 10), over (S2 - S1) x prompts, on the wall clock (the ranks wait on each other: a CPU clock
 would miss it), so they need a quiet machine; the prediction is `dmap plan --world-size 2 --parallel LAYOUT`'s
 `predicted_time.layouts`. Then `--parallel auto`'s pick and reason against the measured fastest layout ("one" stands
 for auto's split: one process), judged where the fastest is at least 10% faster than the next.
 
 Usage: OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_predict.py [--repeats 3] [--cases a,b] [--steps 2,6]
+       [--rank-steps 2,10]
 """
 
 from __future__ import annotations
@@ -156,13 +157,14 @@ def denoise_seconds(where: str, extra: list[str], layout: str, prompts: int, ste
     raise SystemExit(f"{' '.join(command)} printed no denoise stage on rank 0: {proc.stdout[-800:]}")
 
 
-def measure_ranks(where: str, extra: list[str], layout: str, prompts: int, s1: int, s2: int, work: Path,
-                  env: dict) -> float:
-    """Seconds per image-step of `layout`: the denoise stage at S2 steps less at S1, over (S2 - S1) x prompts (what
-    the first step's warm-up, the encoders' broadcast and the pipeline's fill and drain cost cancels)."""
+def measure_ranks(where: str, extra: list[str], layout: str, prompts: int, s1: int, s2: int, repeats: int,
+                  work: Path, env: dict) -> list[float]:
+    """Seconds per image-step of `layout`, `repeats` times: the denoise stage at S2 steps less at S1, over (S2 - S1) x
+    prompts (what the first step's warm-up, the encoders' broadcast and the pipeline's fill and drain cost cancels).
+    S1 is launched once (the fixed part it cancels), S2 `repeats` times: a launch is seconds of imports and loading."""
     short = denoise_seconds(where, extra, layout, prompts, s1, work, env)
-    long = denoise_seconds(where, extra, layout, prompts, s2, work, env)
-    return (long - short) / ((s2 - s1) * prompts)
+    return [(denoise_seconds(where, extra, layout, prompts, s2, work, env) - short) / ((s2 - s1) * prompts)
+            for _ in range(repeats)]
 
 
 def rank_group(name: str, sources: dict, profile: str, s1: int, s2: int, repeats: int, work: Path,
@@ -181,7 +183,7 @@ def rank_group(name: str, sources: dict, profile: str, s1: int, s2: int, repeats
             planned = dmap("plan", where, *common, "--max-memory", RANK_MEMORY, "--world-size", "2", "--parallel",
                            layout, env=env)
             predicted = (((planned.get("predicted_time") or {}).get("layouts") or {}).get(layout) or {}).get("step_s")
-        runs = [measure_ranks(where, extra, layout, prompts, s1, s2, work, env) for _ in range(repeats)]
+        runs = measure_ranks(where, extra, layout, prompts, s1, s2, repeats, work, env)
         seconds = statistics.median(runs)
         measured[layout] = seconds
         error = predicted / seconds - 1 if predicted else None
@@ -211,6 +213,8 @@ def main() -> None:
                         help=f"comma-separated; one-process cases: {', '.join(CASES)}; 2-rank groups: "
                              f"{', '.join(RANK_GROUPS)}")
     parser.add_argument("--steps", default="2,6", help="the two step counts S1,S2")
+    parser.add_argument("--rank-steps", default="2,10", help="the 2-rank groups' step counts S1,S2 (whole launches "
+                        "differenced: more steps than --steps, so that the steps outweigh a launch's noise)")
     parser.add_argument("--profile", help="use this profile instead of calibrating")
     args = parser.parse_args()
     s1, s2 = (int(x) for x in args.steps.split(","))
@@ -239,7 +243,8 @@ def main() -> None:
     rank_rows = []
     for name in names:
         if name in RANK_GROUPS:
-            rank_rows += rank_group(name, sources, profile, s1, s2, args.repeats, work, env)
+            r1, r2 = (int(x) for x in args.rank_steps.split(","))
+            rank_rows += rank_group(name, sources, profile, r1, r2, args.repeats, work, env)
             continue
         source, extra, prompts = CASES[name]
         where = sources[source]

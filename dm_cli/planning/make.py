@@ -30,7 +30,7 @@ from dm_cli.planning.modes import Layout, Mode, Strategy
 from dm_cli.planning.parallel_placement import denoiser_cut, parallel_layout, parallel_request
 from dm_cli.planning.plan_file import Plan, check_weights_only
 from dm_cli.planning.plan_options import PlanOptions, place_or_none
-from dm_cli.planning.plan_prediction import at_plan_dtype, plan_prediction, with_profile_rates
+from dm_cli.planning.plan_prediction import plan_prediction, rated_for_plan, with_profile_rates
 from dm_cli.planning.search import Device
 from dm_cli.planning.split_check import run_split_check
 from dm_cli.planning.step_cache_plan import (
@@ -76,8 +76,8 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     prepared = [prepare_component(c, source.pipeline_class, options.inputs, asked.dtype, options.use_cache, formats,
                                   on_progress=options.on_progress,
                                   loras=tuple(lora for lora in loras if lora.component == c.name)) for c in comps]
-    if parallel is not None and asked.dtype is None and prepared and prepared[0].dtype != "bfloat16":
-        parallel = at_plan_dtype(parallel, given, prepared[0].dtype)  # the dtype the plan will have (below)
+    if parallel is not None and prepared:  # at the dtype the plan will have (below) and the traced compute
+        parallel = rated_for_plan(parallel, given, asked.dtype or prepared[0].dtype, prepared)
     cut, prepared = denoiser_cut(prepared, devices, *parallel) if parallel is not None else (None, prepared)
     specs = [p.spec for p in prepared]
     stages = pipeline_stages(source.pipeline_class, [c.name for c in comps])

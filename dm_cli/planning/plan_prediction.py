@@ -9,9 +9,9 @@ from dm_cli.errors import UsageError
 from dm_cli.families import family_parts
 from dm_cli.inputs import check_count
 from dm_cli.planning.components import trace_facts
-from dm_cli.planning.parallel import denoiser_shape
+from dm_cli.planning.parallel import denoiser_shape, step_flops
 from dm_cli.planning.profiles import DEFAULT_PROFILE, DeviceProfile, cached_profile, read_profile
-from dm_cli.planning.step_time import CallWork, Traffic, predict
+from dm_cli.planning.step_time import CallWork, Traffic, call_terms, predict
 from dm_cli.units import shorten
 
 MAX_QUEUE = 1_000_000
@@ -60,18 +60,35 @@ def with_profile_rates(options):
     return replace(options, parallel=replace(request, device_tflops=tflops, link_gbps=link, link_latency_s=latency))
 
 
-def at_plan_dtype(parallel: tuple, given, dtype: str) -> tuple:
-    """`parallel_request`'s (options, family, guidance, denoiser shape) at the plan's dtype when none was asked (the
-    checkpoint's: float32 for a CPU plan of the demo), where they were first rated at bfloat16 and 2-byte
-    activations: on this CPU bfloat16 matmuls run 7x float32's, which made the layouts' exchanges look 7x their share
-    of a step. `given`: the parallel request as asked, before the profile's rates filled it in."""
+def rated_for_plan(parallel: tuple, given, dtype: str, prepared) -> tuple:
+    """`parallel_request`'s (options, family, guidance, denoiser shape) rated for the traced plan, where they were
+    first rated before any trace (the profile's peak matmul rate at bfloat16, 2-byte activations):
+    - at the plan's dtype when none was asked (the checkpoint's: a CPU plan of the demo is float32, whose matmuls run
+      7x slower than bfloat16's on this CPU, which made the layouts' exchanges look 7x their share of a step);
+    - on a measured profile (dmap calibrate's; the table's GPUs keep their peak) unless --device-tflops was given,
+      at the rate that makes the time model's FLOPs per step (2 x params x tokens)
+      take the detailed model's compute seconds of the traced denoiser (step_time.py: op sizes, attention, elementwise
+      bytes, ops; what a small model spends far below the peak), so that each layout's share of the compute and its
+      exchanges (bytes over the link, a latency each) are weighed in the same seconds.
+    `given`: the parallel request as asked, before the profile's rates filled it in."""
     options, family, guidance, shape = parallel
-    rated = with_profile_rates(replace(options, parallel=given, placement=replace(options.placement, dtype=dtype)))
-    element = 4 if dtype == "float32" else 2
+    placement = options.placement if options.placement.dtype else replace(options.placement, dtype=dtype)
+    rated = with_profile_rates(replace(options, parallel=given, placement=placement)).parallel
+    element = 4 if placement.dtype == "float32" else 2
     shape = replace(shape, element_bytes=element,
                     prediction_bytes=shape.prediction_bytes * element // max(1, shape.element_bytes))
-    request = replace(options.parallel, device_tflops=rated.parallel.device_tflops, link_gbps=rated.parallel.link_gbps,
-                      link_latency_s=rated.parallel.link_latency_s)
+    tflops = rated.device_tflops
+    prep = next((p for p in prepared if p.spec.name == family.denoiser), None)
+    profile, _ = chosen_profile(options.prediction, "gpu")
+    if given.device_tflops is None and profile.measured and prep is not None and prep.facts.work:
+        work = CallWork.of(prep.facts.work, prep.spec.weights_bytes)
+        calls = max(1, family.calls_at_run(options.inputs, options.negative_prompt, options.settings))
+        seconds = calls * sum(call_terms(work, profile, placement.dtype, Traffic()).values())
+        flops = step_flops(shape, sum(t.numel for t in prep.skeleton.tensors))
+        if seconds > 0 and flops > 0:
+            tflops = min(max(flops / seconds / 1e12, 1e-9), 1e6)
+    request = replace(options.parallel, device_tflops=tflops, link_gbps=rated.link_gbps,
+                      link_latency_s=rated.link_latency_s)
     return replace(options, parallel=request), family, guidance, shape
 
 

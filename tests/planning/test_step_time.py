@@ -318,3 +318,16 @@ def test_parallel_layouts_are_rated_at_the_plans_dtype(tmp_path):
         data = json.loads(out)
         found[data["dtype"]] = data["parallel"]["device_tflops"]
     assert found == {"float32": 0.25, "bfloat16": 2.0}
+
+
+def test_on_a_calibrated_profile_the_layouts_share_the_detailed_compute(tmp_path):
+    """The split's step in `--parallel`'s model is the detailed model's step (its FLOPs per step rated to take the
+    traced denoiser's compute seconds), so that the exchanges' seconds weigh against the compute a step really has."""
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(hand_profile(kind="cpu", measured=True, link_latency_s=1e-4,
+                                            matmul_tflops={"float32": 1e-3, "bfloat16": 1e-3}).to_json()))
+    code, out, err = run_dmap("plan", "demo", "--height", "64", "--width", "64", "-m", "0=1GB,1=1GB", "--world-size",
+                              "2", "--parallel", "context", "--profile", path, "--no-check", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["parallel"]["predicted_step_s"]["split"] == pytest.approx(data["predicted_time"]["step_s"], rel=0.01)
