@@ -21,7 +21,9 @@ link is gloo between two processes). Each layout's seconds per image-step are ra
 --json`) at S2 steps less at S1 (--rank-steps, 2 and 10), over (S2 - S1) x prompts, on the wall clock (the ranks wait on each other: a CPU clock
 would miss it), so they need a quiet machine; the prediction is `dmap plan --world-size 2 --parallel LAYOUT`'s
 `predicted_time.layouts`. Then `--parallel auto`'s pick and reason against the measured fastest layout ("one" stands
-for auto's split: one process), judged where the fastest is at least 10% faster than the next.
+for auto's split: one process), judged where the fastest is at least 10% faster than the next. cfg and context run
+with `--simulate` (the plan's GPUs on each rank's CPU), which also runs the split check on every op of the denoiser:
+their rows carry that cost, which neither one rank nor the pipeline (no --simulate needed) nor the prediction has.
 
 Usage: OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_predict.py [--repeats 3] [--cases a,b] [--steps 2,6]
        [--rank-steps 2,10]
