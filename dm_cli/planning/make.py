@@ -30,7 +30,7 @@ from dm_cli.planning.modes import Layout, Mode, Strategy
 from dm_cli.planning.parallel_placement import denoiser_cut, parallel_layout, parallel_request
 from dm_cli.planning.plan_file import Plan, check_weights_only
 from dm_cli.planning.plan_options import PlanOptions, place_or_none
-from dm_cli.planning.plan_prediction import plan_prediction, with_profile_rates
+from dm_cli.planning.plan_prediction import plan_prediction, rated_for_plan, with_profile_rates
 from dm_cli.planning.search import Device
 from dm_cli.planning.split_check import run_split_check
 from dm_cli.planning.step_cache_plan import (
@@ -67,7 +67,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     budgets = parse_device_spec(asked.max_memory) if asked.max_memory is not None else local_devices()
     overhead = parse_overhead(asked.overhead, budgets, options.inputs.weights_only)
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
-    options = with_profile_rates(options)  # the profile's rates where --device-tflops / --link-gbps are not given
+    given, options = options.parallel, with_profile_rates(options)  # the profile's rates where not given (flags)
     parallel = parallel_request(source, comps, devices, options)  # refused before any trace
     if parallel is not None:
         options, asked = parallel[0], parallel[0].placement
@@ -76,6 +76,8 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     prepared = [prepare_component(c, source.pipeline_class, options.inputs, asked.dtype, options.use_cache, formats,
                                   on_progress=options.on_progress,
                                   loras=tuple(lora for lora in loras if lora.component == c.name)) for c in comps]
+    if parallel is not None and prepared:  # at the dtype the plan will have (below) and the traced compute
+        parallel = rated_for_plan(parallel, given, asked.dtype or prepared[0].dtype, prepared)
     cut, prepared = denoiser_cut(prepared, devices, *parallel) if parallel is not None else (None, prepared)
     specs = [p.spec for p in prepared]
     stages = pipeline_stages(source.pipeline_class, [c.name for c in comps])

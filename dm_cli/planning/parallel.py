@@ -33,7 +33,11 @@ hidden states at each hop and offloaded weights streamed; CFG: one noise predict
 out of every attention layer, 4 x (tokens/u) x hidden x bytes x (u-1)/u per rank). Pipeline: the same FLOPs
 per slice (2 x its parameters x tokens, plus attention for each block in it); one prompt takes the split's time
 (sum of the slices plus a hop of the hidden states at each cut), a queue of at least `in_flight` >= N prompts one
-image-step per max over slices of (slice + one hop).
+image-step per max over slices of (slice + one hop). Each exchange also costs the link's latency (`link_latency_s`:
+0 for the GPU table's links, where it is microseconds against milliseconds of compute; between CPU ranks, gloo over
+loopback, `dmap calibrate` measures tens of microseconds a message, and Ulysses sends 4 per attention layer):
+CFG one all-gather per step, Ulysses 4 all-to-alls per attention layer and call plus the output's gather, a pipeline
+hop `HOP_MESSAGES` messages (a header, the hidden and the text hidden states), a split's hop none (one process).
 
 The layout a plan records and its choice among these candidates: `parallel_layout.py`.
 Pure: no torch, no I/O.
@@ -60,6 +64,8 @@ PIPELINE_CLASSES = ("FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenIm
                     "WanTransformer3DModel")
 DEFAULT_DEVICE_TFLOPS = 100.0  # dense bf16 a GPU sustains in a denoiser step (an H100 peaks near 990)
 DEFAULT_LINK_GBPS = 25.0  # GB/s between two GPUs (PCIe 4 x16; NVLink is 10-20x more)
+HOP_MESSAGES = 3  # a pipeline hop's sends: the header, the hidden and the text hidden states (run/pipeline_links.py)
+ULYSSES_MESSAGES = 4  # all-to-alls per attention layer and call: q, k, v in, the output back
 
 # Denoiser classes with a `_cp_plan` in diffusers 0.42.1 (of the families dmap knows), and the sequences it
 # splits over the ranks (each must divide by the degree): FLUX-style joint attention splits the text tokens
@@ -81,6 +87,7 @@ class ParallelRequest:
     device_tflops: float = DEFAULT_DEVICE_TFLOPS
     link_gbps: float = DEFAULT_LINK_GBPS
     in_flight: int | None = None  # pipeline: micro-batches in flight (None: the world size)
+    link_latency_s: float = 0.0  # seconds per exchange on the link (a message's fixed cost; 0: bytes alone)
 
     @property
     def active(self) -> bool:
@@ -113,7 +120,12 @@ class ParallelRequest:
             if choice not in ("pipeline", "auto"):
                 raise UsageError(f"--in-flight sets the micro-batches of --parallel pipeline, which --parallel {choice} "
                                  "does not use: drop it, or use --parallel pipeline or auto.")
-        return ParallelRequest(size, choice, float(self.device_tflops), float(self.link_gbps), in_flight)
+        latency = self.link_latency_s
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency <= 1:
+            raise UsageError(f"the link's latency must be a number of seconds from 0 to 1, not "
+                             f"{shorten(latency, quote=True)}.")
+        return ParallelRequest(size, choice, float(self.device_tflops), float(self.link_gbps), in_flight,
+                               float(latency))
 
     @property
     def planned_in_flight(self) -> int:
@@ -417,12 +429,14 @@ def step_seconds(cand: Candidate, shape: DenoiserShape, guidance: Guidance, load
         return compute + moved / link
     seconds = compute / (cand.cfg * cand.ulysses)
     batch, calls = _per_rank_batch_calls(shape, guidance, cand.cfg)
+    latency = request.link_latency_s
     if cand.ulysses > 1:
         u = cand.ulysses
         per_layer = 4 * (shape.split_tokens / u) * shape.hidden * shape.element_bytes * (u - 1) / u
         seconds += per_layer * shape.layers * batch * calls / link
+        seconds += (ULYSSES_MESSAGES * shape.layers + 1) * calls * (u - 1) * latency
     if cand.cfg > 1:
-        seconds += shape.prediction_bytes / link
+        seconds += shape.prediction_bytes / link + latency
     return seconds
 
 
@@ -616,7 +630,7 @@ def pipeline_seconds(cut: PipelineCut, shape: DenoiserShape, request: ParallelRe
     prompts in flight: the slowest rank's slice and hop, or one prompt's round trip over the prompts in flight).
     """
     link = request.link_gbps * 1e9
-    hop = shape.hop_bytes * shape.calls / link
+    hop = (shape.hop_bytes / link + HOP_MESSAGES * request.link_latency_s) * shape.calls
     stages = [f / (request.device_tflops * 1e12) for f in cut.slice_flops]
     split = sum(stages) + (len(stages) - 1) * hop
     round_trip = sum(stages) + len(stages) * hop

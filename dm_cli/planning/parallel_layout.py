@@ -131,8 +131,9 @@ def choose_layout(request: ParallelRequest, guidance: Guidance, shape: DenoiserS
     for cand in found:
         if cand.layout == "pipeline":
             piped = pipeline_candidate(request, shape, load.activation_peak, ranks, cut, rejected)
-            if piped is not None:
-                times["pipeline"] = round(piped[1], 4)
+            if piped is not None:  # its speed-up over its own cut's split, on the basis the other layouts share (the
+                # cut's per-slice FLOPs count the tokens each weight multiplies, step_seconds 2 x params x all tokens)
+                times["pipeline"] = round(times["split"] * piped[1] / piped[2] if piped[2] else piped[1], 4)
             continue
         times[cand.layout] = round(step_seconds(cand, shape, guidance, load, request), 4)
         if cand.layout == "split":
@@ -209,7 +210,7 @@ def pipeline_candidate(request: ParallelRequest, shape: DenoiserShape, activatio
 def _pipeline_layout(request: ParallelRequest, piped, times: dict, rejected: dict) -> ParallelLayout:
     """The pipeline layout's record; its `split` time is the cut's (the device map the plan then has)."""
     cut, seconds, split, speedup, queue, peaks = piped
-    times["split"] = round(split, 4)
+    times["split"], times["pipeline"] = round(split, 4), round(seconds, 4)
     layout = ParallelLayout(request.world_size, "pipeline", 1, 1, 1, peaks, times, rejected,
                             device_tflops=request.device_tflops, link_gbps=request.link_gbps,
                             slices={str(r): list(names) for r, names in enumerate(cut.slices)},

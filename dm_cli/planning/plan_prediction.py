@@ -9,9 +9,9 @@ from dm_cli.errors import UsageError
 from dm_cli.families import family_parts
 from dm_cli.inputs import check_count
 from dm_cli.planning.components import trace_facts
-from dm_cli.planning.parallel import denoiser_shape
+from dm_cli.planning.parallel import denoiser_shape, step_flops
 from dm_cli.planning.profiles import DEFAULT_PROFILE, DeviceProfile, cached_profile, read_profile
-from dm_cli.planning.step_time import CallWork, Traffic, predict
+from dm_cli.planning.step_time import CallWork, Traffic, call_terms, predict
 from dm_cli.units import shorten
 
 MAX_QUEUE = 1_000_000
@@ -46,8 +46,9 @@ def chosen_profile(request: PredictionRequest, kind: str) -> tuple[DeviceProfile
 
 def with_profile_rates(options):
     """The options with the parallel time model's rates (--device-tflops, --link-gbps) that were not given taken
-    from the profile: its matmul rate at the plan's dtype (bfloat16 when not given) and its link, so that
-    `--parallel auto` chooses on the calibrated device."""
+    from the profile: its matmul rate at the plan's dtype (bfloat16 when not given) and its link (rate and latency per
+    message: a given --link-gbps describes the link alone, bytes only), so that `--parallel auto` chooses on the
+    calibrated device."""
     request = options.parallel
     if request.device_tflops is not None and request.link_gbps is not None:
         return options
@@ -55,7 +56,40 @@ def with_profile_rates(options):
     dtype = options.placement.dtype or "bfloat16"
     tflops = request.device_tflops if request.device_tflops is not None else profile.rate(profile.matmul_tflops, dtype)
     link = request.link_gbps if request.link_gbps is not None else profile.link_gbps
-    return replace(options, parallel=replace(request, device_tflops=tflops, link_gbps=link))
+    latency = profile.link_latency_s if request.link_gbps is None else 0.0
+    return replace(options, parallel=replace(request, device_tflops=tflops, link_gbps=link, link_latency_s=latency))
+
+
+def rated_for_plan(parallel: tuple, given, dtype: str, prepared) -> tuple:
+    """`parallel_request`'s (options, family, guidance, denoiser shape) rated for the traced plan, where they were
+    first rated before any trace (the profile's peak matmul rate at bfloat16, 2-byte activations):
+    - at the plan's dtype when none was asked (the checkpoint's: a CPU plan of the demo is float32, whose matmuls run
+      7x slower than bfloat16's on this CPU, which made the layouts' exchanges look 7x their share of a step);
+    - on a measured profile (dmap calibrate's; the table's GPUs keep their peak) unless --device-tflops was given,
+      at the rate that makes the time model's FLOPs per step (2 x params x tokens)
+      take the detailed model's compute seconds of the traced denoiser (step_time.py: op sizes, attention, elementwise
+      bytes, ops; what a small model spends far below the peak), so that each layout's share of the compute and its
+      exchanges (bytes over the link, a latency each) are weighed in the same seconds.
+    `given`: the parallel request as asked, before the profile's rates filled it in."""
+    options, family, guidance, shape = parallel
+    placement = options.placement if options.placement.dtype else replace(options.placement, dtype=dtype)
+    rated = with_profile_rates(replace(options, parallel=given, placement=placement)).parallel
+    element = 4 if placement.dtype == "float32" else 2
+    shape = replace(shape, element_bytes=element,
+                    prediction_bytes=shape.prediction_bytes * element // max(1, shape.element_bytes))
+    tflops = rated.device_tflops
+    prep = next((p for p in prepared if p.spec.name == family.denoiser), None)
+    profile, _ = chosen_profile(options.prediction, "gpu")
+    if given.device_tflops is None and profile.measured and prep is not None and prep.facts.work:
+        work = CallWork.of(prep.facts.work, prep.spec.weights_bytes)
+        calls = max(1, family.calls_at_run(options.inputs, options.negative_prompt, options.settings))
+        seconds = calls * sum(call_terms(work, profile, placement.dtype, Traffic()).values())
+        flops = step_flops(shape, sum(t.numel for t in prep.skeleton.tensors))
+        if seconds > 0 and flops > 0:
+            tflops = min(max(flops / seconds / 1e12, 1e-9), 1e6)
+    request = replace(options.parallel, device_tflops=tflops, link_gbps=rated.link_gbps,
+                      link_latency_s=rated.link_latency_s)
+    return replace(options, parallel=request), family, guidance, shape
 
 
 def plan_prediction(plan, source, prepared, options, request: PredictionRequest) -> dict:

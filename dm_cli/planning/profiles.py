@@ -55,6 +55,9 @@ class DeviceProfile:
     # measured only: the convolutions' rate by the size of one op (a conv of a few channels runs far below a matmul
     # of the same FLOPs); none: convolutions at the matmul curve
     conv_curve: dict[str, list] = field(default_factory=dict)
+    # seconds per message on the link (its fixed cost, what a small exchange pays whatever its bytes): measured
+    # between two CPU ranks (gloo over loopback); 0 for the table's GPU links and older profiles (bytes alone)
+    link_latency_s: float = 0.0
 
     def rate(self, table: dict[str, float], dtype: str) -> float:
         """TFLOP/s at `dtype`, else at the nearest dtype measured (half precision for half, else float32)."""
@@ -91,7 +94,8 @@ class DeviceProfile:
                 **({"hook_seconds": self.hook_seconds} if self.hook_seconds else {}),
                 **({"score_seconds": dict(self.score_seconds)} if self.score_seconds else {}),
                 **({"row_seconds": dict(self.row_seconds)} if self.row_seconds else {}),
-                **({"conv_curve": self.conv_curve} if self.conv_curve else {})}
+                **({"conv_curve": self.conv_curve} if self.conv_curve else {}),
+                **({"link_latency_s": self.link_latency_s} if self.link_latency_s else {})}
 
     @classmethod
     def from_json(cls, data) -> "DeviceProfile":
@@ -120,7 +124,8 @@ class DeviceProfile:
                    _rate(data.get("hook_seconds"), "its hook_seconds", 1.0) if "hook_seconds" in data else 0.0,
                    _seconds_table(data.get("score_seconds", {}), "score_seconds"),
                    _seconds_table(data.get("row_seconds", {}), "row_seconds"),
-                   _curves(data.get("conv_curve", {}), "conv_curve"))
+                   _curves(data.get("conv_curve", {}), "conv_curve"),
+                   _rate(data.get("link_latency_s"), "its link_latency_s", 1.0) if "link_latency_s" in data else 0.0)
 
 
 def _seconds_table(value, what: str) -> dict[str, float]:

@@ -7,7 +7,8 @@ Each rate is the median of a few timed repeats after a warm-up:
   per score plus FLOPs (two head dimensions) plus seconds per query row (a cross-attention to 77 text tokens);
 - convolutions: 3x3 convolutions of a few to a few hundred channels (a small one runs far below the matmul rate);
 - memory: a large tensor added to itself (read twice, written once);
-- host and link: pinned host -> GPU copies, GPU -> GPU copies when there are two (on a CPU: the memory rate);
+- host and link: pinned host -> GPU copies, GPU -> GPU copies when there are two; on a CPU the link between two
+  processes (gloo over loopback, what CPU ranks under torchrun exchange over): its rate and latency per message;
 - op_seconds: the time of one tiny op, which is what each of a small model's thousands of ops costs the host.
 On a CPU with one torch thread the clock is the thread's CPU time (a busy machine's other processes do not count);
 else the wall clock.
@@ -35,11 +36,13 @@ class CalibrationSizes:
     memory_mib: int = 256
     elementwise_mib: int = 4  # a denoiser's activations: a few MiB each
     repeats: int = 5
+    link_mib: int = 16  # on a CPU: the message between two processes (gloo) timed for the link's rate; 0: none
+    link_rounds: int = 20  # round trips timed for each of its two sizes (the median kept)
 
     @classmethod
     def quick(cls) -> "CalibrationSizes":
         return cls(matmul=(64, 128), tokens=(64, 128), conv_channels=(4, 16), conv_pixels=16, memory_mib=8,
-                   elementwise_mib=1, repeats=2)
+                   elementwise_mib=1, repeats=2, link_mib=0, link_rounds=3)  # no gloo pair: the link at memory
 
 
 def _best(run, repeats: int, sync, clock=time.perf_counter) -> float:
@@ -170,6 +173,61 @@ def _stream_gbps(torch, sizes: "CalibrationSizes", timed) -> float:
         return count * size * 4 / timed(read, sizes.repeats, lambda: None) / 1e9
 
 
+def _gloo_peer(port: int, mib: int, rounds: int) -> None:
+    """Rank 1 of `_gloo_link`'s pair (a spawned process): echo each message back to rank 0."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+    group = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=60))
+    for size in (1, mib * 2**20 // 4):
+        buffer = torch.empty(size)
+        for _ in range(rounds + 1):
+            group.recv([buffer], 0, 0).wait()
+            group.send([buffer], 0, 0).wait()
+
+
+def _gloo_link(torch, sizes: "CalibrationSizes") -> tuple[float, float]:
+    """(GB/s, seconds per message) of gloo between two processes of this machine (loopback TCP): what CPU ranks under
+    torchrun exchange over (a layout's halves, all-to-alls and hops). A spawned peer echoes messages back: a round trip
+    of one float is two latencies, one of `link_mib` MiB two latencies and twice its bytes. Medians, wall clock (the
+    exchange waits on the other process)."""
+    import datetime
+    import multiprocessing
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as probe:  # a free port for the pair's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    peer = multiprocessing.get_context("spawn").Process(target=_gloo_peer, args=(port, sizes.link_mib, sizes.link_rounds),
+                                                        daemon=True)
+    peer.start()
+    try:
+        group = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=60))
+        times = []
+        for size in (1, sizes.link_mib * 2**20 // 4):
+            buffer = torch.ones(size)
+
+            def round_trip(buffer=buffer):
+                group.send([buffer], 1, 0).wait()
+                group.recv([buffer], 1, 0).wait()
+
+            times.append(_best(round_trip, sizes.link_rounds, lambda: None))
+        latency = times[0] / 2
+        moved = 2 * sizes.link_mib * 2**20
+        return moved / max(times[1] - times[0], times[1] / 10) / 1e9, latency  # a noisy small one: at most 10x
+    finally:
+        peer.join(timeout=30)
+        if peer.is_alive():
+            peer.kill()
+
+
 def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
               on_progress=None) -> DeviceProfile:
     """Measure the device (`device`: "cpu", "cuda:0"; None: the first GPU, else the CPU) into a profile."""
@@ -224,7 +282,10 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
         hook = _hook_seconds(torch, target, timed, sizes.repeats, sync)
         say("Measuring offloaded weights read back from a safetensors file")
         stream = _stream_gbps(torch, sizes, timed)
-        host, link, words = stream, memory, "one device: its memory"
+        host, link, words, latency = stream, memory, "one device: its memory", 0.0
+        if not gpu and sizes.link_mib:  # CPU ranks (torchrun, one CPU standing for each GPU of a plan) exchange over gloo
+            say(f"Measuring gloo between two processes ({sizes.link_mib} MiB and one-float messages)")
+            (link, latency), words = _gloo_link(torch, sizes), "gloo between two processes of this machine (loopback)"
         if gpu:
             say("Measuring host -> GPU copies")
             pinned = torch.ones(elements, pin_memory=True)
@@ -245,4 +306,5 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
     return DeviceProfile(where, "gpu" if gpu else "cpu", {k: round(v, 4) for k, v in matmul.items()},
                          {k: round(v, 4) for k, v in attention.items()}, round(memory, 3), round(host, 3),
                          round(link, 3), words, round(op_seconds, 9), source, True, matmul_curve, attention_curve,
-                         round(elementwise, 3), round(hook, 9) or 1e-9, scores, rows, conv_curve)
+                         round(elementwise, 3), round(hook, 9) or 1e-9, scores, rows, conv_curve,
+                         round(latency, 9))

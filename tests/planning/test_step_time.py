@@ -211,3 +211,123 @@ def test_flux_pads_the_text_so_the_prompt_does_not_change_its_time(text_pipeline
     size = ["--height", "64", "--width", "64"]
     assert predicted(text_pipelines["tiny-flux"], *size, "--prompt", "a cat") == predicted(text_pipelines["tiny-flux"],
                                                                                              *size)
+
+
+# --- the link between ranks: a latency per exchange (CPU ranks over gloo) ----------------------------------------
+
+
+def _flux_shape():
+    from dm_cli.planning.parallel import DenoiserShape
+
+    return DenoiserShape("FluxTransformer2DModel", heads=4, hidden=256, layers=6, image_tokens=256, text_tokens=64,
+                         batch=1, calls=1, element_bytes=4, prediction_bytes=256 * 64 * 4)
+
+
+def test_each_layouts_exchanges_pay_the_links_latency():
+    """Ulysses: 4 all-to-alls per attention layer and call plus the output's gather; CFG: one gather per step; a
+    pipeline hop: a header and two tensors; the split (one process): none."""
+    from dm_cli.planning.parallel import (
+        HOP_MESSAGES,
+        Candidate,
+        DenoiserLoad,
+        Guidance,
+        ParallelRequest,
+        PipelineCut,
+        pipeline_seconds,
+        step_seconds,
+    )
+
+    shape, load = _flux_shape(), DenoiserLoad((10**6,), 10**6, 10**6)
+    bytes_only = ParallelRequest(2, "auto", 1.0, 1.0).settled()
+    slow = ParallelRequest(2, "auto", 1.0, 1.0, link_latency_s=1e-3).settled()
+    batch_cfg = Guidance("batch", 2)
+    extra = {cand.layout: step_seconds(cand, shape, batch_cfg, load, slow) - step_seconds(cand, shape, batch_cfg, load,
+                                                                                         bytes_only)
+             for cand in (Candidate("split"), Candidate("cfg", cfg=2), Candidate("context", ulysses=2))}
+    assert extra == pytest.approx({"split": 0.0, "cfg": 1e-3, "context": (4 * 6 + 1) * 1e-3})
+    cut = PipelineCut((("transformer_blocks.0",), ("transformer_blocks.1",)), {}, (1, 1), (1e9, 1e9), 0)
+    (split0, piped0), (split1, piped1) = (pipeline_seconds(cut, shape, r, 2) for r in (bytes_only, slow))
+    assert split1 - split0 == pytest.approx(HOP_MESSAGES * 1e-3)  # one cut: one hop
+    assert piped1 - piped0 == pytest.approx(HOP_MESSAGES * 1e-3)  # the slowest slice and its hop
+
+
+def test_a_profiles_link_latency_is_optional_and_checked():
+    profile = hand_profile(link_latency_s=5e-5, kind="cpu")
+    assert DeviceProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+    old = hand_profile().to_json()  # a profile written before the key: bytes alone
+    assert "link_latency_s" not in old and DeviceProfile.from_json(old).link_latency_s == 0.0
+    with pytest.raises(ValueError, match="link_latency_s"):
+        DeviceProfile.from_json({**old, "link_latency_s": -1})
+
+
+def _context_plan(tmp_path, latency: float, *extra) -> dict:
+    path = tmp_path / f"profile-{latency}.json"
+    path.write_text(json.dumps(hand_profile(kind="cpu", link_latency_s=latency, matmul_tflops={"float32": 1e-4,
+                                                                                                "bfloat16": 1e-4}).to_json()))
+    code, out, err = run_dmap("plan", "tiny-flux", "--height", "64", "--width", "64", "-m", "0=1GB,1=1GB",
+                              "--world-size", "2", "--profile", path, "--no-check", "--json", *extra)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_parallel_layouts_are_predicted_with_the_profiles_link_latency(tmp_path):
+    """The profile's latency reaches `--parallel`'s time model (a given --link-gbps describes the link alone)."""
+    from dm_cli.planning.parallel import ULYSSES_MESSAGES
+
+    fast, slow = (_context_plan(tmp_path, latency, "--parallel", "context")["parallel"] for latency in (0.0, 1e-3))
+    layers = 2  # tiny-flux: 1 double and 1 single block, each one attention
+    assert slow["predicted_step_s"]["context"] - fast["predicted_step_s"]["context"] == pytest.approx(
+        (ULYSSES_MESSAGES * layers + 1) * 1e-3, abs=2e-4)
+    assert slow["predicted_step_s"]["split"] == fast["predicted_step_s"]["split"]
+    given = _context_plan(tmp_path, 1e-3, "--parallel", "context", "--link-gbps", "2")["parallel"]
+    assert given["predicted_step_s"] == fast["predicted_step_s"]
+
+
+def test_the_pipelines_time_is_on_the_splits_basis(tmp_path):
+    """`auto` compares the pipeline with the split at the pipeline's own speed-up over its cut (it had counted its
+    slices' FLOPs against the split's 2 x params x every token: pipeline on 2 ranks 3.2x the split on the demo)."""
+    import re
+
+    data = _context_plan(tmp_path, 0.0, "--parallel", "auto")["parallel"]
+    speedup = float(re.search(r"predicted ([0-9.]+)x the split's", data["rejected"]["pipeline"]).group(1))
+    times = data["predicted_step_s"]
+    assert times["split"] / times["pipeline"] == pytest.approx(speedup, rel=0.02)
+
+
+def test_calibrate_on_a_cpu_measures_gloo_between_two_processes():
+    """A spawned pair of processes (seconds): the link CPU ranks exchange over, its rate and latency per message."""
+    from dataclasses import replace
+
+    from dm_cli.run.calibrate import CalibrationSizes, calibrate
+
+    profile = calibrate(replace(CalibrationSizes.quick(), link_mib=1), device="cpu")
+    assert "gloo" in profile.link and profile.link_latency_s > 0 and profile.link_gbps > 0
+    assert DeviceProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+
+
+def test_parallel_layouts_are_rated_at_the_plans_dtype(tmp_path):
+    """A plan without --dtype runs at the checkpoint's (the demo's float32): `--parallel`'s time model takes the profile's
+    float32 rate and 4-byte activations, not bfloat16's (on this CPU 7x faster, which made the exchanges 7x their share)."""
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(hand_profile(kind="cpu", matmul_tflops={"float32": 0.25, "bfloat16": 2.0}).to_json()))
+    found = {}
+    for dtype in ([], ["--dtype", "bfloat16"]):
+        code, out, err = run_dmap("plan", "demo", "--height", "64", "--width", "64", "-m", "0=1GB,1=1GB",
+                                  "--world-size", "2", "--profile", path, "--no-check", "--json", *dtype)
+        assert code == 0, err
+        data = json.loads(out)
+        found[data["dtype"]] = data["parallel"]["device_tflops"]
+    assert found == {"float32": 0.25, "bfloat16": 2.0}
+
+
+def test_on_a_calibrated_profile_the_layouts_share_the_detailed_compute(tmp_path):
+    """The split's step in `--parallel`'s model is the detailed model's step (its FLOPs per step rated to take the
+    traced denoiser's compute seconds), so that the exchanges' seconds weigh against the compute a step really has."""
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(hand_profile(kind="cpu", measured=True, link_latency_s=1e-4,
+                                            matmul_tflops={"float32": 1e-3, "bfloat16": 1e-3}).to_json()))
+    code, out, err = run_dmap("plan", "demo", "--height", "64", "--width", "64", "-m", "0=1GB,1=1GB", "--world-size",
+                              "2", "--parallel", "context", "--profile", path, "--no-check", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["parallel"]["predicted_step_s"]["split"] == pytest.approx(data["predicted_time"]["step_s"], rel=0.01)
