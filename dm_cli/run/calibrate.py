@@ -16,8 +16,11 @@ else the wall clock.
 
 from __future__ import annotations
 
+import datetime
+import multiprocessing
 import os
 import platform
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -175,10 +178,8 @@ def _stream_gbps(torch, sizes: "CalibrationSizes", timed) -> float:
 
 def _gloo_peer(port: int, mib: int, rounds: int) -> None:
     """Rank 1 of `_gloo_link`'s pair (a spawned process): echo each message back to rank 0."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
+    import torch  # lazy: torch (heavy, off start-up)
+    import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
@@ -195,11 +196,7 @@ def _gloo_link(torch, sizes: "CalibrationSizes") -> tuple[float, float]:
     torchrun exchange over (a layout's halves, all-to-alls and hops). A spawned peer echoes messages back: a round trip
     of one float is two latencies, one of `link_mib` MiB two latencies and twice its bytes. Medians, wall clock (the
     exchange waits on the other process)."""
-    import datetime
-    import multiprocessing
-    import socket
-
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
     with socket.socket() as probe:  # a free port for the pair's store
         probe.bind(("127.0.0.1", 0))
