@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 from conftest import run_dmap
+from test_qwenimage import units  # placement units in registration order
 
 from dm_cli.model.sources import PRESETS_DIR
 
@@ -71,17 +72,6 @@ def small_vae_size(monkeypatch):
     monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
 
 
-def units(module, prefix=""):
-    """Placement units in registration order: ModuleLists expanded, wherever they sit."""
-    out = []
-    for name, child in module.named_children():
-        if isinstance(child, torch.nn.ModuleList):
-            out += [f"{prefix}{name}.{i}" for i in range(len(child))]
-        elif any(isinstance(m, torch.nn.ModuleList) for m in child.modules()):
-            out += units(child, f"{prefix}{name}.")
-        else:
-            out.append(prefix + name)
-    return out
 
 
 def hand_plan(folder, devices: int) -> dict:

@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline_launch import pipeline_plan
+from pipeline_launch import launch_env, pipeline_plan
 from test_queue_run import _rank_pid  # the torchrun worker with RANK=r, read from /proc
 
-REPO = Path(__file__).resolve().parents[2]
 SLOW_SLICE = '''
 import os, sys, time
 import torch
@@ -54,7 +53,7 @@ main()
 
 
 def _env(**extra) -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "DMAP_DIST_TIMEOUT": "60", **extra}
+    return launch_env(DMAP_DIST_TIMEOUT="60", **extra)
 
 
 @pytest.fixture(scope="module")
