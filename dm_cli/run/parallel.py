@@ -121,10 +121,20 @@ def pipelined(choice: str | None, plan, ranks: Ranks | None = None) -> bool:
                                     and ranks.world_size == recorded.world_size)
 
 
+def shares_steps(choice: str | None, plan, ranks: Ranks) -> bool:
+    """Whether this launch's ranks share each image's steps: a --parallel layout other than none, or a plan file's
+    recorded sharing followed with as many ranks as it records."""
+    recorded = getattr(plan, "parallel", None)
+    if choice in (None, Parallel.AUTO):  # the plan's choice
+        return recorded is not None and recorded.layout != Layout.SPLIT and ranks.world_size == recorded.world_size
+    return choice != Parallel.NONE and choice in Parallel.words()
+
+
 def cpu_ranks(choice: str | None, plan) -> int:
-    """GPUs 0 .. N - 1 of a pipeline's plan that N torchrun ranks without a GPU stand in for (0: none)."""
+    """GPUs 0 .. N - 1 of a plan that N torchrun ranks without a GPU stand in for, each on its CPU (0: none): the
+    ranks of a pipeline, or of cfg / context parallel (the denoiser whole on each rank's CPU, as on each GPU)."""
     ranks = Ranks.from_env()
-    if ranks.world_size < 2 or not pipelined(choice, plan, ranks):
+    if ranks.world_size < 2 or not shares_steps(choice, plan, ranks):
         return 0
 
     return ranks.world_size if visible_gpus() == 0 else 0

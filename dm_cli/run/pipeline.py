@@ -397,9 +397,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         """The denoiser's slice on this rank's device; everything else as planned (on the CPU without GPUs)."""
         if name in self.denoisers:
             return {"": str(self.rank_device) if self.cuda else "cpu"}
-        planned = super().device_map(name)
-        return planned if self.cuda else {key: "cpu" if is_gpu(device_key(dev)) else dev
-                                          for key, dev in planned.items()}
+        return super().device_map(name)
 
     def load_stage(self, names: list[str], stage=None) -> None:
         mine = [n for n in names if self.sharing.is_main or n in self.denoisers]

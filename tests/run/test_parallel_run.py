@@ -247,8 +247,9 @@ def test_cfg_and_context_together_on_four_ranks_equal_one_rank(folders, one_proc
 
 @pytest.mark.slow
 def test_cli_follows_a_plans_parallel_on_two_ranks(folders, tmp_path, one_thread):
-    """`dmap plan --world-size 2 --parallel cfg -o PLAN.json`, then `dmap run -d PLAN.json --simulate` under torchrun
-    (the plan's GPUs on the CPU): CFG-parallel as the plan records, rank 0 alone reports and writes."""
+    """`dmap plan --world-size 2 --parallel cfg -o PLAN.json`, then `dmap run -d PLAN.json` under torchrun on a
+    machine without GPUs (each rank's CPU stands for its GPU of the plan, as a pipeline's do: no --simulate needed):
+    CFG-parallel as the plan records, rank 0 alone reports and writes."""
     from conftest import run_dmap
     from PIL import Image
 
@@ -261,8 +262,8 @@ def test_cli_follows_a_plans_parallel_on_two_ranks(folders, tmp_path, one_thread
                             "--parallel", "cfg", "--output", tmp_path / "plan.json")
     assert code == 0, err
     assert json.loads((tmp_path / "plan.json").read_text())["parallel"]["layout"] == "cfg"
-    stdout = _torchrun(["-m", "dm_cli", "run", folder, *run, "--output", "plan.png", "-d", "plan.json", "--simulate",
-                        "--json"], tmp_path)
+    stdout = _torchrun(["-m", "dm_cli", "run", folder, *run, "--output", "plan.png", "-d", "plan.json", "--json"],
+                       tmp_path)
     result = json.loads(stdout)  # rank 0 alone reports
     assert result["images"] == ["plan.png"]
     assert any("CFG-parallel (2 branches) over 2 torchrun ranks" in n for n in result["notices"]), result["notices"]
