@@ -33,11 +33,16 @@ hidden states at each hop and offloaded weights streamed; CFG: one noise predict
 out of every attention layer, 4 x (tokens/u) x hidden x bytes x (u-1)/u per rank). Pipeline: the same FLOPs
 per slice (2 x its parameters x tokens, plus attention for each block in it); one prompt takes the split's time
 (sum of the slices plus a hop of the hidden states at each cut), a queue of at least `in_flight` >= N prompts one
-image-step per max over slices of (slice + one hop). Each exchange also costs the link's latency (`link_latency_s`:
+image-step per max over slices of (slice + one hop). With a calibrated profile (`compute`, step_time.RankCompute)
+a rank's compute is instead the detailed model of its share of a call: under cfg and context it still dispatches
+every op and reads every weight (its matmuls on a share of the tokens run at the smaller op's rate), a pipeline
+slice runs its share of both; FLOPs alone divided a tiny model's step by the ranks where, on two CPU ranks,
+context parallel measured no faster than one. Each exchange also costs the link's latency (`link_latency_s`:
 0 for the GPU table's links, where it is microseconds against milliseconds of compute; between CPU ranks, gloo over
 loopback, `dmap calibrate` measures tens of microseconds a message, and Ulysses sends 4 per attention layer):
-CFG one all-gather per step, Ulysses 4 all-to-alls per attention layer and call plus the output's gather, a pipeline
-hop `HOP_MESSAGES` messages (a header, the hidden and the text hidden states), a split's hop none (one process).
+CFG one all-gather per step, Ulysses 4 all-to-alls per attention layer and call plus the output's gather (each a
+collective: `collective_latency_s` where calibrated, diffusers' functional all-to-all costing several messages), a
+pipeline hop `HOP_MESSAGES` messages (a header, the hidden and the text hidden states), a split's hop none.
 
 The layout a plan records and its choice among these candidates: `parallel_layout.py`.
 Pure: no torch, no I/O.
@@ -46,7 +51,7 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dm_cli.errors import UsageError
 from dm_cli.families import GUIDANCE_BATCH, GUIDANCE_SEPARATE, Job, call_spec
@@ -88,6 +93,10 @@ class ParallelRequest:
     link_gbps: float = DEFAULT_LINK_GBPS
     in_flight: int | None = None  # pipeline: micro-batches in flight (None: the world size)
     link_latency_s: float = 0.0  # seconds per exchange on the link (a message's fixed cost; 0: bytes alone)
+    collective_latency_s: float = 0.0  # seconds per collective (all-to-all, gather) beyond its bytes; 0: link_latency_s
+    # the detailed model of a call on one rank (step_time.RankCompute: a calibrated profile's); None: FLOPs at
+    # device_tflops. Not a user setting: plan_prediction.rated_for_plan fills it in from the traced denoiser.
+    compute: object = None
 
     @property
     def active(self) -> bool:
@@ -120,12 +129,12 @@ class ParallelRequest:
             if choice not in ("pipeline", "auto"):
                 raise UsageError(f"--in-flight sets the micro-batches of --parallel pipeline, which --parallel {choice} "
                                  "does not use: drop it, or use --parallel pipeline or auto.")
-        latency = self.link_latency_s
-        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency <= 1:
-            raise UsageError(f"the link's latency must be a number of seconds from 0 to 1, not "
-                             f"{shorten(latency, quote=True)}.")
-        return ParallelRequest(size, choice, float(self.device_tflops), float(self.link_gbps), in_flight,
-                               float(latency))
+        for latency in (self.link_latency_s, self.collective_latency_s):
+            if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency <= 1:
+                raise UsageError(f"the link's latency must be a number of seconds from 0 to 1, not "
+                                 f"{shorten(latency, quote=True)}.")
+        return replace(self, choice=choice, device_tflops=float(self.device_tflops), link_gbps=float(self.link_gbps),
+                       link_latency_s=float(self.link_latency_s), collective_latency_s=float(self.collective_latency_s))
 
     @property
     def planned_in_flight(self) -> int:
@@ -422,14 +431,18 @@ def step_seconds(cand: Candidate, shape: DenoiserShape, guidance: Guidance, load
                  request: ParallelRequest) -> float:
     """The predicted seconds of one denoising step for this layout (see the module's doc)."""
     flops, link = step_flops(shape, load.params), request.link_gbps * 1e9
-    compute = flops / (request.device_tflops * 1e12)
+    model = request.compute
+    compute = model.call_s() * shape.calls if model is not None else flops / (request.device_tflops * 1e12)
     if cand.layout == "split":
         hidden_bytes = (shape.image_tokens + shape.text_tokens) * shape.hidden * shape.element_bytes * shape.batch
         moved = load.hops * hidden_bytes * shape.calls + load.offloaded_bytes * shape.calls
         return compute + moved / link
-    seconds = compute / (cand.cfg * cand.ulysses)
     batch, calls = _per_rank_batch_calls(shape, guidance, cand.cfg)
-    latency = request.link_latency_s
+    if model is not None:  # every rank dispatches every op of its calls, over its share of the samples and tokens
+        seconds = model.call_s(batch / shape.batch / cand.ulysses) * calls
+    else:
+        seconds = compute / (cand.cfg * cand.ulysses)
+    latency = request.collective_latency_s or request.link_latency_s
     if cand.ulysses > 1:
         u = cand.ulysses
         per_layer = 4 * (shape.split_tokens / u) * shape.hidden * shape.element_bytes * (u - 1) / u
@@ -631,7 +644,9 @@ def pipeline_seconds(cut: PipelineCut, shape: DenoiserShape, request: ParallelRe
     """
     link = request.link_gbps * 1e9
     hop = (shape.hop_bytes / link + HOP_MESSAGES * request.link_latency_s) * shape.calls
-    stages = [f / (request.device_tflops * 1e12) for f in cut.slice_flops]
+    model, total = request.compute, sum(cut.slice_flops)
+    stages = ([model.call_s(f / total, divide_ops=True) * shape.calls for f in cut.slice_flops]
+              if model is not None and total else [f / (request.device_tflops * 1e12) for f in cut.slice_flops])
     split = sum(stages) + (len(stages) - 1) * hop
     round_trip = sum(stages) + len(stages) * hop
     return split, max(max(s + hop for s in stages), round_trip / max(1, in_flight))

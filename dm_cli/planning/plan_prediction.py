@@ -11,7 +11,7 @@ from dm_cli.inputs import check_count
 from dm_cli.planning.components import trace_facts
 from dm_cli.planning.parallel import denoiser_shape, step_flops
 from dm_cli.planning.profiles import DEFAULT_PROFILE, DeviceProfile, cached_profile, read_profile
-from dm_cli.planning.step_time import CallWork, Traffic, call_terms, predict
+from dm_cli.planning.step_time import CallWork, RankCompute, Traffic, predict
 from dm_cli.units import shorten
 
 MAX_QUEUE = 1_000_000
@@ -57,7 +57,9 @@ def with_profile_rates(options):
     tflops = request.device_tflops if request.device_tflops is not None else profile.rate(profile.matmul_tflops, dtype)
     link = request.link_gbps if request.link_gbps is not None else profile.link_gbps
     latency = profile.link_latency_s if request.link_gbps is None else 0.0
-    return replace(options, parallel=replace(request, device_tflops=tflops, link_gbps=link, link_latency_s=latency))
+    collective = profile.collective_latency_s if request.link_gbps is None else 0.0
+    return replace(options, parallel=replace(request, device_tflops=tflops, link_gbps=link, link_latency_s=latency,
+                                             collective_latency_s=collective))
 
 
 def rated_for_plan(parallel: tuple, given, dtype: str, prepared) -> tuple:
@@ -69,7 +71,9 @@ def rated_for_plan(parallel: tuple, given, dtype: str, prepared) -> tuple:
       at the rate that makes the time model's FLOPs per step (2 x params x tokens)
       take the detailed model's compute seconds of the traced denoiser (step_time.py: op sizes, attention, elementwise
       bytes, ops; what a small model spends far below the peak), so that each layout's share of the compute and its
-      exchanges (bytes over the link, a latency each) are weighed in the same seconds.
+      exchanges (bytes over the link, a latency each) are weighed in the same seconds; and with that model itself
+      (`compute`), which parallel.py asks for each rank's share of a call (what does not divide by the ranks: the
+      ops every rank dispatches, the weights every rank reads, the rate of smaller matmuls).
     `given`: the parallel request as asked, before the profile's rates filled it in."""
     options, family, guidance, shape = parallel
     placement = options.placement if options.placement.dtype else replace(options.placement, dtype=dtype)
@@ -77,18 +81,20 @@ def rated_for_plan(parallel: tuple, given, dtype: str, prepared) -> tuple:
     element = 4 if placement.dtype == "float32" else 2
     shape = replace(shape, element_bytes=element,
                     prediction_bytes=shape.prediction_bytes * element // max(1, shape.element_bytes))
-    tflops = rated.device_tflops
+    tflops, compute = rated.device_tflops, None
     prep = next((p for p in prepared if p.spec.name == family.denoiser), None)
     profile, _ = chosen_profile(options.prediction, "gpu")
     if given.device_tflops is None and profile.measured and prep is not None and prep.facts.work:
         work = CallWork.of(prep.facts.work, prep.spec.weights_bytes)
         calls = max(1, family.calls_at_run(options.inputs, options.negative_prompt, options.settings))
-        seconds = calls * sum(call_terms(work, profile, placement.dtype, Traffic()).values())
+        compute = RankCompute(work, profile, placement.dtype)
+        seconds = calls * compute.call_s()
         flops = step_flops(shape, sum(t.numel for t in prep.skeleton.tensors))
         if seconds > 0 and flops > 0:
             tflops = min(max(flops / seconds / 1e12, 1e-9), 1e6)
     request = replace(options.parallel, device_tflops=tflops, link_gbps=rated.link_gbps,
-                      link_latency_s=rated.link_latency_s)
+                      link_latency_s=rated.link_latency_s, collective_latency_s=rated.collective_latency_s,
+                      compute=compute)
     return replace(options, parallel=request), family, guidance, shape
 
 

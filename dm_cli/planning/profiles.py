@@ -58,6 +58,9 @@ class DeviceProfile:
     # seconds per message on the link (its fixed cost, what a small exchange pays whatever its bytes): measured
     # between two CPU ranks (gloo over loopback); 0 for the table's GPU links and older profiles (bytes alone)
     link_latency_s: float = 0.0
+    # seconds per collective between two CPU ranks beyond its bytes (an all-to-all of two floats as diffusers' Ulysses
+    # attention makes it: functional collectives and a wait, several messages' cost); 0: the link's latency
+    collective_latency_s: float = 0.0
 
     def rate(self, table: dict[str, float], dtype: str) -> float:
         """TFLOP/s at `dtype`, else at the nearest dtype measured (half precision for half, else float32)."""
@@ -95,7 +98,8 @@ class DeviceProfile:
                 **({"score_seconds": dict(self.score_seconds)} if self.score_seconds else {}),
                 **({"row_seconds": dict(self.row_seconds)} if self.row_seconds else {}),
                 **({"conv_curve": self.conv_curve} if self.conv_curve else {}),
-                **({"link_latency_s": self.link_latency_s} if self.link_latency_s else {})}
+                **({"link_latency_s": self.link_latency_s} if self.link_latency_s else {}),
+                **({"collective_latency_s": self.collective_latency_s} if self.collective_latency_s else {})}
 
     @classmethod
     def from_json(cls, data) -> "DeviceProfile":
@@ -125,7 +129,9 @@ class DeviceProfile:
                    _seconds_table(data.get("score_seconds", {}), "score_seconds"),
                    _seconds_table(data.get("row_seconds", {}), "row_seconds"),
                    _curves(data.get("conv_curve", {}), "conv_curve"),
-                   _rate(data.get("link_latency_s"), "its link_latency_s", 1.0) if "link_latency_s" in data else 0.0)
+                   _rate(data.get("link_latency_s"), "its link_latency_s", 1.0) if "link_latency_s" in data else 0.0,
+                   _rate(data.get("collective_latency_s"), "its collective_latency_s", 1.0)
+                   if "collective_latency_s" in data else 0.0)
 
 
 def _seconds_table(value, what: str) -> dict[str, float]:

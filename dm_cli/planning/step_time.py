@@ -86,6 +86,31 @@ def call_terms(work: CallWork, profile: DeviceProfile, dtype: str, traffic: Traf
     }
 
 
+@dataclass(frozen=True, eq=False)
+class RankCompute:
+    """The detailed model of one denoiser call (`call_terms` at no traffic) on one rank that computes a share of it,
+    for `--parallel`'s time model (parallel.py): the layouts' compute on the same terms as the prediction's step.
+    A share keeps what does not divide: under cfg and context every rank dispatches every op of the call (its
+    host cost, and matmuls of a share of the tokens run at the smaller op's rate) and reads every weight; a pipeline
+    slice runs its share of the ops and reads its share of the weights."""
+
+    work: CallWork
+    profile: DeviceProfile
+    dtype: str
+
+    def call_s(self, share: float = 1.0, divide_ops: bool = False) -> float:
+        work = self.work
+
+        def ops(count: int) -> int:
+            return max(1, round(count * share)) if divide_ops and count else count
+
+        part = CallWork(work.matmul_flops * share, work.attention_flops * share, work.other_bytes * share,
+                        ops(work.ops), round(work.weight_bytes * share) if divide_ops else work.weight_bytes,
+                        ops(work.matmul_ops), ops(work.attention_ops), work.attention_scores * share,
+                        work.attention_rows * share, work.conv_flops * share, ops(work.conv_ops))
+        return sum(call_terms(part, self.profile, self.dtype, Traffic()).values())
+
+
 def predict(work: CallWork, traffic: Traffic, profile: DeviceProfile, dtype: str, calls: int, steps: int,
             images_per_call: int, queue: int, layout_steps: dict[str, float] | None = None,
             origin: str = "default") -> dict:

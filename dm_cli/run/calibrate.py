@@ -177,27 +177,54 @@ def _stream_gbps(torch, sizes: "CalibrationSizes", timed) -> float:
 
 
 def _gloo_peer(port: int, mib: int, rounds: int) -> None:
-    """Rank 1 of `_gloo_link`'s pair (a spawned process): echo each message back to rank 0."""
+    """Rank 1 of `_gloo_link`'s pair (a spawned process): echo each message back to rank 0, then join its
+    all-to-alls."""
     import torch  # lazy: torch (heavy, off start-up)
     import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
-    group = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=60))
-    for size in (1, mib * 2**20 // 4):
-        buffer = torch.empty(size)
+    dist.init_process_group("gloo", store=store, rank=1, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        for size in (1, mib * 2**20 // 4):
+            buffer = torch.empty(size)
+            for _ in range(rounds + 1):
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+        _all_to_alls(torch, rounds)
+    finally:
+        dist.destroy_process_group()
+
+
+def _all_to_alls(torch, rounds: int):
+    """`rounds` + 1 all-to-alls of two floats over the default group, as diffusers' Ulysses attention makes them
+    (functional collectives, then a wait): each a function to time (`_best` calls it once to warm up)."""
+    import torch.distributed as dist  # lazy: torch (heavy, off start-up)
+    import torch.distributed._functional_collectives as funcol  # lazy: torch (heavy, off start-up)
+
+    pair = torch.ones(2)
+
+    def all_to_all():
+        funcol.wait_tensor(funcol.all_to_all_single(pair, None, None, dist.group.WORLD))
+
+    if dist.get_rank() == 1:  # the peer: as many as rank 0 times
         for _ in range(rounds + 1):
-            group.recv([buffer], 0, 0).wait()
-            group.send([buffer], 0, 0).wait()
+            all_to_all()
+    return all_to_all
 
 
-def _gloo_link(torch, sizes: "CalibrationSizes") -> tuple[float, float]:
-    """(GB/s, seconds per message) of gloo between two processes of this machine (loopback TCP): what CPU ranks under
-    torchrun exchange over (a layout's halves, all-to-alls and hops). A spawned peer echoes messages back: a round trip
-    of one float is two latencies, one of `link_mib` MiB two latencies and twice its bytes. Medians, wall clock (the
-    exchange waits on the other process)."""
+def _gloo_link(torch, sizes: "CalibrationSizes") -> tuple[float, float, float]:
+    """(GB/s, seconds per message, seconds per collective) of gloo between two processes of this machine (loopback
+    TCP): what CPU ranks under torchrun exchange over (a pipeline's hops, a layout's halves and all-to-alls). A
+    spawned peer echoes messages back through torch.distributed's own calls (as `run/pipeline_links.py` sends): a
+    round trip of one float is two latencies, one of `link_mib` MiB two latencies and twice its bytes. Then
+    all-to-alls of two floats as diffusers' Ulysses makes them (functional collectives and a wait, several times a
+    message's cost). Medians, wall clock (the exchange waits on the other process). Not measured (0, 0, 0) in a
+    process that already belongs to a process group (calibrate under torchrun)."""
     import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
+    if dist.is_initialized():
+        return 0.0, 0.0, 0.0
     with socket.socket() as probe:  # a free port for the pair's store
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -206,19 +233,23 @@ def _gloo_link(torch, sizes: "CalibrationSizes") -> tuple[float, float]:
                                                         daemon=True)
     peer.start()
     try:
-        group = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=60))
-        times = []
-        for size in (1, sizes.link_mib * 2**20 // 4):
-            buffer = torch.ones(size)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=datetime.timedelta(seconds=60))
+        try:
+            times = []
+            for size in (1, sizes.link_mib * 2**20 // 4):
+                buffer = torch.ones(size)
 
-            def round_trip(buffer=buffer):
-                group.send([buffer], 1, 0).wait()
-                group.recv([buffer], 1, 0).wait()
+                def round_trip(buffer=buffer):
+                    dist.send(buffer, 1)
+                    dist.recv(buffer, 1)
 
-            times.append(_best(round_trip, sizes.link_rounds, lambda: None))
+                times.append(_best(round_trip, sizes.link_rounds, lambda: None))
+            collective = _best(_all_to_alls(torch, sizes.link_rounds), sizes.link_rounds, lambda: None)
+        finally:
+            dist.destroy_process_group()
         latency = times[0] / 2
         moved = 2 * sizes.link_mib * 2**20
-        return moved / max(times[1] - times[0], times[1] / 10) / 1e9, latency  # a noisy small one: at most 10x
+        return moved / max(times[1] - times[0], times[1] / 10) / 1e9, latency, collective  # a noisy small one: at most 10x
     finally:
         peer.join(timeout=30)
         if peer.is_alive():
@@ -279,10 +310,12 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
         hook = _hook_seconds(torch, target, timed, sizes.repeats, sync)
         say("Measuring offloaded weights read back from a safetensors file")
         stream = _stream_gbps(torch, sizes, timed)
-        host, link, words, latency = stream, memory, "one device: its memory", 0.0
+        host, link, words, latency, collective = stream, memory, "one device: its memory", 0.0, 0.0
         if not gpu and sizes.link_mib:  # CPU ranks (torchrun, one CPU standing for each GPU of a plan) exchange over gloo
-            say(f"Measuring gloo between two processes ({sizes.link_mib} MiB and one-float messages)")
-            (link, latency), words = _gloo_link(torch, sizes), "gloo between two processes of this machine (loopback)"
+            say(f"Measuring gloo between two processes ({sizes.link_mib} MiB and one-float messages, all-to-alls)")
+            gbps, latency, collective = _gloo_link(torch, sizes)
+            if gbps:
+                link, words = gbps, "gloo between two processes of this machine (loopback)"
         if gpu:
             say("Measuring host -> GPU copies")
             pinned = torch.ones(elements, pin_memory=True)
@@ -304,4 +337,4 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
                          {k: round(v, 4) for k, v in attention.items()}, round(memory, 3), round(host, 3),
                          round(link, 3), words, round(op_seconds, 9), source, True, matmul_curve, attention_curve,
                          round(elementwise, 3), round(hook, 9) or 1e-9, scores, rows, conv_curve,
-                         round(latency, 9))
+                         round(latency, 9), round(collective, 9))

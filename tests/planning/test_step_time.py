@@ -302,6 +302,7 @@ def test_calibrate_on_a_cpu_measures_gloo_between_two_processes():
 
     profile = calibrate(replace(CalibrationSizes.quick(), link_mib=1), device="cpu")
     assert "gloo" in profile.link and profile.link_latency_s > 0 and profile.link_gbps > 0
+    assert profile.collective_latency_s > 0  # an all-to-all as diffusers makes it
     assert DeviceProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
 
 
@@ -331,3 +332,72 @@ def test_on_a_calibrated_profile_the_layouts_share_the_detailed_compute(tmp_path
     assert code == 0, err
     data = json.loads(out)
     assert data["parallel"]["predicted_step_s"]["split"] == pytest.approx(data["predicted_time"]["step_s"], rel=0.01)
+
+
+def test_a_ranks_share_of_a_call_keeps_what_does_not_divide():
+    """Under cfg and context every rank dispatches every op of the call and reads every weight (a pipeline slice its
+    share of both), and a share of the tokens runs its matmuls at the smaller op's rate on the measured curve."""
+    from dm_cli.planning.step_time import RankCompute
+
+    work = CallWork(matmul_flops=4e9, attention_flops=0.0, other_bytes=0.0, ops=1000, weight_bytes=2 * 10**9,
+                    matmul_ops=10)
+    curve = {"bfloat16": [[1e6, 0.5], [1e9, 1.0]]}  # half the op size: a lower rate
+    model = RankCompute(work, hand_profile(matmul_curve=curve), "bfloat16")
+    terms = call_terms(work, hand_profile(matmul_curve=curve), "bfloat16", Traffic())
+    assert model.call_s() == pytest.approx(sum(terms.values()))
+    fixed = terms["ops"] + terms["memory"]  # 1000 ops x 1 ms, 2 GB of weights at 2 GB/s: every rank's
+    half = model.call_s(0.5)
+    assert half - fixed > terms["matmul"] / 2  # the half-size matmuls run slower per FLOP
+    assert half == pytest.approx(fixed + 2e9 / (1e12 * _rate_at(curve, 2e8)), rel=1e-6)  # 10 ops of 2e8 FLOPs
+    # a slice: half the ops and weights, its 5 matmuls as large as the whole call's
+    assert model.call_s(0.5, divide_ops=True) == pytest.approx(fixed / 2 + 2e9 / (1e12 * _rate_at(curve, 4e8)))
+
+
+def _rate_at(curve, flops_per_op: float) -> float:
+    import math
+
+    (x0, y0), (x1, y1) = curve["bfloat16"]
+    t = math.log(flops_per_op / x0) / math.log(x1 / x0)
+    return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+
+
+def test_on_a_calibrated_profile_a_layout_pays_each_ranks_fixed_costs(tmp_path):
+    """A profile whose op costs dominate a small model's call (as a CPU's do): context parallel on two ranks divides
+    the FLOPs but not the ops each rank dispatches, so its predicted step is no longer the split's over two, and with
+    a collective's latency on top it is slower than the split, which `auto` then keeps (on two CPU ranks the demo at
+    256x256 measured one rank 77% faster than context, which auto had picked)."""
+    path = tmp_path / "ops.json"
+    path.write_text(json.dumps(hand_profile(kind="cpu", measured=True, op_seconds=1e-4, link_latency_s=1e-5,
+                                            collective_latency_s=2e-4, matmul_tflops={"float32": 1.0, "bfloat16": 1.0},
+                                            memory_gbps=1000.0, elementwise_gbps=1000.0).to_json()))
+    code, out, err = run_dmap("plan", "demo", "--height", "64", "--width", "64", "-m", "0=1GB,1=1GB", "--world-size",
+                              "2", "--parallel", "auto", "--profile", path, "--no-check", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    times = data["parallel"]["predicted_step_s"]
+    assert times["context"] > times["split"] / 2 + 0.9 * data["predicted_time"]["step_terms_s"]["ops"] / 2
+    assert data["parallel"]["layout"] == "split", data["parallel"]["reason"]
+
+
+def test_a_profiles_collective_latency_is_optional_and_checked():
+    profile = hand_profile(kind="cpu", link_latency_s=5e-5, collective_latency_s=4e-4)
+    assert DeviceProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+    old = hand_profile().to_json()
+    assert "collective_latency_s" not in old and DeviceProfile.from_json(old).collective_latency_s == 0.0
+    with pytest.raises(ValueError, match="collective_latency_s"):
+        DeviceProfile.from_json({**old, "collective_latency_s": 2})
+
+
+def test_ulysses_and_cfg_pay_the_collectives_latency():
+    """Where calibrated, each collective (Ulysses' all-to-alls, CFG's gather) costs the collective's latency, not a
+    message's; a pipeline hop's point-to-point messages keep the link's."""
+    from dm_cli.planning.parallel import Candidate, DenoiserLoad, Guidance, ParallelRequest, step_seconds
+
+    shape, load = _flux_shape(), DenoiserLoad((10**6,), 10**6, 10**6)
+    message = ParallelRequest(2, "auto", 1.0, 1.0, link_latency_s=1e-4).settled()
+    both = ParallelRequest(2, "auto", 1.0, 1.0, link_latency_s=1e-4, collective_latency_s=1e-3).settled()
+    batch_cfg = Guidance("batch", 2)
+    extra = {cand.layout: step_seconds(cand, shape, batch_cfg, load, both) - step_seconds(cand, shape, batch_cfg, load,
+                                                                                         message)
+             for cand in (Candidate("cfg", cfg=2), Candidate("context", ulysses=2))}
+    assert extra == pytest.approx({"cfg": 9e-4, "context": (4 * 6 + 1) * 9e-4})
