@@ -21,7 +21,7 @@ prediction is of the denoise stage. Pure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dm_cli.planning.profiles import DeviceProfile
 
@@ -41,6 +41,10 @@ class CallWork:
     attention_rows: float = 0.0  # query rows over every head and sample
     conv_flops: float = 0.0  # the convolutions' share of matmul_flops
     conv_ops: int = 0
+    # the part of ops, matmul_flops and other_bytes outside the block lists (embedders, output layers)
+    outside_ops: int = 0
+    outside_flops: float = 0.0
+    outside_bytes: float = 0.0
 
     @classmethod
     def of(cls, work: dict, weight_bytes: int) -> "CallWork":
@@ -48,7 +52,8 @@ class CallWork:
                    float(work.get("other_bytes", 0)), int(work.get("ops", 0)), int(weight_bytes),
                    int(work.get("matmul_ops", 0)), int(work.get("attention_ops", 0)),
                    float(work.get("attention_scores", 0)), float(work.get("attention_rows", 0)),
-                   float(work.get("conv_flops", 0)), int(work.get("conv_ops", 0)))
+                   float(work.get("conv_flops", 0)), int(work.get("conv_ops", 0)), int(work.get("outside_ops", 0)),
+                   float(work.get("outside_flops", 0)), float(work.get("outside_bytes", 0)))
 
 
 @dataclass(frozen=True)
@@ -99,15 +104,24 @@ class RankCompute:
     dtype: str
 
     def call_s(self, share: float = 1.0, divide_ops: bool = False) -> float:
+        """Seconds of `share` of one call: of its samples or tokens (cfg, context: every op, every weight), or with
+        `divide_ops` of its blocks (a pipeline slice: that share of the blocks' ops and weights, and every op outside
+        the block lists, which each rank runs: the embedders before its first block, the output layers)."""
         work = self.work
+        if divide_ops:
+            def part_of(total: float, outside: float) -> float:
+                return (total - outside) * share + outside
 
-        def ops(count: int) -> int:
-            return max(1, round(count * share)) if divide_ops and count else count
-
-        part = CallWork(work.matmul_flops * share, work.attention_flops * share, work.other_bytes * share,
-                        ops(work.ops), round(work.weight_bytes * share) if divide_ops else work.weight_bytes,
-                        ops(work.matmul_ops), ops(work.attention_ops), work.attention_scores * share,
-                        work.attention_rows * share, work.conv_flops * share, ops(work.conv_ops))
+            ops = round(part_of(work.ops, work.outside_ops))
+            part = CallWork(part_of(work.matmul_flops, work.outside_flops), work.attention_flops * share,
+                            part_of(work.other_bytes, work.outside_bytes), max(1, ops) if work.ops else 0,
+                            round(work.weight_bytes * share), max(1, round(work.matmul_ops * share)) if work.matmul_ops
+                            else 0, round(work.attention_ops * share), work.attention_scores * share,
+                            work.attention_rows * share, work.conv_flops * share, round(work.conv_ops * share))
+        else:
+            part = replace(work, matmul_flops=work.matmul_flops * share, attention_flops=work.attention_flops * share,
+                           other_bytes=work.other_bytes * share, attention_scores=work.attention_scores * share,
+                           attention_rows=work.attention_rows * share, conv_flops=work.conv_flops * share)
         return sum(call_terms(part, self.profile, self.dtype, Traffic()).values())
 
 

@@ -36,10 +36,11 @@ from dm_cli.units import parse_dtype
 if TYPE_CHECKING:  # annotations only
     from dm_cli.model.sources import ComponentSource
 
-TRACE_FORMAT_VERSION = 7  # 2: lists given to modules are no longer copied (the Wan VAE cache); 3: weightless
+TRACE_FORMAT_VERSION = 8  # 2: lists given to modules are no longer copied (the Wan VAE cache); 3: weightless
 # modules are no provenance boundary; 4: they are again, and the planner gives a hook (a device_map key) to each
 # one a split module's forward combines (LTX-2's norm_out); 5: module_outputs (a LoRA's transients scale with them);
-# 6: work (FLOPs, bytes, ops: the step-time prediction); 7: work counts attention's query rows and convolutions apart
+# 6: work (FLOPs, bytes, ops: the step-time prediction); 7: work counts attention's query rows and convolutions apart;
+# 8: and the work outside the block lists (every pipeline rank's)
 WEIGHTS_ONLY_SIZE = 64  # pixels: order and split checks do not depend on size; small fits every model (tiny SD3 pos_embed too)
 
 

@@ -9,14 +9,17 @@ torch is imported inside functions only: importing this module (and `dmap --help
 
 from __future__ import annotations
 
+import re
 import sys
 from functools import lru_cache
 
 from dm_cli.devices import map_entry, normalise_map
+from dm_cli.planning.parallel import PIPELINE_LISTS
 from dm_cli.planning.storages import LiveStorages
 
 _TAG = "_dmap_tag"
 _META = "meta"  # the one place a trace counts activations against
+_BLOCK_ENTRY = re.compile(rf"(?:{'|'.join(PIPELINE_LISTS)})\.[0-9]+")  # a block of the lists a pipeline cuts
 
 
 def _iter_tensors(value, torch):
@@ -204,6 +207,8 @@ class _OpAccounting:
                     self.set_tag(tensor, tag)
         if self.track_memory:
             self.count_work(func, args, kwargs, inputs, out)
+            if not any(_BLOCK_ENTRY.fullmatch(frame[0]) for frame in self.stack):  # the embedders, the output layers
+                self.count_outside(func, args, kwargs, inputs, out)
             for tensor in outputs:
                 self.memory.count(tensor, _META)
             live = self.memory.live[_META]
@@ -234,6 +239,21 @@ class _OpAccounting:
                 pass
         outputs = list(_iter_tensors(out, self.torch))
         self.work["other_bytes"] += sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
+
+    def count_outside(self, func, args, kwargs, inputs, out) -> None:
+        """The op again in `work`'s `outside_*` keys when no block of a block list runs (the modules before and after
+        the blocks): what every rank of a pipeline runs whatever its slice (the step-time prediction's slices)."""
+        if getattr(func, "is_view", False):
+            return
+        self.work["outside_ops"] += 1
+        formula = self._flop_formulas.get(getattr(func, "_overloadpacket", None))
+        if formula is not None:
+            try:
+                self.work["outside_flops"] += int(formula(*args, **kwargs, out_val=out))
+                return
+            except Exception:  # noqa: BLE001 - as count_work: counted as bytes
+                pass
+        self.work["outside_bytes"] += sum(t.numel() * t.element_size() for t in (*inputs, *_iter_tensors(out, self.torch)))
 
     def fused_attention(self, query, key, value, attn_mask=None, *args, **kwargs):
         """What fused SDPA kernels allocate: the output only (the meta decomposition would materialise n^2)."""
@@ -282,7 +302,7 @@ class _Session(_ModuleHooks, _OpAccounting):
         # other ops read and write (memory-bound), and the ops dispatched (each costs the host a fixed time)
         self.work = {"matmul_flops": 0, "matmul_ops": 0, "attention_flops": 0, "attention_ops": 0,
                      "attention_scores": 0, "attention_rows": 0, "conv_flops": 0, "conv_ops": 0, "other_bytes": 0,
-                     "ops": 0}
+                     "ops": 0, "outside_ops": 0, "outside_flops": 0, "outside_bytes": 0}
         self._flop_formulas = None
         # tags
         self.recolor: dict[str, frozenset] = {}  # module prefix -> tag its inputs get at entry

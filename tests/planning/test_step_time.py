@@ -401,3 +401,17 @@ def test_ulysses_and_cfg_pay_the_collectives_latency():
                                                                                          message)
              for cand in (Candidate("cfg", cfg=2), Candidate("context", ulysses=2))}
     assert extra == pytest.approx({"cfg": 9e-4, "context": (4 * 6 + 1) * 9e-4})
+
+
+def test_every_pipeline_slice_runs_the_modules_outside_the_blocks():
+    """A slice's call is its share of the blocks plus all the work outside the block lists (the embedders and output
+    layers, which every rank of a pipeline runs; the trace counts them apart: test_trace.py)."""
+    from dm_cli.planning.step_time import RankCompute
+
+    work = CallWork(matmul_flops=1e9, attention_flops=0.0, other_bytes=0.0, ops=1000, weight_bytes=0, matmul_ops=0,
+                    outside_ops=200, outside_flops=2e8)
+    profile = hand_profile(matmul_tflops={"bfloat16": 1e-3})
+    whole, half = RankCompute(work, profile, "bfloat16").call_s(), RankCompute(work, profile, "bfloat16").call_s(
+        0.5, divide_ops=True)
+    assert half == pytest.approx((800 / 2 + 200) * 1e-3 + (8e8 / 2 + 2e8) / 1e9)
+    assert half > whole / 2

@@ -75,6 +75,15 @@ def test_flux_tiny_execution_order():
     assert order[-2:] == ["norm_out.linear", "proj_out"]
 
 
+def test_flux_tiny_work_outside_the_blocks_is_counted_apart():
+    """The embedders and output layers (what every rank of a pipeline runs, whatever its slice): part of the call's
+    ops and FLOPs, counted again apart."""
+    comp, pipeline = component("tiny-flux", "transformer")
+    work = trace_component(comp, pipeline, SMALL, "bf16").work
+    assert 0 < work["outside_ops"] < work["ops"] / 2 and 0 < work["outside_flops"] < work["matmul_flops"] / 2
+    assert 0 < work["outside_bytes"] < work["other_bytes"]
+
+
 def test_vae_traces_decode_and_lists_the_unused_encoder_last():
     comp, pipeline = component("tiny-sdxl", "vae")
     trace = trace_component(comp, pipeline, SMALL, "fp32")
