@@ -256,6 +256,19 @@ def _gloo_link(torch, sizes: "CalibrationSizes") -> tuple[float, float, float]:
             peer.kill()
 
 
+def _cpu_link(torch, sizes: "CalibrationSizes", memory: float, gpu: bool, say) -> tuple[float, str, float, float]:
+    """(GB/s, in words, seconds per message, seconds per collective) of the link between two ranks of this machine:
+    CPU ranks (torchrun, one CPU standing for each GPU of a plan) exchange over gloo; otherwise the memory for now
+    (a GPU's link is measured after)."""
+    if gpu or not sizes.link_mib:
+        return memory, "one device: its memory", 0.0, 0.0
+    say(f"Measuring gloo between two processes ({sizes.link_mib} MiB and one-float messages, all-to-alls)")
+    gbps, latency, collective = _gloo_link(torch, sizes)
+    if not gbps:
+        return memory, "one device: its memory", 0.0, 0.0
+    return gbps, "gloo between two processes of this machine (loopback)", latency, collective
+
+
 def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
               on_progress=None) -> DeviceProfile:
     """Measure the device (`device`: "cpu", "cuda:0"; None: the first GPU, else the CPU) into a profile."""
@@ -310,12 +323,7 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
         hook = _hook_seconds(torch, target, timed, sizes.repeats, sync)
         say("Measuring offloaded weights read back from a safetensors file")
         stream = _stream_gbps(torch, sizes, timed)
-        host, link, words, latency, collective = stream, memory, "one device: its memory", 0.0, 0.0
-        if not gpu and sizes.link_mib:  # CPU ranks (torchrun, one CPU standing for each GPU of a plan) exchange over gloo
-            say(f"Measuring gloo between two processes ({sizes.link_mib} MiB and one-float messages, all-to-alls)")
-            gbps, latency, collective = _gloo_link(torch, sizes)
-            if gbps:
-                link, words = gbps, "gloo between two processes of this machine (loopback)"
+        host, (link, words, latency, collective) = stream, _cpu_link(torch, sizes, memory, gpu, say)
         if gpu:
             say("Measuring host -> GPU copies")
             pinned = torch.ones(elements, pin_memory=True)
