@@ -1,10 +1,12 @@
 """Benchmark: the step time `dmap plan` predicts against what `dmap run` measures, case by case, on this CPU (issue 42).
 
-First `dmap calibrate` measures this CPU into a profile (one torch thread: OMP_NUM_THREADS=1 for every process here,
-so that two helpers' runs on a shared machine do not fight over threads). Then for each case (family x size x layout):
-`dmap plan ... --profile P --steps S --json` gives the predicted seconds per denoising step; the same case is
-measured in a fresh process (below), --repeats times, and the median run kept; the plan is given the measured
-prompt (`--prompt`: Qwen-Image and Z-Image run the text at its length). Error = predicted / measured - 1.
+In rounds (--repeats, 3): each round `dmap calibrate` measures this CPU into a profile (one torch thread:
+OMP_NUM_THREADS=1 for every process here), then every case (family x size x layout) once: `dmap plan ... --profile
+P --steps S --json` gives the predicted seconds per denoising step, and the same case is measured in a fresh process
+(below); the plan is given the measured prompt (`--prompt`: Qwen-Image and Z-Image run the text at its length).
+Error = the median over the rounds of each round's predicted / measured, less 1: this machine's speed drifts by a
+third over minutes (the same run 65 to 100 ms a step), and a round pairs each measurement with a profile measured
+minutes before, where repeats in a row put one case's runs all in one spell.
 
 Layouts: resident (everything on the CPU), split (two simulated GPUs, `--simulate`: the denoiser's blocks over two
 devices of this CPU), offload (a simulated GPU too small for the denoiser: its weights stream in every step from the
@@ -19,7 +21,7 @@ torch thread it does all the work; other processes on a shared machine do not in
 cfg`, `context` or `pipeline` (gloo, one torch thread per rank: each rank's CPU stands for its GPU of the plan, so
 the calibrated link is gloo between two processes). Each layout's seconds per image-step are the denoise stage
 (`dmap run --json`; the shortest of the ranks that report it: a rank that started first also waited for the other's
-loading) at S2 steps less at S1 (--rank-steps, 2 and 10), over (S2 - S1) x prompts, on the wall clock (the ranks
+loading) at S2 steps less at S1 (--rank-steps, 2 and 20), over (S2 - S1) x prompts, on the wall clock (the ranks
 wait on each other: a CPU clock would miss it), so they need a quiet machine; the prediction is `dmap plan
 --world-size 2 --parallel LAYOUT`'s `predicted_time.layouts`. Then `--parallel auto`'s pick and reason against the
 measured fastest layout ("one" stands for auto's split: one process), judged where the fastest is at least 10% faster
@@ -27,7 +29,7 @@ than the next, among the layouts for one prompt (auto picks the pipeline only wh
 fits: it speeds up a queue, and one prompt alone runs at the split's speed).
 
 Usage: OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_predict.py [--repeats 3] [--cases a,b] [--steps 2,6]
-       [--rank-steps 2,10]
+       [--rank-steps 2,20]
 """
 
 from __future__ import annotations
@@ -160,83 +162,101 @@ def denoise_seconds(where: str, extra: list[str], layout: str, prompts: int, ste
     return min(seconds)
 
 
-def measure_ranks(where: str, extra: list[str], layout: str, prompts: int, s1: int, s2: int, repeats: int,
-                  work: Path, env: dict) -> list[float]:
-    """Seconds per image-step of `layout`, `repeats` times: the denoise stage at S2 steps less at S1, over (S2 - S1) x
-    prompts (what the first step's warm-up, the encoders' broadcast and the pipeline's fill and drain cost cancels).
-    S1 is launched once (the fixed part it cancels), S2 `repeats` times: a launch is seconds of imports and loading."""
+def measure_ranks(where: str, extra: list[str], layout: str, prompts: int, s1: int, s2: int, work: Path,
+                  env: dict) -> float:
+    """Seconds per image-step of `layout`: the denoise stage at S2 steps less at S1, over (S2 - S1) x prompts (what
+    the first step's warm-up, the encoders' broadcast and the pipeline's fill and drain cost cancels)."""
     short = denoise_seconds(where, extra, layout, prompts, s1, work, env)
-    return [(denoise_seconds(where, extra, layout, prompts, s2, work, env) - short) / ((s2 - s1) * prompts)
-            for _ in range(repeats)]
+    return (denoise_seconds(where, extra, layout, prompts, s2, work, env) - short) / ((s2 - s1) * prompts)
 
 
-def rank_group(name: str, sources: dict, profile: str, s1: int, s2: int, repeats: int, work: Path,
-               env: dict) -> list[tuple]:
-    """One 2-rank group: per layout the predicted and measured seconds per image-step (printed as rows), then what
-    `--parallel auto` picks against the measured fastest. Returns the rows (name, predicted, measured, error)."""
+def rank_round(name: str, sources: dict, profile: str, s1: int, s2: int, work: Path, env: dict) -> dict:
+    """One round of a 2-rank group: layout -> (predicted, measured) seconds per image-step, and "auto" -> the layout
+    `--parallel auto` picks ("one" for its split, which runs as one rank would) with its reason."""
     source, extra, layouts = RANK_GROUPS[name]
     where = sources[source]
     common = [*extra, "--profile", profile, "--steps", str(s2), "--prompt", PROMPT.format(0), "--no-check", "--json"]
-    rows, measured = [], {}
+    ranks = ["--max-memory", RANK_MEMORY, "--world-size", "2", "--parallel"]
+    found = {}
     for layout, prompts in layouts.items():
         if layout == "one":
-            planned = dmap("plan", where, *common, env=env)
-            predicted = (planned.get("predicted_time") or {}).get("step_s")
+            predicted = (dmap("plan", where, *common, env=env).get("predicted_time") or {}).get("step_s")
         else:
-            planned = dmap("plan", where, *common, "--max-memory", RANK_MEMORY, "--world-size", "2", "--parallel",
-                           layout, env=env)
+            planned = dmap("plan", where, *common, *ranks, layout, env=env)
             predicted = (((planned.get("predicted_time") or {}).get("layouts") or {}).get(layout) or {}).get("step_s")
-        runs = measure_ranks(where, extra, layout, prompts, s1, s2, repeats, work, env)
-        seconds = statistics.median(runs)
+        found[layout] = (predicted, measure_ranks(where, extra, layout, prompts, s1, s2, work, env))
+    auto = dmap("plan", where, *common, *ranks, "auto", env=env).get("parallel") or {}
+    found["auto"] = ("one" if auto.get("layout") == "split" else auto.get("layout"), auto.get("reason", ""))
+    return found
+
+
+def one_round(name: str, sources: dict, profile: str, s2: int, env: dict) -> dict | None:
+    """One round of a one-process case: the plan's prediction and one measurement (None: no prediction)."""
+    source, extra, prompts = CASES[name]
+    where = sources[source]
+    plan_args = [a for a in extra if a not in RUN_ONLY]
+    planned = dmap("plan", where, *plan_args, "--steps", str(s2), "--queue", str(prompts), "--profile", profile,
+                   "--prompt", PROMPT.format(0), "--no-check", "--json", env=env)
+    predicted = planned.get("predicted_time")
+    if not predicted:  # no family or no trace: nothing to compare
+        print(f"| {name} | no prediction: {' '.join(planned.get('warnings', []))[:200]} |||||", flush=True)
+        return None
+    return {"predicted": predicted, **measure_in_process(where, extra, prompts, s2, env)}
+
+
+def _error(pairs: list[tuple[float, float]]) -> float:
+    """predicted / measured - 1, the median over the rounds of each round's own ratio (a round's prediction is on
+    the profile calibrated just before it: the machine's speed drifts over minutes, and each pair shares one speed)."""
+    return statistics.median(p / m for p, m in pairs) - 1
+
+
+def report_one(name: str, found: list[dict]) -> tuple:
+    """A one-process case's row over its rounds; returns (name, predicted, measured, error, simulated)."""
+    predicted = statistics.median(r["predicted"]["step_s"] for r in found)
+    cpu = statistics.median(r["cpu_step_s"] for r in found)
+    wall = statistics.median(r["wall_step_s"] for r in found)
+    error = _error([(r["predicted"]["step_s"], r["cpu_step_s"]) for r in found])
+    wall_error = _error([(r["predicted"]["step_s"], r["wall_step_s"]) for r in found])
+    simulated = "--simulate" in CASES[name][1]
+    top = sorted(found[-1]["predicted"]["step_terms_s"].items(), key=lambda item: -item[1])[:2]
+    spread = f"{min(r['cpu_step_s'] for r in found):.4f}-{max(r['cpu_step_s'] for r in found):.4f}"
+    print(f"| {name}{' (simulated)' if simulated else ''} | {predicted:.4f} | {cpu:.4f} ({spread}) | {error:+.0%} | "
+          f"{wall:.4f} | {wall_error:+.0%} | {', '.join(f'{k} {v:.3g}' for k, v in top)} |", flush=True)
+    return name, predicted, cpu, error, simulated
+
+
+def report_ranks(name: str, found: list[dict]) -> list[tuple]:
+    """A 2-rank group's rows over its rounds, then auto's pick against the measured fastest layout for one prompt
+    (auto picks the pipeline only where no layout that shares every step fits: it speeds up a queue, and one prompt
+    alone runs at the split's speed). Returns the rows (name, predicted, measured, error, False)."""
+    rows, measured = [], {}
+    for layout, prompts in RANK_GROUPS[name][2].items():
+        pairs = [r[layout] for r in found]
+        seconds = statistics.median(m for _, m in pairs)
         measured[layout] = seconds
-        error = predicted / seconds - 1 if predicted else None
-        rows.append((f"{name} {layout}", predicted, seconds, error))
-        spread = f"{min(runs):.4f}-{max(runs):.4f}"
+        usable = [(p, m) for p, m in pairs if p and m > 0]
+        predicted = statistics.median(p for p, _ in usable) if usable else None
+        error = _error(usable) if usable else None
+        if error is not None:
+            rows.append((f"{name} {layout}", predicted, seconds, error, False))
+        spread = f"{min(m for _, m in pairs):.4f}-{max(m for _, m in pairs):.4f}"
         print(f"| {name} {layout}{' (queue of 2, per image-step)' if prompts > 1 else ''} | "
-              f"{predicted if predicted is None else f'{predicted:.4f}'} | {seconds:.4f} ({spread}) | "
+              f"{'-' if predicted is None else f'{predicted:.4f}'} | {seconds:.4f} ({spread}) | "
               f"{'-' if error is None else f'{error:+.0%}'} | (wall, denoise stage) | | |", flush=True)
-    auto = dmap("plan", where, *common, "--max-memory", RANK_MEMORY, "--world-size", "2", "--parallel", "auto",
-                env=env).get("parallel") or {}
-    picked = "one" if auto.get("layout") == "split" else auto.get("layout")  # the split runs as one rank would
-    # auto chooses for one prompt: among the layouts that share every step, the pipeline only when none fits (it
-    # speeds up a queue; one prompt alone runs at the split's speed), so it is judged among those
+    picks = [r["auto"] for r in found]
+    picked, reason = max(picks, key=lambda pick: sum(p[0] == pick[0] for p in picks))  # the most rounds' pick
     ranked = sorted((layout for layout in measured if layout != "pipeline" or picked == "pipeline"), key=measured.get)
     margin = measured[ranked[1]] / measured[ranked[0]] - 1 if len(ranked) > 1 else 0.0
     verdict = ("right" if picked == ranked[0] else "WRONG") if margin >= 0.10 else "no clear fastest (<10%)"
-    print(f"  auto on {name}: picks {picked} ({auto.get('reason', '')}); measured fastest {ranked[0]}, "
-          f"{margin:.0%} faster than {ranked[1] if len(ranked) > 1 else '-'}: {verdict}", flush=True)
+    print(f"  auto on {name}: picks {picked} in {sum(p[0] == picked for p in picks)} of {len(picks)} rounds ({reason}); "
+          f"measured fastest {ranked[0]}, {margin:.0%} faster than {ranked[1] if len(ranked) > 1 else '-'}: {verdict}",
+          flush=True)
     return rows
 
 
-def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--measure":
-        print(json.dumps(measure(json.loads(sys.argv[2]))))
-        return
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="runs per case, the median kept")
-    parser.add_argument("--cases", default=",".join([*CASES, *RANK_GROUPS]),
-                        help=f"comma-separated; one-process cases: {', '.join(CASES)}; 2-rank groups: "
-                             f"{', '.join(RANK_GROUPS)}")
-    parser.add_argument("--steps", default="2,6", help="the two step counts S1,S2")
-    parser.add_argument("--rank-steps", default="2,10", help="the 2-rank groups' step counts S1,S2 (whole launches "
-                        "differenced: more steps than --steps, so that the steps outweigh a launch's noise)")
-    parser.add_argument("--profile", help="use this profile instead of calibrating")
-    args = parser.parse_args()
-    s1, s2 = (int(x) for x in args.steps.split(","))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    work = Path(tempfile.mkdtemp(prefix="dmap-bench-predict-"))
-    profile = args.profile or str(work / "profile.json")
-    print(f"load average before: {os.getloadavg()}", flush=True)
-    print("| case | predicted s/step | measured s/step (CPU clock) | error | measured s/step (wall) | error (wall) "
-          "| largest predicted terms |\n|---|---|---|---|---|---|---|", flush=True)
-    if not args.profile:
-        subprocess.run([*DMAP, "calibrate", "-o", profile], check=True, env=env, cwd=REPO)
+def sources_for(names: list[str], work: Path, env: dict) -> dict:
+    """Each case's SOURCE: the demo, or a tiny preset written with random weights."""
     sources = {}
-    rows = []
-    names = args.cases.split(",")
-    unknown = [n for n in names if n not in CASES and n not in RANK_GROUPS]
-    if unknown:
-        raise SystemExit(f"unknown case(s) {', '.join(unknown)}: use {', '.join([*CASES, *RANK_GROUPS])}")
     for name in names:
         source = (CASES.get(name) or RANK_GROUPS[name])[0]
         if source != "demo" and source not in sources:
@@ -245,34 +265,54 @@ def main() -> None:
                            capture_output=True)
             sources[source] = str(folder)
         sources.setdefault(source, source)
-    rank_rows = []
+    return sources
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--measure":
+        print(json.dumps(measure(json.loads(sys.argv[2]))))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="rounds: each calibrates, then measures every case once")
+    parser.add_argument("--cases", default=",".join([*CASES, *RANK_GROUPS]),
+                        help=f"comma-separated; one-process cases: {', '.join(CASES)}; 2-rank groups: "
+                             f"{', '.join(RANK_GROUPS)}")
+    parser.add_argument("--steps", default="2,6", help="the two step counts S1,S2")
+    parser.add_argument("--rank-steps", default="2,20", help="the 2-rank groups' step counts S1,S2 (whole launches "
+                        "differenced: more steps than --steps, so that the steps outweigh a launch's noise)")
+    parser.add_argument("--profile", help="use this profile instead of calibrating")
+    args = parser.parse_args()
+    s2 = int(args.steps.split(",")[1])
+    r1, r2 = (int(x) for x in args.rank_steps.split(","))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    work = Path(tempfile.mkdtemp(prefix="dmap-bench-predict-"))
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in CASES and n not in RANK_GROUPS]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {', '.join(unknown)}: use {', '.join([*CASES, *RANK_GROUPS])}")
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    sources = sources_for(names, work, env)
+    found: dict[str, list] = {name: [] for name in names}
+    for round_ in range(args.repeats):  # rounds, not repeats in a row: a slow spell of the machine spreads over all
+        profile = args.profile or str(work / f"profile-{round_}.json")
+        if not args.profile:
+            subprocess.run([*DMAP, "calibrate", "-o", profile, "--overwrite"], check=True, env=env, cwd=REPO)
+        for name in names:
+            got = (rank_round(name, sources, profile, r1, r2, work, env) if name in RANK_GROUPS
+                   else one_round(name, sources, profile, s2, env))
+            if got is not None:
+                found[name].append(got)
+        print(f"round {round_ + 1} of {args.repeats} done, load average {os.getloadavg()}", flush=True)
+    print("| case | predicted s/step | measured s/step (CPU clock) | error | measured s/step (wall) | error (wall) "
+          "| largest predicted terms |\n|---|---|---|---|---|---|---|", flush=True)
+    rows, rank_rows = [], []
     for name in names:
-        if name in RANK_GROUPS:
-            r1, r2 = (int(x) for x in args.rank_steps.split(","))
-            rank_rows += rank_group(name, sources, profile, r1, r2, args.repeats, work, env)
-            continue
-        source, extra, prompts = CASES[name]
-        where = sources[source]
-        plan_args = [a for a in extra if a not in RUN_ONLY]
-        planned = dmap("plan", where, *plan_args, "--steps", str(s2), "--queue", str(prompts), "--profile", profile,
-                       "--prompt", PROMPT.format(0), "--no-check", "--json", env=env)
-        predicted = planned.get("predicted_time")
-        if not predicted:  # no family or no trace: nothing to compare
-            print(f"| {name} | no prediction: {' '.join(planned.get('warnings', []))[:200]} |||||", flush=True)
-            continue
-        runs = [measure_in_process(where, extra, prompts, s2, env) for _ in range(args.repeats)]
-        cpu = statistics.median(r["cpu_step_s"] for r in runs)
-        wall = statistics.median(r["wall_step_s"] for r in runs)
-        error = predicted["step_s"] / cpu - 1
-        simulated = "--simulate" in extra
-        rows.append((name, predicted["step_s"], cpu, error, simulated))
-        top = sorted(predicted["step_terms_s"].items(), key=lambda item: -item[1])[:2]
-        spread = f"{min(r['cpu_step_s'] for r in runs):.4f}-{max(r['cpu_step_s'] for r in runs):.4f}"
-        print(f"| {name}{' (simulated)' if simulated else ''} | {predicted['step_s']:.4f} | {cpu:.4f} ({spread}) | "
-              f"{error:+.0%} | {wall:.4f} | {predicted['step_s'] / wall - 1:+.0%} | "
-              f"{', '.join(f'{k} {v:.3g}' for k, v in top)} |", flush=True)
+        if found[name]:
+            if name in RANK_GROUPS:
+                rank_rows += report_ranks(name, found[name])
+            else:
+                rows.append(report_one(name, found[name]))
     print(f"load average after: {os.getloadavg()}")
-    rank_rows = [(r[0], r[1], r[2], r[3], False) for r in rank_rows if r[3] is not None]
     for label, chosen in (("goal cases (not simulated)", [r for r in rows if not r[4]] + rank_rows),
                           ("of them on 2 ranks (groups)", rank_rows), ("all cases", rows + rank_rows)):
         errors = [abs(r[3]) for r in chosen]
