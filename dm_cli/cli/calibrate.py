@@ -39,6 +39,8 @@ def calibrate(
     say(f"{profile.name}: matmul TFLOP/s {rates}; attention TFLOP/s {attention}; memory {profile.memory_gbps:.3g} "
         f"GB/s; host copies {profile.host_gbps:.3g} GB/s; link {profile.link_gbps:.3g} GB/s ({profile.link}); "
         f"{profile.op_seconds * 1e6:.3g} us per op"
-        + (f"; {profile.link_latency_s * 1e6:.3g} us per message on the link." if profile.link_latency_s else "."))
+        + (f"; {profile.link_latency_s * 1e6:.3g} us per message on the link" if profile.link_latency_s else "")
+        + (f"; an all-to-all {profile.collective_latency_s * 1e6:.3g} us and {profile.collective_gbps:.3g} GB/s."
+           if profile.collective_latency_s else "."))
     say(f"Profile written to {path}" + ("" if output else " (dmap plan reads it from there)") + ".")
     return 0

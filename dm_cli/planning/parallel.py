@@ -94,6 +94,7 @@ class ParallelRequest:
     in_flight: int | None = None  # pipeline: micro-batches in flight (None: the world size)
     link_latency_s: float = 0.0  # seconds per exchange on the link (a message's fixed cost; 0: bytes alone)
     collective_latency_s: float = 0.0  # seconds per collective (all-to-all, gather) beyond its bytes; 0: link_latency_s
+    collective_gbps: float = 0.0  # the rate of a collective's bytes (calibrated between CPU ranks); 0: link_gbps
     # the detailed model of a call on one rank (step_time.RankCompute: a calibrated profile's); None: FLOPs at
     # device_tflops. Not a user setting: plan_prediction.rated_for_plan fills it in from the traced denoiser.
     compute: object = None
@@ -133,8 +134,12 @@ class ParallelRequest:
             if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency <= 1:
                 raise UsageError(f"the link's latency must be a number of seconds from 0 to 1, not "
                                  f"{shorten(latency, quote=True)}.")
+        rate = self.collective_gbps
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or not 0 <= rate <= 1e6:
+            raise UsageError(f"the collectives' rate must be a number of GB/s from 0 to 1e6, not {shorten(rate, quote=True)}.")
         return replace(self, choice=choice, device_tflops=float(self.device_tflops), link_gbps=float(self.link_gbps),
-                       link_latency_s=float(self.link_latency_s), collective_latency_s=float(self.collective_latency_s))
+                       link_latency_s=float(self.link_latency_s), collective_latency_s=float(self.collective_latency_s),
+                       collective_gbps=float(rate))
 
     @property
     def planned_in_flight(self) -> int:
@@ -443,10 +448,14 @@ def step_seconds(cand: Candidate, shape: DenoiserShape, guidance: Guidance, load
     else:
         seconds = compute / (cand.cfg * cand.ulysses)
     latency = request.collective_latency_s or request.link_latency_s
+    link = (request.collective_gbps or request.link_gbps) * 1e9  # what the collectives' bytes move at
     if cand.ulysses > 1:
         u = cand.ulysses
         per_layer = 4 * (shape.split_tokens / u) * shape.hidden * shape.element_bytes * (u - 1) / u
         seconds += per_layer * shape.layers * batch * calls / link
+        if model is not None:  # q, k, v and out copied into the all-to-all's layout and back: read and written twice
+            tensor = (shape.split_tokens / u) * shape.hidden * shape.element_bytes
+            seconds += model.copy_s(ULYSSES_MESSAGES * 2 * 2 * tensor * shape.layers * batch * calls)
         seconds += (ULYSSES_MESSAGES * shape.layers + 1) * calls * (u - 1) * latency
     if cand.cfg > 1:
         seconds += shape.prediction_bytes / link + latency

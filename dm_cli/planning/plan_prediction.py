@@ -58,8 +58,9 @@ def with_profile_rates(options):
     link = request.link_gbps if request.link_gbps is not None else profile.link_gbps
     latency = profile.link_latency_s if request.link_gbps is None else 0.0
     collective = profile.collective_latency_s if request.link_gbps is None else 0.0
+    collective_gbps = profile.collective_gbps if request.link_gbps is None else 0.0
     return replace(options, parallel=replace(request, device_tflops=tflops, link_gbps=link, link_latency_s=latency,
-                                             collective_latency_s=collective))
+                                             collective_latency_s=collective, collective_gbps=collective_gbps))
 
 
 def rated_for_plan(parallel: tuple, given, dtype: str, prepared) -> tuple:
@@ -94,7 +95,7 @@ def rated_for_plan(parallel: tuple, given, dtype: str, prepared) -> tuple:
             tflops = min(max(flops / seconds / 1e12, 1e-9), 1e6)
     request = replace(options.parallel, device_tflops=tflops, link_gbps=rated.link_gbps,
                       link_latency_s=rated.link_latency_s, collective_latency_s=rated.collective_latency_s,
-                      compute=compute)
+                      collective_gbps=rated.collective_gbps, compute=compute)
     return replace(options, parallel=request), family, guidance, shape
 
 

@@ -61,6 +61,7 @@ class DeviceProfile:
     # seconds per collective between two CPU ranks beyond its bytes (an all-to-all of two floats as diffusers' Ulysses
     # attention makes it: functional collectives and a wait, several messages' cost); 0: the link's latency
     collective_latency_s: float = 0.0
+    collective_gbps: float = 0.0  # that all-to-all's rate (the bytes a rank sends over its extra seconds); 0: link_gbps
 
     def rate(self, table: dict[str, float], dtype: str) -> float:
         """TFLOP/s at `dtype`, else at the nearest dtype measured (half precision for half, else float32)."""
@@ -99,7 +100,8 @@ class DeviceProfile:
                 **({"row_seconds": dict(self.row_seconds)} if self.row_seconds else {}),
                 **({"conv_curve": self.conv_curve} if self.conv_curve else {}),
                 **({"link_latency_s": self.link_latency_s} if self.link_latency_s else {}),
-                **({"collective_latency_s": self.collective_latency_s} if self.collective_latency_s else {})}
+                **({"collective_latency_s": self.collective_latency_s} if self.collective_latency_s else {}),
+                **({"collective_gbps": self.collective_gbps} if self.collective_gbps else {})}
 
     @classmethod
     def from_json(cls, data) -> "DeviceProfile":
@@ -131,7 +133,8 @@ class DeviceProfile:
                    _curves(data.get("conv_curve", {}), "conv_curve"),
                    _rate(data.get("link_latency_s"), "its link_latency_s", 1.0) if "link_latency_s" in data else 0.0,
                    _rate(data.get("collective_latency_s"), "its collective_latency_s", 1.0)
-                   if "collective_latency_s" in data else 0.0)
+                   if "collective_latency_s" in data else 0.0,
+                   _rate(data.get("collective_gbps"), "its collective_gbps") if "collective_gbps" in data else 0.0)
 
 
 def _seconds_table(value, what: str) -> dict[str, float]:

@@ -191,40 +191,55 @@ def _gloo_peer(port: int, mib: int, rounds: int) -> None:
             for _ in range(rounds + 1):
                 dist.recv(buffer, 0)
                 dist.send(buffer, 0)
-        _all_to_alls(torch, rounds)
+        for floats in ALL_TO_ALL_FLOATS:
+            _all_to_alls(torch, rounds, floats)
     finally:
         dist.destroy_process_group()
 
 
-def _all_to_alls(torch, rounds: int):
-    """`rounds` + 1 all-to-alls of two floats over the default group, as diffusers' Ulysses attention makes them
-    (functional collectives, then a wait): each a function to time (`_best` calls it once to warm up)."""
+ALL_TO_ALL_FLOATS = (2, 2**18)  # the two all-to-alls timed: two floats (its fixed cost), then 1 MiB (its rate)
+
+
+def _all_to_alls(torch, rounds: int, floats: int):
+    """A function making one all-to-all of `floats` floats over the default group, as diffusers' Ulysses attention
+    makes them (functional collectives, then a wait), to time `rounds` times after a warm-up (`_best`); the peer
+    (rank 1) makes its `rounds` + 1 at once."""
     import torch.distributed as dist  # lazy: torch (heavy, off start-up)
     import torch.distributed._functional_collectives as funcol  # lazy: torch (heavy, off start-up)
 
-    pair = torch.ones(2)
+    tensor = torch.ones(floats)
 
     def all_to_all():
-        funcol.wait_tensor(funcol.all_to_all_single(pair, None, None, dist.group.WORLD))
+        funcol.wait_tensor(funcol.all_to_all_single(tensor, None, None, dist.group.WORLD))
 
-    if dist.get_rank() == 1:  # the peer: as many as rank 0 times
+    if dist.get_rank() == 1:
         for _ in range(rounds + 1):
             all_to_all()
     return all_to_all
 
 
-def _gloo_link(torch, sizes: "CalibrationSizes") -> tuple[float, float, float]:
-    """(GB/s, seconds per message, seconds per collective) of gloo between two processes of this machine (loopback
-    TCP): what CPU ranks under torchrun exchange over (a pipeline's hops, a layout's halves and all-to-alls). A
-    spawned peer echoes messages back through torch.distributed's own calls (as `run/pipeline_links.py` sends): a
-    round trip of one float is two latencies, one of `link_mib` MiB two latencies and twice its bytes. Then
-    all-to-alls of two floats as diffusers' Ulysses makes them (functional collectives and a wait, several times a
-    message's cost). Medians, wall clock (the exchange waits on the other process). Not measured (0, 0, 0) in a
-    process that already belongs to a process group (calibrate under torchrun)."""
+@dataclass(frozen=True)
+class GlooLink:
+    """What `_gloo_link` measured (zeros: not measured)."""
+
+    gbps: float = 0.0
+    latency_s: float = 0.0  # a point-to-point message's fixed cost
+    collective_latency_s: float = 0.0  # an all-to-all's fixed cost
+    collective_gbps: float = 0.0  # an all-to-all's rate: the bytes a rank sends the other over its extra seconds
+
+
+def _gloo_link(torch, sizes: "CalibrationSizes") -> GlooLink:
+    """Gloo between two processes of this machine (loopback TCP): what CPU ranks under torchrun exchange over (a
+    pipeline's hops, a layout's halves and all-to-alls). A spawned peer echoes messages back through
+    torch.distributed's own calls (as `run/pipeline_links.py` sends): a round trip of one float is two latencies, one
+    of `link_mib` MiB two latencies and twice its bytes. Then all-to-alls as diffusers' Ulysses makes them
+    (functional collectives and a wait): of two floats, several times a message's cost, and of 1 MiB, whose extra
+    seconds over the half a rank sends give their rate. Medians, wall clock (the exchange waits on the other
+    process). Not measured in a process that already belongs to a process group (calibrate under torchrun)."""
     import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
     if dist.is_initialized():
-        return 0.0, 0.0, 0.0
+        return GlooLink()
     with socket.socket() as probe:  # a free port for the pair's store
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -244,29 +259,30 @@ def _gloo_link(torch, sizes: "CalibrationSizes") -> tuple[float, float, float]:
                     dist.recv(buffer, 1)
 
                 times.append(_best(round_trip, sizes.link_rounds, lambda: None))
-            collective = _best(_all_to_alls(torch, sizes.link_rounds), sizes.link_rounds, lambda: None)
+            small, large = (_best(_all_to_alls(torch, sizes.link_rounds, floats), sizes.link_rounds, lambda: None)
+                            for floats in ALL_TO_ALL_FLOATS)
         finally:
             dist.destroy_process_group()
-        latency = times[0] / 2
         moved = 2 * sizes.link_mib * 2**20
-        return moved / max(times[1] - times[0], times[1] / 10) / 1e9, latency, collective  # a noisy small one: at most 10x
+        sent = ALL_TO_ALL_FLOATS[1] * 4 / 2  # half of each rank's tensor goes to the other
+        return GlooLink(moved / max(times[1] - times[0], times[1] / 10) / 1e9, times[0] / 2, small,  # a noisy small
+                        sent / max(large - small, large / 10) / 1e9)  # one: at most 10x
     finally:
         peer.join(timeout=30)
         if peer.is_alive():
             peer.kill()
 
 
-def _cpu_link(torch, sizes: "CalibrationSizes", memory: float, gpu: bool, say) -> tuple[float, str, float, float]:
-    """(GB/s, in words, seconds per message, seconds per collective) of the link between two ranks of this machine:
-    CPU ranks (torchrun, one CPU standing for each GPU of a plan) exchange over gloo; otherwise the memory for now
-    (a GPU's link is measured after)."""
-    if gpu or not sizes.link_mib:
-        return memory, "one device: its memory", 0.0, 0.0
-    say(f"Measuring gloo between two processes ({sizes.link_mib} MiB and one-float messages, all-to-alls)")
-    gbps, latency, collective = _gloo_link(torch, sizes)
-    if not gbps:
-        return memory, "one device: its memory", 0.0, 0.0
-    return gbps, "gloo between two processes of this machine (loopback)", latency, collective
+def _cpu_link(torch, sizes: "CalibrationSizes", memory: float, gpu: bool, say) -> tuple[str, GlooLink]:
+    """(in words, what was measured) of the link between two ranks of this machine: CPU ranks (torchrun, one CPU
+    standing for each GPU of a plan) exchange over gloo; otherwise the memory for now (a GPU's link is measured
+    after)."""
+    if not gpu and sizes.link_mib:
+        say(f"Measuring gloo between two processes ({sizes.link_mib} MiB and one-float messages, all-to-alls)")
+        link = _gloo_link(torch, sizes)
+        if link.gbps:
+            return "gloo between two processes of this machine (loopback)", link
+    return "one device: its memory", GlooLink(memory)
 
 
 def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
@@ -323,7 +339,8 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
         hook = _hook_seconds(torch, target, timed, sizes.repeats, sync)
         say("Measuring offloaded weights read back from a safetensors file")
         stream = _stream_gbps(torch, sizes, timed)
-        host, (link, words, latency, collective) = stream, _cpu_link(torch, sizes, memory, gpu, say)
+        host, (words, gloo) = stream, _cpu_link(torch, sizes, memory, gpu, say)
+        link = gloo.gbps
         if gpu:
             say("Measuring host -> GPU copies")
             pinned = torch.ones(elements, pin_memory=True)
@@ -345,4 +362,4 @@ def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
                          {k: round(v, 4) for k, v in attention.items()}, round(memory, 3), round(host, 3),
                          round(link, 3), words, round(op_seconds, 9), source, True, matmul_curve, attention_curve,
                          round(elementwise, 3), round(hook, 9) or 1e-9, scores, rows, conv_curve,
-                         round(latency, 9), round(collective, 9))
+                         round(gloo.latency_s, 9), round(gloo.collective_latency_s, 9), round(gloo.collective_gbps, 3))
