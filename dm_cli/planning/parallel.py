@@ -71,6 +71,9 @@ DEFAULT_DEVICE_TFLOPS = 100.0  # dense bf16 a GPU sustains in a denoiser step (a
 DEFAULT_LINK_GBPS = 25.0  # GB/s between two GPUs (PCIe 4 x16; NVLink is 10-20x more)
 HOP_MESSAGES = 3  # a pipeline hop's sends: the header, the hidden and the text hidden states (run/pipeline_links.py)
 ULYSSES_MESSAGES = 4  # all-to-alls per attention layer and call: q, k, v in, the output back
+# ops diffusers' Ulysses adds per attention layer and call (reshapes, permutes, copies, the collectives and waits):
+# 1280 aten ops a call on each rank of the FLUX demo (8 attention layers) against 949 in one process, diffusers 0.42.1
+ULYSSES_OPS_PER_LAYER = 41
 
 # Denoiser classes with a `_cp_plan` in diffusers 0.42.1 (of the families dmap knows), and the sequences it
 # splits over the ranks (each must divide by the degree): FLUX-style joint attention splits the text tokens
@@ -453,9 +456,11 @@ def step_seconds(cand: Candidate, shape: DenoiserShape, guidance: Guidance, load
         u = cand.ulysses
         per_layer = 4 * (shape.split_tokens / u) * shape.hidden * shape.element_bytes * (u - 1) / u
         seconds += per_layer * shape.layers * batch * calls / link
-        if model is not None:  # q, k, v and out copied into the all-to-all's layout and back: read and written twice
+        if model is not None:  # q, k, v and out copied into the all-to-all's layout and back (read and written
+            # twice), and the ops that does it
             tensor = (shape.split_tokens / u) * shape.hidden * shape.element_bytes
             seconds += model.copy_s(ULYSSES_MESSAGES * 2 * 2 * tensor * shape.layers * batch * calls)
+            seconds += model.ops_s(ULYSSES_OPS_PER_LAYER * shape.layers * calls)
         seconds += (ULYSSES_MESSAGES * shape.layers + 1) * calls * (u - 1) * latency
     if cand.cfg > 1:
         seconds += shape.prediction_bytes / link + latency

@@ -124,6 +124,10 @@ class RankCompute:
                            attention_rows=work.attention_rows * share, conv_flops=work.conv_flops * share)
         return sum(call_terms(part, self.profile, self.dtype, Traffic()).values())
 
+    def ops_s(self, ops: int) -> float:
+        """Seconds the host spends dispatching `ops` more ops (a layout's own: the all-to-alls' reshapes)."""
+        return ops * self.profile.op_seconds
+
     def copy_s(self, moved_bytes: float) -> float:
         """Seconds to read and write `moved_bytes` at the elementwise rate (a layout's reshuffles of activations)."""
         return moved_bytes / ((self.profile.elementwise_gbps or self.profile.memory_gbps) * 1e9)
