@@ -206,54 +206,44 @@ class _OpAccounting:
                 for tensor in outputs:
                     self.set_tag(tensor, tag)
         if self.track_memory:
-            self.count_work(func, args, kwargs, inputs, out)
-            if not any(_BLOCK_ENTRY.fullmatch(frame[0]) for frame in self.stack):  # the embedders, the output layers
-                self.count_outside(func, args, kwargs, inputs, out)
+            self.count_work(func, args, kwargs, inputs, out,
+                            outside=not any(_BLOCK_ENTRY.fullmatch(frame[0]) for frame in self.stack))
             for tensor in outputs:
                 self.memory.count(tensor, _META)
             live = self.memory.live[_META]
             if self.stack and live > self.stack[-1][1]:
                 self.stack[-1][1] = live
 
-    def count_work(self, func, args, kwargs, inputs, out) -> None:
+    def count_work(self, func, args, kwargs, inputs, out, outside: bool = False) -> None:
         """Add one dispatched op to `work`: FLOPs by torch's own formulas (torch.utils.flop_counter) for matmuls and
-        convolutions; the bytes read and written for the other ops that are not views."""
+        convolutions; the bytes read and written for the other ops that are not views. `outside`: no block of a
+        block list runs (the modules before and after the blocks), so the op counts again in the `outside_*` keys:
+        what every rank of a pipeline runs whatever its slice (the step-time prediction's slices)."""
         if self._flop_formulas is None:
             from torch.utils.flop_counter import flop_registry  # lazy: torch (heavy, off start-up)
 
             self._flop_formulas = flop_registry
         if getattr(func, "is_view", False):
             return
-        self.work["ops"] += 1
+        work = self.work
+        work["ops"] += 1
+        work["outside_ops"] += outside
         formula = self._flop_formulas.get(getattr(func, "_overloadpacket", None))
         if formula is not None:
             try:
                 flops = int(formula(*args, **kwargs, out_val=out))
-                self.work["matmul_flops"] += flops
-                self.work["matmul_ops"] += 1
+                work["matmul_flops"] += flops
+                work["matmul_ops"] += 1
+                work["outside_flops"] += flops if outside else 0
                 if "conv" in str(getattr(func, "_overloadpacket", "")):  # counted in the matmul FLOPs too
-                    self.work["conv_flops"] += flops
-                    self.work["conv_ops"] += 1
+                    work["conv_flops"] += flops
+                    work["conv_ops"] += 1
                 return
             except Exception:  # noqa: BLE001 - a formula that does not take this call: counted as bytes
                 pass
-        outputs = list(_iter_tensors(out, self.torch))
-        self.work["other_bytes"] += sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
-
-    def count_outside(self, func, args, kwargs, inputs, out) -> None:
-        """The op again in `work`'s `outside_*` keys when no block of a block list runs (the modules before and after
-        the blocks): what every rank of a pipeline runs whatever its slice (the step-time prediction's slices)."""
-        if getattr(func, "is_view", False):
-            return
-        self.work["outside_ops"] += 1
-        formula = self._flop_formulas.get(getattr(func, "_overloadpacket", None))
-        if formula is not None:
-            try:
-                self.work["outside_flops"] += int(formula(*args, **kwargs, out_val=out))
-                return
-            except Exception:  # noqa: BLE001 - as count_work: counted as bytes
-                pass
-        self.work["outside_bytes"] += sum(t.numel() * t.element_size() for t in (*inputs, *_iter_tensors(out, self.torch)))
+        moved = sum(t.numel() * t.element_size() for t in (*inputs, *_iter_tensors(out, self.torch)))
+        work["other_bytes"] += moved
+        work["outside_bytes"] += moved if outside else 0
 
     def fused_attention(self, query, key, value, attn_mask=None, *args, **kwargs):
         """What fused SDPA kernels allocate: the output only (the meta decomposition would materialise n^2)."""

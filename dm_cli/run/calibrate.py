@@ -193,7 +193,6 @@ def _gloo_peer(port: int, mib: int, rounds: int) -> None:
                 dist.send(buffer, 0)
         for floats in ALL_TO_ALL_FLOATS:
             _all_to_alls(torch, rounds, floats)
-        _all_to_alls(torch, rounds, ALL_TO_ALL_FLOATS[0], between=True)
     finally:
         dist.destroy_process_group()
 
@@ -201,36 +200,24 @@ def _gloo_peer(port: int, mib: int, rounds: int) -> None:
 ALL_TO_ALL_FLOATS = (2, 2**18)  # the two all-to-alls timed: two floats (its fixed cost), then 1 MiB (its rate)
 
 
-def _all_to_alls(torch, rounds: int, floats: int, between: bool = False):
+def _all_to_alls(torch, rounds: int, floats: int):
     """A function making one all-to-all of `floats` floats over the default group, as diffusers' Ulysses attention
     makes them (functional collectives, then a wait), to time `rounds` times after a warm-up (`_best`); the peer
-    (rank 1) makes its `rounds` + 1 at once. `between`: each after `_layer_work` (as a denoiser's layers compute
-    between their all-to-alls: a rank that finished first waits for the other's lateness too)."""
+    (rank 1) makes its `rounds` + 1 at once. (Timed after a millisecond of matmuls on both ranks, to count each rank's
+    jitter as the other's wait, one all-to-all measured 0.55 to 3.2 ms in five calibrations a minute apart: too
+    unsteady to predict with; back to back, 0.39 to 0.46 ms.)"""
     import torch.distributed as dist  # lazy: torch (heavy, off start-up)
     import torch.distributed._functional_collectives as funcol  # lazy: torch (heavy, off start-up)
 
     tensor = torch.ones(floats)
-    work = _layer_work(torch) if between else (lambda: None)
 
     def all_to_all():
-        work()
         funcol.wait_tensor(funcol.all_to_all_single(tensor, None, None, dist.group.WORLD))
 
     if dist.get_rank() == 1:
         for _ in range(rounds + 1):
             all_to_all()
     return all_to_all
-
-
-def _layer_work(torch):
-    """About a millisecond of matmuls on this CPU: a small denoiser layer's work between two all-to-alls."""
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-
-    def work():
-        for _ in range(8):
-            torch.mm(a, b)
-
-    return work
 
 
 @dataclass(frozen=True)
@@ -248,9 +235,8 @@ def _gloo_link(torch, sizes: "CalibrationSizes") -> GlooLink:
     pipeline's hops, a layout's halves and all-to-alls). A spawned peer echoes messages back through
     torch.distributed's own calls (as `run/pipeline_links.py` sends): a round trip of one float is two latencies, one
     of `link_mib` MiB two latencies and twice its bytes. Then all-to-alls as diffusers' Ulysses makes them
-    (functional collectives and a wait): of two floats, several times a message's cost (or, where more, what one
-    costs after a millisecond of matmuls on both ranks beyond those matmuls: each rank's jitter is the other's wait, as
-    between a denoiser's layers), and of 1 MiB, whose extra seconds over the half a rank sends give their rate.
+    (functional collectives and a wait): of two floats, several times a message's cost, and of 1 MiB, whose extra
+    seconds over the half a rank sends give their rate.
     Medians, wall clock (the exchange waits on the other process). Not measured in a process that already belongs to a process group (calibrate under torchrun)."""
     import torch.distributed as dist  # lazy: torch (heavy, off start-up)
 
@@ -277,9 +263,6 @@ def _gloo_link(torch, sizes: "CalibrationSizes") -> GlooLink:
                 times.append(_best(round_trip, sizes.link_rounds, lambda: None))
             small, large = (_best(_all_to_alls(torch, sizes.link_rounds, floats), sizes.link_rounds, lambda: None)
                             for floats in ALL_TO_ALL_FLOATS)
-            with_work = _best(_all_to_alls(torch, sizes.link_rounds, ALL_TO_ALL_FLOATS[0], True), sizes.link_rounds,
-                              lambda: None)
-            small = max(small, with_work - _best(_layer_work(torch), sizes.link_rounds, lambda: None))
         finally:
             dist.destroy_process_group()
         moved = 2 * sizes.link_mib * 2**20
