@@ -51,7 +51,7 @@ from dm_cli.devices import device_key, is_gpu
 from dm_cli.errors import UsageError
 from dm_cli.families.stages import DENOISE
 from dm_cli.planning.parallel import PIPELINE_CLASSES, ParallelRequest
-from dm_cli.planning.step_cache import CACHES, diffusers_config, enable
+from dm_cli.planning.step_cache import CACHES, diffusers_config, enable, resolved_lite
 from dm_cli.run.adapters import load_loras
 from dm_cli.run.component_hooks import StepCache, fused_loras
 from dm_cli.run.distributed import TerminateRaises
@@ -66,7 +66,14 @@ from dm_cli.run.pipeline_links import (
     join_all,
 )
 from dm_cli.run.stages import MainRankStages, StageLoop
-from dm_cli.run.step_cache import SliceRelay, StepCounter, StepCounts, drop_states
+from dm_cli.run.step_cache import (
+    SliceRelay,
+    StepCounter,
+    StepCounts,
+    drop_states,
+    lite_block_hook,
+    predicts_next_call,
+)
 
 PIPELINE = "pipeline"
 _BLOCK_KEY = re.compile(r"(?P<list>[A-Za-z_][\w.]*)\.(?P<index>[0-9]+)")
@@ -177,8 +184,10 @@ def cut_to_slice(model, slices: Slices, rank: int, send, receive) -> None:
         def take_inputs(_module, args, kwargs):
             from torch.utils._pytree import tree_unflatten  # lazy: torch (heavy, off start-up)
 
-            leaves, spec, tensors = _tensor_leaves(args, kwargs)
             got = receive()
+            if got is None:  # nothing sent: a predicted call whose blocks ignore their inputs (SliceForward's lite)
+                return None
+            leaves, spec, tensors = _tensor_leaves(args, kwargs)
             if len(got) != len(tensors) or any(got[n].shape != leaves[i].shape for n, i in enumerate(tensors)):
                 raise RuntimeError("The previous rank sent other inputs than this rank's first block takes: the ranks "
                                    "run different plans or inputs.")
@@ -264,16 +273,20 @@ def _same_call(call: tuple, other: tuple) -> bool:
 
 
 class SliceForward:
-    """The denoiser's forward on one rank of the pipeline (see the module's doc and `CallPairs`)."""
+    """The denoiser's forward on one rank of the pipeline (see the module's doc and `CallPairs`). `lite`: a block's
+    TaylorSeer hook in lite mode (`step_cache.lite_block_hook`): a call it predicts sends no activations on, since
+    every block returns zeros and the last rank's `proj_out` predicts alone; each rank reads the same rule at the
+    same step, so the ranks skip the same messages."""
 
-    def __init__(self, forward, loop: "PipelineStageLoop"):
-        self.forward, self.loop = forward, loop
+    def __init__(self, forward, loop: "PipelineStageLoop", lite=None):
+        self.forward, self.loop, self.lite = forward, loop, lite
 
     def __call__(self, *args, **kwargs):
         import torch  # lazy: torch (heavy, off start-up)
 
         loop = self.loop
         slot, pairs = loop.local.slot, loop.local.calls
+        loop.local.predicted = self.lite is not None and predicts_next_call(self.lite)
         call = _call_of(args, kwargs)
         if pairs.pairs is None:
             pairs.learn(call)
@@ -418,7 +431,9 @@ class PipelineStageLoop(MainRankStages, StageLoop):
             with without_blocks(model, others):
                 load_loras(self.pipe, name, model, patching, self.torch_dtype, fuse=name in fused_loras(self.plan))
         self.hooks.apply(name, model, only=SLICE_HOOKS)
-        model.forward = SliceForward(model.forward, self)
+        cache = self.plan.cache
+        lite = cache is not None and cache.name == "taylorseer" and resolved_lite(cache, self.family)
+        model.forward = SliceForward(model.forward, self, lite_block_hook(model) if lite else None)
         self.loaded[name] = model
         if self._pipe is not None:
             setattr(self._pipe, name, model)
@@ -616,7 +631,10 @@ class SliceEnds(LoopHook):
         cache = loop.hooks["step_cache"]
         relay = cache.relays.get(name)
         slices = plan_slices(loop.plan, name, loop.world_size)  # Wan 2.2's experts: each cut as the plan cuts it
+        predicted = lambda: getattr(loop.local, "predicted", False)  # noqa: E731 - a lite TaylorSeer's skip: no hop
         cut_to_slice(model, slices, loop.rank,
-                     lambda tensors: loop.links.send(relay.outgoing(tensors) if relay else tensors, loop.rank + 1),
-                     lambda: relay.incoming(loop.links.recv(loop.rank - 1)) if relay else loop.links.recv(loop.rank - 1))
+                     lambda tensors: None if predicted() else loop.links.send(
+                         relay.outgoing(tensors) if relay else tensors, loop.rank + 1),
+                     lambda: None if predicted() else relay.incoming(loop.links.recv(loop.rank - 1)) if relay
+                     else loop.links.recv(loop.rank - 1))
         cache.count(name, model)

@@ -304,6 +304,29 @@ def _add_magcache_residual(hidden, residual):
     return hidden
 
 
+def lite_block_hook(model):
+    """A TaylorSeer hook of one of the model's blocks in lite mode (every block inactive: zeros on a predicted call,
+    `proj_out` alone predicting, so a predicted call's output depends on nothing the blocks are given), else None."""
+    from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook  # lazy: diffusers (heavy, off start-up)
+
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        for hook in (registry.hooks.values() if registry is not None else ()):
+            if isinstance(hook, TaylorSeerCacheHook) and hook.state_manager._init_kwargs.get("is_inactive"):
+                return hook
+    return None
+
+
+def predicts_next_call(hook) -> bool:
+    """Whether the next call of the module `hook` (a TaylorSeerCacheHook) is predicted rather than computed, in the
+    current cache context: diffusers' own rule (`TaylorSeerCacheHook._measure_should_compute`) read one step ahead,
+    without counting the call."""
+    step = hook.state_manager.get_state().current_step + 1
+    before, after = hook.disable_cache_before_step, hook.disable_cache_after_step
+    computed = step < before or (step - before - 1) % hook.cache_interval == 0 or (after is not None and step >= after)
+    return not computed
+
+
 def drop_states(model, prefix: str) -> None:
     """The hook states of the cache contexts named `prefix...` emptied and dropped (one prompt in flight's, under
     --parallel pipeline: the others' stay)."""

@@ -248,3 +248,45 @@ def test_a_pipeline_plan_counts_each_slices_cache_on_its_rank(tiny_flux):
     assert hidden > 0 and held["ranks"]["1"] > 2 * hidden  # output and residuals of both streams
     assert {rank: cached.parallel.per_rank_peak_bytes[rank] - bare.parallel.per_rank_peak_bytes[rank]
             for rank in ("0", "1")} == held["ranks"]
+
+
+@pytest.mark.parametrize("before,interval,after", [(3, 2, None), (1, 3, 7), (2, 4, None)])
+def test_a_lite_taylorseers_next_call_is_read_as_diffusers_decides_it(before, interval, after):
+    """`predicts_next_call` (a pipeline rank's lite TaylorSeer sends no activations on a predicted call) gives, before
+    each call, what the hooks then do: every block inactive (zeros) on a predicted call, computed otherwise."""
+    import torch
+    from diffusers.hooks import TaylorSeerCacheConfig, apply_taylorseer_cache
+    from diffusers.hooks.hooks import CacheContext
+
+    from dm_cli.run.step_cache import lite_block_hook, predicts_next_call
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer_blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+            self.proj_out = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            for block in self.transformer_blocks:
+                x = block(x)
+            return self.proj_out(x)
+
+    model = Toy()
+    apply_taylorseer_cache(model, TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=before,
+                                                        disable_cache_after_step=after, use_lite_mode=True))
+    hooks = [m._diffusers_hook.hooks["taylorseer_cache"] for m in model.modules() if hasattr(m, "_diffusers_hook")]
+    for hook in hooks:
+        hook.state_manager.set_context(CacheContext("cond"))
+    hook = lite_block_hook(model)
+    assert hook is not None and hook.state_manager._init_kwargs["is_inactive"]
+    said, done = [], []
+    block = model.transformer_blocks[0]
+    with torch.no_grad():
+        for _ in range(10):
+            said.append(predicts_next_call(hook))
+            ran = []
+            handle = block.register_forward_hook(lambda module, args, out, ran=ran: ran.append(bool(out.abs().sum() == 0)))
+            model(torch.ones(1, 4))
+            handle.remove()
+            done.append(ran[0])
+    assert said == done and any(said) and not all(said), (said, done)
