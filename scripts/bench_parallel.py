@@ -51,6 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_run import GUIDANCE, PROMPT, SEED, build_pipeline  # noqa: E402 - the same mid-size pipeline
+from launch_output import json_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FLUX_TRANSFORMER = {"_class_name": "FluxTransformer2DModel", "attention_head_dim": 64, "axes_dims_rope": [16, 24, 24],
@@ -240,11 +241,7 @@ def _queue(folder: Path, ranks: int, prompts: Path, out: Path, steps: int, extra
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    results, text, decoder = [], proc.stdout, json.JSONDecoder()
-    while "{" in text:  # every rank prints its queue result (one JSON object each): rank 0's counts
-        obj, end = decoder.raw_decode(text, text.index("{"))
-        results.append(obj)
-        text = text[end:]
+    results = json_results(proc.stdout)  # every rank prints its queue result: rank 0's counts
     result = next(r for r in results if r.get("rank", 0) == 0)
     added = []
     for rank in range(ranks):

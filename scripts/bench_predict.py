@@ -43,6 +43,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from launch_output import json_results  # scripts/: the folder Python runs this file from
+
 REPO = Path(__file__).resolve().parents[1]
 DMAP = [sys.executable, "-m", "dm_cli"]
 # name -> (source: "demo" or a tiny preset written with `dmap demo`, extra args for plan and run, prompts)
@@ -122,16 +124,6 @@ def measure(spec: dict) -> dict:
     return {"wall_step_s": statistics.median(walls), "cpu_step_s": statistics.median(cpus), "marks": len(marks)}
 
 
-def _results(output: str) -> list[dict]:
-    """Every JSON object a launch printed (each rank of a queue prints its own)."""
-    results, decoder = [], json.JSONDecoder()
-    while "{" in output:
-        obj, end = decoder.raw_decode(output, output.index("{"))
-        results.append(obj)
-        output = output[end:]
-    return results
-
-
 def denoise_seconds(where: str, extra: list[str], layout: str, prompts: int, steps: int, work: Path,
                     env: dict) -> float:
     """The denoise stage (`dmap run --json`: its run_s) of one launch, the shortest of the ranks that report it (the
@@ -151,7 +143,7 @@ def denoise_seconds(where: str, extra: list[str], layout: str, prompts: int, ste
     if proc.returncode:
         raise SystemExit(f"{' '.join(command)} failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-1500:]}")
     seconds = []
-    for result in _results(proc.stdout):
+    for result in json_results(proc.stdout):
         stages = result.get("stages")
         found = stages.get("denoise") if isinstance(stages, dict) else next(
             (stage for stage in stages or () if stage.get("name") == "denoise"), None)

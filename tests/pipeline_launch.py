@@ -4,7 +4,6 @@ same bytes), so that only the launches under test pay for a process's imports.""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,6 +12,9 @@ from pathlib import Path
 from conftest import run_dmap
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from launch_output import json_results  # noqa: E402,F401 - the benchmarks' reader of a launch's --json results
+
 PROMPTS = ["a red fox", "a blue bird", "a green tree", "a grey cat"]
 
 
@@ -61,11 +63,3 @@ def same_files(a: Path, b: Path, names) -> None:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
-def json_results(output: str) -> list[dict]:
-    """Every rank's --json result in a launch's output."""
-    results, decoder = [], json.JSONDecoder()
-    while "{" in output:
-        obj, end = decoder.raw_decode(output, output.index("{"))
-        results.append(obj)
-        output = output[end:]
-    return results

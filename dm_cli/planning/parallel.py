@@ -451,19 +451,18 @@ def step_seconds(cand: Candidate, shape: DenoiserShape, guidance: Guidance, load
     else:
         seconds = compute / (cand.cfg * cand.ulysses)
     latency = request.collective_latency_s or request.link_latency_s
-    link = (request.collective_gbps or request.link_gbps) * 1e9  # what the collectives' bytes move at
+    collective_link = (request.collective_gbps or request.link_gbps) * 1e9  # what the collectives' bytes move at
     if cand.ulysses > 1:
         u = cand.ulysses
-        per_layer = 4 * (shape.split_tokens / u) * shape.hidden * shape.element_bytes * (u - 1) / u
-        seconds += per_layer * shape.layers * batch * calls / link
-        if model is not None:  # q, k, v and out copied into the all-to-all's layout and back (read and written
-            # twice), and the ops that does it
-            tensor = (shape.split_tokens / u) * shape.hidden * shape.element_bytes
+        tensor = (shape.split_tokens / u) * shape.hidden * shape.element_bytes  # one of q, k, v, out on a rank
+        seconds += ULYSSES_MESSAGES * tensor * (u - 1) / u * shape.layers * batch * calls / collective_link
+        if model is not None:  # each copied into the all-to-all's layout and back (read and written twice), by the
+            # ops Ulysses adds
             seconds += model.copy_s(ULYSSES_MESSAGES * 2 * 2 * tensor * shape.layers * batch * calls)
             seconds += model.ops_s(ULYSSES_OPS_PER_LAYER * shape.layers * calls)
         seconds += (ULYSSES_MESSAGES * shape.layers + 1) * calls * (u - 1) * latency
     if cand.cfg > 1:
-        seconds += shape.prediction_bytes / link + latency
+        seconds += shape.prediction_bytes / collective_link + latency
     return seconds
 
 

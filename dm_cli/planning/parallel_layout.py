@@ -169,19 +169,18 @@ def choose_layout(request: ParallelRequest, guidance: Guidance, shape: DenoiserS
                                 f"for a queue of {piped[4]} prompts or more), but auto keeps to layouts that share "
                                 f"every step when one fits ({', '.join(item[1].layout for item in sharing)} does here): "
                                 "they speed up one prompt as well.")
-    best_time, best, peaks, together = min(fitting, key=lambda item: item[0])
+    fastest = min(fitting, key=lambda item: item[0])
     split = next((item for item in fitting if item[1].layout == "split"), None)
-    close = None
-    if request.choice == "auto" and best.layout != "split" and split is not None and best_time * AUTO_MARGIN > split[0]:
-        close, (best_time, best, peaks, together) = (best, best_time), split  # within the prediction's own error
+    close = request.choice == "auto" and split is not None and fastest[0] * AUTO_MARGIN > split[0]
+    best_time, best, peaks, together = split if close else fastest  # within the prediction's error: the split
     layout = ParallelLayout(request.world_size, best.layout, best.cfg, best.ulysses, 1, peaks, times, rejected,
                             experts="together" if together else "one at a time",
                             device_tflops=request.device_tflops, link_gbps=request.link_gbps)
     layout.reason = _reason(layout, best_time, times, request)
-    if close is not None:
-        layout.reason = (f"{layout.title}, kept by auto: {close[0].title} is predicted at {close[1]:.3g} s/step, less "
-                         f"than {AUTO_MARGIN - 1:.0%} faster than the split's {best_time:.3g} (within the prediction's "
-                         f"error, not worth its exchanges); fits with "
+    if close and fastest is not split:
+        layout.reason = (f"{layout.title}, kept by auto: {fastest[1].title} is predicted at {fastest[0]:.3g} s/step, "
+                         f"less than {AUTO_MARGIN - 1:.0%} faster than the split's {best_time:.3g} (within the "
+                         f"prediction's error, not worth its exchanges); fits with "
                          f"{format_size(max(peaks.values(), default=0))} per rank at most")
     return layout
 

@@ -108,20 +108,18 @@ class RankCompute:
         `divide_ops` of its blocks (a pipeline slice: that share of the blocks' ops and weights, and every op outside
         the block lists, which each rank runs: the embedders before its first block, the output layers)."""
         work = self.work
-        if divide_ops:
+        part = replace(work, matmul_flops=work.matmul_flops * share, attention_flops=work.attention_flops * share,
+                       other_bytes=work.other_bytes * share, attention_scores=work.attention_scores * share,
+                       attention_rows=work.attention_rows * share, conv_flops=work.conv_flops * share)
+        if divide_ops:  # the blocks' share, every op outside them; the ops and weights divide too
             def part_of(total: float, outside: float) -> float:
                 return (total - outside) * share + outside
 
-            ops = round(part_of(work.ops, work.outside_ops))
-            part = CallWork(part_of(work.matmul_flops, work.outside_flops), work.attention_flops * share,
-                            part_of(work.other_bytes, work.outside_bytes), max(1, ops) if work.ops else 0,
-                            round(work.weight_bytes * share), max(1, round(work.matmul_ops * share)) if work.matmul_ops
-                            else 0, round(work.attention_ops * share), work.attention_scores * share,
-                            work.attention_rows * share, work.conv_flops * share, round(work.conv_ops * share))
-        else:
-            part = replace(work, matmul_flops=work.matmul_flops * share, attention_flops=work.attention_flops * share,
-                           other_bytes=work.other_bytes * share, attention_scores=work.attention_scores * share,
-                           attention_rows=work.attention_rows * share, conv_flops=work.conv_flops * share)
+            part = replace(part, matmul_flops=part_of(work.matmul_flops, work.outside_flops),
+                           other_bytes=part_of(work.other_bytes, work.outside_bytes),
+                           ops=round(part_of(work.ops, work.outside_ops)), weight_bytes=round(work.weight_bytes * share),
+                           matmul_ops=round(work.matmul_ops * share), attention_ops=round(work.attention_ops * share),
+                           conv_ops=round(work.conv_ops * share))
         return sum(call_terms(part, self.profile, self.dtype, Traffic()).values())
 
     def ops_s(self, ops: int) -> float:

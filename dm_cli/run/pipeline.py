@@ -631,10 +631,15 @@ class SliceEnds(LoopHook):
         cache = loop.hooks["step_cache"]
         relay = cache.relays.get(name)
         slices = plan_slices(loop.plan, name, loop.world_size)  # Wan 2.2's experts: each cut as the plan cuts it
-        predicted = lambda: getattr(loop.local, "predicted", False)  # noqa: E731 - a lite TaylorSeer's skip: no hop
-        cut_to_slice(model, slices, loop.rank,
-                     lambda tensors: None if predicted() else loop.links.send(
-                         relay.outgoing(tensors) if relay else tensors, loop.rank + 1),
-                     lambda: None if predicted() else relay.incoming(loop.links.recv(loop.rank - 1)) if relay
-                     else loop.links.recv(loop.rank - 1))
+        def send(tensors: list) -> None:
+            if not getattr(loop.local, "predicted", False):  # a lite TaylorSeer's predicted call: no hop
+                loop.links.send(relay.outgoing(tensors) if relay else tensors, loop.rank + 1)
+
+        def receive() -> list | None:
+            if getattr(loop.local, "predicted", False):
+                return None
+            got = loop.links.recv(loop.rank - 1)
+            return relay.incoming(got) if relay else got
+
+        cut_to_slice(model, slices, loop.rank, send, receive)
         cache.count(name, model)
