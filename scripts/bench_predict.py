@@ -85,10 +85,11 @@ def dmap(*args: str, env: dict) -> dict:
     return json.loads(proc.stdout)
 
 
-def measure_in_process(source: str, extra: list[str], prompts: int, steps: int, env: dict) -> dict:
+def measure_in_process(source: str, extra: list[str], prompts: int, steps: int, env: dict,
+                       output: str | None = None) -> dict:
     """One case measured in a fresh process (`--measure`): the median step, on the main thread's CPU clock and on the
-    wall clock."""
-    spec = json.dumps({"source": source, "extra": extra, "prompts": prompts, "steps": steps})
+    wall clock (`output`: where the first image is saved)."""
+    spec = json.dumps({"source": source, "extra": extra, "prompts": prompts, "steps": steps, "output": output})
     proc = subprocess.run([sys.executable, __file__, "--measure", spec], capture_output=True, text=True, env=env,
                           cwd=REPO)
     if proc.returncode:
@@ -103,25 +104,35 @@ def measure(spec: dict) -> dict:
     thread the main thread does all the work) and on the wall clock."""
     import time
 
+    import torch
+
     from dm_cli.api import load
 
     extra = spec["extra"]
     options = {"height": int(extra[extra.index("--height") + 1]), "width": int(extra[extra.index("--width") + 1])}
-    if "-m" in extra:
-        options["max_memory"] = extra[extra.index("-m") + 1]
-    if "--overhead" in extra:
-        options["overhead"] = extra[extra.index("--overhead") + 1]
-    if "--mode" in extra:
-        options["mode"] = extra[extra.index("--mode") + 1]
+    for flag, option in (("-m", "max_memory"), ("--overhead", "overhead"), ("--mode", "mode"), ("--dtype", "dtype")):
+        if flag in extra:
+            options[option] = extra[extra.index(flag) + 1]
     session = load(None if spec["source"] == "demo" else spec["source"], simulate="--simulate" in extra, **options)
     prompts = [PROMPT.format(i) for i in range(spec["prompts"])]
     list(session.generate(prompts, steps=2))
+    # on a GPU each step waits for its kernels: the host would otherwise run ahead and time its own launches
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     marks: list[tuple[int, float, float]] = []
-    list(session.generate(prompts, steps=spec["steps"],
-                          on_step=lambda step, *_: marks.append((step, time.perf_counter(), time.thread_time()))))
+
+    def on_step(step, *_):
+        sync()
+        marks.append((step, time.perf_counter(), time.thread_time()))
+
+    start = time.perf_counter()
+    done = list(session.generate(prompts, steps=spec["steps"], on_step=on_step))
+    image_s = (time.perf_counter() - start) / len(prompts)
+    if spec.get("output"):  # the first image, for a comparison of pixels (scripts/gpu_check.py)
+        done[0].image.save(spec["output"])
     walls = [b[1] - a[1] for a, b in zip(marks, marks[1:]) if b[0] > a[0] and a[0] >= 1]
     cpus = [b[2] - a[2] for a, b in zip(marks, marks[1:]) if b[0] > a[0] and a[0] >= 1]
-    return {"wall_step_s": statistics.median(walls), "cpu_step_s": statistics.median(cpus), "marks": len(marks)}
+    return {"wall_step_s": statistics.median(walls), "cpu_step_s": statistics.median(cpus), "marks": len(marks),
+            "image_s": image_s}
 
 
 def denoise_seconds(where: str, extra: list[str], layout: str, prompts: int, steps: int, work: Path,

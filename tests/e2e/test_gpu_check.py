@@ -1,0 +1,61 @@
+"""scripts/gpu_check.py: its CPU form runs what the GPU call runs (calibrate, predictions against the measured step,
+a FLUX-shaped folder written, dmap against diffusers' own call), so that the few minutes of a lent GPU are not
+spent on the script's own bugs."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+sys.path.insert(0, str(REPO / "scripts"))
+import gpu_check  # noqa: E402
+
+
+def _run(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DMAP_CACHE_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_the_cpu_form_predicts_measures_and_matches_diffusers_pixels(tmp_path):
+    done = _run("--device", "cpu", "--small", "--sections", "predict,flux", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "| demo-256 | " in out and "calibrated: 1 cases" in out
+    assert "| dmap run (API) | " in out and "| diffusers FluxPipeline | " in out
+    assert "| predicted (calibrated) | " in out
+    assert "largest pixel difference 0;" in out
+    assert (tmp_path / "flux-small" / "transformer" / "config.json").is_file()
+    assert not (tmp_path / "flux-small.partial").exists()
+
+
+def test_a_cpu_refuses_the_memory_section_in_one_sentence(tmp_path):
+    done = _run("--device", "cpu", "--sections", "memory", tmp_path=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("The memory section measures CUDA memory: leave it out on a CPU "
+                                   "(--sections predict,flux).")
+
+
+def test_an_unknown_section_is_refused(tmp_path):
+    done = _run("--sections", "speed", tmp_path=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "Unknown section 'speed': use memory, predict, flux."
+
+
+@pytest.mark.parametrize(("name", "row"), [
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", "h100-pcie"),
+    ("NVIDIA H200", "h200-sxm"), ("NVIDIA H200 NVL", "h200-nvl"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+    ("NVIDIA A100 80GB PCIe", "a100-80gb"), ("NVIDIA L40S", "l40s"), ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+    ("Tesla T4", None),
+])
+def test_a_gpus_name_finds_its_row_of_the_bundled_table(name, row):
+    from dm_cli.planning.profiles import table_profile
+
+    assert gpu_check.table_row(name) == row
+    if row:
+        table_profile(row)  # a row the table has
