@@ -16,6 +16,13 @@ Exit 1 when a measured GPU peak exceeds the planned one or dmap's pixels differ 
 `--device cpu --small` runs predict and flux on this CPU at tiny sizes (the demo's configs, a quick calibration):
 the script's own test (tests/scripts/test_gpu_check.py), so that the GPU call runs what CI has run.
 
+On a lent machine (the `device` tool: torch, transformers and accelerate are there, diffusers is not), once here:
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl diffusers==0.42.1
+then one call carrying `.whl`:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+    PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py 2>&1 | tee $OUT/gpu_check.log
+
 Usage: .venv/bin/python scripts/gpu_check.py [--sections memory,predict,flux] [--device cuda:0] [--small]
        [--gpu-budget 1.6GB] [--size 512] [--steps 4] [--flux-size 1024] [--flux-steps 28]
 """
@@ -76,7 +83,8 @@ def main() -> int:
         return 2
     os.environ.setdefault("DMAP_CACHE_DIR", tempfile.mkdtemp(prefix="dmap-gpu-check-"))
     work = Path(os.environ["DMAP_CACHE_DIR"])
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # keep a carried site
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
     if not gpu:
         env["OMP_NUM_THREADS"] = "1"  # as bench_predict: the calibration's clock is one thread's
     started, failed = time.perf_counter(), False
