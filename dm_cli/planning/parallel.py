@@ -658,8 +658,10 @@ def pipeline_seconds(cut: PipelineCut, shape: DenoiserShape, request: ParallelRe
     link = request.link_gbps * 1e9
     hop = (shape.hop_bytes / link + HOP_MESSAGES * request.link_latency_s) * shape.calls
     model, total = request.compute, sum(cut.slice_flops)
+    detailed = model is not None and total
     stages = ([model.call_s(f / total, divide_ops=True) * shape.calls for f in cut.slice_flops]
-              if model is not None and total else [f / (request.device_tflops * 1e12) for f in cut.slice_flops])
-    split = sum(stages) + (len(stages) - 1) * hop
+              if detailed else [f / (request.device_tflops * 1e12) for f in cut.slice_flops])
+    # one process runs the work outside the blocks once; each pipeline rank runs it again (its stage counts it)
+    split = (model.call_s() * shape.calls if detailed else sum(stages)) + (len(stages) - 1) * hop
     round_trip = sum(stages) + len(stages) * hop
     return split, max(max(s + hop for s in stages), round_trip / max(1, in_flight))
