@@ -85,6 +85,13 @@ def dmap(*args: str, env: dict) -> dict:
     return json.loads(proc.stdout)
 
 
+def plan(source: str, args: list[str], profile: str, steps: int, env: dict) -> dict:
+    """`dmap plan`'s JSON for a case on `profile` (no check: the prediction only), at the measured prompt (Qwen-Image
+    and Z-Image run the text at its length)."""
+    return dmap("plan", source, *args, "--steps", str(steps), "--profile", profile, "--prompt", PROMPT.format(0),
+                "--no-check", "--json", env=env)
+
+
 def measure_in_process(source: str, extra: list[str], prompts: int, steps: int, env: dict,
                        output: str | None = None) -> dict:
     """One case measured in a fresh process (`--measure`): the median step, on the main thread's CPU clock and on the
@@ -178,17 +185,16 @@ def rank_round(name: str, sources: dict, profile: str, s1: int, s2: int, work: P
     `--parallel auto` picks ("one" for its split, which runs as one rank would) with its reason."""
     source, extra, layouts = RANK_GROUPS[name]
     where = sources[source]
-    common = [*extra, "--profile", profile, "--steps", str(s2), "--prompt", PROMPT.format(0), "--no-check", "--json"]
     ranks = ["--max-memory", RANK_MEMORY, "--world-size", "2", "--parallel"]
     found = {}
     for layout, prompts in layouts.items():
         if layout == "one":
-            predicted = (dmap("plan", where, *common, env=env).get("predicted_time") or {}).get("step_s")
+            predicted = (plan(where, extra, profile, s2, env).get("predicted_time") or {}).get("step_s")
         else:
-            planned = dmap("plan", where, *common, *ranks, layout, env=env)
+            planned = plan(where, [*extra, *ranks, layout], profile, s2, env)
             predicted = (((planned.get("predicted_time") or {}).get("layouts") or {}).get(layout) or {}).get("step_s")
         found[layout] = (predicted, measure_ranks(where, extra, layout, prompts, s1, s2, work, env))
-    auto = dmap("plan", where, *common, *ranks, "auto", env=env).get("parallel") or {}
+    auto = plan(where, [*extra, *ranks, "auto"], profile, s2, env).get("parallel") or {}
     found["auto"] = ("one" if auto.get("layout") == "split" else auto.get("layout"), auto.get("reason", ""))
     return found
 
@@ -198,8 +204,7 @@ def one_round(name: str, sources: dict, profile: str, s2: int, env: dict) -> dic
     source, extra, prompts = CASES[name]
     where = sources[source]
     plan_args = [a for a in extra if a not in RUN_ONLY]
-    planned = dmap("plan", where, *plan_args, "--steps", str(s2), "--queue", str(prompts), "--profile", profile,
-                   "--prompt", PROMPT.format(0), "--no-check", "--json", env=env)
+    planned = plan(where, [*plan_args, "--queue", str(prompts)], profile, s2, env)
     predicted = planned.get("predicted_time")
     if not predicted:  # no family or no trace: nothing to compare
         print(f"| {name} | no prediction: {' '.join(planned.get('warnings', []))[:200]} |||||", flush=True)

@@ -174,9 +174,7 @@ def _devices(args, size_gb: int) -> list[str]:
 
 
 def _predicted(source: str, extra: list[str], steps: int, profile: str, env: dict) -> dict:
-    planned = bench_predict.dmap("plan", source, *extra, "--steps", str(steps), "--profile", profile, "--prompt",
-                                 PROMPT.format(0), "--no-check", "--json", env=env)
-    return planned.get("predicted_time") or {}
+    return bench_predict.plan(source, extra, profile, steps, env).get("predicted_time") or {}
 
 
 def predict_check(args, profiles: dict[str, str], work: Path, env: dict) -> None:
