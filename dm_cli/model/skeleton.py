@@ -18,7 +18,7 @@ from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, low_precision_by
 from dm_cli.model.models import build_model
 from dm_cli.units import DTYPE_BYTES, FLOATING_DTYPES, numel
 
-SKELETON_FORMAT_VERSION = 3
+SKELETON_FORMAT_VERSION = 4  # 4: nf4 tags
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,7 @@ def skeleton_from_model(name: str, library: str | None, model) -> Skeleton:
         members = [tensor.name, *aliases[tensor.name]]
         formats = {fmt for member in members for fmt in tags.get(member, ())}
         if len(members) > 1:
-            formats.discard("int8")  # quantizing one user of a shared weight would untie it
+            formats -= {"int8", "nf4"}  # quantizing one user of a shared weight would untie it
         tensors[index] = replace(tensor, low_precision=tuple(sorted(formats)))
     return Skeleton(name, library, type(model).__name__, _no_split_modules(model), modules, tensors, tie_groups)
 

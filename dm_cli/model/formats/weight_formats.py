@@ -13,7 +13,9 @@ it, so planned bytes are the bytes the runner really allocates:
   forward, one layer at a time (`diffusers.hooks.apply_layerwise_casting`, which works on
   transformers text encoders too);
 - for int8, the weights of the same nn.Linear layers become torchao `Int8Tensor`s (int8 data, one
-  float32 scale and one int8 zero point per output row); biases and everything else stay in the run dtype.
+  float32 scale and one int8 zero point per output row); biases and everything else stay in the run dtype;
+- for nf4, the weights of the nn.Linear layers bitsandbytes' 4-bit loading converts (its own rule, which is
+  not the fp8 one: `nf4.py`) become packed NF4 `Params4bit`s; biases and everything else stay in the run dtype.
 
 The pure part (names, the spec parser, byte sizes, the transient compute copy) needs no torch; the
 tags are computed once on the meta device when a skeleton is built, and the loader at the end is
@@ -29,10 +31,11 @@ from dataclasses import dataclass
 
 from dm_cli.devices import covers, streams_blocks
 from dm_cli.errors import UsageError
+from dm_cli.model.formats.nf4 import nf4_bytes, nf4_layers
 from dm_cli.units import DTYPE_ALIASES, DTYPE_BYTES
 
 # format name -> dtype the bulk of the converted tensors is stored in
-STORAGE_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
+STORAGE_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8", "nf4": "uint8"}  # nf4: two 4-bit values a byte
 FP8_NAMES = ("fp8", "float8", "float8_e4m3fn")  # what --weights and --dtype accept for fp8
 FORMAT_OF_DTYPE = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 # torchao Int8Tensor (weight-only, per output row): a float32 scale and an int8 zero point per row
@@ -83,22 +86,23 @@ def _format(text: str, spec: str) -> str | None:
     value = text.strip().lower()
     if value in ("none", "") or value in DTYPE_ALIASES:  # a plain dtype: the run dtype, no low-precision storage
         if not value:
-            raise UsageError(f"--weights '{spec}' has an empty entry: use fp8, int8 or none, e.g. transformer=fp8.")
+            raise UsageError(f"--weights '{spec}' has an empty entry: use fp8, int8, nf4 or none, e.g. transformer=fp8.")
         return None
     if value in FP8_NAMES:
         return "fp8"
-    if value == "int8":
-        return "int8"
-    raise UsageError(f"Unknown weight format '{text.strip()}' in --weights: use fp8, int8 or none.")
+    if value in ("int8", "nf4"):
+        return value
+    raise UsageError(f"Unknown weight format '{text.strip()}' in --weights: use fp8, int8, nf4 or none.")
 
 
 def int8_offload_problem(name: str, fmt: str | None, device_map: dict) -> str | None:
-    """Why a run cannot load this component, or None: torchao's int8 tensors cannot be streamed from cpu/disk
-    by accelerate's hooks, so an int8 component with blocks there is refused unless it sits all on the cpu,
-    which then simply runs it (`--simulate` runs every device on the cpu, so it is never refused there)."""
-    if fmt != "int8" or not streams_blocks(device_map):
+    """Why a run cannot load this component, or None: torchao's int8 tensors and bitsandbytes' NF4 ones cannot be
+    streamed from cpu/disk by accelerate's hooks (they would be re-quantized on every use; diffusers refuses such
+    a map too), so such a component with blocks there is refused unless it sits all on the cpu, which then simply
+    runs it (`--simulate` runs every device on the cpu, so it is never refused there)."""
+    if fmt not in ("int8", "nf4") or not streams_blocks(device_map):
         return None
-    return (f"The plan offloads blocks of '{name}' to cpu/disk, which int8 weights cannot be streamed from: "
+    return (f"The plan offloads blocks of '{name}' to cpu/disk, which {fmt} weights cannot be streamed from: "
             f"plan with more GPU memory or with --weights {name}=fp8.")
 
 
@@ -108,11 +112,13 @@ def storage_dtype(fmt: str | None, dtype: str) -> str:
 
 
 def format_of(storage) -> str | None:
-    """fp8 / int8 from a plan's `storage_dtype` (anything else, a run-dtype or a damaged value: None)."""
+    """fp8 / int8 / nf4 from a plan's `storage_dtype` (anything else, a run-dtype or a damaged value: None)."""
     return FORMAT_OF_DTYPE.get(storage) if isinstance(storage, str) else None
 
 
 def low_precision_bytes(fmt: str, shape: tuple[int, ...], numel: int) -> int:
+    if fmt == "nf4":
+        return nf4_bytes(numel)
     if fmt == "int8":
         return numel + (shape[0] if shape else 1) * INT8_ROW_BYTES
     return numel  # float8: one byte per element
@@ -188,6 +194,9 @@ def low_precision_tags(model) -> dict[str, tuple[str, ...]]:
             walk(child, f"{prefix}.{name}" if prefix else name)
 
     walk(model, "")
+    for layer in nf4_layers(model):  # bitsandbytes' own rule, which keeps fewer layers than layerwise casting
+        full = f"{layer}.weight"
+        tags[full] = (*tags.get(full, ()), "nf4")
     return tags
 
 
