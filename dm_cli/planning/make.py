@@ -31,6 +31,7 @@ from dm_cli.planning.parallel_placement import denoiser_cut, parallel_layout, pa
 from dm_cli.planning.plan_file import Plan, check_weights_only
 from dm_cli.planning.plan_options import PlanOptions, place_or_none
 from dm_cli.planning.plan_prediction import plan_prediction, rated_for_plan, with_profile_rates
+from dm_cli.planning.profiles import cached_profile_problem
 from dm_cli.planning.search import Device
 from dm_cli.planning.split_check import run_split_check
 from dm_cli.planning.step_cache_plan import (
@@ -127,6 +128,8 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
         plan.parallel = with_cache_per_rank(layout, plan.step_cache)
     plan.warnings += [launch_warning(layout) for layout in [layout] if layout is not None and layout.layout != Layout.SPLIT]
     plan.predicted_time = plan_prediction(plan, source, prepared, options, options.prediction)
+    if options.prediction.profile is None:  # a damaged calibrated profile was ignored: said, never fatal
+        plan.warnings += [problem for problem in [cached_profile_problem()] if problem]
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
     return plan

@@ -10,17 +10,28 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dm_cli.errors import UsageError
 from dm_cli.io.cache import cache_dir
+from dm_cli.planning import gpu_rates
+from dm_cli.planning.gpu_kernels import COMPUTE_CAPABILITY
 from dm_cli.units import shorten
 
 PROFILE_FORMAT = "dmap-device-profile"
 PROFILE_VERSION = 1
 PROFILE_DTYPES = ("float32", "bfloat16", "float16")
 MAX_PROFILE_BYTES = 1_000_000
+# What a device can be (outside, not a device: a rate of 5e-324 TFLOP/s made every predicted second infinite). The
+# slowest CPU thread still runs a megaFLOP a second; the fastest accelerator runs under 10 PFLOP/s dense; memory,
+# copies and links run from 1 MB/s (a disk under load) to 100 TB/s; a fixed cost per op or message is under a second.
+TFLOPS_BOUNDS = (1e-6, 1e4)
+GBPS_BOUNDS = (1e-3, 1e5)
+SECONDS_BOUNDS = (0.0, 1.0)
+FLOPS_PER_OP_BOUNDS = (1.0, 1e18)
 
 
 @dataclass(frozen=True)
@@ -113,34 +124,35 @@ class DeviceProfile:
             table = data.get(key)
             if not isinstance(table, dict) or not table or not set(table) <= set(PROFILE_DTYPES):
                 raise ValueError(f"its {key} must map some of {', '.join(PROFILE_DTYPES)} to TFLOP/s")
-            rates[key] = {k: _rate(v, f"its {key} {k}") for k, v in table.items()}
+            rates[key] = {k: _rate(v, f"its {key} {k}", TFLOPS) for k, v in table.items()}
         kind = data.get("kind")
         if kind not in ("gpu", "cpu"):
             raise ValueError(f"its kind must be \"gpu\" or \"cpu\", found {shorten(kind, quote=True)}")
         op_seconds = data.get("op_seconds", 0.0)
         if isinstance(op_seconds, bool) or not isinstance(op_seconds, (int, float)) or not 0 <= op_seconds <= 1:
             raise ValueError(f"its op_seconds must be a number from 0 to 1, found {shorten(op_seconds, quote=True)}")
+        gbps = {key: _rate(data[key], f"its {key}", GBPS) if key in data else 0.0
+                for key in ("elementwise_gbps", "collective_gbps")}
+        seconds = {key: _rate(data[key], f"its {key}", SECONDS) if key in data else 0.0
+                   for key in ("hook_seconds", "link_latency_s", "collective_latency_s")}
         return cls(_text(data.get("name"), "name"), kind, rates["matmul_tflops"], rates["attention_tflops"],
-                   _rate(data.get("memory_gbps"), "its memory_gbps"), _rate(data.get("host_gbps"), "its host_gbps"),
-                   _rate(data.get("link_gbps"), "its link_gbps"), _text(data.get("link", ""), "link"),
+                   _rate(data.get("memory_gbps"), "its memory_gbps", GBPS),
+                   _rate(data.get("host_gbps"), "its host_gbps", GBPS),
+                   _rate(data.get("link_gbps"), "its link_gbps", GBPS), _text(data.get("link", ""), "link"),
                    float(op_seconds), _text(data.get("source", ""), "source"), data.get("measured") is True,
                    _curves(data.get("matmul_curve", {}), "matmul_curve"),
                    _curves(data.get("attention_curve", {}), "attention_curve"),
-                   _rate(data.get("elementwise_gbps"), "its elementwise_gbps") if "elementwise_gbps" in data else 0.0,
-                   _rate(data.get("hook_seconds"), "its hook_seconds", 1.0) if "hook_seconds" in data else 0.0,
+                   gbps["elementwise_gbps"], seconds["hook_seconds"],
                    _seconds_table(data.get("score_seconds", {}), "score_seconds"),
                    _seconds_table(data.get("row_seconds", {}), "row_seconds"),
                    _curves(data.get("conv_curve", {}), "conv_curve"),
-                   _rate(data.get("link_latency_s"), "its link_latency_s", 1.0) if "link_latency_s" in data else 0.0,
-                   _rate(data.get("collective_latency_s"), "its collective_latency_s", 1.0)
-                   if "collective_latency_s" in data else 0.0,
-                   _rate(data.get("collective_gbps"), "its collective_gbps") if "collective_gbps" in data else 0.0)
+                   seconds["link_latency_s"], seconds["collective_latency_s"], gbps["collective_gbps"])
 
 
 def _seconds_table(value, what: str) -> dict[str, float]:
     if not isinstance(value, dict) or not set(value) <= set(PROFILE_DTYPES):
         raise ValueError(f"its {what} must map some of {', '.join(PROFILE_DTYPES)} to seconds")
-    return {k: _rate(v, f"its {what} {k}", 1.0) for k, v in value.items()}
+    return {k: _rate(v, f"its {what} {k}", SECONDS) for k, v in value.items()}
 
 
 def _curves(value, what: str) -> dict[str, list]:
@@ -152,17 +164,29 @@ def _curves(value, what: str) -> dict[str, list]:
         if not isinstance(points, list) or not 1 <= len(points) <= 64 or not all(
                 isinstance(p, list) and len(p) == 2 for p in points):
             raise ValueError(f"its {what} {dtype} must be a list of 1 to 64 [FLOPs, TFLOP/s] pairs")
-        pairs = [[_rate(x, f"its {what} {dtype} FLOPs", 1e18), _rate(y, f"its {what} {dtype} TFLOP/s")] for x, y in points]
+        pairs = [[_rate(x, f"its {what} {dtype} FLOPs", FLOPS_PER_OP), _rate(y, f"its {what} {dtype} TFLOP/s", TFLOPS)]
+                 for x, y in points]
         if any(a[0] >= b[0] for a, b in zip(pairs, pairs[1:])):
             raise ValueError(f"its {what} {dtype} must list FLOPs in ascending order")
         out[dtype] = pairs
     return out
 
 
-def _rate(value, what: str, high: float = 1e7) -> float:
+TFLOPS = (TFLOPS_BOUNDS, "TFLOP/s")
+GBPS = (GBPS_BOUNDS, "GB/s")
+SECONDS = (SECONDS_BOUNDS, "seconds")
+FLOPS_PER_OP = (FLOPS_PER_OP_BOUNDS, "FLOPs")
+
+
+def _rate(value, what: str, kind: tuple) -> float:
+    """A number within `kind`'s bounds (above the low one when it is 0), ValueError (one sentence) else: a figure
+    outside them is not a device's, and would make a predicted time infinite or zero."""
+    (low, high), unit = kind
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 < value <= high:
-        raise ValueError(f"{what} must be a number above 0 (at most {high:g}), found {shorten(value, quote=True)}")
+            or not (low < value if low == 0 else low <= value) or not value <= high:
+        bound = f"above 0 and at most {high:g}" if low == 0 else f"from {low:g} to {high:g}"
+        raise ValueError(f"{what} must be {bound} {unit} (outside that it is not a device's), found "
+                         f"{shorten(value, quote=True)}")
     return float(value)
 
 
@@ -194,6 +218,13 @@ GPU_TABLE: dict[str, dict] = {
                      "source": "NVIDIA Ada GPU architecture whitepaper (RTX 4090, FP16 tensor with FP32 accumulate 165.2)"},
     "rtx-5090": {"tflops": 209.5, "memory_gbps": 1792.0, "link_gbps": 64.0, "link": "PCIe 5 x16, no NVLink",
                      "source": "NVIDIA RTX Blackwell GPU architecture whitepaper (RTX 5090, dense FP16 tensor)"},
+    "l4": {"tflops": 121.0, "memory_gbps": 300.0, "link_gbps": 32.0, "link": "PCIe 4 x16, no NVLink",
+               "source": "NVIDIA L4 Tensor Core GPU datasheet (242 TFLOPS FP16 tensor with sparsity, half dense)"},
+    "l20": {"tflops": 119.5, "memory_gbps": 864.0, "link_gbps": 32.0, "link": "PCIe 4 x16, no NVLink",
+                "source": "NVIDIA L20 product brief (119.5 TFLOPS FP16 tensor dense, 48 GB GDDR6 at 864 GB/s)"},
+    "a10g": {"tflops": 125.0, "memory_gbps": 600.0, "link_gbps": 32.0, "link": "PCIe 4 x16, no NVLink",
+                 "source": "NVIDIA A10 Tensor Core GPU datasheet (125 TFLOPS FP16 tensor dense, 600 GB/s); AWS's A10G "
+                        "(g5 instances) is its variant with the same memory: its tensor peak is not published apart"},
     "rtx-3090": {"tflops": 71.0, "memory_gbps": 936.0, "link_gbps": 32.0, "link": "PCIe 4 x16 (NVLink bridge: 112.5 GB/s)",
                      "source": "NVIDIA Ampere GA102 GPU architecture whitepaper (RTX 3090, FP16 tensor with FP16 "
                             "accumulate 142 dense; 71 with FP32 accumulate, as PyTorch runs it)"},
@@ -210,9 +241,14 @@ def table_profile(name: str) -> DeviceProfile:
                          f"{', '.join(GPU_TABLE)}, or measure this machine with dmap calibrate.")
     host = GPU_HOST_GBPS["PCIe 5"] if name.startswith(("h1", "h2", "rtx-5")) else GPU_HOST_GBPS["PCIe 4"]
     half = {"bfloat16": row["tflops"], "float16": row["tflops"]}
-    return DeviceProfile(name, "gpu", {**half, "float32": row["tflops"] / 2}, dict(half), row["memory_gbps"], host,
-                         row["link_gbps"], row["link"], 5e-6, row["source"] + f"; {_NVLINK_NOTE}",
-                         hook_seconds=HOOK_SECONDS)
+    capability = COMPUTE_CAPABILITY.get(name.lower(), (8, 0))  # sustained rates by the kernels' rules (gpu_rates.py)
+    curve = gpu_rates.matmul_curve(row["tflops"], capability)
+    flash = gpu_rates.attention_tflops(row["tflops"], capability)
+    return DeviceProfile(name, "gpu", {**half, "float32": row["tflops"] / 2}, {"bfloat16": flash, "float16": flash},
+                         row["memory_gbps"], host, row["link_gbps"], row["link"], 5e-6,
+                         row["source"] + f"; {_NVLINK_NOTE}; sustained rates from {gpu_rates.RATE_SOURCES}",
+                         matmul_curve={"bfloat16": curve, "float16": curve},
+                         elementwise_gbps=gpu_rates.stream_gbps(row["memory_gbps"]), hook_seconds=HOOK_SECONDS)
 
 
 # The profile a plan uses when given none and none is cached: the time model's old defaults (100 TFLOP/s sustained,
@@ -230,36 +266,75 @@ def default_profile_path() -> Path:
 
 def read_profile(path: str | Path) -> DeviceProfile:
     """A profile file, or a row of GPU_TABLE by name (`table:h100-sxm`); UsageError (one sentence) when it is
-    missing, too large, not JSON or not a valid profile."""
+    missing, not a regular file, too large, nested too deeply, not JSON or not a valid profile."""
     text = str(path)
     if text.startswith("table:"):
         return table_profile(text[len("table:"):])
-    file = Path(text).expanduser()
     try:
-        if file.stat().st_size > MAX_PROFILE_BYTES:
-            raise UsageError(f"The device profile {text} is larger than {MAX_PROFILE_BYTES} bytes: it is not one "
-                             "dmap calibrate wrote.")
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except UsageError:
-        raise
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        why = "it does not exist" if isinstance(error, FileNotFoundError) else "it cannot be read as JSON"
-        raise UsageError(f"The device profile {text} cannot be used: {why} (write one with dmap calibrate).") from None
-    try:
-        return DeviceProfile.from_json(data)
-    except ValueError as error:
+        return _profile_file(Path(text).expanduser())
+    except _Unusable as error:
         raise UsageError(f"The device profile {text} cannot be used: {error}.") from None
 
 
+class _Unusable(Exception):
+    """Why a profile file cannot be used, as a clause."""
+
+
+def _profile_file(file: Path) -> DeviceProfile:
+    """The profile in `file`, read as hostile input: a regular file only, refused before opening otherwise (a FIFO
+    would block the open, /dev/zero never ends), read up to MAX_PROFILE_BYTES (st_size says 0 for both), any decoding
+    error (RecursionError included: json's C scanner recurses once per "[") one clause."""
+    try:
+        if not stat.S_ISREG(os.stat(file).st_mode):
+            raise _Unusable("it is not a regular file (a folder, a device or a FIFO)")
+        descriptor = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # swapped for a FIFO since: no wait
+        with os.fdopen(descriptor, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise _Unusable("it is not a regular file (a folder, a device or a FIFO)")
+            data = handle.read(MAX_PROFILE_BYTES + 1)
+    except FileNotFoundError:
+        raise _Unusable("it does not exist (write one with dmap calibrate)") from None
+    except OSError as error:
+        raise _Unusable(f"it cannot be read ({error.strerror or error})") from None
+    if len(data) > MAX_PROFILE_BYTES:
+        raise _Unusable(f"it is larger than {MAX_PROFILE_BYTES:,} bytes, which no profile dmap calibrate writes is")
+    try:
+        document = json.loads(data.decode("utf-8"))
+        return DeviceProfile.from_json(document)
+    except RecursionError:
+        raise _Unusable("it is nested too deeply to be a profile dmap calibrate wrote") from None
+    except UnicodeDecodeError:
+        raise _Unusable("it cannot be read as JSON (write one with dmap calibrate)") from None
+    except ValueError as error:
+        if isinstance(error, json.JSONDecodeError):
+            raise _Unusable("it cannot be read as JSON (write one with dmap calibrate)") from None
+        raise _Unusable(str(error)) from None
+
+
 def cached_profile() -> DeviceProfile | None:
-    """This machine's calibrated profile when `dmap calibrate` wrote one (and it still reads), else None."""
+    """This machine's calibrated profile when `dmap calibrate` wrote one and it still reads, else None: a damaged
+    one never stops a plan (`cached_profile_problem` says why it was ignored)."""
     path = default_profile_path()
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
     try:
-        return read_profile(path)
-    except UsageError:
+        return _profile_file(path)
+    except _Unusable:
         return None
+
+
+def cached_profile_problem() -> str | None:
+    """One sentence when this machine's calibrated profile exists but cannot be used (None when it reads or there
+    is none), naming the file and the command that writes it again."""
+    path = default_profile_path()
+    if not os.path.lexists(path):
+        return None
+    try:
+        _profile_file(path)
+    except _Unusable as error:
+        why = str(error).replace(" (write one with dmap calibrate)", "")
+        return f"The calibrated device profile {path} was ignored ({why}): dmap calibrate measures this machine again."
+    return None
 
 
 @dataclass(frozen=True)
