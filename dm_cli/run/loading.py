@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from dm_cli.devices import device_of, execution_device_key, normalise_map, streams_blocks, torch_device
 from dm_cli.errors import CheckpointError, SourceError
 from dm_cli.io.checkpoint import open_checkpoint
+from dm_cli.model.formats.nf4 import quantize_weight, to_linear4bit
 from dm_cli.model.formats.weight_formats import CastingWeights, LoadedTensor, apply_fp8, quantize_int8, read_cast
 from dm_cli.model.models import build_model, component_class, is_transformers_model
 from dm_cli.model.single_file_weights import GGUF
@@ -39,7 +40,7 @@ def execution_device(device_map: dict, simulate: bool):
 def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, simulate: bool, weights: str | None = None):
     """One component on its planned devices. Under simulate every virtual device is the CPU.
 
-    `weights` (fp8, int8) stores the tensors `weight_formats` names in low precision: such a
+    `weights` (fp8, int8, nf4) stores the tensors `weight_formats` names in low precision: such a
     component is always loaded tensor by tensor (`_load_streamed`), each tensor cast on its way to
     its device, so the run dtype copy of the whole component never exists.
     """
@@ -217,6 +218,7 @@ def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights
     key_of = _checkpoint_keys(model, list(checkpoint.tensor_files), comp)  # model name -> checkpoint key
     where = {name: folder / checkpoint.tensor_files[key] for name, key in key_of.items()}
     int8_layers = {t.name.rpartition(".")[0] for t in skeleton.tensors if weights == "int8" and "int8" in t.low_precision}
+    nf4_layers = _linear4bit(model, skeleton, weights, torch_dtype)
     modules = dict(model.named_modules())
 
     streamed: dict[str, LoadedTensor] = {}
@@ -243,9 +245,12 @@ def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights
                                         dtype=storage_dtype)
             continue
         handle = handles.get(entry.file) or handles.setdefault(entry.file, safe_open(entry.file, framework="pt", device="cpu"))
+        layer, _, leaf = name.rpartition(".")
+        if leaf == "weight" and layer in nf4_layers:  # quantized on its device, from its run dtype copy
+            quantize_weight(modules[layer], read_cast(handle, entry), "cpu" if dev in ("cpu", "disk") else dev)
+            continue
         set_module_tensor_to_device(model, name, "cpu" if dev in ("cpu", "disk") else dev, value=read_cast(handle, entry),
                                     dtype=storage_dtype)
-        layer, _, leaf = name.rpartition(".")
         if leaf == "weight" and layer in int8_layers:
             quantize_int8(modules[layer])  # this layer's weight only: its run dtype copy lives one tensor long
     handles.clear()
@@ -254,6 +259,19 @@ def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights
     if resident:
         return model
     return _dispatch(model, device_map, CastingWeights(streamed))
+
+
+def _linear4bit(model, skeleton, weights: str | None, torch_dtype) -> set[str]:
+    """With nf4 weights: the layers bitsandbytes' 4-bit loading converts (`weight_formats`' nf4 tags) swapped for
+    empty Linear4bit layers computing in the run dtype; their names (none without nf4)."""
+    import torch  # lazy: torch (heavy, off start-up)
+
+    if weights != "nf4":
+        return set()
+    layers = {t.name.rpartition(".")[0] for t in skeleton.tensors if "nf4" in t.low_precision}
+    compute = torch_dtype if torch_dtype is not None else getattr(torch, skeleton.compute_dtype())
+    to_linear4bit(model, layers, compute)
+    return layers
 
 
 def _checkpoint_keys(model, keys: list[str], comp: ComponentSource) -> dict[str, str]:

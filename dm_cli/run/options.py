@@ -172,7 +172,7 @@ OPTIONS: tuple[Option, ...] = (
            "Compute dtype: bf16 | fp16 | fp32 (default: as stored, bf16 for configs, or a plan file's).",
            without={"queue": QUEUE_RUN}),
     Option("weights", ("--weights", "-w"), str | None,
-           "Weights stored as fp8 | int8 and computed in --dtype (every component but the VAE), or per component: "
+           "Weights stored as fp8 | int8 | nf4 and computed in --dtype (every component but the VAE), or per component: "
            "transformer=fp8,text_encoder=fp8 (default: as stored, or a plan file's).", without={"queue": QUEUE_RUN}),
     # ---- how the run runs -------------------------------------------------------------------------------------
     Option("simulate", ("--simulate",), bool,

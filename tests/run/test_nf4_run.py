@@ -1,0 +1,130 @@
+"""dmap run with --weights nf4 on this CPU: the layers bitsandbytes' 4-bit loading converts, quantized by
+bitsandbytes' own Params4bit as diffusers' `create_quantized_param` does, give the pixels of the pipeline whose
+components the libraries' own 4-bit loaders quantized (test_nf4.quantized_by_the_library), unsplit and split."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+bnb = pytest.importorskip("bitsandbytes")
+
+from test_nf4 import quantized_by_the_library  # noqa: E402
+from test_run import PROMPT, SEED, SIZE, STEPS, _png, dmap_run, folders, hand_plan  # noqa: E402,F401
+
+NF4 = ("transformer", "text_encoder_2")
+
+
+def oracle(folder, names=NF4, dtype="bfloat16"):
+    """diffusers' pipeline with `names` swapped for their library-quantized twins."""
+    from dm_cli.model.sources import resolve_source
+
+    source = resolve_source(str(folder))
+    compute = getattr(torch, dtype)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, torch_dtype=compute)
+    pipe.set_progress_bar_config(disable=True)
+    for name in names:
+        setattr(pipe, name, quantized_by_the_library(source.component(name), folder, compute))
+    image = pipe(PROMPT, generator=torch.Generator().manual_seed(SEED), num_inference_steps=STEPS,
+                 height=SIZE, width=SIZE).images[0]
+    return np.array(image)
+
+
+def nf4_plan(folder, n_devices=0, names=NF4, mode="staged"):
+    plan = {**hand_plan(folder, n_devices, mode), "dtype": "bfloat16"}
+    for name, comp in plan["components"].items():
+        comp["storage_dtype"] = "uint8" if name in names else "bfloat16"
+    return plan
+
+
+@pytest.fixture(scope="module")
+def expected(folders):
+    return oracle(folders("tiny-flux"))
+
+
+def test_nf4_run_is_pixel_identical_unsplit_and_split(expected, folders, tmp_path):
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
+
+    folder = folders("tiny-flux")
+    unsplit = run(RunRequest.of(source=str(folder), prompt=PROMPT, max_memory="cpu=4GB", steps=STEPS, height=SIZE,
+                                width=SIZE, seed=SEED, output=str(tmp_path / "a.png"), dtype="bfloat16",
+                                weights="transformer=nf4,text_encoder_2=nf4"))
+    stored = {n: c["storage_dtype"] for n, c in unsplit.plan.to_json()["components"].items()}
+    assert stored == {"text_encoder": "bfloat16", "text_encoder_2": "uint8", "transformer": "uint8", "vae": "bfloat16"}
+    split = dmap_run(folder, nf4_plan(folder, 2), tmp_path, simulate=True, name="b.png")
+    assert split.split_check and split.split_problems == []
+    for name in ("a.png", "b.png"):
+        assert np.array_equal(_png(tmp_path / name)[0], expected), name
+
+
+def test_nf4_differs_from_bf16_and_resident_split_is_identical(expected, folders, tmp_path):
+    folder = folders("tiny-flux")
+    assert not np.array_equal(oracle(folder, names=()), expected)  # the 4-bit layers really change the pixels
+    result = dmap_run(folder, nf4_plan(folder, 2, mode="resident"), tmp_path, simulate=True, name="r.png")
+    assert result.plan.mode == "resident" and result.split_problems == []
+    assert np.array_equal(_png(tmp_path / "r.png")[0], expected)
+
+
+def test_nf4_offloaded_to_cpu_or_disk_is_refused_before_loading(folders, tmp_path, monkeypatch):
+    import dm_cli.run.stages
+    from dm_cli.errors import UsageError
+
+    folder = folders("tiny-flux")
+    plan = nf4_plan(folder)
+    plan["components"]["transformer"]["device_map"] = {"": "disk"}
+    loaded = []
+    monkeypatch.setattr(dm_cli.run.stages, "load_component", lambda comp, *a, **k: loaded.append(comp.name) or 1 / 0)
+    with pytest.raises(UsageError, match="nf4 weights cannot be streamed"):
+        dmap_run(folder, plan, tmp_path)
+    assert not loaded
+
+
+def test_nf4_without_bitsandbytes_plans_and_refuses_to_run(folders, tmp_path, monkeypatch):
+    import sys
+
+    from dm_cli.errors import UsageError
+    from dm_cli.inputs import InputSpec, PlacementSpec
+    from dm_cli.planning.make import make_plan
+    from dm_cli.planning.plan_options import PlanOptions
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes -> ImportError
+    plan = make_plan("tiny-flux", PlanOptions(PlacementSpec("cpu=1GB", weights="nf4"), inputs=InputSpec(0, 0), check=False))
+    assert plan.to_json()["components"]["transformer"]["storage_dtype"] == "uint8"
+    folder = folders("tiny-flux")
+    with pytest.raises(UsageError, match="--weights nf4 needs bitsandbytes"):
+        dmap_run(folder, nf4_plan(folder), tmp_path)
+
+
+def test_a_lora_on_nf4_stays_unfused_in_peft_4bit_layers_identical_to_diffusers(tmp_path):
+    pytest.importorskip("peft")
+    from test_lora import PROMPT as LPROMPT
+    from test_lora import SEED as LSEED
+    from test_lora import SIZE as LSIZE
+    from test_lora import STEPS as LSTEPS
+    from test_lora import make_lora
+
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR, resolve_source
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.single import run
+
+    folder = write_random_pipeline(PRESETS_DIR / "tiny-flux", tmp_path / "tiny-flux", seed=0)
+    lora = make_lora(diffusers.FluxTransformer2DModel, folder / "transformer", tmp_path / "fox-lora.safetensors",
+                     diffusers.FluxPipeline, seed=1)
+    pipe = diffusers.FluxPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer = quantized_by_the_library(resolve_source(str(folder)).component("transformer"), folder)
+    pipe.load_lora_weights(str(lora), adapter_name="a")
+    pipe.set_adapters(["a"], [0.7])
+    import peft.tuners.lora.bnb
+
+    assert any(isinstance(m, peft.tuners.lora.bnb.Linear4bit) for m in pipe.transformer.modules())
+    expected = np.array(pipe(LPROMPT, generator=torch.Generator().manual_seed(LSEED), num_inference_steps=LSTEPS,
+                             height=LSIZE, width=LSIZE).images[0])
+    result = run(RunRequest.of(source=str(folder), prompt=LPROMPT, seed=LSEED, steps=LSTEPS, height=LSIZE, width=LSIZE,
+                               output=str(tmp_path / "lora.png"), max_memory="cpu=8GB", dtype="bfloat16",
+                               weights="transformer=nf4", loras=[f"{lora}:0.7"]))
+    assert result.plan.loras[0]["fused"] is False
+    assert any("stored as nf4, which peft cannot merge into" in w for w in result.plan.warnings)
+    assert np.array_equal(_png(tmp_path / "lora.png")[0], expected)
