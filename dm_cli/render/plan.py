@@ -11,6 +11,7 @@ from dm_cli.model.sources import PRESETS
 from dm_cli.planning.blocks import clean_device_map
 from dm_cli.render import Col, console, print_hidden, print_table
 from dm_cli.run import request  # the module: tests replace its cuda_devices_without_torch
+from dm_cli.run.request import prediction_at
 from dm_cli.units import format_size
 
 BAR_WIDTH = (16, 32)  # the bar takes the room the numbers leave, within these widths
@@ -94,11 +95,12 @@ def run_command(plan, output: str) -> str:
 
 
 def render_plan(plan, binary: bool = False, output: str | None = None, hidden: list | None = None,
-                show_next: bool = True) -> None:
+                show_next: bool = True, run: bool = False) -> None:
     """The plan for people: one memory picture (a bar per stage and device), the components, split maps.
 
     `hidden`: a list to collect the columns left out (the caller prints one note for the whole
-    command, `print_hidden`); without it the note is printed here. `show_next`: end with the next step.
+    command, `print_hidden`); without it the note is printed here. `show_next`: end with the next step. `run`: the
+    plan of a run (`dmap run`), whose predicted time is for the run's own steps, size and prompts.
     """
     from rich.text import Text  # lazy: rich only when drawing
 
@@ -114,10 +116,11 @@ def render_plan(plan, binary: bool = False, output: str | None = None, hidden: l
     _print_memory(out, plan, size, hidden)
     _print_components(out, plan, size, hidden)
     _print_split_maps(out, plan, hidden)
+    predicted = getattr(plan, "predicted_time", None)
     if getattr(plan, "parallel", None) is not None:
-        _print_parallel(out, plan.parallel, size, hidden)
-    if getattr(plan, "predicted_time", None):
-        _print_predicted_time(out, plan.predicted_time)
+        _print_parallel(out, plan.parallel, size, hidden, plan.dtype, timed=bool((predicted or {}).get("layouts")))
+    if predicted:
+        _print_predicted_time(out, predicted, plan, run)
     if own_note:
         print_hidden(out, hidden)
     _print_notes(out, plan, size)
@@ -227,9 +230,11 @@ def _print_split_maps(out, plan, hidden: list) -> None:
                     hidden, label=f"{name} device_map")
 
 
-def _print_parallel(out, layout, size, hidden: list) -> None:
+def _print_parallel(out, layout, size, hidden: list, dtype: str = "", timed: bool = False) -> None:
     """--world-size > 1: the layout the ranks would share each step in, each rank's peak, the predicted step
-    of every layout compared (and why the others were not), the reason, and the numbers behind the times."""
+    of every layout compared (and why the others were not), the reason, and the numbers behind the times.
+    `timed`: the plan has a predicted time, which prints each layout's seconds (one figure per layout): the time
+    model's own seconds, which only rank the layouts, are then not printed."""
     rows = [[str(rank), f"GPU {rank}", size(peak)] for rank, peak in sorted(layout.per_rank_peak_bytes.items(),
                                                                             key=lambda item: int(item[0]))]
     columns = [Col("rank"), Col("device"), Col("peak", number=True)]
@@ -248,7 +253,7 @@ def _print_parallel(out, layout, size, hidden: list) -> None:
                  + (", experts one at a time" if layout.experts != "together" else ""))
     out.print(title)
     print_table(out, "Peak per rank", columns, rows, hidden, label="ranks")
-    for name, seconds in layout.predicted_step_s.items():
+    for name, seconds in ({} if timed else layout.predicted_step_s).items():
         unit = " per image-step in a queue" if name == "pipeline" else " per step"
         # the plan keeps 4 decimals: a tiny model's step rounds to 0, which is not a prediction of no time
         shown = "under 0.1 ms" if seconds < 1e-4 else f"{seconds:.3g} s"
@@ -258,9 +263,22 @@ def _print_parallel(out, layout, size, hidden: list) -> None:
                   f"(1x for one prompt); basis: {layout.speedup_basis or 'the time model'}")
     for name, why in layout.rejected.items():
         out.print(f"  {name}: not planned: {why}")
-    out.print(f"Parallel: {layout.reason}.")
-    out.print(f"Time model: {layout.device_tflops:g} TFLOP/s per GPU (--device-tflops), {layout.link_gbps:g} GB/s "
-              "between GPUs (--link-gbps).")
+    out.print(f"Parallel: {_without_seconds(layout.reason) if timed else layout.reason}.")
+    at = f" at {dtype}" if dtype else ""
+    out.print(f"Time model (ranks the layouts): {layout.device_tflops:g} TFLOP/s per GPU{at} (--device-tflops; "
+              f"dmap's default is 100 at bfloat16 and float16, 50 at float32), {layout.link_gbps:g} GB/s between GPUs "
+              "(--link-gbps).")
+
+
+def _without_seconds(reason: str) -> str:
+    """A layout's reason without the time model's seconds in brackets (the predicted time prints each layout's):
+    "pipeline parallel (2 slices), as asked: predicted 1.79x ... (6.23e-05 s per image-step against ...); fits ..."
+    keeps its speed-up and its fit."""
+    import re  # lazy: only for a parallel plan
+
+    reason = re.sub(r" \([^()]*\d s(?:/step| per)[^()]*\)", "", reason)
+    return re.sub(r"predicted [0-9.e+-]+ s/step against [0-9.e+-]+ s/step split", "predicted faster than the split",
+                  reason)
 
 
 def _seconds(value: float) -> str:
@@ -268,18 +286,36 @@ def _seconds(value: float) -> str:
     return "under 0.1 ms" if value < 1e-4 else f"{value:,.0f} s" if value >= 1000 else f"{value:.3g} s"
 
 
-def _print_predicted_time(out, predicted: dict) -> None:
-    """The denoise stage's predicted time (planning/step_time.py): per step, image and queue, its largest terms,
-    each layout considered, and the profile it rests on."""
+def _print_predicted_time(out, predicted: dict, plan=None, run: bool = False) -> None:
+    """The denoise stage's predicted time (planning/step_time.py), through `prediction_at` at its own steps and
+    queue (a run's plan carries the run's): per step, image and queue, its largest terms, and the profile it rests
+    on. A parallel plan: one line per layout, its own seconds (one figure each), the chosen one marked."""
+    predicted = prediction_at(predicted)
     terms = sorted(predicted.get("step_terms_s", {}).items(), key=lambda item: -item[1])
     shown = ", ".join(f"{name} {_seconds(value)}" for name, value in terms[:3] if value > 0)
-    queue = predicted.get("queue", 1)
-    out.print(f"Predicted denoise time: {_seconds(predicted['step_s'])} per step ({shown}), "
-              f"{_seconds(predicted['image_s'])} per image at {predicted['steps']} steps (--steps), "
-              f"{_seconds(predicted['queue_s'])} for a queue of {queue} (--queue).")
-    for name, times in predicted.get("layouts", {}).items():
-        out.print(f"  {name}: {_seconds(times['step_s'])} per step, {_seconds(times['image_s'])} per image, "
-                  f"{_seconds(times['queue_s'])} per queue")
+    steps, queue = predicted["steps"], predicted.get("queue", 1)
+    if run:
+        inputs = getattr(plan, "inputs", None)
+        frames = f", {inputs.num_frames} frames" if inputs is not None and inputs.num_frames else ""
+        size = f"{inputs.width}x{inputs.height}{frames}, " if inputs is not None and inputs.height else ""
+        what = f"this run ({size}{steps} steps, {queue} prompt{'s' if queue != 1 else ''})"
+        at, for_queue = "", f"{_seconds(predicted['queue_s'])} for its {queue} prompts" if queue > 1 else ""
+    else:
+        what, at = "this plan", f" at {steps} steps (--steps)"
+        for_queue = f"{_seconds(predicted['queue_s'])} for a queue of {queue} (--queue)"
+    layouts = predicted.get("layouts") or {}
+    if layouts:
+        chosen = getattr(getattr(plan, "parallel", None), "layout", None)
+        out.print(f"Predicted denoise time for {what}{at}" + (f" and a queue of {queue} (--queue)" if not run else "")
+                  + (f"; one step in one process: {shown}" if shown else "") + ":")
+        for name, times in layouts.items():
+            unit = "per image-step in a queue" if name == "pipeline" else "per step"
+            out.print(f"  {name}{' (chosen)' if name == chosen else ''}: {_seconds(times['step_s'])} {unit}, "
+                      f"{_seconds(times['image_s'])} per image, {_seconds(times['queue_s'])} per queue")
+    else:
+        out.print(f"Predicted denoise time for {what}: {_seconds(predicted['step_s'])} per step"
+                  + (f" ({shown})" if shown else "") + f", {_seconds(predicted['image_s'])} per image{at}"
+                  + (f", {for_queue}" if for_queue else "") + ".")
     origin = {"default": "no profile (dmap calibrate measures one)", "cached": "this machine's calibrated profile",
               "file": "--profile", "table": "published figures (--profile table:...)"}.get(
         predicted.get("profile_origin"), "")

@@ -56,7 +56,7 @@ class RunView:
             # the note on hidden columns waits for this summary's, to be one; a view with its own summary
             # (the queue's) gets it with the plan
             hidden = self._hidden if type(self).summary is RunView.summary else None
-            render_plan(plan, binary=self.binary, hidden=hidden, show_next=False)
+            render_plan(plan, binary=self.binary, hidden=hidden, show_next=False, run=True)
         except (KeyError, ValueError, TypeError, AttributeError):  # a hand-written plan without the planner's extras
             self.console.print(f"Plan: {plan.mode} mode, devices {', '.join(d.name for d in plan.devices)}")
 

@@ -108,7 +108,9 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
     started = time.perf_counter()
     # every check, the plan and the queue's --parallel (dm_cli.run.settle), on every rank before anything joins
     # items choosing among the run's LoRAs keep them unfused, switched per item (dm_cli.run.queue)
-    run = replace(request.run, switch_loras=request.run.switch_loras or chooses_loras(items, request.run.generation.loras))
+    # the predicted time is for the whole queue
+    run = replace(request.run, switch_loras=request.run.switch_loras or chooses_loras(items, request.run.generation.loras),
+                  queue=max(1, len(items)))
     settled = settle(run, entry=Entry.QUEUE, on_plan=events.on_plan, on_status=events.on_status)
     # a pipeline's ranks each hold a slice of one denoiser: every prompt passes through all of them (rank 0 writes)
     pipelined = settled.pipelined

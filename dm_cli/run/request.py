@@ -39,6 +39,7 @@ from dm_cli.planning.modes import Strategy
 from dm_cli.planning.parallel import ParallelRequest
 from dm_cli.planning.plan_command import plan_command
 from dm_cli.planning.plan_options import PlanOptions
+from dm_cli.planning.plan_prediction import PredictionRequest
 from dm_cli.planning.step_cache import parse_cache
 from dm_cli.planning.trace import can_tile
 from dm_cli.run.distributed import Ranks
@@ -94,6 +95,7 @@ class RunRequest:
     component_files: dict | None = None  # --component-file NAME=FILE: these components from these single files
     cache_off: bool = False  # --cache none: a plan file's step cache is switched off (check_plan_cache)
     switch_loras: bool = False  # the inline plan keeps the LoRAs unfused: served requests, queue items choose
+    queue: int = 1  # the prompts this run generates (a queue's items): the predicted time is for them
 
     def __post_init__(self) -> None:
         """The prompt is text the tokenizer takes (the check queue items and `dmap serve` share), before SOURCE."""
@@ -212,10 +214,11 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
     placement = request.placement
     if parallel.active and placement.max_memory is None and visible_gpus() == 0:
         placement = replace(placement, max_memory=cpu_rank_devices(parallel.world_size))
+    prediction = PredictionRequest(steps=generation.steps, queue=max(1, request.queue), prompt=request.prompt or None)
     plan = make_named_plan(root, source.spec, PlanOptions.of(generation, placement, pipeline=pipeline,
                                                              component_files=files, loras=generation.loras,
                                                              switch_loras=request.switch_loras,
-                                                             parallel=parallel))
+                                                             parallel=parallel, prediction=prediction))
     if plan.parallel is not None:  # planned for the ranks of this very launch: no advice to launch it
         plan.warnings = [w for w in plan.warnings if w != launch_warning(plan.parallel)]
     return plan
@@ -365,13 +368,43 @@ def run_inputs(generation: Generation) -> InputSpec:
 
 
 def inputs_from_plan(plan: Plan) -> dict:
-    """What a plan file says about the run's inputs: the defaults `dmap run -d PLAN.json` takes from it."""
+    """What a plan file says about the run's inputs: the defaults `dmap run -d PLAN.json` takes from it (its
+    `inputs`, and the steps its predicted time is for: `dmap plan --steps 8 -o p.json` then `dmap run -d p.json` runs
+    8 steps, the time the plan predicted)."""
     given = {"height": plan.inputs.height, "width": plan.inputs.width, "num_images": plan.inputs.num_images,
              "guidance_scale": plan.inputs.guidance_scale, "max_sequence_length": plan.inputs.max_sequence_length,
-             "num_frames": plan.inputs.num_frames}
+             "num_frames": plan.inputs.num_frames, "fps": plan.inputs.fps,
+             "steps": (plan.predicted_time or {}).get("steps")}
     if plan.inputs.weights_only:  # a weights-only plan says nothing about the image size
         given.pop("height"), given.pop("width")
     return {k: v for k, v in given.items() if v is not None}
+
+
+def prediction_at(predicted: dict, steps: int | None = None, queue: int | None = None) -> dict:
+    """A plan's `predicted_time` at `steps` steps and a queue of `queue` prompts (None: the prediction's own): its
+    seconds per step times the steps, over the images one call makes, and times the queue; each layout's the same
+    way. The one function `dmap plan` and `dmap run` print a prediction through, so that a run's printed time is
+    for the steps and prompts it runs, whether it planned here or follows a plan file made at other steps."""
+    if not predicted or "step_s" not in predicted:
+        return predicted
+    steps = steps or predicted.get("steps") or 1
+    queue = queue or predicted.get("queue") or 1
+    per_call = max(1, predicted.get("images_per_call") or 1)
+
+    def times(step_s: float) -> dict[str, float]:
+        return {"step_s": step_s, "image_s": _four_figures(steps * step_s / per_call),
+                "queue_s": _four_figures(steps * step_s * queue)}
+
+    retimed = {**predicted, "steps": steps, "queue": queue, **times(predicted["step_s"])}
+    if isinstance(predicted.get("layouts"), dict):
+        retimed["layouts"] = {name: times(layout["step_s"]) for name, layout in predicted["layouts"].items()
+                              if isinstance(layout, dict) and "step_s" in layout}
+    return retimed
+
+
+def _four_figures(value: float) -> float:
+    """Four significant figures, as the plan's own prediction keeps them."""
+    return float(f"{value:.4g}")
 
 
 def cuda_devices_without_torch() -> int | None:

@@ -44,6 +44,7 @@ from dm_cli.run.request import (
     check_tiled_decode,
     inputs_from_plan,
     plan_digest,
+    prediction_at,
     prepare,
     refuse_existing_outputs,
     run_inputs,
@@ -310,6 +311,8 @@ def _final_plan(request: RunRequest, plan: Plan | None, source: Source, family: 
     status(None)
     if planned_here and not request.simulate:  # a plan made here: before it is shown
         check_devices_present(plan, cpu_ranks(request.parallel, plan))
+    # the prediction shown is the run's: its steps and prompts, whatever steps a plan file was made at
+    plan = replace(plan, predicted_time=prediction_at(plan.predicted_time, generation.steps, request.queue))
     if on_plan is not None:
         on_plan(plan)
     if not request.simulate:
