@@ -139,3 +139,20 @@ def test_inspect_and_plan_show_nf4_sizes():
     planned = json.loads(result.output)["components"]
     assert planned["transformer"]["weights_bytes"] == comps["transformer"]["bytes"]
     assert planned["text_encoder_2"]["weights_bytes"] == comps["text_encoder_2"]["bytes"]
+
+
+@pytest.mark.parametrize("preset,weights,memory,mode", [
+    ("flux", "transformer=nf4,text_encoder_2=nf4", "0=16GB", "staged"),  # one 16 GB card, nothing offloaded
+    ("flux", "transformer=nf4,text_encoder_2=nf4", "0=12GB,1=12GB", "resident"),
+    ("qwen-image", "nf4", "0=16GB,1=16GB", "resident"),  # the 20B Qwen-Image on two 16 GB cards
+])
+def test_issue_goals_fit_at_1024(preset, weights, memory, mode):
+    from dm_cli.planning.make import make_plan
+    from dm_cli.planning.plan_options import PlanOptions
+
+    plan = make_plan(preset, PlanOptions(PlacementSpec(memory, mode=mode, weights=weights),
+                                         inputs=InputSpec(1024, 1024), check=False)).to_json()
+    assert plan["mode"] == mode
+    for name, comp in plan["components"].items():
+        assert set(map(str, comp["device_map"].values())) <= {"0", "1"}, name  # nothing on cpu or disk
+    assert plan["components"]["transformer"]["storage_dtype"] == "uint8"
