@@ -2,6 +2,8 @@
 bitsandbytes' own Params4bit as diffusers' `create_quantized_param` does, give the pixels of the pipeline whose
 components the libraries' own 4-bit loaders quantized (test_nf4.quantized_by_the_library), unsplit and split."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -128,3 +130,31 @@ def test_a_lora_on_nf4_stays_unfused_in_peft_4bit_layers_identical_to_diffusers(
     assert result.plan.loras[0]["fused"] is False
     assert any("stored as nf4, which peft cannot merge into" in w for w in result.plan.warnings)
     assert np.array_equal(_png(tmp_path / "lora.png")[0], expected)
+
+
+def test_nf4_slices_and_an_unfused_lora_on_two_pipeline_ranks_are_one_process_bytes(tmp_path):
+    """--parallel pipeline: each torchrun rank loads and quantizes only its slice's NF4 layers (a queue of two, a LoRA
+    in peft's 4-bit layers); the images are the bytes of one process running the same plan."""
+    pytest.importorskip("peft")
+    from pipeline_launch import pipeline_plan
+    from test_pipeline_weights import _fused, _piped_and_single
+    from test_pipeline_weights import flux as make_folder
+
+    model, lora, queue = make_folder.__wrapped__(_Factory(tmp_path))
+    features = ("--lora", f"{lora}:0.7")
+    plan = pipeline_plan(tmp_path, model, 2, "nf4.json", "--weights", "transformer=nf4", "--dtype", "bfloat16", *features)
+    assert _fused(plan) == [False]
+    assert json.loads(plan.read_text())["components"]["transformer"]["storage_dtype"] == "uint8"
+    _piped_and_single(tmp_path, model, plan, "--prompts", queue, *features)
+
+
+class _Factory:
+    """tmp_path_factory's one method, for calling a module fixture's body directly."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def mktemp(self, name):
+        path = self.root / name
+        path.mkdir()
+        return path
