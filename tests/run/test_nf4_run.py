@@ -158,3 +158,37 @@ class _Factory:
         path = self.root / name
         path.mkdir()
         return path
+
+
+def test_nf4_with_a_step_cache_split_whole_and_api_are_the_same_pixels(folders, tmp_path):
+    """--cache taylorseer on an NF4 transformer cut over two simulated GPUs: the split check with the hooks on finds
+    nothing, and the image and skipped calls are the whole model's, which the Python API gives too."""
+    from conftest import run_dmap
+    from PIL import Image
+
+    from dm_cli import load
+
+    folder = folders("tiny-flux")
+    common = ["--height", "32", "--width", "32", "--max-sequence-length", "8", "--weights", "transformer=nf4",
+              "--dtype", "bfloat16"]
+    cache = ["--cache", "taylorseer"]
+    code, _, err = run_dmap("plan", folder, *common, *cache, "--max-memory", "0=380KB,1=380KB", "--overhead", "0=0,1=0",
+                            "--mode", "staged",
+                            "--output", tmp_path / "split.json", "--quiet")
+    assert code == 0, err
+    plan = json.loads((tmp_path / "split.json").read_text())
+    assert set(plan["components"]["transformer"]["device_map"].values()) == {0, 1}
+    assert plan["check"]["ran"] and not plan["check"]["problems"], plan["check"]
+    run = ["run", folder, "--prompt", "a fox", "--steps", "8", "--seed", "3", "--quiet", "--json"]
+    code, out, err = run_dmap(*run, "-d", tmp_path / "split.json", "--simulate", "-o", tmp_path / "split.png")
+    assert code == 0, err
+    split_counts = json.loads(out)["step_cache"]["counts"]["transformer"]
+    code, out, err = run_dmap(*run, *common, *cache, "--max-memory", "cpu=10GB", "-o", tmp_path / "whole.png")
+    assert code == 0, err
+    assert json.loads(out)["step_cache"]["counts"]["transformer"] == split_counts and split_counts["skipped"] > 0
+    pixels = [np.asarray(Image.open(tmp_path / f).convert("RGB")) for f in ("split.png", "whole.png")]
+    assert (pixels[0] == pixels[1]).all()
+    with load(str(folder), max_memory="cpu=10GB", height=32, width=32, max_sequence_length=8, dtype="bfloat16",
+              weights="transformer=nf4", cache="taylorseer") as session:
+        image = next(iter(session.generate(["a fox"], seed=3, steps=8))).images[0]
+    assert (np.asarray(image.convert("RGB")) == pixels[1]).all()
