@@ -192,3 +192,27 @@ def test_nf4_with_a_step_cache_split_whole_and_api_are_the_same_pixels(folders, 
               weights="transformer=nf4", cache="taylorseer") as session:
         image = next(iter(session.generate(["a fox"], seed=3, steps=8))).images[0]
     assert (np.asarray(image.convert("RGB")) == pixels[1]).all()
+
+
+def test_a_served_nf4_image_is_dmap_runs_file_byte_for_byte(tmp_path_factory, tmp_path):
+    pytest.importorskip("starlette")
+    import base64
+
+    from conftest import run_dmap
+    from test_serve import SEED as SERVE_SEED
+    from test_serve import SIZE as SERVE_SIZE
+    from test_serve import STEPS as SERVE_STEPS
+    from test_serve import Server
+
+    server = Server(tmp_path_factory, "--weights", "transformer=nf4,text_encoder_2=nf4")
+    try:
+        status, data = server.post({"prompt": "a red fox", "seed": SERVE_SEED, "model": "demo", "size": "64x64",
+                                    "response_format": "b64_json"})
+    finally:
+        server.stop()
+    assert status == 200, data
+    code, _, err = run_dmap("run", "-p", "a red fox", "--height", SERVE_SIZE, "--width", SERVE_SIZE, "--steps",
+                            SERVE_STEPS, "--seed", SERVE_SEED, "--mode", "staged", "--weights",
+                            "transformer=nf4,text_encoder_2=nf4", "-o", tmp_path / "fox.png", "--quiet")
+    assert code == 0, err
+    assert base64.b64decode(data["data"][0]["b64_json"]) == (tmp_path / "fox.png").read_bytes()
