@@ -127,12 +127,18 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
                                              cache_bytes if footprints else {})
         plan.parallel = with_cache_per_rank(layout, plan.step_cache)
     plan.warnings += [launch_warning(layout) for layout in [layout] if layout is not None and layout.layout != Layout.SPLIT]
-    plan.predicted_time = plan_prediction(plan, source, prepared, options, options.prediction)
-    if options.prediction.profile is None:  # a damaged calibrated profile was ignored: said, never fatal
-        plan.warnings += [problem for problem in [cached_profile_problem()] if problem]
+    plan.predicted_time = _prediction(plan, source, prepared, options)
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
     return plan
+
+
+def _prediction(plan: Plan, source, prepared: list[PreparedComponent], options: PlanOptions) -> dict:
+    """The plan's `predicted_time`; a damaged calibrated profile, ignored (never fatal), said in the plan's warnings."""
+    predicted = plan_prediction(plan, source, prepared, options, options.prediction)
+    if options.prediction.profile is None:
+        plan.warnings += [problem for problem in [cached_profile_problem()] if problem]
+    return predicted
 
 
 def input_image_report(source, comps, prepared: list[PreparedComponent], options: PlanOptions) -> dict:
