@@ -36,6 +36,9 @@ def _inputs(plan: Plan) -> list[str]:
                         ("--fps", inputs.fps)):
         if value is not None:
             flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    steps = (plan.predicted_time or {}).get("steps")  # the steps `dmap run -d` runs (dm_cli.run.request)
+    if steps:
+        flags += ["--steps", str(steps)]
     for width, height in inputs.image_sizes:
         flags += ["--image-size", f"{width}x{height}"]
     if inputs.last_image_size is not None:
@@ -59,11 +62,16 @@ def _features(plan: Plan) -> list[str]:
     weights = ",".join(f"{name}={fmt}" for name, fmt in sorted(plan.weights.items()) if fmt)
     if weights:
         flags += ["--weights", weights]
-    for lora in plan.loras:
-        flags += ["--lora", f"{lora['component']}={lora['path']}:{lora['scale']:g}"]
+    flags += lora_flags(plan)
     if plan.step_cache:
         flags += ["--cache", str(plan.step_cache.get("label") or plan.step_cache["name"])]
     return flags
+
+
+def lora_flags(plan: Plan) -> list[str]:
+    """The plan's LoRAs as `--lora COMPONENT=FILE:SCALE` flags: `dmap plan` makes them again, `dmap run -d` must
+    give them (the plan counts their bytes)."""
+    return [word for lora in plan.loras for word in ("--lora", f"{lora['component']}={lora['path']}:{lora['scale']:g}")]
 
 
 def plan_command(plan: Plan, source: str, output: str, overwrite: bool = False) -> str:

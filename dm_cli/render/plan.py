@@ -9,6 +9,7 @@ from dm_cli.devices import device_label, device_rank
 from dm_cli.io.input_images import shown_path
 from dm_cli.model.sources import PRESETS
 from dm_cli.planning.blocks import clean_device_map
+from dm_cli.planning.plan_command import lora_flags
 from dm_cli.render import Col, console, print_hidden, print_table
 from dm_cli.run import request  # the module: tests replace its cuda_devices_without_torch
 from dm_cli.run.request import prediction_at
@@ -89,7 +90,11 @@ def run_command(plan, output: str) -> str:
     under torchrun for a plan of several ranks, with --simulate where this machine has none of the planned GPUs."""
     gpus = {dev for comp in plan.components.values() for dev in comp.device_map.values()} - {"cpu", "disk", "mps"}
     simulate = " --simulate" if gpus and request.cuda_devices_without_torch() == 0 else ""
-    run = f"run -d {shlex.quote(output)} -p \"a prompt\"{simulate}"
+    loras = "".join(f" {shlex.quote(word)}" for word in lora_flags(plan))  # run -d gives the plan's LoRAs
+    # an output named after the plan: the default dmap.png may be an earlier run's (dmap never overwrites it)
+    name = f"{Path(output).stem or 'plan'}.{'mp4' if plan.inputs.num_frames else 'png'}"
+    written = f" -o {shlex.quote(str(Path(output).with_name(name)))}"
+    run = f"run -d {shlex.quote(output)} -p \"a prompt\"{loras}{simulate}{written}"
     ranks = plan.parallel.world_size if plan.parallel is not None else 1
     return f"torchrun --nproc-per-node {ranks} -m dm_cli {run}" if ranks > 1 else f"dmap {run}"
 

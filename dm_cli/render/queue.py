@@ -180,7 +180,7 @@ class QueueView(RunView):
     def start(self, result) -> None:
         self.todo, self.done, self.started = result.mine - len(result.skipped), 0, time.monotonic()
         self.resume = getattr(result, "resume", True)
-        for notice in result.notices:
+        for notice in result.notices if self.show_plans else ():  # the same on every rank: said once, by rank 0
             self._say(notice, style="bold yellow")  # the console takes no markup: text from files stays text
         share = f"{result.mine} of {result.items} items" if result.world_size > 1 else f"{result.items} items"
         self._say(f"Queue: {share}, {result.mode} plan {result.plan_digest}, writing to {result.output_dir}")

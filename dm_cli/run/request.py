@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,7 +38,7 @@ from dm_cli.model.sources import PRESETS, config_digest, looks_like_path, preset
 from dm_cli.planning.make import launch_warning, make_named_plan
 from dm_cli.planning.modes import Strategy
 from dm_cli.planning.parallel import ParallelRequest
-from dm_cli.planning.plan_command import plan_command
+from dm_cli.planning.plan_command import lora_flags, plan_command
 from dm_cli.planning.plan_options import PlanOptions
 from dm_cli.planning.plan_prediction import PredictionRequest
 from dm_cli.planning.step_cache import parse_cache
@@ -318,9 +319,10 @@ def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement:
     planned_loras = sorted((lora["component"], lora["digest"], lora["scale"]) for lora in plan.loras)
     if planned_loras != sorted((lora.component, lora.digest, lora.scale) for lora in loras):
         shown = lambda items: ", ".join(f"{c}:{d[:12]}:{s:g}" for c, d, s in items) or "none"  # noqa: E731
+        flags = " ".join(shlex.quote(word) for word in lora_flags(plan))
         problems.append(f"it was made for LoRA(s) {shown(planned_loras)}, this run asks for "
                         f"{shown(sorted((lora.component, lora.digest, lora.scale) for lora in loras))} "
-                        "(give the plan's --lora)")
+                        + (f"(give the plan's LoRAs: {flags})" if flags else "(drop --lora)"))
     # the plan file does not record --pipeline nor --component-file: no `dmap plan` rebuilt from it would hold them
     rebuildable = not any(c.single_file is not None for c in source.components)
     if problems and other_model and not same_source and rebuildable:
@@ -331,8 +333,27 @@ def check_plan_matches(plan: Plan, source: Source, inputs: InputSpec, placement:
         raise UsageError(f"{where} does not match this run: " + "; ".join(problems) + ". Plan it again: "
                          + _plan_again(plan, source, plan_file, True))
     if problems:
+        command, target = _plan_for_run(plan, source, inputs, placement, loras, plan_file)
         raise UsageError(f"{where} does not match this run: " + "; ".join(problems)
-                         + f". Plan again with dmap plan {source.spec} --output PLAN.json, or run without --device-map.")
+                         + f". Or plan it for this run, with the plan's other flags: {command}, then run with -d "
+                         f"{shlex.quote(target)} (or run without --device-map).")
+
+
+def _plan_for_run(plan: Plan, source: Source, inputs: InputSpec, placement: PlacementSpec, loras: tuple,
+                  plan_file: str | None) -> tuple[str, str]:
+    """(the pasteable `dmap plan` that makes `plan` again with this run's inputs, dtype, weights and LoRAs and the
+    plan's own devices, mode, cache and the rest, the file it writes): beside the plan file, never over it."""
+    names = sorted(c.name for c in source.components)
+    fields: dict = {"inputs": replace(plan.inputs, height=inputs.height, width=inputs.width, batch_size=1,
+                                      num_images=inputs.num_images, num_frames=inputs.num_frames),
+                    "loras": [{"component": lora.component, "path": lora.path, "scale": lora.scale} for lora in loras]}
+    if placement.dtype:
+        fields["dtype"] = parse_dtype(placement.dtype)
+    if placement.weights is not None:
+        fields["weights"] = {**plan.weights, **parse_weights_spec(placement.weights, names)}
+    target = Path(plan_file or "plan.json")
+    target = str(target.with_name(f"{target.stem}-run.json"))
+    return plan_command(replace(plan, **fields), source.spec, target, overwrite=Path(target).exists()), target
 
 
 def check_plan_cache(plan: Plan, asked, where: str, off: bool = False) -> Plan:

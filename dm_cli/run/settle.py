@@ -34,6 +34,7 @@ from dm_cli.io.video import names_folder
 from dm_cli.model.formats.weight_formats import int8_offload_problem
 from dm_cli.model.single_file_weights import component_files_metadata
 from dm_cli.planning.lora_sizing import lora_targets
+from dm_cli.planning.make import launch_warning
 from dm_cli.planning.modes import Strategy, Word
 from dm_cli.run.checks import check_seed
 from dm_cli.run.distributed import Ranks
@@ -312,12 +313,22 @@ def _final_plan(request: RunRequest, plan: Plan | None, source: Source, family: 
     if planned_here and not request.simulate:  # a plan made here: before it is shown
         check_devices_present(plan, cpu_ranks(request.parallel, plan))
     # the prediction shown is the run's: its steps and prompts, whatever steps a plan file was made at
-    plan = replace(plan, predicted_time=prediction_at(plan.predicted_time, generation.steps, request.queue))
+    plan = replace(plan, predicted_time=prediction_at(plan.predicted_time, generation.steps, request.queue),
+                   warnings=_run_warnings(plan))
     if on_plan is not None:
         on_plan(plan)
     if not request.simulate:
         _refuse_int8_offload(plan)
     return plan
+
+
+def _run_warnings(plan: Plan) -> list[str]:
+    """The plan's warnings as this run shows them: a plan of several ranks run under torchrun with as many is
+    launched as its warning asks (`launch_warning`), which is then left out, as for a plan made here."""
+    layout = getattr(plan, "parallel", None)
+    if layout is None or Ranks.from_env().world_size != layout.world_size:
+        return list(plan.warnings)
+    return [warning for warning in plan.warnings if warning != launch_warning(layout)]
 
 
 def queue_parallel(plan: Plan | None, ranks) -> str:

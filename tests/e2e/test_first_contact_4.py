@@ -91,3 +91,89 @@ def test_a_pipeline_plan_prints_one_per_step_figure_per_layout(tmp_path):
     assert figures == {seconds for _, seconds in layouts}, out  # no other per-step figure anywhere
     assert "s/step" not in out
     assert "50 TFLOP/s per GPU at float32" in out and "100 at bfloat16" in out
+
+
+# --- item 5: every printed Next or hint runs as printed --------------------------------------------------------
+
+LORA = (b"\xbe\0\0\0\0\0\0\0" + b'{"transformer.x_embedder.lora_A.weight":{"dtype":"F16","shape":[1,64],"data_offsets":'
+        b'[0,128]},"transformer.x_embedder.lora_B.weight":{"dtype":"F16","shape":[256,1],"data_offsets":[128,640]}}'
+        + b"0" * 640)  # the README's one-layer LoRA for the demo's transformer
+
+
+def _pasted(line: str, cwd, *extra):
+    """A printed `dmap ...` command run as a user pastes it (in-process)."""
+    import shlex
+
+    words = shlex.split(line)
+    assert words[0] == "dmap", line
+    return run_dmap(*words[1:], *extra, cwd=cwd)
+
+
+def test_a_lora_plans_next_and_replan_hint_run_as_printed(tmp_path):
+    """A plan made with --lora printed a Next without --lora (the run then refused the plan), writing dmap.png, which
+    an earlier run had written; the hint of a run that does not match the plan said `dmap plan demo --output
+    PLAN.json`, dropping the plan's flags (devices, size, LoRA)."""
+    (tmp_path / "fox-lora.safetensors").write_bytes(LORA)
+    (tmp_path / "dmap.png").write_bytes(b"an earlier run's")
+    code, out, err = run_dmap("plan", "demo", "--lora", "fox-lora.safetensors:0.8", "-m", "cpu=4GB", *SIZE,
+                              "--steps", "2", "-o", "lp.json", cwd=tmp_path, env={"COLUMNS": "80"})
+    assert code == 0, err
+    hint = out.rstrip().splitlines()[-1]
+    assert hint == 'Next: dmap run -d lp.json -p "a prompt" --lora transformer=fox-lora.safetensors:0.8 -o lp.png', hint
+    code, out, err = _pasted(hint.removeprefix("Next: "), tmp_path)
+    assert code == 0, err
+    assert (tmp_path / "lp.png").is_file()
+    # a run that asks for another size and no LoRA: the hint plans it with the plan's other flags, beside the plan
+    code, out, err = run_dmap("run", "-d", "lp.json", "-p", "fox", "--height", "32", "--width", "32", "-o", "x.png",
+                              cwd=tmp_path)
+    assert code == 2 and "--lora transformer=fox-lora.safetensors:0.8" in err, err
+    command = re.search(r"with the plan's other flags: (dmap plan .*?), then run with -d (\S+) ", err)
+    assert command and "--max-memory cpu=4GB" in command[1] and "--steps 2" in command[1], err
+    assert "--height 32 --width 32" in command[1] and "--lora" not in command[1], err
+    code, out, err = _pasted(command[1], tmp_path)
+    assert code == 0, err
+    code, out, err = run_dmap("run", "-d", command[2], "-p", "fox", "--height", "32", "--width", "32", "-o", "x.png",
+                              cwd=tmp_path)
+    assert code == 0, err
+    assert ", 2 steps," in out
+
+
+def test_a_pipeline_plan_run_under_its_ranks_does_not_ask_to_launch_torchrun(monkeypatch):
+    """The pipeline-layout warning ("run it with torchrun ...") was printed by the plan and again by the run that
+    torchrun launched as it says: a run under as many ranks leaves it out; one process still hears it."""
+    from dm_cli.planning.make import launch_warning
+    from dm_cli.planning.parallel_layout import ParallelLayout
+    from dm_cli.planning.plan_file import Plan
+    from dm_cli.run.settle import _run_warnings
+
+    layout = ParallelLayout(2, "pipeline", 1, 1, 1, {"0": 1, "1": 1})
+    plan = Plan.__new__(Plan)
+    plan.parallel, plan.warnings = layout, [launch_warning(layout), "another"]
+    assert _run_warnings(plan) == [launch_warning(layout), "another"]
+    for key, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    assert _run_warnings(plan) == ["another"]
+
+
+def test_a_queues_notices_are_said_once_by_rank_0(monkeypatch):
+    """Under torchrun every rank printed the run's notices (the demo's, the pipeline's cut): rank 0 says them."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from dm_cli.render.queue import QueueView
+
+    said = {}
+    for rank in (0, 1):
+        for key, value in {"WORLD_SIZE": "2", "RANK": rank, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": "2",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+            monkeypatch.setenv(key, str(value))
+        view = QueueView()
+        view.console = Console(file=io.StringIO(), width=200)
+        view.start(SimpleNamespace(mine=1, skipped=[], notices=["The denoiser is cut into 2 slices."], items=2,
+                                   world_size=2, mode="resident", plan_digest="x", output_dir="out", redone={},
+                                   resume=True))
+        said[rank] = view.console.file.getvalue()
+    assert "cut into 2 slices" in said[0] and "cut into 2 slices" not in said[1]

@@ -137,10 +137,10 @@ def test_plan_ends_with_the_run_command_and_it_runs(work, monkeypatch):
     monkeypatch.setattr(request, "cuda_devices_without_torch", lambda: 0)  # this machine: no GPU
     out = _plan(work)
     hint = out.rstrip().splitlines()[-1]
-    assert hint == 'Next: dmap run -d p.json -p "a prompt" --simulate', hint
+    assert hint == 'Next: dmap run -d p.json -p "a prompt" --simulate -o p.png', hint
     code, out, err = _pasted(hint.removeprefix("Next: "), work, "--steps", "1")
     assert code == 0, err
-    assert (work / "dmap.png").is_file()
+    assert (work / "p.png").is_file()
 
 
 def test_plan_next_for_ranks_is_the_torchrun_form(work, monkeypatch):

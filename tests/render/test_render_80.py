@@ -183,10 +183,10 @@ def test_plan_next_step_runs_the_plan_file(cols, tmp_path, monkeypatch):
     data["source"] = str(tmp_path)  # a folder: no preset caveat; the plan knows it, the command needs no SOURCE
     monkeypatch.setattr(request, "cuda_devices_without_torch", lambda: None)
     out = cols(render(Plan.from_json(data), output="p.json"), 120)
-    assert out.rstrip().splitlines()[-1] == 'Next: dmap run -d p.json -p "a prompt"'
+    assert out.rstrip().splitlines()[-1] == 'Next: dmap run -d p.json -p "a prompt" -o p.png'
     monkeypatch.setattr(request, "cuda_devices_without_torch", lambda: 0)  # no GPU here: simulated on the CPU
     out = cols(render(Plan.from_json(data), output="p.json"), 120)
-    assert out.rstrip().splitlines()[-1] == 'Next: dmap run -d p.json -p "a prompt" --simulate'
+    assert out.rstrip().splitlines()[-1] == 'Next: dmap run -d p.json -p "a prompt" --simulate -o p.png'
 
 
 def test_errors_wrap_at_spaces_on_a_terminal(monkeypatch):
