@@ -38,13 +38,16 @@ def _session_cache(tmp_path_factory):
         base = tmp_path_factory.getbasetemp()
         shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
         os.environ["DMAP_TEST_CACHE"] = str(shared / "dmap-cache")
+    os.environ["DMAP_KERNELS"] = "cpu"  # module fixtures plan before the function-level one below sets it
 
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(_session_cache, monkeypatch):
-    """Every test reads and writes the run's cache (above), offline."""
+    """Every test reads and writes the run's cache (above), offline; plans count activations as the CPU that runs
+    their simulated GPUs holds them (DMAP_KERNELS=cpu), except where a test asks for CUDA's rules."""
     monkeypatch.setenv("DMAP_CACHE_DIR", os.environ["DMAP_TEST_CACHE"])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("DMAP_KERNELS", "cpu")
 
 
 def run_dmap(*args, env=None, cwd=None):

@@ -88,7 +88,7 @@ def does_not_fit(source_spec, source, comps, stages, devices, options, formats, 
             smaller = replace(options.inputs, height=size, width=size)
             try:
                 trial_specs = [prepare_component(c, source.pipeline_class, smaller, options.placement.dtype, options.use_cache,
-                                                 formats).spec for c in comps]
+                                                 formats, on_gpu=options.on_gpu).spec for c in comps]
             except Exception:  # a failed trace only loses a suggestion
                 break
             if fits(devices, trial_specs) is not None:
@@ -124,7 +124,7 @@ def _fewer_or_smaller_images(source, comps, options: PlanOptions, formats, fits:
         smaller = replace(inputs, image_sizes=tuple(sizes))
         try:
             return fits([prepare_component(c, source.pipeline_class, smaller, options.placement.dtype, options.use_cache,
-                                           formats).spec for c in comps])
+                                           formats, on_gpu=options.on_gpu).spec for c in comps])
         except Exception:  # a failed trace only loses a suggestion
             return False
 

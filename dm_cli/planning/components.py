@@ -36,17 +36,25 @@ class TraceFacts:
     warning: str | None
     module_outputs: dict[str, int] = field(default_factory=dict)  # module -> bytes of its largest output
     work: dict[str, int] = field(default_factory=dict)  # one call's FLOPs, memory-bound bytes and ops (trace.py)
+    peak_at: dict = field(default_factory=dict)  # on a GPU: the module, op and kernel bytes at the peak
+    attention_backends: dict[str, int] = field(default_factory=dict)  # on a GPU: the attention kernel -> calls
 
 
 def trace_facts(comp: ComponentSource, pipeline_class: str | None, inputs: InputSpec, dtype: str, use_cache: bool = True,
-                tiled: bool = False, on_progress: Callable[[str], None] | None = None) -> TraceFacts:
+                tiled: bool = False, on_progress: Callable[[str], None] | None = None,
+                on_gpu: bool = False) -> TraceFacts:
     """The meta trace of one component: execution order, activation peaks, what must not be split
-    (`tiled`: of its decode with diffusers' enable_tiling())."""
+    (`tiled`: of its decode with diffusers' enable_tiling()). `on_gpu`: the peaks a GPU's kernels reach (the
+    allocator's blocks, attention's and cuDNN's buffers: gpu_kernels.py), else the CPU's (the storages alone)."""
     result = trace.trace_component(comp, pipeline_class, inputs, dtype, use_cache=use_cache, tiled=tiled,
                              on_progress=on_progress)
-    return TraceFacts(list(result.execution_order) or None, dict(result.module_peaks), int(result.activation_peak),
+    gpu = on_gpu and bool(result.gpu_module_peaks)
+    return TraceFacts(list(result.execution_order) or None,
+                      dict(result.gpu_module_peaks if gpu else result.module_peaks),
+                      int(result.gpu_activation_peak if gpu else result.activation_peak),
                       list(result.unsplittable), dict(getattr(result, "same_device_groups", {}) or {}),
-                      result.fallback_warning, dict(result.module_outputs), dict(getattr(result, "work", {}) or {}))
+                      result.fallback_warning, dict(result.module_outputs), dict(getattr(result, "work", {}) or {}),
+                      dict(result.gpu_peak_at) if gpu else {}, dict(result.attention_backends) if gpu else {})
 
 
 @dataclass
@@ -64,12 +72,14 @@ class PreparedComponent:
 
 def prepare_component(comp: ComponentSource, pipeline_class: str | None, inputs: InputSpec, dtype: str | None,
                       use_cache: bool = True, weights: dict[str, str | None] | None = None,
-                      on_progress: Callable[[str], None] | None = None, loras: tuple = ()) -> PreparedComponent:
+                      on_progress: Callable[[str], None] | None = None, loras: tuple = (),
+                      on_gpu: bool = False) -> PreparedComponent:
     """Skeleton + trace -> the planner's ComponentInput (blocks in execution order with activations).
 
     `weights` (from `parse_weights_spec`) stores some tensors in fp8 or int8: they are counted at
     those sizes, by the rule the runner applies, and the compute copy of the largest such layer
-    (upcast while it runs) is added to the activations of every block that holds it.
+    (upcast while it runs) is added to the activations of every block that holds it. `on_gpu`: activations as a
+    GPU's kernels hold them (trace_facts).
     """
     if on_progress is not None:
         on_progress(f"Sizing {comp.name} ({comp.cls}): counting its tensors")
@@ -93,7 +103,8 @@ def prepare_component(comp: ComponentSource, pipeline_class: str | None, inputs:
     if comp.config is None:
         facts = TraceFacts(None, {}, 0, [], {}, "no config: registration order, no activation estimate")
     else:
-        facts = trace_facts(comp, pipeline_class, inputs, trace_dtype, use_cache, on_progress=on_progress)
+        facts = trace_facts(comp, pipeline_class, inputs, trace_dtype, use_cache, on_progress=on_progress,
+                            on_gpu=on_gpu)
     if facts.warning and not inputs.weights_only and "overflow" in facts.warning.lower():
         raise DoesNotFitError(_overflow_refusal(comp, inputs))  # never planned as if it needed nothing
     if facts.warning:

@@ -8,6 +8,7 @@ when nothing fits (`advice.py`), around the pure search (`search.py`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from dm_cli.devices import device_label
@@ -41,7 +42,17 @@ from dm_cli.planning.step_cache_plan import (
     with_cache_per_rank,
 )
 from dm_cli.planning.tiling import TilingChoice, choose_tiling
-from dm_cli.units import parse_device_spec, parse_dtype
+from dm_cli.units import parse_device_spec, parse_dtype, shorten
+
+
+def cuda_kernels(devices: list[Device]) -> bool:
+    """Whether activations are counted as CUDA's kernels hold them (gpu_kernels.py): when the plan names a CUDA GPU,
+    unless DMAP_KERNELS=cpu says the plan's GPUs will be CPUs standing in for them (`dmap run --simulate`, tests), whose
+    kernels hold what the meta trace counts."""
+    rules = os.environ.get("DMAP_KERNELS", "").strip().lower()
+    if rules not in ("", "cuda", "cpu"):
+        raise UsageError(f"DMAP_KERNELS={shorten(rules, quote=True)} names no kernels: use cuda or cpu.")
+    return rules != "cpu" and any(isinstance(d.key, int) for d in devices)
 
 
 def launch_warning(layout) -> str:
@@ -68,6 +79,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     budgets = parse_device_spec(asked.max_memory) if asked.max_memory is not None else local_devices()
     overhead = parse_overhead(asked.overhead, budgets, options.inputs.weights_only)
     devices = [Device(b.device, b.capacity_bytes, overhead[b.key]) for b in budgets]
+    options = replace(options, on_gpu=cuda_kernels(devices))
     given, options = options.parallel, with_profile_rates(options)  # the profile's rates where not given (flags)
     parallel = parallel_request(source, comps, devices, options)  # refused before any trace
     if parallel is not None:
@@ -75,7 +87,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     formats = parse_weights_spec(asked.weights, [c.name for c in comps])
     loras = lora_targets(source, options.loras)
     prepared = [prepare_component(c, source.pipeline_class, options.inputs, asked.dtype, options.use_cache, formats,
-                                  on_progress=options.on_progress,
+                                  on_progress=options.on_progress, on_gpu=options.on_gpu,
                                   loras=tuple(lora for lora in loras if lora.component == c.name)) for c in comps]
     if parallel is not None and prepared:  # at the dtype the plan will have (below) and the traced compute
         parallel = rated_for_plan(parallel, given, asked.dtype or prepared[0].dtype, prepared)
@@ -153,7 +165,8 @@ def input_image_report(source, comps, prepared: list[PreparedComponent], options
     prep = next((p for p in prepared if p.spec.name == denoiser.name), None)
     if not tokens or prep is None:
         return {}
-    bare = trace_facts(denoiser, source.pipeline_class, replace(inputs, image_sizes=()), prep.dtype, options.use_cache)
+    bare = trace_facts(denoiser, source.pipeline_class, replace(inputs, image_sizes=()), prep.dtype, options.use_cache,
+                       on_gpu=options.on_gpu)
     return {"component": denoiser.name, "tokens": list(tokens), "activation_peak_bytes": prep.spec.activation_peak,
             "activation_peak_without_bytes": bare.activation_peak}
 

@@ -33,6 +33,8 @@ class PlanOptions:
     switch_loras: bool = False
     cache: StepCache | None = None  # --cache: a step cache on the denoiser, its state counted (planning/step_cache.py)
     prediction: PredictionRequest = field(default_factory=PredictionRequest)  # --profile, --steps, --queue
+    # the plan's devices include a GPU: activations as its kernels hold them (gpu_kernels.py); set by make_plan
+    on_gpu: bool = False
 
     @classmethod
     def of(cls, generation: Generation, placement: PlacementSpec, **rest) -> "PlanOptions":

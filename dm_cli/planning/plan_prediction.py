@@ -8,10 +8,11 @@ from dataclasses import dataclass, replace
 from dm_cli.errors import UsageError
 from dm_cli.families import family_parts
 from dm_cli.inputs import check_count
+from dm_cli.model.formats.weight_formats import layer_compute_bytes
 from dm_cli.planning.components import trace_facts
 from dm_cli.planning.parallel import denoiser_shape, step_flops
 from dm_cli.planning.profiles import DEFAULT_PROFILE, DeviceProfile, cached_profile, read_profile
-from dm_cli.planning.step_time import CallWork, RankCompute, Traffic, predict
+from dm_cli.planning.step_time import CallWork, RankCompute, Traffic, call_terms, predict
 from dm_cli.units import shorten
 
 MAX_QUEUE = 1_000_000
@@ -114,7 +115,7 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
     profile, origin = chosen_profile(request, "gpu" if on_gpu else "cpu")
     element = 4 if plan.dtype == "float32" else 2
     shape = denoiser_shape(denoiser, source.pipeline_class, inputs, family, element)
-    work = CallWork.of(work_facts, placed.weights_bytes)
+    work = replace(CallWork.of(work_facts, placed.weights_bytes), cast_bytes=cast_bytes(prep))
     devices = set(map(str, placed.device_map.values()))
     hooked = len(prep.facts.execution_order or ()) if placed.offloaded_bytes else (
         len(placed.device_map) if len(devices) > 1 else 0)  # offloaded: every module holding weights; split: each key
@@ -122,11 +123,37 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
     steps = request.steps or family.default_steps
     layouts = dict(plan.parallel.predicted_step_s) if plan.parallel is not None else None
     calls = family.calls_at_run(inputs, options.negative_prompt, options.settings)
+    encoders = max(1, calls) * stage_seconds(plan, prepared, profile, "encode")  # a negative prompt's too under CFG
     result = predict(work, traffic, profile, plan.dtype, max(1, calls), steps,
-                     inputs.batch_size * inputs.num_images, request.queue, layouts, origin)
+                     inputs.batch_size * inputs.num_images, request.queue, layouts, origin,
+                     encoders, stage_seconds(plan, prepared, profile, "decode"))
     if text_tokens is not None:
         result["text_tokens"] = text_tokens
     return result
+
+
+def cast_bytes(prep) -> float:
+    """Bytes one call of `prep` moves to upcast its weights stored in fp8, int8, NF4 or GGUF: each layer's compute
+    copy written, then read by its matmul; for torchao's int8, the scale applied to each layer's output (read and
+    written) too."""
+    layers = layer_compute_bytes(prep.skeleton.tensors, prep.weights, prep.dtype)
+    moved = 2.0 * sum(layers.values())
+    if prep.weights == "int8":
+        moved += 2.0 * sum(prep.facts.module_outputs.get(layer, 0) for layer in layers)
+    return moved
+
+
+def stage_seconds(plan, prepared, profile: DeviceProfile, stage: str) -> float:
+    """Predicted seconds of one call of each component of `stage` ("encode", "decode"): its traced work on the same
+    terms as the denoiser's, with its offloaded weights streamed in."""
+    total = 0.0
+    for prep in prepared:
+        placed = plan.components.get(prep.spec.name)
+        if placed is None or not prep.facts.work or stage not in (placed.stage, *placed.stages):
+            continue
+        work = replace(CallWork.of(prep.facts.work, placed.weights_bytes), cast_bytes=cast_bytes(prep))
+        total += sum(call_terms(work, profile, plan.dtype, Traffic(placed.offloaded_bytes)).values())
+    return total
 
 
 def run_work(prep, source, family, denoiser, inputs, options, request: PredictionRequest) -> tuple[dict, int | None]:

@@ -15,8 +15,11 @@ the hidden states at each hop between devices (the same hop bytes parallel.py co
 hook around each module of a split or offloaded denoiser. An image is `steps` steps over the images one call makes (batch x images
 per prompt); a queue of N is N prompts one after another. With --world-size, each layout's time is this step scaled by
 parallel.py's time model (its step seconds for the layout over its seconds for the split), which compares the
-layouts' FLOPs per rank and link traffic on the same profile. The encoders and the decoder are not counted: the
-prediction is of the denoise stage. Pure.
+layouts' FLOPs per rank and link traffic on the same profile. The encoders and the decoder are predicted on the same
+terms from their own traces (`pipeline_s`: one whole call). On a GPU (a table or calibrated GPU profile) matmuls run at
+their own size's rate, and the host's seconds per op count only where they exceed the device's work: eager PyTorch
+launches each kernel while the GPU runs earlier ones. Weights stored in fp8, int8 or NF4 add the bytes of their
+upcast each call (`cast_bytes`): eager runs it as its own kernel. Pure.
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ class CallWork:
     outside_ops: int = 0
     outside_flops: float = 0.0
     outside_bytes: float = 0.0
+    # bytes moved each call to upcast weights stored in fp8/int8/GGUF before their matmuls (the compute copy
+    # written, then read by the matmul), and int8's scale applied to each output: eager runs these as kernels
+    cast_bytes: float = 0.0
+
+    # FLOPs by the size of their op: ((log2 of an op's FLOPs, FLOPs of the ops of that size), ...), matmuls and
+    # convolutions apart (the trace's `matmul_flops_at_2^N` and `conv_flops_at_2^N`)
+    matmul_sizes: tuple = ()
+    conv_sizes: tuple = ()
 
     @classmethod
     def of(cls, work: dict, weight_bytes: int) -> "CallWork":
@@ -53,7 +64,8 @@ class CallWork:
                    int(work.get("matmul_ops", 0)), int(work.get("attention_ops", 0)),
                    float(work.get("attention_scores", 0)), float(work.get("attention_rows", 0)),
                    float(work.get("conv_flops", 0)), int(work.get("conv_ops", 0)), int(work.get("outside_ops", 0)),
-                   float(work.get("outside_flops", 0)), float(work.get("outside_bytes", 0)))
+                   float(work.get("outside_flops", 0)), float(work.get("outside_bytes", 0)),
+                   float(work.get("cast_bytes", 0)), _sizes(work, "matmul"), _sizes(work, "conv"))
 
 
 @dataclass(frozen=True)
@@ -67,10 +79,14 @@ class Traffic:
 
 
 def call_terms(work: CallWork, profile: DeviceProfile, dtype: str, traffic: Traffic) -> dict[str, float]:
-    """The seconds of one denoiser call, term by term (see the module's doc)."""
+    """The seconds of one denoiser call, term by term (see the module's doc). On a GPU the host launches each op
+    while the device runs earlier ones: the ops' host seconds count only where they exceed the device's work."""
     dense_flops, dense_ops = work.matmul_flops - work.conv_flops, work.matmul_ops - work.conv_ops
     matmul = profile.rate_at("matmul", dtype, dense_flops / max(1, dense_ops))
     conv = profile.rate_at("conv", dtype, work.conv_flops / max(1, work.conv_ops))
+    if profile.kind == "gpu" and work.matmul_sizes:  # each size at its own rate: big and small ops mix on a GPU
+        matmul = _sized_rate(profile, "matmul", dtype, work.matmul_sizes, dense_flops) or matmul
+        conv = _sized_rate(profile, "conv", dtype, work.conv_sizes, work.conv_flops) or conv
     score = _per_dtype(profile.score_seconds, dtype)
     if score and work.attention_scores:  # the softmax per score, each query row's fixed work, the two matmuls per FLOP
         attention = work.attention_scores * score + work.attention_rows * _per_dtype(profile.row_seconds, dtype) \
@@ -78,13 +94,18 @@ def call_terms(work: CallWork, profile: DeviceProfile, dtype: str, traffic: Traf
     else:
         rate = profile.rate_at("attention", dtype, work.attention_flops / max(1, work.attention_ops))
         attention = work.attention_flops / (rate * 1e12)
-    return {
+    elementwise = (profile.elementwise_gbps or profile.memory_gbps) * 1e9
+    device = {
         "matmul": dense_flops / (matmul * 1e12),
         "conv": work.conv_flops / (conv * 1e12),
         "attention": attention,
-        "memory": work.other_bytes / ((profile.elementwise_gbps or profile.memory_gbps) * 1e9)
-        + work.weight_bytes / (profile.memory_gbps * 1e9),
-        "ops": work.ops * profile.op_seconds,
+        "memory": work.other_bytes / elementwise + work.weight_bytes / (profile.memory_gbps * 1e9),
+        "cast": work.cast_bytes / elementwise,
+    }
+    host = work.ops * profile.op_seconds
+    return {
+        **device,
+        "ops": max(0.0, host - sum(device.values())) if profile.kind == "gpu" else host,
         "offload": traffic.offloaded_bytes / (profile.host_gbps * 1e9),
         "hops": traffic.hops * traffic.hop_bytes / (profile.link_gbps * 1e9),
         "hooks": traffic.hooked_modules * profile.hook_seconds,
@@ -133,9 +154,11 @@ class RankCompute:
 
 def predict(work: CallWork, traffic: Traffic, profile: DeviceProfile, dtype: str, calls: int, steps: int,
             images_per_call: int, queue: int, layout_steps: dict[str, float] | None = None,
-            origin: str = "default") -> dict:
+            origin: str = "default", encode_s: float = 0.0, decode_s: float = 0.0) -> dict:
     """The plan's `predicted_time`: seconds per step, per image and per queue of `queue` prompts, the terms of one
-    step, and (with `layout_steps`, parallel.py's step seconds per layout) the same for each layout considered."""
+    step, and (with `layout_steps`, parallel.py's step seconds per layout) the same for each layout considered.
+    With the encoders' and the decoder's seconds (`encode_s`, `decode_s`: one prompt's), `pipeline_s`: one whole
+    pipeline call (encode, every step, decode), what a published "seconds per image" measures."""
     terms = call_terms(work, profile, dtype, traffic)
     step = calls * sum(terms.values())
 
@@ -147,10 +170,26 @@ def predict(work: CallWork, traffic: Traffic, profile: DeviceProfile, dtype: str
     result = {"profile": profile.name, "profile_origin": origin, "profile_source": profile.source, "dtype": dtype,
               "steps": steps, "calls_per_step": calls, "images_per_call": images_per_call, "queue": queue,
               **times(step), "step_terms_s": {k: _round(calls * v) for k, v in terms.items()}}
+    if encode_s or decode_s:
+        result.update(encode_s=_round(encode_s), decode_s=_round(decode_s),
+                      pipeline_s=_round(encode_s + steps * step + decode_s))
     if layout_steps and layout_steps.get("split"):
         base = layout_steps["split"]
         result["layouts"] = {name: times(step * seconds / base) for name, seconds in layout_steps.items()}
     return result
+
+
+def _sizes(work: dict, kind: str) -> tuple:
+    """((log2 of an op's FLOPs, FLOPs), ...) of `kind` ("matmul" or "conv") from a trace's work."""
+    prefix = f"{kind}_flops_at_2^"
+    return tuple(sorted((int(key[len(prefix):]), float(value)) for key, value in work.items()
+                        if key.startswith(prefix) and key[len(prefix):].isdigit()))
+
+
+def _sized_rate(profile: DeviceProfile, kind: str, dtype: str, sizes: tuple, total: float) -> float:
+    """The TFLOP/s that takes as long for `total` FLOPs as each size's FLOPs at that size's rate (0: none)."""
+    seconds = sum(flops / profile.rate_at(kind, dtype, 2.0 ** (power + 0.5)) for power, flops in sizes)
+    return total / seconds if seconds > 0 and total > 0 else 0.0
 
 
 def _per_dtype(table: dict[str, float], dtype: str) -> float:

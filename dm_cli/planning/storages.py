@@ -8,6 +8,8 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 
+from dm_cli.planning.gpu_kernels import allocated
+
 
 class LiveStorages:
     """Bytes of live storages per place: counted once when an op first produces a storage, returned when it dies.
@@ -24,6 +26,8 @@ class LiveStorages:
     def __init__(self):
         self.live: dict[str, int] = defaultdict(int)
         self.peak: dict[str, int] = defaultdict(int)
+        # the same live storages in the caching allocator's 512-byte blocks (what a GPU's allocated bytes count)
+        self.blocks: dict[str, int] = defaultdict(int)
         self._counted: dict[int, tuple] = {}  # storage key -> (bytes, place, weak reference)
         self._skipped: dict[int, weakref.ref] = {}  # weight storage key -> weak reference (forgotten at death)
 
@@ -44,6 +48,7 @@ class LiveStorages:
             return
         size = storage.nbytes()
         self._counted[key] = (size, place, weakref.ref(storage, lambda _ref, key=key: self._release(key)))
+        self.blocks[place] += allocated(size)
         live = self.live[place] = self.live[place] + size
         if live > self.peak[place]:
             self.peak[place] = live
@@ -51,6 +56,7 @@ class LiveStorages:
     def _release(self, key: int) -> None:
         size, place, _ref = self._counted.pop(key)
         self.live[place] -= size
+        self.blocks[place] -= allocated(size)
 
     def reset_peaks(self) -> None:
         """Peaks from now on: each place's peak starts at what is live."""

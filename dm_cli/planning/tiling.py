@@ -42,10 +42,12 @@ def decode_components(prepared: list[PreparedComponent], pipeline_class: str | N
 
 
 def tiled_spec(prep: PreparedComponent, pipeline_class: str | None, inputs: InputSpec,
-               use_cache: bool = True, on_progress: Callable[[str], None] | None = None) -> ComponentInput | str:
+               use_cache: bool = True, on_progress: Callable[[str], None] | None = None,
+               on_gpu: bool = False) -> ComponentInput | str:
     """The component with the activations of its tiled decode (the same call traced with enable_tiling()),
     or a sentence saying why there is none (a class without enable_tiling; a cached trace imports no torch)."""
-    facts = trace_facts(prep.source, pipeline_class, inputs, prep.dtype, use_cache, tiled=True, on_progress=on_progress)
+    facts = trace_facts(prep.source, pipeline_class, inputs, prep.dtype, use_cache, tiled=True, on_progress=on_progress,
+                        on_gpu=on_gpu)
     if facts.warning:
         return facts.warning
     spec, _ = component_spec(prep.source, prep.skeleton, facts, inputs, prep.effective_dtype, prep.weights, prep.dtype)
@@ -80,7 +82,7 @@ def choose_tiling(prepared: list[PreparedComponent], pipeline_class: str | None,
         bare = without_activations(spec, io_bytes=False)  # its inputs and outputs stay full size, tiled or not
         if not spec.activation_peak or not better(attempt(swapped({spec.name: bare}))):
             continue  # its activations are not what the plan lacks: tiling cannot help
-        tiled = tiled_spec(prep, pipeline_class, inputs, options.use_cache, options.on_progress)
+        tiled = tiled_spec(prep, pipeline_class, inputs, options.use_cache, options.on_progress, options.on_gpu)
         if isinstance(tiled, str):
             outcome = "the plan does not fit" if placement is None else (
                 f"the plan offloads {format_size(placement.offloaded_bytes)} because of them")

@@ -36,11 +36,11 @@ from dm_cli.units import parse_dtype
 if TYPE_CHECKING:  # annotations only
     from dm_cli.model.sources import ComponentSource
 
-TRACE_FORMAT_VERSION = 8  # 2: lists given to modules are no longer copied (the Wan VAE cache); 3: weightless
+TRACE_FORMAT_VERSION = 9  # 2: lists given to modules are no longer copied (the Wan VAE cache); 3: weightless
 # modules are no provenance boundary; 4: they are again, and the planner gives a hook (a device_map key) to each
 # one a split module's forward combines (LTX-2's norm_out); 5: module_outputs (a LoRA's transients scale with them);
 # 6: work (FLOPs, bytes, ops: the step-time prediction); 7: work counts attention's query rows and convolutions apart;
-# 8: and the work outside the block lists (every pipeline rank's)
+# 8: and the work outside the block lists (every pipeline rank's); 9: the peaks on a GPU (gpu_kernels.py)
 WEIGHTS_ONLY_SIZE = 64  # pixels: order and split checks do not depend on size; small fits every model (tiny SD3 pos_embed too)
 
 
@@ -59,6 +59,11 @@ class ComponentTrace:
     seconds: float = 0.0  # time the trace took (0 when it came from the cache)
     module_outputs: dict[str, int] = field(default_factory=dict)  # module prefix -> bytes of its largest output
     work: dict[str, int] = field(default_factory=dict)  # the call's FLOPs, memory-bound bytes and ops (_Session.work)
+    # the same call on a GPU: allocator blocks, and what its kernels hold beside their outputs (gpu_kernels.py)
+    gpu_module_peaks: dict[str, int] = field(default_factory=dict)
+    gpu_activation_peak: int = 0
+    gpu_peak_at: dict = field(default_factory=dict)  # module, op and kernel bytes at the GPU peak
+    attention_backends: dict[str, int] = field(default_factory=dict)  # the GPU's attention kernel -> calls
 
     def to_json(self) -> dict:
         return {
@@ -75,6 +80,10 @@ class ComponentTrace:
             "seconds": self.seconds,
             "module_outputs": self.module_outputs,
             "work": self.work,
+            "gpu_module_peaks": self.gpu_module_peaks,
+            "gpu_activation_peak": self.gpu_activation_peak,
+            "gpu_peak_at": self.gpu_peak_at,
+            "attention_backends": self.attention_backends,
         }
 
     @classmethod
@@ -93,6 +102,10 @@ class ComponentTrace:
             seconds=float(data.get("seconds", 0.0)),
             module_outputs={k: int(v) for k, v in data.get("module_outputs", {}).items()},
             work={k: int(v) for k, v in data.get("work", {}).items()},
+            gpu_module_peaks={k: int(v) for k, v in data.get("gpu_module_peaks", {}).items()},
+            gpu_activation_peak=int(data.get("gpu_activation_peak", 0)),
+            gpu_peak_at=dict(data.get("gpu_peak_at", {})),
+            attention_backends={k: int(v) for k, v in data.get("attention_backends", {}).items()},
         )
 
 
@@ -266,6 +279,8 @@ def trace_component(comp: ComponentSource, pipeline_class: str | None, inputs: I
         trace.activation_peak = 0
         trace.module_peaks = dict.fromkeys(trace.module_peaks, 0)
         trace.module_outputs = {}
+        trace.gpu_activation_peak, trace.gpu_peak_at = 0, {}
+        trace.gpu_module_peaks = dict.fromkeys(trace.gpu_module_peaks, 0)
     trace.seconds = round(time.perf_counter() - start, 3)
     if use_cache and trace.fallback_warning is None:
         write_cached("traces", key, trace.to_json())
@@ -355,6 +370,10 @@ def _trace_uncached(comp: ComponentSource, pipeline_class, inputs: InputSpec, dt
         dtype=dtype,
         module_outputs=dict(session.module_outputs),
         work=dict(session.work),
+        gpu_module_peaks=dict(session.gpu_module_peaks),
+        gpu_activation_peak=max(session.gpu_peak, session.memory.peak[_META]),
+        gpu_peak_at=dict(session.gpu_peak_at),
+        attention_backends=dict(session.attention_backends),
     )
 
 

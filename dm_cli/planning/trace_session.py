@@ -14,6 +14,7 @@ import sys
 from functools import lru_cache
 
 from dm_cli.devices import map_entry, normalise_map
+from dm_cli.planning.gpu_kernels import AttentionCall, attention_backend, attention_transient, convolution_transient
 from dm_cli.planning.parallel import PIPELINE_LISTS
 from dm_cli.planning.storages import LiveStorages
 
@@ -122,7 +123,7 @@ class _ModuleHooks:
     # --- module boundaries -------------------------------------------------------------------
 
     def enter_module(self, prefix: str) -> None:
-        self.stack.append([prefix, self.memory.live[_META]])
+        self.stack.append([prefix, self.memory.live[_META], self.memory.blocks[_META]])
         self.called.add(prefix)
         if prefix in self.holds_tensors and prefix not in self.ordered:
             self.ordered.add(prefix)
@@ -132,11 +133,14 @@ class _ModuleHooks:
         if not any(frame[0] == prefix for frame in self.stack):
             return
         while self.stack:
-            name, peak = self.stack.pop()
+            name, peak, gpu_peak = self.stack.pop()
             peak = max(peak, self.memory.live[_META])
+            gpu_peak = max(gpu_peak, self.memory.blocks[_META])
             if self.stack:
                 self.stack[-1][1] = max(self.stack[-1][1], peak)
+                self.stack[-1][2] = max(self.stack[-1][2], gpu_peak)
             self.module_peaks[name] = max(self.module_peaks.get(name, 0), peak)
+            self.gpu_module_peaks[name] = max(self.gpu_module_peaks.get(name, 0), gpu_peak)
             if name == prefix:
                 break
 
@@ -213,6 +217,18 @@ class _OpAccounting:
             live = self.memory.live[_META]
             if self.stack and live > self.stack[-1][1]:
                 self.stack[-1][1] = live
+            self.gpu_candidate(_convolution_transient(func, args, out, torch), func)
+
+    def gpu_candidate(self, transient: int, op) -> None:
+        """What a GPU holds now: the live storages in the allocator's blocks, plus what the running kernel holds
+        beside its output (gpu_kernels.py); the running module's GPU peak and the call's, with what set it."""
+        live = self.memory.blocks[_META] + transient
+        if self.stack and live > self.stack[-1][2]:
+            self.stack[-1][2] = live
+        if live > self.gpu_peak:
+            self.gpu_peak = live
+            self.gpu_peak_at = {"module": self.stack[-1][0] if self.stack else "", "op": _op_name(op),
+                                "kernel_bytes": transient}
 
     def count_work(self, func, args, kwargs, inputs, out, outside: bool = False) -> None:
         """Add one dispatched op to `work`: FLOPs by torch's own formulas (torch.utils.flop_counter) for matmuls and
@@ -235,9 +251,13 @@ class _OpAccounting:
                 work["matmul_flops"] += flops
                 work["matmul_ops"] += 1
                 work["outside_flops"] += flops if outside else 0
-                if "conv" in str(getattr(func, "_overloadpacket", "")):  # counted in the matmul FLOPs too
+                conv = "conv" in str(getattr(func, "_overloadpacket", ""))
+                if conv:  # counted in the matmul FLOPs too
                     work["conv_flops"] += flops
                     work["conv_ops"] += 1
+                if flops > 0:  # by size (powers of two): a GPU's rate depends on each op's size, not their mean
+                    key = f"{'conv' if conv else 'matmul'}_flops_at_2^{flops.bit_length() - 1}"
+                    work[key] = work.get(key, 0) + flops
                 return
             except Exception:  # noqa: BLE001 - a formula that does not take this call: counted as bytes
                 pass
@@ -250,6 +270,14 @@ class _OpAccounting:
         torch = self.torch
         shape = tuple(query.shape[:-1]) + (value.shape[-1],)
         out = torch.empty(shape, dtype=query.dtype, device=query.device)
+        if self.track_memory:  # what the GPU's kernel holds beside the output (gpu_kernels.py)
+            call = AttentionCall(query.shape[:-2].numel(), query.shape[-2], key.shape[-2], query.shape[-1],
+                                 value.shape[-1], str(query.dtype).removeprefix("torch."),
+                                 isinstance(attn_mask, torch.Tensor),
+                                 bool(kwargs.get("is_causal", args[1] if len(args) > 1 else False)))
+            backend = attention_backend(call)
+            self.attention_backends[backend] = self.attention_backends.get(backend, 0) + 1
+            self.gpu_candidate(attention_transient(call, backend), f"attention ({backend}, head dim {call.head_dim})")
         if self.track_memory:  # scores and weighted sum: 2 x 2 x queries x keys x head dim per head
             self.work["attention_flops"] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
             self.work["attention_ops"] += 1
@@ -288,6 +316,11 @@ class _Session(_ModuleHooks, _OpAccounting):
         self.stack: list[list] = []  # [prefix, peak while running]
         self.module_peaks: dict[str, int] = {}
         self.module_outputs: dict[str, int] = {}
+        # the same on a GPU (track_memory only): allocator blocks and what kernels hold beside their outputs
+        self.gpu_module_peaks: dict[str, int] = {}
+        self.gpu_peak = 0
+        self.gpu_peak_at: dict = {}  # the module, op and kernel bytes at the GPU peak
+        self.attention_backends: dict[str, int] = {}  # the GPU's attention kernel -> calls
         # the work of the call (track_memory only): FLOPs of matmuls and convolutions, of attention, the bytes
         # other ops read and write (memory-bound), and the ops dispatched (each costs the host a fixed time)
         self.work = {"matmul_flops": 0, "matmul_ops": 0, "attention_flops": 0, "attention_ops": 0,
@@ -462,6 +495,20 @@ def _merged_groups(sets) -> list[list[str]]:
     for item in parent:
         merged.setdefault(find(item), []).append(item)
     return sorted(sorted(g) for g in merged.values() if len(g) > 1)
+
+
+def _convolution_transient(func, args, out, torch) -> int:
+    """cuDNN's workspace for a convolution op on a GPU (gpu_kernels.convolution_transient); 0 for other ops."""
+    if "convolution" not in str(getattr(func, "_overloadpacket", "")) or len(args) < 2:
+        return 0
+    data, weight = args[0], args[1]
+    if not isinstance(data, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return 0
+    channels_last = data.dim() == 4 and data.is_contiguous(memory_format=torch.channels_last) \
+        and not data.is_contiguous()
+    return convolution_transient(data.numel() * data.element_size(), weight.numel() * weight.element_size(),
+                                 out.numel() * out.element_size(), str(data.dtype).removeprefix("torch."),
+                                 data.dim(), channels_last)
 
 
 def _op_name(func) -> str:
