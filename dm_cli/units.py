@@ -5,6 +5,7 @@ Pure Python, no torch: `dmap --help` and the planner import this.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -85,6 +86,21 @@ def format_size(num_bytes: int | float, binary: bool = False) -> str:
             return f"{sign}{value:.2f} {unit}"
         value /= base
     raise AssertionError("unreachable")
+
+
+def format_figure(value: float, digits: int = 4) -> str:
+    """A measured or predicted figure for people, at most `digits` significant digits: 2,000 not 2e+03, 0.0935 not
+    0.09351234, 123,500 not 123456.7; an exponent only below 0.001 or from 10^15 up (1.235e+15, never 300 digits)."""
+    if not math.isfinite(value) or value == 0:
+        return "0" if value == 0 else str(value)
+    magnitude = math.floor(math.log10(abs(value)))
+    if magnitude < -3 or magnitude >= 15:
+        return f"{value:.{digits}g}"
+    decimals = digits - 1 - magnitude
+    rounded = round(value, decimals)
+    if decimals <= 0:
+        return f"{rounded:,.0f}"
+    return f"{rounded:.{decimals}f}".rstrip("0").rstrip(".")
 
 
 def numel(shape) -> int:

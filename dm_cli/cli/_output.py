@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import textwrap
 
+from dm_cli.io.strict_json import json_text
+
 
 def print_json(data) -> None:
-    """With --json, stdout carries only this document."""
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    """With --json, stdout carries only this document: strict JSON (a NaN or an infinity is dmap's bug, refused)."""
+    sys.stdout.write(json_text(data, indent=2) + "\n")
     sys.stdout.flush()
 
 

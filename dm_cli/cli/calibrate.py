@@ -2,45 +2,64 @@
 
 from __future__ import annotations
 
-import json
+import sys
 
 import typer
 
-from dm_cli.cli._cli_utils import JsonOpt, OverwriteOpt, ProfileOutputOpt
+from dm_cli.cli._cli_utils import JsonOpt, ProfileOutputOpt, QuietOpt
 from dm_cli.cli._output import print_json, say
 from dm_cli.errors import UsageError
-from dm_cli.io.atomic import atomic_write_bytes, refuse_existing
+from dm_cli.io.atomic import atomic_write_bytes
+from dm_cli.io.strict_json import json_text
 from dm_cli.planning.profiles import default_profile_path
-from dm_cli.run.calibrate import CalibrationSizes
-from dm_cli.run.calibrate import calibrate as measure
+from dm_cli.render.calibrate import profile_summary, written_sentence
+from dm_cli.render.queue import TickingStatus
+from dm_cli.run.calibrate import CalibrationSizes, check_device, check_profile_output, machine_load
+from dm_cli.run.calibrate import measure as measure_device
 
 
 def calibrate(
     output: ProfileOutputOpt = None,
     device: str | None = typer.Option(None, "--device", help="cpu or cuda:N (default: the first GPU, else the CPU)."),
     quick: bool = typer.Option(False, "--quick", help="Small sizes, seconds: a rough profile (tests)."),
-    overwrite: OverwriteOpt = False,
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the -o file if it exists (a file only, never "
+                                   "a folder). The profile in dmap's cache (no -o) is always replaced."),
+    force: bool = typer.Option(False, "--force", help="Save the figures as this machine's profile even when the "
+                               "machine was busy while measuring (they run slower than it can)."),
+    quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> int:
-    if device is not None and device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
-        raise UsageError(f"--device must be cpu or cuda:N, not {device!r}.")
-    path = output or str(default_profile_path())
-    if output:
-        refuse_existing([output], overwrite)
-    profile = measure(CalibrationSizes.quick() if quick else CalibrationSizes(), device)
+    """Measure this machine's device into the profile dmap plan predicts step times with."""
+    target = check_device(device)  # before measuring: a missing GPU or a bad -o costs nothing
+    path = str(check_profile_output(output, overwrite)) if output else str(default_profile_path())
+    before = machine_load()
+    if before.busy and not quiet:
+        say(f"warning: the machine is busy ({before.words()}): figures measured now run slower than it can.",
+            stream=sys.stderr)
+    status = TickingStatus(f"Calibrating {target}", enabled=not quiet)
+
+    def progress(message: str) -> None:  # a spinner on a terminal, else a line each (a log shows how far it got)
+        status(message)
+        if not quiet and not status.enabled:
+            say(message, stream=sys.stderr)
+
+    with status:
+        result = measure_device(CalibrationSizes.quick() if quick else CalibrationSizes(), target, progress)
+    load = type(before)(before.load, before.cores, result.spread)
+    if load.busy and not output and not force:
+        again = " ".join(["dmap calibrate", *(["--device", device] if device else []), *(["--quick"] if quick else [])])
+        raise UsageError(f"The machine was busy while measuring ({load.words()}): its figures were not saved as this "
+                         f"machine's profile; rerun {again} when it is quiet, or {again} --force to save them anyway.")
     if not output:
         default_profile_path().parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, (json.dumps(profile.to_json(), indent=2) + "\n").encode())
+    atomic_write_bytes(path, (json_text(result.profile.to_json(), indent=2) + "\n").encode())
     if as_json:
-        print_json({"path": path, "profile": profile.to_json()})
+        print_json({"path": path, "profile": result.profile.to_json(), "load": load.to_json()})
         return 0
-    rates = ", ".join(f"{k} {v:.3g}" for k, v in profile.matmul_tflops.items())
-    attention = ", ".join(f"{k} {v:.3g}" for k, v in profile.attention_tflops.items())
-    say(f"{profile.name}: matmul TFLOP/s {rates}; attention TFLOP/s {attention}; memory {profile.memory_gbps:.3g} "
-        f"GB/s; host copies {profile.host_gbps:.3g} GB/s; link {profile.link_gbps:.3g} GB/s ({profile.link}); "
-        f"{profile.op_seconds * 1e6:.3g} us per op"
-        + (f"; {profile.link_latency_s * 1e6:.3g} us per message on the link" if profile.link_latency_s else "")
-        + (f"; an all-to-all {profile.collective_latency_s * 1e6:.3g} us and {profile.collective_gbps:.3g} GB/s."
-           if profile.collective_latency_s else "."))
-    say(f"Profile written to {path}" + ("" if output else " (dmap plan reads it from there)") + ".")
+    if load.busy:
+        say(f"warning: measured while the machine was busy ({load.words()}): these figures run slower than it can.",
+            stream=sys.stderr)
+    if not quiet:
+        say(profile_summary(result.profile))
+    say(written_sentence(path, default=not output))
     return 0

@@ -23,6 +23,7 @@ from pathlib import Path
 from dm_cli import version  # the module: tests replace its __version__
 from dm_cli.errors import CheckpointError
 from dm_cli.io.checkpoint import read_json_object
+from dm_cli.io.strict_json import json_text
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # Subpackages that only talk to people (options, tables): they never compute a cached entry.
@@ -99,7 +100,7 @@ def write_cached(kind: str, key: str, data: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle)
+            handle.write(json_text(data))
         os.replace(tmp, path)
     except OSError:
         pass

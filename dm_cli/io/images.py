@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dm_cli.errors import UsageError
+from dm_cli.io.strict_json import json_text
 from dm_cli.io.video import VIDEO_SUFFIXES, names_folder
 
 # The formats a single image is written in, by the output's suffix; the first is the default (no suffix).
@@ -190,7 +191,7 @@ def existing_image_paths(output: str | os.PathLike, count: int) -> list[Path]:
 
 def metadata_json(metadata: dict[str, str], ascii: bool = True) -> str:
     """The metadata as the JSON dmap writes (keys sorted): a JPEG comment, EXIF, a GIF or MP4 comment, a sidecar."""
-    return json.dumps(metadata, sort_keys=True, ensure_ascii=ascii)
+    return json_text(metadata, sort_keys=True, ensure_ascii=ascii)
 
 
 def image_save_options(fmt: str, metadata: dict[str, str]) -> dict:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from dm_cli.families.stages import NAMED_VALUES
 from dm_cli.inputs import InputSpec, PlacementSpec, StepCache
 from dm_cli.io.atomic import atomic_write
 from dm_cli.io.checkpoint import read_json_object
+from dm_cli.io.strict_json import json_text
 from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, format_of, storage_dtype
 from dm_cli.planning.modes import Mode, Strategy
 from dm_cli.planning.parallel_layout import ParallelLayout
@@ -414,7 +414,7 @@ def load_plan(path: str | Path) -> Plan:
 def write_plan(plan: Plan, path: str | Path) -> None:
     """Atomically: a temp file next to the target, renamed when complete."""
     path = Path(path)
-    text = json.dumps(plan.to_json(), indent=2) + "\n"
+    text = json_text(plan.to_json(), indent=2) + "\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

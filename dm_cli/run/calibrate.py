@@ -11,7 +11,9 @@ Each rate is the median of a few timed repeats after a warm-up:
   processes (gloo over loopback, what CPU ranks under torchrun exchange over): its rate and latency per message;
 - op_seconds: the time of one tiny op, which is what each of a small model's thousands of ops costs the host.
 On a CPU with one torch thread the clock is the thread's CPU time (a busy machine's other processes do not count);
-else the wall clock.
+else the wall clock. The device and the output are checked before anything is measured (`check_device`,
+`check_profile_output`); how busy the machine was (`MachineLoad`: its load average, the spread of the repeats) decides
+whether the figures may become this machine's default profile (cli/calibrate.py).
 """
 
 from __future__ import annotations
@@ -20,12 +22,18 @@ import datetime
 import multiprocessing
 import os
 import platform
+import re
 import socket
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from dm_cli.planning.profiles import DeviceProfile
+from dm_cli.errors import UsageError
+from dm_cli.io.atomic import refuse_existing
+from dm_cli.planning.profiles import TFLOPS_BOUNDS, DeviceProfile
+from dm_cli.units import format_figure, shorten
 
 
 @dataclass(frozen=True)
@@ -48,9 +56,10 @@ class CalibrationSizes:
                    elementwise_mib=1, repeats=2, link_mib=0, link_rounds=3)  # no gloo pair: the link at memory
 
 
-def _best(run, repeats: int, sync, clock=time.perf_counter) -> float:
+def _best(run, repeats: int, sync, clock=time.perf_counter, spreads: list | None = None) -> float:
     """The median of `repeats` timed calls of `run` (after one warm-up), on `clock`: an op as a model meets it again
-    and again, not its luckiest run (the fastest of 5 put the bench's predictions 15% under)."""
+    and again, not its luckiest run (the fastest of 5 put the bench's predictions 15% under). Appends the slowest
+    over the fastest to `spreads` (how steady the machine was)."""
     run()
     sync()
     times = []
@@ -59,6 +68,8 @@ def _best(run, repeats: int, sync, clock=time.perf_counter) -> float:
         run()
         sync()
         times.append(clock() - start)
+    if spreads is not None and min(times) > 0:
+        spreads.append(max(times) / min(times))
     return max(sorted(times)[len(times) // 2], 1e-9)
 
 
@@ -74,9 +85,10 @@ def _attention_fit(torch, target, dtype, tokens: int, timed, repeats: int, sync)
         q = torch.randn(1, 8, tokens, dim, device=target, dtype=dtype)
         seconds[dim] = timed(lambda q=q: torch.nn.functional.scaled_dot_product_attention(q, q, q), repeats, sync)
     extra = seconds[large] - seconds[small]
-    rate = 4 * scores * (large - small) / extra / 1e12 if extra > 0 else 1e6  # the FLOPs the larger heads add
+    top = TFLOPS_BOUNDS[1]  # no difference measured: the fastest a device can be (planning/profiles.py)
+    rate = min(4 * scores * (large - small) / extra / 1e12, top) if extra > 0 else top  # the FLOPs the larger heads add
     per_score = max(seconds[small] - 4 * scores * small / (rate * 1e12), seconds[small] * 0.05) / scores
-    return round(per_score, 15), round(min(rate, 1e6), 6)
+    return round(per_score, 15), round(rate, 6)
 
 
 def _row_seconds(torch, target, dtype, tokens: int, per_score: float, rate: float, timed, repeats: int, sync) -> float:
@@ -98,7 +110,7 @@ def _attention_curve(torch, target, dtype, sizes: "CalibrationSizes", timed, syn
         q = torch.randn(1, 8, tokens, 64, device=target, dtype=dtype)
         flops = 4 * 8 * tokens**2 * 64
         seconds = timed(lambda q=q: torch.nn.functional.scaled_dot_product_attention(q, q, q), sizes.repeats, sync)
-        curve.append([flops, round(flops / seconds / 1e12, 6)])
+        curve.append([flops, round(min(flops / seconds / 1e12, TFLOPS_BOUNDS[1]), 6)])
     return curve
 
 
@@ -112,7 +124,7 @@ def _conv_curve(torch, target, dtype, sizes: "CalibrationSizes", timed, sync) ->
         w = torch.randn(channels, channels, 3, 3, device=target, dtype=dtype)
         flops = 2 * side * side * channels * channels * 9
         seconds = timed(lambda x=x, w=w: torch.nn.functional.conv2d(x, w, padding=1), sizes.repeats, sync)
-        curve.append([flops, round(flops / seconds / 1e12, 6)])
+        curve.append([flops, round(min(flops / seconds / 1e12, TFLOPS_BOUNDS[1]), 6)])
     return curve
 
 
@@ -287,81 +299,202 @@ def _cpu_link(torch, sizes: "CalibrationSizes", memory: float, gpu: bool, say) -
     return "one device: its memory", GlooLink(memory)
 
 
+def check_device(device: str | None) -> str:
+    """The device to measure ("cpu", "cuda:N"; None: the first GPU, else the CPU), checked before anything is
+    measured: cuda:N in ASCII digits, and a GPU this machine has (UsageError, one sentence)."""
+    if device is not None and device != "cpu" and not re.fullmatch(r"cuda:[0-9]{1,4}", device):
+        raise UsageError(f"--device must be cpu or cuda:N (N a GPU's number in digits 0-9), not "
+                         f"{shorten(device, quote=True)}.")
+    import torch  # lazy: torch (heavy, off start-up)
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device is None:
+        return "cuda:0" if count else "cpu"
+    if device.startswith("cuda:") and int(device[5:]) >= count:
+        has = "no CUDA GPU" if not count else f"{count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+        raise UsageError(f"--device {device}: this machine has {has}; measure another or the CPU (--device cpu).")
+    return device
+
+
+def check_profile_output(output: str, overwrite: bool) -> Path:
+    """The profile's file (-o), checked before anything is measured: not a folder, in a folder that exists and
+    takes files, an existing one replaced only with --overwrite (io/atomic.py's policy)."""
+    path = Path(output).expanduser()
+    if path.is_dir():
+        raise UsageError(f"-o {output} is a folder: give a file name such as {path / 'profile.json'}.")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"Cannot write -o {output}: folder {parent} does not exist.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"Cannot write -o {output}: folder {parent} is not writable.")
+    refuse_existing([path], overwrite)
+    return path
+
+
+BUSY_LOAD_PER_CORE = 0.5  # a load average above half the cores: others' work takes turns with the measurements
+BUSY_SPREAD = 1.5  # repeated measurements whose slowest runs 1.5x the fastest (the median over all measured)
+
+
+@dataclass(frozen=True)
+class MachineLoad:
+    """How busy the machine was: its load average before measuring against its cores, and the spread of repeated
+    measurements (the median of slowest / fastest; 0: not measured yet)."""
+
+    load: float | None  # None: no load average here (Windows)
+    cores: int
+    spread: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return (self.load is not None and self.load > BUSY_LOAD_PER_CORE * self.cores) or self.spread > BUSY_SPREAD
+
+    def words(self) -> str:
+        load = f"load average {format_figure(self.load, 3)} on {self.cores} core(s)" if self.load is not None else ""
+        spread = f"repeated measurements {format_figure(self.spread, 3)}x apart" if self.spread else ""
+        return "; ".join(part for part in (load, spread) if part)
+
+    def to_json(self) -> dict:
+        return {"load_average": self.load, "cores": self.cores, "spread": self.spread, "busy": self.busy}
+
+
+def machine_load() -> MachineLoad:
+    """The 1-minute load average now against the cores (before measuring: calibrate's own threads not counted)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    return MachineLoad(load, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What `measure` found: the profile and the spread of its repeated measurements."""
+
+    profile: DeviceProfile
+    spread: float  # the median over the measurements of slowest / fastest repeat
+
+
+class _Steps:
+    """Progress as "what (step k of n)": each phase of the measurement says what it measures and how far it is."""
+
+    def __init__(self, total: int, on_progress):
+        self.total, self.done, self.on_progress = total, 0, on_progress or (lambda message: None)
+
+    def __call__(self, what: str) -> None:
+        self.done += 1
+        self.on_progress(f"{what} (step {self.done} of {self.total})")
+
+
 def calibrate(sizes: CalibrationSizes | None = None, device: str | None = None,
               on_progress=None) -> DeviceProfile:
     """Measure the device (`device`: "cpu", "cuda:0"; None: the first GPU, else the CPU) into a profile."""
+    return measure(sizes, device, on_progress).profile
+
+
+def measure(sizes: CalibrationSizes | None = None, device: str | None = None, on_progress=None) -> Calibration:
+    """Measure the device (checked: `check_device`) into a profile, with the spread of its repeats; UsageError when a
+    figure is not a device's (planning/profiles.py's bounds: a machine too busy to measure)."""
     import torch  # lazy: torch (heavy, off start-up)
 
     sizes = sizes or CalibrationSizes()
-    say = on_progress or (lambda message: None)
-    target = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    target = torch.device(check_device(device))
     gpu = target.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(target)) if gpu else (lambda: None)
-    if not gpu and torch.get_num_threads() == 1:  # the thread does all the work: its CPU clock, which the machine's
-        def timed(run, repeats, sync):  # other load does not inflate (a wall clock there counts the others' turns)
-            return _best(run, repeats, sync, time.thread_time)
-    else:
-        timed = _best
+    clock = time.thread_time if not gpu and torch.get_num_threads() == 1 else time.perf_counter
+    spreads: list[float] = []  # the thread does all the work on one thread: its CPU clock, which the machine's
+
+    def timed(run, repeats, sync):  # other load does not inflate (a wall clock there counts the others' turns)
+        return _best(run, repeats, sync, clock, spreads)
+
     dtypes = ("float32", "bfloat16", "float16") if gpu else ("float32", "bfloat16")
-    matmul, attention, matmul_curve, attention_curve, scores = {}, {}, {}, {}, {}
-    rows, conv_curve = {}, {}
+    say = _Steps(3 * len(dtypes) + 4 + (gpu or bool(sizes.link_mib)), on_progress)
     with torch.inference_mode():
-        for name in dtypes:
-            dtype = getattr(torch, name)
-            say(f"Measuring matmuls of {', '.join(map(str, sizes.matmul))} in {name}")
-            curve = []
-            for n in sizes.matmul:
-                a, b = torch.randn(n, n, device=target, dtype=dtype), torch.randn(n, n, device=target, dtype=dtype)
-                seconds = timed(lambda a=a, b=b: torch.mm(a, b), sizes.repeats, sync)
-                curve.append([2 * n**3, round(2 * n**3 / seconds / 1e12, 6)])
-            matmul_curve[name], matmul[name] = curve, max(rate for _, rate in curve)
-            say(f"Measuring attention over {', '.join(map(str, sizes.tokens))} tokens in {name}")
-            attention_curve[name] = _attention_curve(torch, target, dtype, sizes, timed, sync)
-            scores[name], attention[name] = _attention_fit(torch, target, dtype, max(sizes.tokens), timed,
-                                                           sizes.repeats, sync)
-            rows[name] = _row_seconds(torch, target, dtype, max(sizes.tokens), scores[name], attention[name], timed,
-                                      sizes.repeats, sync)
-            say(f"Measuring 3x3 convolutions of {', '.join(map(str, sizes.conv_channels))} channels in {name}")
-            conv_curve[name] = _conv_curve(torch, target, dtype, sizes, timed, sync)
-        say(f"Measuring a denoiser's elementwise ops over {sizes.elementwise_mib} MiB tensors")
-        y = torch.randn(sizes.elementwise_mib * 2**20 // 4 // 512, 512, device=target)
-        moved = y.nbytes * (3 + 3 + 2 + 2 + 2 + 4)  # bytes read and written by the mix below
-
-        def mix():
-            torch.add(y, y), torch.mul(y, y), torch.nn.functional.gelu(y, approximate="tanh")
-            torch.nn.functional.silu(y), torch.nn.functional.layer_norm(y, (512,)), torch.cat([y, y])
-
-        elementwise = moved / timed(mix, sizes.repeats, sync) / 1e9
-        say(f"Measuring memory bandwidth over {sizes.memory_mib} MiB")
-        elements = sizes.memory_mib * 2**20 // 4
-        x = torch.ones(elements, device=target)
-        out = torch.empty_like(x)
-        memory = 3 * x.nbytes / timed(lambda: torch.add(x, x, out=out), sizes.repeats, sync) / 1e9
-        op_seconds = _op_seconds(torch, target, timed, sizes.repeats, sync)
-        hook = _hook_seconds(torch, target, timed, sizes.repeats, sync)
-        say("Measuring offloaded weights read back from a safetensors file")
-        stream = _stream_gbps(torch, sizes, timed)
-        host, (words, gloo) = stream, _cpu_link(torch, sizes, memory, gpu, say)
-        link = gloo.gbps
-        if gpu:
-            say("Measuring host -> GPU copies")
-            pinned = torch.ones(elements, pin_memory=True)
-            copy = x.nbytes / timed(lambda: x.copy_(pinned, non_blocking=True), sizes.repeats, sync) / 1e9
-            host = 1 / (1 / stream + 1 / copy)  # dmap streams offloaded blocks from the checkpoint, then copies them
-            link, words = copy, "one GPU: host copies"
-            if torch.cuda.device_count() > 1:
-                other = torch.empty(elements, device="cuda:1")
-                link = x.nbytes / timed(lambda: other.copy_(x), sizes.repeats,
-                                        lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1))) / 1e9
-                words = "GPU 0 -> GPU 1 copies"
+        rates = {name: _dtype_rates(torch, target, getattr(torch, name), name, sizes, timed, sync, say)
+                 for name in dtypes}
+        device_rates = _device_rates(torch, target, gpu, sizes, timed, sync, say)
     name = torch.cuda.get_device_name(target) if gpu else (platform.processor() or platform.machine() or "cpu")
-    threads = torch.get_num_threads()
-    where = f"{name}, {threads} torch thread(s)" if not gpu else name
+    where = f"{name}, {torch.get_num_threads()} torch thread(s)" if not gpu else name
+    spread = round(statistics.median(spreads), 3) if spreads else 0.0
     source = (f"measured by dmap calibrate on {platform.node() or 'this machine'} at "
               f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} ({where}; load average "
-              f"{os.getloadavg()[0]:.1f}; {'thread CPU' if timed is not _best else 'wall'} clock; sizes: matmuls up to {max(sizes.matmul)}, up to {max(sizes.tokens)} tokens, {sizes.memory_mib} MiB)")
-    return DeviceProfile(where, "gpu" if gpu else "cpu", {k: round(v, 4) for k, v in matmul.items()},
-                         {k: round(v, 4) for k, v in attention.items()}, round(memory, 3), round(host, 3),
-                         round(link, 3), words, round(op_seconds, 9), source, True, matmul_curve, attention_curve,
-                         round(elementwise, 3), round(hook, 9) or 1e-9, scores, rows, conv_curve,
-                         round(gloo.latency_s, 9), round(gloo.collective_latency_s, 9), round(gloo.collective_gbps, 3))
+              f"{machine_load().load or 0:.1f}; repeats {spread:.2f}x apart; "
+              f"{'thread CPU' if clock is time.thread_time else 'wall'} clock; sizes: matmuls up to "
+              f"{max(sizes.matmul)}, up to {max(sizes.tokens)} tokens, {sizes.memory_mib} MiB)")
+    profile = _profile(where, gpu, rates, device_rates, source)
+    try:
+        DeviceProfile.from_json(profile.to_json())  # within a device's bounds, as dmap plan will read it
+    except ValueError as error:
+        raise UsageError(f"The measured figures are not a device's ({error}): the machine was too busy to measure; "
+                         "run dmap calibrate again when it is quiet.") from None
+    return Calibration(profile, spread)
+
+
+def _dtype_rates(torch, target, dtype, name: str, sizes: CalibrationSizes, timed, sync, say) -> dict:
+    """One dtype's matmul curve and rate, attention curve, fit and rows, and conv curve."""
+    say(f"Measuring matmuls of {', '.join(map(str, sizes.matmul))} in {name}")
+    curve = []
+    for n in sizes.matmul:
+        a, b = torch.randn(n, n, device=target, dtype=dtype), torch.randn(n, n, device=target, dtype=dtype)
+        seconds = timed(lambda a=a, b=b: torch.mm(a, b), sizes.repeats, sync)
+        curve.append([2 * n**3, round(min(2 * n**3 / seconds / 1e12, TFLOPS_BOUNDS[1]), 6)])
+    say(f"Measuring attention over {', '.join(map(str, sizes.tokens))} tokens in {name}")
+    attention_curve = _attention_curve(torch, target, dtype, sizes, timed, sync)
+    score, attention = _attention_fit(torch, target, dtype, max(sizes.tokens), timed, sizes.repeats, sync)
+    row = _row_seconds(torch, target, dtype, max(sizes.tokens), score, attention, timed, sizes.repeats, sync)
+    say(f"Measuring 3x3 convolutions of {', '.join(map(str, sizes.conv_channels))} channels in {name}")
+    return {"matmul_curve": curve, "matmul": max(rate for _, rate in curve), "attention_curve": attention_curve,
+            "score": score, "attention": attention, "row": row,
+            "conv_curve": _conv_curve(torch, target, dtype, sizes, timed, sync)}
+
+
+def _device_rates(torch, target, gpu: bool, sizes: CalibrationSizes, timed, sync, say) -> dict:
+    """The rates that are the device's whatever the dtype: elementwise, memory, fixed costs, host and link."""
+    say(f"Measuring a denoiser's elementwise ops over {sizes.elementwise_mib} MiB tensors")
+    y = torch.randn(sizes.elementwise_mib * 2**20 // 4 // 512, 512, device=target)
+    moved = y.nbytes * (3 + 3 + 2 + 2 + 2 + 4)  # bytes read and written by the mix below
+
+    def mix():
+        torch.add(y, y), torch.mul(y, y), torch.nn.functional.gelu(y, approximate="tanh")
+        torch.nn.functional.silu(y), torch.nn.functional.layer_norm(y, (512,)), torch.cat([y, y])
+
+    elementwise = moved / timed(mix, sizes.repeats, sync) / 1e9
+    say(f"Measuring memory bandwidth over {sizes.memory_mib} MiB")
+    elements = sizes.memory_mib * 2**20 // 4
+    x = torch.ones(elements, device=target)
+    out = torch.empty_like(x)
+    memory = 3 * x.nbytes / timed(lambda: torch.add(x, x, out=out), sizes.repeats, sync) / 1e9
+    say("Measuring the fixed cost of one op and of accelerate's hook around a module")
+    op_seconds = _op_seconds(torch, target, timed, sizes.repeats, sync)
+    hook = _hook_seconds(torch, target, timed, sizes.repeats, sync)
+    say("Measuring offloaded weights read back from a safetensors file")
+    stream = _stream_gbps(torch, sizes, timed)
+    host, (words, gloo) = stream, _cpu_link(torch, sizes, memory, gpu, say)
+    link = gloo.gbps
+    if gpu:
+        say("Measuring host -> GPU copies")
+        pinned = torch.ones(elements, pin_memory=True)
+        copy = x.nbytes / timed(lambda: x.copy_(pinned, non_blocking=True), sizes.repeats, sync) / 1e9
+        host = 1 / (1 / stream + 1 / copy)  # dmap streams offloaded blocks from the checkpoint, then copies them
+        link, words = copy, "one GPU: host copies"
+        if torch.cuda.device_count() > 1:
+            other = torch.empty(elements, device="cuda:1")
+            link = x.nbytes / timed(lambda: other.copy_(x), sizes.repeats,
+                                    lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1))) / 1e9
+            words = "GPU 0 -> GPU 1 copies"
+    return {"elementwise": elementwise, "memory": memory, "op_seconds": op_seconds, "hook": hook, "host": host,
+            "link": link, "words": words, "gloo": gloo}
+
+
+def _profile(where: str, gpu: bool, rates: dict, device: dict, source: str) -> DeviceProfile:
+    """The measured figures as a profile, rounded as the profile file keeps them."""
+    def per_dtype(key: str, digits: int | None = None):
+        return {k: (round(v[key], digits) if digits is not None else v[key]) for k, v in rates.items()}
+
+    gloo = device["gloo"]
+    return DeviceProfile(where, "gpu" if gpu else "cpu", per_dtype("matmul", 4), per_dtype("attention", 4),
+                         round(device["memory"], 3), round(device["host"], 3), round(device["link"], 3),
+                         device["words"], round(device["op_seconds"], 9), source, True, per_dtype("matmul_curve"),
+                         per_dtype("attention_curve"), round(device["elementwise"], 3),
+                         round(device["hook"], 9) or 1e-9, per_dtype("score"), per_dtype("row"),
+                         per_dtype("conv_curve"), round(gloo.latency_s, 9), round(gloo.collective_latency_s, 9),
+                         round(gloo.collective_gbps, 3))

@@ -32,6 +32,7 @@ from dm_cli.io.atomic import atomic_write
 from dm_cli.io.checkpoint import open_regular
 from dm_cli.io.images import DEFAULT_IMAGE_SUFFIX, IMAGE_FORMATS, check_file_name, check_metadata_room, name_limits
 from dm_cli.io.outputs import MATCHED_METADATA
+from dm_cli.io.strict_json import json_text
 from dm_cli.planning.step_cache import parse_cache
 from dm_cli.run.checks import check_seed, load_json
 from dm_cli.run.options import queue_keys
@@ -263,7 +264,7 @@ def rank_manifest_name(rank: int) -> str:
 
 def append_record(path: Path, record: dict) -> None:
     """One whole line with one O_APPEND write, then fsync: readers never see half a record."""
-    data = (json.dumps(record, sort_keys=True) + "\n").encode()
+    data = (json_text(record, sort_keys=True) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         written = os.write(fd, data)
@@ -323,7 +324,7 @@ def merge_records(items: list[QueueItem], records: dict[int, dict], previous: di
 def write_manifest(folder: Path, records: list[dict]) -> Path:
     """The merged manifest, written atomically; per-rank manifests it replaces are removed."""
     path = folder / MANIFEST
-    text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
+    text = "".join(json_text(r, sort_keys=True) + "\n" for r in records)
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     for part in folder.glob("manifest-rank*.jsonl"):
         try:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from dm_cli.errors import DiskFullError, UsageError
+from dm_cli.io.strict_json import json_text
 from dm_cli.serve.requests import Served, parse_body, parse_request
 from dm_cli.serve.worker import Batcher, Failure, Ticket
 
@@ -36,20 +37,26 @@ class AppState:
     connections: object = None  # dm_cli.serve.connections.ConnectionGuard: its bound and what it closed (/metrics)
 
 
-def error(status: int, message: str, headers: dict | None = None):
-    from starlette.responses import JSONResponse  # lazy: starlette (optional)
+def json_response(body, status_code: int = 200, headers: dict | None = None):
+    """A JSON answer written by dmap's one strict writer (io/strict_json.py), as Starlette's JSONResponse writes it."""
+    from starlette.responses import Response  # lazy: starlette (optional)
 
+    text = json_text(body, ensure_ascii=False, separators=(",", ":"))
+    return Response(text.encode("utf-8"), status_code=status_code, headers=headers, media_type="application/json")
+
+
+def error(status: int, message: str, headers: dict | None = None):
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[:MAX_MESSAGE_CHARS] + "…"
     body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return json_response(body, status_code=status, headers=headers)
 
 
 def make_app(state: AppState):
     """The ASGI application over `state` (its batcher already started by the caller)."""
     from starlette.applications import Starlette  # lazy: starlette (optional)
     from starlette.exceptions import HTTPException  # lazy: starlette (optional)
-    from starlette.responses import JSONResponse, PlainTextResponse  # lazy: starlette (optional)
+    from starlette.responses import PlainTextResponse  # lazy: starlette (optional)
     from starlette.routing import Route  # lazy: starlette (optional)
 
     def authorised(request) -> bool:
@@ -64,7 +71,7 @@ def make_app(state: AppState):
                           "was given with --api-key or DMAP_API_KEY).", {"WWW-Authenticate": "Bearer"})
 
     async def health(request):
-        return JSONResponse({"status": "stopping" if state.batcher.stopping else "ok",
+        return json_response({"status": "stopping" if state.batcher.stopping else "ok",
                              "queue_depth": state.batcher.depth, "running": state.batcher.running})
 
     def model_object() -> dict:
@@ -73,7 +80,7 @@ def make_app(state: AppState):
     async def models(request):
         if not authorised(request):
             return refused()
-        return JSONResponse({"object": "list", "data": [model_object()]})
+        return json_response({"object": "list", "data": [model_object()]})
 
     async def model(request):
         """GET /v1/models/{id}: OpenAI's `client.models.retrieve(ID)`."""
@@ -83,7 +90,7 @@ def make_app(state: AppState):
         if asked != state.served.model:
             return error(404, f"No model {asked[:200]!r} here: this server serves {state.served.model!r} "
                               "(GET /v1/models).")
-        return JSONResponse(model_object())
+        return json_response(model_object())
 
     async def metrics(request):
         if not authorised(request):
@@ -138,7 +145,6 @@ async def generate(request, state: AppState, *, video: bool, authorised: bool, r
     """POST /v1/images/generations and /v1/videos/generations: checked, queued, answered when generated."""
     from starlette.concurrency import run_in_threadpool  # lazy: starlette (optional)
     from starlette.requests import ClientDisconnect  # lazy: starlette (optional)
-    from starlette.responses import JSONResponse  # lazy: starlette (optional)
 
     if not authorised:
         return refused()
@@ -179,7 +185,7 @@ async def generate(request, state: AppState, *, video: bool, authorised: bool, r
     kind = "video" if video else "image"
     data = [{"b64_json": base64.b64encode(out.data).decode("ascii"), "seed": out.seed,
              "seconds": round(out.seconds, 4)} for out in result]
-    return JSONResponse({"created": int(time.time()), "data": data, "output_format": parsed.output_format.lower(),
+    return json_response({"created": int(time.time()), "data": data, "output_format": parsed.output_format.lower(),
                          "size": f"{served.width}x{served.height}", "mime_type": parsed.mime, "kind": kind,
                          "model": served.model})
 

@@ -97,7 +97,7 @@ def test_calibrate_quick_on_cpu_writes_a_profile_that_plan_reads(tmp_path):
 
 def test_calibrated_profile_in_the_cache_is_the_default(tmp_path, monkeypatch):
     monkeypatch.setenv("DMAP_CACHE_DIR", str(tmp_path / "cache"))  # not the session's: other tests expect none
-    code, _, err = run_dmap("calibrate", "--quick", "--device", "cpu")
+    code, _, err = run_dmap("calibrate", "--quick", "--device", "cpu", "--force")  # busy or not
     assert code == 0, err
     code, out, err = run_dmap("plan", "tiny-flux", "-m", "cpu=8GB", "--json")
     assert json.loads(out)["predicted_time"]["profile_origin"] == "cached"
