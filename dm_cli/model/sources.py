@@ -342,11 +342,13 @@ def _resolve_hub(spec: str) -> Source:
             ) from None
         try:
             folder = Path(snapshot_download(repo_id, allow_patterns=configs_only, cache_dir=_cache_path()))
-        except Exception as error:  # network, auth, not found: one sentence, not a traceback
-            raise SourceError(f"No file or folder {spec} is here, and fetching it as a Hub repo failed: {error}.") \
-                from error
+        except Exception as error:  # network, auth, not found: one sentence of dmap's, never the Hub client's text
+            raise SourceError(f"No file or folder {spec} is here (looked from {Path.cwd()}), and as a Hub repo id it "
+                              f"is not in the local Hugging Face cache and {_hub_failure(error, repo_id)}: check the "
+                              "path, or download the repo first.") from error
     except Exception as error:
-        raise SourceError(f"Cannot resolve '{spec}' ({error}); give {accepted_forms()}.") from error
+        raise SourceError(f"Cannot read '{spec}' from the local Hugging Face cache ({_cache_path()}, "
+                          f"{type(error).__name__}); give {accepted_forms()}.") from error
     if component:
         target = folder / component
         if not target.is_dir() or not is_inside(target, folder):
@@ -356,6 +358,22 @@ def _resolve_hub(spec: str) -> Source:
         source = _resolve_path(spec, folder)
     source.hub_snapshot = folder
     return source
+
+
+def _hub_failure(error: Exception, repo_id: str) -> str:
+    """Why a Hub repo could not be fetched, in dmap's words (the client's text names internals: ConnectError,
+    snapshot folders, revisions)."""
+    # lazy: huggingface_hub (heavy, off start-up)
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    if isinstance(error, GatedRepoError):
+        return (f"the Hub's {repo_id} is gated: accept its terms on huggingface.co and log in (hf auth login), or "
+                "use a local folder")
+    if isinstance(error, RepositoryNotFoundError):
+        return f"the Hub has no repo {repo_id} (or it is private: log in with hf auth login)"
+    if isinstance(error, HfHubHTTPError) and getattr(error, "response", None) is not None:
+        return f"the Hub answered HTTP {error.response.status_code} for {repo_id}"
+    return "the Hub could not be reached (no network, or HF_ENDPOINT unreachable; HF_HUB_OFFLINE=1 skips it)"
 
 
 def is_inside(path: Path, folder: Path) -> bool:

@@ -177,3 +177,43 @@ def test_a_queues_notices_are_said_once_by_rank_0(monkeypatch):
                                    resume=True))
         said[rank] = view.console.file.getvalue()
     assert "cut into 2 slices" in said[0] and "cut into 2 slices" not in said[1]
+
+
+# --- item 6: a typo'd path without HF_HUB_OFFLINE, no network: one sentence of dmap's ---------------------------
+
+
+def test_a_typod_relative_path_online_without_network_is_one_sentence_of_dmaps(tmp_path, monkeypatch):
+    """`dmap plan models/no-such-flux` on a machine without network printed the Hub client's text ("ConnectError:
+    [Errno -2] ... Please check your internet connection and try again..")."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def no_network(*args, local_files_only=False, **kwargs):
+        if local_files_only:
+            raise LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder")
+        raise LocalEntryNotFoundError("An error happened while trying to locate the files on the Hub ... Please "
+                                      "check your internet connection and try again.") from ConnectionError(
+            "ConnectError: [Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    code, out, err = run_dmap("plan", "models/no-such-flux", cwd=tmp_path)
+    assert code == 2, err
+    message = err.strip()
+    assert message.count("\n") == 0 and message.endswith("download the repo first."), message
+    assert "models/no-such-flux" in message and "could not be reached" in message
+    for internal in ("ConnectError", "Errno", "internet connection", "snapshot", ".."):
+        assert internal not in message.replace(str(tmp_path), ""), message
+
+    def not_found(*args, local_files_only=False, **kwargs):
+        if local_files_only:
+            raise LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder")
+        error = RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # as the client raises it on a 404
+        error.args = ("404 Client Error. Repository Not Found for url: https://huggingface.co/...",)
+        raise error
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", not_found)
+    code, out, err = run_dmap("plan", "models/no-such-flux", cwd=tmp_path)
+    assert code == 2 and "the Hub has no repo models/no-such-flux" in err and "404" not in err, err
