@@ -42,6 +42,7 @@ from dm_cli.io.swap import (
     recover,
     swap_in_place,
 )
+from dm_cli.model.formats.prequantized import quantization_of
 from dm_cli.model.formats.weight_formats import FP8_NAMES, KEPT_BY_DEFAULT, STORAGE_DTYPES
 from dm_cli.model.sharding.copying import write_small
 from dm_cli.model.sharding.layout import (
@@ -103,6 +104,10 @@ def plan_shard(source_spec: str, max_shard_size: int | str, output: str | os.Pat
     components: list[ComponentPlan] = []
     legacy: dict[Path, dict] = {}
     for comp in source.components:
+        saved = quantization_of(getattr(comp, "config", None))
+        if saved is not None and target_dtype is not None:  # without --dtype its tensors are copied byte for byte
+            raise UsageError(f"Component '{comp.name}' was saved quantized ({saved}): --dtype would cast its statistics "
+                             "and break it; reshard it without --dtype (its tensors are then copied byte for byte).")
         weights, naming_file = component_weights(comp, variant)
         legacy.update(weights.legacy)
         source_stem, source_variant = stem_of(naming_file)

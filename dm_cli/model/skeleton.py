@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from dm_cli.errors import DmapError, SourceError
 from dm_cli.io.cache import cache_key, read_cached, write_cached
 from dm_cli.io.checkpoint import legacy_files_loaded, load_legacy_weights, open_checkpoint
+from dm_cli.model.formats.prequantized import check_readable, held_bytes
 from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, low_precision_bytes, low_precision_tags, quiet_torchao
 from dm_cli.model.models import build_model
 from dm_cli.units import DTYPE_BYTES, FLOATING_DTYPES, numel
@@ -450,6 +451,7 @@ def _skeleton_of(comp, checkpoint, use_cache: bool) -> Skeleton:
             return skeleton.with_single_file(comp.single_file.tensors)
         if checkpoint is not None:
             skeleton = skeleton.with_checkpoint_dtypes({n: e.dtype for n, e in checkpoint.tensors.items()})
+            skeleton = with_prequantized(comp, skeleton, checkpoint)
         elif getattr(comp, "legacy_weights", None) and comp.folder is not None:
             dtypes, note = legacy_dtypes(comp)
             if dtypes is not None:
@@ -459,6 +461,20 @@ def _skeleton_of(comp, checkpoint, use_cache: bool) -> Skeleton:
     if checkpoint is not None:
         return skeleton_from_header(comp.name, checkpoint.tensors)
     raise SourceError(f"Component '{comp.name}' has neither a config nor weights.")
+
+
+def with_prequantized(comp, skeleton: Skeleton, checkpoint) -> Skeleton:
+    """A folder saved quantized (`quantization_config`, `formats/prequantized.py`): each quantized weight at the bytes
+    it holds with its statistics, kept quantized (never cast); a note names the format. Others: unchanged."""
+    fmt = check_readable(comp.name, comp.config)
+    if fmt is None:
+        return skeleton
+    held = held_bytes(checkpoint.tensors, fmt)
+    tensors = [replace(t, low_precision=(), quantized_bytes=held[t.name]) if t.name in held else t for t in skeleton.tensors]
+    out = replace(skeleton, tensors=tensors)
+    out.note = (f"{comp.name}: saved quantized by bitsandbytes ({fmt}): {len(held)} layers as stored, "
+                f"{sum(held.values()):,} bytes with their statistics; dmap loads them without re-quantizing.")
+    return out
 
 
 def legacy_dtypes(comp) -> tuple[dict[str, str] | None, str]:

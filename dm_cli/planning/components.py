@@ -90,7 +90,8 @@ def prepare_component(comp: ComponentSource, pipeline_class: str | None, inputs:
         raise CheckpointError(f"Component '{comp.name}' has {len(checkpoint.problems)} checkpoint problem(s): {listed}.")
     fmt = component_format(weights or {}, comp.name, skeleton)
     if fmt and skeleton.quantized:
-        raise UsageError(f"'{comp.name}' comes from a GGUF file, quantized already: drop --weights {comp.name}={fmt}.")
+        origin = "a GGUF file" if getattr(comp, "single_file", None) is not None else "a folder saved quantized"
+        raise UsageError(f"'{comp.name}' comes from {origin}, quantized already: drop --weights {comp.name}={fmt}.")
     effective = dtype if dtype is not None else skeleton.default_dtype()
     if fmt and effective is None:
         effective = skeleton.compute_dtype()  # a checkpoint stored in fp8 runs in its other tensors' dtype
@@ -98,8 +99,9 @@ def prepare_component(comp: ComponentSource, pipeline_class: str | None, inputs:
     warnings: list[str] = [skeleton.note] if skeleton.note and not skeleton.stored else []
     if tie_note:
         warnings.append(tie_note)
-    if skeleton.quantized:
-        warnings.append(_gguf_note(comp, skeleton, trace_dtype))
+    if skeleton.quantized:  # GGUF, or a folder saved quantized (its note names the format)
+        warnings.append(_gguf_note(comp, skeleton, trace_dtype) if getattr(comp, "single_file", None) is not None
+                        else skeleton.note)
     if comp.config is None:
         facts = TraceFacts(None, {}, 0, [], {}, "no config: registration order, no activation estimate")
     else:

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 from dm_cli.devices import device_of, execution_device_key, normalise_map, streams_blocks, torch_device
 from dm_cli.errors import CheckpointError, SourceError
 from dm_cli.io.checkpoint import open_checkpoint
-from dm_cli.model.formats.nf4 import quantize_weight, to_linear4bit
+from dm_cli.model.formats.nf4 import load_saved_weight, quantize_weight, to_linear4bit, to_linear4bit_saved
+from dm_cli.model.formats.prequantized import quantization_of
 from dm_cli.model.formats.weight_formats import CastingWeights, LoadedTensor, apply_fp8, quantize_int8, read_cast
 from dm_cli.model.models import build_model, component_class, is_transformers_model
 from dm_cli.model.single_file_weights import GGUF
@@ -50,9 +51,12 @@ def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, s
     device_map = normalise_map(device_map)
     cpu_only = simulate or set(device_map.values()) == {"cpu"}
     try:
+        saved = quantization_of(comp.config)  # a folder saved quantized: loaded as it is, never re-quantized
         if comp.single_file is not None:
             model = _from_single_file(comp, {"": "cpu"} if cpu_only else device_map, torch_dtype)
-        elif weights is not None:
+        elif saved is not None and is_transformers_model(component_class(comp.library, comp.cls)):
+            model = _from_pretrained(comp, {"": "cpu"} if cpu_only else device_map, torch_dtype)  # transformers' own
+        elif weights is not None or saved is not None:
             model = _load_streamed(comp, device_map, torch_dtype, weights, resident=cpu_only)
         elif cpu_only:
             model = _from_pretrained(comp, {"": "cpu"}, torch_dtype)
@@ -219,6 +223,7 @@ def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights
     where = {name: folder / checkpoint.tensor_files[key] for name, key in key_of.items()}
     int8_layers = {t.name.rpartition(".")[0] for t in skeleton.tensors if weights == "int8" and "int8" in t.low_precision}
     nf4_layers = _linear4bit(model, skeleton, weights, torch_dtype)
+    saved = _saved_linear4bit(model, comp, skeleton, torch_dtype)
     modules = dict(model.named_modules())
 
     streamed: dict[str, LoadedTensor] = {}
@@ -240,12 +245,23 @@ def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights
         storage_dtype = getattr(torch, entry.storage)
         dev = place if resident else device_of(name, device_map, "cpu")
         if dev in ("cpu", "disk") and not resident and name not in buffer_names:
+            if name in saved:
+                raise CheckpointError(f"Component '{comp.name}' was saved quantized, and its layers cannot be streamed "
+                                      "from cpu or disk: plan it with more GPU memory.")
             streamed[name] = entry  # the meta tensor takes the storage dtype: accelerate casts each streamed value to it
             set_module_tensor_to_device(model, name, "meta", value=torch.empty(info.shape, dtype=storage_dtype, device="meta"),
                                         dtype=storage_dtype)
             continue
         handle = handles.get(entry.file) or handles.setdefault(entry.file, safe_open(entry.file, framework="pt", device="cpu"))
         layer, _, leaf = name.rpartition(".")
+        if name in saved:  # packed as saved, with its statistics
+            stats = {}
+            for key in saved[name]:  # a statistic may sit in another shard than its weight
+                path = str(folder / checkpoint.tensor_files[key])
+                stats[key] = (handles.get(path) or handles.setdefault(path, safe_open(path, framework="pt", device="cpu"))
+                              ).get_tensor(key)
+            load_saved_weight(modules[layer], handle.get_tensor(key_of[stored]), stats, "cpu" if dev in ("cpu", "disk") else dev)
+            continue
         if leaf == "weight" and layer in nf4_layers:  # quantized on its device, from its run dtype copy
             quantize_weight(modules[layer], read_cast(handle, entry), "cpu" if dev in ("cpu", "disk") else dev)
             continue
@@ -272,6 +288,26 @@ def _linear4bit(model, skeleton, weights: str | None, torch_dtype) -> set[str]:
     compute = torch_dtype if torch_dtype is not None else getattr(torch, skeleton.compute_dtype())
     to_linear4bit(model, layers, compute)
     return layers
+
+
+def _saved_linear4bit(model, comp: ComponentSource, skeleton, torch_dtype) -> dict[str, list[str]]:
+    """A diffusers folder saved in bitsandbytes 4-bit: its quantized layers swapped for empty Linear4bit layers;
+    weight name -> the checkpoint keys of its statistics (none for other folders). 8-bit ones are refused."""
+    import torch  # lazy: torch (heavy, off start-up)
+
+    fmt = quantization_of(comp.config)
+    if fmt is None:
+        return {}
+    if fmt not in ("bnb-nf4", "bnb-fp4"):
+        raise CheckpointError(f"Component '{comp.name}' was saved in bitsandbytes {fmt}, which dmap plans but runs only "
+                              "for transformers models: give its unquantized folder with --weights nf4 or int8.")
+    quantized = {t.name for t in skeleton.tensors if t.quantized_bytes}
+    config = comp.config["quantization_config"]
+    compute = torch_dtype if torch_dtype is not None else getattr(torch, str(config.get("bnb_4bit_compute_dtype") or "float32"))
+    to_linear4bit_saved(model, {n.rpartition(".")[0] for n in quantized}, compute, fmt.removeprefix("bnb-"),
+                        bool(config.get("bnb_4bit_use_double_quant")))
+    checkpoint = open_checkpoint(comp.weights, strict=True)
+    return {name: [k for k in checkpoint.tensor_files if k.startswith(f"{name}.")] for name in quantized}
 
 
 def _checkpoint_keys(model, keys: list[str], comp: ComponentSource) -> dict[str, str]:

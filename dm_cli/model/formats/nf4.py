@@ -110,3 +110,28 @@ def quantize_weight(module, value, device) -> None:
     kwargs = dict(module.weight.__dict__)
     kwargs.pop("_is_hf_initialized", None)
     module._parameters["weight"] = bnb.nn.Params4bit(value.to("cpu"), requires_grad=False, **kwargs).to(device)
+
+
+def to_linear4bit_saved(model, layers: set[str], compute_dtype, quant_type: str, double_quant: bool) -> None:
+    """As `to_linear4bit`, for a folder saved quantized: its layers, its quant type (nf4 or fp4)."""
+    import torch  # lazy: torch (heavy, off start-up)
+
+    bnb = bitsandbytes()
+    for name in sorted(layers):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = parent.get_submodule(child)
+        with torch.device("meta"):
+            new = bnb.nn.Linear4bit(old.in_features, old.out_features, old.bias is not None, compute_dtype,
+                                    compress_statistics=double_quant, quant_type=quant_type, quant_storage=torch.uint8)
+        new.requires_grad_(False)
+        parent._modules[child] = new
+    model.is_loaded_in_4bit = True
+
+
+def load_saved_weight(module, data, stats: dict, device) -> None:
+    """A weight saved quantized (packed data and its statistics, by checkpoint name) put into its Linear4bit on
+    `device` as it is, through bitsandbytes' `Params4bit.from_prequantized` (what diffusers' loader calls)."""
+    bnb = bitsandbytes()
+    module._parameters["weight"] = bnb.nn.Params4bit.from_prequantized(data, stats, requires_grad=False, device=device,
+                                                                      module=module)
