@@ -106,6 +106,11 @@ ShardDtypeOpt = Annotated[str | None, typer.Option(
 ProfileOutputOpt = Annotated[str | None, typer.Option(
     "--output", "-o", help="Write the profile here (default: dmap's cache, which dmap plan reads).")]
 
+ProfileOverwriteOpt = Annotated[bool, typer.Option(
+    "--overwrite", help="Replace the -o file if it exists (a file only, never a folder). The profile in dmap's cache "
+                        "(no -o) is always replaced.")]
+"""`dmap calibrate`: its one output is a profile file."""
+
 ShardOutputOpt = Annotated[str | None, typer.Option(
     "--output", "-o", help="Folder to create (default: SOURCE-sharded beside it).")]
 

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from dm_cli.cli._cli_utils import JsonOpt, ProfileOutputOpt, QuietOpt
+from dm_cli.cli._cli_utils import JsonOpt, ProfileOutputOpt, ProfileOverwriteOpt, QuietOpt
 from dm_cli.cli._output import print_json, say
 from dm_cli.errors import UsageError
 from dm_cli.io.atomic import atomic_write_bytes
@@ -22,8 +22,7 @@ def calibrate(
     output: ProfileOutputOpt = None,
     device: str | None = typer.Option(None, "--device", help="cpu or cuda:N (default: the first GPU, else the CPU)."),
     quick: bool = typer.Option(False, "--quick", help="Small sizes, seconds: a rough profile (tests)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the -o file if it exists (a file only, never "
-                                   "a folder). The profile in dmap's cache (no -o) is always replaced."),
+    overwrite: ProfileOverwriteOpt = False,
     force: bool = typer.Option(False, "--force", help="Save the figures as this machine's profile even when the "
                                "machine was busy while measuring (they run slower than it can)."),
     quiet: QuietOpt = False,
