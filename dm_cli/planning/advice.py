@@ -95,6 +95,7 @@ def does_not_fit(source_spec, source, comps, stages, devices, options, formats, 
                 suggestions.append(f"fits at {size}x{size}")
                 break
     suggestions += _fewer_or_smaller_images(source, comps, options, formats, lambda s: fits(devices, s) is not None)
+    suggestions += _nf4_largest(source, comps, options, formats, specs, lambda s: fits(devices, s) is not None)
     names = "+".join(s.name for s in specs) if len(specs) <= 3 else f"{len(specs)} components"
     spec_text = ",".join(f"{d.name}={format_size(d.capacity)}" if d.capacity is not None else d.name for d in devices)
     where = f"{options.inputs.height}x{options.inputs.width}" if not options.inputs.weights_only else "weights only"
@@ -135,6 +136,22 @@ def _fewer_or_smaller_images(source, comps, options: PlanOptions, formats, fits:
     if any(w * h > 512 * 512 for w, h in sizes) and trial([(512, 512)] * len(sizes)):
         return [f"fits with the {len(sizes)} input image(s) at 512x512"]
     return []
+
+
+def _nf4_largest(source, comps, options: PlanOptions, formats: dict, specs, fits: Callable) -> list[str]:
+    """`--weights ...,LARGEST=nf4` (the user's own formats kept), when 4-bit NF4 on the largest component alone fits."""
+    largest = max(specs, key=lambda s: s.weights_bytes, default=None)
+    if largest is None or formats.get(largest.name) == "nf4" or not any(c.name == largest.name for c in comps):
+        return []
+    trial = {**formats, largest.name: "nf4"}
+    try:  # a component quantized already (GGUF, a saved folder) or without a config refuses: no suggestion
+        trial_specs = [prepare_component(c, source.pipeline_class, options.inputs, options.placement.dtype,
+                                         options.use_cache, trial, on_gpu=options.on_gpu).spec for c in comps]
+    except Exception:  # noqa: BLE001 - a failed trial only loses a suggestion
+        return []
+    if not fits(trial_specs):
+        return []
+    return ["fits with --weights " + ",".join(f"{name}={fmt or 'none'}" for name, fmt in trial.items())]
 
 
 def _cpu_suggestion(cpu: Device | None, needed: int) -> str | None:

@@ -156,3 +156,23 @@ def test_issue_goals_fit_at_1024(preset, weights, memory, mode):
     for name, comp in plan["components"].items():
         assert set(map(str, comp["device_map"].values())) <= {"0", "1"}, name  # nothing on cpu or disk
     assert plan["components"]["transformer"]["storage_dtype"] == "uint8"
+
+
+def test_a_plan_that_does_not_fit_suggests_nf4_on_the_largest_component_and_the_hint_runs():
+    import re
+
+    from conftest import run_dmap
+
+    asked = ["plan", "flux", "-q", "--max-memory", "0=12GB", "--mode", "staged", "--height", "1024", "--width", "1024"]
+    code, _, err = run_dmap(*asked)
+    assert code == 3 and "fits with --weights transformer=nf4" in err, err
+    hint = re.search(r"fits with (--weights \S+?)[.]?(?: or |$)", err).group(1).split()
+    code, out, err = run_dmap(*asked, *hint, "--json")
+    assert code == 0, err
+    assert json.loads(out)["components"]["transformer"]["storage_dtype"] == "uint8"
+    # the user's own formats are kept in the hint; with the transformer in nf4 already, T5 is the largest
+    code, _, err = run_dmap(*asked, "--weights", "text_encoder_2=fp8")
+    assert code == 3 and "fits with --weights text_encoder_2=fp8,transformer=nf4" in err, err
+    asked[4] = "0=8.5GB"
+    code, _, err = run_dmap(*asked, "--weights", "transformer=nf4")
+    assert code == 3 and "fits with --weights transformer=nf4,text_encoder_2=nf4" in err, err
