@@ -53,7 +53,7 @@ def test_inspect_plan_and_cache_json_is_strict(tmp_path):
     _json_of("inspect", "tiny-flux")
     _json_of("inspect", "demo")
     plan_file = tmp_path / "plan.json"
-    plan = _json_of("plan", "tiny-flux", "-m", "cpu=8GB", "--steps", "7", "-o", plan_file)
+    plan = _json_of("plan", "tiny-flux", "-m", "0=16GB", "--profile", "table:l40s", "--steps", "7", "-o", plan_file)
     assert plan["predicted_time"]["step_s"] > 0
     assert strict_json(plan_file.read_text()) == plan
     _json_of("plan", "demo", "-m", "0=16GB,cpu=32GB")
