@@ -16,6 +16,8 @@ from dm_cli.planning.step_time import CallWork, RankCompute, Traffic, call_terms
 from dm_cli.units import shorten
 
 MAX_QUEUE = 1_000_000
+NO_CPU_PROFILE = ("No predicted time: dmap has no profile of this CPU, and a GPU's figures say nothing of it; "
+                  "dmap calibrate measures one (about 20 s), or pass --profile FILE.")
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,9 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
     placed = plan.components[denoiser.name]
     on_gpu = any(isinstance(device, int) or str(device).isdigit() for device in placed.device_map.values())
     profile, origin = chosen_profile(request, "gpu" if on_gpu else "cpu")
+    if origin == "default" and not on_gpu:  # the default is a GPU's: it says nothing of this CPU
+        plan.warnings.append(NO_CPU_PROFILE)
+        return {}
     element = 4 if plan.dtype == "float32" else 2
     shape = denoiser_shape(denoiser, source.pipeline_class, inputs, family, element)
     work = replace(CallWork.of(work_facts, placed.weights_bytes), cast_bytes=cast_bytes(prep))

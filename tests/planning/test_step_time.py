@@ -2,6 +2,8 @@
 `dmap plan`."""
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 from conftest import run_dmap
@@ -12,7 +14,7 @@ from dm_cli.planning.step_time import CallWork, Traffic, call_terms, predict
 
 def hand_profile(**changes) -> DeviceProfile:
     """Round rates, so that every term of the hand-made case below is a whole number of seconds."""
-    base = {"name": "hand", "kind": "gpu", "matmul_tflops": {"bfloat16": 1.0}, "attention_tflops": {"bfloat16": 0.5},
+    base = {"name": "hand", "kind": "cpu", "matmul_tflops": {"bfloat16": 1.0}, "attention_tflops": {"bfloat16": 0.5},
                 "memory_gbps": 2.0, "host_gbps": 4.0, "link_gbps": 2.0, "op_seconds": 1e-3, "elementwise_gbps": 1.0}
     return DeviceProfile(**{**base, **changes})
 
@@ -22,8 +24,8 @@ def test_cost_model_adds_each_term_of_a_hand_made_case():
                     matmul_ops=10, attention_ops=4)
     traffic = Traffic(offloaded_bytes=4 * 10**9, hops=2, hop_bytes=10**9, hooked_modules=500)
     terms = call_terms(work, hand_profile(hook_seconds=2e-3), "bfloat16", traffic)
-    assert terms == pytest.approx({"matmul": 2.0, "conv": 0.0, "attention": 2.0, "memory": 1.0 + 1.0, "ops": 1.0,
-                                   "offload": 1.0, "hops": 1.0, "hooks": 1.0})
+    assert terms == pytest.approx({"matmul": 2.0, "conv": 0.0, "attention": 2.0, "memory": 1.0 + 1.0, "cast": 0.0,
+                                   "ops": 1.0, "offload": 1.0, "hops": 1.0, "hooks": 1.0})
     result = predict(work, traffic, hand_profile(hook_seconds=2e-3), "bfloat16", calls=2, steps=10, images_per_call=2,
                      queue=3, layout_steps={"split": 4.0, "cfg": 2.0})
     assert result["step_s"] == pytest.approx(20.0)  # 2 calls x 10 s
@@ -129,9 +131,10 @@ def test_bad_prediction_options_exit_2(args):
 
 
 def test_plan_prints_predicted_times_per_step_image_and_queue():
-    code, out, err = run_dmap("plan", "tiny-flux", "--steps", "4", "--queue", "5", env={"COLUMNS": "200"})
+    code, out, err = run_dmap("plan", "tiny-flux", "-m", "0=8GB", "--steps", "4", "--queue", "5",
+                              env={"COLUMNS": "200"})
     assert code in (0, 1), err
-    assert "Predicted denoise time:" in out and "at 4 steps" in out and "for a queue of 5" in out
+    assert "Predicted denoise time" in out and "at 4 steps" in out and "for a queue of 5" in out
     assert "Device profile: default" in out
 
 
@@ -162,7 +165,13 @@ def test_a_plan_file_with_a_malformed_prediction_is_refused(tmp_path, hostile):
         Plan.from_json({**data, "predicted_time": hostile})
 
 
+CPU_PROFILE = Path(tempfile.mkdtemp(prefix="dmap-cpu-profile-")) / "cpu.json"
+CPU_PROFILE.write_text(json.dumps(hand_profile(name="hand-cpu", op_seconds=1e-5).to_json()))
+
+
 def predicted(*args) -> dict:
+    """The plan's predicted time; a CPU plan on a stated CPU profile (with none, a CPU plan predicts nothing)."""
+    args = args if "--profile" in args else (*args, "--profile", str(CPU_PROFILE))
     code, out, err = run_dmap("plan", *args, "--no-check", "--json")
     assert code in (0, 1), err
     return json.loads(out)["predicted_time"]
