@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dm_cli.errors import DiskFullError, UsageError, disk_full
+from dm_cli.io.strict_json import json_text
 
 CLAIM_SUFFIX = ".dmap-claim"
 _HOLDER_BYTES = 4096  # a claim file is a line of JSON: anything longer is not dmap's
@@ -110,8 +111,8 @@ class Claims:
                 os.close(fd)
                 continue
             try:
-                line = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                                   "command": command}) + "\n"
+                line = json_text({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                                  "command": command}) + "\n"
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, line.encode(), 0)
             except OSError as error:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import os
 import re
 import secrets
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from dm_cli.errors import CheckpointError, DmapError
 from dm_cli.io.checkpoint import is_plain_file_name, read_json_object
+from dm_cli.io.strict_json import json_text
 
 TEMP_MARK = ".dmap-tmp-"
 REPLACED_MARK = ".dmap-replaced-"  # the previous output during an --overwrite without RENAME_EXCHANGE
@@ -141,7 +141,7 @@ def swap_in_place(temp: Path, root: Path, folders: list[SwapFolder]) -> None:
                "folders": [{"folder": str(f.folder), "new_dir": f.new_dir, "old": f.old, "new": f.new} for f in folders]}
     path = temp / JOURNAL
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(journal, handle)
+        handle.write(json_text(journal))
         handle.flush()
         os.fsync(handle.fileno())
     fsync_dir(temp)
