@@ -49,10 +49,11 @@ def bench_serve(prompts: list[str], clients: int, size: int, steps: int, extra: 
                                   "--queue-size", max(64, len(prompts)), "--quiet", *extra),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
+    line += proc.stdout.readline() if line.startswith("Serving") else ""  # the URL: the line after, alone
     if "http://" not in line:
         proc.kill()
         raise SystemExit(f"dmap serve did not start: {line}{proc.stderr.read()}")
-    url = urlsplit(line.split(" on ", 1)[1].split(";", 1)[0])
+    url = urlsplit(line[line.index("http://"):].split()[0])
     # the first request pays the first load and the libraries' first calls, once per server: start-up, not throughput
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=3600)
     connection.request("POST", "/v1/images/generations", json.dumps({"prompt": "warm", "seed": 0}),
@@ -160,10 +161,11 @@ def bench_concurrent_vs_sequential(requests: int, size: int, steps: int, extra: 
     proc = subprocess.Popen(_dmap("serve", *_common(size, steps), "--port", 0, "--max-batch", 8, "--quiet", *extra),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
+    line += proc.stdout.readline() if line.startswith("Serving") else ""  # the URL: the line after, alone
     if "http://" not in line:
         proc.kill()
         raise SystemExit(f"dmap serve did not start: {line}{proc.stderr.read()}")
-    url = urlsplit(line.split(" on ", 1)[1].split(";", 1)[0])
+    url = urlsplit(line[line.index("http://"):].split()[0])
 
     def post(seed: int) -> None:
         connection = http.client.HTTPConnection(url.hostname, url.port, timeout=3600)

@@ -1,5 +1,5 @@
 """A real `dmap serve` child process for the tests that are about the process (its sockets, signals, memory):
-started until it prints its "Serving ... on http://HOST:PORT; ..." line, stopped as a user stops it."""
+started until it prints its "Serving ..." line and the URL on the next, stopped as a user stops it."""
 
 import signal
 import subprocess
@@ -13,13 +13,14 @@ def start_serve(args: list, *, cwd, env: dict, stderr, preexec_fn=None) -> tuple
     would stop a server that logs without end) or subprocess.PIPE."""
     proc = subprocess.Popen([sys.executable, "-m", "dm_cli", "serve", *map(str, args)], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=preexec_fn)
-    line = proc.stdout.readline()  # "Serving demo (...) on http://127.0.0.1:PORT; ..."
+    line = proc.stdout.readline()  # "Serving demo (...): ...; Listening on:", then "http://127.0.0.1:PORT" alone
+    line += proc.stdout.readline() if line.startswith("Serving") else ""
     if "http://" not in line:
         proc.kill()
         proc.wait()
         errors = proc.stderr.read() if stderr == subprocess.PIPE else Path(stderr.name).read_text(errors="replace")
         raise AssertionError(f"no server: {line}{errors}")
-    return proc, line.split(" on ", 1)[1].split(";", 1)[0]
+    return proc, line[line.index("http://"):].split()[0]
 
 
 def port_of(url: str) -> int:

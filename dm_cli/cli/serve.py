@@ -12,7 +12,7 @@ from dm_cli.cli._cli_utils import table_options
 from dm_cli.inputs import check_counts
 from dm_cli.run.distributed import Ranks
 from dm_cli.run.request import RunRequest
-from dm_cli.serve.server import ServeRequest, launch_sigterm_notice
+from dm_cli.serve.server import ServeRequest, launch_sigterm_notice, startup_lines
 from dm_cli.serve.server import serve as serve_forever
 
 
@@ -45,16 +45,13 @@ def serve(
             print(message, file=sys.stderr, flush=True)
 
     def ready(url: str, session) -> None:
-        job = session.defaults
         for notice in session.notices:
             say(notice)
-        kind = "videos" if job.num_frames else "images"
         if session.source_from_plan:
             say(f"Running {session.source.spec} from {run.plan_file}")
         say(launch_sigterm_notice())
-        print(f"Serving {request.model or session.source.spec} ({session.source.pipeline_class}, {job.width}x{job.height} "
-              f"{kind}, plan {session.plan.mode} {session.plan_digest}) on {url}; SIGTERM or Ctrl-C stops.",
-              flush=True)
+        for line in startup_lines(request, session, url):  # plain print: never wrapped, the URL on a line of its own
+            print(line, flush=True)
 
     served = serve_forever(request, on_status=say, on_ready=ready)
     say(f"Stopped after {served} image(s).")

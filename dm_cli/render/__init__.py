@@ -271,9 +271,10 @@ def print_table(out, title: str | None, columns: list[Col], rows: list[list[str]
 
 
 def print_hidden(out, hidden: list) -> None:
-    """The one note of a command about the columns its tables left out: `(hidden at 80 columns: ...)`."""
+    """The one note of a command about the columns its tables left out, each table by its title and each column by
+    its header, and what shows them: `(hidden at 80 columns: Stages: host RAM during load; ...)`."""
     parts = [(label, names) for label, names in hidden if names]
     if not parts:
         return
     what = "; ".join(f"{label}: {', '.join(names)}" if label else ", ".join(names) for label, names in parts)
-    out.print(f"(hidden at {out.width} columns: {what}; see --json)", style="dim")
+    out.print(f"(hidden at {out.width} columns: {what}; a wider terminal or --json shows them)", style="dim")

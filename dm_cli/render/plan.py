@@ -122,8 +122,11 @@ def render_plan(plan, binary: bool = False, output: str | None = None, hidden: l
     _print_components(out, plan, size, hidden)
     _print_split_maps(out, plan, hidden)
     predicted = getattr(plan, "predicted_time", None)
+    predicted = predicted if predicted and "step_s" in predicted else None  # no prediction (no profile of its CPU)
     if getattr(plan, "parallel", None) is not None:
         _print_parallel(out, plan.parallel, size, hidden, plan.dtype, timed=bool((predicted or {}).get("layouts")))
+    for line in (plan.peak_lines() if hasattr(plan, "peak_lines") else []):
+        out.print(line)
     if predicted:
         _print_predicted_time(out, predicted, plan, run)
     if own_note:
@@ -143,7 +146,7 @@ def _print_memory(out, plan, size, hidden: list) -> None:
     columns = [Col("stage"), Col("device"), Col("weights", number=True, drop=2), Col("reserve", number=True, drop=5),
                Col("activations", number=True, drop=1), Col("overhead", number=True, drop=6),
                Col("step cache", number=True, drop=2), Col("peak", number=True), Col("capacity", number=True, drop=4),
-               Col("free", number=True, drop=3), Col("use of capacity", name="bar", stretch=BAR_WIDTH)]
+               Col("free", number=True, drop=3), Col("use of capacity", stretch=BAR_WIDTH)]
     parts = BAR_PARTS + (BAR_CACHE,) if plan.step_cache else BAR_PARTS
     rows: list = []
     labels = _stage_labels(plan.stages)
@@ -168,9 +171,11 @@ def _print_memory(out, plan, size, hidden: list) -> None:
                 if row is not None:
                     row.pop(index)
     dropped = print_table(out, "Memory per stage and device, at each stage's peak", columns, rows, hidden,
-                          label="memory (in the bar)")
-    if "bar" not in dropped:
+                          label="Memory per stage and device (its bar draws them)")
+    if "use of capacity" not in dropped:
         out.print(bar_legend(parts))
+    elif dropped:  # no bar to draw them
+        hidden[-1] = ("Memory per stage and device", dropped)
     out.print("Stages: " + "; ".join(
         f"{label}: {', '.join(stage.components)}" + (f" ({stage.note})" if stage.note else "")
         for label, stage in zip(labels, plan.stages)) + ".")
@@ -212,7 +217,7 @@ def _print_components(out, plan, size, hidden: list) -> None:
         pipe_columns.pop(2)
         for row in pipe_rows:
             row.pop(2)
-    print_table(out, "hf_device_map (pipeline level)", pipe_columns, pipe_rows, hidden, label="components")
+    print_table(out, "hf_device_map (pipeline level)", pipe_columns, pipe_rows, hidden, label="hf_device_map")
 
 
 def _print_split_maps(out, plan, hidden: list) -> None:
@@ -257,7 +262,7 @@ def _print_parallel(out, layout, size, hidden: list, dtype: str = "", timed: boo
                  f"{layout.ulysses} x ring {layout.ring}"
                  + (", experts one at a time" if layout.experts != "together" else ""))
     out.print(title)
-    print_table(out, "Peak per rank", columns, rows, hidden, label="ranks")
+    print_table(out, "Peak per rank", columns, rows, hidden, label="Peak per rank")
     for name, seconds in ({} if timed else layout.predicted_step_s).items():
         unit = " per image-step in a queue" if name == "pipeline" else " per step"
         # the plan keeps 4 decimals: a tiny model's step rounds to 0, which is not a prediction of no time
@@ -321,7 +326,10 @@ def _print_predicted_time(out, predicted: dict, plan=None, run: bool = False) ->
         out.print(f"Predicted denoise time for {what}: {_seconds(predicted['step_s'])} per step"
                   + (f" ({shown})" if shown else "") + f", {_seconds(predicted['image_s'])} per image{at}"
                   + (f", {for_queue}" if for_queue else "") + ".")
-    origin = {"default": "no profile (dmap calibrate measures one)", "cached": "this machine's calibrated profile",
+    if predicted.get("pipeline_s") and not layouts:
+        out.print(f"The whole pipeline call (encode, {steps} steps, decode): {_seconds(predicted['pipeline_s'])}.")
+    origin = {"default": "no profile of these GPUs (--profile table:NAME predicts with a GPU's published figures; "
+                         "dmap calibrate measures the GPU it runs on)", "cached": "this machine's calibrated profile",
               "file": "--profile", "table": "published figures (--profile table:...)"}.get(
         predicted.get("profile_origin"), "")
     out.print(f"Device profile: {predicted.get('profile')}, {origin}.")

@@ -116,7 +116,7 @@ class RunView:
         print_table(self.console, "Stages", [Col("stage"), Col("components", drop=2), Col("load s", number=True),
                                              Col("run s", number=True), Col("wall s", number=True),
                                              Col("host RAM during load", number=True, drop=3)], stage_rows,
-                    self._hidden, label="stages")
+                    self._hidden, label="Stages")
         overheads = {d.name: d.overhead for d in result.plan.devices}
         device_rows = []
         # disk holds weights, it is not memory: no peak for it
@@ -132,7 +132,7 @@ class RunView:
         print_table(self.console, "Peak memory per device (measured vs planned)",
                     [Col("device"), Col("measured peak", number=True), Col("planned peak", number=True),
                      Col("planned overhead", number=True, drop=3), Col("measured / planned (w/o overhead)", number=True)],
-                    device_rows, self._hidden, label="peaks")
+                    device_rows, self._hidden, label="Peak memory per device")
         print_hidden(self.console, self._hidden)
         self._hidden = []
         note = tracking_note(result)

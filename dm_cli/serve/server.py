@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from dm_cli.devices import device_key, is_gpu
+from dm_cli.devices import device_key, device_label, device_rank, is_gpu
 from dm_cli.errors import UsageError
 from dm_cli.run.distributed import Ranks, select_gpus
 from dm_cli.run.request import RunRequest
@@ -99,6 +99,28 @@ def bind(host: str, port: int) -> socket.socket:
 def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def startup_lines(request: ServeRequest, session, url: str) -> tuple[str, str]:
+    """What the server says when it listens, as two lines: what it serves (the model, the size, steps and kind of
+    output, the plan's mode and digest, its devices, the step cache, and eager: dmap has no compile yet), then the URL
+    alone, whole whatever the terminal's width (a script reads the line that starts with http)."""
+    job, plan = session.defaults, session.plan
+    devices = sorted({device_key(d) for comp in plan.components.values() for d in comp.device_map.values()},
+                     key=device_rank)
+    where = ", ".join(device_label(d) for d in devices)
+    if session.simulate and any(is_gpu(d) for d in devices):
+        where += " (simulated on this CPU)"
+    sharing = session.sharing
+    if sharing is not None:
+        where += f", {sharing.layout} over {sharing.ranks.world_size} torchrun ranks"
+    frames = f", {job.num_frames} frames" if job.num_frames else ""
+    cache = session.generation.cache
+    line = (f"Serving {request.model or session.source.spec} ({session.source.pipeline_class}): "
+            f"{job.width}x{job.height}{frames} {'videos' if job.num_frames else 'images'}, {job.steps} steps; "
+            f"{plan.mode} plan {session.plan_digest} on {where}; step cache {cache.label if cache else 'none'}; eager "
+            "(no compile); SIGTERM or Ctrl-C stops. Listening on:")
+    return line, url
 
 
 def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,

@@ -5,9 +5,23 @@ typo'd path answered in dmap's own words, serve's start-up line, and the hidden-
 import json
 import re
 
+import pytest
 from conftest import run_dmap
 
 SIZE = ("--height", "64", "--width", "64")
+
+
+@pytest.fixture(autouse=True)
+def _a_calibrated_cpu(monkeypatch):
+    """This machine's CPU as calibrated (dmap predicts a CPU plan's time only with a CPU profile): dmap's default
+    figures, named a CPU's."""
+    from dataclasses import replace
+
+    import dm_cli.planning.plan_prediction as prediction
+    from dm_cli.planning.profiles import DEFAULT_PROFILE
+
+    monkeypatch.setattr(prediction, "cached_profile", lambda *args, **kwargs: replace(DEFAULT_PROFILE, name="this-cpu",
+                                                                                       kind="cpu"))
 
 
 def _predicted(out: str) -> str:
@@ -217,3 +231,71 @@ def test_a_typod_relative_path_online_without_network_is_one_sentence_of_dmaps(t
     monkeypatch.setattr(huggingface_hub, "snapshot_download", not_found)
     code, out, err = run_dmap("plan", "models/no-such-flux", cwd=tmp_path)
     assert code == 2 and "the Hub has no repo models/no-such-flux" in err and "404" not in err, err
+
+
+# --- item 7: serve's start-up line; the hidden-columns notes ----------------------------------------------------
+
+
+def _session(cache=None, simulate=False, frames=None):
+    from types import SimpleNamespace
+
+    from dm_cli.inputs import StepCache
+
+    comp = SimpleNamespace(device_map={"transformer_blocks.0": 0, "proj_out": 1, "x": "cpu"})
+    return SimpleNamespace(defaults=SimpleNamespace(width=512, height=256, num_frames=frames, steps=8),
+                           plan=SimpleNamespace(mode="staged", components={"transformer": comp}),
+                           simulate=simulate, sharing=None, plan_digest="0123456789abcdef",
+                           generation=SimpleNamespace(cache=StepCache("taylorseer") if cache else None),
+                           source=SimpleNamespace(spec="demo", pipeline_class="FluxPipeline"), notices=[],
+                           source_from_plan=False)
+
+
+def test_serves_start_up_line_names_what_it_serves_and_the_url_alone():
+    """`dmap serve --cache taylorseer` did not say which step cache (nor compile) it serves with, nor its devices,
+    and its URL came mid-line, where a narrow terminal wrapped it."""
+    from types import SimpleNamespace
+
+    from dm_cli.serve.server import startup_lines
+
+    line, url = startup_lines(SimpleNamespace(model=None), _session(cache=True, simulate=True),
+                              "http://127.0.0.1:8000")
+    assert url == "http://127.0.0.1:8000"
+    for said in ("512x256 images", "8 steps", "staged plan 0123456789abcdef", "GPU 0, GPU 1, cpu (simulated on this CPU)",
+                 "step cache taylorseer", "eager (no compile)"):
+        assert said in line, (said, line)
+    assert "http" not in line
+    line, _ = startup_lines(SimpleNamespace(model="fox"), _session(frames=9), "http://[::1]:8000")
+    assert line.startswith("Serving fox (FluxPipeline): 512x256, 9 frames videos") and "step cache none" in line
+
+
+def test_serves_cli_prints_the_url_on_a_line_of_its_own_at_any_width(monkeypatch):
+    import dm_cli.cli.serve as cli_serve
+
+    def fake_serve(request, on_status, on_ready):
+        on_ready("http://127.0.0.1:43210", _session(cache=True))
+        return 0
+
+    monkeypatch.setattr(cli_serve, "serve_forever", fake_serve)
+    code, out, err = run_dmap("serve", "--cache", "taylorseer", "--port", "0", env={"COLUMNS": "20"})
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("Serving demo (FluxPipeline): ") and "step cache taylorseer" in lines[0]
+    assert lines[1] == "http://127.0.0.1:43210"
+
+
+def test_the_hidden_columns_note_names_tables_and_headers_a_user_sees(tmp_path):
+    """"(hidden at 80 columns: memory (in the bar): capacity, free; components: hops; stages: ...; peaks: ...)" named
+    tables by words printed nowhere: the note names each table by its title and says what shows the columns."""
+    code, out, err = run_dmap("run", "-p", "fox", "--steps", "1", *SIZE, "-o", str(tmp_path / "a.png"),
+                              env={"COLUMNS": "80"})
+    assert code == 0, err
+    start = out.index("(hidden at 80 columns:")
+    note = " ".join(out[start:out.index(")", out.index("shows them", start))].split())
+    titles = [line.strip() for line in out.splitlines()]
+    labels = re.findall(r"(?:: |; )([A-Za-z_ ]+?)(?: \([^)]*\))?: ", note)
+    assert len(labels) >= 3, note
+    for label in re.findall(r"(?:: |; )([A-Za-z_ ]+?)(?: \([^)]*\))?: ", note):
+        assert any(title.startswith(label) for title in titles), (label, note)
+    assert "a wider terminal or --json shows them" in note
+    for gone in ("memory (in the bar)", "components:", "stages:", "peaks:"):
+        assert gone not in note, note
