@@ -1,6 +1,6 @@
 """GPU check: what only a GPU can show, in one call of a few minutes (NOT run in CI on a GPU; its CPU form is).
 
-Sections (--sections, all three by default):
+Sections (--sections, all four by default):
 - memory: a mid-size FLUX-architecture pipeline (transformer ~1.3 GB in bf16) planned for `0=<GPU budget>,cpu=64GB`
   so that the transformer does not fit the GPU whole (part of it streamed through accelerate hooks), run for real;
   prints per stage and device the measured peak (torch.cuda.max_memory_allocated) beside the plan's peak_bytes.
@@ -11,6 +11,9 @@ Sections (--sections, all three by default):
   bf16 weights, built on the GPU, with CLIP-L, a 2-layer T5 of T5-XXL's width and FLUX's VAE; `dmap run`'s step
   and image against diffusers' own FluxPipeline call on the same folder at the same size, steps and seed (pixels
   compared), beside dmap's prediction and the published H100 anchors (about 6.7 s an image eager, 4.3 s compiled).
+- nf4 (issue 54, scripts/gpu_check_nf4.py): the flux section's folder with the transformer in 4-bit NF4, dmap against
+  diffusers' own bitsandbytes loading (seconds per step beside dmap's bf16 run, peaks, pixels); carry the
+  bitsandbytes wheel too (its doc says how).
 Exit 1 when a measured GPU peak exceeds the planned one or dmap's pixels differ from diffusers'.
 
 `--device cpu --small` runs predict and flux on this CPU at tiny sizes (the demo's configs, a quick calibration):
@@ -43,8 +46,9 @@ from pathlib import Path
 
 import bench_predict  # scripts/: the folder Python runs this file from
 from bench_predict import DMAP, PROMPT, REPO
+from gpu_check_nf4 import nf4_check
 
-SECTIONS = ("memory", "predict", "flux")
+SECTIONS = ("memory", "predict", "flux", "nf4")
 ANCHORS = "published, one H100, 1024x1024, 28 steps: about 6.7 s an image eager, 4.3 s compiled"
 # predict's cases (bench_predict.CASES' one-process rows that place no simulated GPU), each on the device
 GPU_CASES = ("demo-256", "demo-512", "tiny-flux-256", "tiny-sd15-256", "tiny-sd3-64")
@@ -97,6 +101,8 @@ def main() -> int:
         predict_check(args, profiles, work, env)
     if "flux" in sections:
         failed |= flux_check(args, profiles, work, env, torch)
+    if "nf4" in sections:
+        failed |= nf4_check(args, work, env, torch, flux_folder)
     print(f"gpu_check: {time.perf_counter() - started:.0f} s in all", flush=True)
     return 1 if failed else 0
 

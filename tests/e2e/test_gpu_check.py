@@ -44,7 +44,7 @@ def test_a_cpu_refuses_the_memory_section_in_one_sentence(tmp_path):
 def test_an_unknown_section_is_refused(tmp_path):
     done = _run("--sections", "speed", tmp_path=tmp_path)
     assert done.returncode == 2
-    assert done.stderr.strip() == "Unknown section 'speed': use memory, predict, flux."
+    assert done.stderr.strip() == "Unknown section 'speed': use memory, predict, flux, nf4."
 
 
 @pytest.mark.parametrize(("name", "row"), [

@@ -176,3 +176,18 @@ def test_a_plan_that_does_not_fit_suggests_nf4_on_the_largest_component_and_the_
     asked[4] = "0=8.5GB"
     code, _, err = run_dmap(*asked, "--weights", "transformer=nf4")
     assert code == 3 and "fits with --weights transformer=nf4,text_encoder_2=nf4" in err, err
+
+
+def test_bench_nf4_small_prints_the_three_tables():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(repo / "scripts" / "bench_nf4.py"), "--small"], capture_output=True,
+                          text=True, timeout=600, cwd=repo)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "flux transformer" in out and "0.28x" in out  # 6.70 GB of 23.80 GB
+    assert "one 3072->12288 linear layer" in out and "dmap run, FLUX-architecture twin" in out
+    assert out.count("nf4") >= 3

@@ -216,3 +216,20 @@ def test_a_served_nf4_image_is_dmap_runs_file_byte_for_byte(tmp_path_factory, tm
                             "transformer=nf4,text_encoder_2=nf4", "-o", tmp_path / "fox.png", "--quiet")
     assert code == 0, err
     assert base64.b64decode(data["data"][0]["b64_json"]) == (tmp_path / "fox.png").read_bytes()
+
+
+@pytest.mark.slow
+def test_gpu_check_nf4_section_cpu_form_matches_diffusers_pixels(tmp_path):
+    """scripts/gpu_check.py --sections nf4 on this CPU (diffusers' GPU check bypassed there): what a lent GPU runs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "DMAP_CACHE_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(repo / "scripts" / "gpu_check.py"), "--device", "cpu", "--small",
+                           "--sections", "nf4"], capture_output=True, text=True, env=env, cwd=repo, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| transformer=nf4 | denoise | cpu |" in done.stdout
+    assert "largest pixel difference against diffusers 0" in done.stdout
