@@ -8,7 +8,8 @@ runs other kernels, and some allocate more than their output for as long as they
   efficient, then math. Flash needs fp16/bf16, head dims of at most 256, equal for q, k and v, and no mask; cuDNN
   needs head dims of at most 128 (256 on sm90 with a recent cuDNN), multiples of 8; the memory-efficient kernel
   takes any head dim aligned to 8 (half) or 4 (float32), masks included, on sm50 to sm121; math takes anything.
-  Flash and cuDNN write a float32 log-sum-exp per query row beside the output; the memory-efficient kernel, for
+  Flash and cuDNN write a float32 log-sum-exp per query row beside the output (flash pads a head dim that is not a
+  multiple of 8, copying q, k, v and its output); the memory-efficient kernel, for
   head dims over 128 in half precision (its kernel iterates over the value dim), a float32 output accumulator of the
   output's shape; math (PyTorch 2.5 and newer, which upcast half precision to float32 unless
   `allow_fp16_bf16_reduction_math_sdp`) float32 copies of q, k and v, the score matrix and its softmax.
@@ -84,7 +85,12 @@ def attention_transient(call: AttentionCall, backend: str) -> int:
     """Bytes the kernel holds beside its output while it runs (freed when the call returns)."""
     rows = call.batch_heads * call.query_len
     if backend in ("flash", "cudnn"):
-        return allocated(rows * 4)  # float32 log-sum-exp (cuDNN's softmax stats) per query row
+        padding = 0
+        if backend == "flash" and call.head_dim % 8:  # flash pads q, k, v and its output to a multiple of 8
+            width, element = -(-call.head_dim // 8) * 8, 2
+            padding = 2 * allocated(rows * width * element) + 2 * allocated(
+                call.batch_heads * call.key_len * width * element)
+        return allocated(rows * 4) + padding  # float32 log-sum-exp (cuDNN's softmax stats) per query row
     if backend == "efficient":
         needs_accumulator = call.dtype in HALF_DTYPES and call.value_dim > EFFICIENT_SINGLE_PASS_HEAD_DIM
         return allocated(rows * call.value_dim * 4) if needs_accumulator else 0

@@ -30,6 +30,11 @@ LARGE_GEMM_EFFICIENCY = {"hopper": 749.89 / H100_PEAK_TFLOPS, "ampere": 110.0 / 
                          "blackwell": 110.0 / 119.5}
 FLASH_EFFICIENCY = {"hopper": 0.35, "ampere": 0.60, "ada": 0.60, "blackwell": 0.60}
 STREAM_EFFICIENCY = 3081.5 / 3350.0
+# float32 matmuls run on the CUDA cores: PyTorch leaves TF32 off for matmuls (torch.backends.cuda.matmul.allow_tf32
+# is False by default since 1.12). Non-tensor FP32 TFLOP/s from the same datasheets and whitepapers as GPU_TABLE.
+FP32_TFLOPS = {"h100-sxm": 67.0, "h100-pcie": 51.0, "h200-sxm": 67.0, "h200-nvl": 60.0, "a100-40gb": 19.5,
+               "a100-80gb": 19.5, "l40s": 91.6, "l4": 30.3, "l20": 59.8, "a10g": 31.2, "rtx-3090": 35.6,
+               "rtx-4090": 82.6, "rtx-5090": 104.8}
 RATE_SOURCES = ("cuBLAS GEMMs on an H100 SXM (blackwell-tensorcore-kernels bench_sm90a.csv) and an L20 "
                 "(CUDA-Learn-Notes hgemm); FlashAttention-2's share of the peak (FlashAttention-2 and -3 papers); "
                 "a STREAM triad on an H100 80GB HBM3")

@@ -55,6 +55,20 @@ def cuda_kernels(devices: list[Device]) -> bool:
     return rules != "cpu" and any(isinstance(d.key, int) for d in devices)
 
 
+def check_words(options: PlanOptions) -> None:
+    """--strategy and --mode among their words (UsageError, one sentence)."""
+    if options.placement.strategy not in Strategy.words():
+        raise UsageError(f"Unknown strategy '{options.placement.strategy}': use {', '.join(Strategy.words())}.")
+    if options.placement.mode not in Mode.words():
+        raise UsageError(f"Unknown mode '{options.placement.mode}': use {', '.join(Mode.words())}.")
+
+
+def kernel_report(prepared: list[PreparedComponent]) -> dict:
+    """Per component traced for CUDA's kernels: its attention kernels and what sets its activation peak."""
+    return {p.spec.name: {"attention": p.facts.attention_backends, "peak_at": p.facts.peak_at}
+            for p in prepared if p.facts.peak_at}
+
+
 def launch_warning(layout) -> str:
     """What a plan file of several ranks needs to run as planned; `dmap run` under torchrun, which is launched so
     already, leaves it out (dm_cli.run.request.make_run_plan)."""
@@ -64,10 +78,7 @@ def launch_warning(layout) -> str:
 
 def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     """Resolve, size, trace, place and check: the one core call of `dmap plan`."""
-    if options.placement.strategy not in Strategy.words():
-        raise UsageError(f"Unknown strategy '{options.placement.strategy}': use {', '.join(Strategy.words())}.")
-    if options.placement.mode not in Mode.words():
-        raise UsageError(f"Unknown mode '{options.placement.mode}': use {', '.join(Mode.words())}.")
+    check_words(options)
     progress = options.on_progress or (lambda message: None)
     progress(f"Resolving {source_spec}")
     source = resolve_with_pipeline(source_spec, options.pipeline, dict(options.component_files))
@@ -118,7 +129,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
                 [w for p in prepared for w in p.warnings] + placement.warnings + choice.warnings,
                 activation_peaks={s.name: s.activation_peak for s in specs},
                 config_digest=config_digest(source), weights={p.spec.name: p.weights for p in prepared},
-                tiled_decode=choice.tiled)
+                tiled_decode=choice.tiled, kernels=kernel_report(prepared))
     if source.pipeline_class and family_for(source.pipeline_class) is None:
         plan.warnings.insert(0, unknown_family_warning(source.pipeline_class))
     explain_offload(plan, prepared, stages, options)

@@ -21,7 +21,15 @@ from dm_cli.planning.parallel_layout import ParallelLayout
 from dm_cli.planning.placement import ComponentPlacement, DeviceUse, StagePlacement
 from dm_cli.planning.search import Device
 from dm_cli.planning.step_cache import parse_cache
-from dm_cli.units import FLOATING_DTYPES, MAX_GPU_INDEX, MAX_SIZE_BYTES, MAX_SIZE_TEXT, parse_dtype, shorten
+from dm_cli.units import (
+    FLOATING_DTYPES,
+    MAX_GPU_INDEX,
+    MAX_SIZE_BYTES,
+    MAX_SIZE_TEXT,
+    format_size,
+    parse_dtype,
+    shorten,
+)
 
 PLAN_FORMAT = "dmap-plan"
 PLAN_VERSION = 1
@@ -62,6 +70,35 @@ class Plan:
     # the denoise stage's predicted seconds per step, image and queue on a device profile (planning/step_time.py);
     # written only when there is one (a known family, traced)
     predicted_time: dict = field(default_factory=dict)
+    # on a plan whose activations CUDA's kernels were counted for (gpu_kernels.py): component -> {"attention":
+    # {kernel: calls}, "peak_at": {"module", "op", "kernel_bytes"}}; written only then
+    kernels: dict = field(default_factory=dict)
+
+    def peak_set_by(self, stage) -> dict:
+        """What sets a stage's activation peak on a GPU: its component with the most activations, the module and op
+        at its peak and the bytes the kernel held beside its output ({} without CUDA's kernels)."""
+        counted = [name for name in stage.components if self.kernels.get(name, {}).get("peak_at")]
+        if not counted:
+            return {}
+        name = max(counted, key=lambda n: self.activation_peaks.get(n, 0))
+        return {"component": name, "activation_bytes": self.activation_peaks.get(name, 0),
+                **self.kernels[name]["peak_at"]}
+
+    def peak_lines(self) -> list[str]:
+        """One sentence per GPU: the stage of its highest peak and what sets it (from `peak_set_by`)."""
+        lines = []
+        for device in sorted({k for s in self.stages for k in s.peak_bytes if k.isdigit()}, key=int):
+            stage = max((s for s in self.stages if device in s.peak_bytes), key=lambda s: s.peak_bytes[device])
+            cause = self.peak_set_by(stage)
+            if not cause:
+                continue
+            kernel = cause.get("kernel_bytes", 0)
+            held = f", its kernel holding {format_size(kernel, True)} beside its output" if kernel else ""
+            lines.append(f"GPU {device}'s peak, {format_size(stage.peak_bytes[device], True)}, is the {stage.name} "
+                         f"stage's: {cause['component']}'s activations reach {format_size(cause['activation_bytes'], True)} "
+                         f"at {cause.get('module') or 'its root'} ({cause.get('op', '?')}{held}), counted as CUDA's "
+                         f"kernels hold them at {self.inputs.height}x{self.inputs.width}.")
+        return lines
 
     @property
     def cache(self) -> StepCache | None:
@@ -136,6 +173,8 @@ class Plan:
                     "note": s.note,
                     "consumes": list(s.consumes),
                     "produces": list(s.produces),
+                    **({"peak_set_by": self.peak_set_by(s), "attention": _attention_of(self.kernels, s.components)}
+                       if self.kernels else {}),
                 }
                 for s in self.stages
             ],
@@ -148,6 +187,7 @@ class Plan:
             **({"loras": self.loras} if self.loras else {}),
             **({"step_cache": self.step_cache} if self.step_cache else {}),
             **({"predicted_time": self.predicted_time} if self.predicted_time else {}),
+            **({"kernels": self.kernels} if self.kernels else {}),
         }
 
     @classmethod
@@ -219,7 +259,36 @@ class Plan:
             _plan_loras(data.get("loras", []), set(components)),
             _plan_step_cache(data["step_cache"], set(components)) if "step_cache" in data else {},
             _predicted_time(data["predicted_time"]) if "predicted_time" in data else {},
+            _kernels(data.get("kernels", {}), set(components)),
         )
+
+
+def _attention_of(kernels: dict, components) -> dict:
+    """The attention kernels a stage's components were counted with: kernel -> calls, over its components."""
+    out: dict[str, int] = {}
+    for name in components:
+        for kernel, calls in kernels.get(name, {}).get("attention", {}).items():
+            out[kernel] = out.get(kernel, 0) + calls
+    return out
+
+
+def _kernels(value, components: set) -> dict:
+    """A plan file's `kernels` (informational): per planned component, attention kernel -> calls and the peak's
+    module, op and kernel bytes, as short strings and counts (ValueError otherwise)."""
+    value = _object(value, "'kernels'")
+    out = {}
+    for name, entry in value.items():
+        if name not in components:
+            raise ValueError(f"'kernels' names '{name}', which the plan does not place")
+        entry = _object(entry, f"kernels {name}")
+        peak = _object(entry.get("peak_at", {}), f"kernels {name} peak_at")
+        out[name] = {"attention": {_text(k, f"kernels {name} attention"): _count(v, f"kernels {name} attention")
+                                   for k, v in _object(entry.get("attention", {}), f"kernels {name} attention").items()},
+                     "peak_at": {"module": _text(peak.get("module", ""), f"kernels {name} module"),
+                                 "op": _text(peak.get("op", ""), f"kernels {name} op"),
+                                 "kernel_bytes": _count(peak.get("kernel_bytes", 0), f"kernels {name} kernel_bytes")}
+                     if peak else {}}
+    return out
 
 
 def _predicted_time(value, depth: int = 0) -> dict:

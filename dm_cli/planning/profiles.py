@@ -244,7 +244,8 @@ def table_profile(name: str) -> DeviceProfile:
     capability = COMPUTE_CAPABILITY.get(name.lower(), (8, 0))  # sustained rates by the kernels' rules (gpu_rates.py)
     curve = gpu_rates.matmul_curve(row["tflops"], capability)
     flash = gpu_rates.attention_tflops(row["tflops"], capability)
-    return DeviceProfile(name, "gpu", {**half, "float32": row["tflops"] / 2}, {"bfloat16": flash, "float16": flash},
+    fp32 = gpu_rates.FP32_TFLOPS.get(name.lower(), row["tflops"] / 2)
+    return DeviceProfile(name, "gpu", {**half, "float32": fp32}, {"bfloat16": flash, "float16": flash},
                          row["memory_gbps"], host, row["link_gbps"], row["link"], 5e-6,
                          row["source"] + f"; {_NVLINK_NOTE}; sustained rates from {gpu_rates.RATE_SOURCES}",
                          matmul_curve={"bfloat16": curve, "float16": curve},
