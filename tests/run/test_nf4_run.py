@@ -233,3 +233,19 @@ def test_gpu_check_nf4_section_cpu_form_matches_diffusers_pixels(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| transformer=nf4 | denoise | cpu |" in done.stdout
     assert "largest pixel difference against diffusers 0" in done.stdout
+
+
+def test_nf4_on_two_cfg_ranks_is_one_process_pixels(folders, tmp_path):
+    """--parallel cfg: each torchrun rank loads the NF4 transformer (quantized the same way) and runs one guidance
+    branch; Qwen-Image's true CFG calls the denoiser twice a step, so the images are one process's exactly."""
+    from PIL import Image
+    from pipeline_launch import dmap_inline, torchrun
+
+    folder = folders("tiny-qwenimage")
+    common = ["-p", PROMPT, "--negative-prompt", "blurry", "--true-cfg-scale", "4", "--height", 32, "--width", 32,
+              "--steps", 2, "--seed", SEED, "--weights", "transformer=nf4,text_encoder=nf4", "--dtype", "bfloat16",
+              "--mode", "staged"]
+    torchrun(2, "run", folder, *common, "--parallel", "cfg", "-o", tmp_path / "ranks.png", cwd=tmp_path)
+    dmap_inline("run", folder, *common, "--max-memory", "cpu=8GB", "-o", tmp_path / "alone.png", cwd=tmp_path)
+    pixels = [np.asarray(Image.open(tmp_path / f).convert("RGB")) for f in ("ranks.png", "alone.png")]
+    assert np.array_equal(*pixels)
