@@ -83,7 +83,7 @@ def quantized_by_the_library(comp, folder, dtype=torch.bfloat16):
                                                            device_map="cpu")
 
 
-@pytest.mark.parametrize("preset", ["tiny-flux", "tiny-sd3", "tiny-flux2", "tiny-qwenimage"])
+@pytest.mark.parametrize("preset", ["tiny-flux", "tiny-sd3", "tiny-flux2", "tiny-qwenimage", "tiny-wan", "tiny-sdxl"])
 def test_planned_bytes_and_layers_are_the_libraries(preset, folders):
     from dm_cli.model.skeleton import as_loaded
     from dm_cli.model.sources import resolve_source
