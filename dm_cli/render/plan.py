@@ -80,8 +80,9 @@ def next_step(plan, output: str | None) -> str:
     if not output:
         return "Next: add -o plan.json to keep this plan for dmap run -d plan.json."
     source = str(plan.source)
-    if _is_preset(source):
-        return f"Next: dmap run path/to/{source} -p \"a prompt\" -d {output} (a preset has no weights)"
+    if _is_preset(source):  # the plan's own run, with a folder of weights for SOURCE
+        command = run_command(plan, output).replace(" run -d ", f" run path/to/{source} -d ", 1)
+        return f"Next: {command} (a preset has no weights)"
     return f"Next: {run_command(plan, output)}"
 
 

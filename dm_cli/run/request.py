@@ -40,7 +40,7 @@ from dm_cli.planning.modes import Strategy
 from dm_cli.planning.parallel import ParallelRequest
 from dm_cli.planning.plan_command import lora_flags, plan_command
 from dm_cli.planning.plan_options import PlanOptions
-from dm_cli.planning.plan_prediction import PredictionRequest
+from dm_cli.planning.plan_prediction import MAX_QUEUE, PredictionRequest
 from dm_cli.planning.step_cache import parse_cache
 from dm_cli.planning.trace import can_tile
 from dm_cli.run.distributed import Ranks
@@ -215,7 +215,8 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
     placement = request.placement
     if parallel.active and placement.max_memory is None and visible_gpus() == 0:
         placement = replace(placement, max_memory=cpu_rank_devices(parallel.world_size))
-    prediction = PredictionRequest(steps=generation.steps, queue=max(1, request.queue), prompt=request.prompt or None)
+    prediction = PredictionRequest(steps=generation.steps, queue=min(max(1, request.queue), MAX_QUEUE),
+                                   prompt=request.prompt or None)
     plan = make_named_plan(root, source.spec, PlanOptions.of(generation, placement, pipeline=pipeline,
                                                              component_files=files, loras=generation.loras,
                                                              switch_loras=request.switch_loras,

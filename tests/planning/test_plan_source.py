@@ -148,7 +148,7 @@ def test_plan_next_for_ranks_is_the_torchrun_form(work, monkeypatch):
 
     monkeypatch.setattr(request, "cuda_devices_without_torch", lambda: None)  # GPUs may be here: no --simulate
     out = _plan(work, "--world-size", "2", "--parallel", "pipeline")
-    assert out.rstrip().splitlines()[-1] == 'Next: torchrun --nproc-per-node 2 -m dm_cli run -d p.json -p "a prompt"'
+    assert out.rstrip().splitlines()[-1] == 'Next: torchrun --nproc-per-node 2 -m dm_cli run -d p.json -p "a prompt" -o p.png'
 
 
 def test_load_and_serve_take_the_plans_source(work):
