@@ -299,3 +299,21 @@ def test_the_hidden_columns_note_names_tables_and_headers_a_user_sees(tmp_path):
     assert "a wider terminal or --json shows them" in note
     for gone in ("memory (in the bar)", "components:", "stages:", "peaks:"):
         assert gone not in note, note
+
+
+def test_a_plan_that_predicts_no_time_still_gives_run_d_its_steps(tmp_path, monkeypatch):
+    """A plan whose `predicted_time` holds its steps but no seconds (no profile of its CPU) prints no prediction,
+    and `run -d` still runs its steps."""
+    import dm_cli.planning.plan_prediction as prediction
+
+    monkeypatch.setattr(prediction, "cached_profile", lambda *args, **kwargs: None)
+    plan = tmp_path / "p.json"
+    code, out, err = run_dmap("plan", "demo", *SIZE, "-o", str(plan))
+    assert code == 0, err
+    data = json.loads(plan.read_text())
+    data["predicted_time"] = {"steps": 3}
+    plan.write_text(json.dumps(data))
+    code, out, err = run_dmap("run", "-d", str(plan), "-p", "fox", "-o", str(tmp_path / "a.png"),
+                              env={"COLUMNS": "200"})
+    assert code == 0, err
+    assert ", 3 steps, guidance" in out and "Predicted denoise time" not in out
