@@ -10,7 +10,9 @@ Sections (--sections, all four by default):
 - flux (issue 42): a full-size FLUX.1 [dev] transformer (the bundled preset's config, 12B parameters) with random
   bf16 weights, built on the GPU, with CLIP-L, a 2-layer T5 of T5-XXL's width and FLUX's VAE; `dmap run`'s step
   and image against diffusers' own FluxPipeline call on the same folder at the same size, steps and seed (pixels
-  compared), beside dmap's prediction and the published H100 anchors (about 6.7 s an image eager, 4.3 s compiled).
+  compared), beside dmap's prediction and the published H100 anchors (about 6.7 s an image eager, 4.3 s compiled);
+  on a GPU also the GPU record's memory rows (issue 53, docs/gpu-record.md): diffusers' loaded bytes and allocated and
+  reserved peaks beside dmap's plan of the folder with CUDA's kernel rules and the published FLUX.1 [dev] figures.
 - nf4 (issue 54, scripts/gpu_check_nf4.py): the flux section's folder with the transformer in 4-bit NF4, dmap against
   diffusers' own bitsandbytes loading (seconds per step beside dmap's bf16 run, peaks, pixels); carry the
   bitsandbytes wheel too (its doc says how).
@@ -273,6 +275,11 @@ def diffusers_measure(spec: dict) -> dict:
                     generator=torch.Generator().manual_seed(0), callback_on_step_end=callback).images[0]
 
     call(2)
+    memory = {}
+    if device.type == "cuda":  # the record's counters: loaded, then the call's allocated and reserved peaks
+        sync()
+        torch.cuda.reset_peak_memory_stats(device)
+        memory = {"loaded_bytes": torch.cuda.memory_allocated(device)}
     marks: list[float] = []
 
     def on_step(_pipe, _step, _timestep, kwargs):
@@ -285,7 +292,10 @@ def diffusers_measure(spec: dict) -> dict:
     sync()
     image_s = time.perf_counter() - start
     image.save(spec["output"])
-    return {"wall_step_s": statistics.median(b - a for a, b in zip(marks, marks[1:])), "image_s": image_s}
+    if memory:
+        memory.update(peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
+                      peak_reserved_bytes=torch.cuda.max_memory_reserved(device))
+    return {"wall_step_s": statistics.median(b - a for a, b in zip(marks, marks[1:])), "image_s": image_s, **memory}
 
 
 def flux_check(args, profiles: dict[str, str], work: Path, env: dict, torch) -> bool:
@@ -317,7 +327,26 @@ def flux_check(args, profiles: dict[str, str], work: Path, env: dict, torch) -> 
               + (f" error {step / ours['wall_step_s'] - 1:+.0%} |" if step else ""))
     print(f"dmap / diffusers per step: {ours['wall_step_s'] / theirs['wall_step_s']:.3f}x; largest pixel difference "
           f"{difference}; {ANCHORS}", flush=True)
+    if "peak_allocated_bytes" in theirs:
+        record_memory(folder, extra, theirs, env)
     return difference != 0
+
+
+def record_memory(folder: Path, extra: list[str], measured: dict, env: dict) -> None:
+    """The GPU record's memory rows for this run (issue 53): diffusers' loaded and peak bytes beside dmap's plan of
+    the same folder with CUDA's kernel rules, and the published FLUX.1 [dev] rows (the folder's T5 has 2 layers, so
+    weights differ from the published; the activations above them are the comparable figure)."""
+    rules = {k: v for k, v in env.items() if k != "DMAP_KERNELS"}
+    plan = bench_predict.dmap("plan", str(folder), *extra, "--mode", "resident", "--no-check", "--json", env=rules)
+    weights = sum(c["weights_bytes"] for c in plan["components"].values())
+    activations = max(u["activations"] for s in plan["stages"] for u in s["breakdown"].values())
+    gib = 1024 ** 3
+    loaded, peak = measured["loaded_bytes"], measured["peak_allocated_bytes"]
+    print("| memory (GiB) | measured (diffusers) | dmap's plan | published FLUX.1 [dev], H100 |\n|---|---:|---:|---:|")
+    print(f"| loaded | {loaded / gib:.2f} | {weights / gib:.2f} | 31.44 |")
+    print(f"| activations above the weights | {(peak - loaded) / gib:.2f} | {activations / gib:.2f} | 2.41 |")
+    print(f"| peak allocated | {peak / gib:.2f} | {(weights + activations) / gib:.2f} (+ overhead) | 33.85 |")
+    print(f"| peak reserved | {measured['peak_reserved_bytes'] / gib:.2f} | - | 36.17 (50 steps) |", flush=True)
 
 
 if __name__ == "__main__":
