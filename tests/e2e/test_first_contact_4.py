@@ -105,6 +105,12 @@ def test_a_pipeline_plan_prints_one_per_step_figure_per_layout(tmp_path):
     assert figures == {seconds for _, seconds in layouts}, out  # no other per-step figure anywhere
     assert "s/step" not in out
     assert "50 TFLOP/s per GPU at float32" in out and "100 at bfloat16" in out
+    for choice in ("context", "auto"):  # the reason of a layout that shares the steps, and auto's: no seconds either
+        code, out, err = run_dmap("plan", "demo", "--world-size", "2", "--parallel", choice, "-m", "0=8GB,1=8GB",
+                                  env={"COLUMNS": "200"})
+        assert code == 0, err
+        reason = next(line for line in out.splitlines() if line.startswith("Parallel: ") and "fits with" in line)
+        assert not re.search(r"\d s\b|s/step", reason), reason
 
 
 # --- item 5: every printed Next or hint runs as printed --------------------------------------------------------
