@@ -29,6 +29,11 @@ from dataclasses import dataclass, replace
 from dm_cli.planning.profiles import DeviceProfile
 
 
+# An empty CUDA kernel occupies the GPU about 3 us: at best 334,000 back-to-back launches a second (M. Boyer, "CUDA
+# Kernel Overhead", University of Virginia): what each eager op costs the device beyond its work.
+KERNEL_SECONDS = 3e-6
+
+
 @dataclass(frozen=True)
 class CallWork:
     """One denoiser call's work, as the meta trace counted it, and the weights it reads."""
@@ -102,6 +107,8 @@ def call_terms(work: CallWork, profile: DeviceProfile, dtype: str, traffic: Traf
         "memory": work.other_bytes / elementwise + work.weight_bytes / (profile.memory_gbps * 1e9),
         "cast": work.cast_bytes / elementwise,
     }
+    if profile.kind == "gpu":  # each kernel holds the GPU a moment however little it does
+        device["launch"] = work.ops * KERNEL_SECONDS
     host = work.ops * profile.op_seconds
     return {
         **device,
