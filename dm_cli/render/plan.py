@@ -80,9 +80,8 @@ def next_step(plan, output: str | None) -> str:
     if not output:
         return "Next: add -o plan.json to keep this plan for dmap run -d plan.json."
     source = str(plan.source)
-    if _is_preset(source):  # the plan's own run, with a folder of weights for SOURCE
-        command = run_command(plan, output).replace(" run -d ", f" run path/to/{source} -d ", 1)
-        return f"Next: {command} (a preset has no weights)"
+    if _is_preset(source):  # the plan's own run, with a folder of weights for SOURCE (a preset has none)
+        return "Next: " + run_command(plan, output).replace(" run -d ", f" run path/to/{source} -d ", 1)
     return f"Next: {run_command(plan, output)}"
 
 

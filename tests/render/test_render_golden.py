@@ -100,6 +100,7 @@ def draw_run():
 def test_renderer_output_matches_its_golden(name, draw, width, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("COLUMNS", str(width))
+    monkeypatch.setattr("dm_cli.run.request.cuda_devices_without_torch", lambda: 0)  # no GPU: Next says --simulate
     for variable in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "NO_COLOR", "JUPYTER_COLUMNS", "LINES"):
         monkeypatch.delenv(variable, raising=False)
     capsys.readouterr()
