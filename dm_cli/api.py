@@ -140,7 +140,7 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
          max_sequence_length: int | None = None, weights: str | None = None, num_frames: int | None = None,
          fps: int | None = None, negative_prompt: str | None = None, image=None, last_image=None, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,
          parallel: str | None = None, pipeline: str | None = None, component_files: dict | None = None,
-         lora=None, cache=None, **settings) -> Session:
+         lora=None, cache=None, compile: str | None = None, **settings) -> Session:
     """A pipeline placed per `plan` (a Plan, a plan JSON path, or None: plan here with the options).
 
     SOURCE None is the plan's source when a plan is given (it records it), else the bundled random-weight demo. A plan made for another model, size or dtype is
@@ -159,6 +159,8 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
     "[COMPONENT=]FILE[:SCALE]" strings (as `--lora`), loaded into the denoiser by diffusers' `load_lora_weights`
     each time it loads, at their scales (`set_adapters`), unfused. `cache`: a step cache on the denoiser
     ("NAME[:KEY=VALUE,...]", as `--cache`; None: the plan's), applied with diffusers' `enable_cache` each time it loads.
+    `compile` ("none", "regional", "auto", "full", as `--compile`; None: none): torch.compile on the denoiser as it
+    loads (dm_cli.run.compile); what cannot compile runs eager, with a notice in `Session.notices`.
     """
     refuse_untaken("api.load", settings)  # an option of dmap plan's or generate()'s (steps=, ...): refused with its reason
     device_map = plan if isinstance(plan, (str, Path)) else strategy
@@ -167,7 +169,7 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
                             max_sequence_length=max_sequence_length, settings=settings, weights=weights,
                             num_frames=num_frames, fps=fps, negative_prompt=negative_prompt, images=image, simulate=simulate,
                             last_image=last_image, output=None, per_prompt_images=True, parallel=parallel, pipeline=pipeline,
-                            component_files=component_files, loras=lora, cache=cache)
+                            component_files=component_files, loras=lora, cache=cache, compile=compile or "none")
     from dm_cli.run.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
 
     settled = settle(request, None if isinstance(plan, (str, Path)) else plan, entry=Entry.API, on_plan=on_plan,

@@ -24,7 +24,7 @@ def run(
     source, prompt, prompts, negative_prompt, image, last_image, device_map, max_memory, mode, overhead, steps,
     guidance_scale, seed, height, width, num_images, max_sequence_length, frames, fps, output, save_latents, dtype,
     weights, simulate, overwrite, track_activations, resume, chunk_size, chunk_memory, gpus_per_rank, parallel,
-    pipeline, component_file, lora, cache, as_json, quiet, binary,
+    pipeline, component_file, lora, cache, compile, as_json, quiet, binary,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     _refuse_early(ctx, prompt, prompts, dtype, steps=steps, num_images=num_images, height=height, width=width,
@@ -38,6 +38,7 @@ def run(
         "dtype": dtype, "simulate": simulate, "overwrite": overwrite, "track_activations": track_activations,
         "weights": weights, "images": image or None, "last_image": last_image, "parallel": parallel, "pipeline": pipeline,
         "component_files": component_file or None, "loras": lora or None, "cache": cache,
+        "compile": str(compile),
         "settings": dict(settings or {}),
     }
     if prompts is not None:

@@ -21,7 +21,7 @@ from dm_cli.serve.server import serve as serve_forever
 def serve(
     source, device_map, max_memory, mode, overhead, steps, guidance_scale, negative_prompt, height, width,
     max_sequence_length, frames, fps, dtype, weights, simulate, parallel, gpus_per_rank, pipeline, component_file,
-    lora, cache, host, port, api_key, queue_size, max_batch, max_body, model_name, max_connections, read_timeout,
+    lora, cache, compile, host, port, api_key, queue_size, max_batch, max_body, model_name, max_connections, read_timeout,
     body_timeout, quiet,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
@@ -31,7 +31,8 @@ def serve(
                         steps=steps, guidance_scale=guidance_scale, negative_prompt=negative_prompt, height=height,
                         width=width, max_sequence_length=max_sequence_length, num_frames=frames, fps=fps, dtype=dtype,
                         weights=weights, simulate=simulate, parallel=parallel or "none", pipeline=pipeline,
-                        component_files=component_file or None, loras=lora or None, cache=cache, settings=dict(settings or {}),
+                        component_files=component_file or None, loras=lora or None, cache=cache, compile=str(compile),
+                        settings=dict(settings or {}),
                         output=None, per_prompt_images=True)
     request = ServeRequest(run, host, port, api_key, queue_size, max_batch, max_body, model_name, gpus_per_rank,
                            max_connections, read_timeout, body_timeout)

@@ -111,12 +111,7 @@ class RunView:
         line = step_cache_summary(result.step_cache)
         if line:
             self.console.print(line)
-        stage_rows = [[s.name, ", ".join(s.components), f"{s.load_s:.2f}", f"{s.run_s:.2f}", f"{s.wall_s:.2f}",
-                       size(s.load_rss_delta)] for s in result.stages]
-        print_table(self.console, "Stages", [Col("stage"), Col("components", drop=2), Col("load s", number=True),
-                                             Col("run s", number=True), Col("wall s", number=True),
-                                             Col("host RAM during load", number=True, drop=3)], stage_rows,
-                    self._hidden, label="Stages")
+        self._stages(result)
         overheads = {d.name: d.overhead for d in result.plan.devices}
         device_rows = []
         # disk holds weights, it is not memory: no peak for it
@@ -139,6 +134,25 @@ class RunView:
         if note:
             self.console.print(note, style="dim")
         self._problems_and_outputs(result, detail=True)
+
+    def _stages(self, result) -> None:
+        """The Stages table; with --compile, the cold compile's seconds in a column of their own, apart from the
+        steps' (run s is then the stage's run without them)."""
+        compiled = any(s.compile_s for s in result.stages)
+        size = lambda n: format_size(n, binary=self.binary) if n else "-"  # noqa: E731
+        rows = []
+        for s in result.stages:
+            run = [f"{s.run_s - s.compile_s:.2f}", f"{s.compile_s:.2f}"] if compiled else [f"{s.run_s:.2f}"]
+            rows.append([s.name, ", ".join(s.components), f"{s.load_s:.2f}", *run, f"{s.wall_s:.2f}",
+                         size(s.load_rss_delta)])
+        runs = [Col("run s", number=True)] + ([Col("compile s", number=True)] if compiled else [])
+        print_table(self.console, "Stages", [Col("stage"), Col("components", drop=2), Col("load s", number=True),
+                                             *runs, Col("wall s", number=True),
+                                             Col("host RAM during load", number=True, drop=3)], rows,
+                    self._hidden, label="Stages")
+        if compiled:
+            self.console.print("compile s: torch.compile's cold start (dynamo and its backend), paid once per process "
+                               "and shape; run s is the stage without it.", style="dim")
 
     def _problems_and_outputs(self, result, detail: bool = False) -> None:
         """What even --quiet prints: what would fail on real devices, and what was written (`detail`: with

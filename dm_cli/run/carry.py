@@ -24,6 +24,7 @@ class StageResult:
     load_rss_delta: int = 0  # peak host RSS during this stage's load minus RSS before it
     tracked: str = "all"  # which part of the run the activation tracker saw ("first of N steps" in denoise)
     largest_shard: int = 0  # largest safetensors file this stage read
+    compile_s: float = 0.0  # --compile: of run_s, the seconds torch.compile spent compiling (the cold start)
 
 
 @dataclass

@@ -50,6 +50,8 @@ class JobLoop:
         stage.tracked = "all" if track else ("process peak RSS" if sampled else "none (CUDA: max_memory_allocated)"
                                              if self.measure else "not measured")
         rss = RssSampler() if sampled else None
+        compiling = self.hooks.get_hook("compile")  # --compile: its seconds counted apart from the steps'
+        compiled_before = compiling.seconds() if compiling is not None else 0.0
         try:
             with torch.inference_mode(False), torch.no_grad(), (rss or contextlib.nullcontext()):
                 if track:
@@ -68,6 +70,8 @@ class JobLoop:
                 "lower cpu= in --max-memory to what is really free and plan again."
             ) from None
         stage.run_s = time.perf_counter() - start
+        if compiling is not None:
+            stage.compile_s = compiling.seconds() - compiled_before
         metering.measured(stage, rss)
         return stage
 

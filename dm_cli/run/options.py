@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from dm_cli.errors import UsageError
 from dm_cli.planning.modes import Mode, Parallel, Strategy, Word
+from dm_cli.run.compile import CompileMode
 
 # who takes the options: the three commands, the two API functions (`dm_cli.plan`, `dm_cli.load`) and a queue item
 # (a `--prompts` JSONL line's keys, dm_cli.run.queue.queue_item)
@@ -224,6 +225,12 @@ OPTIONS: tuple[Option, ...] = (
            help="A step cache on the denoiser, diffusers' hooks: fbc (First-Block Cache), taylorseer or magcache, e.g. "
                 "fbc:threshold=0.05; the plan counts what it holds per device (run: default the plan file's; none runs "
                 "the plan file without its cache)."),
+    Option("compile", ("--compile",), CompileMode,
+           "torch.compile the denoiser as it loads: none | regional (its repeated blocks, diffusers' "
+           "compile_repeated_blocks; the whole model where it declares none) | auto (= regional) | full (the whole "
+           "model). What cannot compile runs eager with a notice saying why.", default="none", words=CompileMode,
+           without=_without("a plan's predicted time is eager's: compile is how a run runs", "plan", "api.plan")
+           | {"queue": QUEUE_RUN}),
     # ---- planning only ----------------------------------------------------------------------------------------
     Option("component", ("--component", "-c"), str | None, "Only this component.",
            without=_without("a run runs the whole pipeline", "run", "serve", "api.load", "queue")),

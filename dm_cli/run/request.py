@@ -43,6 +43,7 @@ from dm_cli.planning.plan_options import PlanOptions
 from dm_cli.planning.plan_prediction import MAX_QUEUE, PredictionRequest
 from dm_cli.planning.step_cache import parse_cache
 from dm_cli.planning.trace import can_tile
+from dm_cli.run.compile import parse_compile
 from dm_cli.run.distributed import Ranks
 from dm_cli.units import parse_dtype
 
@@ -96,6 +97,7 @@ class RunRequest:
     component_files: dict | None = None  # --component-file NAME=FILE: these components from these single files
     cache_off: bool = False  # --cache none: a plan file's step cache is switched off (check_plan_cache)
     switch_loras: bool = False  # the inline plan keeps the LoRAs unfused: served requests, queue items choose
+    compile: str = "none"  # --compile: none | regional | auto | full (dm_cli.run.compile)
     queue: int = 1  # the prompts this run generates (a queue's items): the predicted time is for them
 
     def __post_init__(self) -> None:
@@ -113,6 +115,8 @@ class RunRequest:
 
         loras = read_loras(options.pop("loras", None))
 
+        if "compile" in options:  # a bad compile= refused before SOURCE is resolved (the CLI's parser did it there)
+            options["compile"] = parse_compile(options["compile"]).value
         asked_cache = options.pop("cache", None)
         cache = parse_cache(asked_cache)
         options["cache_off"] = asked_cache is not None and cache is None  # "none" settles to None, as no --cache

@@ -37,6 +37,7 @@ from dm_cli.planning.lora_sizing import lora_targets
 from dm_cli.planning.make import launch_warning
 from dm_cli.planning.modes import Strategy, Word
 from dm_cli.run.checks import check_seed
+from dm_cli.run.compile import compile_choice
 from dm_cli.run.distributed import Ranks
 from dm_cli.run.parallel import check_rank_count, checked_pipeline, cpu_ranks, pipelined, step_sharing
 from dm_cli.run.request import (
@@ -107,6 +108,7 @@ class SettledRun:
     is_main: bool  # this rank decodes and gets the images (every process when steps are not shared)
     largest_shard: dict  # component -> its largest weights file's bytes
     notices: tuple[str, ...] = ()
+    compile: str = "none"  # --compile as it runs (dm_cli.run.compile.compile_choice): none, regional, auto or full
 
     @property
     def pipelined(self) -> bool:
@@ -231,12 +233,14 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
         notices += shared
     if entry is Entry.QUEUE and job.num_frames:
         raise UsageError(f"--prompts writes images; {source.pipeline_class} makes videos: run one prompt at a time.")
+    compiled, eager = compile_choice(request.compile, request, plan, family, sharing)
+    notices += [eager] if eager else []
     return SettledRun(request=request, entry=entry, source=source, family=family, demo=demo, generation=generation,
                       defaults=job, fps=generation.fps if generation.num_frames else None, plan=plan,
                       plan_digest=plan_digest(plan), planned_here=planned_here, source_from_plan=source_from_plan,
                       where=_where(request), sharing=sharing, loop=_loop(plan, sharing),
                       staged=plan.mode != "resident", is_main=sharing is None or sharing.is_main,
-                      largest_shard=largest, notices=tuple(notices))
+                      largest_shard=largest, notices=tuple(notices), compile=str(compiled))
 
 
 def _plan_file(request: RunRequest, plan: Plan | None) -> tuple[RunRequest, Plan | None, bool]:

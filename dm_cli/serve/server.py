@@ -103,7 +103,7 @@ def url_of(sock: socket.socket) -> str:
 
 def startup_lines(request: ServeRequest, session, url: str) -> tuple[str, str]:
     """What the server says when it listens, as two lines: what it serves (the model, the size, steps and kind of
-    output, the plan's mode and digest, its devices, the step cache, and eager: dmap has no compile yet), then the URL
+    output, the plan's mode and digest, its devices, the step cache, and --compile's, or eager), then the URL
     alone, whole whatever the terminal's width (a script reads the line that starts with http)."""
     job, plan = session.defaults, session.plan
     devices = sorted({device_key(d) for comp in plan.components.values() for d in comp.device_map.values()},
@@ -118,9 +118,15 @@ def startup_lines(request: ServeRequest, session, url: str) -> tuple[str, str]:
     cache = session.generation.cache
     line = (f"Serving {request.model or session.source.spec} ({session.source.pipeline_class}): "
             f"{job.width}x{job.height}{frames} {'videos' if job.num_frames else 'images'}, {job.steps} steps; "
-            f"{plan.mode} plan {session.plan_digest} on {where}; step cache {cache.label if cache else 'none'}; eager "
-            "(no compile); SIGTERM or Ctrl-C stops. Listening on:")
+            f"{plan.mode} plan {session.plan_digest} on {where}; step cache {cache.label if cache else 'none'}; "
+            f"{compiled_words(session)}; SIGTERM or Ctrl-C stops. Listening on:")
     return line, url
+
+
+def compiled_words(session) -> str:
+    """How the served denoiser runs: compiled (--compile, during the warm-up) or eager."""
+    mode = getattr(getattr(session, "settled", None), "compile", "none")
+    return "eager (no compile)" if mode == "none" else f"compiled ({mode}, at the warm-up)"
 
 
 def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,
@@ -199,7 +205,8 @@ def warm_up(session, say: Callable[[str | None], None]) -> None:
         from PIL import Image  # lazy: PIL (heavy, off start-up)
 
         image = Image.new("RGB", (job.width, job.height), (128, 128, 128))
-    say("Warming up: one image of the defaults (loading what the plan keeps resident)…")
+    compiling = " and compiling the denoiser" if compiled_words(session).startswith("compiled") else ""
+    say(f"Warming up: one image of the defaults (loading what the plan keeps resident{compiling})…")
     try:
         for _ in session.generate("warm-up", seed=0, image=image, chunk_size=1):
             pass
