@@ -124,6 +124,12 @@ class ParallelLayout:
 AUTO_MARGIN = 1.10
 
 
+def figures(seconds: float) -> float:
+    """Four significant figures: a tiny model's step keeps its digits (4 decimals made every layout 0.0001 s), and
+    the prediction is not more precise than that."""
+    return float(f"{seconds:.4g}")
+
+
 def choose_layout(request: ParallelRequest, guidance: Guidance, shape: DenoiserShape, load: DenoiserLoad,
                   ranks: list[Rank], cut: "PipelineCut | str | None" = None) -> ParallelLayout:
     """The fastest layout that fits (auto) or the one asked for; DoesNotFitError when the one asked for (or,
@@ -131,7 +137,7 @@ def choose_layout(request: ParallelRequest, guidance: Guidance, shape: DenoiserS
     and auto), or the sentence saying why the denoiser has none. Auto keeps a layout that shares every step
     (cfg, context) when one fits, else pipeline parallel when it fits, else the split."""
     found, rejected = candidates(request, guidance, shape)
-    times = {"split": round(step_seconds(Candidate("split"), shape, guidance, load, request), 4)}  # the comparison
+    times = {"split": figures(step_seconds(Candidate("split"), shape, guidance, load, request))}  # the comparison
     fitting: list[tuple[float, Candidate, dict, bool]] = []
     piped = None
     for cand in found:
@@ -139,9 +145,9 @@ def choose_layout(request: ParallelRequest, guidance: Guidance, shape: DenoiserS
             piped = pipeline_candidate(request, shape, load.activation_peak, ranks, cut, rejected)
             if piped is not None:  # its speed-up over its own cut's split, on the basis the other layouts share (the
                 # cut's per-slice FLOPs count the tokens each weight multiplies, step_seconds 2 x params x all tokens)
-                times["pipeline"] = round(times["split"] * piped[1] / piped[2] if piped[2] else piped[1], 4)
+                times["pipeline"] = figures(times["split"] * piped[1] / piped[2] if piped[2] else piped[1])
             continue
-        times[cand.layout] = round(step_seconds(cand, shape, guidance, load, request), 4)
+        times[cand.layout] = figures(step_seconds(cand, shape, guidance, load, request))
         if cand.layout == "split":
             peaks = {str(i): int(load.split_peaks.get(rank.gpu, 0)) for i, rank in enumerate(ranks)}
             fitting.append((times["split"], cand, peaks, True))
@@ -224,7 +230,7 @@ def pipeline_candidate(request: ParallelRequest, shape: DenoiserShape, activatio
 def _pipeline_layout(request: ParallelRequest, piped, times: dict, rejected: dict) -> ParallelLayout:
     """The pipeline layout's record; its `split` time is the cut's (the device map the plan then has)."""
     cut, seconds, split, speedup, queue, peaks = piped
-    times["split"], times["pipeline"] = round(split, 4), round(seconds, 4)
+    times["split"], times["pipeline"] = figures(split), figures(seconds)
     layout = ParallelLayout(request.world_size, "pipeline", 1, 1, 1, peaks, times, rejected,
                             device_tflops=request.device_tflops, link_gbps=request.link_gbps,
                             slices={str(r): list(names) for r, names in enumerate(cut.slices)},

@@ -117,7 +117,7 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
     profile, origin = chosen_profile(request, "gpu" if on_gpu else "cpu")
     if origin == "default" and not on_gpu:  # the default is a GPU's: it says nothing of this CPU
         plan.warnings.append(NO_CPU_PROFILE)
-        return {}
+        return {"steps": request.steps or family.default_steps}  # no seconds; the steps `dmap run -d` runs
     element = 4 if plan.dtype == "float32" else 2
     shape = denoiser_shape(denoiser, source.pipeline_class, inputs, family, element)
     work = replace(CallWork.of(work_facts, placed.weights_bytes), cast_bytes=cast_bytes(prep))

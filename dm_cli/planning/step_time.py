@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 
 from dm_cli.planning.profiles import DeviceProfile
 
-
 # An empty CUDA kernel occupies the GPU about 3 us: at best 334,000 back-to-back launches a second (M. Boyer, "CUDA
 # Kernel Overhead", University of Virginia): what each eager op costs the device beyond its work.
 KERNEL_SECONDS = 3e-6

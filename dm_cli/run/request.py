@@ -422,6 +422,9 @@ def prediction_at(predicted: dict, steps: int | None = None, queue: int | None =
                 "queue_s": _four_figures(steps * step_s * queue)}
 
     retimed = {**predicted, "steps": steps, "queue": queue, **times(predicted["step_s"])}
+    if "pipeline_s" in predicted:  # one whole call: the encoders and the decode once, every step between
+        retimed["pipeline_s"] = _four_figures(predicted.get("encode_s", 0) + steps * predicted["step_s"]
+                                              + predicted.get("decode_s", 0))
     if isinstance(predicted.get("layouts"), dict):
         retimed["layouts"] = {name: times(layout["step_s"]) for name, layout in predicted["layouts"].items()
                               if isinstance(layout, dict) and "step_s" in layout}

@@ -3,6 +3,7 @@ dispatcher picks and what it holds beside its output, cuDNN's NHWC copies, the a
 counts them, names what sets each GPU's peak, and records the kernels in its JSON."""
 
 import json
+import tempfile
 
 import pytest
 from conftest import run_dmap
@@ -100,3 +101,22 @@ def test_a_plan_file_with_its_kernels_reads_back(cuda_rules, tmp_path):
 def test_an_unknown_kernels_word_is_one_sentence():
     code, _, err = run_dmap("plan", "tiny-flux", "-m", "0=8GB", env={"DMAP_KERNELS": "tpu"})
     assert code == 2 and "DMAP_KERNELS" in err and "Traceback" not in err
+
+
+def test_the_whole_call_is_predicted_at_the_steps_a_run_runs():
+    """`pipeline_s` (encode, every step, decode) follows the run's steps as the per-image figure does."""
+    from dm_cli.run.request import prediction_at
+
+    predicted = {"steps": 28, "step_s": 0.2, "image_s": 5.6, "queue_s": 5.6, "encode_s": 0.1, "decode_s": 0.3,
+                 "pipeline_s": 6.0, "queue": 1, "images_per_call": 1}
+    assert prediction_at(predicted, steps=8)["pipeline_s"] == pytest.approx(0.1 + 8 * 0.2 + 0.3)
+
+
+def test_a_cpu_plan_without_a_profile_keeps_its_steps_for_the_run():
+    """No seconds (no profile of this CPU), but the steps `dmap run -d` runs, and one sentence saying why."""
+    code, out, err = run_dmap("plan", "tiny-flux", "--steps", "8", "--no-check", "--json",
+                              env={"DMAP_CACHE_DIR": tempfile.mkdtemp()})
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["predicted_time"] == {"steps": 8}
+    assert any(w.startswith("No predicted time: dmap has no profile of this CPU") for w in data["warnings"])
