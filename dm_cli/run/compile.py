@@ -26,6 +26,15 @@ RECOMPILE_LIMIT = 64
 BACKEND_ENV = "DMAP_COMPILE_BACKEND"
 
 
+# weight formats whose layers run Python at each call that dynamo cannot trace in one graph (int8, torchao's tensor
+# subclass, compiles)
+PYTHON_WEIGHTS = {
+    "fp8": "are cast up by diffusers' layerwise-casting hooks, which make a parameter at each call",
+    "nf4": "are dequantized by bitsandbytes at each call",
+    "gguf": "are dequantized in Python at each call",
+}
+
+
 class CompileMode(Word):
     """--compile's words."""
 
@@ -80,9 +89,13 @@ def eager_reason(request, plan, family) -> str | None:
     if unfused:
         return (f"the LoRAs of {', '.join(unfused)} stay unfused (each job switches them), which would recompile; "
                 "a plan that fuses them compiles")
-    weights = {name: plan.weights.get(name) for name in names if plan.weights.get(name) in ("nf4", "gguf")}
+    weights = {name: plan.weights.get(name) for name in names if plan.weights.get(name) in PYTHON_WEIGHTS}
     if weights:
-        return f"{', '.join(f'{n} ({w})' for n, w in weights.items())} dequantizes its weights in Python at each call"
+        name, fmt = next(iter(weights.items()))
+        return f"{name}'s {fmt} weights {PYTHON_WEIGHTS[fmt]}"
+    files = [str(getattr(request, "source", None) or ""), *(getattr(request, "component_files", None) or {}).values()]
+    if any(str(path).lower().endswith(".gguf") for path in files):
+        return f"GGUF weights {PYTHON_WEIGHTS['gguf']}"
     offloaded = [name for name in names if _offloaded(plan.components[name].device_map)]
     if offloaded:
         return (f"{', '.join(offloaded)} streams blocks from cpu or disk through accelerate's hooks, which move weights "

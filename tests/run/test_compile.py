@@ -70,7 +70,8 @@ def _fake(simulate=False, track=False, loras=(), weights=None, device_map=None, 
     ({"simulate": True}, "activation tracker"),
     ({"track": True}, "activation tracker"),
     ({"loras": ("transformer",)}, "LoRAs of transformer stay unfused"),
-    ({"weights": {"transformer": "nf4"}}, "transformer (nf4) dequantizes"),
+    ({"weights": {"transformer": "nf4"}}, "transformer's nf4 weights are dequantized by bitsandbytes"),
+    ({"weights": {"transformer": "fp8"}}, "transformer's fp8 weights are cast up by diffusers' layerwise-casting"),
     ({"device_map": {"a": 0, "b": "cpu"}}, "streams blocks from cpu or disk"),
     ({"device_map": {"a": "cpu", "b": "disk"}}, "streams blocks from cpu or disk"),
     ({"cache": SimpleNamespace(name="fbc")}, "step cache fbc"),
@@ -86,7 +87,7 @@ def test_what_cannot_compile_runs_eager_with_one_notice(kind, reason):
 def test_fused_loras_fp8_and_a_gpu_split_compile():
     from dm_cli.run.compile import compile_choice
 
-    for kind in ({"loras": ("transformer",), "fused": ("transformer",)}, {"weights": {"transformer": "fp8"}},
+    for kind in ({"loras": ("transformer",), "fused": ("transformer",)}, {"weights": {"transformer": "int8"}},
                  {"device_map": {"a": 0, "b": 1}}, {}):
         assert compile_choice("auto", *_fake(**kind), None) == ("auto", None), kind
     assert compile_choice("none", *_fake(simulate=True), None) == ("none", None)
@@ -145,6 +146,17 @@ def test_simulate_with_compile_runs_eager_with_one_notice(flux, tmp_path):
     notices = [n for n in result["notices"] if n.startswith("--compile")]
     assert len(notices) == 1 and "running eager" in notices[0], result["notices"]
     assert all(s["compile_s"] == 0 for s in result["stages"])
+
+
+def test_int8_weights_compile_and_fp8_runs_eager_with_its_notice(flux, tmp_path):
+    for weights, compiled in (("int8", True), ("fp8", False)):
+        code, stdout, err = run_dmap("run", flux, "--prompt", "a cat", "--height", SIZE, "--width", SIZE, "--steps",
+                                     STEPS, "--weights", weights, "--compile", "regional", "-o", tmp_path / f"{weights}.png",
+                                     "--json", env=EAGER_BACKEND)
+        assert code == 0, err
+        result = json.loads(stdout)
+        notices = [n for n in result["notices"] if n.startswith("--compile")]
+        assert (sum(s["compile_s"] for s in result["stages"]) > 0) is compiled and len(notices) == (not compiled), notices
 
 
 def test_the_api_and_a_queue_compile_as_the_cli_does(flux, tmp_path, monkeypatch):
