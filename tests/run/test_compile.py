@@ -186,3 +186,32 @@ def test_inductor_images_are_within_one_level_of_eager(flux, tmp_path, monkeypat
                                 "--compile", mode, "-o", paths[mode], "--quiet")
         assert code == 0, err
     assert abs(_pixels(paths["regional"]) - _pixels(paths["none"])).max() <= 1
+
+
+def test_serve_compiles_at_its_warm_up_and_serves_a_staged_reload(flux, tmp_path):
+    """`dmap serve --compile`: the warm-up image compiles (said on stderr, before the start-up line), and a request
+    after it (staged: the denoiser loaded again, compiled again) is answered."""
+    import base64
+    import http.client
+    import os
+    from urllib.parse import urlsplit
+
+    pytest.importorskip("uvicorn")
+    from serve_process import start_serve, stop_serve
+
+    env = {**os.environ, **EAGER_BACKEND, "HF_HUB_OFFLINE": "1"}
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the server writes it until stopped
+    proc, url = start_serve([flux, "--height", SIZE, "--width", SIZE, "--steps", STEPS, "--mode", "staged", "--port",
+                             "0", "--compile", "regional"], cwd=tmp_path, env=env, stderr=log)
+    try:
+        connection = http.client.HTTPConnection(urlsplit(url).hostname, urlsplit(url).port, timeout=120)
+        connection.request("POST", "/v1/images/generations", body=json.dumps(
+            {"prompt": "a red fox", "seed": 3, "response_format": "b64_json"}), headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        data = json.loads(response.read())
+        assert response.status == 200 and base64.b64decode(data["data"][0]["b64_json"]).startswith(b"\x89PNG"), data
+    finally:
+        assert stop_serve(proc) == 0
+        log.close()
+    said = (tmp_path / "serve.log").read_text()
+    assert "and compiling the denoiser" in said and "running eager" not in said, said
