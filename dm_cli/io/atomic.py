@@ -83,6 +83,20 @@ def disk_full_error(path: str | os.PathLike, needed: int | None = None, cause: B
     return DiskFullError(f"{full}: {need}; nothing was left half-written: make room and run the same command again.")
 
 
+def check_writable_file(path: Path, option: str, example: str) -> None:
+    """An output file's path checked before any work (UsageError, one sentence): not a folder nor anything but a
+    regular file, in a folder that exists and takes files. `example`: a file name the refusal suggests."""
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a folder: give a file name such as {path / example}.")
+    if path.exists() and not path.is_file():
+        raise UsageError(f"{option} {path} exists and is not a regular file.")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"Cannot write {option} {path}: folder {parent} does not exist.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"Cannot write {option} {path}: folder {parent} is not writable.")
+
+
 def refuse_existing(paths, overwrite: bool) -> None:
     """dmap's one overwrite policy (run, shard and plan): an existing output is replaced only with --overwrite,
     and only if it is something dmap could have written: a regular file, or a folder of weights or frames.

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dm_cli.errors import UsageError
-from dm_cli.io.atomic import refuse_existing
+from dm_cli.io.atomic import check_writable_file, refuse_existing
 from dm_cli.planning.profiles import TFLOPS_BOUNDS, DeviceProfile
 from dm_cli.units import format_figure, shorten
 
@@ -320,13 +320,7 @@ def check_profile_output(output: str, overwrite: bool) -> Path:
     """The profile's file (-o), checked before anything is measured: not a folder, in a folder that exists and
     takes files, an existing one replaced only with --overwrite (io/atomic.py's policy)."""
     path = Path(output).expanduser()
-    if path.is_dir():
-        raise UsageError(f"-o {output} is a folder: give a file name such as {path / 'profile.json'}.")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"Cannot write -o {output}: folder {parent} does not exist.")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"Cannot write -o {output}: folder {parent} is not writable.")
+    check_writable_file(path, "-o", "profile.json")
     refuse_existing([path], overwrite)
     return path
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from dm_cli.devices import device_of, execution_device_key, normalise_map, streams_blocks, torch_device
 from dm_cli.errors import CheckpointError, SourceError
 from dm_cli.io.checkpoint import open_checkpoint
-from dm_cli.model.formats.nf4 import load_saved_weight, quantize_weight, to_linear4bit, to_linear4bit_saved
+from dm_cli.model.formats.nf4 import load_saved_weight, quantize_weight, to_linear4bit
 from dm_cli.model.formats.prequantized import quantization_of
 from dm_cli.model.formats.weight_formats import CastingWeights, LoadedTensor, apply_fp8, quantize_int8, read_cast
 from dm_cli.model.models import build_model, component_class, is_transformers_model
@@ -304,8 +304,8 @@ def _saved_linear4bit(model, comp: ComponentSource, skeleton, torch_dtype) -> di
     quantized = {t.name for t in skeleton.tensors if t.quantized_bytes}
     config = comp.config["quantization_config"]
     compute = torch_dtype if torch_dtype is not None else getattr(torch, str(config.get("bnb_4bit_compute_dtype") or "float32"))
-    to_linear4bit_saved(model, {n.rpartition(".")[0] for n in quantized}, compute, fmt.removeprefix("bnb-"),
-                        bool(config.get("bnb_4bit_use_double_quant")))
+    to_linear4bit(model, {n.rpartition(".")[0] for n in quantized}, compute, fmt.removeprefix("bnb-"),
+                  bool(config.get("bnb_4bit_use_double_quant")))
     checkpoint = open_checkpoint(comp.weights, strict=True)
     return {name: [k for k in checkpoint.tensor_files if k.startswith(f"{name}.")] for name in quantized}
 

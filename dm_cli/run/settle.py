@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable
 from dm_cli.errors import UsageError
 from dm_cli.families import Job
 from dm_cli.inputs import InputSpec, check_count, check_counts
+from dm_cli.io.atomic import check_writable_file
 from dm_cli.io.images import check_image_output, image_paths
 from dm_cli.io.video import names_folder
 from dm_cli.model.formats.weight_formats import int8_offload_problem
@@ -165,7 +166,7 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
     if save_latents:
         targets.append((Path(save_latents), "--save-latents"))
     for path, option in targets:
-        _check_writable_file(path, option)
+        check_writable_file(path, option, "image.png")
     if save_latents and output and images.contains(save_latents):
         raise UsageError(f"--save-latents {save_latents} is also the --output file: give different names.")
     if device_map in Strategy.words():
@@ -179,18 +180,6 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
 
 def device_map_refusal(device_map: str) -> str:
     return f"--device-map must be {', '.join(Strategy.words())} or a plan JSON file, not '{device_map}'."
-
-
-def _check_writable_file(path: Path, option: str) -> None:
-    if path.is_dir():
-        raise UsageError(f"{option} {path} is a folder: give a file name such as {path / 'image.png'}.")
-    if path.exists() and not path.is_file():
-        raise UsageError(f"{option} {path} exists and is not a regular file.")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"Cannot write {option} {path}: folder {parent} does not exist.")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"Cannot write {option} {path}: folder {parent} is not writable.")
 
 
 # --- 4: the run ---------------------------------------------------------------------------------------------

@@ -97,9 +97,10 @@ def bitsandbytes():
     return bnb
 
 
-def to_linear4bit(model, layers: set[str], compute_dtype) -> None:
+def to_linear4bit(model, layers: set[str], compute_dtype, quant_type: str = "nf4", double_quant: bool = False) -> None:
     """Each named nn.Linear swapped for an empty `bnb.nn.Linear4bit`, built with the arguments diffusers' and
-    transformers' `replace_with_bnb_linear` pass (compute dtype, no double quantization, NF4, uint8 storage)."""
+    transformers' `replace_with_bnb_linear` pass (compute dtype, uint8 storage; NF4 without double quantization for
+    `--weights nf4`, a folder saved quantized its own quant type and double quantization)."""
     import torch  # lazy: torch (heavy, off start-up)
 
     bnb = bitsandbytes()
@@ -109,7 +110,7 @@ def to_linear4bit(model, layers: set[str], compute_dtype) -> None:
         old = parent.get_submodule(child)
         with torch.device("meta"):
             new = bnb.nn.Linear4bit(old.in_features, old.out_features, old.bias is not None, compute_dtype,
-                                    compress_statistics=False, quant_type="nf4", quant_storage=torch.uint8)
+                                    compress_statistics=double_quant, quant_type=quant_type, quant_storage=torch.uint8)
         new.source_cls = type(old)
         new.requires_grad_(False)
         parent._modules[child] = new
@@ -123,23 +124,6 @@ def quantize_weight(module, value, device) -> None:
     kwargs = dict(module.weight.__dict__)
     kwargs.pop("_is_hf_initialized", None)
     module._parameters["weight"] = bnb.nn.Params4bit(value.to("cpu"), requires_grad=False, **kwargs).to(device)
-
-
-def to_linear4bit_saved(model, layers: set[str], compute_dtype, quant_type: str, double_quant: bool) -> None:
-    """As `to_linear4bit`, for a folder saved quantized: its layers, its quant type (nf4 or fp4)."""
-    import torch  # lazy: torch (heavy, off start-up)
-
-    bnb = bitsandbytes()
-    for name in sorted(layers):
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = parent.get_submodule(child)
-        with torch.device("meta"):
-            new = bnb.nn.Linear4bit(old.in_features, old.out_features, old.bias is not None, compute_dtype,
-                                    compress_statistics=double_quant, quant_type=quant_type, quant_storage=torch.uint8)
-        new.requires_grad_(False)
-        parent._modules[child] = new
-    model.is_loaded_in_4bit = True
 
 
 def load_saved_weight(module, data, stats: dict, device) -> None:
