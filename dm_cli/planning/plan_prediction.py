@@ -13,7 +13,7 @@ from dm_cli.planning.components import trace_facts
 from dm_cli.planning.parallel import denoiser_shape, step_flops
 from dm_cli.planning.profiles import DEFAULT_PROFILE, DeviceProfile, cached_profile, read_profile
 from dm_cli.planning.step_time import CallWork, RankCompute, Traffic, call_terms, predict
-from dm_cli.units import shorten
+from dm_cli.units import DTYPE_BYTES, shorten
 
 MAX_QUEUE = 1_000_000
 NO_CPU_PROFILE = ("No predicted time: dmap has no profile of this CPU, and a GPU's figures say nothing of it; "
@@ -139,9 +139,14 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
 
 def cast_bytes(prep) -> float:
     """Bytes one call of `prep` moves to upcast its weights stored in fp8, int8, NF4 or GGUF: each layer's compute
-    copy written, then read by its matmul; for torchao's int8, the scale applied to each layer's output (read and
-    written) too."""
+    copy written, then read by its matmul (an NF4 layer on a single row reads its packed weight instead:
+    bitsandbytes' GEMV kernel); for torchao's int8, the scale applied to each layer's output (read and written) too."""
     layers = layer_compute_bytes(prep.skeleton.tensors, prep.weights, prep.dtype)
+    if prep.weights == "nf4":  # a layer run on one row (bitsandbytes' GEMV) reads the packed weight: no copy
+        rows = {t.name.rpartition(".")[0]: t.shape[0] for t in prep.skeleton.tensors if len(t.shape) == 2}
+        element = DTYPE_BYTES.get(prep.dtype, 2)
+        layers = {layer: nbytes for layer, nbytes in layers.items()
+                  if prep.facts.module_outputs.get(layer, 0) > rows.get(layer, 0) * element}
     moved = 2.0 * sum(layers.values())
     if prep.weights == "int8":
         moved += 2.0 * sum(prep.facts.module_outputs.get(layer, 0) for layer in layers)

@@ -120,3 +120,27 @@ def test_a_cpu_plan_without_a_profile_keeps_its_steps_for_the_run():
     data = json.loads(out)
     assert data["predicted_time"] == {"steps": 8}
     assert any(w.startswith("No predicted time: dmap has no profile of this CPU") for w in data["warnings"])
+
+
+def test_upcast_traffic_follows_each_formats_kernels():
+    """fp8 layerwise casting upcasts every layer each call; bitsandbytes' NF4 GEMV on a single row reads the packed
+    weight and writes no copy; torchao's int8 also scales each output."""
+    from types import SimpleNamespace
+
+    from dm_cli.model.skeleton import TensorInfo
+    from dm_cli.planning.plan_prediction import cast_bytes
+
+    tensors = [TensorInfo("mod.weight", (64, 32), "bfloat16", "param", low_precision=("fp8", "int8", "nf4")),
+               TensorInfo("mlp.weight", (64, 32), "bfloat16", "param", low_precision=("fp8", "int8", "nf4"))]
+    outputs = {"mod": 64 * 2, "mlp": 10 * 64 * 2}  # one row through `mod`, ten through `mlp`
+
+    def moved(fmt):
+        prep = SimpleNamespace(skeleton=SimpleNamespace(tensors=tensors), weights=fmt, dtype="bfloat16",
+                               facts=SimpleNamespace(module_outputs=outputs))
+        return cast_bytes(prep)
+
+    copy = 64 * 32 * 2  # a layer's bf16 copy, written and read again
+    assert moved("fp8") == 2 * 2 * copy
+    assert moved("nf4") == 2 * copy  # `mod` runs on one row: no copy
+    assert moved("int8") == 2 * 2 * copy + 2 * sum(outputs.values())
+    assert moved(None) == 0
