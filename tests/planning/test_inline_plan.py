@@ -145,7 +145,8 @@ def test_inline_plan_settles_what_plan_then_run_settles(family_name, setting, pi
 
     code, _, err = run_dmap(*run, *DEVICES, "--output", given[0])
     assert code == expected, err
-    code, _, err = run_dmap("plan", folder, *DEVICES, *args, "--output", tmp_path / "plan.json", "--quiet")
+    code, _, err = run_dmap("plan", folder, *DEVICES, *args, "--steps", "2", "--output", tmp_path / "plan.json",
+                            "--quiet")  # the run's steps: the plan records them for `run -d`
     assert code == 0, err
     code, _, err = run_dmap(*run, "--device-map", tmp_path / "plan.json", "--output", given[1])
     assert code == expected, err

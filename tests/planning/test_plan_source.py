@@ -181,4 +181,5 @@ def test_the_torchrun_hint_runs_as_printed(work, monkeypatch):
     proc = subprocess.run([torchrun, "--standalone", *words[1:], "--steps", "1", "-q"], cwd=work, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (work / "dmap.png").is_file()
+    output = words[words.index("-o") + 1] if "-o" in words else "dmap.png"  # the hint names it after the plan
+    assert (work / output).is_file(), hint

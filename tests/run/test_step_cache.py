@@ -143,8 +143,8 @@ def test_inline_plan_and_plan_file_agree_and_metadata_says_the_cache(tiny_flux, 
            "--width", "64"]
     code, _, err = run_dmap(*run, *DEVICES, "--cache", "fbc:threshold=0.2", "--output", tmp_path / "inline.png")
     assert code == 0, err
-    code, _, err = run_dmap("plan", tiny_flux, *DEVICES[:2], "--height", "64", "--width", "64", "--cache",
-                            "fbc:threshold=0.2", "--output", tmp_path / "plan.json", "--quiet")
+    code, _, err = run_dmap("plan", tiny_flux, *DEVICES[:2], "--height", "64", "--width", "64", "--steps", "6",
+                            "--cache", "fbc:threshold=0.2", "--output", tmp_path / "plan.json", "--quiet")
     assert code == 0, err
     code, _, err = run_dmap(*run, "--device-map", tmp_path / "plan.json", "--simulate", "--output",
                             tmp_path / "filed.png")
