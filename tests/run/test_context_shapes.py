@@ -24,14 +24,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PROMPT, SEED, STEPS = "a red fox in the snow", 7, 2
 # name -> (preset, height, width, ranks)
-CASES = {
-    "flux-32x32": ("tiny-flux", 32, 32, 2),
+CASES = {  # a non-square size and the largest on 2 ranks, and 3 ranks (CI's time: 32x32 and 96x64 were dropped)
     "flux-64x48": ("tiny-flux", 64, 48, 2),
     "flux-128x128": ("tiny-flux", 128, 128, 2),
-    # Ulysses 3 needs image tokens (the tiny pipeline's (h / 8) x (w / 8)) a multiple of 3: 48x32 has 24, 96x64 96
+    # Ulysses 3 needs image tokens (the tiny pipeline's (h / 8) x (w / 8)) a multiple of 3: 48x32 has 24
     # and its text tokens (--max-sequence-length) too
     "qwen-48x32": ("tiny-qwenimage", 48, 32, 3),
-    "qwen-96x64": ("tiny-qwenimage", 96, 64, 3),
 }
 MAX_LEVELS, MAX_SHARE = 1, 0.01  # the stated tolerance (docs/commands.md, "Exactness")
 
