@@ -499,7 +499,7 @@ def _merged_groups(sets) -> list[list[str]]:
 
 def _convolution_transient(func, args, out, torch) -> int:
     """cuDNN's workspace for a convolution op on a GPU (gpu_kernels.convolution_transient); 0 for other ops."""
-    if "convolution" not in str(getattr(func, "_overloadpacket", "")) or len(args) < 2:
+    if getattr(func, "_overloadpacket", None) is not torch.ops.aten.convolution or len(args) < 2:
         return 0
     data, weight = args[0], args[1]
     if not isinstance(data, torch.Tensor) or not isinstance(out, torch.Tensor):

@@ -7,11 +7,12 @@ its JSON not JSON), and a damaged calibrated profile is ignored with one line, n
 import json
 import math
 import os
-import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import run_dmap
+from test_hostile_env import within
 
 from dm_cli.errors import UsageError
 from dm_cli.planning.profiles import (
@@ -42,24 +43,6 @@ def _refused(*args) -> str:
     return err
 
 
-def _within(seconds: float, call):
-    """`call()`'s result, or a failure when it has not returned within `seconds` (a FIFO's open blocks forever)."""
-    box = {}
-
-    def target():
-        try:
-            box["result"] = call()
-        except BaseException as error:  # noqa: BLE001 - handed back to the test
-            box["error"] = error
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still reading after {seconds} s"
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
-
-
 def test_a_deeply_nested_profile_is_one_sentence(tmp_path):
     path = tmp_path / "deep.json"
     path.write_text(DEEP)
@@ -72,8 +55,8 @@ def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)
     with pytest.raises(UsageError, match="not a regular file"):
-        _within(10, lambda: read_profile(fifo))
-    code, _, err = _within(60, lambda: run_dmap("plan", TINY, "--profile", fifo))
+        within(lambda: read_profile(fifo), tmp_path, 10)
+    code, _, err = within(lambda: run_dmap("plan", TINY, "--profile", fifo), tmp_path, 60)
     assert code == 2 and "not a regular file" in err and len(err.strip().splitlines()) == 1, err
 
 
@@ -81,7 +64,7 @@ def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
 def test_dev_zero_is_refused_without_reading_it():
     started = time.monotonic()
     with pytest.raises(UsageError, match="not a regular file"):
-        _within(10, lambda: read_profile("/dev/zero"))
+        within(lambda: read_profile("/dev/zero"), Path("/nonexistent"), 10)
     assert time.monotonic() - started < 5
 
 
@@ -156,7 +139,7 @@ def test_a_damaged_calibrated_profile_is_ignored_with_one_line(cached, document)
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 def test_a_fifo_as_the_calibrated_profile_does_not_hang_a_plan(cached):
     os.mkfifo(cached)
-    code, out, err = _within(60, lambda: run_dmap("plan", TINY, "-m", "cpu=8GB", env=WIDE))
+    code, out, err = within(lambda: run_dmap("plan", TINY, "-m", "cpu=8GB", env=WIDE), cached.parent, 60)
     assert code == 0 and "not a regular file" in out, (out, err)
 
 

@@ -191,12 +191,3 @@ def test_bench_nf4_small_prints_the_three_tables():
     assert "flux transformer" in out and "0.28x" in out  # 6.70 GB of 23.80 GB
     assert "one 3072->12288 linear layer" in out and "dmap run, FLUX-architecture twin" in out
     assert out.count("nf4") >= 3
-
-
-def test_dequantize_work_hook_for_the_step_time_model():
-    from dm_cli.model.formats.nf4 import dequantize_work
-
-    work = dequantize_work(3072 * 12288, 2, 4096)
-    assert work["dequant_read"] == nf4_bytes(3072 * 12288) and work["dequant_written"] == 3072 * 12288 * 2
-    assert dequantize_work(3072 * 12288, 2, 1) == {"dequant_read": 0, "dequant_written": 0,
-                                                   "matmul_weight_read": nf4_bytes(3072 * 12288)}

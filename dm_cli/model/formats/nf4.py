@@ -39,19 +39,6 @@ def nf4_bytes(numel: int, double_quant: bool = False) -> int:
     return packed + blocks + NF4_CODE_BYTES + -(-blocks // NESTED_BLOCK) * 4 + NESTED_CODE_BYTES + NESTED_OFFSET_BYTES
 
 
-def dequantize_work(numel: int, compute_bytes: int, tokens: int) -> dict[str, int]:
-    """What one forward of an NF4 layer of `numel` weights does beyond its matmul, for the step-time model (a hook:
-    `planning/step_time.py` does not read it yet). bitsandbytes dequantizes the whole weight to the compute dtype
-    (`dequantize_4bit`: reads the packed weight and its absmax, writes `numel` values) and then runs the plain
-    matmul, which reads that copy again; for a single token (`tokens == 1`, a GEMV) its CUDA kernel reads the packed
-    weight directly and no copy exists. Returns bytes read and written by the dequantization and the extra bytes
-    the matmul reads (the copy instead of nothing: the plain-dtype weight read is what a bf16 layer reads too)."""
-    packed = nf4_bytes(numel)
-    if tokens == 1:
-        return {"dequant_read": 0, "dequant_written": 0, "matmul_weight_read": packed}
-    return {"dequant_read": packed, "dequant_written": numel * compute_bytes, "matmul_weight_read": numel * compute_bytes}
-
-
 # --- the rule on a built model (torch, no bitsandbytes) ------------------------------------------
 
 
