@@ -111,13 +111,13 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
     prep = next((p for p in prepared if p.spec.name == denoiser.name), None)
     if prep is None or not prep.facts.work:
         return {}
-    work_facts, text_tokens = run_work(prep, source, family, denoiser, inputs, options, request)
     placed = plan.components[denoiser.name]
     on_gpu = any(isinstance(device, int) or str(device).isdigit() for device in placed.device_map.values())
     profile, origin = chosen_profile(request, "gpu" if on_gpu else "cpu")
     if origin == "default" and not on_gpu:  # the default is a GPU's: it says nothing of this CPU
         plan.warnings.append(NO_CPU_PROFILE)
         return {"steps": request.steps or family.default_steps}  # no seconds; the steps `dmap run -d` runs
+    work_facts, text_tokens = run_work(prep, source, family, denoiser, inputs, options, request)  # may trace again
     element = 4 if plan.dtype == "float32" else 2
     shape = denoiser_shape(denoiser, source.pipeline_class, inputs, family, element)
     work = replace(CallWork.of(work_facts, placed.weights_bytes), cast_bytes=cast_bytes(prep))
