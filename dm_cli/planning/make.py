@@ -28,6 +28,7 @@ from dm_cli.planning.budgets import local_devices, parse_overhead
 from dm_cli.planning.components import PreparedComponent, prepare_component, trace_facts
 from dm_cli.planning.lora_sizing import lora_targets, lora_unfused_because
 from dm_cli.planning.modes import Layout, Mode, Strategy
+from dm_cli.planning.overlap import OVERLAPPED, choose_overlap, faster_line, room_wanted
 from dm_cli.planning.parallel_placement import denoiser_cut, parallel_layout, parallel_request
 from dm_cli.planning.plan_file import Plan, check_weights_only
 from dm_cli.planning.plan_options import PlanOptions, place_or_none
@@ -132,7 +133,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
                 tiled_decode=choice.tiled, kernels=kernel_report(prepared))
     if source.pipeline_class and family_for(source.pipeline_class) is None:
         plan.warnings.insert(0, unknown_family_warning(source.pipeline_class))
-    explain_offload(plan, prepared, stages, options)
+    offload_notes(plan, source, prepared, specs, stages, options)
     for name, fmt in plan.weights.items():
         problem = int8_offload_problem(name, fmt, plan.components[name].device_map)
         if problem:
@@ -154,6 +155,41 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     if options.check:
         plan.check = run_split_check(plan, prepared, source.pipeline_class, options)
     return plan
+
+
+def offload_notes(plan: Plan, source, prepared: list[PreparedComponent], specs, stages, options: PlanOptions) -> None:
+    """Whether each offloading component's copies overlap its compute (overlap.py: the prefetched block charged
+    before the split check and the prediction see the plan), then why anything is offloaded at all (advice.py)."""
+    choose_overlap(plan, specs)
+    overlap_with_room(plan, source, prepared, specs, stages, options)
+    explain_offload(plan, prepared, stages, options)
+
+
+def overlap_with_room(plan: Plan, source, prepared: list[PreparedComponent], specs, stages,
+                      options: PlanOptions) -> None:
+    """Where a prefetched block did not fit beside the running one: the placement that leaves it room (a block or so
+    more offloaded), its copies overlapped, replaces the plan's when the time model predicts it faster than the
+    fuller GPU copying each block in its turn. A step cache's room and a pipeline cut are left as they were."""
+    wanted = room_wanted(plan, specs)
+    if not wanted or options.cache is not None or any(p.spec.fixed_map is not None for p in prepared):
+        return
+    devices = [replace(d, capacity=d.capacity - wanted[d.name]) if d.name in wanted and d.capacity else d
+               for d in plan.devices]
+    placement = place_or_none(specs, stages, devices, options)
+    if placement is None:
+        return
+    trial = replace(plan, components=placement.components, stages=placement.stages, warnings=[])
+    choose_overlap(trial, specs)
+    overlapped = [n for n, c in trial.components.items() if c.offload.get("mode") == OVERLAPPED]
+    if not overlapped:
+        return
+    before = plan_prediction(plan, source, prepared, options, options.prediction).get("step_s")
+    after = plan_prediction(trial, source, prepared, options, options.prediction).get("step_s")
+    if not before or not after or after >= before:
+        return
+    more = trial.offloaded_bytes - plan.offloaded_bytes
+    plan.components, plan.stages = trial.components, trial.stages
+    plan.warnings += trial.warnings + [faster_line(overlapped, before, after, more)]
 
 
 def _prediction(plan: Plan, source, prepared: list[PreparedComponent], options: PlanOptions) -> dict:

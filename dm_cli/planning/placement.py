@@ -21,6 +21,9 @@ class ComponentPlacement:
     stage: str  # the first stage that runs it
     disk_bytes: int = 0
     stages: tuple[str, ...] = ()  # every stage that runs it, when more than `stage` (a VAE that encodes and decodes)
+    # how its streamed blocks reach the execution device (overlap.py): {"mode": "overlapped" | "synchronous",
+    # "reason", "prefetch_bytes", "pinned_bytes"}; empty when it streams none
+    offload: dict = field(default_factory=dict)
 
     @property
     def devices(self) -> list[int | str]:

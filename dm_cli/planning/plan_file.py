@@ -17,6 +17,7 @@ from dm_cli.io.checkpoint import read_json_object
 from dm_cli.io.strict_json import json_text
 from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, format_of, storage_dtype
 from dm_cli.planning.modes import Mode, Strategy
+from dm_cli.planning.overlap import MODES as OFFLOAD_MODES
 from dm_cli.planning.parallel_layout import ParallelLayout
 from dm_cli.planning.placement import ComponentPlacement, DeviceUse, StagePlacement
 from dm_cli.planning.search import Device
@@ -159,6 +160,7 @@ class Plan:
                     "activation_bytes": c.activation_by_device,
                     **({"tiled_decode": True, "untiled_activation_peak_bytes": self.tiled_decode[name]}
                        if name in self.tiled_decode else {}),
+                    **({"offload": c.offload} if c.offload else {}),
                 }
                 for name, c in self.components.items()
             },
@@ -232,6 +234,7 @@ class Plan:
                 _count(c.get("offloaded_bytes", 0), f"{where} offloaded_bytes"), _count(c.get("hops", 0), f"{where} hops"),
                 _text(c.get("stage", ""), f"{where} stage"), _count(c.get("disk_bytes", 0), f"{where} disk_bytes"),
                 _names(c.get("stages", []), f"{where} stages"),
+                _offload(c["offload"], f"{where} offload") if "offload" in c else {},
             )
         raw_stages = data.get("stages")
         if not isinstance(raw_stages, list) or not raw_stages:
@@ -307,6 +310,15 @@ def _predicted_time(value, depth: int = 0) -> dict:
         else:
             out[key] = entry
     return out
+
+
+def _offload(value, where: str) -> dict:
+    """A component's `offload` (planning/overlap.py): its mode among the two, a short reason, two byte counts."""
+    value = _object(value, where)
+    return {"mode": _choice(value.get("mode"), f"{where} mode", OFFLOAD_MODES),
+            "reason": _text(value.get("reason", ""), f"{where} reason")[:1000],
+            "prefetch_bytes": _count(value.get("prefetch_bytes", 0), f"{where} prefetch_bytes"),
+            "pinned_bytes": _count(value.get("pinned_bytes", 0), f"{where} pinned_bytes")}
 
 
 def _plan_loras(value, components: set) -> list[dict]:

@@ -3,6 +3,7 @@ placed plan, and the profile a plan predicts with (--profile, else this machine'
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from dm_cli.errors import UsageError
@@ -10,12 +11,14 @@ from dm_cli.families import family_parts
 from dm_cli.inputs import check_count
 from dm_cli.model.formats.weight_formats import layer_compute_bytes
 from dm_cli.planning.components import trace_facts
-from dm_cli.planning.parallel import denoiser_shape, step_flops
+from dm_cli.planning.overlap import OVERLAPPED
+from dm_cli.planning.parallel import PIPELINE_LISTS, denoiser_shape, step_flops
 from dm_cli.planning.profiles import DEFAULT_PROFILE, DeviceProfile, cached_profile, read_profile
 from dm_cli.planning.step_time import CallWork, RankCompute, Traffic, call_terms, predict
 from dm_cli.units import DTYPE_BYTES, shorten
 
 MAX_QUEUE = 1_000_000
+_BLOCK_ENTRY = re.compile(rf"(?:{'|'.join(PIPELINE_LISTS)})\.[0-9]+")  # a block of the lists (the trace's `outside`)
 NO_CPU_PROFILE = ("No predicted time: dmap has no profile of this CPU, and a GPU's figures say nothing of it; "
                   "dmap calibrate measures one (about 20 s), or pass --profile FILE.")
 
@@ -124,7 +127,7 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
     devices = set(map(str, placed.device_map.values()))
     hooked = len(prep.facts.execution_order or ()) if placed.offloaded_bytes else (
         len(placed.device_map) if len(devices) > 1 else 0)  # offloaded: every module holding weights; split: each key
-    traffic = Traffic(placed.offloaded_bytes, placed.hops, shape.hop_bytes, hooked)
+    traffic = Traffic(placed.offloaded_bytes, placed.hops, shape.hop_bytes, hooked, streams_of(prep, placed))
     steps = request.steps or family.default_steps
     layouts = dict(plan.parallel.predicted_step_s) if plan.parallel is not None else None
     calls = family.calls_at_run(inputs, options.negative_prompt, options.settings)
@@ -162,8 +165,24 @@ def stage_seconds(plan, prepared, profile: DeviceProfile, stage: str) -> float:
         if placed is None or not prep.facts.work or stage not in (placed.stage, *placed.stages):
             continue
         work = replace(CallWork.of(prep.facts.work, placed.weights_bytes), cast_bytes=cast_bytes(prep))
-        total += sum(call_terms(work, profile, plan.dtype, Traffic(placed.offloaded_bytes)).values())
+        traffic = Traffic(placed.offloaded_bytes, streams=streams_of(prep, placed))
+        total += sum(call_terms(work, profile, plan.dtype, traffic).values())
     return total
+
+
+def streams_of(prep, placed) -> tuple:
+    """Step_time.py's `Traffic.streams` for a component whose offload the plan overlaps (overlap.py): each block in
+    execution order as (bytes streamed to the execution device each call, prefetched: a cpu block, in a block list);
+    () for a synchronous one, whose offloaded bytes count in full."""
+    if placed.offload.get("mode") != OVERLAPPED:
+        return ()
+    out = []
+    for block in prep.spec.blocks:
+        where = str(placed.device_map.get(block.name, placed.device_map.get("")))
+        streamed = where in ("cpu", "disk") and where != str(placed.execution_device)
+        out.append((block.bytes if streamed else 0, streamed and where == "cpu",
+                    _BLOCK_ENTRY.fullmatch(block.name) is not None))
+    return tuple(out)
 
 
 def run_work(prep, source, family, denoiser, inputs, options, request: PredictionRequest) -> tuple[dict, int | None]:

@@ -80,11 +80,26 @@ class Traffic:
     hops: int = 0
     hop_bytes: int = 0
     hooked_modules: int = 0  # modules accelerate wraps in a hook (a split or offloaded denoiser's)
+    # the component's blocks in execution order, each (bytes streamed in for it each call, whether that copy is
+    # prefetched on a second stream: overlapped offload, whether it is a block of the lists a pipeline cuts): with an
+    # overlapped one, the offload term is the transfer its compute does not hide (`unhidden_seconds`)
+    streams: tuple = ()
 
 
 def call_terms(work: CallWork, profile: DeviceProfile, dtype: str, traffic: Traffic) -> dict[str, float]:
-    """The seconds of one denoiser call, term by term (see the module's doc). On a GPU the host launches each op
-    while the device runs earlier ones: the ops' host seconds count only where they exceed the device's work."""
+    """The seconds of one denoiser call, term by term (see the module's doc): its compute, then what the plan moves."""
+    compute = compute_terms(work, profile, dtype)
+    return {
+        **compute,
+        "offload": offload_seconds(work, compute, profile, dtype, traffic),
+        "hops": traffic.hops * traffic.hop_bytes / (profile.link_gbps * 1e9),
+        "hooks": traffic.hooked_modules * profile.hook_seconds,
+    }
+
+
+def compute_terms(work: CallWork, profile: DeviceProfile, dtype: str) -> dict[str, float]:
+    """The compute of one call, term by term. On a GPU the host launches each op while the device runs earlier ones:
+    the ops' host seconds count only where they exceed the device's work."""
     dense_flops, dense_ops = work.matmul_flops - work.conv_flops, work.matmul_ops - work.conv_ops
     matmul = profile.rate_at("matmul", dtype, dense_flops / max(1, dense_ops))
     conv = profile.rate_at("conv", dtype, work.conv_flops / max(1, work.conv_ops))
@@ -109,13 +124,47 @@ def call_terms(work: CallWork, profile: DeviceProfile, dtype: str, traffic: Traf
     if profile.kind == "gpu":  # each kernel holds the GPU a moment however little it does
         device["launch"] = work.ops * KERNEL_SECONDS
     host = work.ops * profile.op_seconds
-    return {
-        **device,
-        "ops": max(0.0, host - sum(device.values())) if profile.kind == "gpu" else host,
-        "offload": traffic.offloaded_bytes / (profile.host_gbps * 1e9),
-        "hops": traffic.hops * traffic.hop_bytes / (profile.link_gbps * 1e9),
-        "hooks": traffic.hooked_modules * profile.hook_seconds,
-    }
+    return {**device, "ops": max(0.0, host - sum(device.values())) if profile.kind == "gpu" else host}
+
+
+def offload_seconds(work: CallWork, compute: dict[str, float], profile: DeviceProfile, dtype: str,
+                    traffic: Traffic) -> float:
+    """What streaming the offloaded blocks adds to a call: every byte at the host rate when each block is copied in
+    its turn (synchronous); with overlapped blocks, only the transfer the compute before each does not hide. The
+    call's compute (`compute`) divides evenly over the blocks of the lists, the work outside them (the trace's
+    `outside_*`: embedders, output layers) over the other blocks."""
+    rate = profile.host_gbps * 1e9
+    if not any(overlapped for _, overlapped, _ in traffic.streams):
+        return traffic.offloaded_bytes / rate
+    total = sum(compute.values())
+    outside = replace(work, matmul_flops=work.outside_flops, other_bytes=work.outside_bytes, ops=work.outside_ops,
+                      attention_flops=0.0, attention_scores=0.0, attention_rows=0.0, conv_flops=0.0, conv_ops=0,
+                      matmul_ops=0, attention_ops=0, weight_bytes=0, cast_bytes=0.0, matmul_sizes=(), conv_sizes=())
+    outside_s = min(total, sum(compute_terms(outside, profile, dtype).values()))
+    listed = sum(1 for _, _, in_list in traffic.streams if in_list)
+    others = len(traffic.streams) - listed
+    per_block = (total - outside_s) / listed if listed else 0.0
+    per_other = (outside_s if listed else total) / others if others else 0.0
+    return unhidden_seconds(tuple((nbytes / rate, overlapped, per_block if in_list else per_other)
+                                  for nbytes, overlapped, in_list in traffic.streams))
+
+
+def unhidden_seconds(blocks: tuple) -> float:
+    """Seconds the transfers add to the compute of `blocks` ((transfer s, overlapped, compute s) in execution order),
+    as dmap runs them (run/prefetch.py): a synchronous block waits for its whole copy on the compute stream; an
+    overlapped block's copy runs on a second stream, issued as the overlapped block before it starts computing (the
+    first: as the call starts) and after that block's copy, and holds its block back only until it arrives. Uniform
+    blocks cost max(compute, transfer) each, not their sum."""
+    clock = copy_clock = issued = 0.0
+    for transfer, overlapped, seconds in blocks:
+        if overlapped:
+            copy_clock = max(copy_clock, issued) + transfer
+            start = max(clock, copy_clock)
+            issued = start
+        else:
+            start = clock + transfer
+        clock = start + seconds
+    return max(0.0, clock - sum(seconds for _, _, seconds in blocks))
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,6 +225,10 @@ def predict(work: CallWork, traffic: Traffic, profile: DeviceProfile, dtype: str
     result = {"profile": profile.name, "profile_origin": origin, "profile_source": profile.source, "dtype": dtype,
               "steps": steps, "calls_per_step": calls, "images_per_call": images_per_call, "queue": queue,
               **times(step), "step_terms_s": {k: _round(calls * v) for k, v in terms.items()}}
+    if any(overlapped for _, overlapped, _ in traffic.streams):  # what the same plan would take copying in turn
+        synchronous = calls * sum(call_terms(work, profile, dtype, replace(traffic, streams=())).values())
+        result["offload_overlap"] = {"synchronous_step_s": _round(synchronous),
+                                     "transfer_s": _round(calls * traffic.offloaded_bytes / (profile.host_gbps * 1e9))}
     if encode_s or decode_s:
         result.update(encode_s=_round(encode_s), decode_s=_round(decode_s),
                       pipeline_s=_round(encode_s + steps * step + decode_s))

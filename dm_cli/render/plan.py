@@ -326,6 +326,11 @@ def _print_predicted_time(out, predicted: dict, plan=None, run: bool = False) ->
         out.print(f"Predicted denoise time for {what}: {_seconds(predicted['step_s'])} per step"
                   + (f" ({shown})" if shown else "") + f", {_seconds(predicted['image_s'])} per image{at}"
                   + (f", {for_queue}" if for_queue else "") + ".")
+    overlap = predicted.get("offload_overlap") or {}
+    if overlap.get("synchronous_step_s"):
+        out.print(f"Offload overlapped with compute: {_seconds(overlap.get('transfer_s', 0))} of copies per step, "
+                  f"{_seconds(predicted['step_s'])} per step against {_seconds(overlap['synchronous_step_s'])} "
+                  "copying each block in its turn.")
     if predicted.get("pipeline_s") and not layouts:
         out.print(f"The whole pipeline call (encode, {steps} steps, decode): {_seconds(predicted['pipeline_s'])}.")
     origin = {"default": "no profile of these GPUs (--profile table:NAME predicts with a GPU's published figures; "
@@ -382,8 +387,13 @@ def _offload_sentence(name: str, comp, size) -> str:
     on_cpu = comp.offloaded_bytes - on_disk
     where = (f"cpu ({size(on_cpu)}) and disk ({size(on_disk)})" if on_cpu and on_disk
              else "disk" if on_disk else "cpu")
+    offload = getattr(comp, "offload", None) or {}
+    if offload.get("mode") == "overlapped":
+        return (f"Offloaded: {size(comp.offloaded_bytes)} of {name}'s weights stay on {where}; overlapped: "
+                f"{offload['reason']}, then each block is dropped.")
+    why = f" Synchronous: {offload['reason']}." if offload.get("reason") else ""
     return (f"Offloaded: {size(comp.offloaded_bytes)} of {name}'s weights stay on {where}; each block is copied to "
-            f"{target} when it runs, then dropped (slower than weights kept on a GPU).")
+            f"{target} when it runs, then dropped (slower than weights kept on a GPU).{why}")
 
 
 def _runs(collapsed: dict, device_map: dict) -> list[tuple[str, int, object]]:
