@@ -28,6 +28,7 @@ from dm_cli.model.models import build_model, component_class, is_transformers_mo
 from dm_cli.model.single_file_weights import GGUF
 from dm_cli.model.skeleton import as_loaded, build_on_meta
 from dm_cli.model.tokenizers import torchvision_free_processor
+from dm_cli.run.prefetch import attach_prefetch, prefetched_weights
 
 if TYPE_CHECKING:  # annotations only
     from dm_cli.model.sources import ComponentSource
@@ -38,8 +39,10 @@ def execution_device(device_map: dict, simulate: bool):
     return torch_device(execution_device_key(device_map), simulate)
 
 
-def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, simulate: bool, weights: str | None = None):
-    """One component on its planned devices. Under simulate every virtual device is the CPU.
+def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, simulate: bool, weights: str | None = None,
+                   overlap: bool = False):
+    """One component on its planned devices. Under simulate every virtual device is the CPU. `overlap` (the plan's
+    overlapped offload): its cpu blocks are prefetched one block ahead of their turn (`dm_cli.run.prefetch`).
 
     `weights` (fp8, int8, nf4) stores the tensors `weight_formats` names in low precision: such a
     component is always loaded tensor by tensor (`_load_streamed`), each tensor cast on its way to
@@ -53,15 +56,15 @@ def load_component(comp: ComponentSource, device_map: dict, dtype: str | None, s
     try:
         saved = quantization_of(comp.config)  # a folder saved quantized: loaded as it is, never re-quantized
         if comp.single_file is not None:
-            model = _from_single_file(comp, {"": "cpu"} if cpu_only else device_map, torch_dtype)
+            model = _from_single_file(comp, {"": "cpu"} if cpu_only else device_map, torch_dtype, overlap)
         elif saved is not None and is_transformers_model(component_class(comp.library, comp.cls)):
             model = _from_pretrained(comp, {"": "cpu"} if cpu_only else device_map, torch_dtype)  # transformers' own
         elif weights is not None or saved is not None:
-            model = _load_streamed(comp, device_map, torch_dtype, weights, resident=cpu_only)
+            model = _load_streamed(comp, device_map, torch_dtype, weights, resident=cpu_only, overlap=overlap)
         elif cpu_only:
             model = _from_pretrained(comp, {"": "cpu"}, torch_dtype)
         elif streams_blocks(device_map):
-            model = _load_streamed(comp, device_map, torch_dtype)
+            model = _load_streamed(comp, device_map, torch_dtype, overlap=overlap)
         else:
             model = _from_pretrained(comp, device_map, torch_dtype)
             if len(set(device_map.values())) == 1:
@@ -92,7 +95,7 @@ def _from_pretrained(comp: ComponentSource, device_map, torch_dtype):
     return cls.from_pretrained(comp.folder, dtype=torch_dtype if torch_dtype is not None else "auto", device_map=device_map)
 
 
-def _from_single_file(comp: ComponentSource, device_map: dict, torch_dtype):
+def _from_single_file(comp: ComponentSource, device_map: dict, torch_dtype, overlap: bool = False):
     """`from_single_file` with the pipeline's own config for the component, offline: diffusers renames the original
     layout; a GGUF file stays quantized (`GGUFQuantizationConfig`, dequantized per layer at the run dtype)."""
     import torch  # lazy: torch (heavy, off start-up)
@@ -110,30 +113,35 @@ def _from_single_file(comp: ComponentSource, device_map: dict, torch_dtype):
                                  torch_dtype=torch_dtype, local_files_only=True, **kwargs)
     if set(normalise_map(device_map).values()) == {"cpu"}:
         return model
-    return dispatch_loaded(model, device_map)
+    return dispatch_loaded(model, device_map, overlap)
 
 
-def dispatch_loaded(model, device_map: dict):
+def dispatch_loaded(model, device_map: dict, overlap: bool = False):
     """A component loaded whole on the cpu put where the plan says (diffusers' `from_single_file` takes a device_map
     but loads everything on one device): blocks mapped to a GPU moved there, blocks mapped to the cpu kept in RAM
     and streamed to the execution device for each forward (`_dispatch`)."""
     _hookable_parameters(model)
     device_map = normalise_map(device_map)
     kept = {name: tensor for name, tensor in model.state_dict().items() if device_of(name, device_map, "cpu") == "cpu"}
-    return _dispatch(model, device_map, kept)
+    return _dispatch(model, device_map, kept, overlap)
 
 
-def _dispatch(model, device_map: dict, streamed_weights):
+def _dispatch(model, device_map: dict, streamed_weights, overlap: bool = False):
     """accelerate's dispatch_model for a plan's map: blocks on a GPU moved there, blocks on cpu or disk streamed to
     the execution device for each forward from `streamed_weights` (name -> tensor), which accelerate reads as its
-    offload state dict (no .dat files are written)."""
+    offload state dict (no .dat files are written). `overlap`: the cpu blocks' read through `PrefetchedWeights`,
+    each fetched while the block before it computes."""
     from accelerate import dispatch_model  # lazy: accelerate (heavy, off start-up)
 
     main = execution_device(device_map, False)
     dispatch_map = {key: ("disk" if device in ("cpu", "disk") else device) for key, device in device_map.items()}
+    prefetched = prefetched_weights(model, device_map, streamed_weights, main) if overlap else None
     model = dispatch_model(model, dispatch_map, main_device=main.index if main.type == "cuda" else main.type,
-                           state_dict=streamed_weights, offload_index={}, offload_buffers=False, force_hooks=True)
+                           state_dict=prefetched if prefetched is not None else streamed_weights, offload_index={},
+                           offload_buffers=False, force_hooks=True)
     model.hf_device_map = dict(device_map)
+    if prefetched is not None:
+        attach_prefetch(model, prefetched)
     return model
 
 
@@ -196,7 +204,7 @@ def load_slice(comp: ComponentSource, device: str, dtype: str | None, skip: froz
 
 
 def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights: str | None = None, resident: bool = False,
-                   place: str = "cpu", keep=None):
+                   place: str = "cpu", keep=None, overlap: bool = False):
     """Build empty, put each tensor on its device, and stream cpu/disk blocks from the ORIGINAL safetensors.
 
     accelerate's own disk offload re-saves every tensor as .dat; here offloaded blocks are read from
@@ -274,7 +282,7 @@ def _load_streamed(comp: ComponentSource, device_map: dict, torch_dtype, weights
         apply_fp8(model, torch_dtype)
     if resident:
         return model
-    return _dispatch(model, device_map, CastingWeights(streamed))
+    return _dispatch(model, device_map, CastingWeights(streamed), overlap)
 
 
 def _linear4bit(model, skeleton, weights: str | None, torch_dtype) -> set[str]:
@@ -346,6 +354,9 @@ def free_components(models: list) -> None:
 
     while models:
         model = models.pop()
+        prefetch = model.__dict__.pop("_dmap_prefetch", None)
+        if prefetch is not None:  # its pinned host copies go now, whatever still holds the model
+            prefetch.close()
         try:
             remove_hook_from_module(model, recurse=True)
         except Exception:  # noqa: BLE001 - a model without hooks

@@ -107,6 +107,10 @@ class StageLoop(JobLoop, BatchLoop, StageRunners):
     def device_map(self, name: str) -> dict:
         return self.plan.components[name].device_map
 
+    def overlaps(self, name: str) -> bool:
+        """Whether the plan overlaps component `name`'s offload (planning/overlap.py; run/prefetch.py runs it)."""
+        return self.plan.components[name].offload.get("mode") == "overlapped"
+
     def load_stage(self, names: list[str], stage: StageResult | None = None) -> None:
         """Load `names` straight to their planned devices, put the registered hooks on each (`self.hooks`), and
         put them into the pipeline."""
@@ -118,7 +122,7 @@ class StageLoop(JobLoop, BatchLoop, StageRunners):
                 where = ", ".join(sorted({str(d) for d in cmap.values()}))
                 self.status(f"Loading {name} ({where})…")
                 model = load_component(self.components[name], cmap, self.plan.dtype, self.simulate,
-                                       self.plan.weights.get(name))
+                                       self.plan.weights.get(name), self.overlaps(name))
                 self.hooks.apply(name, model)
                 self.loaded[name] = model
                 if self._pipe is not None:

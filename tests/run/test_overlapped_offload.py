@@ -1,0 +1,86 @@
+"""Overlapped offload at run time (issue 55, item 2; run/prefetch.py): a component whose cpu blocks are fetched one
+block ahead of their turn gives the synchronous path's pixels. On this CPU the execution device is the cpu, so the
+prefetch path runs with its copies made at once on the one stream: the same hooks, the same order, the same values."""
+
+import json
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from conftest import run_dmap
+
+SIZE = 64
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The demo pipeline (FLUX.1's classes at laptop size; generated once per session), its transformer's component
+    source and the pipeline object, loaded once: each case swaps its own transformer in."""
+    from dm_cli.model.demo import ensure_demo
+    from dm_cli.model.sources import resolve_source
+
+    folder = ensure_demo()
+    pipe = diffusers.FluxPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return folder, resolve_source(str(folder)).component("transformer"), pipe
+
+
+def _streamed_map(folder) -> dict:
+    """The plan's transformer map (its blocks in execution order) with every block on the cpu: on a machine without
+    a GPU the cpu is the execution device, and accelerate's hooks stream each block to it in its turn, as they stream
+    cpu blocks to a GPU."""
+    code, out, err = run_dmap("plan", folder, "--max-memory", "0=40MB,cpu=8GB", "--overhead", "0=0", "--height", SIZE,
+                              "--width", SIZE, "--json")
+    assert code == 0, err
+    device_map = json.loads(out)["components"]["transformer"]["device_map"]
+    assert len(device_map) > 2, device_map  # a split: each block its own entry
+    return {key: "cpu" for key in device_map}
+
+
+def _image(pipe, transformer) -> np.ndarray:
+    pipe.transformer = transformer
+    return pipe("a fox", height=SIZE, width=SIZE, num_inference_steps=1, guidance_scale=3.5, output_type="np",
+                max_sequence_length=64, generator=torch.Generator().manual_seed(3)).images[0]
+
+
+def test_overlapped_offload_gives_the_synchronous_pixels(demo):
+    from dm_cli.run.loading import _load_streamed, free_components
+
+    folder, comp, pipe = demo
+    device_map = _streamed_map(folder)
+    synchronous = _load_streamed(comp, device_map, torch.float32)
+    overlapped = _load_streamed(comp, device_map, torch.float32, overlap=True)
+    prefetch = overlapped._dmap_prefetch
+    assert not hasattr(synchronous, "_dmap_prefetch")
+    modules = dict(overlapped.named_modules())
+    assert prefetch.order == [key for key in device_map if key in modules]  # each cpu block, in execution order
+    resident = pipe.transformer  # loaded whole by diffusers
+    expected = _image(pipe, resident)
+    assert np.array_equal(_image(pipe, synchronous), expected)
+    assert np.array_equal(_image(pipe, overlapped), expected)
+    pipe.transformer = resident
+    # every block of each call arrived from a copy started ahead of its turn: 1 step, 1 call
+    # (guidance-distilled), the first block's copy started by the component's own pre-hook
+    assert prefetch.prefetched == len(prefetch.order)
+    weight = next(overlapped.parameters())
+    assert weight.device.type == "meta"  # between calls the weights are dropped, as in the synchronous path
+    free_components([overlapped])
+    assert prefetch._host == {} and prefetch._ready == {}  # its host copies let go with the component
+
+
+def test_only_cpu_blocks_are_prefetched_disk_ones_stay_in_turn(demo):
+    """Blocks on disk are read from the checkpoint on each use (no pinned copy): the mapping serves them from its
+    base, in their turn, and prefetches the cpu ones around them."""
+    from dm_cli.run.loading import _load_streamed
+
+    folder, comp, pipe = demo
+    resident = pipe.transformer
+    expected = _image(pipe, resident)
+    device_map = _streamed_map(folder)
+    device_map["transformer_blocks.0"] = "disk"
+    model = _load_streamed(comp, device_map, torch.float32, overlap=True)
+    order = model._dmap_prefetch.order
+    assert "transformer_blocks.0" not in order and "single_transformer_blocks.0" in order
+    assert np.array_equal(_image(pipe, model), expected)
+    pipe.transformer = resident
