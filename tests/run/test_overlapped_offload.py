@@ -35,7 +35,7 @@ def _streamed_map(folder) -> dict:
     assert code == 0, err
     device_map = json.loads(out)["components"]["transformer"]["device_map"]
     assert len(device_map) > 2, device_map  # a split: each block its own entry
-    return {key: "cpu" for key in device_map}
+    return dict.fromkeys(device_map, "cpu")
 
 
 def _image(pipe, transformer) -> np.ndarray:
