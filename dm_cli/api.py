@@ -32,6 +32,7 @@ from dm_cli.planning.parallel import ParallelRequest
 from dm_cli.planning.plan_options import PlanOptions
 from dm_cli.planning.plan_prediction import PredictionRequest
 from dm_cli.planning.step_cache import parse_cache
+from dm_cli.run.compile import parse_compile
 from dm_cli.run.loading import execution_device
 from dm_cli.run.options import refuse_untaken
 from dm_cli.run.request import RunRequest, input_images, last_input_image
@@ -54,7 +55,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          device_tflops: float | None = None, link_gbps: float | None = None, pipeline: str | None = None,
          component_files: dict | None = None, lora=None, cache=None, in_flight: int | None = None,
          profile: str | None = None, steps: int | None = None, queue: int = 1, prompt: str | None = None,
-         **settings) -> Plan:
+         compile: str | None = None, **settings) -> Plan:
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -80,7 +81,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     matching component they do not name). `lora`: LoRA adapters, one or a list of "[COMPONENT=]FILE[:SCALE]"
     strings (as `--lora`): their bytes are counted beside the layers they patch. `cache`: a step cache on the denoiser,
     "NAME[:KEY=VALUE,...]" as `--cache` takes it (fbc, taylorseer, magcache): what its hooks hold is counted on the
-    devices of the blocks that hold it (`Plan.step_cache`).
+    devices of the blocks that hold it (`Plan.step_cache`). `compile` (as `--compile`; None: none): the predicted step
+    as a run that compiles its denoiser takes it (elementwise ops fused between matmuls), or eager's and why.
     """
     refuse_untaken("api.plan", settings)  # an option of dmap run's (seed=, ...): refused with its reason
 
@@ -101,7 +103,8 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
                                                                               in_flight),
                              pipeline=pipeline, component_files=tuple(parse_component_files(component_files).items()),
                              loras=read_loras(lora, "lora"),
-                             prediction=PredictionRequest(profile, pick(steps, "steps"), queue, prompt))
+                             prediction=PredictionRequest(profile, pick(steps, "steps"), queue, prompt,
+                                                          parse_compile(compile).value))
     return make_named_plan(root, spec, options)
 
 

@@ -23,7 +23,7 @@ def plan(
     source, max_memory, strategy, mode, height, width, batch_size, num_images, guidance_scale, negative_prompt,
     image, last_image, last_image_size, image_size, max_sequence_length, frames, fps, dtype, weights, overhead,
     component, output, overwrite, as_json, quiet, no_check, binary, no_cache, world_size, parallel, device_tflops,
-    link_gbps, profile, steps, queue, prompt, in_flight, pipeline, component_file, lora, cache,
+    link_gbps, profile, steps, queue, prompt, in_flight, pipeline, component_file, lora, cache, compile,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     if output:
@@ -39,7 +39,7 @@ def plan(
                            on_progress=progress, world_size=world_size, parallel=parallel,
                            device_tflops=device_tflops, link_gbps=link_gbps, in_flight=in_flight, pipeline=pipeline,
                            component_files=component_file, lora=lora, cache=cache, profile=profile, steps=steps,
-                           queue=queue, prompt=prompt, **(settings or {}))
+                           queue=queue, prompt=prompt, compile=compile, **(settings or {}))
     if output:
         write_plan(result, output)
     return _show(result, output, as_json, quiet, binary)

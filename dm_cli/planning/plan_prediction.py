@@ -14,7 +14,7 @@ from dm_cli.planning.components import trace_facts
 from dm_cli.planning.overlap import OVERLAPPED
 from dm_cli.planning.parallel import PIPELINE_LISTS, denoiser_shape, step_flops
 from dm_cli.planning.profiles import DEFAULT_PROFILE, DeviceProfile, cached_profile, read_profile
-from dm_cli.planning.step_time import CallWork, RankCompute, Traffic, call_terms, predict
+from dm_cli.planning.step_time import CallWork, RankCompute, Traffic, call_terms, compiled, predict
 from dm_cli.units import DTYPE_BYTES, shorten
 
 MAX_QUEUE = 1_000_000
@@ -31,6 +31,7 @@ class PredictionRequest:
     steps: int | None = None  # None: the family's (or the demo's) default
     queue: int = 1
     prompt: str | None = None  # the prompt: pipelines that drop the text's padding run its own length
+    compile: str = "none"  # --compile as the run asks it (none, regional, auto, full): the step as it compiles
 
     def __post_init__(self) -> None:
         """--steps and --queue checked, one sentence each."""
@@ -124,6 +125,8 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
     element = 4 if plan.dtype == "float32" else 2
     shape = denoiser_shape(denoiser, source.pipeline_class, inputs, family, element)
     work = replace(CallWork.of(work_facts, placed.weights_bytes), cast_bytes=cast_bytes(prep))
+    compiles, eager = compile_mode(plan, denoiser.name, request.compile, options)
+    work = compiled(work, compiles) if compiles != "none" else work
     devices = set(map(str, placed.device_map.values()))
     hooked = len(prep.facts.execution_order or ()) if placed.offloaded_bytes else (
         len(placed.device_map) if len(devices) > 1 else 0)  # offloaded: every module holding weights; split: each key
@@ -137,7 +140,33 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
                      encoders, stage_seconds(plan, prepared, profile, "decode"))
     if text_tokens is not None:
         result["text_tokens"] = text_tokens
+    if request.compile not in ("none", ""):
+        result.update(compile=compiles, **({"compile_eager_because": eager} if eager else {}))
     return result
+
+
+# weight formats whose layers run Python at each call, which a run compiles eager (run/compile.py PYTHON_WEIGHTS)
+EAGER_WEIGHTS = ("fp8", "nf4", "gguf")
+
+
+def compile_mode(plan, name: str, asked: str, options) -> tuple[str, str | None]:
+    """(what a run asking `--compile asked` compiles of denoiser `name`: "none", "regional" or "full"; why it runs
+    eager instead), by the rules run/compile.py's `eager_reason` applies to this plan."""
+    if asked in ("none", ""):
+        return "none", None
+    placed = plan.components[name]
+    where = {str(device) for device in placed.device_map.values()}
+    if "disk" in where or ("cpu" in where and len(where) > 1):
+        reason = "its blocks stream from cpu or disk through accelerate's hooks, which move weights in Python each call"
+    elif plan.weights.get(name) in EAGER_WEIGHTS:
+        reason = f"its {plan.weights[name]} weights run Python at each call"
+    elif any(lora.get("component") == name and not lora.get("fused") for lora in plan.loras):
+        reason = "its LoRAs stay unfused"
+    elif options.cache is not None:
+        reason = "the step cache decides in Python at each call which blocks run"
+    else:
+        return ("full" if asked == "full" else "regional"), None
+    return "none", reason
 
 
 def cast_bytes(prep) -> float:

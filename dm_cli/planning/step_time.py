@@ -60,6 +60,12 @@ class CallWork:
     # convolutions apart (the trace's `matmul_flops_at_2^N` and `conv_flops_at_2^N`)
     matmul_sizes: tuple = ()
     conv_sizes: tuple = ()
+    # the elementwise ops as a compiler fuses them (trace_session.py `count_fused`): the runs between matmuls as one
+    # kernel each, the bytes they read and write once; the part outside the block lists apart
+    fused_bytes: float = 0.0
+    fused_kernels: int = 0
+    outside_fused_bytes: float = 0.0
+    outside_fused_kernels: int = 0
 
     @classmethod
     def of(cls, work: dict, weight_bytes: int) -> "CallWork":
@@ -69,7 +75,27 @@ class CallWork:
                    float(work.get("attention_scores", 0)), float(work.get("attention_rows", 0)),
                    float(work.get("conv_flops", 0)), int(work.get("conv_ops", 0)), int(work.get("outside_ops", 0)),
                    float(work.get("outside_flops", 0)), float(work.get("outside_bytes", 0)),
-                   float(work.get("cast_bytes", 0)), _sizes(work, "matmul"), _sizes(work, "conv"))
+                   float(work.get("cast_bytes", 0)), _sizes(work, "matmul"), _sizes(work, "conv"),
+                   float(work.get("fused_bytes", 0)), int(work.get("fused_kernels", 0)),
+                   float(work.get("outside_fused_bytes", 0)), int(work.get("outside_fused_kernels", 0)))
+
+
+def compiled(work: CallWork, mode: str) -> CallWork:
+    """One call as `--compile` runs it: each run of elementwise ops between two matmuls (or attentions) one kernel
+    that reads and writes its tensors once (the trace's `fused_*`), where eager runs every op as its own kernel and
+    writes every intermediate; matmuls, convolutions and attention as eager runs them. "regional" compiles the
+    repeated blocks (the block lists) and leaves the modules outside them eager; a model without block lists dmap
+    knows compiles whole, as "full" (diffusers compiles the whole model where it declares no repeated blocks). A
+    trace without the fused counts (none of its ops elementwise) is eager's."""
+    if not work.fused_kernels:
+        return work
+    heavy = work.matmul_ops + work.attention_ops
+    if mode == "full" or work.outside_ops >= work.ops:
+        return replace(work, other_bytes=work.fused_bytes, ops=heavy + work.fused_kernels,
+                       outside_bytes=work.outside_fused_bytes, outside_ops=work.outside_fused_kernels)
+    blocks_bytes = work.fused_bytes - work.outside_fused_bytes
+    blocks_kernels = work.fused_kernels - work.outside_fused_kernels
+    return replace(work, other_bytes=blocks_bytes + work.outside_bytes, ops=heavy + blocks_kernels + work.outside_ops)
 
 
 @dataclass(frozen=True)

@@ -240,6 +240,8 @@ class _OpAccounting:
 
             self._flop_formulas = flop_registry
         if getattr(func, "is_view", False):
+            if any(id(t) in self.fused_made for t in inputs):  # a view of a run's tensor: the run's still
+                self.fused_made.update(id(t) for t in _iter_tensors(out, self.torch))
             return
         work = self.work
         work["ops"] += 1
@@ -258,12 +260,39 @@ class _OpAccounting:
                 if flops > 0:  # by size (powers of two): a GPU's rate depends on each op's size, not their mean
                     key = f"{'conv' if conv else 'matmul'}_flops_at_2^{flops.bit_length() - 1}"
                     work[key] = work.get(key, 0) + flops
+                self.fused_made, self.fused_read = set(), set()  # a matmul ends the run of elementwise ops
                 return
             except Exception:  # noqa: BLE001 - a formula that does not take this call: counted as bytes
                 pass
         moved = sum(t.numel() * t.element_size() for t in (*inputs, *_iter_tensors(out, self.torch)))
         work["other_bytes"] += moved
         work["outside_bytes"] += moved if outside else 0
+        self.count_fused(inputs, out, outside)
+
+    def count_fused(self, inputs, out, outside: bool) -> None:
+        """The same op as a compiler fuses it (torch.compile's inductor): the elementwise ops between two matmuls
+        (or attentions) are one kernel, which reads each tensor from outside the run once and writes what it makes,
+        a tensor made and then read inside the run never leaving the kernel. `fused_kernels`: the runs;
+        `fused_bytes`: what they read and write (with `outside_fused_*`, the part outside the block lists)."""
+        work = self.work
+        fused = 0
+        if not self.fused_made:  # the first op after a matmul starts a run: one kernel
+            work["fused_kernels"] += 1
+            work["outside_fused_kernels"] += outside
+        for tensor in inputs:
+            key, nbytes = id(tensor), tensor.numel() * tensor.element_size()
+            if key in self.fused_made:
+                if key not in self.fused_read:  # made in the run: never written out, never read back
+                    self.fused_read.add(key)
+                    fused -= nbytes
+            elif key not in self.fused_read:
+                self.fused_read.add(key)
+                fused += nbytes
+        outputs = list(_iter_tensors(out, self.torch))
+        self.fused_made.update(id(t) for t in outputs)
+        fused += sum(t.numel() * t.element_size() for t in outputs)
+        work["fused_bytes"] += fused
+        work["outside_fused_bytes"] += fused if outside else 0
 
     def fused_attention(self, query, key, value, attn_mask=None, *args, **kwargs):
         """What fused SDPA kernels allocate: the output only (the meta decomposition would materialise n^2)."""
@@ -284,6 +313,7 @@ class _OpAccounting:
             self.work["attention_scores"] += query.shape[:-1].numel() * key.shape[-2]
             self.work["attention_rows"] += query.shape[:-1].numel()  # each query row's fixed cost (its softmax)
             self.work["ops"] += 1
+            self.fused_made, self.fused_read = set(), set()  # an attention ends the run of elementwise ops
         if self.tag_mode is not None:
             tensors = [query, key, value] + ([attn_mask] if isinstance(attn_mask, torch.Tensor) else [])
             tag = self.combine(tensors, "aten.scaled_dot_product_attention")
@@ -325,8 +355,13 @@ class _Session(_ModuleHooks, _OpAccounting):
         # other ops read and write (memory-bound), and the ops dispatched (each costs the host a fixed time)
         self.work = {"matmul_flops": 0, "matmul_ops": 0, "attention_flops": 0, "attention_ops": 0,
                      "attention_scores": 0, "attention_rows": 0, "conv_flops": 0, "conv_ops": 0, "other_bytes": 0,
-                     "ops": 0, "outside_ops": 0, "outside_flops": 0, "outside_bytes": 0}
+                     "ops": 0, "outside_ops": 0, "outside_flops": 0, "outside_bytes": 0, "fused_bytes": 0,
+                     "fused_kernels": 0, "outside_fused_bytes": 0, "outside_fused_kernels": 0}
         self._flop_formulas = None
+        # the run of elementwise ops since the last matmul or attention, as a compiler fuses it (`count_fused`):
+        # the tensors it made, the tensors it has read
+        self.fused_made: set[int] = set()
+        self.fused_read: set[int] = set()
         # tags
         self.recolor: dict[str, frozenset] = {}  # module prefix -> tag its inputs get at entry
         self.tagged: list = []

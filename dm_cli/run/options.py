@@ -228,9 +228,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("compile", ("--compile",), CompileMode,
            "torch.compile the denoiser as it loads: none | regional (its repeated blocks, diffusers' "
            "compile_repeated_blocks; the whole model where it declares none) | auto (= regional) | full (the whole "
-           "model). What cannot compile runs eager with a notice saying why.", default="none", words=CompileMode,
-           without=_without("a plan's predicted time is eager's: compile is how a run runs", "plan", "api.plan")
-           | {"queue": QUEUE_RUN}),
+           "model). What cannot compile runs eager with a notice saying why; dmap plan predicts the step as it "
+           "compiles.", default="none", words=CompileMode, without={"queue": QUEUE_RUN}),
     # ---- planning only ----------------------------------------------------------------------------------------
     Option("component", ("--component", "-c"), str | None, "Only this component.",
            without=_without("a run runs the whole pipeline", "run", "serve", "api.load", "queue")),

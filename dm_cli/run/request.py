@@ -220,7 +220,7 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
     if parallel.active and placement.max_memory is None and visible_gpus() == 0:
         placement = replace(placement, max_memory=cpu_rank_devices(parallel.world_size))
     prediction = PredictionRequest(steps=generation.steps, queue=min(max(1, request.queue), MAX_QUEUE),
-                                   prompt=request.prompt or None)
+                                   prompt=request.prompt or None, compile=parse_compile(request.compile).value)
     plan = make_named_plan(root, source.spec, PlanOptions.of(generation, placement, pipeline=pipeline,
                                                              component_files=files, loras=generation.loras,
                                                              switch_loras=request.switch_loras,
