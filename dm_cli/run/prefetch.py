@@ -10,12 +10,17 @@ overlap). A forward pre-hook on each of those blocks takes its copies (the compu
 is recorded on the compute stream, so the allocator does not hand its memory to the next copy while a kernel still
 reads it) and starts the next block's; the component's own pre-hook starts the first, which then crosses while the
 modules before it compute. At most two blocks are on the device at once: the running one and the prefetched one,
-what the plan charges. Blocks on disk stay synchronous: read from the checkpoint on each use. Where CUDA is absent (a
+what the plan charges. accelerate's hooks inside those blocks skip the allocator flush they run for each tensor
+(`quiet_hook_class`: its cudaFree would synchronize the device, waiting for the next block's copy). Blocks on disk
+stay synchronous: read from the checkpoint on each use. Where CUDA is absent (a
 CPU execution device: tests, CPU runs) the same path copies at once on the one stream; the values are the host
 copies either way, so the pixels are the synchronous path's. No Typer, no Rich.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 from dm_cli.devices import map_entry
 
@@ -117,8 +122,51 @@ def prefetched_weights(model, device_map: dict, base, device) -> PrefetchedWeigh
 
 def attach_prefetch(model, weights: PrefetchedWeights) -> None:
     """The pre-hooks that drive `weights`: the component's starts the first block's copy, each block's takes its
-    own and starts the next one's. Kept on the model (`_dmap_prefetch`) for `free_components` to close."""
+    own and starts the next one's; accelerate's offload hooks inside those blocks made quiet (`quiet_hook_class`).
+    Kept on the model (`_dmap_prefetch`) for `free_components` to close."""
+    from accelerate.hooks import AlignDevicesHook, SequentialHook  # lazy: accelerate (heavy, off start-up)
+
+    quiet = quiet_hook_class()
     model.register_forward_pre_hook(lambda module, args: weights.start(0))
     for index, key in enumerate(weights.order):
-        model.get_submodule(key).register_forward_pre_hook(lambda module, args, index=index: weights.enter(index))
+        block = model.get_submodule(key)
+        block.register_forward_pre_hook(lambda module, args, index=index: weights.enter(index))
+        for module in block.modules():
+            hook = getattr(module, "_hf_hook", None)
+            for each in hook.hooks if isinstance(hook, SequentialHook) else [hook]:
+                if type(each) is AlignDevicesHook and each.offload:
+                    each.__class__ = quiet
     model._dmap_prefetch = weights
+
+
+@functools.cache
+def quiet_hook_class():
+    """accelerate's AlignDevicesHook without the allocator flush it runs for each tensor it sets on a GPU
+    (`set_module_tensor_to_device` calls torch.cuda.empty_cache, whose cudaFree synchronizes the device: it would wait
+    for the next block's copy before this block computes, undoing the overlap). The caching allocator then reuses
+    the freed blocks of the same sizes for the next copies, which is what the plan charges."""
+    from accelerate.hooks import AlignDevicesHook  # lazy: accelerate (heavy, off start-up)
+
+    class QuietAlignDevicesHook(AlignDevicesHook):
+        def pre_forward(self, module, *args, **kwargs):
+            with no_cache_flush():
+                return super().pre_forward(module, *args, **kwargs)
+
+        def post_forward(self, module, output):
+            with no_cache_flush():
+                return super().post_forward(module, output)
+
+    return QuietAlignDevicesHook
+
+
+@contextlib.contextmanager
+def no_cache_flush():
+    """accelerate's `clear_device_cache` a no-op while the block's tensors are set and dropped, then restored."""
+    from accelerate.utils import modeling  # lazy: accelerate (heavy, off start-up)
+
+    flush = modeling.clear_device_cache
+    modeling.clear_device_cache = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        modeling.clear_device_cache = flush

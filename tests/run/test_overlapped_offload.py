@@ -63,6 +63,19 @@ def test_overlapped_offload_gives_the_synchronous_pixels(demo):
     # every block of each call arrived from a copy started ahead of its turn: 1 step, 1 call
     # (guidance-distilled), the first block's copy started by the component's own pre-hook
     assert prefetch.prefetched == len(prefetch.order)
+    # accelerate's hooks inside the prefetched blocks skip the allocator flush (a device-wide sync on a GPU)
+    from accelerate.hooks import AlignDevicesHook
+    from accelerate.utils import modeling
+
+    from dm_cli.run.prefetch import no_cache_flush, quiet_hook_class
+
+    hooks = [m._hf_hook for m in overlapped.get_submodule(prefetch.order[-1]).modules()
+             if isinstance(getattr(m, "_hf_hook", None), AlignDevicesHook)]
+    assert hooks and all(type(hook) is quiet_hook_class() for hook in hooks)
+    flush = modeling.clear_device_cache
+    with no_cache_flush():
+        assert modeling.clear_device_cache is not flush
+    assert modeling.clear_device_cache is flush
     weight = next(overlapped.parameters())
     assert weight.device.type == "meta"  # between calls the weights are dropped, as in the synchronous path
     free_components([overlapped])
