@@ -247,11 +247,12 @@ def _queue(folder: Path, ranks: int, prompts: Path, out: Path, steps: int, extra
     for rank in range(ranks):
         peak, imported = (int(x) for x in (memory / f"rank{rank}.txt").read_text().split())
         added.append(peak - imported)
-    return {"process": wall, "denoise": result["stages"].get("denoise", {}).get("run_s", 0.0), "added": added,
+    by_name = {stage["name"]: stage for stage in result["stages"]}  # a list of objects with a name (JSON version 2)
+    return {"process": wall, "denoise": by_name.get("denoise", {}).get("run_s", 0.0), "added": added,
             "notices": result["notices"],
             "cache": [r["step_cache"]["counts"] for r in results if (r.get("step_cache") or {}).get("counts")],
             "stages": {name: stage.get("load_s", 0.0) + stage.get("run_s", 0.0)
-                       for name, stage in result["stages"].items()}}
+                       for name, stage in by_name.items()}}
 
 
 # The two plans the pipeline case compares: the fastest cut (room to spare), and the cut that fits 1.1 GB per rank

@@ -3,7 +3,7 @@ run mode's loop shares (dm_cli.run.stages and the loop files beside it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 
 from dm_cli.families import Embeds
 from dm_cli.families.stages import IMAGE_LATENTS, INPUTS
@@ -58,6 +58,21 @@ def join_audio(carry: Carry) -> None:
 def consumed_image(stage_plan, carry: Carry):
     """The encoded input image when the stage consumes it, else None."""
     return carry.image_latents if IMAGE_LATENTS in stage_plan.consumes else None
+
+
+# the `version` of `dmap run --json` and of the queue's `--json` (docs/CONTRACTS.md); 2: the queue's `stages` became a
+# list of objects with a "name", as run's always were (version 1, unnumbered: an object keyed by the stage's name)
+RESULT_JSON_VERSION = 2
+
+
+def stages_json(stages) -> list[dict]:
+    """The `stages` of every result JSON (one prompt's and a queue's): one object per stage, its "name" first, so a
+    reader parses both the same way and a new field is a new key, never a new shape."""
+    out = []
+    for stage in stages:
+        fields = asdict(stage) if is_dataclass(stage) else dict(stage)
+        out.append({"name": fields.pop("name"), **fields})
+    return out
 
 
 def stage_result(stage_plan) -> StageResult:

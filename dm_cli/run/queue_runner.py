@@ -16,6 +16,7 @@ from typing import Callable
 from dm_cli.errors import UsageError
 from dm_cli.io.outputs import is_complete
 from dm_cli.model.lora import chosen_loras
+from dm_cli.run.carry import RESULT_JSON_VERSION, stages_json
 from dm_cli.run.distributed import Ranks, broadcast, select_gpus
 from dm_cli.run.outputs import claim_queue_folder
 from dm_cli.run.queue import (
@@ -74,7 +75,9 @@ class QueueResult:
     resume: bool = True  # complete items were skipped: running the same command again resumes
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """The queue's `--json`: its `stages` in the shape one prompt's run prints (dm_cli.run.carry.stages_json)."""
+        return {"version": RESULT_JSON_VERSION, **asdict(self),
+                "stages": stages_json({"name": name, **totals} for name, totals in self.stages.items())}
 
 
 @dataclass

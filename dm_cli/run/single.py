@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import gc
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import UsageError
 from dm_cli.families import all_settings
 from dm_cli.io.outputs import save_images, save_latents, save_videos, written_together
+from dm_cli.run.carry import RESULT_JSON_VERSION, stages_json
 from dm_cli.run.outputs import claim_run_outputs
 from dm_cli.run.request import RunRequest, output_path
 from dm_cli.run.session import Session, frozen_gc
@@ -59,13 +60,13 @@ class RunResult:
 
     def to_json(self) -> dict:
         return {
-            "source": self.source, "pipeline": self.pipeline_class, "demo_random_weights": self.demo,
+            "version": RESULT_JSON_VERSION, "source": self.source, "pipeline": self.pipeline_class, "demo_random_weights": self.demo,
             "plan_digest": self.plan_digest, "planned_here": self.planned_here, "mode": self.plan.mode,
             "simulate": self.simulate, "seed": self.seed, "steps": self.steps, "guidance_scale": self.guidance_scale,
             **{name: self.settings.get(name) for name in all_settings()}, "height": self.height, "width": self.width,
             "num_images": self.num_images, "images": self.images, "num_frames": self.num_frames, "fps": self.fps,
             "latents": self.latents_path,
-            "stages": [asdict(s) for s in self.stages],
+            "stages": stages_json(self.stages),
             "devices": {d: {"measured_peak_bytes": m, "planned_peak_bytes": p} for d, (m, p) in self.device_peaks().items()},
             "split_check": self.split_check, "split_problems": self.split_problems, "notices": self.notices,
             **({"step_cache": self.step_cache} if self.step_cache else {}),

@@ -119,7 +119,7 @@ def test_staged_queue_loads_each_component_once_per_chunk_same_pixels_and_resume
     count_loads.clear()
     assert _cli("run", "--prompts", prompts_file, "--output", chunked, "--chunk-size", 4, "--json", *RUN_ARGS) == 0
     assert dict(count_loads) == dict.fromkeys(COMPONENTS, 2)  # chunks of 4 and 2: twice each
-    stages = json.loads(capsys.readouterr().out)["stages"]
+    stages = {s["name"]: s for s in json.loads(capsys.readouterr().out)["stages"]}  # a list, as run's (version 2)
     assert {name: t["loads"] for name, t in stages.items()} == {"encode": 2, "denoise": 2, "decode": 2}
     assert all(t["load_s"] > 0 and t["run_s"] > 0 for t in stages.values())
     _assert_queue_output(chunked, references)
@@ -145,7 +145,7 @@ def test_resident_queue_loads_once_for_the_whole_queue(references, prompts_file,
     args = [a for a in RUN_ARGS if a not in ("--mode", "staged")]
     assert _cli("run", "--prompts", prompts_file, "--output", out, "--mode", "resident", "--json", *args) == 0
     assert dict(count_loads) == dict.fromkeys(COMPONENTS, 1)
-    stages = json.loads(capsys.readouterr().out)["stages"]
+    stages = {s["name"]: s for s in json.loads(capsys.readouterr().out)["stages"]}
     assert stages["load"]["loads"] == 1 and all(stages[s]["loads"] == 0 for s in ("encode", "denoise", "decode"))
     _assert_queue_output(out, references)
 
