@@ -15,15 +15,15 @@ SIZE = 64
 
 @pytest.fixture(scope="module")
 def demo():
-    """The demo pipeline (FLUX.1's classes at laptop size; generated once per session), its transformer's component
-    source and the pipeline object, loaded once: each case swaps its own transformer in."""
+    """(the transformer's map with every block streamed, its component source, the demo pipeline loaded once: each
+    case swaps its own transformer in). The demo: FLUX.1's classes at laptop size, generated once per session."""
     from dm_cli.model.demo import ensure_demo
     from dm_cli.model.sources import resolve_source
 
     folder = ensure_demo()
     pipe = diffusers.FluxPipeline.from_pretrained(folder, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    return folder, resolve_source(str(folder)).component("transformer"), pipe
+    return _streamed_map(folder), resolve_source(str(folder)).component("transformer"), pipe
 
 
 def _streamed_map(folder) -> dict:
@@ -47,8 +47,8 @@ def _image(pipe, transformer) -> np.ndarray:
 def test_overlapped_offload_gives_the_synchronous_pixels(demo):
     from dm_cli.run.loading import _load_streamed, free_components
 
-    folder, comp, pipe = demo
-    device_map = _streamed_map(folder)
+    device_map, comp, pipe = demo
+    device_map = dict(device_map)
     synchronous = _load_streamed(comp, device_map, torch.float32)
     overlapped = _load_streamed(comp, device_map, torch.float32, overlap=True)
     prefetch = overlapped._dmap_prefetch
@@ -87,13 +87,29 @@ def test_only_cpu_blocks_are_prefetched_disk_ones_stay_in_turn(demo):
     base, in their turn, and prefetches the cpu ones around them."""
     from dm_cli.run.loading import _load_streamed
 
-    folder, comp, pipe = demo
+    device_map, comp, pipe = demo
+    device_map = dict(device_map)
     resident = pipe.transformer
     expected = _image(pipe, resident)
-    device_map = _streamed_map(folder)
     device_map["transformer_blocks.0"] = "disk"
     model = _load_streamed(comp, device_map, torch.float32, overlap=True)
     order = model._dmap_prefetch.order
     assert "transformer_blocks.0" not in order and "single_transformer_blocks.0" in order
     assert np.array_equal(_image(pipe, model), expected)
+    pipe.transformer = resident
+
+
+def test_fp8_blocks_prefetched_give_the_synchronous_fp8_pixels(demo):
+    """--weights fp8: the host copies are the fp8 values the synchronous path reads from the checkpoint each call
+    (read, cast to the run dtype, stored in fp8), so the prefetched blocks compute the same image."""
+    from dm_cli.run.loading import _load_streamed
+
+    device_map, comp, pipe = demo
+    resident = pipe.transformer
+    synchronous = _load_streamed(comp, device_map, torch.float32, "fp8")
+    overlapped = _load_streamed(comp, device_map, torch.float32, "fp8", overlap=True)
+    assert overlapped._dmap_prefetch.order
+    expected = _image(pipe, synchronous)
+    assert np.array_equal(_image(pipe, overlapped), expected)
+    assert overlapped._dmap_prefetch.prefetched == len(overlapped._dmap_prefetch.order)
     pipe.transformer = resident
