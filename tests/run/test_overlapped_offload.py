@@ -113,3 +113,34 @@ def test_fp8_blocks_prefetched_give_the_synchronous_fp8_pixels(demo):
     assert np.array_equal(_image(pipe, overlapped), expected)
     assert overlapped._dmap_prefetch.prefetched == len(overlapped._dmap_prefetch.order)
     pipe.transformer = resident
+
+
+def test_dmap_run_follows_a_plan_that_overlaps_and_makes_the_same_image(demo, tmp_path, monkeypatch):
+    """The whole run path: `dmap run -d PLAN.json` whose transformer streams its blocks (cpu ones and a disk one, to
+    the cpu that computes here) with `offload.mode` overlapped loads it through the prefetch path and writes the
+    image the same plan without the key writes."""
+    from test_run import _png, hand_plan
+
+    from dm_cli.model.demo import ensure_demo
+
+    device_map, _, _ = demo
+    folder = ensure_demo()
+    plan = hand_plan(folder)
+    plan["components"]["transformer"]["device_map"] = {**device_map, "transformer_blocks.0": "disk"}
+    from dm_cli.run import loading
+
+    attached, attach = [], loading.attach_prefetch
+    monkeypatch.setattr(loading, "attach_prefetch", lambda model, weights: (attached.append(len(weights.order)),
+                                                                            attach(model, weights)))
+    images = []
+    for overlapped in (False, True):
+        if overlapped:
+            plan["components"]["transformer"]["offload"] = {"mode": "overlapped", "reason": "a test's",
+                                                            "prefetch_bytes": 0, "pinned_bytes": 0}
+        path, out = tmp_path / f"plan-{overlapped}.json", tmp_path / f"fox-{overlapped}.png"
+        path.write_text(json.dumps(plan))
+        code, _, err = run_dmap("run", folder, "-d", path, "--prompt", "a fox", "--steps", 1, "--seed", 3, "-o", out)
+        assert code == 0, err
+        assert bool(attached) == overlapped  # the prefetch path, and only where the plan says so
+        images.append(_png(out)[0])
+    assert np.array_equal(images[0], images[1]) and attached[0] == len(device_map) - 1  # every cpu block but disk's
