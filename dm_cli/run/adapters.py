@@ -120,7 +120,7 @@ def _stream_adapters(model, lora_name: str) -> None:
     layer of an offloaded block) streamed like that layer: its tensors kept on the cpu, moved to the layer's
     execution device for each forward."""
     import torch  # lazy: torch (heavy, off start-up)
-    from accelerate.hooks import AlignDevicesHook, add_hook_to_module  # lazy: accelerate (heavy, off start-up)
+    from accelerate.hooks import add_hook_to_module  # lazy: accelerate (heavy, off start-up)
     from peft.tuners.tuners_utils import BaseTunerLayer  # lazy: peft (heavy, off start-up)
 
     layers = _streamed_layers(model)
@@ -138,6 +138,6 @@ def _stream_adapters(model, lora_name: str) -> None:
                 if not isinstance(adapter, torch.nn.Module):
                     raise UsageError(f"--lora {shown(lora_name)} patches an embedding of a streamed block, which dmap "
                                      "cannot stream an adapter with: plan that block on a GPU.")
-                if not hasattr(adapter, "_hf_hook"):
-                    add_hook_to_module(adapter, AlignDevicesHook(execution_device=hook.execution_device, offload=True,
-                                                                 offload_buffers=True, place_submodules=True))
+                if not hasattr(adapter, "_hf_hook"):  # as quiet as its layer's (run/prefetch.py: no flush each set)
+                    add_hook_to_module(adapter, type(hook)(execution_device=hook.execution_device, offload=True,
+                                                           offload_buffers=True, place_submodules=True))

@@ -144,3 +144,35 @@ def test_dmap_run_follows_a_plan_that_overlaps_and_makes_the_same_image(demo, tm
         assert bool(attached) == overlapped  # the prefetch path, and only where the plan says so
         images.append(_png(out)[0])
     assert np.array_equal(images[0], images[1]) and attached[0] == len(device_map) - 1  # every cpu block but disk's
+
+
+def test_an_unfused_lora_on_prefetched_blocks_gives_the_synchronous_pixels(demo, tmp_path):
+    """A LoRA on streamed layers stays unfused, its adapters streamed with their layers by hooks as quiet as the
+    layers' (no allocator flush on each set): the overlapped blocks compute the synchronous path's image."""
+    from dataclasses import replace
+
+    from accelerate.hooks import AlignDevicesHook
+    from test_lora import make_lora
+
+    from dm_cli.model.demo import ensure_demo
+    from dm_cli.model.lora import read_lora
+    from dm_cli.run.adapters import load_loras
+    from dm_cli.run.loading import _load_streamed
+    from dm_cli.run.prefetch import quiet_hook_class
+
+    device_map, comp, pipe = demo
+    resident = pipe.transformer
+    folder = ensure_demo()
+    lora = make_lora(diffusers.FluxTransformer2DModel, folder / "transformer", tmp_path / "lora.safetensors",
+                     diffusers.FluxPipeline, seed=1)
+    adapter = replace(read_lora(f"{lora}:0.7"), component="transformer")
+    images = []
+    for overlap in (False, True):
+        model = _load_streamed(comp, device_map, torch.float32, overlap=overlap)
+        load_loras(pipe, "transformer", model, (adapter,), torch.float32)
+        images.append(_image(pipe, model))
+    to_q = model.get_submodule(model._dmap_prefetch.order[-4]).attn.to_q
+    assert type(to_q.lora_A["dmap_lora_0"]._hf_hook) is quiet_hook_class()
+    assert isinstance(to_q.lora_A["dmap_lora_0"]._hf_hook, AlignDevicesHook)
+    assert np.array_equal(images[0], images[1])
+    pipe.transformer = resident
