@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-LAYOUTS = ["one process resident", "split across GPUs", "offload", "queue on ranks", "cfg", "context", "cfg+context",
-           "pipeline", "serve"]
+LAYOUTS = ["one process resident", "split across GPUs", "offload", "overlapped offload", "queue on ranks", "cfg",
+           "context", "cfg+context", "pipeline", "serve"]
 FEATURES = ["fp8", "int8", "GGUF", "LoRA fused", "LoRA unfused", "fbc", "taylorseer", "magcache",
             "Wan 2.2's two experts", "input images", "tiled decode"]
 PROVEN = re.compile(r"✔ (test_\w+\.py)::(test_\w+)$")
