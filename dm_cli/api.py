@@ -55,7 +55,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
          device_tflops: float | None = None, link_gbps: float | None = None, pipeline: str | None = None,
          component_files: dict | None = None, lora=None, cache=None, in_flight: int | None = None,
          profile: str | None = None, steps: int | None = None, queue: int = 1, prompt: str | None = None,
-         compile: str | None = None, **settings) -> Plan:
+         compile: str = "none", **settings) -> Plan:
     """Plan where every component and block of SOURCE goes (None: the bundled random-weight demo).
 
     `max_memory` is a device spec ("0=16GB,1=16GB,cpu=64GB"; None: this machine). `height`/`width`
@@ -143,7 +143,7 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
          max_sequence_length: int | None = None, weights: str | None = None, num_frames: int | None = None,
          fps: int | None = None, negative_prompt: str | None = None, image=None, last_image=None, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,
          parallel: str | None = None, pipeline: str | None = None, component_files: dict | None = None,
-         lora=None, cache=None, compile: str | None = None, **settings) -> Session:
+         lora=None, cache=None, compile: str = "none", **settings) -> Session:
     """A pipeline placed per `plan` (a Plan, a plan JSON path, or None: plan here with the options).
 
     SOURCE None is the plan's source when a plan is given (it records it), else the bundled random-weight demo. A plan made for another model, size or dtype is

@@ -58,7 +58,9 @@ def table_annotation(name: str, command: str | None = None):
 
 def table_options(command: str):
     """`dmap COMMAND`'s function with its parameters (all but `ctx` and `settings`, in its own order: the order of
-    its --help) typed and defaulted from the options table, so no flag, help or default is written in the command."""
+    its --help) given their flags and help from the options table. Each is declared with its type and default, so
+    the signature reads as the command takes it; both are checked against the table here, at import, so they cannot
+    drift from it (`declared_as_table`)."""
     def declare(function):
         hints = typing.get_type_hints(function, include_extras=True)
         params = []
@@ -66,15 +68,24 @@ def table_options(command: str):
             if param.name in ("ctx", "settings"):
                 params.append(param.replace(annotation=hints.get(param.name, param.annotation)))
                 continue
-            default = option(param.name, command).default
-            params.append(param.replace(annotation=table_annotation(param.name, command),
-                                        default=inspect.Parameter.empty if default is REQUIRED else default))
+            declared_as_table(command, param.name, hints.get(param.name), param.default)
+            params.append(param.replace(annotation=table_annotation(param.name, command)))
         function.__signature__ = inspect.Signature(params, return_annotation=inspect.Signature.empty)
         function.__annotations__ = {p.name: p.annotation for p in params}
         function.table_command = command
         return function
 
     return declare
+
+
+def declared_as_table(command: str, name: str, declared_type, declared_default) -> None:
+    """A command parameter's declared type and default are its row's (its variant for `command`): a TypeError at
+    import names the difference (a programming error, caught by any test that imports the CLI)."""
+    row = option(name, command)
+    default = REQUIRED if declared_default is inspect.Parameter.empty else declared_default
+    if declared_type != row.type or type(default) is not type(row.default) or default != row.default:
+        raise TypeError(f"dmap {command}'s {name} is declared {declared_type} = {default!r}, but the options table "
+                        f"(dm_cli.run.options) has {row.type} = {row.default!r}.")
 
 
 # the table's options that other commands (inspect, shard, cache, calibrate, demo) take as they are

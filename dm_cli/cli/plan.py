@@ -11,19 +11,30 @@ from dm_cli.cli._cli_utils import table_options
 from dm_cli.cli._output import print_json
 from dm_cli.io.atomic import refuse_existing
 from dm_cli.io.claims import claim_outputs
+from dm_cli.planning.modes import Mode, Parallel, Strategy
 from dm_cli.planning.plan_file import write_plan
 from dm_cli.render.plan import render_plan
 from dm_cli.render.queue import TickingStatus
+from dm_cli.run.compile import CompileMode
 
 
-# every parameter but ctx and settings is its row of dm_cli.run.options: flags, type, default and help
+# every parameter but ctx and settings is its row of dm_cli.run.options: its type and default as the table has
+# them (table_options checks), its flags and help added from the table
 @table_options("plan")
 def plan(
     ctx: typer.Context,
-    source, max_memory, strategy, mode, height, width, batch_size, num_images, guidance_scale, negative_prompt,
-    image, last_image, last_image_size, image_size, max_sequence_length, frames, fps, dtype, weights, overhead,
-    component, output, overwrite, as_json, quiet, no_check, binary, no_cache, world_size, parallel, device_tflops,
-    link_gbps, profile, steps, queue, prompt, in_flight, pipeline, component_file, lora, cache, compile,
+    source: str, max_memory: str | None = None, strategy: Strategy = "auto", mode: Mode = "auto",
+    height: int | None = None, width: int | None = None, batch_size: int = 1, num_images: int | None = 1,
+    guidance_scale: float | None = None, negative_prompt: str | None = None, image: list[str] | None = None,
+    last_image: str | None = None, last_image_size: str | None = None, image_size: list[str] | None = None,
+    max_sequence_length: int | None = None, frames: int | None = None, fps: int | None = None, dtype: str | None = None,
+    weights: str | None = None, overhead: str | None = None, component: str | None = None, output: str | None = None,
+    overwrite: bool = False, as_json: bool = False, quiet: bool = False, no_check: bool = False, binary: bool = False,
+    no_cache: bool = False, world_size: int = 1, parallel: Parallel | None = None, device_tflops: float | None = None,
+    link_gbps: float | None = None, profile: str | None = None, steps: int | None = None, queue: int = 1,
+    prompt: str | None = None, in_flight: int | None = None, pipeline: str | None = None,
+    component_file: list[str] | None = None, lora: list[str] | None = None, cache: str | None = None,
+    compile: CompileMode = "none",
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     if output:

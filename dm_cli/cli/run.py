@@ -9,22 +9,33 @@ import typer
 from dm_cli.cli._cli_utils import table_options
 from dm_cli.cli._errors import usage_error
 from dm_cli.cli._output import print_json
+from dm_cli.planning.modes import Mode, Parallel
 from dm_cli.render.queue import QueueView
 from dm_cli.render.run import RunView
+from dm_cli.run.compile import CompileMode
 from dm_cli.run.distributed import Ranks, select_gpus
 from dm_cli.run.queue_runner import QueueEvents, QueueRequest, run_queue
 from dm_cli.run.request import RunRequest
 from dm_cli.run.settle import check_options, check_run_request, refuse_single_only
 
 
-# every parameter but ctx and settings is its row of dm_cli.run.options: flags, type, default and help
+# every parameter but ctx and settings is its row of dm_cli.run.options: its type and default as the table has
+# them (table_options checks), its flags and help added from the table
 @table_options("run")
 def run(
     ctx: typer.Context,
-    source, prompt, prompts, negative_prompt, image, last_image, device_map, max_memory, mode, overhead, steps,
-    guidance_scale, seed, height, width, num_images, max_sequence_length, frames, fps, output, save_latents, dtype,
-    weights, simulate, overwrite, track_activations, resume, chunk_size, chunk_memory, gpus_per_rank, parallel,
-    pipeline, component_file, lora, cache, compile, as_json, quiet, binary,
+    source: str | None = None, prompt: str | None = None, prompts: str | None = None,
+    negative_prompt: str | None = None, image: list[str] | None = None, last_image: str | None = None,
+    device_map: str = "auto", max_memory: str | None = None, mode: Mode = "auto", overhead: str | None = None,
+    steps: int | None = None, guidance_scale: float | None = None, seed: int = 0, height: int | None = None,
+    width: int | None = None, num_images: int | None = None, max_sequence_length: int | None = None,
+    frames: int | None = None, fps: int | None = None, output: str | None = None, save_latents: str | None = None,
+    dtype: str | None = None, weights: str | None = None, simulate: bool = False, overwrite: bool = False,
+    track_activations: bool = False, resume: bool = True, chunk_size: int | None = None,
+    chunk_memory: str | None = None, gpus_per_rank: int | None = None, parallel: Parallel | None = None,
+    pipeline: str | None = None, component_file: list[str] | None = None, lora: list[str] | None = None,
+    cache: str | None = None, compile: CompileMode = "none", as_json: bool = False, quiet: bool = False,
+    binary: bool = False,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     _refuse_early(ctx, prompt, prompts, dtype, steps=steps, num_images=num_images, height=height, width=width,

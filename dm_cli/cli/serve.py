@@ -10,19 +10,28 @@ import sys
 
 from dm_cli.cli._cli_utils import table_options
 from dm_cli.inputs import check_counts
+from dm_cli.planning.modes import Mode, Parallel
+from dm_cli.run.compile import CompileMode
 from dm_cli.run.distributed import Ranks
 from dm_cli.run.request import RunRequest
 from dm_cli.serve.server import ServeRequest, launch_sigterm_notice, startup_lines
 from dm_cli.serve.server import serve as serve_forever
 
 
-# every parameter but ctx and settings is its row of dm_cli.run.options: flags, type, default and help
+# every parameter but ctx and settings is its row of dm_cli.run.options: its type and default as the table has
+# them (table_options checks), its flags and help added from the table
 @table_options("serve")
 def serve(
-    source, device_map, max_memory, mode, overhead, steps, guidance_scale, negative_prompt, height, width,
-    max_sequence_length, frames, fps, dtype, weights, simulate, parallel, gpus_per_rank, pipeline, component_file,
-    lora, cache, compile, host, port, api_key, queue_size, max_batch, max_body, model_name, max_connections, read_timeout,
-    body_timeout, quiet,
+    source: str | None = None, device_map: str = "auto", max_memory: str | None = None, mode: Mode = "auto",
+    overhead: str | None = None, steps: int | None = None, guidance_scale: float | None = None,
+    negative_prompt: str | None = None, height: int | None = None, width: int | None = None,
+    max_sequence_length: int | None = None, frames: int | None = None, fps: int | None = None, dtype: str | None = None,
+    weights: str | None = None, simulate: bool = False, parallel: Parallel | None = None,
+    gpus_per_rank: int | None = None, pipeline: str | None = None, component_file: list[str] | None = None,
+    lora: list[str] | None = None, cache: str | None = None, compile: CompileMode = "none", host: str = "127.0.0.1",
+    port: int = 8000, api_key: str | None = None, queue_size: int = 64, max_batch: int = 8, max_body: int = 64 * 2**20,
+    model_name: str | None = None, max_connections: int | None = None, read_timeout: float = 10.0,
+    body_timeout: float = 300.0, quiet: bool = False,
     settings: dict | None = None,  # the families' own options (--true-cfg-scale, ...): _cli_utils.with_family_settings
 ) -> int:
     check_counts(steps=steps, num_images=None, height=height, width=width, max_sequence_length=max_sequence_length,

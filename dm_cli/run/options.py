@@ -121,7 +121,8 @@ OPTIONS: tuple[Option, ...] = (
            without=_without(RUN_READS_IMAGES, "run", "api.load", "queue") | {"serve": REQUEST_IMAGES}),
     # ---- devices and planning ---------------------------------------------------------------------------------
     Option("device_map", ("--device-map", "-d"), str, _DEVICE_MAP_HELP, default="auto", api="plan",
-           without={"plan": PLAN_IS_MADE, "api.plan": PLAN_IS_MADE, "queue": QUEUE_RUN}),
+           without={"plan": PLAN_IS_MADE, "api.plan": PLAN_IS_MADE, "queue": QUEUE_RUN},
+           variants={"api.load": {"default": None}}),  # load(plan=None): plan here, at its strategy= (auto)
     Option("max_memory", ("--max-memory", "-m"), str | None,
            "Devices to plan for, e.g. 0=16GB,1=16GB,cpu=64GB,disk (default: this machine).", without={"queue": QUEUE_RUN}),
     Option("strategy", ("--strategy",), Strategy, "auto | sequential | balanced | balanced_low_0.", default="auto",

@@ -26,9 +26,10 @@ import time
 from collections import Counter, OrderedDict
 
 from dm_cli.errors import UsageError
+from dm_cli.run.options import option
 
-DEFAULT_READ_TIMEOUT_S = 10.0
-DEFAULT_BODY_TIMEOUT_S = 300.0
+DEFAULT_READ_TIMEOUT_S = option("read_timeout").default  # --read-timeout's, declared once in the options table
+DEFAULT_BODY_TIMEOUT_S = option("body_timeout").default
 DEFAULT_MAX_CONNECTIONS = 4096  # when the file limit leaves room for more
 RESERVED_FILES = 64  # at least: the model's files, the worker's, pipes; and the connections accepted per wake-up
 ACCEPT_BATCH = 32  # connections accepted per wake-up of the loop (each may close one waiting to close)

@@ -20,6 +20,7 @@ from typing import Callable
 from dm_cli.devices import device_key, device_label, device_rank, is_gpu
 from dm_cli.errors import UsageError
 from dm_cli.run.distributed import Ranks, select_gpus
+from dm_cli.run.options import option
 from dm_cli.run.request import RunRequest
 from dm_cli.run.session import Session
 from dm_cli.serve.app import AppState, make_app
@@ -35,11 +36,12 @@ from dm_cli.serve.connections import (
 from dm_cli.serve.requests import Served
 from dm_cli.serve.worker import Batcher, BatchSizer, RankCompute
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
-DEFAULT_QUEUE_SIZE = 64
-DEFAULT_MAX_BATCH = 8
-DEFAULT_MAX_BODY = 64 * 2**20
+# the server's defaults are its rows of the options table, declared there once (its --help and this request's)
+DEFAULT_HOST = option("host").default
+DEFAULT_PORT = option("port").default
+DEFAULT_QUEUE_SIZE = option("queue_size").default
+DEFAULT_MAX_BATCH = option("max_batch").default
+DEFAULT_MAX_BODY = option("max_body").default
 STOPPED_AT_ONCE = 130  # the exit status of a second Ctrl-C (or SIGTERM): 128 + SIGINT, as a shell says of Ctrl-C
 
 

@@ -9,6 +9,7 @@ Cheap: no model, no torch.
 from __future__ import annotations
 
 import inspect
+from dataclasses import fields
 
 import pytest
 import typer.main
@@ -103,3 +104,29 @@ def test_a_queue_item_takes_exactly_the_rows_that_do_not_say_why_not():
         except UsageError as error:
             refusal = str(error)
         assert ("unknown key" in refusal) == (not row.takes("queue")), f"queue key {row.key_name!r}: {refusal}"
+
+
+@pytest.mark.parametrize("taker", sorted(API))
+def test_each_api_keywords_default_is_its_rows(taker):
+    """dm_cli.plan's and dm_cli.load's defaults are the table's (its variant for the function), as the commands'
+    are: a `--no-X` flag's keyword (check=, use_cache=) defaults to the flag's negation."""
+    params = inspect.signature(API[taker]).parameters
+    for row in OPTIONS:
+        if not row.takes(taker):
+            continue
+        row = row.for_command(taker)
+        negated = row.flags[0].startswith("--no-") and row.api_name != row.name
+        expected = (not row.default) if negated else row.default
+        got = params[row.api_name].default
+        assert got == expected and type(got) is type(expected) or (got is None and expected is None), (
+            f"{API[taker].__name__}({row.api_name}=) defaults to {got!r}, the table to {expected!r}")
+
+
+def test_serve_defaults_are_the_tables():
+    """dmap serve's defaults are declared once, in the table: the server's request takes them from there."""
+    from dm_cli.serve.server import ServeRequest
+
+    defaults = {f.name: f.default for f in fields(ServeRequest) if f.name != "run"}
+    for name, default in defaults.items():
+        row = option("model_name" if name == "model" else name, "serve")
+        assert default == row.default, f"ServeRequest.{name} = {default!r}, the table's {row.flags[0]}: {row.default!r}"
