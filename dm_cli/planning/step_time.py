@@ -19,7 +19,10 @@ layouts' FLOPs per rank and link traffic on the same profile. The encoders and t
 terms from their own traces (`pipeline_s`: one whole call). On a GPU (a table or calibrated GPU profile) matmuls run at
 their own size's rate, and the host's seconds per op count only where they exceed the device's work: eager PyTorch
 launches each kernel while the GPU runs earlier ones. Weights stored in fp8, int8 or NF4 add the bytes of their
-upcast each call (`cast_bytes`): eager runs it as its own kernel. Pure.
+upcast each call (`cast_bytes`): eager runs it as its own kernel. Offload the plan overlaps (overlap.py) costs only
+the transfer the compute before each block does not hide (`offload_seconds`: max(compute, transfer) per block, the
+call's compute spread evenly over its blocks); under --compile the elementwise ops between matmuls move and launch as
+a compiler fuses them (`compiled`). Pure.
 """
 
 from __future__ import annotations

@@ -119,6 +119,9 @@ def test_the_plan_chooses_overlap_where_it_fits_and_is_faster_and_says_so():
     assert predicted["step_s"] < predicted["offload_overlap"]["synchronous_step_s"]
     assert any("more offloaded to leave room for the prefetched block" in w for w in data["warnings"])
     assert Plan.from_json(data).components["transformer"].offload == offload
+    data["components"]["transformer"]["offload"]["mode"] = "sometimes"
+    with pytest.raises(ValueError, match="offload mode must be overlapped or synchronous"):
+        Plan.from_json(data)  # a plan file is input: a malformed choice refused
     code, out, _ = run_dmap(*args)
     text = " ".join(out.split())
     assert code == 0 and "overlapped: each block's copy from pinned RAM" in text
