@@ -220,7 +220,7 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
     if parallel.active and placement.max_memory is None and visible_gpus() == 0:
         placement = replace(placement, max_memory=cpu_rank_devices(parallel.world_size))
     prediction = PredictionRequest(steps=generation.steps, queue=min(max(1, request.queue), MAX_QUEUE),
-                                   prompt=request.prompt or None, compile=parse_compile(request.compile).value)
+                                   prompt=request.prompt or None, compile=_planned_compile(request))
     plan = make_named_plan(root, source.spec, PlanOptions.of(generation, placement, pipeline=pipeline,
                                                              component_files=files, loras=generation.loras,
                                                              switch_loras=request.switch_loras,
@@ -404,6 +404,14 @@ def inputs_from_plan(plan: Plan) -> dict:
     if plan.inputs.weights_only:  # a weights-only plan says nothing about the image size
         given.pop("height"), given.pop("width")
     return {k: v for k, v in given.items() if v is not None}
+
+
+def _planned_compile(request) -> str:
+    """--compile as the run's own plan predicts it: none where the activation tracker makes the run eager whatever
+    the plan (run/compile.py `eager_reason`; the plan says the reasons it can see itself)."""
+    if request.simulate or request.track_activations:
+        return "none"
+    return parse_compile(request.compile).value
 
 
 def prediction_at(predicted: dict, steps: int | None = None, queue: int | None = None) -> dict:
