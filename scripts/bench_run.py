@@ -216,7 +216,7 @@ def install_marks():
     wrap(stages.StageLoop, "__init__", before=lambda: switch("pipeline object (placeholders, tokenizers, scheduler)"),
          after=lambda: switch("run start"))
     for name in ("encode", "denoise", "decode"):
-        wrap(stages.StageLoop, name, before=lambda name=name: switch(name),
+        wrap(stages.StageRunners, name, before=lambda name=name: switch(name),  # the loop's runners (issue 56)
              after=lambda: switch("between stages (free, glue)"))
     wrap(single, "save_images", before=lambda: switch("write PNG (metadata)"), after=lambda: switch("run end"))
     globals()["finish_marks"] = lambda: mark(state["phase"])

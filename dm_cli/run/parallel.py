@@ -37,9 +37,10 @@ from dm_cli.planning.modes import Layout, Parallel
 from dm_cli.planning.parallel import ParallelRequest, candidates, denoiser_shape, guidance_branches, layout_title
 from dm_cli.run.component_hooks import StepCache
 from dm_cli.run.distributed import Ranks
+from dm_cli.run.main_rank import MainRankRunners, on_this_rank
 from dm_cli.run.pipeline import pipeline_refusal, plan_slices
 from dm_cli.run.request import run_inputs, visible_gpus
-from dm_cli.run.stages import MainRankStages, StageLoop
+from dm_cli.run.stages import StageLoop
 from dm_cli.run.step_cache import agree_across
 
 LAUNCH = ("launch it with torchrun --nproc-per-node N (N = 2 for cfg, the Ulysses degree for context, the plan's GPUs "
@@ -347,7 +348,7 @@ def _cpu_parallel_config(model, config, sharing: StepSharing):
 # --- the stage loop ------------------------------------------------------------------------------------
 
 
-class ParallelStageLoop(MainRankStages, StageLoop):
+class ParallelStageLoop(StageLoop):
     """The stage loop of one rank of a shared step: encoders and VAE on rank 0 only (embeddings broadcast,
     images decoded once), the denoiser whole on every rank with CFG-parallel and/or context parallel."""
 
@@ -365,7 +366,10 @@ class ParallelStageLoop(MainRankStages, StageLoop):
             import torch  # lazy: torch (heavy, off start-up)
 
             return {"": torch.cuda.current_device()}
-        return super().device_map(name)
+        return on_this_rank(super().device_map(name), self.cuda, self.simulate)
+
+    def stage_runners(self) -> ParallelRunners:
+        return ParallelRunners(self)
 
     def load_stage(self, names: list[str], stage=None) -> None:
         mine = [n for n in names if self.sharing.is_main or n in self.denoisers]
@@ -393,18 +397,6 @@ class ParallelStageLoop(MainRankStages, StageLoop):
             return dist.group.WORLD
         return self.mesh["ulysses"].get_group() if self.sharing.ulysses > 1 else None
 
-    def denoise(self, names, job, embeds, on_step, switch=None, image_latents=None, whole: bool = False):
-        check_job(self.sharing, self.family, job)
-        if self.separate is not None:
-            self.separate.reset()
-        computed = {name: counts.computed for name, counts in self.step_counts.items()}
-        out = super().denoise(names, job, embeds, on_step, switch, image_latents, whole)
-        if self.separate is not None and self.separate.calls:
-            raise RuntimeError("CFG-parallel over separate calls ended a denoise between a step's two calls.")
-        if self.separate is not None and self.step_counts:
-            self._pair_counts(computed)
-        return out
-
     def _pair_counts(self, before: dict) -> None:
         """--cache under separate CFG calls: each rank computes one branch's calls, so the pair's computed calls are
         summed (every rank counts every call), as one process counts both branches."""
@@ -422,6 +414,24 @@ class ParallelStageLoop(MainRankStages, StageLoop):
         super().close()
         if self.owns_group:
             self.sharing.ranks.leave()
+
+
+class ParallelRunners(MainRankRunners):
+    """The stage runners of a rank sharing each step: rank 0's encode and decode (MainRankRunners); a denoise checked
+    against the sharing, its separate CFG calls paired and their computed calls summed over the pair."""
+
+    def denoise(self, names, job, embeds, on_step, switch=None, image_latents=None, whole: bool = False):
+        loop = self.loop
+        check_job(loop.sharing, loop.family, job)
+        if loop.separate is not None:
+            loop.separate.reset()
+        computed = {name: counts.computed for name, counts in loop.step_counts.items()}
+        out = super().denoise(names, job, embeds, on_step, switch, image_latents, whole)
+        if loop.separate is not None and loop.separate.calls:
+            raise RuntimeError("CFG-parallel over separate calls ended a denoise between a step's two calls.")
+        if loop.separate is not None and loop.step_counts:
+            loop._pair_counts(computed)
+        return out
 
 
 class AgreedStepCache(StepCache):

@@ -57,6 +57,7 @@ from dm_cli.run.component_hooks import StepCache, fused_loras
 from dm_cli.run.distributed import TerminateRaises
 from dm_cli.run.hooks import LoopHook
 from dm_cli.run.loading import load_slice
+from dm_cli.run.main_rank import MainRankRunners, on_this_rank
 from dm_cli.run.meter import RssSampler
 from dm_cli.run.pipeline_links import (
     Links,
@@ -65,7 +66,7 @@ from dm_cli.run.pipeline_links import (
     _Stopped,
     join_all,
 )
-from dm_cli.run.stages import MainRankStages, StageLoop
+from dm_cli.run.stages import StageLoop
 from dm_cli.run.step_cache import (
     SliceRelay,
     StepCounter,
@@ -368,7 +369,7 @@ def _one_malloc_arena() -> None:
     mallopt(-8, 1)  # M_ARENA_MAX
 
 
-class PipelineStageLoop(MainRankStages, StageLoop):
+class PipelineStageLoop(StageLoop):
     """The stage loop of one rank of the pipeline: rank 0 encodes (embeddings broadcast), decodes and writes; every
     rank holds its slice of the denoiser and denoises the prompts of a chunk together, taking turns."""
 
@@ -410,7 +411,10 @@ class PipelineStageLoop(MainRankStages, StageLoop):
         """The denoiser's slice on this rank's device; everything else as planned (on the CPU without GPUs)."""
         if name in self.denoisers:
             return {"": str(self.rank_device) if self.cuda else "cpu"}
-        return super().device_map(name)
+        return on_this_rank(super().device_map(name), self.cuda, self.simulate)
+
+    def stage_runners(self) -> PipelineRunners:
+        return PipelineRunners(self)
 
     def load_stage(self, names: list[str], stage=None) -> None:
         mine = [n for n in names if self.sharing.is_main or n in self.denoisers]
@@ -494,7 +498,7 @@ class PipelineStageLoop(MainRankStages, StageLoop):
                     shell = copy.copy(base)  # its own scheduler (its step index), the same components
                     object.__setattr__(shell, "scheduler", copy.deepcopy(base.scheduler))
                     self.local.pipe, self.local.calls = shell, CallPairs()
-                    self._run_denoise(stage_plan, jobs[n], carries[n], on_step)
+                    self.runners.run_denoise(stage_plan, jobs[n], carries[n], on_step)
                 turns.leave(slot)
             except _Stopped:
                 pass
@@ -523,11 +527,6 @@ class PipelineStageLoop(MainRankStages, StageLoop):
             self.notices.append("Each step's two CFG calls (cond, uncond) ran as two micro-batches through the slices "
                                 f"({self.paired_steps} steps so far, the first step of each prompt call by call).")
 
-    def denoise(self, names, job, embeds, on_step, switch=None, image_latents=None, whole: bool = False):
-        if getattr(self.local, "pipe", None) is None:
-            raise RuntimeError("A pipeline rank denoises through run_stage_together only.")
-        return super().denoise(names, job, embeds, on_step, switch, image_latents, whole)
-
     def close(self) -> None:
         """The sends finished, the send thread stopped, the models freed, then the process group left (if this loop
         joined it): in this order on every exit, so that nothing of gloo still runs when the process ends."""
@@ -542,6 +541,16 @@ class PipelineStageLoop(MainRankStages, StageLoop):
             finally:
                 self._terminate.__exit__(None, None, None)
 
+
+
+class PipelineRunners(MainRankRunners):
+    """The stage runners of a pipeline rank: rank 0's encode and decode (MainRankRunners); a denoise only from
+    `run_stage_together`'s threads, each with its own pipeline shell."""
+
+    def denoise(self, names, job, embeds, on_step, switch=None, image_latents=None, whole: bool = False):
+        if getattr(self.loop.local, "pipe", None) is None:
+            raise RuntimeError("A pipeline rank denoises through run_stage_together only.")
+        return super().denoise(names, job, embeds, on_step, switch, image_latents, whole)
 
 # --- the hooks of a slice (dm_cli.run.hooks) -------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
 """The stage loop: load a stage's components to their planned devices, run it, free them.
 
-One family-agnostic piece for every run mode, made of one file per loop: `dmap run` runs one Job through all the
-plan's stages (`StageLoop.run_job`, dm_cli.run.job_loop); a queue runner can hold a stage loaded and run a chunk of
-jobs through it (`run_jobs`, dm_cli.run.batch_loop; or `load_stage`, `run_stage` per job, `unload_stage`); the
-ranks sharing a job run rank 0's encode and decode (dm_cli.run.main_rank). Which runner runs a stage is its kind,
+One family-agnostic piece for every run mode, by composition: the loop holds the state (the pipeline, the plan, the
+components loaded, the meter, the hooks) and the loading, and owns three collaborators, each given the loop and the
+one below it, calling only downward: `batches` (dm_cli.run.batch_loop: a chunk of jobs stage-major, `run_jobs`;
+`dmap run`'s `run_job` is the chunk of one) -> `jobs` (dm_cli.run.job_loop: one stage of one job measured,
+`run_stage`; experts taking turns, `run_experts`) -> `runners` (dm_cli.run.stage_kinds: what each stage kind runs).
+The ranks sharing a job give the loop their runners (rank 0 encodes and decodes: dm_cli.run.main_rank). Which runner runs a stage is its kind,
 what it produces (`dm_cli.families.stages`: the plan records what each stage consumes and produces), never its
 name; what a runner does is the family's (dm_cli.run.stage_kinds); which components it loads and where is the
 plan's. What the loop puts on each component it loads (tiled decode, LoRAs, step cache, meter, split check) is a
@@ -16,20 +18,23 @@ import contextlib
 from typing import Callable
 
 from dm_cli.families import Family
-from dm_cli.run.batch_loop import BatchLoop
+from dm_cli.families.stages import DENOISE
+from dm_cli.planning.modes import Mode
+from dm_cli.run.batch_loop import BatchRunner
 from dm_cli.run.carry import Carry, StageResult
 from dm_cli.run.component_hooks import fused_loras, standard_hooks
-from dm_cli.run.job_loop import JobLoop
-from dm_cli.run.loading import build_pipeline, free_components, load_component, placeholder
+from dm_cli.run.job_loop import JobRunner
+from dm_cli.run.loading import build_pipeline, execution_device, free_components, load_component, placeholder
 from dm_cli.run.main_rank import MainRankStages
 from dm_cli.run.meter import MemoryMeter, RssSampler
 from dm_cli.run.stage_kinds import RUNNERS, StageRunners, nonfinite_refusal
 
 # what other modules import from here, wherever it now lives
-__all__ = ["RUNNERS", "Carry", "MainRankStages", "StageLoop", "StageResult", "fused_loras", "nonfinite_refusal"]
+__all__ = ["RUNNERS", "Carry", "MainRankStages", "StageLoop", "StageResult", "StageRunners", "fused_loras",
+           "nonfinite_refusal"]
 
 
-class StageLoop(JobLoop, BatchLoop, StageRunners):
+class StageLoop:
     """A pipeline (tokenizers, scheduler, meta placeholders) plus the components loaded right now.
 
     `simulate`: every planned device is the CPU, with the tracer's split check active during each
@@ -55,7 +60,6 @@ class StageLoop(JobLoop, BatchLoop, StageRunners):
         self.meter = MemoryMeter()
         self.loaded: dict[str, object] = {}
         self.cuda = not simulate and torch.cuda.is_available()
-        self._tracking_from = 0  # denoising step at which the activation tracker last started
         # Per-op tracking (MemoryMeter) is what splits a CPU's memory between virtual devices, so
         # --simulate needs it; a plain CPU run measures the process's peak RSS instead, which costs
         # nothing per op (the tracker makes a tracked step ~3x slower).
@@ -67,6 +71,55 @@ class StageLoop(JobLoop, BatchLoop, StageRunners):
         # what is put on each component as it loads, by name (dm_cli.run.component_hooks); a run mode's loop
         # registers its own versions after this
         self.hooks = standard_hooks(self)
+        # what runs the jobs, each collaborator calling only the one below it: batches -> jobs -> runners
+        self.runners = self.stage_runners()
+        self.jobs = JobRunner(self, self.runners)
+        self.batches = BatchRunner(self, self.jobs)
+
+    def stage_runners(self) -> StageRunners:
+        """What each stage kind runs for this loop (the loops of ranks sharing a job give their own)."""
+        return StageRunners(self)
+
+    # --- running: the collaborators' entry points, as the session and the tests call them ----------------
+
+    def run_job(self, job, on_step=None) -> tuple[Carry, list[StageResult]]:
+        """All the plan's stages for one job (`dmap run`), the chunk of one (`run_jobs`): (its Carry, what each load
+        and stage measured)."""
+        results: list[StageResult] = []
+        carry = Carry()
+        for _, carry, _ in self.run_jobs([job], on_step, results):
+            pass
+        return carry, results
+
+    def run_jobs(self, jobs: list, on_step=None, results: list[StageResult] | None = None):
+        """Every stage of the plan over a chunk of jobs, stage-major: BatchRunner.run_jobs."""
+        return self.batches.run_jobs(jobs, on_step, results)
+
+    def run_stage(self, stage_plan, job, carry: Carry, on_step=None, result: StageResult | None = None) -> StageResult:
+        """One planned stage of one job, its components loaded: dm_cli.run.job_loop.JobRunner.run_stage."""
+        return self.jobs.run_stage(stage_plan, job, carry, on_step, result)
+
+    # --- the run mode's choices the batch runner asks for -------------------------------------------------
+
+    def stage_groups(self) -> list[list]:
+        """The plan's stages as they run: consecutive denoise sub-stages (the same name) of a staged plan
+        (experts loaded one at a time, `run_experts`) form one group, every other stage a group of its own."""
+        staged = self.plan.mode != Mode.RESIDENT
+        groups: list[list] = []
+        for stage in self.plan.stages:
+            if staged and groups and stage.kind == DENOISE and groups[-1][0].kind == DENOISE \
+                    and stage.name == groups[-1][0].name:
+                groups[-1].append(stage)
+            else:
+                groups.append([stage])
+        return groups
+
+    def runs_together(self, stage_plan) -> bool:
+        """Whether the jobs of a chunk run this stage together (`run_stage_together`) rather than one by one."""
+        return False
+
+    def run_stage_together(self, stage_plan, jobs: list, carries: list[Carry], on_step, stage: StageResult) -> None:
+        raise NotImplementedError  # a loop whose runs_together says yes (dm_cli.run.pipeline) has its own
 
     @property
     def step_counts(self) -> dict:
@@ -106,6 +159,10 @@ class StageLoop(JobLoop, BatchLoop, StageRunners):
 
     def device_map(self, name: str) -> dict:
         return self.plan.components[name].device_map
+
+    def _device(self, names: list[str]):
+        """Where the first of `names` computes (the CPU under --simulate)."""
+        return execution_device(self.device_map(names[0]) if names else {"": "cpu"}, self.simulate)
 
     def overlaps(self, name: str) -> bool:
         """Whether the plan overlaps component `name`'s offload (planning/overlap.py; run/prefetch.py runs it)."""
