@@ -18,7 +18,8 @@ Sections (--sections, all four by default):
   bitsandbytes wheel too (its doc says how).
 Exit 1 when a measured GPU peak exceeds the planned one or dmap's pixels differ from diffusers'.
 
-`--device cpu --small` runs predict and flux on this CPU at tiny sizes (the demo's configs, a quick calibration):
+`--device cpu --small` runs predict and flux on this CPU at tiny sizes (the demo's configs, a quick calibration,
+float32):
 the script's own test (tests/scripts/test_gpu_check.py), so that the GPU call runs what CI has run.
 
 On a lent machine (the `device` tool: torch, transformers and accelerate are there, diffusers is not), once here:
@@ -267,7 +268,7 @@ def diffusers_measure(spec: dict) -> dict:
 
     device = torch.device(spec["device"])
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    pipe = diffusers.FluxPipeline.from_pretrained(spec["folder"], torch_dtype=torch.bfloat16).to(device)
+    pipe = diffusers.FluxPipeline.from_pretrained(spec["folder"], torch_dtype=getattr(torch, spec["dtype"])).to(device)
     pipe.set_progress_bar_config(disable=True)
 
     def call(steps: int, callback=None):
@@ -304,12 +305,16 @@ def flux_check(args, profiles: dict[str, str], work: Path, env: dict, torch) -> 
     from PIL import Image
 
     size, steps = (64, 3) if args.small else (args.flux_size, args.flux_steps)
+    # a CPU's bf16 matmuls run about 10x below its float32 ones (dmap calibrate): the CPU form checks the script
+    # itself, in float32; the GPU runs what the record measured, bf16
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     folder = flux_folder(args, work, torch)
-    extra = ["--height", str(size), "--width", str(size), "--dtype", "bfloat16", *_devices(args, 70)]
+    extra = ["--height", str(size), "--width", str(size), "--dtype", dtype, *_devices(args, 70)]
     predicted = {label: _predicted(str(folder), extra, steps, profile, env) for label, profile in profiles.items()}
     dmap_png, diffusers_png = work / "flux-dmap.png", work / "flux-diffusers.png"
     ours = bench_predict.measure_in_process(str(folder), extra, 1, steps, env, output=str(dmap_png))
-    spec = {"folder": str(folder), "device": args.device, "size": size, "steps": steps, "output": str(diffusers_png)}
+    spec = {"folder": str(folder), "device": args.device, "size": size, "steps": steps, "output": str(diffusers_png),
+            "dtype": dtype}
     proc = subprocess.run([sys.executable, __file__, "--diffusers", json.dumps(spec)], capture_output=True, text=True,
                           env=env, cwd=REPO)
     if proc.returncode:
@@ -317,7 +322,7 @@ def flux_check(args, profiles: dict[str, str], work: Path, env: dict, torch) -> 
     theirs = json.loads(proc.stdout.strip().splitlines()[-1])
     difference = int(np.abs(np.asarray(Image.open(dmap_png), dtype=np.int16)
                             - np.asarray(Image.open(diffusers_png), dtype=np.int16)).max())
-    print(f"FLUX.1 [dev]-shaped, {size}x{size}, {steps} steps, bf16, on {args.device}\n"
+    print(f"FLUX.1 [dev]-shaped, {size}x{size}, {steps} steps, {dtype}, on {args.device}\n"
           "| run | s/step | s/image (encode, denoise, decode) |\n|---|---:|---:|", flush=True)
     print(f"| dmap run (API) | {ours['wall_step_s']:.4f} | {ours['image_s']:.2f} |")
     print(f"| diffusers FluxPipeline | {theirs['wall_step_s']:.4f} | {theirs['image_s']:.2f} |")

@@ -98,14 +98,16 @@ def load_json(path):
 # that no worker is left running a long file alone at the end (longest first). Ordered by their time in a full run
 # (--durations); a file not listed runs after these, each file's own tests in their order.
 HEAVIEST_FIRST = (
-    "test_pipeline_run.py", "test_parallel_run.py", "test_parallel_features.py", "test_pipeline_weights.py",
-    "test_pipeline_signals.py", "test_docs_commands.py", "test_queue_run.py", "test_flux1_single_file.py",
-    "test_interrupt_large.py", "test_serve_cache.py", "test_wan_i2v.py", "test_run.py", "test_serve_ranks.py",
-    "test_request_adapters.py", "test_single_file_run.py", "test_first_contact_checks.py", "test_tiled_decode.py",
-    "test_flux2_refs.py", "test_first_contact_progress.py", "test_qwen_edit.py", "test_plan_source.py",
-    "test_ltx2_keyframes.py", "test_serve_process_values.py", "test_weight_formats.py", "test_first_contact_3.py",
-    "test_full_disk.py", "test_qwenimage.py", "test_ltx2.py", "test_step_cache.py", "test_input_requests.py",
-    "test_serve_connections.py", "test_queue_ranks_features.py", "test_serve.py", "test_cache_visible.py",
+    "test_pipeline_run.py", "test_flux1_single_file.py", "test_gpu_check.py", "test_nf4_run.py",
+    "test_pipeline_weights.py", "test_pipeline_signals.py", "test_parallel_run.py", "test_gpu_record.py",
+    "test_docs_commands.py", "test_context_shapes.py", "test_queue_run.py", "test_parallel_features.py",
+    "test_first_contact_checks.py", "test_compile.py", "test_inline_plan.py", "test_serve.py", "test_nf4.py",
+    "test_lora.py", "test_plan_source.py", "test_serve_ranks.py", "test_first_contact_3.py",
+    "test_serve_connections.py", "test_queue_ranks_features.py", "test_wan_i2v.py", "test_flux2.py",
+    "test_request_adapters.py", "test_qwen_edit.py", "test_serve_cache.py", "test_readme.py",
+    "test_single_file_run.py", "test_run.py", "test_weight_formats.py", "test_input_requests.py", "test_trace.py",
+    "test_plan_execute.py", "test_flux2_refs.py", "test_serve_process_values.py", "test_flux_edit.py",
+    "test_tiled_decode.py", "test_step_cache.py", "test_wan.py", "test_qwenimage.py", "test_interrupt_large.py",
 )
 
 
