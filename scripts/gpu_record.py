@@ -5,8 +5,9 @@
 
 The rows (tests/planning/gpu_record_rows.json) are published measurements of diffusers pipelines on GPUs, copied as
 published with their sources (docs/gpu-record-sources.md says where each comes from). Each row that dmap can plan
-the same way (a preset of the model, a table row for the GPU, the whole pipeline resident, eager, weights in a format
-dmap runs) is planned with `dm_cli.plan(..., profile="table:GPU")` and its figure compared:
+the same way (a preset of the model, a table row for the GPU, the whole pipeline resident, weights in a format dmap
+runs; a row that compiled its denoiser with torch.compile planned with `--compile full`) is planned with
+`dm_cli.plan(..., profile="table:GPU")` and its figure compared:
 
 - `loaded_memory`: the components' weights; `peak_allocated`: the plan's peak on the GPU (weights, activations as
   CUDA's kernels hold them, and dmap's 600 MB per-GPU overhead, which stands for the CUDA context and cuBLAS's
@@ -16,8 +17,8 @@ dmap runs) is planned with `dm_cli.plan(..., profile="table:GPU")` and its figur
 - `image_seconds` (one pipeline call: encode, every step, decode), `step_seconds` and `its` (steps per second):
   within 25%.
 
-A row dmap cannot plan the same way says why (`unmatched`): torch.compile, diffusers' own offload hooks, a weight
-format dmap does not run, a GPU without a datasheet row, a model without a preset. "GB" in a source is read as GiB
+A row dmap cannot plan the same way says why (`unmatched`): diffusers' own offload hooks, a weight format dmap does
+not run (or runs eager under --compile), a GPU without a datasheet row, a model without a preset. "GB" in a source is read as GiB
 (torch.cuda's counters divided by 1024**3, which every source whose code could be read does). Memory figures are
 published in GiB, so errors are of bytes. tests/planning/test_gpu_record.py re-plans every row and fails when one
 leaves its bound, or, for a row outside its bound for a reason the row names, when it gets worse.
@@ -82,8 +83,6 @@ def unmatched(row: dict) -> str | None:
         return f"no dmap preset of {row['model']}"
     if row["gpu"] not in GPU_MEMORY:
         return f"no datasheet row for the {row['gpu']}"
-    if row.get("compile") not in (None, "none"):
-        return "torch.compile (dmap runs eager)"
     if row.get("offload") not in (None, "none"):
         return f"diffusers' {row['offload']} offload hooks, not a dmap placement"
     if weights_spec(row) is False:
@@ -99,7 +98,12 @@ def unmatched(row: dict) -> str | None:
 
 def plan_key(row: dict) -> tuple:
     return (row["model"], row["gpu"], row["dtype"], weights_spec(row), row.get("cfg"), row["height"], row["width"], row["frames"],
-            row["steps"], row["batch"])
+            row["steps"], row["batch"], compile_mode(row))
+
+
+def compile_mode(row: dict) -> str:
+    """dmap's --compile for the row: a row that compiled its denoiser whole (torch.compile on the model) is `full`."""
+    return "none" if row.get("compile") in (None, "none") else "full"
 
 
 def make(row: dict):
@@ -109,7 +113,7 @@ def make(row: dict):
     return dm_cli.plan(PRESETS[row["model"]], max_memory=f"0={GPU_MEMORY[row['gpu']]}", height=row["height"],
                        width=row["width"], batch_size=row["batch"] or 1, num_frames=row["frames"],
                        dtype=row["dtype"], weights=weights_spec(row), mode="resident", check=False,
-                       profile=f"table:{row['gpu']}", steps=row["steps"],
+                       profile=f"table:{row['gpu']}", steps=row["steps"], compile=compile_mode(row),
                        # Qwen-Image's true CFG runs only with a negative prompt (its second call per step)
                        negative_prompt=" " if row.get("cfg") == "true" and row["model"] == "qwen-image" else None)
 
@@ -122,6 +126,8 @@ def figures(plan) -> dict[str, float]:
     predicted = plan.predicted_time
     out = {"loaded_memory": weights / GIB, "peak_allocated": peak / GIB, "peak_reserved": peak / GIB,
            "activations": activations / GIB}
+    if predicted and predicted.get("compile_eager_because"):  # asked to compile, the run would not: nothing to compare
+        return {"unmatched": f"dmap runs it eager under --compile: {predicted['compile_eager_because']}"}
     if predicted:
         out.update(image_seconds=predicted.get("pipeline_s", 0.0), step_seconds=predicted["step_s"],
                    its=1.0 / predicted["step_s"] if predicted["step_s"] else 0.0)
@@ -171,6 +177,9 @@ def evaluate(selected: list[dict] | None = None, on_plan=None) -> list[dict]:
             plans[key] = figures(make(row))
             if on_plan is not None:
                 on_plan(row, plans[key])
+        if "unmatched" in plans[key]:
+            out.append({**judged(row, None), "unmatched": plans[key]["unmatched"]})
+            continue
         out.append(judged(row, plans[key].get(row["quantity"])))
     return out
 
