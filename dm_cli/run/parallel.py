@@ -67,7 +67,7 @@ class StepSharing:
         return self.ranks.is_main
 
     def describe(self) -> str:
-        if self.layout == "pipeline":
+        if self.layout == Layout.PIPELINE:
             return f"pipeline parallel: one slice of the denoiser on each of {self.ranks.world_size} torchrun ranks"
         return f"{layout_title(self.layout, self.cfg, self.ulysses)} over {self.ranks.world_size} torchrun ranks"
 
@@ -118,7 +118,7 @@ def pipelined(choice: str | None, plan, ranks: Ranks | None = None) -> bool:
     torchrun with as many ranks as it records."""
     ranks = ranks or Ranks.from_env()
     recorded = getattr(plan, "parallel", None)
-    return choice == "pipeline" or (choice is None and recorded is not None and recorded.layout == "pipeline"
+    return choice == Parallel.PIPELINE or (choice is None and recorded is not None and recorded.layout == Layout.PIPELINE
                                     and ranks.world_size == recorded.world_size)
 
 

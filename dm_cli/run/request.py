@@ -36,7 +36,7 @@ from dm_cli.model.lora import read_loras
 from dm_cli.model.single_file_weights import named_component_files, resolve_with_pipeline, without_weights
 from dm_cli.model.sources import PRESETS, config_digest, looks_like_path, preset_refusal
 from dm_cli.planning.make import launch_warning, make_named_plan
-from dm_cli.planning.modes import Strategy
+from dm_cli.planning.modes import Parallel, Strategy
 from dm_cli.planning.parallel import ParallelRequest
 from dm_cli.planning.plan_command import lora_flags, plan_command
 from dm_cli.planning.plan_options import PlanOptions
@@ -243,7 +243,7 @@ def _planned_parallel(request: RunRequest):
     """What the inline plan plans for the ranks: `--parallel pipeline` under torchrun cuts the denoiser into one
     slice per rank (dm_cli.run.pipeline); the other layouts run the single-process plan."""
     ranks = Ranks.from_env()
-    if request.parallel == "pipeline" and ranks.world_size > 1:
+    if request.parallel == Parallel.PIPELINE and ranks.world_size > 1:
         return ParallelRequest(ranks.world_size, "pipeline")
     return ParallelRequest()
 

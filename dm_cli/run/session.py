@@ -25,7 +25,6 @@ from dm_cli.run.parallel import ParallelStageLoop
 from dm_cli.run.pipeline import PipelineStageLoop
 from dm_cli.run.queue import QueueItem, chunk_size_for, chunks, default_output_name
 from dm_cli.run.request import input_images, last_input_image
-from dm_cli.run.settle import Loop
 from dm_cli.run.stages import StageLoop, fused_loras
 from dm_cli.units import DTYPE_BYTES, numel
 
@@ -69,6 +68,11 @@ class Generated:
         return self.images[0]
 
 
+def _settled(name: str) -> property:
+    """A Session's read-only view of what its settled run decided (`SettledRun.<name>`)."""
+    return property(lambda session: getattr(session.settled, name), doc=f"The settled run's `{name}`.")
+
+
 class Session:
     """A settled run (`dm_cli.run.settle.SettledRun`) ready to generate; components load per the plan's mode.
 
@@ -84,15 +88,8 @@ class Session:
         from dm_cli.run.request import TRACKED_STEPS  # lazy: looked up per call (tests patch TRACKED_STEPS)
 
         request = settled.request
-        self.settled = settled
-        self.source, self.family, self.demo = settled.source, settled.family, settled.demo
+        self.settled = settled  # kept whole: what it decided is read from it (the properties below), never copied
         self.notices = list(settled.notices)  # the loop adds what it learns as it runs (a pipeline's notices)
-        self.generation, self.defaults, self.fps = settled.generation, settled.defaults, settled.fps
-        self.plan, self.plan_digest, self.planned_here = settled.plan, settled.plan_digest, settled.planned_here
-        self.source_from_plan = settled.source_from_plan
-        self.sharing, self.is_main = settled.sharing, settled.is_main
-        self.simulate, self.staged = request.simulate, settled.staged
-        self.pipelined = settled.loop is Loop.PIPELINE
         if self.pipelined:
             loop, shared = PipelineStageLoop, {"sharing": self.sharing, "notices": self.notices}
         elif self.sharing is not None:
@@ -111,6 +108,27 @@ class Session:
                                               for s in self.plan.stages}
         if not self.staged:
             self.stage_totals["load"] = {"loads": 0, "load_s": 0.0, "run_s": 0.0}
+
+    # --- what the settled run decided (dm_cli.run.settle.SettledRun), read from it ---------------------
+
+    source = _settled("source")
+    family = _settled("family")
+    demo = _settled("demo")
+    generation = _settled("generation")  # the settled generation: every default filled in
+    defaults = _settled("defaults")  # the job each prompt starts from
+    fps = _settled("fps")
+    plan = _settled("plan")
+    plan_digest = _settled("plan_digest")
+    planned_here = _settled("planned_here")
+    source_from_plan = _settled("source_from_plan")
+    sharing = _settled("sharing")
+    is_main = _settled("is_main")
+    staged = _settled("staged")
+    pipelined = _settled("pipelined")
+
+    @property
+    def simulate(self) -> bool:
+        return self.settled.request.simulate
 
     # --- what a queue needs to know before it starts -------------------------------------------
 

@@ -36,7 +36,7 @@ from dm_cli.model.formats.weight_formats import int8_offload_problem
 from dm_cli.model.single_file_weights import component_files_metadata
 from dm_cli.planning.lora_sizing import lora_targets
 from dm_cli.planning.make import launch_warning
-from dm_cli.planning.modes import Strategy, Word
+from dm_cli.planning.modes import Layout, Mode, Strategy, Word
 from dm_cli.run.checks import check_seed
 from dm_cli.run.compile import compile_choice
 from dm_cli.run.distributed import Ranks
@@ -208,7 +208,7 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
     # torchrun ranks sharing each step (--parallel, or the plan file's `parallel`): refused (one sentence) before
     # anything is imported or planned
     sharing, shared = step_sharing(request.parallel, plan, source, family, generation, ranks)
-    pipeline = sharing is not None and sharing.layout == "pipeline"
+    pipeline = sharing is not None and sharing.layout == Layout.PIPELINE
     # a pipeline's refusal (pipeline_refusal), once: here when what it reads is known (the plan given, or one
     # process, which no plan helps), else once the plan made here is known (its denoiser's class)
     if pipeline and (plan is not None or sharing.ranks.world_size < 2):
@@ -228,7 +228,7 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
                       defaults=job, fps=generation.fps if generation.num_frames else None, plan=plan,
                       plan_digest=plan_digest(plan), planned_here=planned_here, source_from_plan=source_from_plan,
                       where=_where(request), sharing=sharing, loop=_loop(plan, sharing),
-                      staged=plan.mode != "resident", is_main=sharing is None or sharing.is_main,
+                      staged=plan.mode != Mode.RESIDENT, is_main=sharing is None or sharing.is_main,
                       largest_shard=largest, notices=tuple(notices), compile=str(compiled))
 
 
@@ -331,7 +331,7 @@ def queue_parallel(plan: Plan | None, ranks) -> str:
     pipeline plan under torchrun with another number of ranks is refused (one sentence, on every rank, before
     anything loads or joins), as for one prompt: its slices are cut for its own count."""
     recorded = getattr(plan, "parallel", None)
-    if recorded is not None and recorded.layout == "pipeline":
+    if recorded is not None and recorded.layout == Layout.PIPELINE:
         check_rank_count(recorded, ranks)
     return "pipeline" if plan is not None and pipelined(None, plan, ranks) else "none"
 
@@ -361,4 +361,4 @@ def _refuse_int8_offload(plan: Plan) -> None:
 def _loop(plan: Plan, sharing: StepSharing | None) -> Loop:
     if sharing is not None:
         return Loop(sharing.layout)
-    return Loop.RESIDENT if plan.mode == "resident" else Loop.STAGED
+    return Loop.RESIDENT if plan.mode == Mode.RESIDENT else Loop.STAGED

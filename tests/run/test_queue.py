@@ -2,6 +2,7 @@
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -225,15 +226,15 @@ def test_a_queue_item_takes_the_runs_negative_prompt_and_steps_unless_it_has_its
     from dm_cli.model.sources import resolve_source
     from dm_cli.run.session import Session
 
-    pipe = object.__new__(Session)  # job_for needs only the family and the run's settled job
-    pipe.family = family_for("StableDiffusionPipeline")
-    pipe.source = resolve_source("tiny-sd15")  # its configs: the rules the run applies to each item
-    pipe.generation = Generation(height=64, width=64, steps=5, guidance_scale=7.5, negative_prompt="blur", num_images=1)
-    pipe.defaults = Job.of(pipe.generation, "", 0)
+    pipe = object.__new__(Session)  # job_for needs only the family and the run's settled job (the Session keeps it)
+    generation = Generation(height=64, width=64, steps=5, guidance_scale=7.5, negative_prompt="blur", num_images=1)
+    pipe.settled = SimpleNamespace(family=family_for("StableDiffusionPipeline"),
+                                   source=resolve_source("tiny-sd15"),  # its configs: the rules applied to each item
+                                   generation=generation, defaults=Job.of(generation, "", 0))
     plain, own = QueueItem(0, "a fox", 3, "a.png"), QueueItem(1, "a cat", 4, "b.png", "dark", 2, 1.5)
     assert (pipe.job_for(plain).negative_prompt, pipe.job_for(plain).steps) == ("blur", 5)
     assert (pipe.job_for(own).negative_prompt, pipe.job_for(own).steps, pipe.job_for(own).guidance_scale) == \
         ("dark", 2, 1.5)
-    pipe.family, pipe.source = family_for("FluxPipeline"), resolve_source("tiny-flux")  # guidance-distilled: the run's negative prompt is refused per item
+    pipe.settled.family, pipe.settled.source = family_for("FluxPipeline"), resolve_source("tiny-flux")  # guidance-distilled: the run's negative prompt is refused per item
     with pytest.raises(UsageError, match="Item 0"):
         pipe.job_for(plain)
