@@ -14,7 +14,8 @@ Table 2, whole processes, the issue's case (--size 256, --steps 8, seed 0): `dma
 guidance), both eager, then both with `--compile` (dmap's regional; diffusers-cli's bare `--compile`, which is its
 `compile_repeated_blocks(fullgraph=True)` too), --pairs rounds of the four processes, which side goes first alternating;
 medians of the process wall seconds and the median of the per-pair ratios (dmap / diffusers-cli). Every image is
-compared with diffusers-cli eager's: the largest pixel difference (0-255).
+compared with diffusers-cli eager's: the largest pixel difference (0-255). Every dmap process imports one copy of
+dm_cli taken at the start (`snapshot`), so edits to the tree mid-bench cannot re-plan inside a timed run.
 
 Usage: .venv/bin/python scripts/bench_fast.py [--sizes 128,256,512] [--steps 8] [--repeats 1] [--pairs 2]
        [--size 256] [--threads 1] [--skip table1|table2]
@@ -25,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPT = "a red fox in the snow"
 DIFFUSERS_CLI = Path(sys.executable).parent / "diffusers-cli"
 DMAP = Path(sys.executable).parent / "dmap"
+CODE: Path | None = None  # the snapshot of dm_cli the dmap processes import (main sets it)
 
 # one dmap process of table 1: load, two images, the denoise seconds of each and dynamo's compile seconds
 IN_PROCESS = r"""
@@ -56,8 +60,18 @@ with dm_cli.load(folder, height=size, width=size, compile=mode) as session:
 
 
 def env(threads: int) -> dict:
+    code = {"PYTHONPATH": str(CODE)} if CODE is not None else {}
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-            "TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error"}
+            "TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error", **code}
+
+
+def snapshot() -> Path:
+    """A copy of dm_cli that every dmap process of the bench runs. dmap's caches are keyed by a digest of its code
+    (io/cache.py), so a file edited in the tree mid-bench (a shared tree) made the next dmap process re-plan, about
+    5 s of CPU counted as dmap's; the warm-up fills the snapshot's caches once."""
+    target = Path(tempfile.mkdtemp(prefix="bench_fast-code-"))
+    shutil.copytree(REPO / "dm_cli", target / "dm_cli", ignore=shutil.ignore_patterns("__pycache__"))
+    return target
 
 
 def demo_folder() -> str:
@@ -107,12 +121,16 @@ def diffusers_command(folder: str, size: int, steps: int, out: Path, compiled: b
             "--pipeline-kwargs", json.dumps(kwargs), "-o", str(out), *(["--compile"] if compiled else [])]
 
 
-def timed(command: list[str], threads: int) -> float:
-    start = time.perf_counter()
+def timed(command: list[str], threads: int) -> tuple[float, float]:
+    """(wall s, CPU s: user + system of the process and the children it waited for); CPU is what a machine shared
+    with other jobs leaves steady."""
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env(threads), cwd=REPO)
     if done.returncode:
         raise SystemExit(f"{' '.join(command[:3])} failed:\n{done.stderr[-3000:]}")
-    return time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return time.perf_counter() - start, cpu
 
 
 def pixels(path: Path):
@@ -139,17 +157,19 @@ def table2(folder: str, size: int, steps: int, pairs: int, threads: int) -> None
     print(f"\nTable 2: whole processes, demo pipeline {size}x{size}, {steps} steps, seed 0, float32, {threads} "
           f"thread(s), {pairs} pairs alternating (after one warm-up run each)")
     print("| kind | dmap s (median) | diffusers-cli s (median) | dmap / diffusers-cli (median of pairs) | "
-          "max pixel diff vs diffusers-cli eager (dmap, diffusers-cli) |")
-    print("|---|---|---|---|---|")
+          "CPU s, dmap / diffusers-cli (medians) | max pixel diff vs diffusers-cli eager (dmap, diffusers-cli) |")
+    print("|---|---|---|---|---|---|")
     for compiled in (False, True):
         ours, theirs = times["dmap", compiled], times["diffusers-cli", compiled]
-        ratio = statistics.median(a / b for a, b in zip(ours, theirs))
+        ratio = statistics.median(a[0] / b[0] for a, b in zip(ours, theirs))
+        cpu = [statistics.median(run[1] for run in runs) for runs in (ours, theirs)]
         diffs = [int(abs(pixels(work / f"{tool}-{compiled}.png") - reference).max()) for tool in makers]
-        print(f"| {'--compile' if compiled else 'eager'} | {statistics.median(ours):.2f} | "
-              f"{statistics.median(theirs):.2f} | {ratio:.2f}x | {diffs[0]}, {diffs[1]} |", flush=True)
-    eager = statistics.median(times["dmap", False])
+        print(f"| {'--compile' if compiled else 'eager'} | {statistics.median(run[0] for run in ours):.2f} | "
+              f"{statistics.median(run[0] for run in theirs):.2f} | {ratio:.2f}x | {cpu[0]:.1f} / {cpu[1]:.1f} | "
+              f"{diffs[0]}, {diffs[1]} |", flush=True)
+    eager = statistics.median(run[0] for run in times["dmap", False])
     print(f"dmap --compile / dmap eager (whole process, inductor's cache warm): "
-          f"{statistics.median(times['dmap', True]) / eager:.2f}x")
+          f"{statistics.median(run[0] for run in times['dmap', True]) / eager:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip", choices=("table1", "table2"), default=None)
     args = parser.parse_args(argv)
-    folder = demo_folder()
+    global CODE
+    folder, CODE = demo_folder(), snapshot()
     print(f"torch {__import__('torch').__version__}, diffusers {__import__('diffusers').__version__}, "
           f"{os.cpu_count()} CPUs; demo folder {folder}")
     if args.skip != "table1":
