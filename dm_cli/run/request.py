@@ -3,9 +3,9 @@
 The diffusers "distributed inference" recipe (load the text encoders, encode, free them; load the
 denoiser, denoise to latents, free it; load the VAE, decode) for any pipeline a family in
 `dm_cli.families` knows: this module holds the request and the facts its checks compare (SOURCE,
-defaults, the plan against the run), which `dm_cli.run.settle` applies once, in order; `dm_cli.run.stages`
-loads each stage's components to their planned devices and runs it; `dm_cli.run.loading` loads and
-frees components; `dm_cli.run.meter` measures. `simulate=True` runs every
+defaults, the plan against the run), which `dm_cli.run.settle.settle` applies once, in order; `dm_cli.run.loops.stages`
+loads each stage's components to their planned devices and runs it; `dm_cli.run.load.loading` loads and
+frees components; `dm_cli.run.load.meter` measures. `simulate=True` runs every
 virtual device on the CPU with the tracer's split check active, so a two-GPU plan can be proven on
 a laptop. No Typer, no Rich here.
 """
@@ -37,14 +37,14 @@ from dm_cli.model.single_file_weights import named_component_files, resolve_with
 from dm_cli.model.sources import PRESETS, config_digest, looks_like_path, preset_refusal
 from dm_cli.planning.make import launch_warning, make_named_plan
 from dm_cli.planning.modes import Parallel, Strategy
-from dm_cli.planning.parallel import ParallelRequest
+from dm_cli.planning.parallel.parallel import ParallelRequest
 from dm_cli.planning.plan_command import lora_flags, plan_command
 from dm_cli.planning.plan_options import PlanOptions
-from dm_cli.planning.plan_prediction import MAX_QUEUE, PredictionRequest
 from dm_cli.planning.step_cache import parse_cache
-from dm_cli.planning.trace import can_tile
-from dm_cli.run.compile import parse_compile
+from dm_cli.planning.time.plan_prediction import MAX_QUEUE, PredictionRequest
+from dm_cli.planning.trace.trace import can_tile
 from dm_cli.run.distributed import Ranks
+from dm_cli.run.hooks.compile import parse_compile
 from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
@@ -91,13 +91,13 @@ class RunRequest:
     # the input images may come with each prompt (dm_cli.load's generate(image=...), queue items): a family that
     # needs one checks each prompt's, not the session's default generation
     per_prompt_images: bool = False
-    # --parallel (dm_cli.run.parallel): how torchrun ranks share each step; None follows the plan file's `parallel`
+    # --parallel (dm_cli.run.ranks.parallel): how torchrun ranks share each step; None follows the plan file's `parallel`
     parallel: str | None = None
     pipeline: str | None = None  # --pipeline: SOURCE is a single file, the rest of the pipeline comes from here
     component_files: dict | None = None  # --component-file NAME=FILE: these components from these single files
     cache_off: bool = False  # --cache none: a plan file's step cache is switched off (check_plan_cache)
     switch_loras: bool = False  # the inline plan keeps the LoRAs unfused: served requests, queue items choose
-    compile: str = "none"  # --compile: none | regional | auto | full (dm_cli.run.compile)
+    compile: str = "none"  # --compile: none | regional | auto | full (dm_cli.run.hooks.compile)
     queue: int = 1  # the prompts this run generates (a queue's items): the predicted time is for them
 
     def __post_init__(self) -> None:
@@ -232,8 +232,8 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
 
 def cpu_rank_devices(world_size: int) -> str:
     """Pipeline ranks on a machine without GPUs: each rank's CPU stands for GPU r (as the run places them,
-    `dm_cli.run.parallel.cpu_ranks`), with an equal share of the available RAM."""
-    from dm_cli.planning.budgets import available_ram  # lazy: looked up per call (tests patch available_ram)
+    `dm_cli.run.ranks.parallel.cpu_ranks`), with an equal share of the available RAM."""
+    from dm_cli.planning.placement.budgets import available_ram  # lazy: looked up per call (tests patch available_ram)
 
     share = available_ram() // world_size
     return ",".join(f"{rank}={share}B" for rank in range(world_size))
@@ -241,7 +241,7 @@ def cpu_rank_devices(world_size: int) -> str:
 
 def _planned_parallel(request: RunRequest):
     """What the inline plan plans for the ranks: `--parallel pipeline` under torchrun cuts the denoiser into one
-    slice per rank (dm_cli.run.pipeline); the other layouts run the single-process plan."""
+    slice per rank (dm_cli.run.ranks.pipeline); the other layouts run the single-process plan."""
     ranks = Ranks.from_env()
     if request.parallel == Parallel.PIPELINE and ranks.world_size > 1:
         return ParallelRequest(ranks.world_size, "pipeline")
@@ -408,7 +408,7 @@ def inputs_from_plan(plan: Plan) -> dict:
 
 def _planned_compile(request) -> str:
     """--compile as the run's own plan predicts it: none where the activation tracker makes the run eager whatever
-    the plan (run/compile.py `eager_reason`; the plan says the reasons it can see itself)."""
+    the plan (run/hooks/compile.py `eager_reason`; the plan says the reasons it can see itself)."""
     if request.simulate or request.track_activations:
         return "none"
     return parse_compile(request.compile).value
@@ -477,7 +477,7 @@ def check_devices_present(plan: Plan, cpu_ranks: int = 0) -> None:
     """Without --simulate, every device the plan names must exist here. Checked before the plan is shown
     and, when the answer is known without it (no GPU driver, `cuda_devices_without_torch`), before torch
     is imported. `cpu_ranks`: the pipeline ranks of a machine without GPUs stand in for GPUs 0 .. N - 1
-    (dm_cli.run.pipeline)."""
+    (dm_cli.run.ranks.pipeline)."""
     devices = {device_key(dev) for comp in plan.components.values() for dev in comp.device_map.values()}
     gpus = None
     for dev in sorted(devices, key=str):

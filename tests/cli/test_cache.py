@@ -45,7 +45,7 @@ def test_a_changed_producer_rebuilds_skeletons_and_traces(package_copy, tmp_path
     pytest.importorskip("torch")
     from dm_cli.inputs import InputSpec
     from dm_cli.model import skeleton
-    from dm_cli.planning import trace
+    from dm_cli.planning.trace import trace
 
     monkeypatch.setenv("DMAP_CACHE_DIR", str(tmp_path / "cache"))
     source = resolve_source("tiny-sd15")

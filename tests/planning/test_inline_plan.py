@@ -135,7 +135,7 @@ def test_inline_plan_settles_what_plan_then_run_settles(family_name, setting, pi
     run = ["run", folder, "--prompt", "a fox", "--steps", "2", "--seed", "3", "--quiet", *args]
     expected = 0
     if family_name in PLAN_ONLY:
-        import dm_cli.run.stages as stages
+        import dm_cli.run.loops.stages as stages
 
         def stop(*_, **__):
             raise SystemExit(STOPPED)

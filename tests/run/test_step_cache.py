@@ -258,7 +258,7 @@ def test_a_lite_taylorseers_next_call_is_read_as_diffusers_decides_it(before, in
     from diffusers.hooks import TaylorSeerCacheConfig, apply_taylorseer_cache
     from diffusers.hooks.hooks import CacheContext
 
-    from dm_cli.run.step_cache import lite_block_hook, predicts_next_call
+    from dm_cli.run.hooks.step_cache import lite_block_hook, predicts_next_call
 
     class Toy(torch.nn.Module):
         def __init__(self):
