@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PLANNER = REPO / "dm_cli" / "planning" / "search.py"
+PLANNER = REPO / "dm_cli" / "planning" / "placement" / "search.py"
 TESTS = ["tests/planning/test_planner.py", "tests/planning/test_planner_search.py", "tests/planning/test_planner_kernels.py"]
 
 # The fill's test for room on a GPU (`_FillState.room`), which several mutants change.
@@ -198,7 +198,7 @@ def main() -> int:
         for name in ["tests/conftest.py", *tests]:
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / name, root / name)
-        target = root / "dm_cli" / "planning" / "search.py"
+        target = root / "dm_cli" / "planning" / "placement" / "search.py"
         where = imported_from(root)
         if Path(where).resolve() != target.resolve():
             print(f"the tests would import {where}, not the copy", file=sys.stderr)

@@ -31,7 +31,7 @@ def test_key_changes_with_the_computing_code_and_the_version(package_copy, monke
     assert cache.cache_key(parts) == first
     edit(package_copy / "render" / "plan.py")  # talks to people only: not a producer
     assert cache.cache_key(parts) == first
-    edit(package_copy / "planning" / "trace.py")
+    edit(package_copy / "planning" / "trace" / "trace.py")
     second = cache.cache_key(parts)
     assert second != first
     (package_copy / "new_module.py").write_text("X = 1\n")  # code moved to a new module counts too
