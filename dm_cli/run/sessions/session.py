@@ -211,9 +211,8 @@ class Session:
 
     def chunk_size(self, items: int, chunk_memory: int | None = None) -> tuple[int, int, int]:
         """(chunk size, bytes per item, budget): as many items as the RAM budget holds between stages."""
-        from dm_cli.planning.placement.budgets import (
-            available_ram,  # lazy: looked up per call (tests patch available_ram)
-        )
+        # lazy: looked up per call (tests patch available_ram)
+        from dm_cli.planning.placement.budgets import available_ram
 
         budget = chunk_memory if chunk_memory is not None else int(available_ram() * DEFAULT_CHUNK_MEMORY_SHARE)
         per_item = self.bytes_per_item()
