@@ -198,7 +198,7 @@ def dispatch(pipe, plan: Plan | str | Path):
     # lazy: looked up per call (tests patch model_tiles, count load_plan's and check_devices_present's calls)
     from dm_cli.planning.plan_file import load_plan
     from dm_cli.planning.trace.trace import model_tiles
-    from dm_cli.run.request import check_devices_present
+    from dm_cli.run.settle.checks import check_devices_present
 
     if isinstance(plan, (str, Path)):
         plan = load_plan(plan)

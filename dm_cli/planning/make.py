@@ -72,7 +72,7 @@ def kernel_report(prepared: list[PreparedComponent]) -> dict:
 
 def launch_warning(layout) -> str:
     """What a plan file of several ranks needs to run as planned; `dmap run` under torchrun, which is launched so
-    already, leaves it out (dm_cli.run.request.make_run_plan)."""
+    already, leaves it out (dm_cli.run.settle.checks.make_run_plan)."""
     return (f"The plan records a {layout.title} layout for {layout.world_size} ranks ('parallel'): run it with "
             f"torchrun --nproc-per-node {layout.world_size} -m dm_cli run -d PLAN.json.")
 

@@ -181,7 +181,8 @@ def test_a_tiny_plan_does_not_predict_zero_seconds(tmp_path):
 def test_a_plan_made_under_torchrun_does_not_advise_launching_torchrun(tmp_path, monkeypatch):
     from dm_cli.model.demo import write_random_pipeline
     from dm_cli.model.sources import PRESETS_DIR
-    from dm_cli.run.request import RunRequest, make_run_plan, prepare, settle_generation
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.settle.checks import make_run_plan, prepare, settle_generation
 
     folder = write_random_pipeline(PRESETS_DIR / "tiny-flux", tmp_path / "flux", seed=0)
     for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",

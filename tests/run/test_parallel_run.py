@@ -328,7 +328,8 @@ def test_a_plans_parallel_is_followed_only_with_its_world_size(folders):
 
 def _settled(folder: str):
     """What step_sharing reads of a run (source, family, settled generation), without loading anything."""
-    from dm_cli.run.request import RunRequest, prepare, settle_generation
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.settle.checks import prepare, settle_generation
 
     request = RunRequest.of(folder, PROMPT, height=64, width=64)
     source, family, _, defaults, _ = prepare(request)

@@ -46,7 +46,7 @@ def test_a_plan_file_is_read_once_and_its_devices_checked_once(work, monkeypatch
     assert code == 0, err
     (work / "queue.txt").write_text("a fox\n")
     reads = _counted(monkeypatch, "dm_cli.planning.plan_file", "load_plan")
-    device_checks = _counted(monkeypatch, "dm_cli.run.request", "check_devices_present")
+    device_checks = _counted(monkeypatch, "dm_cli.run.settle.checks", "check_devices_present")
     asked = ("--prompts", "queue.txt", "-o", "out") if prompts else ("-p", "a fox", "-o", "a.png")
     code, _, err = run_dmap("run", "./flux", "-d", "p.json", *asked, "--steps", "1", cwd=work)
     assert code == 0, err

@@ -5,8 +5,9 @@ decides everything a run needs before anything loads (SOURCE, the plan file, rea
 how torchrun ranks share a step, which stage loop runs) and refuses what cannot run, each refusal one sentence; the
 `Session` (dm_cli.run.sessions.session) takes the frozen `SettledRun` it returns and only acts on it. No function here or
 there receives a half-built Session. As litgpt checks its options once in `__post_init__`, the checks happen here
-and nowhere else; the functions that compute the facts they compare (`check_plan_matches`, `pipeline_refusal`,
-`int8_offload_problem`, ...) stay plain functions beside the facts.
+and nowhere else; the run's own checks are plain functions beside this module (dm_cli.run.settle.checks:
+`prepare`, `check_plan_matches`, `make_run_plan`, ...), the facts they compare in dm_cli.run.request, and the checks
+of other wings' facts (`pipeline_refusal`, `int8_offload_problem`, ...) stay beside those facts.
 
 The order, the same for every entry (where two checks could fire, the earlier one speaks):
 
@@ -41,16 +42,14 @@ from dm_cli.run.checks import check_seed
 from dm_cli.run.distributed import Ranks
 from dm_cli.run.hooks.compile import compile_choice
 from dm_cli.run.ranks.parallel import check_rank_count, checked_pipeline, cpu_ranks, pipelined, step_sharing
-from dm_cli.run.request import (
+from dm_cli.run.request import inputs_from_plan, plan_digest, prediction_at, run_inputs
+from dm_cli.run.settle import checks  # the module: tests patch make_run_plan, count check_devices_present's calls
+from dm_cli.run.settle.checks import (
     check_plan_cache,
     check_plan_matches,
     check_tiled_decode,
-    inputs_from_plan,
-    plan_digest,
-    prediction_at,
     prepare,
     refuse_existing_outputs,
-    run_inputs,
     settle_generation,
     source_of_plan,
 )
@@ -265,10 +264,8 @@ def _generation(request: RunRequest, plan: Plan | None, source: Source, family: 
     the plan's inputs as defaults (the plan is made for, and checked against, it), the outputs as settled, the plan
     against the run and its step cache: (generation, the job each prompt starts from, the plan as the run follows
     it)."""
-    from dm_cli.run.request import check_devices_present  # lazy: looked up per call (tests count its calls)
-
     if plan is not None and not request.simulate:
-        check_devices_present(plan, cpu_ranks(request.parallel, plan))
+        checks.check_devices_present(plan, cpu_ranks(request.parallel, plan))
     if plan is not None:  # a plan's inputs are the defaults: dmap plan X -o p.json && dmap run X -d p.json
         defaults = {**defaults, **inputs_from_plan(plan)}
     generation = settle_generation(request.generation, source, family, defaults, request.per_prompt_images)
@@ -291,20 +288,18 @@ def _final_plan(request: RunRequest, plan: Plan | None, source: Source, family: 
     (`on_plan`); int8 placements refused (unless simulated)."""
     from dm_cli.model.models import quiet_libraries  # lazy: looked up per call (tests patch quiet_libraries)
 
-    # lazy: looked up per call (tests patch make_run_plan, count check_devices_present's calls)
-    from dm_cli.run.request import check_devices_present, make_run_plan
 
     status("Importing torch, diffusers and transformers…")
     quiet_libraries()
     planned_here = plan is None
     if planned_here:
         status(f"Planning {source.spec} (meta-device traces are cached after the first run)…")
-        plan = make_run_plan(source, request, generation, family)
+        plan = checks.make_run_plan(source, request, generation, family)
     else:
         check_tiled_decode(plan, source, _where(request))
     status(None)
     if planned_here and not request.simulate:  # a plan made here: before it is shown
-        check_devices_present(plan, cpu_ranks(request.parallel, plan))
+        checks.check_devices_present(plan, cpu_ranks(request.parallel, plan))
     # the prediction shown is the run's: its steps and prompts, whatever steps a plan file was made at
     plan = replace(plan, predicted_time=prediction_at(plan.predicted_time, generation.steps, request.queue),
                    warnings=_run_warnings(plan))
