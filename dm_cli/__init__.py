@@ -3,7 +3,7 @@
 The Python API is `plan`, `load` and `dispatch` (the names in `__all__`; docs/commands.md, "Python API"):
 
     plan = dm_cli.plan("path/to/flux", max_memory="0=16GB,1=16GB")   # -> Plan
-    with dm_cli.load("path/to/flux", plan) as pipe:                   # -> dm_cli.run.session.Session
+    with dm_cli.load("path/to/flux", plan) as pipe:                   # -> dm_cli.run.sessions.session.Session
         for out in pipe.generate(["a red fox", "a cat"], seed=0):
             out.image.save(f"{out.index}.png")
     dm_cli.dispatch(diffusers_pipe, plan)                             # place an existing pipeline

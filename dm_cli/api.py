@@ -9,8 +9,8 @@
   users who call `pipe(...)` themselves.
 
 `dmap run` is a thin layer over the same `Session`: `--prompts` goes through `load` and
-`generate` (`dm_cli.run.queue_runner`), `--prompt` through `Session.run_job` with every stage
-measured (`dm_cli.run.single`), so the CLI and a script get the same images for the same seeds.
+`generate` (`dm_cli.run.sessions.queue_runner`), `--prompt` through `Session.run_job` with every stage
+measured (`dm_cli.run.sessions.single`), so the CLI and a script get the same images for the same seeds.
 Everything else in dm_cli may change.
 """
 
@@ -28,15 +28,15 @@ from dm_cli.model.demo import source_root
 from dm_cli.model.lora import read_loras
 from dm_cli.model.single_file_weights import parse_component_files
 from dm_cli.planning.make import make_named_plan
-from dm_cli.planning.parallel import ParallelRequest
+from dm_cli.planning.parallel.parallel import ParallelRequest
 from dm_cli.planning.plan_options import PlanOptions
-from dm_cli.planning.plan_prediction import PredictionRequest
 from dm_cli.planning.step_cache import parse_cache
-from dm_cli.run.compile import parse_compile
-from dm_cli.run.loading import execution_device
+from dm_cli.planning.time.plan_prediction import PredictionRequest
+from dm_cli.run.hooks.compile import parse_compile
+from dm_cli.run.load.loading import execution_device
 from dm_cli.run.options import refuse_untaken
 from dm_cli.run.request import RunRequest, input_images, last_input_image
-from dm_cli.run.session import Session
+from dm_cli.run.sessions.session import Session
 from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # annotations only: the plan module costs start-up time
@@ -70,10 +70,10 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
     `world_size` > 1 with `parallel` ("cfg", "context", "cfg+context", "pipeline" or "auto", the default above one
     rank) adds `Plan.parallel`: how that many torchrun ranks share each denoising step (or, "pipeline", a slice of the
     denoiser's blocks each, with `in_flight` queue prompts in flight: default world_size), with per-rank memory
-    and step times predicted at `device_tflops` per GPU and `link_gbps` between GPUs (dm_cli.planning.parallel; None:
+    and step times predicted at `device_tflops` per GPU and `link_gbps` between GPUs (dm_cli.planning.parallel.parallel; None:
     the device profile's). `profile` (a file `dmap calibrate` wrote, or "table:h100-sxm"; None: this machine's
     calibrated one, else dmap's defaults), `steps` (None: the pipeline's default) and `queue` (prompts): the plan's
-    `predicted_time`, the denoise stage's seconds per step, image and queue (dm_cli.planning.step_time); `prompt`:
+    `predicted_time`, the denoise stage's seconds per step, image and queue (dm_cli.planning.time.step_time); `prompt`:
     the prompt it is for (Qwen-Image and Z-Image run the text at the prompt's length, not the maximum).
     `pipeline` (a preset or a folder): SOURCE is a single file (original-layout safetensors or GGUF) holding one
     component, the rest of the pipeline comes from here. `component_files` ({"transformer_2": "LOW.gguf"}): these
@@ -163,7 +163,7 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
     each time it loads, at their scales (`set_adapters`), unfused. `cache`: a step cache on the denoiser
     ("NAME[:KEY=VALUE,...]", as `--cache`; None: the plan's), applied with diffusers' `enable_cache` each time it loads.
     `compile` ("none", "regional", "auto", "full", as `--compile`; None: none): torch.compile on the denoiser as it
-    loads (dm_cli.run.compile); what cannot compile runs eager, with a notice in `Session.notices`.
+    loads (dm_cli.run.hooks.compile); what cannot compile runs eager, with a notice in `Session.notices`.
     """
     refuse_untaken("api.load", settings)  # an option of dmap plan's or generate()'s (steps=, ...): refused with its reason
     device_map = plan if isinstance(plan, (str, Path)) else strategy
@@ -173,7 +173,7 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
                             num_frames=num_frames, fps=fps, negative_prompt=negative_prompt, images=image, simulate=simulate,
                             last_image=last_image, output=None, per_prompt_images=True, parallel=parallel, pipeline=pipeline,
                             component_files=component_files, loras=lora, cache=cache, compile=compile or "none")
-    from dm_cli.run.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
+    from dm_cli.run.settle.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
 
     settled = settle(request, None if isinstance(plan, (str, Path)) else plan, entry=Entry.API, on_plan=on_plan,
                      on_status=on_status)
@@ -197,8 +197,8 @@ def dispatch(pipe, plan: Plan | str | Path):
 
     # lazy: looked up per call (tests patch model_tiles, count load_plan's and check_devices_present's calls)
     from dm_cli.planning.plan_file import load_plan
-    from dm_cli.planning.trace import model_tiles
-    from dm_cli.run.request import check_devices_present
+    from dm_cli.planning.trace.trace import model_tiles
+    from dm_cli.run.settle.checks import check_devices_present
 
     if isinstance(plan, (str, Path)):
         plan = load_plan(plan)

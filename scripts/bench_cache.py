@@ -92,7 +92,7 @@ def build(family: str, root: Path) -> Path:
 def run(folder: Path, out: Path, cache: str | None, steps: int, size: int, extra: dict, simulate: bool,
         gpu: bool = False):
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run as run_one
+    from dm_cli.run.sessions.single import run as run_one
 
     memory = "0=80GB,cpu=80GB" if simulate or gpu else "cpu=80GB"
     request = RunRequest.of(str(folder), extra.get("prompt") or PROMPT, seed=1, steps=steps, height=size, width=size,
@@ -141,7 +141,7 @@ def counted_flops(folder: Path, component: str, height: int, width: int, extra: 
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
     from dm_cli.planning.step_cache import enable, parse_cache
-    from dm_cli.planning.trace import _materialise, _meta_model, _resolve_call
+    from dm_cli.planning.trace.trace import _materialise, _meta_model, _resolve_call
 
     source = resolve_source(str(folder))
     comp = source.component(component)

@@ -46,7 +46,7 @@ IN_PROCESS = r"""
 import json, sys, time, torch
 torch.set_num_threads(int(sys.argv[4]))
 import dm_cli
-from dm_cli.run.compile import compile_seconds
+from dm_cli.run.hooks.compile import compile_seconds
 folder, size, steps, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[5]
 with dm_cli.load(folder, height=size, width=size, compile=mode) as session:
     runs = []

@@ -95,7 +95,7 @@ def build_twin(root: Path, widen: bool = True) -> Path:
 
 def run_twin(folder: Path, out: Path, fmt: str, size: int, steps: int):
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     request = RunRequest.of(str(folder), PROMPT, seed=1, steps=steps, height=size, width=size, max_memory="cpu=80GB",
                             dtype="bfloat16", weights=f"transformer={fmt}", overwrite=True, output=str(out))

@@ -33,9 +33,9 @@ from dm_cli.families import family_for  # noqa: E402
 from dm_cli.inputs import InputSpec, PlacementSpec  # noqa: E402
 from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, parse_weights_spec  # noqa: E402
 from dm_cli.model.sources import resolve_source  # noqa: E402
-from dm_cli.planning.budgets import DEFAULT_GPU_OVERHEAD  # noqa: E402
-from dm_cli.planning.components import prepare_component  # noqa: E402
 from dm_cli.planning.make import make_plan  # noqa: E402
+from dm_cli.planning.placement.budgets import DEFAULT_GPU_OVERHEAD  # noqa: E402
+from dm_cli.planning.placement.components import prepare_component  # noqa: E402
 from dm_cli.planning.plan_options import PlanOptions  # noqa: E402
 from dm_cli.units import parse_device_spec  # noqa: E402
 
@@ -259,8 +259,8 @@ def run_case(case: Case, check_anchors: bool) -> dict:
         result = evaluate_map(prepared, device_map, budgets)
         result["check"] = None
         if check_anchors and len(set(device_map.values())) > 1:
-            from dm_cli.planning.split_check import cached_check
-            from dm_cli.planning.trace import check_device_map
+            from dm_cli.planning.refine.split_check import cached_check
+            from dm_cli.planning.trace.trace import check_device_map
 
             result["check"] = not cached_check(prepared, source.pipeline_class, inputs, device_map, True,
                                                 check_device_map)

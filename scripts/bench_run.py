@@ -25,7 +25,7 @@ step count; medians over the runs.
 
 Phases (a second table, dmap's plain run beside diffusers' own call, CPU and wall, medians): timestamps
 (perf_counter and os.times) taken inside the subprocess. diffusers' side: from_pretrained, __call__,
-save. dmap's side: the CLI runs as a user's `dmap run` does, with `dm_cli.run.single.run`,
+save. dmap's side: the CLI runs as a user's `dmap run` does, with `dm_cli.run.sessions.single.run`,
 `check_component_files`, `make_run_plan`, `StageLoop.__init__` and `save_images` wrapped to timestamp
 their calls and the run's own `on_status` / `on_step` callbacks (what the renderer draws) wrapped to
 timestamp each status message: resolving SOURCE and settling, the safetensors header checks, planning
@@ -134,7 +134,7 @@ DMAP = r"""
 mark("shared imports")
 from dm_cli.cli import main  # dmap's own modules: outside the in-process clock, inside the process one
 import dm_cli.cli.run, dm_cli.planning.make, dm_cli.render.plan, dm_cli.render.run, dm_cli.run.request
-import dm_cli.run.single, dm_cli.run.stages
+import dm_cli.run.sessions.single, dm_cli.run.loops.stages, dm_cli.run.settle.checks
 mark("importing dm_cli")
 install_marks()
 t, cpu0 = time.perf_counter(), sum(os.times()[:2])
@@ -174,7 +174,8 @@ mark("save")
 MARKS_DMAP = r"""
 def install_marks():
     import functools
-    import dm_cli.run.request as request, dm_cli.run.single as single, dm_cli.run.stages as stages
+    import dm_cli.run.request as request, dm_cli.run.sessions.single as single, dm_cli.run.loops.stages as stages
+    import dm_cli.run.settle.checks as settle_checks
     state = {"phase": "settle (SOURCE, defaults)"}
 
     def switch(phase):
@@ -211,7 +212,7 @@ def install_marks():
     single.run = run
     checks = lambda: state["phase"] != "header checks" and switch("header checks")
     wrap(request, "check_component_files", before=checks)
-    wrap(request, "make_run_plan", before=lambda: switch("planning (inline plan)"),
+    wrap(settle_checks, "make_run_plan", before=lambda: switch("planning (inline plan)"),
          after=lambda: switch("plan checked and shown"))
     wrap(stages.StageLoop, "__init__", before=lambda: switch("pipeline object (placeholders, tokenizers, scheduler)"),
          after=lambda: switch("run start"))

@@ -135,7 +135,7 @@ def bench_batch_sizes(size: int, steps: int, sizes=(1, 2, 4, 8), repeats: int = 
     code = f"""
 import json, sys, time
 from dm_cli.run.request import RunRequest
-from dm_cli.run.session import Session
+from dm_cli.run.sessions.session import Session
 run = RunRequest.of(None, "", height={size}, width={size}, steps={steps}, mode="staged", output=None,
                     per_prompt_images=True)
 with Session(run) as session:

@@ -116,7 +116,7 @@ def memory_check(args, work: Path) -> bool:
     """True when a measured GPU peak exceeds the planned one."""
     from dm_cli.model.demo import DEMO_CONFIGS, write_configs, write_random_pipeline
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     configs = copy.deepcopy(DEMO_CONFIGS)
     configs["transformer"].update(num_layers=4, num_single_layers=12, num_attention_heads=12, attention_head_dim=128,

@@ -29,7 +29,7 @@ def nf4_check(args, work: Path, env: dict, torch, flux_folder) -> bool:
     from PIL import Image
 
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     size, steps = (64, 3) if args.small else (args.flux_size, min(args.flux_steps, 8))
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"  # a CPU's bf16 matmuls: about 10x slower

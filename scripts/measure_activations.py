@@ -5,7 +5,7 @@ pipeline does (batch 2 for classifier-free guidance, 77 text tokens) on the CPU 
 torch.profiler with profile_memory=True, and walks the allocation events in start-time order
 (allocations are charged to the op that made them, frees are "[memory]" events with negative size);
 the running maximum is the measured activation peak (weights are allocated before profiling starts,
-inputs inside it, as in the estimate). The estimate is `dm_cli.planning.trace.trace_component` on meta.
+inputs inside it, as in the estimate). The estimate is `dm_cli.planning.trace.trace.trace_component` on meta.
 
     .venv/bin/python scripts/measure_activations.py [--sizes 256,512] [--widths 160,320,640,640]
     .venv/bin/python scripts/measure_activations.py --model flux2 [--heads 8]
@@ -170,7 +170,7 @@ def profile_peak(prof) -> int:
 
 def estimated_peak(config: dict, size: int, batch_size: int = 1) -> int:
     from dm_cli.inputs import InputSpec
-    from dm_cli.planning.trace import trace_component
+    from dm_cli.planning.trace.trace import trace_component
 
     trace = trace_component(unet_component(config), "StableDiffusionPipeline", InputSpec(size, size, batch_size),
                             "float32", use_cache=False)
@@ -180,7 +180,7 @@ def estimated_peak(config: dict, size: int, batch_size: int = 1) -> int:
 def naive_peak(config: dict, size: int, batch_size: int = 1) -> int:
     """The same meta trace without the fused-attention rule: what a plain meta forward would claim."""
     from dm_cli.inputs import InputSpec
-    from dm_cli.planning import trace
+    from dm_cli.planning.trace import trace
 
     comp = unet_component(config)
     model = trace._meta_model(comp, "float32")
@@ -213,7 +213,7 @@ def family_call_peaks(cls: str, config: dict, pipeline_class: str, size: int, th
     from dm_cli.inputs import InputSpec
     from dm_cli.model.models import build_model
     from dm_cli.model.sources import ComponentSource
-    from dm_cli.planning.trace import trace_component
+    from dm_cli.planning.trace.trace import trace_component
 
     comp = ComponentSource("transformer", "diffusers", cls, config, None, None)
     inputs = InputSpec(size, size) if inputs is None else inputs
@@ -291,7 +291,7 @@ def flux2_measured_peak(config: dict, size: int, threads: int | None = 1) -> int
 def flux2_estimated_peak(config: dict, size: int) -> int:
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import ComponentSource
-    from dm_cli.planning.trace import trace_component
+    from dm_cli.planning.trace.trace import trace_component
 
     comp = ComponentSource("transformer", "diffusers", "Flux2Transformer2DModel", config, None, None)
     inputs = InputSpec(size, size, max_sequence_length=FLUX2_TEXT_TOKENS)
@@ -361,7 +361,7 @@ def wan_measured_peak(config: dict, frames: int, size: int, threads: int | None 
 
 def wan_estimated_peak(config: dict, frames: int, size: int, tiled: bool = False) -> int:
     from dm_cli.inputs import InputSpec
-    from dm_cli.planning.trace import trace_component
+    from dm_cli.planning.trace.trace import trace_component
 
     inputs = InputSpec(size, size, num_frames=frames, max_sequence_length=WAN_TOKENS)
     trace = trace_component(wan_component(config), "WanPipeline", inputs, "float32", use_cache=False, tiled=tiled)

@@ -1,4 +1,4 @@
-"""Mutation testing of the planner's search and packing code (`dm_cli/planning/search.py`).
+"""Mutation testing of the planner's search and packing code (`dm_cli/planning/placement/search.py`).
 
 Each mutant is one deliberate behaviour change, written as an exact text replacement in a temporary
 copy of the `dm_cli` package; the planner tests, copied beside it, then run in that folder (so the
@@ -38,14 +38,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PLANNER = REPO / "dm_cli" / "planning" / "search.py"
+PLANNER = REPO / "dm_cli" / "planning" / "placement" / "search.py"
 TESTS = ["tests/planning/test_planner.py", "tests/planning/test_planner_search.py", "tests/planning/test_planner_kernels.py"]
 
 # The fill's test for room on a GPU (`_FillState.room`), which several mutants change.
 ROOM = ("total = (self.weights[key] + add_weights + self.reserves.get(key, 0) + max(self.acts[key], add_act)\n"
         "                 + device.overhead)")
 
-# (name, what it changes, exact text in planning/search.py, replacement)
+# (name, what it changes, exact text in planning/placement/search.py, replacement)
 MUTANTS: list[tuple[str, str, str, str]] = [
     # --- the four the issue names -------------------------------------------------------------------
     ("no-skip-fill", "auto never tries the fill that offloads a block missing the last GPU and goes on",
@@ -144,7 +144,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
 def mutate(source: str, old: str, new: str, name: str) -> str:
     count = source.count(old)
     if count != 1:
-        raise SystemExit(f"mutant {name}: its text occurs {count} times in planning/search.py (update the script)")
+        raise SystemExit(f"mutant {name}: its text occurs {count} times in planning/placement/search.py (update the script)")
     return source.replace(old, new)
 
 
@@ -162,7 +162,7 @@ def run_tests(root: Path, timeout: float, tests: list[str]) -> tuple[bool, str]:
 
 def imported_from(root: Path) -> str:
     env = dict(os.environ, PYTHONPATH=str(root))
-    out = subprocess.run([sys.executable, "-c", "import dm_cli.planning.search as p; print(p.__file__)"], cwd=root, env=env,
+    out = subprocess.run([sys.executable, "-c", "import dm_cli.planning.placement.search as p; print(p.__file__)"], cwd=root, env=env,
                          capture_output=True, text=True, check=True)
     return out.stdout.strip()
 
@@ -198,7 +198,7 @@ def main() -> int:
         for name in ["tests/conftest.py", *tests]:
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / name, root / name)
-        target = root / "dm_cli" / "planning" / "search.py"
+        target = root / "dm_cli" / "planning" / "placement" / "search.py"
         where = imported_from(root)
         if Path(where).resolve() != target.resolve():
             print(f"the tests would import {where}, not the copy", file=sys.stderr)

@@ -55,7 +55,7 @@ def walk(source: str, output: str) -> dict:
         caller = frame.f_back
         came_from = module_of(caller) if caller is not None else ""
         if event == "call":
-            if here == "dm_cli.run.stages" and frame.f_code.co_name == "run_job":
+            if here == "dm_cli.run.loops.stages" and frame.f_code.co_name == "run_job":
                 state["done"] = True  # the pipeline call: the walk ends here
                 return
             if here not in rooms:

@@ -11,11 +11,11 @@ from dm_cli.cli._output import print_json, say
 from dm_cli.errors import UsageError
 from dm_cli.io.atomic import atomic_write_bytes
 from dm_cli.io.strict_json import json_text
-from dm_cli.planning.profiles import default_profile_path
+from dm_cli.planning.time.calibrate import CalibrationSizes, check_device, check_profile_output, machine_load
+from dm_cli.planning.time.calibrate import measure as measure_device
+from dm_cli.planning.time.profiles import default_profile_path
 from dm_cli.render.calibrate import profile_summary, written_sentence
 from dm_cli.render.queue import TickingStatus
-from dm_cli.run.calibrate import CalibrationSizes, check_device, check_profile_output, machine_load
-from dm_cli.run.calibrate import measure as measure_device
 
 
 def calibrate(

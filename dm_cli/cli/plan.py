@@ -15,7 +15,7 @@ from dm_cli.planning.modes import Mode, Parallel, Strategy
 from dm_cli.planning.plan_file import write_plan
 from dm_cli.render.plan import render_plan
 from dm_cli.render.queue import TickingStatus
-from dm_cli.run.compile import CompileMode
+from dm_cli.run.hooks.compile import CompileMode
 
 
 # every parameter but ctx and settings is its row of dm_cli.run.options: its type and default as the table has

@@ -12,11 +12,11 @@ from dm_cli.cli._output import print_json
 from dm_cli.planning.modes import Mode, Parallel
 from dm_cli.render.queue import QueueView
 from dm_cli.render.run import RunView
-from dm_cli.run.compile import CompileMode
 from dm_cli.run.distributed import Ranks, select_gpus
-from dm_cli.run.queue_runner import QueueEvents, QueueRequest, run_queue
+from dm_cli.run.hooks.compile import CompileMode
 from dm_cli.run.request import RunRequest
-from dm_cli.run.settle import check_options, check_run_request, refuse_single_only
+from dm_cli.run.sessions.queue_runner import QueueEvents, QueueRequest, run_queue
+from dm_cli.run.settle.settle import check_options, check_run_request, refuse_single_only
 
 
 # every parameter but ctx and settings is its row of dm_cli.run.options: its type and default as the table has
@@ -63,7 +63,7 @@ def run(
 
 def _refuse_early(ctx, prompt, prompts, dtype, *, steps, num_images, height, width, max_sequence_length, frames,
                   fps) -> None:
-    """--prompt or --prompts, said in Typer's words; then what no run could use (dm_cli.run.settle.check_options),
+    """--prompt or --prompts, said in Typer's words; then what no run could use (dm_cli.run.settle.settle.check_options),
     before outputs, plans or SOURCE are touched."""
     if (prompt is None) == (prompts is None):
         which = "Missing option '--prompt'" if prompt is None else "Both --prompt and --prompts given"
@@ -87,7 +87,7 @@ def _run_one(fields: dict, output: str | None, gpus_per_rank: int | None, as_jso
 
     plan = check_run_request(output or "dmap.png", fields["save_latents"], fields["num_images"], fields["seed"],
                              fields["device_map"])  # before anything is loaded; the plan file read here, once
-    from dm_cli.run.single import run as run_pipeline  # lazy: looked up per call (tests patch run)
+    from dm_cli.run.sessions.single import run as run_pipeline  # lazy: looked up per call (tests patch run)
 
     request = _request(fields, output=output or "dmap.png")
 

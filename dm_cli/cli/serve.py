@@ -11,8 +11,8 @@ import sys
 from dm_cli.cli._cli_utils import table_options
 from dm_cli.inputs import check_counts
 from dm_cli.planning.modes import Mode, Parallel
-from dm_cli.run.compile import CompileMode
 from dm_cli.run.distributed import Ranks
+from dm_cli.run.hooks.compile import CompileMode
 from dm_cli.run.request import RunRequest
 from dm_cli.serve.server import ServeRequest, launch_sigterm_notice, startup_lines
 from dm_cli.serve.server import serve as serve_forever

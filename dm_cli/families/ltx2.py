@@ -125,7 +125,7 @@ class LTX2Family(LTX2ImageConditioning, Family):
     placeholder_tensors = {"vae": ("latents_mean", "latents_std"), "audio_vae": ("latents_mean", "latents_std")}
     declared_stages = (
         Stage("encode", ("text_encoder",), consumes=(PROMPT,), produces=(EMBEDS,)),
-        # the first frame (--image); without one it makes an empty tensor and loads nothing (run/stages.py)
+        # the first frame (--image); without one it makes an empty tensor and loads nothing (run/loops/stages.py)
         Stage("encode_image", ("vae",), consumes=(IMAGE,), produces=(IMAGE_LATENTS,)),
         Stage("denoise", ("connectors", "transformer"), consumes=(EMBEDS, IMAGE_LATENTS),
               produces=(LATENTS, AUDIO_LATENTS)),

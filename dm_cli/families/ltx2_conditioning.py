@@ -171,7 +171,7 @@ class LTX2ImageConditioning:
 def denoising_pipeline(pipe, kind: str, fresh: bool = False):
     """`pipe` as the pipeline class `kind` (LTX2Pipeline, LTX2ImageToVideoPipeline or LTX2ConditionPipeline): itself
     when it is that class (unless `fresh`), else that class built over its components, its execution device the
-    stage loop's (as dm_cli.run.loading builds it)."""
+    stage loop's (as dm_cli.run.load.loading builds it)."""
     import diffusers  # here only: families are read by warm inspect/plan runs, without diffusers or torch
 
     wanted = getattr(diffusers, kind)

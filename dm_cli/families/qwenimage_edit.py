@@ -86,7 +86,7 @@ def reference_tokens(width: int, height: int, vae_scale: int) -> int:
 
 
 def pipeline_module(pipe):
-    """The diffusers module of the pipeline's class (dmap's pipeline is a subclass of it: dm_cli.run.loading)."""
+    """The diffusers module of the pipeline's class (dmap's pipeline is a subclass of it: dm_cli.run.load.loading)."""
     for cls in type(pipe).__mro__:
         if cls.__module__.startswith("diffusers."):
             return sys.modules[cls.__module__]

@@ -156,7 +156,7 @@ class WanImageToVideoFamily(WanFamily):
 
 def image_to_video_pipeline(pipe):
     """WanImageToVideoPipeline over a TI2V-5B WanPipeline's components, its execution device the stage loop's (as
-    dm_cli.run.loading builds pipelines)."""
+    dm_cli.run.load.loading builds pipelines)."""
     import diffusers  # lazy: diffusers (heavy, off start-up)
 
     if not pipe.config.get("expand_timesteps"):

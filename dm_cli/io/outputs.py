@@ -344,7 +344,7 @@ def read_metadata(path: str | os.PathLike) -> dict:
 def is_complete(path: str | os.PathLike, expected: dict[str, str], matched=MATCHED_METADATA) -> tuple[bool, str]:
     """(done, why): the output exists, decodes whole, and its metadata says it was made for `expected`.
 
-    `expected` is the metadata the runner writes for the job (`dm_cli.run.outputs.job_metadata`): its
+    `expected` is the metadata the runner writes for the job (`dm_cli.run.sessions.outputs.job_metadata`): its
     `num_frames` says a video was expected (a `.webp` is then animated), a `.safetensors` name latents.
     The keys in `matched` must agree, the output must have the expected size and frame count, and a
     video its sidecar. A name no kind of the job takes is "made in another format".

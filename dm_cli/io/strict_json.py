@@ -1,7 +1,7 @@
 """JSON as dmap writes it, everywhere: plan files, `--json` on stdout, queue manifests, served responses, the cache
 and device profiles. Strict: Python's json writes NaN and Infinity, which are not JSON (every other parser refuses
 them, and a plan carrying them was refused by dmap itself). dmap's figures are bounded where they are made (a
-device profile's rates, planning/profiles.py), so a non-finite number here is dmap's bug: it is refused loudly,
+device profile's rates, planning/time/profiles.py), so a non-finite number here is dmap's bug: it is refused loudly,
 naming where it is, never written."""
 
 from __future__ import annotations

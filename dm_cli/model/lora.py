@@ -6,7 +6,7 @@ resume key name it); its keys say which component it patches (diffusers' `transf
 `text_encoder.` prefixes, or bare peft keys for the pipeline's denoiser) and which layers (`MODULE.lora_A.weight`
 and `MODULE.lora_B.weight`), whose shapes are checked against the component's own weights before anything loads:
 a LoRA for another model is refused, not half applied. The tensors themselves are loaded at run time by diffusers'
-own `load_lora_weights` (dm_cli.run.adapters).
+own `load_lora_weights` (dm_cli.run.hooks.adapters).
 
 What would only fail (or silently blacken the image) after the models load is refused here, one sentence naming
 the key: a tensor of rank 0, an alpha (a `.alpha` scalar or the adapter metadata's `lora_alpha`) that is not

@@ -23,26 +23,26 @@ from dm_cli.families import (
 from dm_cli.model.formats.weight_formats import int8_offload_problem, parse_weights_spec
 from dm_cli.model.single_file_weights import resolve_with_pipeline
 from dm_cli.model.sources import config_digest
-from dm_cli.planning.advice import does_not_fit, explain_offload
-from dm_cli.planning.budgets import local_devices, parse_overhead
-from dm_cli.planning.components import PreparedComponent, prepare_component, trace_facts
-from dm_cli.planning.lora_sizing import lora_targets, lora_unfused_because
 from dm_cli.planning.modes import Layout, Mode, Strategy
-from dm_cli.planning.overlap import OVERLAPPED, choose_overlap, faster_line, room_wanted
-from dm_cli.planning.parallel_placement import denoiser_cut, parallel_layout, parallel_request
+from dm_cli.planning.placement.budgets import local_devices, parse_overhead
+from dm_cli.planning.placement.components import PreparedComponent, prepare_component, trace_facts
+from dm_cli.planning.placement.lora_sizing import lora_targets, lora_unfused_because
+from dm_cli.planning.placement.search import Device
 from dm_cli.planning.plan_file import Plan, check_weights_only
 from dm_cli.planning.plan_options import PlanOptions, place_or_none
-from dm_cli.planning.plan_prediction import plan_prediction, rated_for_plan, with_profile_rates
-from dm_cli.planning.profiles import cached_profile_problem
-from dm_cli.planning.search import Device
-from dm_cli.planning.split_check import run_split_check
-from dm_cli.planning.step_cache_plan import (
+from dm_cli.planning.refine.advice import does_not_fit, explain_offload
+from dm_cli.planning.refine.parallel_placement import denoiser_cut, parallel_layout, parallel_request
+from dm_cli.planning.refine.split_check import run_split_check
+from dm_cli.planning.refine.step_cache_plan import (
     fit_step_cache,
     step_cache_footprints,
     step_cache_report,
     with_cache_per_rank,
 )
-from dm_cli.planning.tiling import TilingChoice, choose_tiling
+from dm_cli.planning.refine.tiling import TilingChoice, choose_tiling
+from dm_cli.planning.time.overlap import OVERLAPPED, choose_overlap, faster_line, room_wanted
+from dm_cli.planning.time.plan_prediction import plan_prediction, rated_for_plan, with_profile_rates
+from dm_cli.planning.time.profiles import cached_profile_problem
 from dm_cli.units import parse_device_spec, parse_dtype, shorten
 
 
@@ -72,7 +72,7 @@ def kernel_report(prepared: list[PreparedComponent]) -> dict:
 
 def launch_warning(layout) -> str:
     """What a plan file of several ranks needs to run as planned; `dmap run` under torchrun, which is launched so
-    already, leaves it out (dm_cli.run.request.make_run_plan)."""
+    already, leaves it out (dm_cli.run.settle.checks.make_run_plan)."""
     return (f"The plan records a {layout.title} layout for {layout.world_size} ranks ('parallel'): run it with "
             f"torchrun --nproc-per-node {layout.world_size} -m dm_cli run -d PLAN.json.")
 

@@ -17,11 +17,11 @@ from dm_cli.io.checkpoint import read_json_object
 from dm_cli.io.strict_json import json_text
 from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, format_of, storage_dtype
 from dm_cli.planning.modes import Mode, Strategy
-from dm_cli.planning.overlap import MODES as OFFLOAD_MODES
-from dm_cli.planning.parallel_layout import ParallelLayout
-from dm_cli.planning.placement import ComponentPlacement, DeviceUse, StagePlacement
-from dm_cli.planning.search import Device
+from dm_cli.planning.parallel.parallel_layout import ParallelLayout
+from dm_cli.planning.placement.placement import ComponentPlacement, DeviceUse, StagePlacement
+from dm_cli.planning.placement.search import Device
 from dm_cli.planning.step_cache import parse_cache
+from dm_cli.planning.time.overlap import MODES as OFFLOAD_MODES
 from dm_cli.units import (
     FLOATING_DTYPES,
     MAX_GPU_INDEX,
@@ -68,7 +68,7 @@ class Plan:
     # --cache: {"name", "settings", "label", "components": {denoiser: {"bytes": {device: n}, "total_bytes", "contexts",
     # "holders": {module: n}}}} (planning/step_cache.py); written only with a cache
     step_cache: dict = field(default_factory=dict)
-    # the denoise stage's predicted seconds per step, image and queue on a device profile (planning/step_time.py);
+    # the denoise stage's predicted seconds per step, image and queue on a device profile (planning/time/step_time.py);
     # written only when there is one (a known family, traced)
     predicted_time: dict = field(default_factory=dict)
     # on a plan whose activations CUDA's kernels were counted for (gpu_kernels.py): component -> {"attention":
@@ -295,7 +295,7 @@ def _kernels(value, components: set) -> dict:
 
 
 def _predicted_time(value, depth: int = 0) -> dict:
-    """A plan file's `predicted_time` (planning/step_time.py): informational, read back as JSON of numbers and short
+    """A plan file's `predicted_time` (planning/time/step_time.py): informational, read back as JSON of numbers and short
     strings, at most 3 levels and 200 entries deep (ValueError otherwise)."""
     value = _object(value, "'predicted_time'")
     if len(value) > 200 or depth > 2:
@@ -313,7 +313,7 @@ def _predicted_time(value, depth: int = 0) -> dict:
 
 
 def _offload(value, where: str) -> dict:
-    """A component's `offload` (planning/overlap.py): its mode among the two, a short reason, two byte counts."""
+    """A component's `offload` (planning/time/overlap.py): its mode among the two, a short reason, two byte counts."""
     value = _object(value, where)
     return {"mode": _choice(value.get("mode"), f"{where} mode", OFFLOAD_MODES),
             "reason": _text(value.get("reason", ""), f"{where} reason")[:1000],

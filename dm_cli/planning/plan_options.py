@@ -6,10 +6,10 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec, StepCache
-from dm_cli.planning.parallel import ParallelRequest
-from dm_cli.planning.placement import NoFit, Placement
-from dm_cli.planning.plan_prediction import PredictionRequest
-from dm_cli.planning.search import plan_pipeline
+from dm_cli.planning.parallel.parallel import ParallelRequest
+from dm_cli.planning.placement.placement import NoFit, Placement
+from dm_cli.planning.placement.search import plan_pipeline
+from dm_cli.planning.time.plan_prediction import PredictionRequest
 
 
 @dataclass
@@ -24,7 +24,7 @@ class PlanOptions:
     on_progress: Callable[[str], None] | None = None  # hears each step (resolving, sizing, each trace, the check)
     settings: dict = field(default_factory=dict)  # the family's own (Family.settings): checked as dmap run checks them
     negative_prompt: str | None = None  # checked as dmap run checks it (FLUX refuses one); true CFG is planned anyway
-    parallel: ParallelRequest = field(default_factory=ParallelRequest)  # --world-size, --parallel (planning/parallel.py)
+    parallel: ParallelRequest = field(default_factory=ParallelRequest)  # --world-size, --parallel (planning/parallel/parallel.py)
     pipeline: str | None = None  # --pipeline: SOURCE is a single file, the rest of the pipeline comes from here
     # --component-file: (component, file) pairs, these components from these single files
     component_files: tuple[tuple[str, str], ...] = ()

@@ -28,8 +28,8 @@ from dm_cli.errors import UsageError
 from dm_cli.families import call_spec
 from dm_cli.inputs import InputSpec, StepCache
 from dm_cli.io.cache import cache_key, read_cached, write_cached
-from dm_cli.planning import trace  # the module: tests replace its _run to see that no trace runs
-from dm_cli.planning.search import DeviceUse
+from dm_cli.planning.placement.search import DeviceUse
+from dm_cli.planning.trace import trace  # the module: tests replace its _run to see that no trace runs
 from dm_cli.units import shorten
 
 AUTO = "auto"  # a setting left to the family (Key.auto)
@@ -311,7 +311,7 @@ def _to_device(value, device):
 HEAD_STATE = ("head_block_output", "head_block_residual", "head_block_input")  # fbc, magcache: the first block's
 TAIL_STATE = ("tail_block_residuals", "previous_residual")  # fbc, magcache: the last block's
 # --parallel pipeline: the first block's output (fbc) or input (magcache) travels with the activations to the rank of
-# the last block, which alone computes with it (dm_cli.run.step_cache.SliceRelay): held there, not on the first's
+# the last block, which alone computes with it (dm_cli.run.hooks.step_cache.SliceRelay): held there, not on the first's
 TRAVEL = ("head_block_output", "head_block_input")
 
 

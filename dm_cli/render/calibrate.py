@@ -3,7 +3,7 @@ per message, not 2e+03), and where the profile went."""
 
 from __future__ import annotations
 
-from dm_cli.planning.profiles import DeviceProfile
+from dm_cli.planning.time.profiles import DeviceProfile
 from dm_cli.units import format_figure
 
 

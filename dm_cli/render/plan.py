@@ -8,7 +8,7 @@ from pathlib import Path
 from dm_cli.devices import device_label, device_rank
 from dm_cli.io.input_images import shown_path
 from dm_cli.model.sources import PRESETS
-from dm_cli.planning.blocks import clean_device_map
+from dm_cli.planning.placement.blocks import clean_device_map
 from dm_cli.planning.plan_command import lora_flags
 from dm_cli.render import Col, console, print_hidden, print_table
 from dm_cli.run import request  # the module: tests replace its cuda_devices_without_torch
@@ -297,7 +297,7 @@ def _seconds(value: float) -> str:
 
 
 def _print_predicted_time(out, predicted: dict, plan=None, run: bool = False) -> None:
-    """The denoise stage's predicted time (planning/step_time.py), through `prediction_at` at its own steps and
+    """The denoise stage's predicted time (planning/time/step_time.py), through `prediction_at` at its own steps and
     queue (a run's plan carries the run's): per step, image and queue, its largest terms, and the profile it rests
     on. A parallel plan: one line per layout, its own seconds (one figure each), the chosen one marked."""
     predicted = prediction_at(predicted)

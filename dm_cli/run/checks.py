@@ -1,5 +1,5 @@
 """The seed's range and the JSON a request arrives in: checks every entry (the command line, queue lines, the API,
-`dmap serve` bodies) shares. The checks of a whole run are `dm_cli.run.settle`'s."""
+`dmap serve` bodies) shares. The checks of a whole run are `dm_cli.run.settle.settle`'s."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ LOCAL_WORLD_SIZE; each process then:
 1. picks its group of GPUs before CUDA initialises (`select_gpus`: local rank r with K GPUs per
    rank sees GPUs r*K .. r*K+K-1 of the node, renumbered 0..K-1, through CUDA_VISIBLE_DEVICES);
 2. joins a gloo process group (`Ranks.join`), which only carries small Python objects: no
-   tensors, no NCCL, so CPU-only launches work the same way (`dmap run --parallel`, dm_cli.run.parallel,
+   tensors, no NCCL, so CPU-only launches work the same way (`dmap run --parallel`, dm_cli.run.ranks.parallel,
    exchanges tensors every step: over gloo on CPUs, NCCL on GPUs);
 3. generates its share of the queue (`queue.items_for_rank`);
 4. sends its manifest records to rank 0 (`Ranks.gather`), which writes the merged manifest.
@@ -135,7 +135,7 @@ class Ranks:
     def join(self, backend: str = "gloo") -> None:
         """Join the group torchrun's rendezvous set up (MASTER_ADDR/MASTER_PORT); no-op alone. `backend`: gloo for
         a queue's small objects and CPU tensors; "cpu:gloo,cuda:nccl" when ranks exchange tensors on GPUs
-        (dm_cli.run.parallel)."""
+        (dm_cli.run.ranks.parallel)."""
         if not self.distributed:
             return
         import torch.distributed as dist  # lazy: torch (heavy, off start-up)

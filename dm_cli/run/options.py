@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 
 from dm_cli.errors import UsageError
 from dm_cli.planning.modes import Mode, Parallel, Strategy, Word
-from dm_cli.run.compile import CompileMode
+from dm_cli.run.hooks.compile import CompileMode
 
 # who takes the options: the three commands, the two API functions (`dm_cli.plan`, `dm_cli.load`) and a queue item
-# (a `--prompts` JSONL line's keys, dm_cli.run.queue.queue_item)
+# (a `--prompts` JSONL line's keys, dm_cli.run.sessions.queue.queue_item)
 TAKERS = ("plan", "run", "serve", "api.plan", "api.load", "queue")
 API_NAMES = {"api.plan": "dm_cli.plan", "api.load": "dm_cli.load"}
 REQUIRED = object()  # the default of an argument that must be given (dmap plan's SOURCE)

@@ -1,6 +1,6 @@
 """`dmap serve`: one planned pipeline kept loaded behind an HTTP API (OpenAI's images shape), for many clients.
 
-- `requests`: a request's JSON body to queue items (`dm_cli.run.queue.queue_item`, the code a `--prompts` JSONL
+- `requests`: a request's JSON body to queue items (`dm_cli.run.sessions.queue.queue_item`, the code a `--prompts` JSONL
   line goes through) and the settled jobs (`Session.job_for`, as the queue settles its items), every refusal one
   sentence (a 400);
 - `worker`: the bounded queue and the one thread that runs the session, batching what arrived together

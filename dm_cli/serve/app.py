@@ -29,7 +29,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 @dataclass
 class AppState:
     served: Served
-    session: object  # dm_cli.run.session.Session
+    session: object  # dm_cli.run.sessions.session.Session
     batcher: Batcher
     api_key: str | None = None
     max_body: int = 64 * 2**20

@@ -6,7 +6,7 @@ link to), `output_format` (png, jpeg, webp; mp4 for videos), `model` (the served
 (ignored: it changes no pixel). OpenAI's keys that would change the pixels in a way dmap cannot honour (`quality`,
 `style`, `background`, ...) are refused, each with the sentence why (OPENAI_REFUSED). dmap's own, exactly as a
 `--prompts` JSONL line has them: `seed`, `steps`, `guidance_scale`, `negative_prompt` and the family's settings
-(`true_cfg_scale`, ...), checked by the same code (`dm_cli.run.queue.queue_item`); `image` and `last_image` are
+(`true_cfg_scale`, ...), checked by the same code (`dm_cli.run.sessions.queue.queue_item`); `image` and `last_image` are
 base64 (or data: URLs) instead of paths, read as hostile as `--image` files are; `lora` chooses among the adapters
 the server loaded (`"NAME[:SCALE]"`, a list of them, or `[]`), as a queue item's does (`ServedRequest.adapters`: the
 worker batches by them). Then `Session.job_for` settles and checks the job as it does a queue item's, before the
@@ -27,7 +27,7 @@ from dm_cli.families import all_settings
 from dm_cli.io.images import check_metadata_room
 from dm_cli.io.input_images import describe_bytes
 from dm_cli.run.checks import check_seed, load_json
-from dm_cli.run.queue import QueueItem, default_output_name, queue_item
+from dm_cli.run.sessions.queue import QueueItem, default_output_name, queue_item
 
 MAX_N = 10  # images per request, as OpenAI's images API
 MAX_PROMPT_CHARS = 10_000

@@ -22,7 +22,7 @@ from dm_cli.errors import UsageError
 from dm_cli.run.distributed import Ranks, select_gpus
 from dm_cli.run.options import option
 from dm_cli.run.request import RunRequest
-from dm_cli.run.session import Session
+from dm_cli.run.sessions.session import Session
 from dm_cli.serve.app import AppState, make_app
 from dm_cli.serve.connections import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -135,7 +135,7 @@ def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Cal
           on_ready: Callable[[str, object], None] | None = None) -> int:
     """Load, serve until SIGTERM or Ctrl-C, stop; returns the number of images answered. `on_ready(url, session)`
     when the server listens (rank 0)."""
-    from dm_cli.run.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
+    from dm_cli.run.settle.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
 
     request.check()
     ranks = Ranks.from_env()

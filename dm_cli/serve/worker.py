@@ -308,7 +308,7 @@ DECODE_RAM_SHARE = 0.25
 
 def decode_room() -> int:
     """Bytes the server's concurrent decodes of input images may take: a share of the RAM its loaded plan leaves."""
-    from dm_cli.planning.budgets import available_ram  # lazy: looked up per call (tests patch available_ram)
+    from dm_cli.planning.placement.budgets import available_ram  # lazy: looked up per call (tests patch available_ram)
 
     return int(available_ram() * DECODE_RAM_SHARE)
 

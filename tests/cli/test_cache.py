@@ -31,7 +31,7 @@ def test_key_changes_with_the_computing_code_and_the_version(package_copy, monke
     assert cache.cache_key(parts) == first
     edit(package_copy / "render" / "plan.py")  # talks to people only: not a producer
     assert cache.cache_key(parts) == first
-    edit(package_copy / "planning" / "trace.py")
+    edit(package_copy / "planning" / "trace" / "trace.py")
     second = cache.cache_key(parts)
     assert second != first
     (package_copy / "new_module.py").write_text("X = 1\n")  # code moved to a new module counts too
@@ -45,7 +45,7 @@ def test_a_changed_producer_rebuilds_skeletons_and_traces(package_copy, tmp_path
     pytest.importorskip("torch")
     from dm_cli.inputs import InputSpec
     from dm_cli.model import skeleton
-    from dm_cli.planning import trace
+    from dm_cli.planning.trace import trace
 
     monkeypatch.setenv("DMAP_CACHE_DIR", str(tmp_path / "cache"))
     source = resolve_source("tiny-sd15")

@@ -12,8 +12,8 @@ import shlex
 import pytest
 from conftest import run_dmap
 
-from dm_cli.planning.profiles import DeviceProfile, default_profile_path, table_profile
-from dm_cli.run.calibrate import Calibration
+from dm_cli.planning.time.calibrate import Calibration
+from dm_cli.planning.time.profiles import DeviceProfile, default_profile_path, table_profile
 
 WIDE = {"COLUMNS": "1000"}
 

@@ -35,7 +35,7 @@ def test_the_setting_is_an_option_of_plan_and_run(registered):
 
 
 def test_the_setting_is_a_queue_key(registered, tmp_path):
-    from dm_cli.run.queue import read_prompts
+    from dm_cli.run.sessions.queue import read_prompts
 
     path = tmp_path / "q.jsonl"
     path.write_text('{"prompt": "a fox", "flux_true_cfg": 2}\n{"prompt": "a cat"}\n')
@@ -82,7 +82,7 @@ def test_another_family_refuses_it_in_one_sentence(registered, tmp_path):
 
 def test_the_real_families_settings_are_queue_keys_too(tmp_path):
     """Qwen-Image's true_cfg_scale and Wan 2.2's guidance_scale_2 travel in queue items like any setting."""
-    from dm_cli.run.queue import read_prompts
+    from dm_cli.run.sessions.queue import read_prompts
 
     path = tmp_path / "q.jsonl"
     path.write_text('{"prompt": "a fox", "true_cfg_scale": 2.5, "guidance_scale_2": 3}\n')

@@ -94,7 +94,7 @@ def test_an_api_keyword_by_its_flags_name_names_the_keyword_to_give():
 
 
 def test_a_queue_item_takes_exactly_the_rows_that_do_not_say_why_not():
-    from dm_cli.run.queue import queue_item
+    from dm_cli.run.sessions.queue import queue_item
 
     for row in OPTIONS:
         data = {"prompt": "a cat", row.key_name: "a cat" if row.key_name == "prompt" else None}

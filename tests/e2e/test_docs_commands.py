@@ -49,7 +49,7 @@ def test_a_figure_the_command_does_not_print_fails(tmp_path):
 
 
 def test_in_flight_default_is_the_same_in_the_table_the_help_and_the_code():
-    from dm_cli.planning.parallel import ParallelRequest
+    from dm_cli.planning.parallel.parallel import ParallelRequest
 
     assert ParallelRequest(world_size=3, choice="pipeline").planned_in_flight == 3  # one per rank
     row = next(line for line in PAGE.read_text(encoding="utf-8").splitlines() if line.startswith("| `--in-flight K`"))

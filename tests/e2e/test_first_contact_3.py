@@ -77,7 +77,7 @@ def test_pipeline_advice_for_a_queue_does_not_send_it_back_to_pipeline():
     from types import SimpleNamespace
 
     from dm_cli.inputs import Generation
-    from dm_cli.run.pipeline import pipeline_refusal
+    from dm_cli.run.ranks.pipeline import pipeline_refusal
 
     family = SimpleNamespace(denoiser="unet", experts=(), title=lambda: "SDXL")
     plan = SimpleNamespace(components={"unet": SimpleNamespace(cls="UNet2DConditionModel")})
@@ -91,7 +91,7 @@ def test_pipeline_advice_for_a_queue_does_not_send_it_back_to_pipeline():
 def test_pipeline_ranks_without_gpus_plan_each_rank_cpu_as_its_gpu(monkeypatch):
     import dm_cli.run.request as request
 
-    monkeypatch.setattr("dm_cli.planning.budgets.available_ram", lambda: 8 * 10**9)
+    monkeypatch.setattr("dm_cli.planning.placement.budgets.available_ram", lambda: 8 * 10**9)
     assert request.cpu_rank_devices(2) == "0=4000000000B,1=4000000000B"
 
 
@@ -181,7 +181,8 @@ def test_a_tiny_plan_does_not_predict_zero_seconds(tmp_path):
 def test_a_plan_made_under_torchrun_does_not_advise_launching_torchrun(tmp_path, monkeypatch):
     from dm_cli.model.demo import write_random_pipeline
     from dm_cli.model.sources import PRESETS_DIR
-    from dm_cli.run.request import RunRequest, make_run_plan, prepare, settle_generation
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.settle.checks import make_run_plan, prepare, settle_generation
 
     folder = write_random_pipeline(PRESETS_DIR / "tiny-flux", tmp_path / "flux", seed=0)
     for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",

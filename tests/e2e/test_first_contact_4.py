@@ -17,8 +17,8 @@ def _a_calibrated_cpu(monkeypatch):
     figures, named a CPU's."""
     from dataclasses import replace
 
-    import dm_cli.planning.plan_prediction as prediction
-    from dm_cli.planning.profiles import DEFAULT_PROFILE
+    import dm_cli.planning.time.plan_prediction as prediction
+    from dm_cli.planning.time.profiles import DEFAULT_PROFILE
 
     monkeypatch.setattr(prediction, "cached_profile", lambda *args, **kwargs: replace(DEFAULT_PROFILE, name="this-cpu",
                                                                                        kind="cpu"))
@@ -162,9 +162,9 @@ def test_a_pipeline_plan_run_under_its_ranks_does_not_ask_to_launch_torchrun(mon
     """The pipeline-layout warning ("run it with torchrun ...") was printed by the plan and again by the run that
     torchrun launched as it says: a run under as many ranks leaves it out; one process still hears it."""
     from dm_cli.planning.make import launch_warning
-    from dm_cli.planning.parallel_layout import ParallelLayout
+    from dm_cli.planning.parallel.parallel_layout import ParallelLayout
     from dm_cli.planning.plan_file import Plan
-    from dm_cli.run.settle import _run_warnings
+    from dm_cli.run.settle.settle import _run_warnings
 
     layout = ParallelLayout(2, "pipeline", 1, 1, 1, {"0": 1, "1": 1})
     plan = Plan.__new__(Plan)
@@ -310,7 +310,7 @@ def test_the_hidden_columns_note_names_tables_and_headers_a_user_sees(tmp_path):
 def test_a_plan_that_predicts_no_time_still_gives_run_d_its_steps(tmp_path, monkeypatch):
     """A plan whose `predicted_time` holds its steps but no seconds (no profile of its CPU) prints no prediction,
     and `run -d` still runs its steps."""
-    import dm_cli.planning.plan_prediction as prediction
+    import dm_cli.planning.time.plan_prediction as prediction
 
     monkeypatch.setattr(prediction, "cached_profile", lambda *args, **kwargs: None)
     plan = tmp_path / "p.json"

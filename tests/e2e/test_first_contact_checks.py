@@ -20,13 +20,13 @@ SIMULATE_HINT = "add --simulate"
 
 
 def _refuse_tracing(monkeypatch):
-    import dm_cli.planning.trace
+    import dm_cli.planning.trace.trace
 
     def refuse(*args, **kwargs):
         raise AssertionError("a trace ran: the absurd size should have been refused before")
 
-    monkeypatch.setattr(dm_cli.planning.trace, "trace_component", refuse)
-    monkeypatch.setattr(dm_cli.planning.trace, "_run", refuse)
+    monkeypatch.setattr(dm_cli.planning.trace.trace, "trace_component", refuse)
+    monkeypatch.setattr(dm_cli.planning.trace.trace, "_run", refuse)
 
 
 # --- 5. a plan for GPUs this machine lacks: refused before it is shown, and without torch ---------------
@@ -146,9 +146,9 @@ def test_8_gpus_without_a_cpu_still_get_the_offload_suggestion():
 
 
 def test_8_more_cpu_than_this_machine_has_is_said(monkeypatch):
-    import dm_cli.planning.advice
+    import dm_cli.planning.refine.advice
 
-    monkeypatch.setattr(dm_cli.planning.advice, "total_ram", lambda: 1000)
+    monkeypatch.setattr(dm_cli.planning.refine.advice, "total_ram", lambda: 1000)
     code, out, err = run_dmap("plan", "tiny-flux", "-q", "-m", "cpu=1MB", "--height", "64", "--width", "64")
     assert code == 3 and "more than this machine's 1.00 KB of RAM" in err, err
 
@@ -173,12 +173,12 @@ def test_8_absurd_video_is_refused_before_any_trace(monkeypatch):
 
 
 def test_8_absurd_run_is_refused_before_anything_loads(monkeypatch, tmp_path):
-    import dm_cli.run.single
+    import dm_cli.run.sessions.single
 
     def refuse(*args, **kwargs):
         raise AssertionError("the run started: the absurd size should have been refused before")
 
-    monkeypatch.setattr(dm_cli.run.single, "run", refuse)
+    monkeypatch.setattr(dm_cli.run.sessions.single, "run", refuse)
     code, out, err = run_dmap("run", "-p", "x", "--height", "16384", "--width", "16384", "--num-images", "17",
                               "-o", tmp_path / "x.png")
     assert code == 2 and "pixels in one call" in err, err
@@ -207,12 +207,12 @@ def test_9_shard_quiet_prints_one_line(tmp_path):
 
 @pytest.mark.parametrize("seed", ["-1", str(-(2**63))])
 def test_9_negative_seeds_are_refused(monkeypatch, tmp_path, seed):
-    import dm_cli.run.single
+    import dm_cli.run.sessions.single
 
     def refuse(*args, **kwargs):
         raise AssertionError("the run started: the seed should have been refused before")
 
-    monkeypatch.setattr(dm_cli.run.single, "run", refuse)
+    monkeypatch.setattr(dm_cli.run.sessions.single, "run", refuse)
     code, out, err = run_dmap("run", "-p", "x", "--seed", seed, "-o", tmp_path / "x.png")
     assert code == 2 and f"--seed {seed} is out of range" in err and f"from 0 to {2**64 - 1}" in err, err
 

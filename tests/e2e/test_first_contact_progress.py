@@ -23,7 +23,7 @@ def test_tiny_wan_transformer_traces_at_the_default_size():
     "shape '[1, 1, 52, -1]' is invalid for input of size 128")."""
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.trace import trace_component
+    from dm_cli.planning.trace.trace import trace_component
 
     comp = resolve_source("tiny-wan").component("transformer")
     trace = trace_component(comp, "WanPipeline", InputSpec(480, 832, num_frames=81), "bf16", use_cache=False)

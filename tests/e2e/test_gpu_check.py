@@ -54,7 +54,7 @@ def test_an_unknown_section_is_refused(tmp_path):
     ("Tesla T4", None),
 ])
 def test_a_gpus_name_finds_its_row_of_the_bundled_table(name, row):
-    from dm_cli.planning.profiles import table_profile
+    from dm_cli.planning.time.profiles import table_profile
 
     assert gpu_check.table_row(name) == row
     if row:

@@ -211,7 +211,7 @@ def test_flux2_dev_fits_and_checks(budget, mode):
 def test_tied_lm_head_away_from_embeddings_is_caught_by_the_split_check():
     """Mistral-3 built tied (tiny twin): lm_head on another GPU than the embeddings it shares fails."""
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.trace import check_device_map
+    from dm_cli.planning.trace.trace import check_device_map
 
     source = resolve_source("tiny-flux2")
     comp = source.component("text_encoder")
@@ -330,7 +330,7 @@ def dmap_image(folder, tmp_path, plan=None, simulate=False, name="out.png"):
     from PIL import Image
 
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     device_map = "auto"
     if plan is not None:

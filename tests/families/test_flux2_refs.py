@@ -194,7 +194,7 @@ def test_plan_reports_reference_tokens_and_the_vae_encode_of_a_larger_reference(
     from dm_cli.families import call_spec
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.trace import trace_message
+    from dm_cli.planning.trace.trace import trace_message
 
     source = resolve_source("flux2")
     transformer, vae = source.component("transformer"), source.component("vae")

@@ -89,8 +89,8 @@ def settled_job(folder, settings: dict, images):
 def dmap_pixels(folder, settings: dict, images, devices: int):
     """The stage loop over the hand plan: encode, encode_image, denoise, decode; (pixels, split problems, stages)."""
     from dm_cli.planning.plan_file import Plan
-    from dm_cli.run.session import frozen_gc
-    from dm_cli.run.stages import StageLoop
+    from dm_cli.run.loops.stages import StageLoop
+    from dm_cli.run.sessions.session import frozen_gc
 
     source, family, job = settled_job(folder, settings, images)
     plan = Plan.from_json(json.loads(json.dumps(hand_plan(folder, family, devices))))
@@ -235,7 +235,7 @@ def test_plan_flux_kontext_with_a_1024_reference_fits_two_24gb_gpus():
     from dm_cli.model.sources import resolve_source
     from dm_cli.planning.make import make_plan
     from dm_cli.planning.plan_options import PlanOptions
-    from dm_cli.planning.trace import trace_component
+    from dm_cli.planning.trace.trace import trace_component
 
     plan = make_plan("flux-kontext", PlanOptions(PlacementSpec("0=24GB,1=24GB,cpu=64GB"), check=False,
                                                  inputs=InputSpec(1024, 1024, image_sizes=((1024, 1024),))))

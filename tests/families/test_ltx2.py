@@ -76,7 +76,7 @@ def oracle(folder):
 
 def _run(folder, output, **extra):
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     options = {"steps": STEPS, "height": SIZE, "width": SIZE, "seed": SEED, "num_frames": FRAMES,
                "max_sequence_length": SEQ, **extra}

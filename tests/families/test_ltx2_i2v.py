@@ -159,7 +159,7 @@ def _measured_and_estimated(name: str, cls: str, config: dict, inputs, siblings:
     from dm_cli.families.calls import TensorSpec
     from dm_cli.model.models import build_model
     from dm_cli.model.sources import ComponentSource
-    from dm_cli.planning.trace import trace_component
+    from dm_cli.planning.trace.trace import trace_component
 
     sys.path.insert(0, str(REPO / "scripts"))
     from measure_activations import profiled_call_peak

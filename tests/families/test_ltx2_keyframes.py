@@ -162,7 +162,7 @@ def test_frame_rules_and_other_families_refuse_in_one_sentence(folder, pictures,
 
 
 def test_keyframes_travel_through_plan_files_queue_items_and_the_resume_key(pictures, tmp_path):
-    from dm_cli.run.queue import _item_images
+    from dm_cli.run.sessions.queue import _item_images
 
     spec = InputSpec(512, 768, num_frames=121, image_sizes=((48, 40), (48, 40)), image_frames=(None, 113))
     data = spec.to_json()

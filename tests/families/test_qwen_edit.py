@@ -112,8 +112,8 @@ def dmap_pixels(folder, paths, devices: int, negative=None, settings=None):
     from dm_cli.io.input_images import describe_image
     from dm_cli.model.sources import resolve_source
     from dm_cli.planning.plan_file import Plan
-    from dm_cli.run.session import frozen_gc
-    from dm_cli.run.stages import StageLoop
+    from dm_cli.run.loops.stages import StageLoop
+    from dm_cli.run.sessions.session import frozen_gc
 
     source = resolve_source(str(folder))
     family = family_for(source.pipeline_class)
@@ -242,7 +242,7 @@ def test_the_offline_processor_gives_the_vision_tokens_the_text_encoder_expects(
     from dm_cli.families.qwenimage_edit import vision_tokens
     from dm_cli.model.sources import resolve_source
     from dm_cli.model.tokenizers import qwen2_vl_processor
-    from dm_cli.run.loading import build_pipeline
+    from dm_cli.run.load.loading import build_pipeline
 
     folder = edit_folder
     config = json.loads((folder / "text_encoder" / "config.json").read_text())
@@ -306,7 +306,7 @@ def test_plan_qwen_image_edit_traces_the_references_tokens_and_vision_tokens():
     from dm_cli.families import call_spec, family_for
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.trace import trace_message
+    from dm_cli.planning.trace.trace import trace_message
 
     source = resolve_source("qwen-image-edit")
     transformer, encoder, vae = (source.component(n) for n in ("transformer", "text_encoder", "vae"))

@@ -80,7 +80,7 @@ def test_run_is_pixel_identical_to_diffusers_unsplit_and_split(folder, tmp_path,
     from PIL import Image
 
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     expected = oracle(folder, negative)
     for n_devices, simulate in ((0, False), (2, True), (3, True)):
@@ -101,7 +101,7 @@ def test_run_is_pixel_identical_to_diffusers_unsplit_and_split(folder, tmp_path,
 def test_true_cfg_runs_the_transformer_twice_per_step(folder, tmp_path, monkeypatch):
     """Two separate calls on the unchanged batch, not one call on a doubled batch."""
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     calls = []
     original = diffusers.QwenImageTransformer2DModel.forward
@@ -123,7 +123,7 @@ def test_true_cfg_runs_the_transformer_twice_per_step(folder, tmp_path, monkeypa
 def test_a_split_inside_a_qwen2_5_vl_layer_is_caught_and_layer_splits_pass(folder):
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.trace import check_device_map
+    from dm_cli.planning.trace.trace import check_device_map
 
     source = resolve_source(str(folder))
     comp = source.component("text_encoder")

@@ -48,7 +48,7 @@ def test_frames_on_an_image_pipeline_is_refused():
 
 
 def test_trace_feeds_5d_latents_and_activations_follow_frames():
-    from dm_cli.planning.trace import trace_component
+    from dm_cli.planning.trace.trace import trace_component
 
     source = resolve_source("tiny-wan")
     comps = {c.name: c for c in source.components}
@@ -70,7 +70,7 @@ def test_trace_feeds_5d_latents_and_activations_follow_frames():
 def test_a_split_separating_scale_shift_table_from_proj_out_passes_the_check():
     """diffusers PR #10997: scale_shift_table on GPU 0, proj_out on GPU 1. The model moves shift/scale
     explicitly, so the check passes; a split inside a block (which really fails) is still reported."""
-    from dm_cli.planning.trace import check_device_map
+    from dm_cli.planning.trace.trace import check_device_map
 
     comp = resolve_source("tiny-wan").component("transformer")
     inputs = InputSpec(32, 32, num_frames=5)
@@ -205,7 +205,7 @@ def oracle_frames(tiny_wan):
 
 def _run(folder, tmp_path, name, steps=STEPS, **extra):
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     calls = []
     request = RunRequest.of(source=str(folder), prompt=PROMPT, steps=steps, height=SIZE, width=SIZE, seed=SEED,
@@ -239,7 +239,7 @@ def test_run_staged_experts_split_on_two_simulated_gpus_never_holds_both(tiny_wa
                                                                        monkeypatch):
     import numpy as np
 
-    from dm_cli.run.stages import StageLoop
+    from dm_cli.run.loops.stages import StageLoop
 
     held = []
     load_stage = StageLoop.load_stage
@@ -273,7 +273,7 @@ def test_run_staged_experts_split_on_two_simulated_gpus_never_holds_both(tiny_wa
 
 def test_an_expert_that_runs_no_step_is_never_loaded(tiny_wan, tmp_path, monkeypatch):
     """Two steps (t = 999, 750 with boundary 875): one each; one step: only the high-noise expert loads."""
-    from dm_cli.run.stages import StageLoop
+    from dm_cli.run.loops.stages import StageLoop
 
     loaded = []
     load_stage = StageLoop.load_stage
@@ -287,7 +287,7 @@ def test_an_expert_that_runs_no_step_is_never_loaded(tiny_wan, tmp_path, monkeyp
 
 def test_run_refuses_bad_frames_and_image_outputs_before_any_work(tiny_wan, tmp_path):
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     with pytest.raises(UsageError, match="--frames 8 is not 4k\\+1"):
         run(RunRequest.of(source=str(tiny_wan), prompt=PROMPT, num_frames=8, output=str(tmp_path / "a.mp4")))
@@ -336,7 +336,7 @@ def test_guidance_scale_2_guides_the_low_noise_expert_as_the_pipeline_does(tiny_
     assert read_metadata(str(tmp_path / "g2"))["guidance_scale_2"] == "50.0" and result.settings["guidance_scale_2"] == 50.0
     # the same setting through dm_cli.load(...).generate() and in a JSONL queue item
     import dm_cli
-    from dm_cli.run.queue import read_prompts
+    from dm_cli.run.sessions.queue import read_prompts
 
     (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": PROMPT, "seed": SEED, "steps": STEPS,
                                                         "guidance_scale_2": 50.0}) + "\n")
@@ -364,7 +364,7 @@ def test_api_generate_runs_a_staged_plans_experts_one_at_a_time(tiny_wan, tmp_pa
     torch = pytest.importorskip("torch")
     import dm_cli
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     devices = {"max_memory": "0=400KB,1=400KB,cpu=1GB", "overhead": "0=0,1=0", "simulate": True}
     with dm_cli.load(str(tiny_wan), None, height=SIZE, width=SIZE, num_frames=FRAMES, **devices) as pipe:

@@ -77,7 +77,7 @@ def oracle(folder, size, image=None, last=None, latents=False):
 def dmap_run(folder, out, size, **extra):
     """dmap run (the core of the CLI): the result and the expert named at each step."""
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     steps = []
     request = RunRequest.of(source=str(folder), prompt=PROMPT, steps=STEPS, height=size, width=size, seed=SEED,
@@ -213,8 +213,8 @@ def test_last_image_in_queue_items_metadata_and_the_resume_key(frames_in, tmp_pa
 
     from dm_cli.families import Job
     from dm_cli.io.input_images import describe_image
-    from dm_cli.run.outputs import job_metadata
-    from dm_cli.run.queue import read_prompts, resume_keys
+    from dm_cli.run.sessions.outputs import job_metadata
+    from dm_cli.run.sessions.queue import read_prompts, resume_keys
 
     (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": PROMPT, "image": str(frames_in["first"]),
                                                   "last_image": str(frames_in["last"])}) + "\n")
@@ -281,7 +281,7 @@ def test_conditioning_encode_estimate_is_within_20_percent_of_the_profiler(frame
     from dm_cli.families.wan_i2v import conditioning_encode
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import ComponentSource
-    from dm_cli.planning import trace
+    from dm_cli.planning.trace import trace
 
     size = 32  # 64 and 128 measure the same ratio (1.000 at 9 and 17 frames) in two and eight times the time
     config = dict(measure_activations.WAN_VAE)

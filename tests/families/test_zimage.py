@@ -89,7 +89,7 @@ def test_run_is_pixel_identical_to_diffusers_unsplit_and_split(folder, tmp_path,
     from PIL import Image
 
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     expected = oracle(folder, negative, guidance)
     assert expected.std() > 0  # not a blank image that any run would match
@@ -116,7 +116,7 @@ def test_cfg_doubles_the_transformer_batch_when_guidance_is_above_zero(folder, m
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     calls = []
     original = diffusers.ZImageTransformer2DModel.forward

@@ -34,8 +34,8 @@ def served_app(tmp_path_factory, source=None, size=64, steps=2, max_batch=8, sta
 
     from dm_cli.run.distributed import Ranks
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.session import Session
-    from dm_cli.run.settle import Entry, settle
+    from dm_cli.run.sessions.session import Session
+    from dm_cli.run.settle.settle import Entry, settle
     from dm_cli.serve.app import AppState, make_app
     from dm_cli.serve.server import ServeRequest, _served
     from dm_cli.serve.worker import Batcher, RankCompute

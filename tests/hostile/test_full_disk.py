@@ -105,7 +105,7 @@ def test_a_queue_on_a_full_disk_stops_and_resumes(tmp_path, monkeypatch):
 
 
 def test_a_full_disk_writing_the_queue_s_manifest_is_exit_2(tmp_path, monkeypatch):
-    from dm_cli.run.queue import append_record
+    from dm_cli.run.sessions.queue import append_record
 
     _no_space_for(monkeypatch, lambda path: path.endswith("manifest.jsonl"))
     with pytest.raises(OSError) as raised:
@@ -151,7 +151,7 @@ def test_a_full_disk_anywhere_else_is_exit_2_not_a_bug(monkeypatch):
 
 def test_serve_answers_507_when_its_outputs_find_no_room():
     """An MP4 is written to a temporary file before it is sent: no room there is a 507, and the server goes on."""
-    from dm_cli.run.queue import QueueItem
+    from dm_cli.run.sessions.queue import QueueItem
     from dm_cli.serve.worker import Batcher, Failure, Ticket
 
     def compute(pairs):

@@ -504,21 +504,21 @@ def test_6_plan_file_that_is_not_a_file_is_read_boundedly(tmp_path, monkeypatch,
 
 
 def _runner_must_not_start(monkeypatch):
-    import dm_cli.run.single
+    import dm_cli.run.sessions.single
 
     def refuse(*args, **kwargs):
         raise AssertionError("the run started: the bad input should have been caught before")
 
-    monkeypatch.setattr(dm_cli.run.single, "run", refuse)
+    monkeypatch.setattr(dm_cli.run.sessions.single, "run", refuse)
 
 
 def _nothing_must_load(monkeypatch):
-    import dm_cli.run.stages
+    import dm_cli.run.loops.stages
 
     def refuse(*args, **kwargs):
         raise AssertionError("a component loaded: the bad input should have been caught before")
 
-    monkeypatch.setattr(dm_cli.run.stages, "load_component", refuse)
+    monkeypatch.setattr(dm_cli.run.loops.stages, "load_component", refuse)
 
 
 @pytest.mark.parametrize("library, cls", [("diffusers", "AutoModel"), ("diffusers", "DiffusionPipeline"),

@@ -93,14 +93,14 @@ def test_5_absurd_run_counts_are_exit_2_before_anything_loads(tmp_path, monkeypa
 
 @pytest.mark.parametrize("args", [["--steps", "100000"], ["--max-sequence-length", "100000"]])
 def test_5_absurd_counts_for_a_queue_are_exit_2_before_anything_loads(tmp_path, monkeypatch, capsys, args):
-    import dm_cli.run.session
-    import dm_cli.run.settle
+    import dm_cli.run.sessions.session
+    import dm_cli.run.settle.settle
 
     def refuse(*a, **k):
         raise AssertionError("the pipeline was made: the bad input should have been caught before")
 
-    monkeypatch.setattr(dm_cli.run.settle, "settle", refuse)  # where SOURCE is resolved and the plan made
-    monkeypatch.setattr(dm_cli.run.session.Session, "__init__", refuse)
+    monkeypatch.setattr(dm_cli.run.settle.settle, "settle", refuse)  # where SOURCE is resolved and the plan made
+    monkeypatch.setattr(dm_cli.run.sessions.session.Session, "__init__", refuse)
     (tmp_path / "p.txt").write_text("a fox\n")
     code, out, err = cli(capsys, "run", "--prompts", tmp_path / "p.txt", "-o", tmp_path / "out", *args)
     assert code == 2 and "at most" in err, err
@@ -130,7 +130,7 @@ def test_5_absurd_frames_for_a_video_plan_are_exit_2(capsys):
 def test_5_the_python_api_has_the_same_bounds():
     import dm_cli
     from dm_cli.errors import UsageError
-    from dm_cli.run.session import _items
+    from dm_cli.run.sessions.session import _items
 
     with pytest.raises(UsageError, match="at most 1024"):
         dm_cli.plan("tiny-flux", max_memory="0=80GB", batch_size=10**18)
@@ -143,8 +143,8 @@ def test_5_the_python_api_has_the_same_bounds():
 def test_5_a_queue_item_gets_the_same_steps_bound():
     from dm_cli.errors import UsageError
     from dm_cli.families import Job, family_for
-    from dm_cli.run.queue import QueueItem
-    from dm_cli.run.session import Session
+    from dm_cli.run.sessions.queue import QueueItem
+    from dm_cli.run.sessions.session import Session
 
     class Fake:
         defaults = Job("a", None, 0, 4, 3.5, 64, 64)
@@ -210,12 +210,12 @@ def test_6_a_plan_dmap_wrote_still_loads(tmp_path, capsys):
 def test_7_an_overflowing_trace_does_not_fit(capsys, monkeypatch):
     """The meta trace of a huge call fails with "Storage size calculation overflowed": the plan used to go on
     without an activation estimate and say it fits (exit 0). Too big to count is too big to fit: exit 3."""
-    import dm_cli.planning.trace
+    import dm_cli.planning.trace.trace
 
     def overflow(*args, **kwargs):
         raise RuntimeError("Storage size calculation overflowed with sizes=[1000000000000000000, 4096, 4]")
 
-    monkeypatch.setattr(dm_cli.planning.trace, "_run", overflow)
+    monkeypatch.setattr(dm_cli.planning.trace.trace, "_run", overflow)
     code, out, err = cli(capsys, "plan", "tiny-flux", "-q", "--max-memory", "0=80GB", "--no-cache")
     assert code == 3 and "too large to count" in err and err.count("\n") == 1, err
 

@@ -75,7 +75,7 @@ def test_8_an_existing_output_among_many_is_still_refused(tmp_path, monkeypatch)
     from dm_cli.errors import UsageError
     from dm_cli.io.atomic import refuse_existing
     from dm_cli.io.images import existing_image_paths
-    from dm_cli.run.settle import check_run_request
+    from dm_cli.run.settle.settle import check_run_request
 
     (tmp_path / "out-4999.png").mkdir()
     with pytest.raises(UsageError, match="out-4999.png is a folder"):
@@ -109,7 +109,7 @@ def test_9_queue_output_name_the_file_system_refuses_is_exit_2_when_read(tmp_pat
 
 def test_9_queue_path_too_long_for_the_system_is_exit_2(tmp_path, monkeypatch, capsys):
     from dm_cli.errors import UsageError
-    from dm_cli.run.queue import read_prompts
+    from dm_cli.run.sessions.queue import read_prompts
 
     queue = tmp_path / "q.txt"
     queue.write_text("a fox\n", encoding="utf-8")
@@ -120,12 +120,12 @@ def test_9_queue_path_too_long_for_the_system_is_exit_2(tmp_path, monkeypatch, c
 
 
 def _pipeline_must_not_start(monkeypatch):
-    import dm_cli.run.session
+    import dm_cli.run.sessions.session
 
     def refuse(*args, **kwargs):
         raise AssertionError("the pipeline started: the bad queue should have been caught before")
 
-    monkeypatch.setattr(dm_cli.run.session.Session, "__init__", refuse)
+    monkeypatch.setattr(dm_cli.run.sessions.session.Session, "__init__", refuse)
 
 
 # --- 13: the format the suffix names ----------------------------------------------------------------
@@ -200,7 +200,7 @@ def test_13_a_prompt_too_long_for_a_jpeg_comment_is_refused_first(tmp_path, monk
     ("cat.jpg", "cat.jpg"), ("cat.JPEG", "cat.JPEG"), ("cat.webp", "cat.webp"), ("cat", "cat.png"), ("cat.png", "cat.png"),
 ])
 def test_13_queue_output_keeps_an_image_suffix_and_adds_png_to_others(tmp_path, output, expected):
-    from dm_cli.run.queue import read_prompts
+    from dm_cli.run.sessions.queue import read_prompts
 
     queue = tmp_path / "q.jsonl"
     queue.write_text(json.dumps({"prompt": "a fox", "output": output}) + "\n", encoding="utf-8")
@@ -232,7 +232,7 @@ def test_13_png_bytes_under_a_jpeg_name_do_not_count_as_a_finished_queue_item(tm
 
 
 def test_13_stale_temporaries_of_a_name_with_glob_characters_are_removed(tmp_path):
-    from dm_cli.run.queue import QueueItem, remove_stale_temporaries
+    from dm_cli.run.sessions.queue import QueueItem, remove_stale_temporaries
 
     (tmp_path / ".a[1].png.abcd1234.tmp").write_bytes(b"")
     (tmp_path / ".a1.png.abcd1234.tmp").write_bytes(b"someone else's")

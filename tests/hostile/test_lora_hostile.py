@@ -122,7 +122,7 @@ def test_a_kohya_flux_lora_that_fits_plans_its_converted_layers_and_runs_like_di
     (entry,) = json.loads(out)["loras"]
     from dm_cli.model.lora import converted_layers, read_lora
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.lora_sizing import lora_targets
+    from dm_cli.planning.placement.lora_sizing import lora_targets
 
     (adapter,) = lora_targets(resolve_source(str(folder)), (read_lora(str(path)),))
     assert sorted(layer.module for layer in adapter.layers) == [

@@ -76,12 +76,12 @@ def _refused_naming(code: int, err: str, holder: Holder, command: str = "dmap ru
 
 
 def _must_not_start(monkeypatch):
-    import dm_cli.run.single
+    import dm_cli.run.sessions.single
 
     def refuse(*args, **kwargs):
         raise AssertionError("the run started: the second run should have stopped at its claim")
 
-    monkeypatch.setattr(dm_cli.run.single, "_run", refuse)
+    monkeypatch.setattr(dm_cli.run.sessions.single, "_run", refuse)
 
 
 def test_a_second_run_of_the_same_output_stops_naming_the_first(tmp_path, holders, monkeypatch):
@@ -100,7 +100,7 @@ def test_a_second_run_of_the_same_output_stops_naming_the_first(tmp_path, holder
 
 def test_a_run_holds_its_claim_while_it_runs_and_gives_it_back_when_it_ends(tmp_path):
     out = tmp_path / "out.png"
-    import dm_cli.run.single as single
+    import dm_cli.run.sessions.single as single
 
     real, seen = single._run, []
 
@@ -124,13 +124,13 @@ def test_a_run_holds_its_claim_while_it_runs_and_gives_it_back_when_it_ends(tmp_
                                               (KeyboardInterrupt(), 130)])
 def test_the_claim_is_given_back_after_an_error_or_ctrl_c(tmp_path, monkeypatch, raised, expected):
     out = tmp_path / "out.png"
-    import dm_cli.run.single
+    import dm_cli.run.sessions.single
 
     def fail(*args, **kwargs):
         assert claim_path(out).is_file()
         raise raised
 
-    monkeypatch.setattr(dm_cli.run.single, "_run", fail)
+    monkeypatch.setattr(dm_cli.run.sessions.single, "_run", fail)
     code, _, err = run_dmap("run", "-p", "a fox", *SMALL, "-o", out)
     assert code == expected, err
     assert not claim_path(out).exists() and list(tmp_path.iterdir()) == []
@@ -164,9 +164,9 @@ def test_a_second_queue_into_the_same_folder_stops_naming_the_first(tmp_path, ho
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a fox\na cat\n")
     first = holders(folder, "dmap run --prompts", folder=True)
-    import dm_cli.run.queue_runner
+    import dm_cli.run.sessions.queue_runner
 
-    monkeypatch.setattr(dm_cli.run.queue_runner, "_run_share", lambda *a: pytest.fail("the second queue started"))
+    monkeypatch.setattr(dm_cli.run.sessions.queue_runner, "_run_share", lambda *a: pytest.fail("the second queue started"))
     code, _, err = run_dmap("run", "--prompts", prompts, *SMALL, "-o", folder)
     _refused_naming(code, err, first, "dmap run --prompts")
     assert f"The output folder {folder} is being written" in err
@@ -194,7 +194,7 @@ def test_plan_shard_and_demo_outputs_are_claimed(tmp_path, holders, command, arg
 
 def test_under_torchrun_only_rank_0_claims(tmp_path, holders, monkeypatch):
     """The ranks of one run share its outputs (rank 0 writes): they must not refuse each other."""
-    from dm_cli.run.outputs import claim_queue_folder, claim_run_outputs
+    from dm_cli.run.sessions.outputs import claim_queue_folder, claim_run_outputs
 
     out = tmp_path / "out.png"
     holders(out)

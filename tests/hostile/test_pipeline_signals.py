@@ -26,7 +26,7 @@ from test_queue_run import _rank_pid  # the torchrun worker with RANK=r, read fr
 SLOW_SLICE = '''
 import os, sys, time
 import torch
-from dm_cli.run import pipeline
+from dm_cli.run.ranks import pipeline
 
 forward = pipeline.SliceForward.__call__
 
@@ -220,7 +220,7 @@ def test_a_signal_while_joining_does_not_leave_a_prompt_thread_running():
     """The cause of the aborts: Python 3.11's `Thread.join(timeout)`, interrupted by a signal handler's exception,
     marks the thread it joins stopped while it still runs, and a wait on `is_alive()` returns at once. `join_all`
     waits on each RankThread's own event: it returns only once the work has really ended, signals or not."""
-    from dm_cli.run.pipeline_links import RankThread, join_all
+    from dm_cli.run.ranks.pipeline_links import RankThread, join_all
 
     ended = []
     thread = RankThread(lambda: (time.sleep(1.0), ended.append(True)), (), "dmap-test")

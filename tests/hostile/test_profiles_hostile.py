@@ -15,7 +15,7 @@ from conftest import run_dmap
 from test_hostile_env import within
 
 from dm_cli.errors import UsageError
-from dm_cli.planning.profiles import (
+from dm_cli.planning.time.profiles import (
     DeviceProfile,
     cached_profile,
     cached_profile_problem,

@@ -75,7 +75,7 @@ def _dmap_latents(folder, file, tmp_path, **extra):
     from safetensors.torch import load_file
 
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     tmp_path.mkdir()
     request = RunRequest.of(source=str(file), pipeline=str(folder), prompt=PROMPT, steps=STEPS, height=SIZE,

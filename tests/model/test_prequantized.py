@@ -72,7 +72,7 @@ def test_an_8bit_folder_is_inspected_exactly_and_its_run_refused_for_diffusers(f
 
 def test_planned_and_run_without_requantizing_pixel_identical_unsplit_and_split(saved, tmp_path):
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     plain, folder = saved
     expected = oracle(plain)  # the libraries' own 4-bit loading of the unquantized folder

@@ -72,7 +72,7 @@ def _dmap_latents(folder, file, tmp_path, **extra):
     from safetensors.torch import load_file
 
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     tmp_path.mkdir()
     request = RunRequest.of(source=str(file), pipeline=str(folder), prompt=PROMPT, steps=STEPS, height=SIZE,
@@ -348,8 +348,8 @@ def test_gguf_blocks_streamed_from_the_cpu_keep_their_types_and_adapters(wan_fil
     from test_lora import make_lora
 
     from dm_cli.model.lora import read_lora
-    from dm_cli.run.adapters import load_loras
-    from dm_cli.run.loading import dispatch_loaded
+    from dm_cli.run.hooks.adapters import load_loras
+    from dm_cli.run.load.loading import dispatch_loaded
 
     folder, _, gguf_file = wan_files
     lora = make_lora(diffusers.WanTransformer3DModel, folder / "transformer", tmp_path / "high.safetensors",

@@ -101,7 +101,7 @@ def _quantize_int8(model, name, source):
 
 def _real_bytes(model) -> int:
     """Bytes of every parameter and buffer once (the inner tensors of torchao's int8 weights)."""
-    from dm_cli.run.meter import plain_tensors
+    from dm_cli.run.load.meter import plain_tensors
 
     seen, total = set(), 0
     for outer in list(model.parameters()) + list(model.buffers()):
@@ -206,7 +206,7 @@ def _with_storage(plan, fmt, dtype):
                                               ("tiny-flux", "int8", "bfloat16")])
 def test_run_is_pixel_identical_to_diffusers_with_the_same_casting(preset, fmt, dtype, folders, tmp_path):
     from dm_cli.run.request import LOAD_RSS_MARGIN_BYTES, RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     folder = folders(preset)
     expected = oracle(folder, fmt, dtype)
@@ -245,10 +245,10 @@ def test_run_refuses_a_plan_with_other_storage_and_int8_offload(folders, tmp_pat
         dmap_run(folder, hand_plan(folder), tmp_path, weights="transformer=int8")
     offloaded = _with_storage(hand_plan(folder), "int8", "float32")
     offloaded["components"]["transformer"]["device_map"] = {"": "disk"}
-    import dm_cli.run.stages
+    import dm_cli.run.loops.stages
 
     loaded = []  # refused before any stage loads (it was refused only when the transformer's stage came)
-    monkeypatch.setattr(dm_cli.run.stages, "load_component", lambda comp, *a, **k: loaded.append(comp.name) or 1 / 0)
+    monkeypatch.setattr(dm_cli.run.loops.stages, "load_component", lambda comp, *a, **k: loaded.append(comp.name) or 1 / 0)
     with pytest.raises(UsageError, match="int8 weights cannot be streamed"):
         dmap_run(folder, offloaded, tmp_path)
     assert not loaded and not (tmp_path / "out.png").exists()
@@ -279,7 +279,7 @@ def test_shard_fp8_writes_a_checkpoint_diffusers_loads_dmap_plans_from_and_runs(
     from dm_cli.planning.make import make_plan
     from dm_cli.planning.plan_options import PlanOptions
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     folder = folders("tiny-flux")
     out = tmp_path / "fp8"
@@ -315,7 +315,7 @@ def test_tiny_flux2_fp8_run_is_pixel_identical_unsplit_and_split(folders, tmp_pa
     from test_flux2 import TOKENS, diffusers_pipeline, split_plan
 
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
     folder = folders("tiny-flux2")
     pipe = diffusers_pipeline(folder)
     pipe.set_progress_bar_config(disable=True)

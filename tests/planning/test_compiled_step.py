@@ -5,7 +5,7 @@ from the trace's own ops, where eager runs each op and writes each intermediate.
 import pytest
 from test_step_time import hand_profile
 
-from dm_cli.planning.step_time import CallWork, Traffic, call_terms, compiled
+from dm_cli.planning.time.step_time import CallWork, Traffic, call_terms, compiled
 
 
 def test_the_trace_counts_a_run_of_elementwise_ops_as_one_kernel_reading_and_writing_once():
@@ -14,7 +14,7 @@ def test_the_trace_counts_a_run_of_elementwise_ops_as_one_kernel_reading_and_wri
     x once and writes its result once, 384 bytes in one kernel."""
     import torch
 
-    from dm_cli.planning.trace_session import _Session
+    from dm_cli.planning.trace.trace_session import _Session
 
     class Block(torch.nn.Module):
         def __init__(self):

@@ -23,8 +23,8 @@ from dm_cli.families.stages import (
     default_stages,
 )
 from dm_cli.inputs import PlacementSpec
-from dm_cli.planning.blocks import Block, ComponentInput
-from dm_cli.planning.search import Device, plan_pipeline
+from dm_cli.planning.placement.blocks import Block, ComponentInput
+from dm_cli.planning.placement.search import Device, plan_pipeline
 
 PROMPT_TEXT = "a red fox in the snow"
 SIZE, STEPS, SEED = 32, 2, 7
@@ -95,7 +95,7 @@ def _oracle(folder):
 
 
 def _recording_loads(monkeypatch) -> list:
-    from dm_cli.run.stages import StageLoop
+    from dm_cli.run.loops.stages import StageLoop
 
     loaded = []
     load_stage = StageLoop.load_stage
@@ -118,7 +118,7 @@ def test_a_vae_that_encodes_before_the_denoiser_and_decodes_after_plans_and_runs
     from dm_cli.planning.plan_file import Plan
     from dm_cli.planning.plan_options import PlanOptions
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     expected = _oracle(sd15)
     loaded = _recording_loads(monkeypatch)

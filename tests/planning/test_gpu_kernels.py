@@ -1,4 +1,4 @@
-"""Activations as CUDA's kernels hold them (issue 53, planning/gpu_kernels.py): the attention kernel PyTorch's
+"""Activations as CUDA's kernels hold them (issue 53, planning/trace/gpu_kernels.py): the attention kernel PyTorch's
 dispatcher picks and what it holds beside its output, cuDNN's NHWC copies, the allocator's blocks; a GPU plan
 counts them, names what sets each GPU's peak, and records the kernels in its JSON."""
 
@@ -8,14 +8,14 @@ import tempfile
 import pytest
 from conftest import run_dmap
 
-from dm_cli.planning.gpu_kernels import (
+from dm_cli.planning.time.gpu_rates import architecture, attention_tflops, matmul_curve
+from dm_cli.planning.trace.gpu_kernels import (
     AttentionCall,
     allocated,
     attention_backend,
     attention_transient,
     convolution_transient,
 )
-from dm_cli.planning.gpu_rates import architecture, attention_tflops, matmul_curve
 
 FLUX_BLOCK = AttentionCall(24, 4608, 4608, 128, 128, "bfloat16")  # a FLUX.1 block at 1024x1024
 FLUX_VAE = AttentionCall(1, 16384, 16384, 512, 512, "bfloat16")  # its VAE's mid-block: one head of 512
@@ -128,7 +128,7 @@ def test_upcast_traffic_follows_each_formats_kernels():
     from types import SimpleNamespace
 
     from dm_cli.model.skeleton import TensorInfo
-    from dm_cli.planning.plan_prediction import cast_bytes
+    from dm_cli.planning.time.plan_prediction import cast_bytes
 
     tensors = [TensorInfo("mod.weight", (64, 32), "bfloat16", "param", low_precision=("fp8", "int8", "nf4")),
                TensorInfo("mlp.weight", (64, 32), "bfloat16", "param", low_precision=("fp8", "int8", "nf4"))]

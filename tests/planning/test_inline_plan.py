@@ -119,7 +119,7 @@ def reference(tmp_path_factory):
 def test_inline_plan_settles_what_plan_then_run_settles(family_name, setting, pipelines, reference, tmp_path,
                                                        monkeypatch):
     pytest.importorskip("torch")
-    import dm_cli.run.request as request_module
+    import dm_cli.run.settle.checks as checks_module
     from dm_cli.io.outputs import read_metadata
 
     preset, needed, video = FAMILY_CASES[family_name]
@@ -127,15 +127,15 @@ def test_inline_plan_settles_what_plan_then_run_settles(family_name, setting, pi
     needed = SETTING_ARGS.get((family_name, setting), needed)
     args = [a.format(ref=reference) for a in needed] + _flags(family_name, setting)
     planned = []
-    real = request_module.make_run_plan
-    monkeypatch.setattr(request_module, "make_run_plan", lambda *a, **k: planned.append(real(*a, **k)) or planned[-1])
+    real = checks_module.make_run_plan
+    monkeypatch.setattr(checks_module, "make_run_plan", lambda *a, **k: planned.append(real(*a, **k)) or planned[-1])
     # a frames folder whose name holds dots (issue 31: a trailing / names a folder)
     outputs = [tmp_path / ("inline.v0.5" if video else "inline.png"), tmp_path / ("filed.v0.5" if video else "filed.png")]
     given = [str(path) + ("/" if video else "") for path in outputs]  # Path drops a trailing slash
     run = ["run", folder, "--prompt", "a fox", "--steps", "2", "--seed", "3", "--quiet", *args]
     expected = 0
     if family_name in PLAN_ONLY:
-        import dm_cli.run.stages as stages
+        import dm_cli.run.loops.stages as stages
 
         def stop(*_, **__):
             raise SystemExit(STOPPED)

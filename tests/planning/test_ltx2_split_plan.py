@@ -57,7 +57,7 @@ def test_without_the_norm_out_hook_the_same_cut_fails_the_split_check(folder):
     from test_plan_execute import inputs_for
 
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.trace import check_device_map
+    from dm_cli.planning.trace.trace import check_device_map
 
     device_map = {k: v for k, v in planned_transformer_map(folder).items() if not k.endswith("norm_out")}
     source = resolve_source(str(folder))

@@ -1,4 +1,4 @@
-"""Overlapped offload in the plan (issue 55, item 2; planning/overlap.py, step_time.py): the predicted step counts
+"""Overlapped offload in the plan (issue 55, item 2; planning/time/overlap.py, step_time.py): the predicted step counts
 max(compute, transfer) per block instead of their sum, the memory model counts the prefetched block beside the
 running one, and the plan says which it chose and why."""
 
@@ -9,12 +9,12 @@ import pytest
 from conftest import run_dmap
 from test_step_time import hand_profile
 
-from dm_cli.planning.blocks import Block, ComponentInput
-from dm_cli.planning.overlap import choose_overlap
-from dm_cli.planning.placement import ComponentPlacement, DeviceUse, StagePlacement
+from dm_cli.planning.placement.blocks import Block, ComponentInput
+from dm_cli.planning.placement.placement import ComponentPlacement, DeviceUse, StagePlacement
+from dm_cli.planning.placement.search import Device
 from dm_cli.planning.plan_file import Plan
-from dm_cli.planning.search import Device
-from dm_cli.planning.step_time import CallWork, Traffic, call_terms, predict, unhidden_seconds
+from dm_cli.planning.time.overlap import choose_overlap
+from dm_cli.planning.time.step_time import CallWork, Traffic, call_terms, predict, unhidden_seconds
 
 GB = 10**9
 

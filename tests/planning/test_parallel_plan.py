@@ -1,4 +1,4 @@
-"""`dmap plan --world-size N --parallel ...`: CFG-parallel and context parallel layouts (dm_cli/planning/parallel.py).
+"""`dmap plan --world-size N --parallel ...`: CFG-parallel and context parallel layouts (dm_cli/planning/parallel/parallel.py).
 
 Config-only presets, no weights; the two traced plans (FLUX.2 [dev], Wan 2.2 at a small size) run once each
 and are shared, the refusals come before any trace.
@@ -14,7 +14,7 @@ import pytest
 from conftest import run_dmap
 
 from dm_cli.errors import UsageError
-from dm_cli.planning.parallel import (
+from dm_cli.planning.parallel.parallel import (
     CP_PLANS,
     Candidate,
     DenoiserLoad,
@@ -236,8 +236,8 @@ def test_step_time_model_by_hand():
 
 def test_auto_for_wan_720p_on_eight_gpus_is_two_cfg_by_four_ulysses():
     """Wan 2.2 at 720x1280x81 (75,600 video tokens; 8.6 GB of activations per call, as the trace says), pure."""
-    from dm_cli.planning.parallel import Rank
-    from dm_cli.planning.parallel_layout import choose_layout
+    from dm_cli.planning.parallel.parallel import Rank
+    from dm_cli.planning.parallel.parallel_layout import choose_layout
 
     load = DenoiserLoad((28_636_399_744, 28_636_399_744), 8_623_095_106, 14_288_000_000, hops=1)
     ranks = [Rank(r, 80 * GB, 600 * 10**6, 12 * GB) for r in range(8)]
@@ -257,8 +257,8 @@ def test_auto_keeps_the_split_where_a_layout_is_predicted_less_than_ten_percent_
     two CPU ranks context was predicted 1% faster than the split on the demo and measured 21% slower (the predictions
     of cfg and context came within about 20% of the measured steps). Within AUTO_MARGIN auto keeps the split and
     says why; beyond it, it shares."""
-    from dm_cli.planning.parallel import Rank
-    from dm_cli.planning.parallel_layout import AUTO_MARGIN, choose_layout
+    from dm_cli.planning.parallel.parallel import Rank
+    from dm_cli.planning.parallel.parallel_layout import AUTO_MARGIN, choose_layout
 
     shape, guidance = _shape(), Guidance("distilled", 1, "one branch")
     load = DenoiserLoad((28 * GB,), 8 * GB, 14 * 10**9, hops=1)

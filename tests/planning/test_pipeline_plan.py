@@ -1,5 +1,5 @@
 """`dmap plan --world-size N --parallel pipeline`: the denoiser's blocks cut into one contiguous slice per rank
-(dm_cli/planning/parallel.py `pipeline_cut`), that cut as the plan's device map, per-rank memory and the predicted
+(dm_cli/planning/parallel/parallel.py `pipeline_cut`), that cut as the plan's device map, per-rank memory and the predicted
 speed-up. Config-only presets, no weights; each traced model is planned once per module and shared.
 
 Balance bound checked on the real models: the predicted speed-up (split / pipeline, per-slice FLOPs) is at least
@@ -15,7 +15,7 @@ import pytest
 from conftest import run_dmap
 
 from dm_cli.errors import UsageError
-from dm_cli.planning.parallel import (
+from dm_cli.planning.parallel.parallel import (
     DenoiserShape,
     ParallelRequest,
     PipelineCut,

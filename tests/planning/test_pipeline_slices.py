@@ -1,4 +1,4 @@
-"""The denoiser cut into pipeline slices (dm_cli.run.pipeline), in one process: rank 0's slice sends what rank 1's
+"""The denoiser cut into pipeline slices (dm_cli.run.ranks.pipeline), in one process: rank 0's slice sends what rank 1's
 first block takes, ..., the last slice's output is the whole model's, bit for bit, for every denoiser class the
 pipeline runs; the fixed round robin of prompts in flight; the plan's cut read and refused."""
 
@@ -18,7 +18,7 @@ from dm_cli.families.calls import TensorSpec
 from dm_cli.inputs import InputSpec
 from dm_cli.model.models import build_model
 from dm_cli.model.sources import resolve_source
-from dm_cli.run.pipeline import PIPELINE_CLASSES, SliceDone, Slices, Turns, cut_to_slice, plan_slices
+from dm_cli.run.ranks.pipeline import PIPELINE_CLASSES, SliceDone, Slices, Turns, cut_to_slice, plan_slices
 
 # preset, its denoiser's config changed to have enough blocks to cut three ways, input size
 CASES = {
@@ -154,7 +154,7 @@ def test_plans_that_do_not_cut_the_denoiser_per_rank_are_refused(device_map, say
 
 def test_the_cut_is_the_fastest_that_fits_each_ranks_room():
     """Equal FLOPs, weight-heavy first blocks (FLUX's double blocks): the even cut would overfill rank 0."""
-    from dm_cli.planning.parallel import balanced_cut
+    from dm_cli.planning.parallel.parallel import balanced_cut
 
     costs, sizes = [1.0] * 6, [3, 3, 1, 1, 1, 1]
     assert balanced_cut(costs, 2) == [0, 3]
@@ -186,7 +186,7 @@ def test_cpu_links_let_each_sent_tensor_go_once_its_send_is_done(monkeypatch):
 
     import torch.distributed as dist
 
-    from dm_cli.run.pipeline_links import Links, RankLostError
+    from dm_cli.run.ranks.pipeline_links import Links, RankLostError
 
     monkeypatch.setattr(dist, "isend", lambda tensor, dst: _GlooSend())
     links = Links(torch.device("cpu"))
@@ -217,7 +217,7 @@ def test_call_pairs_learn_two_calls_per_step_from_the_first_step():
     """A step's cond and uncond calls share the timestep and the latents: from the second step on, the first of
     them is deferred. A second-order scheduler's repeated timestep (other latents) and one call per step are not
     pairs."""
-    from dm_cli.run.pipeline import CallPairs
+    from dm_cli.run.ranks.pipeline import CallPairs
 
     def walk(calls):
         pairs, seen = CallPairs(), []

@@ -9,8 +9,8 @@ from dm_cli.errors import DoesNotFitError, UsageError
 from dm_cli.inputs import InputSpec, PlacementSpec
 from dm_cli.model.skeleton import skeleton_for_component
 from dm_cli.model.sources import resolve_source
-from dm_cli.planning.blocks import coverage_problems
 from dm_cli.planning.make import make_plan
+from dm_cli.planning.placement.blocks import coverage_problems
 from dm_cli.planning.plan_file import load_plan, write_plan
 from dm_cli.planning.plan_options import PlanOptions
 

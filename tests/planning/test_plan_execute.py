@@ -25,9 +25,9 @@ from dm_cli.families.calls import TensorSpec  # noqa: E402
 from dm_cli.inputs import InputSpec, PlacementSpec  # noqa: E402
 from dm_cli.model.skeleton import skeleton_for_component  # noqa: E402
 from dm_cli.model.sources import resolve_source  # noqa: E402
-from dm_cli.planning.blocks import component_blocks  # noqa: E402
-from dm_cli.planning.components import prepare_component  # noqa: E402
 from dm_cli.planning.make import make_plan  # noqa: E402
+from dm_cli.planning.placement.blocks import component_blocks  # noqa: E402
+from dm_cli.planning.placement.components import prepare_component  # noqa: E402
 from dm_cli.planning.plan_options import PlanOptions  # noqa: E402
 
 INPUTS = InputSpec(64, 64)
@@ -81,7 +81,7 @@ def run_under_virtual_devices(comp, pipeline_class, device_map) -> list[str]:
     device mapped to the CPU, as `dmap run --simulate` runs: the problems VirtualDevices saw."""
     from accelerate import dispatch_model
 
-    from dm_cli.planning.trace import VirtualDevices
+    from dm_cli.planning.trace.trace import VirtualDevices
 
     model = build_random(comp)
     method, kwargs = make_inputs(comp, pipeline_class)
@@ -109,7 +109,7 @@ def cut_maps(comp, pipeline_class):
     model's top-level parts (its root children, with ModuleLists opened into their items): the parts
     up to the one holding the target on 0, the parts after it on 1.
     """
-    from dm_cli.planning.trace import trace_component
+    from dm_cli.planning.trace.trace import trace_component
 
     skeleton, _ = skeleton_for_component(comp)
     trace = trace_component(comp, pipeline_class, inputs_for(pipeline_class), "fp32")
@@ -164,7 +164,7 @@ def reported(problems, target, label) -> bool:
 
 @pytest.mark.parametrize("family", all_families(), ids=lambda f: f.name)
 def test_split_check_reports_a_block_cut_between_its_children_and_passes_a_cut_between_blocks(family):
-    from dm_cli.planning.trace import check_device_map
+    from dm_cli.planning.trace.trace import check_device_map
 
     preset = tiny_twin(family)
     assert preset is not None, f"family {family.name} has no tiny-* preset: its split check cannot be tested"
@@ -204,7 +204,7 @@ def test_tiny_split_plan_passes_the_check_on_meta_and_on_cpu(preset, name):
 
 
 def test_bad_map_splitting_an_sdxl_up_block_is_caught():
-    from dm_cli.planning.trace import VirtualDevices, check_device_map
+    from dm_cli.planning.trace.trace import VirtualDevices, check_device_map
 
     source = resolve_source("tiny-sdxl")
     comp = source.component("unet")

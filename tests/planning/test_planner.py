@@ -3,9 +3,15 @@
 import pytest
 
 from dm_cli.families.stages import default_stages
-from dm_cli.planning.blocks import Block, ComponentInput, clean_device_map, component_blocks, coverage_problems
-from dm_cli.planning.placement import NoFit
-from dm_cli.planning.search import Device, Stage, plan_pipeline
+from dm_cli.planning.placement.blocks import (
+    Block,
+    ComponentInput,
+    clean_device_map,
+    component_blocks,
+    coverage_problems,
+)
+from dm_cli.planning.placement.placement import NoFit
+from dm_cli.planning.placement.search import Device, Stage, plan_pipeline
 
 GB = 10**9
 

@@ -1,14 +1,14 @@
 """The planner's steps one at a time, on hand-made inputs (no search around them).
 
 tests/planning/test_planner_search.py pins what the whole search finds; these pin what each named step of
-`dm_cli/planning/search.py` decides on its own, so that a broken step fails its own test. Each docstring says
+`dm_cli/planning/placement/search.py` decides on its own, so that a broken step fails its own test. Each docstring says
 what the step decides and which mutant of `scripts/mutation_planner.py` (or which wrong answer) the
 test catches. Sizes are plain bytes.
 """
 
 import pytest
 
-from dm_cli.planning.blocks import (
+from dm_cli.planning.placement.blocks import (
     Block,
     ComponentInput,
     _collect_atomic,
@@ -17,8 +17,8 @@ from dm_cli.planning.blocks import (
     _ModuleTree,
     _peak_of,
 )
-from dm_cli.planning.placement import DeviceUse, NoFit
-from dm_cli.planning.search import (
+from dm_cli.planning.placement.placement import DeviceUse, NoFit
+from dm_cli.planning.placement.search import (
     Device,
     Stage,
     _block_activation,

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_planner import assert_within_capacity
 
-from dm_cli.planning.blocks import Block, ComponentInput
-from dm_cli.planning.placement import NoFit
-from dm_cli.planning.search import Device, Stage, plan_pipeline
+from dm_cli.planning.placement.blocks import Block, ComponentInput
+from dm_cli.planning.placement.placement import NoFit
+from dm_cli.planning.placement.search import Device, Stage, plan_pipeline
 
 GB = 10**9
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import run_dmap
 
-from dm_cli.planning.profiles import GPU_TABLE, DeviceProfile, table_profile
-from dm_cli.planning.step_time import CallWork, Traffic, call_terms, predict
+from dm_cli.planning.time.profiles import GPU_TABLE, DeviceProfile, table_profile
+from dm_cli.planning.time.step_time import CallWork, Traffic, call_terms, predict
 
 
 def hand_profile(**changes) -> DeviceProfile:
@@ -226,7 +226,7 @@ def test_flux_pads_the_text_so_the_prompt_does_not_change_its_time(text_pipeline
 
 
 def _flux_shape():
-    from dm_cli.planning.parallel import DenoiserShape
+    from dm_cli.planning.parallel.parallel import DenoiserShape
 
     return DenoiserShape("FluxTransformer2DModel", heads=4, hidden=256, layers=6, image_tokens=256, text_tokens=64,
                          batch=1, calls=1, element_bytes=4, prediction_bytes=256 * 64 * 4)
@@ -235,7 +235,7 @@ def _flux_shape():
 def test_each_layouts_exchanges_pay_the_links_latency():
     """Ulysses: 4 all-to-alls per attention layer and call plus the output's gather; CFG: one gather per step; a
     pipeline hop: a header and two tensors; the split (one process): none."""
-    from dm_cli.planning.parallel import (
+    from dm_cli.planning.parallel.parallel import (
         HOP_MESSAGES,
         Candidate,
         DenoiserLoad,
@@ -281,7 +281,7 @@ def _context_plan(tmp_path, latency: float, *extra) -> dict:
 
 def test_parallel_layouts_are_predicted_with_the_profiles_link_latency(tmp_path):
     """The profile's latency reaches `--parallel`'s time model (a given --link-gbps describes the link alone)."""
-    from dm_cli.planning.parallel import ULYSSES_MESSAGES
+    from dm_cli.planning.parallel.parallel import ULYSSES_MESSAGES
 
     fast, slow = (_context_plan(tmp_path, latency, "--parallel", "context")["parallel"] for latency in (0.0, 1e-3))
     layers = 2  # tiny-flux: 1 double and 1 single block, each one attention
@@ -307,7 +307,7 @@ def test_calibrate_on_a_cpu_measures_gloo_between_two_processes():
     """A spawned pair of processes (seconds): the link CPU ranks exchange over, its rate and latency per message."""
     from dataclasses import replace
 
-    from dm_cli.run.calibrate import CalibrationSizes, calibrate
+    from dm_cli.planning.time.calibrate import CalibrationSizes, calibrate
 
     profile = calibrate(replace(CalibrationSizes.quick(), link_mib=1), device="cpu")
     assert "gloo" in profile.link and profile.link_latency_s > 0 and profile.link_gbps > 0
@@ -346,7 +346,7 @@ def test_on_a_calibrated_profile_the_layouts_share_the_detailed_compute(tmp_path
 def test_a_ranks_share_of_a_call_keeps_what_does_not_divide():
     """Under cfg and context every rank dispatches every op of the call and reads every weight (a pipeline slice its
     share of both), and a share of the tokens runs its matmuls at the smaller op's rate on the measured curve."""
-    from dm_cli.planning.step_time import RankCompute
+    from dm_cli.planning.time.step_time import RankCompute
 
     work = CallWork(matmul_flops=4e9, attention_flops=0.0, other_bytes=0.0, ops=1000, weight_bytes=2 * 10**9,
                     matmul_ops=10)
@@ -403,7 +403,7 @@ def test_a_profiles_collective_latency_and_rate_are_optional_and_checked():
 def test_ulysses_and_cfg_pay_the_collectives_latency():
     """Where calibrated, each collective (Ulysses' all-to-alls, CFG's gather) costs the collective's latency, not a
     message's; a pipeline hop's point-to-point messages keep the link's."""
-    from dm_cli.planning.parallel import Candidate, DenoiserLoad, Guidance, ParallelRequest, step_seconds
+    from dm_cli.planning.parallel.parallel import Candidate, DenoiserLoad, Guidance, ParallelRequest, step_seconds
 
     shape, load = _flux_shape(), DenoiserLoad((10**6,), 10**6, 10**6)
     message = ParallelRequest(2, "auto", 1.0, 1.0, link_latency_s=1e-4).settled()
@@ -421,7 +421,7 @@ def test_ulysses_moves_its_bytes_at_the_collectives_rate_and_copies_them_on_the_
     (read and written twice) at the elementwise rate, by the ops diffusers' Ulysses adds to each attention layer."""
     from dataclasses import replace
 
-    from dm_cli.planning.parallel import (
+    from dm_cli.planning.parallel.parallel import (
         ULYSSES_OPS_PER_LAYER,
         Candidate,
         DenoiserLoad,
@@ -429,7 +429,7 @@ def test_ulysses_moves_its_bytes_at_the_collectives_rate_and_copies_them_on_the_
         ParallelRequest,
         step_seconds,
     )
-    from dm_cli.planning.step_time import RankCompute
+    from dm_cli.planning.time.step_time import RankCompute
 
     shape, load = _flux_shape(), DenoiserLoad((10**6,), 10**6, 10**6)
     context, batch_cfg = Candidate("context", ulysses=2), Guidance("batch", 2)
@@ -452,7 +452,7 @@ def test_ulysses_moves_its_bytes_at_the_collectives_rate_and_copies_them_on_the_
 def test_every_pipeline_slice_runs_the_modules_outside_the_blocks():
     """A slice's call is its share of the blocks plus all the work outside the block lists (the embedders and output
     layers, which every rank of a pipeline runs; the trace counts them apart: test_trace.py)."""
-    from dm_cli.planning.step_time import RankCompute
+    from dm_cli.planning.time.step_time import RankCompute
 
     work = CallWork(matmul_flops=1e9, attention_flops=0.0, other_bytes=0.0, ops=1000, weight_bytes=0, matmul_ops=0,
                     outside_ops=200, outside_flops=2e8)
@@ -469,8 +469,8 @@ def test_a_pipelines_split_runs_the_work_outside_the_blocks_once():
     over the split look larger than it is."""
     from dataclasses import replace
 
-    from dm_cli.planning.parallel import ParallelRequest, PipelineCut, pipeline_seconds
-    from dm_cli.planning.step_time import RankCompute
+    from dm_cli.planning.parallel.parallel import ParallelRequest, PipelineCut, pipeline_seconds
+    from dm_cli.planning.time.step_time import RankCompute
 
     work = CallWork(matmul_flops=1e9, attention_flops=0.0, other_bytes=0.0, ops=1000, weight_bytes=0, matmul_ops=0,
                     outside_ops=200, outside_flops=2e8)

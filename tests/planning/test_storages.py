@@ -2,7 +2,7 @@
 
 import pytest
 
-from dm_cli.planning.storages import LiveStorages
+from dm_cli.planning.trace.storages import LiveStorages
 
 torch = pytest.importorskip("torch")
 
@@ -34,7 +34,7 @@ def test_the_meter_counts_a_tensor_subclass_by_its_inner_tensors():
     """A detached int8 weight shares the weight's inner storages; its own storage is a placeholder of nominal size."""
     from dm_cli.errors import UsageError
     from dm_cli.model.formats.weight_formats import torchao
-    from dm_cli.run.meter import MemoryMeter
+    from dm_cli.run.load.meter import MemoryMeter
 
     try:
         quantize_, config = torchao()

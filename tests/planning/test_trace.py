@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from dm_cli.families import call_spec  # noqa: E402
 from dm_cli.inputs import InputSpec  # noqa: E402
 from dm_cli.model.sources import ComponentSource, resolve_source  # noqa: E402
-from dm_cli.planning.trace import ComponentTrace, VirtualDevices, check_device_map, trace_component  # noqa: E402
+from dm_cli.planning.trace.trace import ComponentTrace, VirtualDevices, check_device_map, trace_component  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import measure_activations  # noqa: E402

@@ -42,8 +42,8 @@ def flux_plan() -> Plan:
 
 
 def run_result():
-    from dm_cli.run.single import RunResult
-    from dm_cli.run.stages import StageResult
+    from dm_cli.run.loops.stages import StageResult
+    from dm_cli.run.sessions.single import RunResult
 
     MB = 10**6
     stages = [

@@ -45,7 +45,7 @@ def test_a_bad_compile_is_one_sentence_exit_2_on_the_cli_and_the_api():
 
 def test_cli_api_and_queue_settle_the_same_compile():
     """The CLI's fields, the API's keyword and the queue's run request all become RunRequest.compile alike."""
-    from dm_cli.run.compile import CompileMode, parse_compile
+    from dm_cli.run.hooks.compile import CompileMode, parse_compile
     from dm_cli.run.options import option, queue_keys
     from dm_cli.run.request import RunRequest
 
@@ -77,7 +77,7 @@ def _fake(simulate=False, track=False, loras=(), weights=None, device_map=None, 
     ({"cache": SimpleNamespace(name="fbc")}, "step cache fbc"),
 ])
 def test_what_cannot_compile_runs_eager_with_one_notice(kind, reason):
-    from dm_cli.run.compile import compile_choice
+    from dm_cli.run.hooks.compile import compile_choice
 
     mode, notice = compile_choice("regional", *_fake(**kind), None)
     assert mode == "none" and notice.startswith("--compile regional: running eager, ") and reason in notice, notice
@@ -85,7 +85,7 @@ def test_what_cannot_compile_runs_eager_with_one_notice(kind, reason):
 
 
 def test_fused_loras_fp8_and_a_gpu_split_compile():
-    from dm_cli.run.compile import compile_choice
+    from dm_cli.run.hooks.compile import compile_choice
 
     for kind in ({"loras": ("transformer",), "fused": ("transformer",)}, {"weights": {"transformer": "int8"}},
                  {"device_map": {"a": 0, "b": 1}}, {}):
@@ -95,7 +95,7 @@ def test_fused_loras_fp8_and_a_gpu_split_compile():
 
 def test_ranks_sharing_a_step_are_refused_in_one_sentence():
     from dm_cli.errors import UsageError
-    from dm_cli.run.compile import compile_choice
+    from dm_cli.run.hooks.compile import compile_choice
 
     for layout in ("cfg", "context", "pipeline"):
         with pytest.raises(UsageError, match=rf"--compile runs in one process: --parallel {layout} ranks .* drop "

@@ -62,7 +62,7 @@ def test_request_reads_paths_and_pil_images_in_order(picture):
 
 
 def test_queue_items_take_an_image_or_a_list(tmp_path, picture):
-    from dm_cli.run.queue import read_prompts
+    from dm_cli.run.sessions.queue import read_prompts
 
     lines = [{"prompt": "a", "image": str(picture)}, {"prompt": "b", "image": [str(picture), str(picture)]},
              {"prompt": "c"}]
@@ -79,9 +79,9 @@ def test_queue_items_take_an_image_or_a_list(tmp_path, picture):
 def test_an_input_image_s_digest_is_metadata_and_part_of_the_resume_key(tmp_path, picture):
     from dm_cli.families import Job
     from dm_cli.io.outputs import is_complete, save_images
-    from dm_cli.run.outputs import job_metadata
-    from dm_cli.run.queue import resume_keys
     from dm_cli.run.request import input_images
+    from dm_cli.run.sessions.outputs import job_metadata
+    from dm_cli.run.sessions.queue import resume_keys
 
     (image,) = input_images(str(picture))
     job = Job.of(Generation(steps=2, guidance_scale=1.0, height=24, width=40, images=(image,)), "a fox", 0)

@@ -1,11 +1,11 @@
-"""The stage loop's hook registry (dm_cli.run.hooks): hooks applied to a component by name and in order, taken off
+"""The stage loop's hook registry (dm_cli.run.hooks.hooks): hooks applied to a component by name and in order, taken off
 in the reverse order, reset around each denoise, replaced in place by a run mode's own version."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from dm_cli.run.hooks import LoopHook, LoopHooks
+from dm_cli.run.hooks.hooks import LoopHook, LoopHooks
 
 
 class Recording(LoopHook):
@@ -88,7 +88,7 @@ def test_replace_keeps_the_place_and_remove_hook_takes_it_off_every_component():
 
 
 def test_a_loop_registers_tiling_lora_step_cache_meter_and_under_simulate_the_split_check():
-    from dm_cli.run.component_hooks import standard_hooks
+    from dm_cli.run.hooks.component_hooks import standard_hooks
 
     plan = SimpleNamespace(tiled_decode={}, loras=[], cache=None, step_cache={})
     loop = SimpleNamespace(plan=plan, family=None, loras=(), meter=None, simulate=False)

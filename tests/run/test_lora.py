@@ -94,7 +94,7 @@ def _png(path):
 
 def _run(source, tmp_path, name, **extra):
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     extra = {"steps": STEPS, "height": SIZE, "width": SIZE, **extra}
     request = RunRequest.of(source=str(source), prompt=PROMPT, seed=SEED, output=str(tmp_path / name), **extra)
@@ -243,7 +243,7 @@ def test_plan_counts_the_adapter_bytes_beside_the_layers_they_patch(flux, tmp_pa
     from dm_cli.inputs import LoraAdapter
     from dm_cli.model.lora import read_lora
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.lora_sizing import lora_extra_bytes
+    from dm_cli.planning.placement.lora_sizing import lora_extra_bytes
 
     adapter = read_lora(f"{lora}:0.5")
     assert isinstance(adapter, LoraAdapter) and adapter.tensors == 14
@@ -390,8 +390,8 @@ def test_a_fused_lora_leaves_no_peft_layer_and_changes_the_weights(flux):
 
     from dm_cli.model.lora import read_lora
     from dm_cli.model.sources import resolve_source
-    from dm_cli.run.adapters import load_loras
-    from dm_cli.run.loading import load_component
+    from dm_cli.run.hooks.adapters import load_loras
+    from dm_cli.run.load.loading import load_component
 
     folder, lora = flux
     comp = resolve_source(str(folder)).component("transformer")
@@ -425,8 +425,8 @@ def test_blocks_streamed_from_cpu_and_disk_take_their_adapters(flux, fmt, tmp_pa
     from test_run import _units, hand_plan
 
     from dm_cli.model.lora import read_lora
-    from dm_cli.run.adapters import load_loras
-    from dm_cli.run.loading import load_component
+    from dm_cli.run.hooks.adapters import load_loras
+    from dm_cli.run.load.loading import load_component
 
     folder, lora = flux
     expected = _fp8_or_int8_oracle(folder, lora, fmt, "float32") if fmt else flux_oracle(folder, [(lora, 0.7)])
@@ -570,8 +570,8 @@ def test_lora_activations_are_counted_as_the_profiler_measures_them(flux, tmp_pa
     from dm_cli.inputs import InputSpec
     from dm_cli.model.lora import read_lora
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.components import prepare_component
-    from dm_cli.planning.lora_sizing import lora_targets
+    from dm_cli.planning.placement.components import prepare_component
+    from dm_cli.planning.placement.lora_sizing import lora_targets
 
     folder, attention = flux
     feed_forward = make_lora(diffusers.FluxTransformer2DModel, folder / "transformer", tmp_path / "ff.safetensors",

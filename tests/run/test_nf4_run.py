@@ -46,7 +46,7 @@ def expected(folders):
 
 def test_nf4_run_is_pixel_identical_unsplit_and_split(expected, folders, tmp_path):
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     folder = folders("tiny-flux")
     unsplit = run(RunRequest.of(source=str(folder), prompt=PROMPT, max_memory="cpu=4GB", steps=STEPS, height=SIZE,
@@ -69,14 +69,14 @@ def test_nf4_differs_from_bf16_and_resident_split_is_identical(expected, folders
 
 
 def test_nf4_offloaded_to_cpu_or_disk_is_refused_before_loading(folders, tmp_path, monkeypatch):
-    import dm_cli.run.stages
+    import dm_cli.run.loops.stages
     from dm_cli.errors import UsageError
 
     folder = folders("tiny-flux")
     plan = nf4_plan(folder)
     plan["components"]["transformer"]["device_map"] = {"": "disk"}
     loaded = []
-    monkeypatch.setattr(dm_cli.run.stages, "load_component", lambda comp, *a, **k: loaded.append(comp.name) or 1 / 0)
+    monkeypatch.setattr(dm_cli.run.loops.stages, "load_component", lambda comp, *a, **k: loaded.append(comp.name) or 1 / 0)
     with pytest.raises(UsageError, match="nf4 weights cannot be streamed"):
         dmap_run(folder, plan, tmp_path)
     assert not loaded
@@ -109,7 +109,7 @@ def test_a_lora_on_nf4_stays_unfused_in_peft_4bit_layers_identical_to_diffusers(
     from dm_cli.model.demo import write_random_pipeline
     from dm_cli.model.sources import PRESETS_DIR, resolve_source
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     folder = write_random_pipeline(PRESETS_DIR / "tiny-flux", tmp_path / "tiny-flux", seed=0)
     lora = make_lora(diffusers.FluxTransformer2DModel, folder / "transformer", tmp_path / "fox-lora.safetensors",

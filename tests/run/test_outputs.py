@@ -130,7 +130,7 @@ def test_a_trailing_slash_names_a_frames_folder_whatever_dots_its_name_holds(tmp
     from dm_cli.errors import UsageError
     from dm_cli.io.images import image_format
     from dm_cli.io.video import video_kind
-    from dm_cli.run.settle import check_run_request
+    from dm_cli.run.settle.settle import check_run_request
 
     for name in ("renders/u0.875/", "out.v2/", "run-0.5/", "out.mp4/", "plain/"):
         assert video_kind(name) == "frames", name
@@ -160,7 +160,7 @@ def test_several_videos_into_a_dotted_folder_keep_its_name(tmp_path):
 
 def test_an_existing_empty_folder_is_a_frames_output_before_loading(tmp_path):
     from dm_cli.errors import UsageError
-    from dm_cli.run.settle import check_run_request
+    from dm_cli.run.settle.settle import check_run_request
 
     (tmp_path / "out.v2").mkdir()
     check_run_request(str(tmp_path / "out.v2") + "/", None, None, 0, "auto")

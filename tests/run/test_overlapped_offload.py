@@ -1,4 +1,4 @@
-"""Overlapped offload at run time (issue 55, item 2; run/prefetch.py): a component whose cpu blocks are fetched one
+"""Overlapped offload at run time (issue 55, item 2; run/load/prefetch.py): a component whose cpu blocks are fetched one
 block ahead of their turn gives the synchronous path's pixels. On this CPU the execution device is the cpu, so the
 prefetch path runs with its copies made at once on the one stream: the same hooks, the same order, the same values."""
 
@@ -45,7 +45,7 @@ def _image(pipe, transformer) -> np.ndarray:
 
 
 def test_overlapped_offload_gives_the_synchronous_pixels(demo):
-    from dm_cli.run.loading import _load_streamed, free_components
+    from dm_cli.run.load.loading import _load_streamed, free_components
 
     device_map, comp, pipe = demo
     device_map = dict(device_map)
@@ -67,7 +67,7 @@ def test_overlapped_offload_gives_the_synchronous_pixels(demo):
     from accelerate.hooks import AlignDevicesHook
     from accelerate.utils import modeling
 
-    from dm_cli.run.prefetch import no_cache_flush, quiet_hook_class
+    from dm_cli.run.load.prefetch import no_cache_flush, quiet_hook_class
 
     hooks = [m._hf_hook for m in overlapped.get_submodule(prefetch.order[-1]).modules()
              if isinstance(getattr(m, "_hf_hook", None), AlignDevicesHook)]
@@ -85,7 +85,7 @@ def test_overlapped_offload_gives_the_synchronous_pixels(demo):
 def test_only_cpu_blocks_are_prefetched_disk_ones_stay_in_turn(demo):
     """Blocks on disk are read from the checkpoint on each use (no pinned copy): the mapping serves them from its
     base, in their turn, and prefetches the cpu ones around them."""
-    from dm_cli.run.loading import _load_streamed
+    from dm_cli.run.load.loading import _load_streamed
 
     device_map, comp, pipe = demo
     device_map = dict(device_map)
@@ -102,7 +102,7 @@ def test_only_cpu_blocks_are_prefetched_disk_ones_stay_in_turn(demo):
 def test_fp8_blocks_prefetched_give_the_synchronous_fp8_pixels(demo):
     """--weights fp8: the host copies are the fp8 values the synchronous path reads from the checkpoint each call
     (read, cast to the run dtype, stored in fp8), so the prefetched blocks compute the same image."""
-    from dm_cli.run.loading import _load_streamed
+    from dm_cli.run.load.loading import _load_streamed
 
     device_map, comp, pipe = demo
     resident = pipe.transformer
@@ -127,7 +127,7 @@ def test_dmap_run_follows_a_plan_that_overlaps_and_makes_the_same_image(demo, tm
     folder = ensure_demo()
     plan = hand_plan(folder)
     plan["components"]["transformer"]["device_map"] = {**device_map, "transformer_blocks.0": "disk"}
-    from dm_cli.run import loading
+    from dm_cli.run.load import loading
 
     attached, attach = [], loading.attach_prefetch
     monkeypatch.setattr(loading, "attach_prefetch", lambda model, weights: (attached.append(len(weights.order)),
@@ -156,9 +156,9 @@ def test_an_unfused_lora_on_prefetched_blocks_gives_the_synchronous_pixels(demo,
 
     from dm_cli.model.demo import ensure_demo
     from dm_cli.model.lora import read_lora
-    from dm_cli.run.adapters import load_loras
-    from dm_cli.run.loading import _load_streamed
-    from dm_cli.run.prefetch import quiet_hook_class
+    from dm_cli.run.hooks.adapters import load_loras
+    from dm_cli.run.load.loading import _load_streamed
+    from dm_cli.run.load.prefetch import quiet_hook_class
 
     device_map, comp, pipe = demo
     resident = pipe.transformer

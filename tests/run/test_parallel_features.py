@@ -85,7 +85,7 @@ def _fbc_decision(rank: int) -> bool:
     from diffusers.hooks.first_block_cache import FBCHeadBlockHook, FBCSharedBlockState
     from diffusers.hooks.hooks import CacheContext, HookRegistry, StateManager
 
-    from dm_cli.run.step_cache import agree_across
+    from dm_cli.run.hooks.step_cache import agree_across
 
     block = torch.nn.Linear(1, 1)
     state = StateManager(FBCSharedBlockState)

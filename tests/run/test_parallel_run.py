@@ -68,7 +68,7 @@ def _halves_in_turn():
     import diffusers
     import torch
 
-    from dm_cli.run.parallel import _half
+    from dm_cli.run.ranks.parallel import _half
 
     cls = diffusers.UNet2DConditionModel
     real = cls.forward
@@ -294,7 +294,7 @@ def test_parallel_refusals_are_one_sentence(folders, tmp_path):
 def test_layouts_a_pipeline_cannot_run_are_refused_before_loading(folders, preset, choice, message):
     from dm_cli.errors import UsageError
     from dm_cli.run.distributed import Ranks
-    from dm_cli.run.parallel import step_sharing
+    from dm_cli.run.ranks.parallel import step_sharing
 
     run = _settled(folders[preset])
     with pytest.raises(UsageError, match=message):
@@ -313,7 +313,7 @@ def test_a_plans_parallel_is_followed_only_with_its_world_size(folders):
 
     from dm_cli.errors import UsageError
     from dm_cli.run.distributed import Ranks
-    from dm_cli.run.parallel import step_sharing
+    from dm_cli.run.ranks.parallel import step_sharing
 
     run = _settled(folders["tiny-sdxl"])
     plan = SimpleNamespace(parallel=SimpleNamespace(layout="cfg", world_size=2, title="CFG-parallel (2 branches)"))
@@ -328,7 +328,8 @@ def test_a_plans_parallel_is_followed_only_with_its_world_size(folders):
 
 def _settled(folder: str):
     """What step_sharing reads of a run (source, family, settled generation), without loading anything."""
-    from dm_cli.run.request import RunRequest, prepare, settle_generation
+    from dm_cli.run.request import RunRequest
+    from dm_cli.run.settle.checks import prepare, settle_generation
 
     request = RunRequest.of(folder, PROMPT, height=64, width=64)
     source, family, _, defaults, _ = prepare(request)

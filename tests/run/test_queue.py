@@ -9,7 +9,7 @@ import pytest
 from dm_cli.errors import UsageError
 from dm_cli.io.outputs import is_complete
 from dm_cli.run.distributed import Ranks, select_gpus
-from dm_cli.run.queue import (
+from dm_cli.run.sessions.queue import (
     MANIFEST,
     QueueItem,
     append_record,
@@ -208,7 +208,7 @@ def test_gpu_groups_per_local_rank():
 def test_queue_notices_print_as_text_not_markup(capsys):
     """The console takes no markup (text from files must stay text): a notice is styled, not wrapped in tags."""
     from dm_cli.render.queue import QueueView
-    from dm_cli.run.queue_runner import QueueResult
+    from dm_cli.run.sessions.queue_runner import QueueResult
 
     view = QueueView()
     view.start(QueueResult("out", 0, 1, 2, 2, notices=["The demo pipeline has RANDOM weights."], mode="staged"))
@@ -224,7 +224,7 @@ def test_a_queue_item_takes_the_runs_negative_prompt_and_steps_unless_it_has_its
     from dm_cli.families import Job, family_for
     from dm_cli.inputs import Generation
     from dm_cli.model.sources import resolve_source
-    from dm_cli.run.session import Session
+    from dm_cli.run.sessions.session import Session
 
     pipe = object.__new__(Session)  # job_for needs only the family and the run's settled job (the Session keeps it)
     generation = Generation(height=64, width=64, steps=5, guidance_scale=7.5, negative_prompt="blur", num_images=1)

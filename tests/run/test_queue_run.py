@@ -35,7 +35,7 @@ def _cache_dir(tmp_path_factory) -> str:
 def references(tmp_path_factory):
     """Item i of the queue run alone: `dmap run --prompt P_i --seed SEED+i` (staged, like the queue)."""
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     folder = tmp_path_factory.mktemp("single")
     with pytest.MonkeyPatch.context() as patch:
@@ -90,7 +90,7 @@ def _assert_queue_output(folder, references):
 
 @pytest.fixture
 def count_loads(monkeypatch):
-    import dm_cli.run.stages as stages
+    import dm_cli.run.loops.stages as stages
 
     counts = Counter()
     real = stages.load_component
@@ -153,7 +153,7 @@ def test_resident_queue_loads_once_for_the_whole_queue(references, prompts_file,
 def test_queue_takes_weights_like_a_single_run(tmp_path, capsys):
     """--weights fp8 with --prompts plans fp8 storage (it was silently dropped) and matches single fp8 runs."""
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     queue = tmp_path / "two.txt"
     queue.write_text("\n".join(PROMPTS[:2]) + "\n")

@@ -154,7 +154,7 @@ def test_the_lora_value_is_read_by_one_parser_on_the_cli_a_queue_and_a_request(a
 
 def test_the_server_batches_only_requests_with_the_same_adapters():
     """Waiting A(fox), B(owl), C(fox), D(fox): the oldest heads each batch, with the later ones of its set."""
-    from dm_cli.run.queue import QueueItem
+    from dm_cli.run.sessions.queue import QueueItem
     from dm_cli.serve.worker import Batcher, Output, Ticket
 
     batches = []

@@ -2,9 +2,9 @@
 
 from types import SimpleNamespace
 
-from dm_cli.run.carry import RESULT_JSON_VERSION, StageResult, stages_json
-from dm_cli.run.queue_runner import QueueResult
-from dm_cli.run.single import RunResult
+from dm_cli.run.loops.carry import RESULT_JSON_VERSION, StageResult, stages_json
+from dm_cli.run.sessions.queue_runner import QueueResult
+from dm_cli.run.sessions.single import RunResult
 
 
 def _run_json() -> dict:

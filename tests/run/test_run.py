@@ -98,7 +98,7 @@ def oracle(folder):
 
 def dmap_run(folder, plan, tmp_path, simulate=False, name="out.png", **extra):
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     plan_path = tmp_path / f"plan-{name}.json"
     plan_path.write_text(json.dumps(plan))
@@ -164,7 +164,7 @@ def test_streamed_disk_offload_on_cpu_is_identical(folders, tmp_path):
 
 def test_refusals(folders, tmp_path):
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     flux, sd15 = folders("tiny-flux"), folders("tiny-sd15")
     with pytest.raises(UsageError, match="another model"):
@@ -182,7 +182,7 @@ def test_missing_tokenizer_corrupt_weights_unsupported_pipeline(folders, tmp_pat
     import shutil
 
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     broken = tmp_path / "broken"
     shutil.copytree(folders("tiny-sd15"), broken)
@@ -241,7 +241,7 @@ def test_tracking_two_denoise_steps_measures_the_same_peak_as_every_step(preset,
 
 def _run_steps(folder, plan, tmp_path, steps, simulate, name):
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     plan_path = tmp_path / f"plan-{name}.json"
     plan_path.write_text(json.dumps(plan))
@@ -253,7 +253,7 @@ def test_height_and_width_must_be_multiples_the_pipeline_accepts(folders, tmp_pa
     from conftest import run_dmap
 
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.single import run
+    from dm_cli.run.sessions.single import run
 
     with pytest.raises(UsageError, match=r"--height 36 is not a multiple of 8.*use 32 or 40"):
         run(RunRequest.of(source=str(folders("tiny-sd15")), prompt=PROMPT, height=36, width=32, output=None))
@@ -314,7 +314,7 @@ def test_a_preset_has_no_weights_and_run_says_so_before_importing_torch():
 
 
 def test_plan_digest_depends_only_on_the_placement(monkeypatch):
-    import dm_cli.planning.budgets as budgets
+    import dm_cli.planning.placement.budgets as budgets
     from dm_cli.inputs import InputSpec
     from dm_cli.planning.make import make_plan
     from dm_cli.planning.plan_options import PlanOptions

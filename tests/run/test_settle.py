@@ -1,4 +1,4 @@
-"""One settled run (dm_cli.run.settle): each check of a run runs once, the plan file is read once, and the Session
+"""One settled run (dm_cli.run.settle.settle): each check of a run runs once, the plan file is read once, and the Session
 acts on a frozen SettledRun that records the stage loop chosen."""
 
 import dataclasses
@@ -46,7 +46,7 @@ def test_a_plan_file_is_read_once_and_its_devices_checked_once(work, monkeypatch
     assert code == 0, err
     (work / "queue.txt").write_text("a fox\n")
     reads = _counted(monkeypatch, "dm_cli.planning.plan_file", "load_plan")
-    device_checks = _counted(monkeypatch, "dm_cli.run.request", "check_devices_present")
+    device_checks = _counted(monkeypatch, "dm_cli.run.settle.checks", "check_devices_present")
     asked = ("--prompts", "queue.txt", "-o", "out") if prompts else ("-p", "a fox", "-o", "a.png")
     code, _, err = run_dmap("run", "./flux", "-d", "p.json", *asked, "--steps", "1", cwd=work)
     assert code == 0, err
@@ -56,8 +56,8 @@ def test_a_plan_file_is_read_once_and_its_devices_checked_once(work, monkeypatch
 
 def test_the_session_acts_on_a_frozen_settled_run(work):
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.session import Session
-    from dm_cli.run.settle import Entry, Loop, settle
+    from dm_cli.run.sessions.session import Session
+    from dm_cli.run.settle.settle import Entry, Loop, settle
 
     request = RunRequest.of(str(work / "flux"), "a fox", height=64, width=64, mode="staged", output=None)
     settled = settle(request, entry=Entry.API)
@@ -76,7 +76,7 @@ def test_a_queue_refuses_a_video_family_before_anything_loads(tmp_path, monkeypa
 
     write_random_pipeline(PRESETS_DIR / "tiny-wan", tmp_path / "wan", seed=0)
     (tmp_path / "queue.txt").write_text("a fox\n")
-    import dm_cli.run.stages as stages
+    import dm_cli.run.loops.stages as stages
 
     built, original = [], stages.StageLoop.__init__
 
@@ -95,7 +95,7 @@ def test_a_pipelines_refusal_runs_once_for_a_plan_made_here_as_for_a_plan_file(w
     """--parallel pipeline under 2 ranks: pipeline_refusal runs once, in settle, whether the plan is made there
     (then after it is made: it reads its denoiser's class) or given."""
     from dm_cli.run.request import RunRequest
-    from dm_cli.run.settle import settle
+    from dm_cli.run.settle.settle import settle
 
     budget = ("--max-memory", "0=1GB,1=1GB")
     if plan_file:
@@ -106,7 +106,7 @@ def test_a_pipelines_refusal_runs_once_for_a_plan_made_here_as_for_a_plan_file(w
     for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "CUDA_VISIBLE_DEVICES": ""}.items():
         monkeypatch.setenv(name, value)
-    refusals = _counted(monkeypatch, "dm_cli.run.parallel", "pipeline_refusal")
+    refusals = _counted(monkeypatch, "dm_cli.run.ranks.parallel", "pipeline_refusal")
     placement = {"device_map": "p.json"} if plan_file else {"max_memory": "0=1GB,1=1GB"}
     settled = settle(RunRequest.of("./flux", "a fox", height=64, width=64, steps=1, parallel="pipeline", **placement))
     assert settled.pipelined and len(refusals) == 1

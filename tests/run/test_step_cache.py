@@ -133,12 +133,12 @@ def tiny_flux(tmp_path_factory):
 @pytest.mark.slow
 def test_inline_plan_and_plan_file_agree_and_metadata_says_the_cache(tiny_flux, tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    import dm_cli.run.request as request_module
+    import dm_cli.run.settle.checks as checks_module
     from dm_cli.io.outputs import read_metadata
 
     planned = []
-    real = request_module.make_run_plan
-    monkeypatch.setattr(request_module, "make_run_plan", lambda *a, **k: planned.append(real(*a, **k)) or planned[-1])
+    real = checks_module.make_run_plan
+    monkeypatch.setattr(checks_module, "make_run_plan", lambda *a, **k: planned.append(real(*a, **k)) or planned[-1])
     run = ["run", tiny_flux, "--prompt", "a fox", "--steps", "6", "--seed", "3", "--quiet", "--height", "64",
            "--width", "64"]
     code, _, err = run_dmap(*run, *DEVICES, "--cache", "fbc:threshold=0.2", "--output", tmp_path / "inline.png")
@@ -258,7 +258,7 @@ def test_a_lite_taylorseers_next_call_is_read_as_diffusers_decides_it(before, in
     from diffusers.hooks import TaylorSeerCacheConfig, apply_taylorseer_cache
     from diffusers.hooks.hooks import CacheContext
 
-    from dm_cli.run.step_cache import lite_block_hook, predicts_next_call
+    from dm_cli.run.hooks.step_cache import lite_block_hook, predicts_next_call
 
     class Toy(torch.nn.Module):
         def __init__(self):

@@ -57,9 +57,9 @@ def test_a_decode_that_fits_is_never_tiled():
 
 
 def test_a_vae_that_cannot_tile_is_named(monkeypatch, tmp_path):
-    import dm_cli.planning.trace
+    import dm_cli.planning.trace.trace
 
-    monkeypatch.setattr(dm_cli.planning.trace, "model_tiles", lambda model: False)  # a VAE class without enable_tiling
+    monkeypatch.setattr(dm_cli.planning.trace.trace, "model_tiles", lambda model: False)  # a VAE class without enable_tiling
     monkeypatch.setenv("DMAP_CACHE_DIR", str(tmp_path))  # not the tiled trace other tests cached
     code, out, err = _plan("tiny-wan", TIGHT)
     assert code == 3 and "AutoencoderKLWan cannot decode in tiles (it has no enable_tiling)" in " ".join(err.split())
@@ -72,7 +72,7 @@ def test_a_vae_that_cannot_tile_is_named(monkeypatch, tmp_path):
 
 def test_which_classes_tile():
     from dm_cli.model.sources import ComponentSource, resolve_source
-    from dm_cli.planning.trace import can_tile
+    from dm_cli.planning.trace.trace import can_tile
 
     wan = {c.name: c for c in resolve_source("tiny-wan").components}
     assert can_tile(wan["vae"]) and not can_tile(wan["text_encoder"]) and not can_tile(wan["transformer"])
@@ -86,7 +86,7 @@ def test_the_tiled_trace_is_cached_apart_and_leaves_the_shared_meta_model_untile
     """tiny-sd15's AutoencoderKL tiles above its sample_size (32 px: latents above 16): 64x64 decodes in 4 tiles."""
     from dm_cli.inputs import InputSpec
     from dm_cli.model.sources import resolve_source
-    from dm_cli.planning.trace import _meta_model, trace_component
+    from dm_cli.planning.trace.trace import _meta_model, trace_component
 
     vae = resolve_source("tiny-sd15").component("vae")
     inputs = InputSpec(64, 64)
@@ -186,11 +186,11 @@ def test_run_refuses_a_plan_that_tiles_what_cannot_tile(tiny_wan, tmp_path, monk
     code, _, err = run_dmap(*args)
     assert code == 2 and "decodes 'text_encoder' in tiles, but T5EncoderModel cannot" in " ".join(err.split()), err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
-    import dm_cli.planning.trace
+    import dm_cli.planning.trace.trace
 
     del data["components"]["text_encoder"]["tiled_decode"]
     plan_path.write_text(json.dumps(data))
-    monkeypatch.setattr(dm_cli.planning.trace, "model_tiles", lambda model: False)  # a VAE class without enable_tiling
+    monkeypatch.setattr(dm_cli.planning.trace.trace, "model_tiles", lambda model: False)  # a VAE class without enable_tiling
     code, _, err = run_dmap(*args)
     assert code == 2 and "decodes 'vae' in tiles, but AutoencoderKLWan cannot" in " ".join(err.split()), err
 

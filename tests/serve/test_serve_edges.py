@@ -77,7 +77,7 @@ def test_openai_keys_one_rule_and_models_retrieve(served):
 def test_the_batch_limit_is_what_measured_batches_say_pays():
     """A fake device: each batch advances a fake clock by its cost. Where a batch costs more per image (a CPU) the
     batches stay at one image after one larger batch is measured; where it costs less (a GPU), they grow."""
-    from dm_cli.run.queue import QueueItem
+    from dm_cli.run.sessions.queue import QueueItem
     from dm_cli.serve.worker import Batcher, BatchSizer, Output, Ticket
 
     def batches(cost, start):

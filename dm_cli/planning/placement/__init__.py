@@ -1,0 +1,1 @@
+"""The placement search and its inputs: the pure search (`search.py`) over atomic blocks (`blocks.py`), its answer (`placement.py`), the devices' budgets (`budgets.py`), a component's skeleton and trace as its input (`components.py`) and LoRA bytes (`lora_sizing.py`)."""

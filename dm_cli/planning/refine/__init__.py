@@ -1,0 +1,1 @@
+"""What `make_plan` settles after the search, over the plan's options and file: the split check on meta (`split_check.py`), tiled decode (`tiling.py`), a step cache's room (`step_cache_plan.py`), the parallel layout for a traced plan (`parallel_placement.py`) and what a plan that does not fit or offloads is told (`advice.py`)."""

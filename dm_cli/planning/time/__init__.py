@@ -1,0 +1,1 @@
+"""Time: a device's measured rates (`profiles.py`, written by `calibrate.py`; `gpu_rates.py`), a step's time from them (`step_time.py`), a plan's predicted time (`plan_prediction.py`) and whether offloaded blocks are prefetched while the block before them computes (`overlap.py`)."""

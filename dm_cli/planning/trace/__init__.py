@@ -1,0 +1,1 @@
+"""The meta-device trace: the tracer (`trace.py`), its engine (`trace_session.py`), the live storage counter behind it and the run's meter (`storages.py`), and what CUDA kernels allocate beside their outputs (`gpu_kernels.py`)."""

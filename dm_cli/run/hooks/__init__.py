@@ -1,0 +1,1 @@
+"""What the loop puts on each component as it loads: the hook registry (`hooks.py`), the hooks every loop registers (`component_hooks.py`), LoRA adapters (`adapters.py`), the step cache (`step_cache.py`) and torch.compile (`compile.py`)."""

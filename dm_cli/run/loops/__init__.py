@@ -1,0 +1,1 @@
+"""The stage loop by composition: `StageLoop` (`stages.py`) owns batches (`batch_loop.py`) -> jobs (`job_loop.py`) -> runners (`stage_kinds.py`; `main_rank.py` for ranks sharing a job), calling only downward; `carry.py` what a job hands from stage to stage."""

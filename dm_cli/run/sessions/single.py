@@ -1,0 +1,136 @@
+"""One prompt through every stage, each stage measured: `dmap run --prompt` (and `dm_cli.run.sessions.single.run`)."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from dm_cli.errors import UsageError
+from dm_cli.families import all_settings
+from dm_cli.io.outputs import save_images, save_latents, save_videos, written_together
+from dm_cli.run.loops.carry import RESULT_JSON_VERSION, stages_json
+from dm_cli.run.loops.stages import StageResult
+from dm_cli.run.request import RunRequest, output_path
+from dm_cli.run.sessions.outputs import claim_run_outputs
+from dm_cli.run.sessions.session import Session, frozen_gc
+
+if TYPE_CHECKING:  # annotations only: the plan module costs start-up time
+    from dm_cli.planning.plan_file import Plan
+
+
+@dataclass
+class RunResult:
+    source: str
+    pipeline_class: str
+    demo: bool
+    plan: Plan
+    plan_digest: str
+    planned_here: bool
+    simulate: bool
+    seed: int
+    steps: int
+    guidance_scale: float
+    height: int
+    width: int
+    num_images: int
+    images: list[str]  # written files (a video and its JSON sidecar for video families)
+    latents_path: str | None
+    stages: list[StageResult]
+    split_problems: list[str] = field(default_factory=list)
+    split_check: bool = False  # True when the tracer's VirtualDevices check ran during the run
+    notices: list[str] = field(default_factory=list)
+    images_data: list = field(default_factory=list, repr=False)  # PIL images, or uint8 frame arrays (not in JSON)
+    latents: object = field(default=None, repr=False)
+    num_frames: int | None = None  # video families
+    fps: int | None = None
+    settings: dict = field(default_factory=dict)  # the family's own (Family.settings), settled
+    # --cache: {"label": NAME:K=V,..., "counts": {denoiser: {"calls", "computed", "skipped"}}} (dm_cli.run.hooks.step_cache)
+    step_cache: dict = field(default_factory=dict)
+
+    def device_peaks(self) -> dict[str, tuple[int, int]]:
+        """device -> (measured peak over all stages, planned peak over all stages)."""
+        out: dict[str, list[int]] = {}
+        for stage in self.stages:
+            for dev in set(stage.measured_peak) | set(stage.planned_peak):
+                entry = out.setdefault(dev, [0, 0])
+                entry[0] = max(entry[0], stage.measured_peak.get(dev, 0))
+                entry[1] = max(entry[1], stage.planned_peak.get(dev, 0))
+        return {dev: (m, p) for dev, (m, p) in out.items()}
+
+    def to_json(self) -> dict:
+        return {
+            "version": RESULT_JSON_VERSION, "source": self.source, "pipeline": self.pipeline_class, "demo_random_weights": self.demo,
+            "plan_digest": self.plan_digest, "planned_here": self.planned_here, "mode": self.plan.mode,
+            "simulate": self.simulate, "seed": self.seed, "steps": self.steps, "guidance_scale": self.guidance_scale,
+            **{name: self.settings.get(name) for name in all_settings()}, "height": self.height, "width": self.width,
+            "num_images": self.num_images, "images": self.images, "num_frames": self.num_frames, "fps": self.fps,
+            "latents": self.latents_path,
+            "stages": stages_json(self.stages),
+            "devices": {d: {"measured_peak_bytes": m, "planned_peak_bytes": p} for d, (m, p) in self.device_peaks().items()},
+            "split_check": self.split_check, "split_problems": self.split_problems, "notices": self.notices,
+            **({"step_cache": self.step_cache} if self.step_cache else {}),
+        }
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
+        on_step: Callable[[int, int, str | None], None] | None = None,
+        on_status: Callable[[str | None], None] | None = None, plan: Plan | None = None) -> RunResult:
+    """Plan (or read and check a plan), then encode -> denoise -> decode following it. `plan`: the plan to follow
+    (with `request.plan_file`, that file as already read: `dm_cli.run.settle.settle.settle`).
+
+    `on_step(done, total, component)`: after each denoising step; `component` names the denoiser that
+    ran it for families with experts (Wan 2.2), else None.
+
+    With torch, diffusers and transformers imported, a full garbage collection walks ~400k objects
+    (~0.2 s on a laptop core), and allocations trigger them anywhere: an import, a load, a step.
+    Everything alive before the stages (libraries, placeholders, tokenizers, the plan) is frozen out
+    of the collector for the run, so collections only look at what the run makes, and what the
+    stages free is still collected. Unfrozen at the end (unless the caller had frozen first).
+    """
+    with claim_run_outputs(request), frozen_gc() as owner:  # a second run writing the same output stops
+        return _run(request, plan, on_plan, on_step, on_status, owner)
+
+
+def _run(request: RunRequest, plan: Plan | None, on_plan, on_step, on_status, freeze: bool) -> RunResult:
+    """One prompt through the session (`dm_cli.run.sessions.session.Session`), every stage measured."""
+    from dm_cli.run.settle.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
+
+    pipeline = Session(settle(request, plan, entry=Entry.SINGLE, on_plan=on_plan, on_status=on_status),
+                       on_status=on_status, measure=True)
+    job = pipeline.defaults
+    result = RunResult(
+        source=pipeline.source.spec, pipeline_class=pipeline.source.pipeline_class, demo=pipeline.demo,
+        plan=pipeline.plan, plan_digest=pipeline.plan_digest, planned_here=pipeline.planned_here,
+        simulate=request.simulate, seed=job.seed, steps=job.steps, guidance_scale=job.guidance_scale,
+        height=job.height, width=job.width, num_images=job.num_images, images=[],
+        latents_path=None, stages=[], notices=pipeline.notices, num_frames=job.num_frames, fps=pipeline.fps,
+        settings=dict(job.settings),
+    )
+    if freeze:  # what the stages free is collected without walking the libraries (see run())
+        gc.freeze()
+    try:
+        carry, result.stages = pipeline.run_job(job, on_step)
+    finally:
+        pipeline.close()
+    result.split_check, result.split_problems = pipeline.split_check, pipeline.split_problems
+    result.step_cache = pipeline.step_cache_counts()
+    if carry.latents is None or (not carry.images and pipeline.is_main):  # a shared step's other ranks decode nothing
+        raise UsageError("The plan has no denoise or decode stage: nothing was generated.")
+    if not pipeline.is_main:  # rank 0 writes the outputs (dm_cli.run.ranks.parallel)
+        return result
+    result.images_data = carry.images
+    result.latents = carry.latents.detach().to("cpu")
+    metadata = pipeline.metadata(job)
+    with written_together():  # the latents and the images, or none of them: the same command runs again
+        if request.save_latents:
+            result.latents_path = save_latents(result.latents, request.save_latents, metadata)
+        if request.output and job.num_frames:
+            result.images = save_videos(carry.images, output_path(request, pipeline.family), result.fps, metadata,
+                                        request.overwrite)
+        elif request.output:
+            result.images = save_images(carry.images, request.output, metadata)
+    return result

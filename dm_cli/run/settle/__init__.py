@@ -1,0 +1,1 @@
+"""Settling a run: `settle(request) -> SettledRun`, every check of one run once, in the order `settle.py`'s docstring states; the run's own checks in `checks.py`, the facts they compare in `dm_cli.run.request`."""
