@@ -20,7 +20,8 @@ Exit 1 when a measured GPU peak exceeds the planned one or dmap's pixels differ 
 
 `--device cpu --small` runs predict and flux on this CPU at tiny sizes (the demo's configs, a quick calibration,
 float32):
-the script's own test (tests/scripts/test_gpu_check.py), so that the GPU call runs what CI has run.
+the script's own test (tests/e2e/test_gpu_check.py, marked heavy: `scripts/test -m heavy`), so that the GPU call
+runs what the tests have run.
 
 On a lent machine (the `device` tool: torch, transformers and accelerate are there, diffusers is not), once here:
     echo /.whl/ >> .git/info/exclude

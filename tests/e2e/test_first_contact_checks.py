@@ -95,8 +95,8 @@ def test_5_the_device_count_without_torch():
 
 
 @pytest.mark.parametrize("command", [["inspect", "qwen-image", "--no-cache"],
-                                     ["plan", "qwen-image", "-m", "0=80GB", "--height", "256", "--width", "256",
-                                      "--no-check", "-q", "--no-cache"]])
+                                     pytest.param(["plan", "qwen-image", "-m", "0=80GB", "--height", "256", "--width",
+                                                   "256", "--no-check", "-q", "--no-cache"], marks=pytest.mark.heavy)])
 def test_6_qwen_image_prints_no_transformers_rope_warning(command, tmp_path):
     code, out, err = run_dmap_process(*command, env={"DMAP_CACHE_DIR": str(tmp_path / "cache")})
     assert code == 0, err

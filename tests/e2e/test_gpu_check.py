@@ -21,6 +21,7 @@ def _run(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_the_cpu_form_predicts_measures_and_matches_diffusers_pixels(tmp_path):
     done = _run("--device", "cpu", "--small", "--sections", "predict,flux", tmp_path=tmp_path)

@@ -124,6 +124,7 @@ def test_sigint_to_rank_0_mid_queue_exits_130_without_an_abort(piped, tmp_path):
     _sigint_rank_0(piped, tmp_path, "int")
 
 
+@pytest.mark.heavy
 def test_sigterm_to_a_rank_mid_queue_exits_143_without_an_abort(piped, tmp_path):
     """SIGTERM (what torchrun sends every other rank when one ends) stops the last rank in order: exit 143, one
     sentence. It aborted every time: the main thread's join of a prompt thread, interrupted by the signal, marked
@@ -204,6 +205,7 @@ def test_a_pipeline_plan_under_another_rank_count_is_refused_once(piped):
     assert not (root / "three").exists() or not list((root / "three").glob("*.png"))
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_a_finished_pipeline_queue_exits_0_without_an_abort(piped, tmp_path):
     root, model, plan = piped

@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 PROMPT, SIZE, STEPS, SEED, TOKENS = "a red fox in the snow", 32, 1, 7, 32
 

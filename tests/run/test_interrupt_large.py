@@ -94,6 +94,7 @@ def _killed_while_writing(proc: subprocess.Popen, folder: Path, name: str, secon
     return proc.returncode
 
 
+@pytest.mark.heavy
 def test_sigkill_during_shard_to_an_output(big_model, tmp_path):
     """Killed at any moment: the output is absent or complete, the source untouched; the next run cleans up."""
     src, state = big_model

@@ -132,6 +132,7 @@ def test_a_lora_on_nf4_stays_unfused_in_peft_4bit_layers_identical_to_diffusers(
     assert np.array_equal(_png(tmp_path / "lora.png")[0], expected)
 
 
+@pytest.mark.heavy
 def test_nf4_slices_and_an_unfused_lora_on_two_pipeline_ranks_are_one_process_bytes(tmp_path):
     """--parallel pipeline: each torchrun rank loads and quantizes only its slice's NF4 layers (a queue of two, a LoRA
     in peft's 4-bit layers); the images are the bytes of one process running the same plan."""
@@ -218,6 +219,7 @@ def test_a_served_nf4_image_is_dmap_runs_file_byte_for_byte(tmp_path_factory, tm
     assert base64.b64decode(data["data"][0]["b64_json"]) == (tmp_path / "fox.png").read_bytes()
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_gpu_check_nf4_section_cpu_form_matches_diffusers_pixels(tmp_path):
     """scripts/gpu_check.py --sections nf4 on this CPU (diffusers' GPU check bypassed there): what a lent GPU runs."""

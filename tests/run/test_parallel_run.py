@@ -228,6 +228,7 @@ def test_context_parallel_ulysses_2_equals_one_rank(launched, one_process, case)
     assert np.array_equal(shared, np.stack(alone)), f"largest difference {np.abs(shared.astype(int) - alone).max()}"
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_cfg_and_context_together_on_four_ranks_equal_one_rank(folders, one_process, tmp_path_factory, one_thread):
     """Wan 2.2 (two calls per step, through the expert switch) on 2 x 2 ranks: each CFG pair of ranks runs one

@@ -105,6 +105,7 @@ def test_pipeline_refusals_are_one_sentence(models):
     assert "dmap plan --world-size 2 --parallel pipeline" in output.stdout + output.stderr
 
 
+@pytest.mark.heavy
 def test_cfg_branches_travel_as_micro_batches_with_one_process_bytes(tmp_path):
     """Qwen-Image's true CFG (two calls per step): each step's cond and uncond calls go through the slices as two
     micro-batches, for one prompt and for a queue, and the images are one process's bytes."""
@@ -130,6 +131,7 @@ def test_cfg_branches_travel_as_micro_batches_with_one_process_bytes(tmp_path):
     assert (tmp_path / "one.png").read_bytes() == (tmp_path / "one-single.png").read_bytes()
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_a_killed_rank_stops_the_others_and_the_same_command_resumes(models, two_plan, four_single):
     root, model, _ = models
@@ -160,8 +162,9 @@ def test_a_killed_rank_stops_the_others_and_the_same_command_resumes(models, two
         os.killpg(proc.pid, 0)  # nothing of the killed launch is left running
 
 
-@pytest.mark.parametrize("cache", ["fbc:threshold=0.3", pytest.param("magcache:threshold=0.5", marks=pytest.mark.slow),
-                                   pytest.param("taylorseer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cache", ["fbc:threshold=0.3",
+                                   pytest.param("magcache:threshold=0.5", marks=[pytest.mark.slow, pytest.mark.heavy]),
+                                   pytest.param("taylorseer", marks=[pytest.mark.slow, pytest.mark.heavy])])
 def test_a_queue_with_a_step_cache_on_two_ranks_is_one_process_byte_for_byte(models, cache):
     """Each slice's hook state on its rank, one state per prompt in flight (3 prompts, 2 in flight): fbc's and
     magcache's decision made on rank 0 travels with the activations, so both ranks skip the calls one process

@@ -51,6 +51,7 @@ def _fused(plan: Path) -> list[bool]:
     return [entry["fused"] for entry in json.loads(plan.read_text())["loras"]]
 
 
+@pytest.mark.heavy
 def test_fp8_weights_and_an_unfused_lora_on_two_ranks_are_one_process_bytes(flux, tmp_path):
     model, lora, queue = flux
     features = ("--lora", f"{lora}:0.7")
@@ -87,6 +88,7 @@ def _plan_json(*args) -> dict:
     return json.loads(out)
 
 
+@pytest.mark.heavy
 def test_a_fused_lora_on_two_ranks_is_one_process_bytes_and_each_rank_plans_its_slices_adapters(flux, tmp_path):
     model, lora, queue = flux
     features = ("--lora", f"{lora}:0.7")
@@ -104,6 +106,7 @@ def test_a_fused_lora_on_two_ranks_is_one_process_bytes_and_each_rank_plans_its_
     _piped_and_single(tmp_path, model, plan, "--prompts", queue, *features)
 
 
+@pytest.mark.heavy
 def test_a_gguf_denoiser_on_two_ranks_is_one_process_bytes(tmp_path):
     """Wan 2.2 TI2V's transformer from a GGUF file (Q8_0 and F32 tensors, tests/model/test_single_file_run.py's writer):
     each rank keeps its slice of what diffusers' from_single_file reads, quantized as stored."""
@@ -126,6 +129,7 @@ def test_a_gguf_denoiser_on_two_ranks_is_one_process_bytes(tmp_path):
     assert (tmp_path / "piped.webp").read_bytes() == (tmp_path / "single.webp").read_bytes()
 
 
+@pytest.mark.heavy
 def test_wan22_experts_each_cut_into_slices_on_two_ranks_are_one_process_bytes(tmp_path):
     """Wan 2.2 A14B's two experts (tiny-wan, tests/families/test_wan.py's twin): the plan cuts both at the same blocks and
     counts both slices on each rank; every rank holds its slice of each and switches at the boundary step with the

@@ -288,6 +288,7 @@ def _rank_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.heavy
 def test_torchrun_killed_rank_then_a_rerun_on_two_nodes_completes_only_the_missing(references, prompts_file,
                                                                                     tmp_path):
     """2 ranks on CPU (gloo): rank 1 is killed after its first image; the same queue, launched again as two torchrun
