@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
+import weakref
 from functools import lru_cache
 
 from dm_cli.devices import map_entry, normalise_map
@@ -246,7 +247,7 @@ class _OpAccounting:
             self._flop_formulas = flop_registry
         if getattr(func, "is_view", False):
             if any(id(t) in self.fused_made for t in inputs):  # a view of a run's tensor: the run's still
-                self.fused_made.update(id(t) for t in _iter_tensors(out, self.torch))
+                self.fused_made.update(self.fused_key(t) for t in _iter_tensors(out, self.torch))
             return
         work = self.work
         work["ops"] += 1
@@ -265,7 +266,7 @@ class _OpAccounting:
                 if flops > 0:  # by size (powers of two): a GPU's rate depends on each op's size, not their mean
                     key = f"{'conv' if conv else 'matmul'}_flops_at_2^{flops.bit_length() - 1}"
                     work[key] = work.get(key, 0) + flops
-                self.fused_made, self.fused_read = set(), set()  # a matmul ends the run of elementwise ops
+                self.end_fused_run()  # a matmul ends the run of elementwise ops
                 return
             except Exception:  # noqa: BLE001 - a formula that does not take this call: counted as bytes
                 pass
@@ -273,6 +274,24 @@ class _OpAccounting:
         work["other_bytes"] += moved
         work["outside_bytes"] += moved if outside else 0
         self.count_fused(inputs, out, outside)
+
+    def end_fused_run(self) -> None:
+        """A matmul or attention ends the run of elementwise ops a compiler fuses: a new run starts empty."""
+        self.fused_made, self.fused_read, self.fused_refs = set(), set(), {}
+
+    def fused_key(self, tensor) -> int:
+        """`id(tensor)`, forgotten by the run when the tensor is freed (a freed id is reused by later tensors), through a
+        weak reference: the run must not keep a tensor alive, which the trace's live storages would count."""
+        key = id(tensor)
+        if key not in self.fused_refs:
+            self.fused_refs[key] = weakref.ref(tensor, lambda _ref, key=key, refs=self.fused_refs: self._forget(key, refs))
+        return key
+
+    def _forget(self, key: int, refs: dict) -> None:
+        if refs is self.fused_refs:  # (a run that ended since has taken its sets with it)
+            self.fused_made.discard(key)
+            self.fused_read.discard(key)
+            refs.pop(key, None)
 
     def count_fused(self, inputs, out, outside: bool) -> None:
         """The same op as a compiler fuses it (torch.compile's inductor): the elementwise ops between two matmuls
@@ -285,7 +304,7 @@ class _OpAccounting:
             work["fused_kernels"] += 1
             work["outside_fused_kernels"] += outside
         for tensor in inputs:
-            key, nbytes = id(tensor), tensor.numel() * tensor.element_size()
+            key, nbytes = self.fused_key(tensor), tensor.numel() * tensor.element_size()
             if key in self.fused_made:
                 if key not in self.fused_read:  # made in the run: never written out, never read back
                     self.fused_read.add(key)
@@ -294,7 +313,7 @@ class _OpAccounting:
                 self.fused_read.add(key)
                 fused += nbytes
         outputs = list(_iter_tensors(out, self.torch))
-        self.fused_made.update(id(t) for t in outputs)
+        self.fused_made.update(self.fused_key(t) for t in outputs)
         fused += sum(t.numel() * t.element_size() for t in outputs)
         work["fused_bytes"] += fused
         work["outside_fused_bytes"] += fused if outside else 0
@@ -318,7 +337,7 @@ class _OpAccounting:
             self.work["attention_scores"] += query.shape[:-1].numel() * key.shape[-2]
             self.work["attention_rows"] += query.shape[:-1].numel()  # each query row's fixed cost (its softmax)
             self.work["ops"] += 1
-            self.fused_made, self.fused_read = set(), set()  # an attention ends the run of elementwise ops
+            self.end_fused_run()  # an attention ends the run of elementwise ops
         if self.tag_mode is not None:
             tensors = [query, key, value] + ([attn_mask] if isinstance(attn_mask, torch.Tensor) else [])
             tag = self.combine(tensors, "aten.scaled_dot_product_attention")
@@ -367,6 +386,7 @@ class _Session(_ModuleHooks, _OpAccounting):
         # the tensors it made, the tensors it has read
         self.fused_made: set[int] = set()
         self.fused_read: set[int] = set()
+        self.fused_refs: dict = {}  # id -> a weak reference that forgets the id when its tensor is freed
         # tags
         self.recolor: dict[str, frozenset] = {}  # module prefix -> tag its inputs get at entry
         self.tagged: list = []
