@@ -93,6 +93,7 @@ def one_thread():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", list(CASES))
 def test_context_parallel_is_one_process_within_the_stated_tolerance(case, launched, folders, one_thread):
     preset, height, width, ranks = CASES[case]
