@@ -48,5 +48,3 @@ class MainRankRunners(StageRunners):
         if self.loop.sharing.is_main:
             own(stage_plan, job, carry, on_step)
 
-
-MainRankStages = MainRankRunners  # its name when it was a mixin of the loop

@@ -26,11 +26,10 @@ from dm_cli.run.load.meter import MemoryMeter, RssSampler
 from dm_cli.run.loops.batch_loop import BatchRunner
 from dm_cli.run.loops.carry import Carry, StageResult
 from dm_cli.run.loops.job_loop import JobRunner
-from dm_cli.run.loops.main_rank import MainRankStages
 from dm_cli.run.loops.stage_kinds import RUNNERS, StageRunners, nonfinite_refusal
 
 # what other modules import from here, wherever it now lives
-__all__ = ["RUNNERS", "Carry", "MainRankStages", "StageLoop", "StageResult", "StageRunners", "fused_loras",
+__all__ = ["RUNNERS", "Carry", "StageLoop", "StageResult", "StageRunners", "fused_loras",
            "nonfinite_refusal"]
 
 
