@@ -37,6 +37,34 @@ def test_the_trace_counts_a_run_of_elementwise_ops_as_one_kernel_reading_and_wri
     assert work["fused_kernels"] == 1 and work["fused_bytes"] == 384
 
 
+
+def test_a_freed_tensors_id_leaves_the_run_without_the_run_keeping_it_alive():
+    """Python reuses a freed tensor's id: the run forgets it when the tensor is freed, so a new tensor with that id is
+    not taken for one the run made (the compiled step then varied from run to run); a run ended since is untouched."""
+    import gc
+    import weakref
+
+    import torch
+
+    from dm_cli.planning.trace.trace_session import _Session
+
+    session = _Session(torch.nn.Identity(), track_memory=True, replace_sdpa=True)
+    made = torch.empty(4, 8, device="meta")
+    key = session.fused_key(made)
+    session.fused_made.add(key)
+    alive = weakref.ref(made)
+    del made
+    gc.collect()
+    assert alive() is None  # the run held no reference
+    assert key not in session.fused_made and key not in session.fused_refs
+    kept = torch.empty(2, device="meta")
+    session.fused_made.add(session.fused_key(kept))
+    session.end_fused_run()
+    session.fused_made.add(7)
+    del kept
+    gc.collect()
+    assert session.fused_made == {7}
+
 def test_compiled_step_moves_the_fused_bytes_and_launches_the_fused_kernels():
     """1e9 bytes eager in 1000 ops become 2e8 bytes in 10 kernels beside 5 matmuls: at 1 GB/s elementwise and 1 ms
     per op on this hand-made CPU profile, the memory term goes from 1 s to 0.2 s and the ops from 1 s to 15 ms.
