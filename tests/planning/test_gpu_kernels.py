@@ -15,6 +15,7 @@ from dm_cli.planning.trace.gpu_kernels import (
     attention_backend,
     attention_transient,
     convolution_transient,
+    kernel_head_dim,
 )
 
 FLUX_BLOCK = AttentionCall(24, 4608, 4608, 128, 128, "bfloat16")  # a FLUX.1 block at 1024x1024
@@ -39,6 +40,14 @@ def test_what_each_attention_kernel_holds_beside_its_output():
     assert attention_transient(AttentionCall(8, 4096, 4096, 64, 64, "float16"), "efficient") == 0
     math = attention_transient(FLUX_VAE, "math")  # float32 scores and their softmax: 2 x 1 GiB, and the copies
     assert math >= 2 * 16384 * 16384 * 4
+
+
+def test_flash_computes_at_the_head_dim_its_kernel_is_built_for():
+    """flash_attn/static_switch.h's HEADDIM_SWITCH: 32, 64, 96, ..., 256; other kernels compute the call's own."""
+    sd15 = AttentionCall(16, 4096, 4096, 40, 40, "float16")  # SD 1.5's first blocks: 320 channels over 8 heads
+    assert kernel_head_dim(sd15, "flash") == 64 and kernel_head_dim(sd15, "efficient") == 40
+    assert [kernel_head_dim(AttentionCall(1, 8, 8, d, d, "float16"), "flash") for d in (8, 64, 80, 128, 160, 200)] \
+        == [32, 64, 96, 128, 160, 224]
 
 
 def test_cudnn_holds_nhwc_copies_of_a_half_precision_convolution_only():

@@ -58,6 +58,16 @@ def test_attention_counts_each_query_row():
     assert attention(1e6) - attention(1e5) == pytest.approx(9e5 * 1e-7)
 
 
+def test_a_gpus_attention_runs_at_the_width_its_kernel_is_built_for():
+    """On a GPU, attention takes the FLOPs of the head dim flash's kernel computes (40 as 64); a CPU, the call's own."""
+    work = CallWork(0, 1e12, 0, 0, 0, attention_ops=1, attention_kernel_flops=1.6e12)
+    gpu = call_terms(work, hand_profile(kind="gpu"), "bfloat16", Traffic())["attention"]
+    cpu = call_terms(work, hand_profile(), "bfloat16", Traffic())["attention"]
+    assert gpu == pytest.approx(1.6e12 / 0.5e12) and cpu == pytest.approx(1e12 / 0.5e12)
+    older = CallWork(0, 1e12, 0, 0, 0, attention_ops=1)  # a trace made before the kernel's width was counted
+    assert call_terms(older, hand_profile(kind="gpu"), "bfloat16", Traffic())["attention"] == pytest.approx(2.0)
+
+
 def test_rates_are_read_off_the_measured_curve_by_op_size():
     profile = hand_profile(matmul_curve={"bfloat16": [[1e6, 1.0], [1e8, 100.0]]})
     assert profile.rate_at("matmul", "bfloat16", 1e7) == pytest.approx(10.0)  # log-log between the points

@@ -69,6 +69,9 @@ class CallWork:
     fused_kernels: int = 0
     outside_fused_bytes: float = 0.0
     outside_fused_kernels: int = 0
+    # attention's FLOPs at the head dim the GPU's kernel is built for (flash computes a head dim of 40 as 64): what a
+    # GPU's attention takes; 0 in traces made before it was counted (attention_flops stands in)
+    attention_kernel_flops: float = 0.0
 
     @classmethod
     def of(cls, work: dict, weight_bytes: int) -> "CallWork":
@@ -80,7 +83,8 @@ class CallWork:
                    float(work.get("outside_flops", 0)), float(work.get("outside_bytes", 0)),
                    float(work.get("cast_bytes", 0)), _sizes(work, "matmul"), _sizes(work, "conv"),
                    float(work.get("fused_bytes", 0)), int(work.get("fused_kernels", 0)),
-                   float(work.get("outside_fused_bytes", 0)), int(work.get("outside_fused_kernels", 0)))
+                   float(work.get("outside_fused_bytes", 0)), int(work.get("outside_fused_kernels", 0)),
+                   float(work.get("attention_kernel_flops", 0)))
 
 
 def compiled(work: CallWork, mode: str) -> CallWork:
@@ -139,9 +143,11 @@ def compute_terms(work: CallWork, profile: DeviceProfile, dtype: str) -> dict[st
     if score and work.attention_scores:  # the softmax per score, each query row's fixed work, the two matmuls per FLOP
         attention = work.attention_scores * score + work.attention_rows * _per_dtype(profile.row_seconds, dtype) \
             + work.attention_flops / (profile.rate(profile.attention_tflops, dtype) * 1e12)
-    else:
-        rate = profile.rate_at("attention", dtype, work.attention_flops / max(1, work.attention_ops))
-        attention = work.attention_flops / (rate * 1e12)
+    else:  # a GPU's kernel computes at its built head dim (gpu_kernels.py `kernel_head_dim`)
+        flops = work.attention_kernel_flops if profile.kind == "gpu" and work.attention_kernel_flops \
+            else work.attention_flops
+        rate = profile.rate_at("attention", dtype, flops / max(1, work.attention_ops))
+        attention = flops / (rate * 1e12)
     elementwise = (profile.elementwise_gbps or profile.memory_gbps) * 1e9
     device = {
         "matmul": dense_flops / (matmul * 1e12),
@@ -167,8 +173,8 @@ def offload_seconds(work: CallWork, compute: dict[str, float], profile: DevicePr
         return traffic.offloaded_bytes / rate
     total = sum(compute.values())
     outside = replace(work, matmul_flops=work.outside_flops, other_bytes=work.outside_bytes, ops=work.outside_ops,
-                      attention_flops=0.0, attention_scores=0.0, attention_rows=0.0, conv_flops=0.0, conv_ops=0,
-                      matmul_ops=0, attention_ops=0, weight_bytes=0, cast_bytes=0.0, matmul_sizes=(), conv_sizes=())
+                      attention_flops=0.0, attention_kernel_flops=0.0, attention_scores=0.0, attention_rows=0.0,
+                      conv_flops=0.0, conv_ops=0, matmul_ops=0, attention_ops=0, weight_bytes=0, cast_bytes=0.0, matmul_sizes=(), conv_sizes=())
     outside_s = min(total, sum(compute_terms(outside, profile, dtype).values()))
     listed = sum(1 for _, _, in_list in traffic.streams if in_list)
     others = len(traffic.streams) - listed
@@ -214,7 +220,7 @@ class RankCompute:
         the block lists, which each rank runs: the embedders before its first block, the output layers)."""
         work = self.work
         part = replace(work, matmul_flops=work.matmul_flops * share, attention_flops=work.attention_flops * share,
-                       other_bytes=work.other_bytes * share, attention_scores=work.attention_scores * share,
+                       attention_kernel_flops=work.attention_kernel_flops * share, other_bytes=work.other_bytes * share, attention_scores=work.attention_scores * share,
                        attention_rows=work.attention_rows * share, conv_flops=work.conv_flops * share)
         if divide_ops:  # the blocks' share, every op outside them; the ops and weights divide too
             def part_of(total: float, outside: float) -> float:

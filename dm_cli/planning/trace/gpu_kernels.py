@@ -13,6 +13,9 @@ runs other kernels, and some allocate more than their output for as long as they
   head dims over 128 in half precision (its kernel iterates over the value dim), a float32 output accumulator of the
   output's shape; math (PyTorch 2.5 and newer, which upcast half precision to float32 unless
   `allow_fp16_bf16_reduction_math_sdp`) float32 copies of q, k and v, the score matrix and its softmax.
+  Flash runs a kernel built for one of eight head dims (flash_attn/static_switch.h, `HEADDIM_SWITCH`: 32, 64, 96,
+  128, 160, 192, 224, 256), the smallest that holds the call's: its tiles multiply over that width, so a head dim of
+  40 (SD 1.5's first blocks) costs the matmul work of 64 (`kernel_head_dim`).
 - **Convolutions** (cuDNN): tensor-core kernels run on NHWC data, and "the cuDNN library may use padding, folding,
   and NCHW-to-NHWC transformations to call the Tensor Core operations" (cuDNN Developer Guide, Legacy API, Data and
   Filter Formats): for an NCHW (PyTorch's default layout) convolution in half precision its workspace holds NHWC
@@ -34,6 +37,7 @@ HALF_DTYPES = ("float16", "bfloat16")
 FLASH_MAX_HEAD_DIM = 256
 CUDNN_MAX_HEAD_DIM = 128  # 256 on sm90/sm100 with cuDNN > 9.22 and a recent cudnn-frontend
 EFFICIENT_SINGLE_PASS_HEAD_DIM = 128  # the memory-efficient kernel keeps the output in registers up to this head dim
+FLASH_KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)  # the head dims flash's kernels are built for
 
 # Compute capability of the GPUs the profile table names (NVIDIA's CUDA GPUs list).
 COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
@@ -79,6 +83,13 @@ def attention_backend(call: AttentionCall, capability: tuple[int, int] = (8, 0),
             and call.value_dim % alignment == 0 and (call.dtype != "bfloat16" or capability >= (8, 0)):
         return "efficient"
     return "math"
+
+
+def kernel_head_dim(call: AttentionCall, backend: str) -> int:
+    """The head dim `backend`'s kernel computes over for `call`: flash's next built width, the call's own else."""
+    if backend == "flash":
+        return next((width for width in FLASH_KERNEL_HEAD_DIMS if width >= call.head_dim), call.head_dim)
+    return call.head_dim
 
 
 def attention_transient(call: AttentionCall, backend: str) -> int:

@@ -36,12 +36,13 @@ from dm_cli.units import parse_dtype
 if TYPE_CHECKING:  # annotations only
     from dm_cli.model.sources import ComponentSource
 
-TRACE_FORMAT_VERSION = 10  # 2: lists given to modules are no longer copied (the Wan VAE cache); 3: weightless
+TRACE_FORMAT_VERSION = 11  # 2: lists given to modules are no longer copied (the Wan VAE cache); 3: weightless
 # modules are no provenance boundary; 4: they are again, and the planner gives a hook (a device_map key) to each
 # one a split module's forward combines (LTX-2's norm_out); 5: module_outputs (a LoRA's transients scale with them);
 # 6: work (FLOPs, bytes, ops: the step-time prediction); 7: work counts attention's query rows and convolutions apart;
 # 8: and the work outside the block lists (every pipeline rank's); 9: the peaks on a GPU (gpu_kernels.py); 10: the
-# elementwise work as a compiler fuses it (fused_bytes, fused_kernels: --compile's predicted step)
+# elementwise work as a compiler fuses it (fused_bytes, fused_kernels: --compile's predicted step); 11: attention's
+# FLOPs at the width the GPU's kernel computes (attention_kernel_flops: flash's built head dims)
 WEIGHTS_ONLY_SIZE = 64  # pixels: order and split checks do not depend on size; small fits every model (tiny SD3 pos_embed too)
 
 

@@ -21,6 +21,7 @@ from dm_cli.planning.trace.gpu_kernels import (
     attention_backend,
     attention_transient,
     convolution_transient,
+    kernel_head_dim,
 )
 from dm_cli.planning.trace.storages import LiveStorages
 
@@ -331,6 +332,9 @@ class _OpAccounting:
             backend = attention_backend(call)
             self.attention_backends[backend] = self.attention_backends.get(backend, 0) + 1
             self.gpu_candidate(attention_transient(call, backend), f"attention ({backend}, head dim {call.head_dim})")
+            # what a GPU's kernel multiplies: the same at the width it is built for (flash: 40 computes as 64)
+            self.work["attention_kernel_flops"] += 4 * query.shape[:-1].numel() * key.shape[-2] \
+                * kernel_head_dim(call, backend)
         if self.track_memory:  # scores and weighted sum: 2 x 2 x queries x keys x head dim per head
             self.work["attention_flops"] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
             self.work["attention_ops"] += 1
@@ -377,8 +381,8 @@ class _Session(_ModuleHooks, _OpAccounting):
         self.attention_backends: dict[str, int] = {}  # the GPU's attention kernel -> calls
         # the work of the call (track_memory only): FLOPs of matmuls and convolutions, of attention, the bytes
         # other ops read and write (memory-bound), and the ops dispatched (each costs the host a fixed time)
-        self.work = {"matmul_flops": 0, "matmul_ops": 0, "attention_flops": 0, "attention_ops": 0,
-                     "attention_scores": 0, "attention_rows": 0, "conv_flops": 0, "conv_ops": 0, "other_bytes": 0,
+        self.work = {"matmul_flops": 0, "matmul_ops": 0, "attention_flops": 0, "attention_kernel_flops": 0,
+                     "attention_ops": 0, "attention_scores": 0, "attention_rows": 0, "conv_flops": 0, "conv_ops": 0, "other_bytes": 0,
                      "ops": 0, "outside_ops": 0, "outside_flops": 0, "outside_bytes": 0, "fused_bytes": 0,
                      "fused_kernels": 0, "outside_fused_bytes": 0, "outside_fused_kernels": 0}
         self._flop_formulas = None
