@@ -1,6 +1,6 @@
 """GPU check: what only a GPU can show, in one call of a few minutes (NOT run in CI on a GPU; its CPU form is).
 
-Sections (--sections, all four by default):
+Sections (--sections, all five by default):
 - memory: a mid-size FLUX-architecture pipeline (transformer ~1.3 GB in bf16) planned for `0=<GPU budget>,cpu=64GB`
   so that the transformer does not fit the GPU whole (part of it streamed through accelerate hooks), run for real;
   prints per stage and device the measured peak (torch.cuda.max_memory_allocated) beside the plan's peak_bytes.
@@ -16,6 +16,9 @@ Sections (--sections, all four by default):
 - nf4 (issue 54, scripts/gpu_check_nf4.py): the flux section's folder with the transformer in 4-bit NF4, dmap against
   diffusers' own bitsandbytes loading (seconds per step beside dmap's bf16 run, peaks, pixels); carry the
   bitsandbytes wheel too (its doc says how).
+- kernels (issue 53, scripts/gpu_check_kernels.py): the kernel rules of the plan's GPU time model measured beside
+  the model's figures for this GPU's table row (elementwise kernels' fixed cost and bandwidth, dispatch, flash
+  attention by head dim, matmuls at FLUX's and SD3's shapes), and SD3 Medium's transformer timed at full size.
 Exit 1 when a measured GPU peak exceeds the planned one or dmap's pixels differ from diffusers'.
 
 `--device cpu --small` runs predict and flux on this CPU at tiny sizes (the demo's configs, a quick calibration,
@@ -50,9 +53,10 @@ from pathlib import Path
 
 import bench_predict  # scripts/: the folder Python runs this file from
 from bench_predict import DMAP, PROMPT, REPO
+from gpu_check_kernels import kernels_check
 from gpu_check_nf4 import nf4_check
 
-SECTIONS = ("memory", "predict", "flux", "nf4")
+SECTIONS = ("memory", "predict", "flux", "nf4", "kernels")
 ANCHORS = "published, one H100, 1024x1024, 28 steps: about 6.7 s an image eager, 4.3 s compiled"
 # predict's cases (bench_predict.CASES' one-process rows that place no simulated GPU), each on the device
 GPU_CASES = ("demo-256", "demo-512", "tiny-flux-256", "tiny-sd15-256", "tiny-sd3-64")
@@ -107,6 +111,8 @@ def main() -> int:
         failed |= flux_check(args, profiles, work, env, torch)
     if "nf4" in sections:
         failed |= nf4_check(args, work, env, torch, flux_folder)
+    if "kernels" in sections:
+        kernels_check(args, torch, table_row(torch.cuda.get_device_name(torch.device(args.device))) if gpu else None)
     print(f"gpu_check: {time.perf_counter() - started:.0f} s in all", flush=True)
     return 1 if failed else 0
 
@@ -172,7 +178,8 @@ def table_row(device_name: str) -> str | None:
     rows = {"h100": "h100-pcie" if "pcie" in name or "nvl" in name else "h100-sxm",
             "h200": "h200-nvl" if "nvl" in name else "h200-sxm",
             "a100": "a100-40gb" if "40gb" in name else "a100-80gb",
-            "l40s": "l40s", "4090": "rtx-4090", "5090": "rtx-5090", "3090": "rtx-3090"}
+            "l40s": "l40s", "l20": "l20", "l4": "l4", "a10g": "a10g", "4090": "rtx-4090", "5090": "rtx-5090",
+            "3090": "rtx-3090"}  # l40s before l4: the first key a name holds
     return next((row for key, row in rows.items() if key in name), None)
 
 

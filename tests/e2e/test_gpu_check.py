@@ -45,14 +45,14 @@ def test_a_cpu_refuses_the_memory_section_in_one_sentence(tmp_path):
 def test_an_unknown_section_is_refused(tmp_path):
     done = _run("--sections", "speed", tmp_path=tmp_path)
     assert done.returncode == 2
-    assert done.stderr.strip() == "Unknown section 'speed': use memory, predict, flux, nf4."
+    assert done.stderr.strip() == "Unknown section 'speed': use memory, predict, flux, nf4, kernels."
 
 
 @pytest.mark.parametrize(("name", "row"), [
     ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", "h100-pcie"),
     ("NVIDIA H200", "h200-sxm"), ("NVIDIA H200 NVL", "h200-nvl"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
     ("NVIDIA A100 80GB PCIe", "a100-80gb"), ("NVIDIA L40S", "l40s"), ("NVIDIA GeForce RTX 4090", "rtx-4090"),
-    ("Tesla T4", None),
+    ("NVIDIA L20", "l20"), ("NVIDIA L4", "l4"), ("NVIDIA A10G", "a10g"), ("Tesla T4", None),
 ])
 def test_a_gpus_name_finds_its_row_of_the_bundled_table(name, row):
     from dm_cli.planning.time.profiles import table_profile
@@ -60,3 +60,20 @@ def test_a_gpus_name_finds_its_row_of_the_bundled_table(name, row):
     assert gpu_check.table_row(name) == row
     if row:
         table_profile(row)  # a row the table has
+
+
+@pytest.mark.slow
+def test_the_kernels_section_measures_each_rule_beside_the_table_rows_model(capsys):
+    """On this CPU at tiny sizes, in-process, with the H100's row as the model: every table prints its model column
+    and the SD3 twin's call is timed beside a plan's predicted step."""
+    import argparse
+
+    import torch
+    from gpu_check_kernels import kernels_check
+
+    kernels_check(argparse.Namespace(device="cpu", small=True), torch, "h100-sxm")
+    out = capsys.readouterr().out
+    assert "model: 3 us + bytes at 3082 GB/s" in out
+    assert "| 40 | " in out and "| 346 |" in out  # FlashAttention-2's 35% of the H100's 989 TFLOP/s
+    assert "| SD3 qkv (8192x1536x1536) | " in out and "| - |" not in out
+    assert "s a call measured, " in out and "s predicted (table:h100-sxm)" in out
