@@ -14,6 +14,7 @@ import importlib.util
 import logging
 
 from dm_cli.errors import SourceError
+from dm_cli.model.formats.nf4 import import_bitsandbytes_deferring_compile
 from dm_cli.model.formats.weight_formats import quiet_torchao
 
 # Keys of a transformers config.json that are bookkeeping, not architecture.
@@ -23,6 +24,7 @@ _VOLATILE_KEYS = ("_name_or_path", "transformers_version")
 def quiet_libraries() -> None:
     """dmap prints its own progress and summary: the libraries' load bars and advice would drown it."""
     quiet_torchao()
+    import_bitsandbytes_deferring_compile()  # before diffusers imports it: its compiles on first use
     # transformers: imported on use, so start-up stays free of torch
     import transformers
 
@@ -37,6 +39,7 @@ def quiet_libraries() -> None:
 
 def _library_module(library: str | None, class_name: str):
     quiet_torchao()  # before diffusers' first import, which imports torchao when it is installed
+    import_bitsandbytes_deferring_compile()  # and bitsandbytes, whose kernels' compiles wait for their first use
     if library in ("diffusers", "transformers"):
         return importlib.import_module(library)
     if isinstance(library, str) and library.isidentifier() and not library.startswith("_"):

@@ -191,3 +191,37 @@ def test_bench_nf4_small_prints_the_three_tables():
     assert "flux transformer" in out and "0.28x" in out  # 6.70 GB of 23.80 GB
     assert "one 3072->12288 linear layer" in out and "dmap run, FLUX-architecture twin" in out
     assert out.count("nf4") >= 3
+
+
+def test_bitsandbytes_kernels_compile_on_first_call_not_at_import():
+    """bitsandbytes wraps its default kernels in torch.compile as they are defined, which imports inductor at every
+    start of a process that imports diffusers; dmap imports it first with the compile deferred to each kernel's
+    first call (issue 55: a whole `dmap run` stays ahead of `diffusers-cli run`)."""
+    import subprocess
+    import sys
+
+    from dm_cli.model.formats.nf4 import _compile_on_first_call
+
+    compiled = []
+
+    def compile_now(model, **options):
+        compiled.append((model, options))
+        return lambda *args: ("compiled", model(*args))
+
+    deferred = _compile_on_first_call(compile_now)
+    double = deferred(lambda x: 2 * x, dynamic=False)
+    triple = deferred(dynamic=True)(lambda x: 3 * x)  # the decorator form bitsandbytes uses
+    assert compiled == []
+    assert double(2) == ("compiled", 4) and double(3) == ("compiled", 6) and triple(1) == ("compiled", 3)
+    assert [options for _, options in compiled] == [{"dynamic": False}, {"dynamic": True}]  # once each
+    module = type("Model", (), {"forward": None, "__call__": lambda self: None})()
+    deferred(module)
+    assert compiled[-1][0] is module  # a module compiled at once, as before
+    code = ("import sys, torch; compile_now = torch.compile\n"
+            "from dm_cli.model.formats.nf4 import import_bitsandbytes_deferring_compile as first\n"
+            "first(); import diffusers.quantizers\n"
+            "print('bitsandbytes' in sys.modules, 'torch._inductor.compile_fx' in sys.modules, "
+            "torch.compile is compile_now)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False", "True"]

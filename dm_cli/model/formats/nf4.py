@@ -84,6 +84,54 @@ def bitsandbytes():
     return bnb
 
 
+def import_bitsandbytes_deferring_compile() -> None:
+    """bitsandbytes imported now, before diffusers imports it (it does whenever bitsandbytes is installed), with the
+    `torch.compile` its default kernels call as they are defined deferred to each kernel's first call.
+
+    Wrapping a function in torch.compile imports inductor (about half a second of CPU at every start of a process
+    that imports diffusers, `diffusers-cli run` too), although a run without NF4 never calls those kernels. Compiled
+    on first call instead, they compute what they did: dynamo compiles on the first call either way, and
+    bitsandbytes falls back to the plain function when compiling fails, then or now. A missing or broken
+    bitsandbytes is left for diffusers' import (or `bitsandbytes()`) to report, as before."""
+    import importlib.util
+    import sys
+
+    if "bitsandbytes" in sys.modules or importlib.util.find_spec("bitsandbytes") is None:
+        return
+    import torch  # lazy: torch (heavy, off start-up)
+
+    compile_now = torch.compile
+    torch.compile = _compile_on_first_call(compile_now)
+    try:
+        import bitsandbytes  # noqa: F401 - lazy: bitsandbytes (heavy, off start-up)
+    except Exception:  # noqa: BLE001, S110 - reported where it is used, as without this import
+        pass
+    finally:
+        torch.compile = compile_now
+
+
+def _compile_on_first_call(compile_now):
+    """`torch.compile` for plain functions, compiling each on its first call; modules compiled at once."""
+    import functools
+
+    def compile(model=None, **options):
+        if model is None:  # used as @torch.compile(**options)
+            return lambda function: compile(function, **options)
+        if not callable(model) or hasattr(model, "forward"):
+            return compile_now(model, **options)
+        compiled = []
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kwargs):
+            if not compiled:
+                compiled.append(compile_now(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        return first_call_compiles
+
+    return compile
+
+
 def to_linear4bit(model, layers: set[str], compute_dtype, quant_type: str = "nf4", double_quant: bool = False) -> None:
     """Each named nn.Linear swapped for an empty `bnb.nn.Linear4bit`, built with the arguments diffusers' and
     transformers' `replace_with_bnb_linear` pass (compute dtype, uint8 storage; NF4 without double quantization for
