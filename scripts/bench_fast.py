@@ -13,12 +13,13 @@ Table 2, whole processes, the issue's case (--size 256, --steps 8, seed 0): `dma
 `diffusers-cli run -m FOLDER --device-map cpu --seed 0 --pipeline-kwargs {...}` (the same model, size, steps, seed,
 guidance), both eager, then both with `--compile` (dmap's regional; diffusers-cli's bare `--compile`, which is its
 `compile_repeated_blocks(fullgraph=True)` too), --pairs rounds of the four processes, which side goes first alternating;
-medians of the process wall seconds and the median of the per-pair ratios (dmap / diffusers-cli). Every image is
+medians of the process wall seconds and the median of the per-pair ratios (dmap / diffusers-cli), then each pair's
+ratios, wall and CPU (`--kinds eager` runs the eager pairs alone). Every image is
 compared with diffusers-cli eager's: the largest pixel difference (0-255). Every dmap process imports one copy of
 dm_cli taken at the start (`snapshot`), so edits to the tree mid-bench cannot re-plan inside a timed run.
 
 Usage: .venv/bin/python scripts/bench_fast.py [--sizes 128,256,512] [--steps 8] [--repeats 1] [--pairs 2]
-       [--size 256] [--threads 1] [--skip table1|table2]
+       [--size 256] [--threads 1] [--skip table1|table2] [--kinds eager,compiled]
 """
 
 from __future__ import annotations
@@ -140,15 +141,16 @@ def pixels(path: Path):
     return np.asarray(Image.open(path).convert("RGB")).astype(int)
 
 
-def table2(folder: str, size: int, steps: int, pairs: int, threads: int) -> None:
+def table2(folder: str, size: int, steps: int, pairs: int, threads: int,
+           kinds: tuple[bool, ...] = (False, True)) -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_fast-"))
     makers = {"dmap": dmap_command, "diffusers-cli": diffusers_command}
-    times = {(tool, compiled): [] for tool in makers for compiled in (False, True)}
+    times = {(tool, compiled): [] for tool in makers for compiled in kinds}
     for tool in makers:  # one untimed run each, eager and compiled: the page cache, dmap's caches, inductor's kernels
-        for compiled in (False, True):
+        for compiled in kinds:
             timed(makers[tool](folder, size, steps, work / f"warm-{tool}-{compiled}.png", compiled), threads)
     for pair in range(pairs):
-        for compiled in (False, True):
+        for compiled in kinds:
             tools = list(makers) if pair % 2 == 0 else list(reversed(makers))
             for tool in tools:
                 out = work / f"{tool}-{compiled}.png"
@@ -159,7 +161,7 @@ def table2(folder: str, size: int, steps: int, pairs: int, threads: int) -> None
     print("| kind | dmap s (median) | diffusers-cli s (median) | dmap / diffusers-cli (median of pairs) | "
           "CPU s, dmap / diffusers-cli (medians) | max pixel diff vs diffusers-cli eager (dmap, diffusers-cli) |")
     print("|---|---|---|---|---|---|")
-    for compiled in (False, True):
+    for compiled in kinds:
         ours, theirs = times["dmap", compiled], times["diffusers-cli", compiled]
         ratio = statistics.median(a[0] / b[0] for a, b in zip(ours, theirs))
         cpu = [statistics.median(run[1] for run in runs) for runs in (ours, theirs)]
@@ -167,6 +169,12 @@ def table2(folder: str, size: int, steps: int, pairs: int, threads: int) -> None
         print(f"| {'--compile' if compiled else 'eager'} | {statistics.median(run[0] for run in ours):.2f} | "
               f"{statistics.median(run[0] for run in theirs):.2f} | {ratio:.2f}x | {cpu[0]:.1f} / {cpu[1]:.1f} | "
               f"{diffs[0]}, {diffs[1]} |", flush=True)
+    for compiled in kinds:  # each pair's ratios, wall and CPU, in the order they ran
+        pairs_line = ", ".join(f"{a[0] / b[0]:.2f} ({a[1] / b[1]:.2f})"
+                               for a, b in zip(times["dmap", compiled], times["diffusers-cli", compiled]))
+        print(f"{'--compile' if compiled else 'eager'} per pair, dmap / diffusers-cli wall (CPU): {pairs_line}")
+    if kinds != (False, True):
+        return
     eager = statistics.median(run[0] for run in times["dmap", False])
     print(f"dmap --compile / dmap eager (whole process, inductor's cache warm): "
           f"{statistics.median(run[0] for run in times['dmap', True]) / eager:.2f}x")
@@ -181,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip", choices=("table1", "table2"), default=None)
+    parser.add_argument("--kinds", default="eager,compiled", help="table 2's kinds: eager, compiled or both")
     args = parser.parse_args(argv)
     global CODE
     folder, CODE = demo_folder(), snapshot()
@@ -189,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip != "table1":
         table1(folder, [int(s) for s in args.sizes.split(",")], args.steps, args.repeats, args.threads)
     if args.skip != "table2":
-        table2(folder, args.size, args.steps, args.pairs, args.threads)
+        kinds = tuple(kind == "compiled" for kind in ("eager", "compiled") if kind in args.kinds.split(","))
+        table2(folder, args.size, args.steps, args.pairs, args.threads, kinds)
     return 0
 
 
