@@ -1,6 +1,6 @@
 """GPU check: what only a GPU can show, in one call of a few minutes (NOT run in CI on a GPU; its CPU form is).
 
-Sections (--sections, all five by default):
+Sections (--sections, all six by default):
 - memory: a mid-size FLUX-architecture pipeline (transformer ~1.3 GB in bf16) planned for `0=<GPU budget>,cpu=64GB`
   so that the transformer does not fit the GPU whole (part of it streamed through accelerate hooks), run for real;
   prints per stage and device the measured peak (torch.cuda.max_memory_allocated) beside the plan's peak_bytes.
@@ -19,6 +19,9 @@ Sections (--sections, all five by default):
 - kernels (issue 53, scripts/gpu_check_kernels.py): the kernel rules of the plan's GPU time model measured beside
   the model's figures for this GPU's table row (elementwise kernels' fixed cost and bandwidth, dispatch, flash
   attention by head dim, matmuls at FLUX's and SD3's shapes), and SD3 Medium's transformer timed at full size.
+- fast (issue 55, scripts/gpu_check_fast.py): the flux section's folder run by dmap with --compile and with blocks
+  streamed from the cpu (overlapped where the plan predicts it faster), against diffusers' own
+  compile_repeated_blocks and enable_group_offload(use_stream=True): warm steps, cold compile, peaks, pixels.
 Exit 1 when a measured GPU peak exceeds the planned one or dmap's pixels differ from diffusers'.
 
 `--device cpu --small` runs predict and flux on this CPU at tiny sizes (the demo's configs, a quick calibration,
@@ -53,10 +56,11 @@ from pathlib import Path
 
 import bench_predict  # scripts/: the folder Python runs this file from
 from bench_predict import DMAP, PROMPT, REPO
+from gpu_check_fast import fast_check
 from gpu_check_kernels import kernels_check
 from gpu_check_nf4 import nf4_check
 
-SECTIONS = ("memory", "predict", "flux", "nf4", "kernels")
+SECTIONS = ("memory", "predict", "flux", "nf4", "kernels", "fast")
 ANCHORS = "published, one H100, 1024x1024, 28 steps: about 6.7 s an image eager, 4.3 s compiled"
 # predict's cases (bench_predict.CASES' one-process rows that place no simulated GPU), each on the device
 GPU_CASES = ("demo-256", "demo-512", "tiny-flux-256", "tiny-sd15-256", "tiny-sd3-64")
@@ -76,6 +80,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4, help="memory: the steps")
     parser.add_argument("--flux-size", type=int, default=1024)
     parser.add_argument("--flux-steps", type=int, default=28)
+    parser.add_argument("--offload-budget", default="16GB", help="fast: the GPU's budget of the offloaded run")
     args = parser.parse_args()
     sections = args.sections.split(",")
     unknown = [s for s in sections if s not in SECTIONS]
@@ -113,6 +118,8 @@ def main() -> int:
         failed |= nf4_check(args, work, env, torch, flux_folder)
     if "kernels" in sections:
         kernels_check(args, torch, table_row(torch.cuda.get_device_name(torch.device(args.device))) if gpu else None)
+    if "fast" in sections:
+        failed |= fast_check(args, work, env, torch, flux_folder)
     print(f"gpu_check: {time.perf_counter() - started:.0f} s in all", flush=True)
     return 1 if failed else 0
 

@@ -45,7 +45,7 @@ def test_a_cpu_refuses_the_memory_section_in_one_sentence(tmp_path):
 def test_an_unknown_section_is_refused(tmp_path):
     done = _run("--sections", "speed", tmp_path=tmp_path)
     assert done.returncode == 2
-    assert done.stderr.strip() == "Unknown section 'speed': use memory, predict, flux, nf4, kernels."
+    assert done.stderr.strip() == "Unknown section 'speed': use memory, predict, flux, nf4, kernels, fast."
 
 
 @pytest.mark.parametrize(("name", "row"), [
@@ -77,3 +77,17 @@ def test_the_kernels_section_measures_each_rule_beside_the_table_rows_model(caps
     assert "| 40 | " in out and "| 346 |" in out  # FlashAttention-2's 35% of the H100's 989 TFLOP/s
     assert "| SD3 qkv (8192x1536x1536) | " in out and "| - |" not in out
     assert "s a call measured, " in out and "s predicted (table:h100-sxm)" in out
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_the_fast_sections_cpu_form_runs_both_sides_and_compares_pixels(tmp_path):
+    """dmap eager, compiled and offloaded against diffusers' compile_repeated_blocks and group offloading (dynamo's
+    eager backend, no streams on a CPU): the same pixels wherever the computation is the same."""
+    done = _run("--device", "cpu", "--small", "--sections", "fast", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    for row in ("| dmap eager | ", "| dmap compiled | ", "| dmap offloaded | ", "| diffusers compile | ",
+                "| diffusers group_offload | "):
+        assert row in out
+    assert "largest pixel difference: compiled against eager 0, offloaded against eager 0" in out
