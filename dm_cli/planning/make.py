@@ -40,6 +40,7 @@ from dm_cli.planning.refine.step_cache_plan import (
     with_cache_per_rank,
 )
 from dm_cli.planning.refine.tiling import TilingChoice, choose_tiling
+from dm_cli.planning.step_cache import fit
 from dm_cli.planning.time.overlap import OVERLAPPED, choose_overlap, faster_line, room_wanted
 from dm_cli.planning.time.plan_prediction import plan_prediction, rated_for_plan, with_profile_rates
 from dm_cli.planning.time.profiles import cached_profile_problem
@@ -133,7 +134,8 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
                 tiled_decode=choice.tiled, kernels=kernel_report(prepared))
     if source.pipeline_class and family_for(source.pipeline_class) is None:
         plan.warnings.insert(0, unknown_family_warning(source.pipeline_class))
-    offload_notes(plan, source, prepared, specs, stages, options)
+    cache_bytes = offload_notes(plan, source, prepared, specs, stages, options, footprints,
+                                cache_bytes if footprints else {})
     for name, fmt in plan.weights.items():
         problem = int8_offload_problem(name, fmt, plan.components[name].device_map)
         if problem:
@@ -147,8 +149,7 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
                       f"{why}." for name, why in unfused.items() if why]
     plan.parallel = layout
     if options.cache is not None:
-        plan.step_cache = step_cache_report(plan, source, prepared, options, footprints,
-                                             cache_bytes if footprints else {})
+        plan.step_cache = step_cache_report(plan, source, prepared, options, footprints, cache_bytes)
         plan.parallel = with_cache_per_rank(layout, plan.step_cache)
     plan.warnings += [launch_warning(layout) for layout in [layout] if layout is not None and layout.layout != Layout.SPLIT]
     plan.predicted_time = _prediction(plan, source, prepared, options)
@@ -157,39 +158,48 @@ def make_plan(source_spec: str, options: PlanOptions) -> Plan:
     return plan
 
 
-def offload_notes(plan: Plan, source, prepared: list[PreparedComponent], specs, stages, options: PlanOptions) -> None:
+def offload_notes(plan: Plan, source, prepared: list[PreparedComponent], specs, stages, options: PlanOptions,
+                  footprints: dict, cache_bytes: dict) -> dict:
     """Whether each offloading component's copies overlap its compute (overlap.py: the prefetched block charged
-    before the split check and the prediction see the plan), then why anything is offloaded at all (advice.py)."""
+    before the split check and the prediction see the plan), then why anything is offloaded at all (advice.py).
+    The step cache's bytes per component and device, for the placement kept."""
     choose_overlap(plan, specs)
-    overlap_with_room(plan, source, prepared, specs, stages, options)
+    cache_bytes = overlap_with_room(plan, source, prepared, specs, stages, options, footprints, cache_bytes)
     explain_offload(plan, prepared, stages, options)
+    return cache_bytes
 
 
-def overlap_with_room(plan: Plan, source, prepared: list[PreparedComponent], specs, stages,
-                      options: PlanOptions) -> None:
+def overlap_with_room(plan: Plan, source, prepared: list[PreparedComponent], specs, stages, options: PlanOptions,
+                      footprints: dict, cache_bytes: dict) -> dict:
     """Where a prefetched block did not fit beside the running one: the placement that leaves it room (a block or so
     more offloaded), its copies overlapped, replaces the plan's when the time model predicts it faster than the
-    fuller GPU copying each block in its turn. A step cache's room and a pipeline cut are left as they were."""
+    fuller GPU copying each block in its turn. With a step cache (`footprints`) the trial makes room for the cache's
+    state too, as the plan's own placement did (step_cache.fit). A pipeline cut is left as it was. Returns the
+    cache's bytes for the placement kept."""
     wanted = room_wanted(plan, specs)
-    if not wanted or options.cache is not None or any(p.spec.fixed_map is not None for p in prepared):
-        return
+    if not wanted or any(p.spec.fixed_map is not None for p in prepared):
+        return cache_bytes
     devices = [replace(d, capacity=d.capacity - wanted[d.name]) if d.name in wanted and d.capacity else d
                for d in plan.devices]
-    placement = place_or_none(specs, stages, devices, options)
+    if footprints:
+        placement, trial_cache = fit(lambda trial: place_or_none(specs, stages, trial, options), devices, footprints)
+    else:
+        placement, trial_cache = place_or_none(specs, stages, devices, options), {}
     if placement is None:
-        return
+        return cache_bytes
     trial = replace(plan, components=placement.components, stages=placement.stages, warnings=[])
     choose_overlap(trial, specs)
     overlapped = [n for n, c in trial.components.items() if c.offload.get("mode") == OVERLAPPED]
     if not overlapped:
-        return
+        return cache_bytes
     before = plan_prediction(plan, source, prepared, options, options.prediction).get("step_s")
     after = plan_prediction(trial, source, prepared, options, options.prediction).get("step_s")
     if not before or not after or after >= before:
-        return
+        return cache_bytes
     more = trial.offloaded_bytes - plan.offloaded_bytes
     plan.components, plan.stages = trial.components, trial.stages
     plan.warnings += trial.warnings + [faster_line(overlapped, before, after, more)]
+    return trial_cache
 
 
 def _prediction(plan: Plan, source, prepared: list[PreparedComponent], options: PlanOptions) -> dict:

@@ -126,3 +126,79 @@ def test_the_plan_chooses_overlap_where_it_fits_and_is_faster_and_says_so():
     text = " ".join(out.split())
     assert code == 0 and "overlapped: each block's copy from pinned RAM" in text
     assert "Offload overlapped with compute:" in text
+
+
+# --- what composes with it (issue 55, item 2): Wan 2.2's two experts, the step caches, GGUF, the VAE -------------
+
+WAN = ("--overhead", "0=0", "--height", 32, "--width", 32, "--frames", 9, "--profile", "table:rtx-4090", "--json")
+
+
+def _offloads(data) -> dict:
+    return {name: c.get("offload", {}).get("mode") for name, c in data["components"].items()}
+
+
+def test_wan22s_two_experts_each_overlap_in_their_own_stage_and_the_vae_says_why_not():
+    """tiny Wan 2.2 on a 0.5 MB GPU: the experts take turns (one denoise stage each), each streams its blocks with
+    its prefetched block charged in its own stage; the VAE, which dmap places whole, goes to the cpu and says so."""
+    code, out, err = run_dmap("plan", "tiny-wan", "--max-memory", "0=0.5MB,cpu=8GB", "--dtype", "fp32", *WAN)
+    assert code == 0, err
+    data = json.loads(out)
+    assert _offloads(data)["transformer"] == _offloads(data)["transformer_2"] == "overlapped"
+    denoise = [s for s in data["stages"] if s["name"] == "denoise"]
+    assert [s["components"] for s in denoise] == [["transformer"], ["transformer_2"]]
+    for stage, name in zip(denoise, ("transformer", "transformer_2")):
+        offload = data["components"][name]["offload"]
+        assert offload["prefetch_bytes"] > 0 and stage["breakdown"]["0"]["reserve"] >= 2 * offload["prefetch_bytes"]
+        assert stage["peak_bytes"]["0"] <= data["devices"]["0"]["capacity_bytes"]
+    vae = data["components"]["vae"]
+    assert vae["device_map"] == {"": "cpu"} and vae["offload"]["mode"] == "synchronous"
+    assert vae["offload"]["reason"].startswith("dmap places it whole (a VAE is never split, tiled or not)")
+
+
+@pytest.mark.parametrize("cache", ["fbc", "taylorseer", "magcache"])
+def test_a_step_cache_plan_leaves_room_for_the_prefetched_block_beside_the_caches_state(cache):
+    """The demo's transformer on a 40 MB GPU with a step cache: as without one, the plan offloads a block more to
+    leave the prefetched block room, now beside the cache's state (charged on the execution GPU), and overlaps."""
+    from dm_cli.model.demo import ensure_demo
+
+    code, out, err = run_dmap("plan", ensure_demo(), "--max-memory", "0=40MB,cpu=8GB", "--overhead", "0=0", "--height",
+                              64, "--width", 64, "--profile", "table:rtx-4090", "--cache", cache, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    offload = data["components"]["transformer"]["offload"]
+    assert offload["mode"] == "overlapped", offload
+    denoise = next(s for s in data["stages"] if "transformer" in s["components"])
+    held = data["step_cache"]["components"]["transformer"]["bytes"]["0"]
+    assert held > 0 and denoise["breakdown"]["0"]["cache"] == held
+    assert denoise["breakdown"]["0"]["reserve"] >= 2 * offload["prefetch_bytes"]
+    assert denoise["peak_bytes"]["0"] <= data["devices"]["0"]["capacity_bytes"]
+    assert any("more offloaded to leave room for the prefetched block" in w for w in data["warnings"])
+    assert data["predicted_time"]["step_s"] < data["predicted_time"]["offload_overlap"]["synchronous_step_s"]
+
+
+def test_a_gguf_single_file_overlaps_its_quantized_blocks(tmp_path):
+    """A GGUF single file (Q4_K and Q8_0 tensors, four blocks) standing in for Wan 2.2's transformer: its blocks, at
+    their stored sizes, stream from pinned RAM one ahead of their turn."""
+    import shutil
+
+    from original_layouts import q8_0_rows, wan_name, write_gguf
+    from safetensors.torch import load_file
+
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
+
+    configs = shutil.copytree(PRESETS_DIR / "tiny-wan", tmp_path / "configs")
+    config = json.loads((configs / "transformer" / "config.json").read_text())
+    (configs / "transformer" / "config.json").write_text(json.dumps({**config, "ffn_dim": 256, "num_layers": 4}))
+    folder = write_random_pipeline(configs, tmp_path / "tiny-wan", seed=0)
+    state = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    gguf = tmp_path / "wan-high-noise.gguf"
+    write_gguf(gguf, {wan_name(k): v for k, v in state.items()}, "wan",
+               lambda array: "Q4_K" if array.ndim == 2 and array.shape[1] % 256 == 0 else q8_0_rows(array))
+    code, out, err = run_dmap("plan", gguf, "--pipeline", folder, "--max-memory", "0=0.5MB,cpu=8GB", *WAN)
+    assert code == 0, err
+    data = json.loads(out)
+    transformer = data["components"]["transformer"]
+    assert any("GGUF tensors" in w for w in data["warnings"])
+    assert transformer["offload"]["mode"] == "overlapped" and transformer["offload"]["prefetch_bytes"] > 0
+    assert transformer["offload"]["pinned_bytes"] == transformer["offloaded_bytes"]

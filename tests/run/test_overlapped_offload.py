@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_dmap
+from test_single_file_run import wan_files  # noqa: F401 - a fixture: a tiny Wan 2.2 and its GGUF single file
 
 SIZE = 64
 
@@ -176,3 +177,156 @@ def test_an_unfused_lora_on_prefetched_blocks_gives_the_synchronous_pixels(demo,
     assert isinstance(to_q.lora_A["dmap_lora_0"]._hf_hook, AlignDevicesHook)
     assert np.array_equal(images[0], images[1])
     pipe.transformer = resident
+
+
+# --- what composes with it: Wan 2.2's two experts, the step caches, a GGUF single file (issue 55, item 2) ----------
+
+
+def _streamed_plan(plan: dict, names: dict[str, list[str]], overlapped: bool) -> dict:
+    """`plan` (a dmap plan JSON made for the cpu) with each component of `names` streaming those blocks: the first
+    from disk (so that the map is not all cpu, which loads resident), the others from the cpu; the cpu computes them
+    here, through accelerate's offload hooks, as they stream to a GPU. `overlapped`: its offload.mode says so."""
+    plan = json.loads(json.dumps(plan))
+    for name, blocks in names.items():
+        component = plan["components"][name]
+        component["device_map"] = {"": "cpu", **dict.fromkeys(blocks, "cpu"), blocks[0]: "disk"}
+        if overlapped:
+            component["offload"] = {"mode": "overlapped", "reason": "a test's", "prefetch_bytes": 0, "pinned_bytes": 0}
+        else:
+            component.pop("offload", None)
+    return plan
+
+
+def _run_both(folder, plan: dict, names: dict[str, list[str]], tmp_path, monkeypatch, *run_args, output="out.png"):
+    """`dmap run -d` with the plan streaming `names` synchronously, then overlapped: (the two outputs, the prefetch
+    path's attachments in each run as (class, blocks prefetched))."""
+    from dm_cli.run.load import loading
+
+    attached, attach = [], loading.attach_prefetch
+
+    def counted(model, weights):
+        attached.append((type(model).__name__, weights))
+        attach(model, weights)
+
+    monkeypatch.setattr(loading, "attach_prefetch", counted)
+    outputs, runs = [], []
+    for overlapped in (False, True):
+        path, out = tmp_path / f"plan-{overlapped}.json", tmp_path / f"{overlapped}-{output}"
+        path.write_text(json.dumps(_streamed_plan(plan, names, overlapped)))
+        code, stdout, err = run_dmap("run", folder, "-d", path, "--seed", 3, "-o", out, "--json", *run_args)
+        assert code == 0, err
+        outputs.append((out, json.loads(stdout)))
+        runs.append([(cls, len(weights.order), weights.prefetched) for cls, weights in attached])
+        attached.clear()
+    return outputs, runs
+
+
+def _frames(folder) -> np.ndarray:
+    from PIL import Image
+
+    return np.stack([np.asarray(Image.open(p)) for p in sorted(folder.glob("frame-*.png"))])
+
+
+def test_wan22s_two_experts_prefetched_give_the_synchronous_frames(tmp_path, monkeypatch):
+    """Wan 2.2: each expert (transformer, transformer_2) streams its blocks with its own prefetch, in its own turn
+    of the steps (the high-noise expert first, the low-noise one after the boundary): the same frames."""
+    from dm_cli.model.demo import write_random_pipeline
+    from dm_cli.model.sources import PRESETS_DIR
+
+    folder = write_random_pipeline(PRESETS_DIR / "tiny-wan", tmp_path / "tiny-wan", seed=0)
+    args = ("--height", 32, "--width", 32, "--frames", 9, "--dtype", "fp32")
+    code, out, err = run_dmap("plan", folder, "--max-memory", "cpu=8GB", *args, "--json")
+    assert code == 0, err
+    experts = {"transformer": ["blocks.0", "blocks.1", "proj_out"], "transformer_2": ["blocks.0", "blocks.1", "proj_out"]}
+    ((synchronous, _), (overlapped, _)), runs = _run_both(folder, json.loads(out), experts, tmp_path, monkeypatch,
+                                                          "--prompt", "a fox", "--steps", 4, output="frames/")
+    assert runs[0] == []  # the synchronous plan never takes the prefetch path
+    # both experts prefetched, each its two cpu blocks (blocks.1, proj_out) every call of its steps
+    assert [(cls, order) for cls, order, _ in runs[1]] == [("WanTransformer3DModel", 2)] * 2
+    assert all(prefetched >= 2 * order for _, order, prefetched in runs[1])
+    assert np.array_equal(_frames(overlapped), _frames(synchronous))
+
+
+@pytest.mark.parametrize("cache", ["fbc:threshold=0.6", "taylorseer", "magcache"])
+def test_a_step_cache_on_prefetched_blocks_gives_the_synchronous_pixels(demo, cache, tmp_path, monkeypatch):
+    """A step cache's hooks skip blocks on the steps they reuse: a skipped block's prefetched copy is dropped unused
+    when the next block takes its own, and the blocks that run read the values they read in turn. The cache skips as
+    many calls either way, and the image is the synchronous path's."""
+    from dm_cli.io.outputs import read_metadata
+    from dm_cli.model.demo import ensure_demo
+
+    device_map, _, _ = demo
+    folder = ensure_demo()
+    code, out, err = run_dmap("plan", folder, "--max-memory", "cpu=8GB", "--height", SIZE, "--width", SIZE,
+                              "--steps", 6, "--cache", cache, "--json")
+    assert code == 0, err
+    blocks = [key for key in device_map if key.startswith(("transformer_blocks", "single_transformer_blocks"))]
+    ((synchronous, before), (overlapped, after)), runs = _run_both(folder, json.loads(out), {"transformer": blocks},
+                                                                   tmp_path, monkeypatch, "--prompt", "a fox")
+    assert runs[0] == [] and [(cls, order) for cls, order, _ in runs[1]] == [("FluxTransformer2DModel", len(blocks) - 1)]
+    assert np.array_equal(_png(overlapped), _png(synchronous))
+    assert read_metadata(str(overlapped))["step_cache"] == read_metadata(str(synchronous))["step_cache"]
+    counts = after["step_cache"]["counts"]["transformer"]
+    assert counts == before["step_cache"]["counts"]["transformer"] and counts["skipped"] > 0 and counts["computed"] > 0
+
+
+def _png(path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return np.asarray(image)
+
+
+def test_gguf_blocks_prefetched_keep_their_types_and_give_the_synchronous_output(wan_files):
+    """A GGUF single file (Q8_0 and Q4_K tensors): its cpu blocks' host copies are the GGUF parameters themselves
+    (their quant type kept, dequantized per layer as they run), prefetched as the plain ones are: the same output."""
+    from dm_cli.run.load.loading import dispatch_loaded
+
+    folder, _, gguf_file = wan_files
+
+    def loaded(overlap):
+        model = diffusers.WanTransformer3DModel.from_single_file(
+            str(gguf_file), config=str(folder), subfolder="transformer", torch_dtype=torch.float32,
+            local_files_only=True, quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=torch.float32))
+        return dispatch_loaded(model, {"": "cpu", "blocks.0": "cpu", "blocks.1": "cpu"}, overlap)
+
+    synchronous, overlapped = loaded(False), loaded(True)
+    prefetch = overlapped._dmap_prefetch
+    assert prefetch.order == ["blocks.0", "blocks.1"]
+    assert overlapped.blocks[0].ffn.net[2].weight.quant_type is not None  # still a GGUF layer
+    config = synchronous.config
+    generator = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(1, config.in_channels, 3, 8, 8, generator=generator), torch.tensor([500]),
+              torch.randn(1, 8, config.text_dim, generator=generator))
+    with torch.no_grad():
+        expected, got = synchronous(*inputs).sample, overlapped(*inputs).sample
+    assert torch.equal(got, expected) and prefetch.prefetched == 2
+
+
+def test_host_copies_are_pinned_only_where_they_keep_their_type(monkeypatch):
+    """On CUDA the cpu blocks' host copies are pinned: plain tensors always; a tensor subclass (a GGUF parameter)
+    only where `pin_memory` gives it back of its own class with its quant type, else it is kept as it is."""
+    from dm_cli.run.load.prefetch import pinned
+
+    class Quantized(torch.Tensor):
+        quant_type = 8
+
+    class Pins(Quantized):
+        def pin_memory(self):  # stands in for the page-locked copy (CPU-only torch cannot pin)
+            return torch.Tensor._make_subclass(Pins, torch.Tensor._make_subclass(torch.Tensor, self).clone())
+
+    class Loses(Quantized):
+        def pin_memory(self):
+            return torch.Tensor._make_subclass(torch.Tensor, self)
+
+    class Refuses(Quantized):
+        def pin_memory(self):
+            raise RuntimeError("cannot pin")
+
+    for cls in (Pins, Loses, Refuses):
+        value = torch.Tensor._make_subclass(cls, torch.zeros(2))
+        host = pinned(value)
+        assert type(host) is cls and host.quant_type == 8 and (host is not value) == (cls is Pins), cls
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
+    plain = torch.ones(2)
+    assert pinned(plain) is not plain and torch.equal(pinned(plain), plain)

@@ -7,7 +7,8 @@ so the execution device holds the prefetched block beside the running one (the r
 reserve search.py already charges; the prefetched one, the largest block the cpu holds, is added to it), and the
 cpu's blocks are kept in RAM as pinned copies (the RAM search.py already charges them as the cpu's weights). The time
 model (step_time.py) then counts max(compute, transfer) per block instead of their sum: never slower, so the plan
-overlaps wherever the prefetched block fits. What stays synchronous: a CPU that computes (nothing to overlap with),
+overlaps wherever the prefetched block fits. What stays synchronous: a CPU that computes (nothing to overlap with; a VAE, which dmap places whole, offloaded is
+computed there, so a decode, tiled or not, never streams),
 an execution device that is not CUDA (mps: no second stream dmap drives), blocks on disk (read from the checkpoint
 on each use, no pinned copy), and a prefetched block that does not fit beside the running one.
 """
@@ -43,7 +44,8 @@ def offload_choice(spec, placed, stages, capacities: dict) -> dict:
         return {"mode": SYNCHRONOUS, "reason": reason, "prefetch_bytes": 0, "pinned_bytes": 0}
 
     if execution in ("cpu", "disk"):
-        return synchronous("the cpu computes it: there is no copy to overlap with its compute")
+        whole = "" if getattr(spec, "splittable", True) else "dmap places it whole (a VAE is never split, tiled or not), so "
+        return synchronous(f"{whole}the cpu computes it: there is no copy to overlap with its compute")
     if not execution.isdigit():
         return synchronous(f"its execution device is {execution}: dmap prefetches on a second CUDA stream only")
     if not cpu_blocks:

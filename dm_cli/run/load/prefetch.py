@@ -6,7 +6,7 @@ accelerate's offload hooks (loading.py `_dispatch`) still put each layer's weigh
 drop them after; what changes is the mapping they read. `PrefetchedWeights` hands them the copy already on the
 execution device where one was prefetched, else the host copy, which they copy in turn as before. The host copies
 are the cpu blocks' weights read and cast once at load, pinned where CUDA runs (a copy from pageable memory cannot
-overlap). A forward pre-hook on each of those blocks takes its copies (the compute stream waits for their event; each
+overlap; a GGUF single file's parameters pinned as they are, their quant type kept: `pinned`). A forward pre-hook on each of those blocks takes its copies (the compute stream waits for their event; each
 is recorded on the compute stream, so the allocator does not hand its memory to the next copy while a kernel still
 reads it) and starts the next block's; the component's own pre-hook starts the first, which then crosses while the
 modules before it compute. At most two blocks are on the device at once: the running one and the prefetched one,
@@ -40,8 +40,7 @@ class PrefetchedWeights:
         for _, names in blocks:
             for name in names:
                 value = base[name]
-                pinnable = cuda and type(value) in (torch.Tensor, torch.nn.Parameter)  # a GGUF tensor keeps its type
-                self._host[name] = value.pin_memory() if pinnable else value
+                self._host[name] = pinned(value) if cuda and isinstance(value, torch.Tensor) else value
         self.order = [key for key, _ in blocks]
         self._names = [names for _, names in blocks]
         self._ready: dict[int, tuple] = {}  # block index -> (event or None, {name: copy on the device})
@@ -105,6 +104,22 @@ class PrefetchedWeights:
         self._ready.clear()
         self._current = {}
         self._host = {}
+
+
+def pinned(value):
+    """`value` in page-locked RAM (a copy from pageable memory cannot overlap compute). A GGUF parameter comes back
+    of its own class with its quant type (its `__torch_function__` rewraps what `pin_memory` returns); another
+    tensor subclass that would not, or cannot be pinned, is kept as it is and copied from pageable memory."""
+    import torch  # lazy: torch (heavy, off start-up)
+
+    if type(value) in (torch.Tensor, torch.nn.Parameter):
+        return value.pin_memory()
+    try:
+        copy = value.pin_memory()
+    except (RuntimeError, TypeError, NotImplementedError):
+        return value
+    same = type(copy) is type(value) and getattr(copy, "quant_type", None) == getattr(value, "quant_type", None)
+    return copy if same else value
 
 
 def prefetched_weights(model, device_map: dict, base, device) -> PrefetchedWeights | None:
