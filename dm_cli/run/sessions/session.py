@@ -18,7 +18,7 @@ from dm_cli.families.calls import TensorSpec
 from dm_cli.inputs import InputSpec, check_count, check_text
 from dm_cli.model.lora import chosen_loras
 from dm_cli.model.single_file_weights import component_files_metadata
-from dm_cli.run.checks import check_seed
+from dm_cli.run.entry_checks import check_seed
 from dm_cli.run.hooks.compile import CompileHook, CompileMode
 from dm_cli.run.loops.stages import StageLoop, fused_loras
 from dm_cli.run.ranks.parallel import ParallelStageLoop

@@ -38,8 +38,8 @@ from dm_cli.model.single_file_weights import component_files_metadata
 from dm_cli.planning.make import launch_warning
 from dm_cli.planning.modes import Layout, Mode, Strategy, Word
 from dm_cli.planning.placement.lora_sizing import lora_targets
-from dm_cli.run.checks import check_seed
 from dm_cli.run.distributed import Ranks
+from dm_cli.run.entry_checks import check_seed
 from dm_cli.run.hooks.compile import compile_choice
 from dm_cli.run.ranks.parallel import check_rank_count, checked_pipeline, cpu_ranks, pipelined, step_sharing
 from dm_cli.run.request import inputs_from_plan, plan_digest, prediction_at, run_inputs
