@@ -100,7 +100,7 @@ def step_sharing(choice: str | None, plan, source, family, generation,
         return None, ()
     if choice not in Parallel.words():
         raise UsageError(f"--parallel must be {', '.join(Parallel.words()[:-1])} or auto, not {choice!r}.")
-    if choice == "pipeline":
+    if choice == Parallel.PIPELINE:
         return StepSharing("pipeline", 1, 1, ranks), ()
     if ranks.world_size == 1:
         raise UsageError(f"--parallel {choice} shares each step among torchrun ranks and this is one process: {LAUNCH}.")
