@@ -47,7 +47,7 @@ from dm_cli.run.hooks.step_cache import agree_across
 from dm_cli.run.loops.main_rank import MainRankRunners, on_this_rank
 from dm_cli.run.loops.stages import StageLoop
 from dm_cli.run.ranks.pipeline import pipeline_refusal, plan_slices
-from dm_cli.run.request import run_inputs, visible_gpus
+from dm_cli.run.request import parallel_choice, run_inputs, visible_gpus
 
 LAUNCH = ("launch it with torchrun --nproc-per-node N (N = 2 for cfg, the Ulysses degree for context, the plan's GPUs "
           "for pipeline)")
@@ -57,11 +57,15 @@ LAUNCH = ("launch it with torchrun --nproc-per-node N (N = 2 for cfg, the Ulysse
 class StepSharing:
     """How this torchrun launch shares each denoising step: layout, degrees, and where this rank stands."""
 
-    layout: str  # cfg, context, cfg+context or pipeline (dm_cli.run.ranks.pipeline)
+    layout: Layout  # cfg, context, cfg+context or pipeline (dm_cli.run.ranks.pipeline)
     cfg: int
     ulysses: int
     ranks: Ranks
     guidance: str = ""  # "batch" or "separate" (cfg): how the pipeline runs its two branches
+
+    def __post_init__(self) -> None:
+        """The layout as its member, whoever made the sharing (a candidate's word, a test's)."""
+        object.__setattr__(self, "layout", Layout(self.layout))
 
     @property
     def branch(self) -> int:
@@ -81,7 +85,7 @@ class StepSharing:
 # --- settling the choice ------------------------------------------------------------------------------
 
 
-def step_sharing(choice: str | None, plan, source, family, generation,
+def step_sharing(choice: Parallel | str | None, plan, source, family, generation,
                  ranks: Ranks | None = None) -> tuple[StepSharing | None, tuple[str, ...]]:
     """The sharing this run uses and what to tell the user of it: `choice` (--parallel; None: follow the plan file's
     `parallel` when torchrun started as many ranks as it records), or None for one process per image; `source`,
@@ -95,13 +99,12 @@ def step_sharing(choice: str | None, plan, source, family, generation,
                           "this is one process, so it runs the single-process placement: launch with torchrun "
                           f"--nproc-per-node {recorded.world_size} to share.",)
         check_rank_count(recorded, ranks)
-        choice = Layout(recorded.layout).choice.value
+        choice = Layout(recorded.layout).choice
+    choice = parallel_choice(choice)
     if choice in (None, Parallel.NONE):
         return None, ()
-    if choice not in Parallel.words():
-        raise UsageError(f"--parallel must be {', '.join(Parallel.words()[:-1])} or auto, not {choice!r}.")
-    if choice == Parallel.PIPELINE:
-        return StepSharing("pipeline", 1, 1, ranks), ()
+    if choice is Parallel.PIPELINE:
+        return StepSharing(Layout.PIPELINE, 1, 1, ranks), ()
     if ranks.world_size == 1:
         raise UsageError(f"--parallel {choice} shares each step among torchrun ranks and this is one process: {LAUNCH}.")
     layout, guidance = _layout(choice, ranks.world_size, source, family, generation)
@@ -153,7 +156,7 @@ def checked_pipeline(plan, family, generation, ranks: Ranks) -> tuple[StepSharin
     problem = pipeline_refusal(family, generation, plan, ranks.world_size)
     if problem:
         raise UsageError(problem)
-    sharing = StepSharing("pipeline", 1, 1, ranks)
+    sharing = StepSharing(Layout.PIPELINE, 1, 1, ranks)
     if plan is None:
         return sharing, ()
     slices = plan_slices(plan, family.denoiser, ranks.world_size)

@@ -36,7 +36,7 @@ from dm_cli.io.video import names_folder
 from dm_cli.model.formats.weight_formats import int8_offload_problem
 from dm_cli.model.single_file_weights import component_files_metadata
 from dm_cli.planning.make import launch_warning
-from dm_cli.planning.modes import Layout, Mode, Strategy, Word
+from dm_cli.planning.modes import Layout, Mode, Parallel, Strategy, Word
 from dm_cli.planning.placement.lora_sizing import lora_targets
 from dm_cli.run.distributed import Ranks
 from dm_cli.run.entry_checks import check_seed
@@ -138,7 +138,7 @@ def refuse_single_only(fields: dict) -> None:
             or fields["track_activations"]):
         raise UsageError("--save-latents, --frames, --fps, --guidance-scale-2 and --track-activations are for one "
                          "prompt, not --prompts.")
-    if fields["parallel"] not in (None, "none", "pipeline"):
+    if fields["parallel"] not in (None, Parallel.NONE, Parallel.PIPELINE):
         raise UsageError("--parallel shares one image's steps among the torchrun ranks; with --prompts the ranks "
                          "already share the queue (one prompt each at a time): drop --parallel, or give --parallel "
                          "pipeline to cut the denoiser among them.")
@@ -319,7 +319,7 @@ def _run_warnings(plan: Plan) -> list[str]:
     return [warning for warning in plan.warnings if warning != launch_warning(layout)]
 
 
-def queue_parallel(plan: Plan | None, ranks) -> str:
+def queue_parallel(plan: Plan | None, ranks) -> Parallel:
     """A queue's --parallel when none is given: "pipeline" when the plan file records a pipeline layout for as many
     torchrun ranks as this launch has (they then hold slices of one denoiser and every prompt passes through all of
     them), else "none" (each rank takes its own prompts; one process runs the plan's single-process placement). A
@@ -328,7 +328,7 @@ def queue_parallel(plan: Plan | None, ranks) -> str:
     recorded = getattr(plan, "parallel", None)
     if recorded is not None and recorded.layout == Layout.PIPELINE:
         check_rank_count(recorded, ranks)
-    return "pipeline" if plan is not None and pipelined(None, plan, ranks) else "none"
+    return Parallel.PIPELINE if plan is not None and pipelined(None, plan, ranks) else Parallel.NONE
 
 
 def _checked_weights(source: Source, status) -> dict:
