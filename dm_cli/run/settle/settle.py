@@ -129,16 +129,16 @@ def check_options(dtype: str | None, *, steps, num_images, height, width, max_se
         parse_dtype(dtype)
 
 
-def refuse_single_only(fields: dict) -> None:
+def refuse_single_only(*, num_images: int | None, save_latents: str | None, frames: int | None, fps: int | None,
+                       settings: dict, track_activations: bool, parallel: Parallel | None) -> None:
     """Options that only make sense for one prompt, refused with --prompts rather than silently ignored (a queue's
     --parallel left unset is chosen by `settle`, from the plan file it reads)."""
-    if fields["num_images"] not in (None, 1):
+    if num_images not in (None, 1):
         raise UsageError("--num-images is for one prompt: with --prompts, repeat a line with another seed instead.")
-    if (fields["save_latents"] or fields["num_frames"] or fields["fps"] or "guidance_scale_2" in fields["settings"]
-            or fields["track_activations"]):
+    if save_latents or frames or fps or "guidance_scale_2" in settings or track_activations:
         raise UsageError("--save-latents, --frames, --fps, --guidance-scale-2 and --track-activations are for one "
                          "prompt, not --prompts.")
-    if fields["parallel"] not in (None, Parallel.NONE, Parallel.PIPELINE):
+    if parallel not in (None, Parallel.NONE, Parallel.PIPELINE):
         raise UsageError("--parallel shares one image's steps among the torchrun ranks; with --prompts the ranks "
                          "already share the queue (one prompt each at a time): drop --parallel, or give --parallel "
                          "pipeline to cut the denoiser among them.")
