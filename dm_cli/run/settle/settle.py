@@ -16,7 +16,7 @@ The order, the same for every entry (where two checks could fire, the earlier on
 3. `check_run_request`: the seed, the outputs and the plan file (`dmap run --prompt`, before anything is loaded;
    the plan it reads is handed to `settle`, which does not read it again);
 4. `settle`: --dtype, the plan file (read once), SOURCE, the devices of a given plan, the generation, the outputs
-   as settled, the plan against the run, its step cache; how ranks share each step (the queue's choice included);
+   as settled, the plan against the run, its step cache; how ranks share each step (a queue's and a server's defaults included);
    the weights' files; the tiled decode; the plan made here and its devices; int8 placements; a queue's videos.
 """
 
@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here w
 
 
 class Entry(Word):
-    """Who asked for the run: it decides the defaults that differ between them (a queue's --parallel)."""
+    """Who asked for the run: it decides the defaults that differ between them (a queue's and a server's --parallel)."""
 
     SINGLE = "single"  # dmap run --prompt (dm_cli.run.sessions.single)
     QUEUE = "queue"  # dmap run --prompts (dm_cli.run.sessions.queue_runner)
@@ -96,7 +96,6 @@ class SettledRun:
     demo: bool
     generation: Generation  # settled: every default filled in, its LoRAs' targets, the plan's step cache
     defaults: Job  # the job each prompt starts from
-    fps: int | None  # video families
     plan: Plan  # the plan file's, the given one, or the one made here
     plan_digest: str
     planned_here: bool
@@ -113,6 +112,11 @@ class SettledRun:
     @property
     def pipelined(self) -> bool:
         return self.loop is Loop.PIPELINE
+
+    @property
+    def fps(self) -> int | None:
+        """The settled generation's frame rate, for video families (None for images)."""
+        return self.generation.fps if self.generation.num_frames else None
 
 
 # --- 1-3: what `dmap run` refuses before it reads a request -------------------------------------------------
@@ -203,6 +207,8 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
         plan = _load_plan(request.plan_file)
     if entry is Entry.QUEUE and request.parallel is None:  # a queue's ranks take prompts, not steps
         request = replace(request, parallel=queue_parallel(plan, ranks))
+    if entry is Entry.SERVE and request.parallel is None:  # a server's ranks run a session each, unless --parallel
+        request = replace(request, parallel=Parallel.NONE)
     generation, job, plan = _generation(request, plan, source, family, defaults, source_from_plan)
     # torchrun ranks sharing each step (--parallel, or the plan file's `parallel`): refused (one sentence) before
     # anything is imported or planned
@@ -224,7 +230,7 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
     compiled, eager = compile_choice(request.compile, request, plan, family, sharing)
     notices += [eager] if eager else []
     return SettledRun(request=request, entry=entry, source=source, family=family, demo=demo, generation=generation,
-                      defaults=job, fps=generation.fps if generation.num_frames else None, plan=plan,
+                      defaults=job, plan=plan,
                       plan_digest=plan_digest(plan), planned_here=planned_here, source_from_plan=source_from_plan,
                       where=_where(request), sharing=sharing, loop=_loop(plan, sharing),
                       staged=plan.mode != Mode.RESIDENT, is_main=sharing is None or sharing.is_main,
