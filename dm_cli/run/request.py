@@ -194,7 +194,7 @@ def plan_digest(plan: Plan) -> str:
 
 def cpu_rank_devices(world_size: int) -> str:
     """Pipeline ranks on a machine without GPUs: each rank's CPU stands for GPU r (as the run places them,
-    `dm_cli.run.ranks.parallel.cpu_ranks`), with an equal share of the available RAM."""
+    `dm_cli.run.settle.layout.cpu_ranks`), with an equal share of the available RAM."""
     from dm_cli.planning.placement.budgets import available_ram  # lazy: looked up per call (tests patch available_ram)
 
     share = available_ram() // world_size

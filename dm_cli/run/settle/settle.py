@@ -41,7 +41,6 @@ from dm_cli.planning.placement.lora_sizing import lora_targets
 from dm_cli.run.distributed import Ranks
 from dm_cli.run.entry_checks import check_seed
 from dm_cli.run.hooks.compile import compile_choice
-from dm_cli.run.ranks.parallel import check_rank_count, checked_pipeline, cpu_ranks, pipelined, step_sharing
 from dm_cli.run.request import inputs_from_plan, plan_digest, prediction_at, run_inputs
 from dm_cli.run.settle import checks  # the module: tests patch make_run_plan, count check_devices_present's calls
 from dm_cli.run.settle.checks import (
@@ -53,6 +52,7 @@ from dm_cli.run.settle.checks import (
     settle_generation,
     source_of_plan,
 )
+from dm_cli.run.settle.layout import checked_pipeline, cpu_ranks, queue_parallel, step_sharing
 from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
@@ -323,18 +323,6 @@ def _run_warnings(plan: Plan) -> list[str]:
     if layout is None or Ranks.from_env().world_size != layout.world_size:
         return list(plan.warnings)
     return [warning for warning in plan.warnings if warning != launch_warning(layout)]
-
-
-def queue_parallel(plan: Plan | None, ranks) -> Parallel:
-    """A queue's --parallel when none is given: "pipeline" when the plan file records a pipeline layout for as many
-    torchrun ranks as this launch has (they then hold slices of one denoiser and every prompt passes through all of
-    them), else "none" (each rank takes its own prompts; one process runs the plan's single-process placement). A
-    pipeline plan under torchrun with another number of ranks is refused (one sentence, on every rank, before
-    anything loads or joins), as for one prompt: its slices are cut for its own count."""
-    recorded = getattr(plan, "parallel", None)
-    if recorded is not None and recorded.layout == Layout.PIPELINE:
-        check_rank_count(recorded, ranks)
-    return Parallel.PIPELINE if plan is not None and pipelined(None, plan, ranks) else Parallel.NONE
 
 
 def _checked_weights(source: Source, status) -> dict:
