@@ -221,7 +221,7 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
     notices = [*notices, *shared]
     largest = _checked_weights(source, status)
     planned_here = plan is None
-    plan = _final_plan(request, plan, source, family, generation, status, on_plan)
+    plan = _final_plan(request, plan, source, family, generation, sharing, status, on_plan)
     if pipeline and planned_here:
         sharing, shared = checked_pipeline(plan, family, generation, sharing.ranks)
         notices += shared
@@ -289,7 +289,7 @@ def _generation(request: RunRequest, plan: Plan | None, source: Source, family: 
 
 
 def _final_plan(request: RunRequest, plan: Plan | None, source: Source, family: Family, generation: Generation,
-                status, on_plan) -> Plan:
+                sharing: StepSharing | None, status, on_plan) -> Plan:
     """The libraries imported; a given plan's tiled decode checked, or the plan made here and its devices; shown
     (`on_plan`); int8 placements refused (unless simulated)."""
     from dm_cli.model.models import quiet_libraries  # lazy: looked up per call (tests patch quiet_libraries)
@@ -300,7 +300,7 @@ def _final_plan(request: RunRequest, plan: Plan | None, source: Source, family: 
     planned_here = plan is None
     if planned_here:
         status(f"Planning {source.spec} (meta-device traces are cached after the first run)…")
-        plan = checks.make_run_plan(source, request, generation, family)
+        plan = checks.make_run_plan(source, request, generation, family, sharing)
     else:
         check_tiled_decode(plan, source, _where(request))
     status(None)
