@@ -40,25 +40,32 @@ def run(
 ) -> int:
     _refuse_early(ctx, prompt, prompts, dtype, steps=steps, num_images=num_images, height=height, width=width,
                   max_sequence_length=max_sequence_length, frames=frames, fps=fps)
-    # the RunRequest's fields but its output, which differs between one prompt and a queue
-    fields = {
-        "source": source, "prompt": prompt or "", "negative_prompt": negative_prompt, "device_map": device_map,
-        "max_memory": max_memory, "overhead": overhead, "mode": mode, "steps": steps,
-        "guidance_scale": guidance_scale, "seed": seed, "height": height, "width": width, "num_images": num_images,
-        "max_sequence_length": max_sequence_length, "num_frames": frames, "fps": fps, "save_latents": save_latents,
-        "dtype": dtype, "simulate": simulate, "overwrite": overwrite, "track_activations": track_activations,
-        "weights": weights, "images": image or None, "last_image": last_image, "parallel": parallel, "pipeline": pipeline,
-        "component_files": component_file or None, "loras": lora or None, "cache": cache,
-        "compile": str(compile),
-        "settings": dict(settings or {}),
-    }
-    if prompts is not None:
-        refuse_single_only(fields)
-        queue = QueueRequest(prompts=prompts, run=_request(fields, output=None, per_prompt_images=True), output_dir=output or "dmap-out",
-                             resume=resume and not overwrite, chunk_size=chunk_size, chunk_memory=chunk_memory,
-                             gpus_per_rank=gpus_per_rank)
-        return _run_queue(queue, as_json, quiet, binary)
-    return _run_one(fields, output, gpus_per_rank, as_json, quiet, binary)
+
+    # the checks before the request is made (`RunRequest.of` reads the images and LoRAs), in settle's order
+    queue, plan = prompts is not None, None
+    if queue:
+        refuse_single_only(num_images=num_images, save_latents=save_latents, frames=frames, fps=fps,
+                           settings=settings or {}, track_activations=track_activations, parallel=parallel)
+    else:
+        if gpus_per_rank is not None:  # this rank's GPUs chosen before anything is checked or loaded
+            select_gpus(Ranks.from_env(), gpus_per_rank)
+        output = output or "dmap.png"  # the outputs checked before anything is loaded; the plan file read here, once
+        plan = check_run_request(output, save_latents, num_images, seed, device_map)
+    # one RunRequest for one prompt and for a queue alike (a queue's items may bring their images; its output unused)
+    request = RunRequest.of(
+        source, prompt or "", device_map=device_map, settings=dict(settings or {}), seed=seed,
+        negative_prompt=negative_prompt, max_memory=max_memory, overhead=overhead, mode=mode, steps=steps,
+        guidance_scale=guidance_scale, height=height, width=width, num_images=num_images,
+        max_sequence_length=max_sequence_length, num_frames=frames, fps=fps, save_latents=save_latents, dtype=dtype,
+        simulate=simulate, overwrite=overwrite, track_activations=track_activations, weights=weights,
+        images=image or None, last_image=last_image, parallel=parallel, pipeline=pipeline,
+        component_files=component_file or None, loras=lora or None, cache=cache, compile=compile,
+        output=None if queue else output, per_prompt_images=queue)
+    if queue:
+        return _run_queue(QueueRequest(prompts=prompts, run=request, output_dir=output or "dmap-out",
+                                       resume=resume and not overwrite, chunk_size=chunk_size,
+                                       chunk_memory=chunk_memory, gpus_per_rank=gpus_per_rank), as_json, quiet, binary)
+    return _run_one(request, plan, as_json, quiet, binary)
 
 
 def _refuse_early(ctx, prompt, prompts, dtype, *, steps, num_images, height, width, max_sequence_length, frames,
@@ -73,23 +80,10 @@ def _refuse_early(ctx, prompt, prompts, dtype, *, steps, num_images, height, wid
                   max_sequence_length=max_sequence_length, frames=frames, fps=fps)
 
 
-def _request(fields: dict, output: str | None, per_prompt_images: bool = False):
-    """The run options, one RunRequest for one prompt and for a queue alike (whose items may bring their images)."""
-    return RunRequest.of(**fields, output=output, per_prompt_images=per_prompt_images)
-
-
-def _run_one(fields: dict, output: str | None, gpus_per_rank: int | None, as_json: bool, quiet: bool,
-             binary: bool) -> int:
-    """One prompt: the GPUs of this rank chosen and the outputs checked before anything is loaded, then
-    the run, printed as JSON or drawn live by the renderer."""
-    if gpus_per_rank is not None:
-        select_gpus(Ranks.from_env(), gpus_per_rank)
-
-    plan = check_run_request(output or "dmap.png", fields["save_latents"], fields["num_images"], fields["seed"],
-                             fields["device_map"])  # before anything is loaded; the plan file read here, once
+def _run_one(request: RunRequest, plan, as_json: bool, quiet: bool, binary: bool) -> int:
+    """One prompt, its outputs checked and its plan file read: the run, printed as JSON or drawn live by the
+    renderer."""
     from dm_cli.run.sessions.single import run as run_pipeline  # lazy: looked up per call (tests patch run)
-
-    request = _request(fields, output=output or "dmap.png")
 
     if not Ranks.from_env().is_main:  # torchrun's other ranks (sharing each step: rank 0 writes) report nothing
         run_pipeline(request, plan=plan)

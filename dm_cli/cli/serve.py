@@ -39,7 +39,7 @@ def serve(
     run = RunRequest.of(source, "", device_map=device_map, max_memory=max_memory, mode=mode, overhead=overhead,
                         steps=steps, guidance_scale=guidance_scale, negative_prompt=negative_prompt, height=height,
                         width=width, max_sequence_length=max_sequence_length, num_frames=frames, fps=fps, dtype=dtype,
-                        weights=weights, simulate=simulate, parallel=parallel or "none", pipeline=pipeline,
+                        weights=weights, simulate=simulate, parallel=parallel, pipeline=pipeline,
                         component_files=component_file or None, loras=lora or None, cache=cache, compile=str(compile),
                         settings=dict(settings or {}),
                         output=None, per_prompt_images=True)

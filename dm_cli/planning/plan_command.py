@@ -6,6 +6,8 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING
 
+from dm_cli.planning.modes import Layout
+
 if TYPE_CHECKING:  # the noun, for annotations only
     from dm_cli.planning.plan_file import Plan
 
@@ -50,9 +52,9 @@ def _parallel(plan: Plan) -> list[str]:
     layout = plan.parallel
     if layout is None:
         return []
-    flags = ["--world-size", str(layout.world_size), "--parallel", "none" if layout.layout == "split" else layout.layout,
+    flags = ["--world-size", str(layout.world_size), "--parallel", "none" if layout.layout == Layout.SPLIT else layout.layout,
              "--device-tflops", f"{layout.device_tflops:g}", "--link-gbps", f"{layout.link_gbps:g}"]
-    if layout.layout == "pipeline" and layout.in_flight:
+    if layout.layout == Layout.PIPELINE and layout.in_flight:
         flags += ["--in-flight", str(layout.in_flight)]
     return flags
 

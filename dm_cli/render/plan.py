@@ -8,6 +8,7 @@ from pathlib import Path
 from dm_cli.devices import device_label, device_rank
 from dm_cli.io.input_images import shown_path
 from dm_cli.model.sources import PRESETS
+from dm_cli.planning.modes import Layout
 from dm_cli.planning.placement.blocks import clean_device_map
 from dm_cli.planning.plan_command import lora_flags
 from dm_cli.render import Col, console, print_hidden, print_table
@@ -248,7 +249,7 @@ def _print_parallel(out, layout, size, hidden: list, dtype: str = "", timed: boo
     rows = [[str(rank), f"GPU {rank}", size(peak)] for rank, peak in sorted(layout.per_rank_peak_bytes.items(),
                                                                             key=lambda item: int(item[0]))]
     columns = [Col("rank"), Col("device"), Col("peak", number=True)]
-    pipeline = layout.layout == "pipeline"
+    pipeline = layout.layout == Layout.PIPELINE
     if pipeline:  # each rank's slice of the denoiser's blocks: first … last (how many)
         title = (f"Parallel: {layout.title}, world size {layout.world_size}, {layout.in_flight} queue prompts in "
                  "flight (--in-flight)")
@@ -264,7 +265,7 @@ def _print_parallel(out, layout, size, hidden: list, dtype: str = "", timed: boo
     out.print(title)
     print_table(out, "Peak per rank", columns, rows, hidden, label="Peak per rank")
     for name, seconds in ({} if timed else layout.predicted_step_s).items():
-        unit = " per image-step in a queue" if name == "pipeline" else " per step"
+        unit = " per image-step in a queue" if name == Layout.PIPELINE else " per step"
         # the plan keeps 4 decimals: a tiny model's step rounds to 0, which is not a prediction of no time
         shown = "under 0.1 ms" if seconds < 1e-4 else f"{seconds:.3g} s"
         out.print(f"  {name}: predicted {shown}{unit}" + (" (chosen)" if name == layout.layout else ""))
@@ -319,7 +320,7 @@ def _print_predicted_time(out, predicted: dict, plan=None, run: bool = False) ->
         out.print(f"Predicted denoise time for {what}{at}" + (f" and a queue of {queue} (--queue)" if not run else "")
                   + (f"; one step in one process: {shown}" if shown else "") + ":")
         for name, times in layouts.items():
-            unit = "per image-step in a queue" if name == "pipeline" else "per step"
+            unit = "per image-step in a queue" if name == Layout.PIPELINE else "per step"
             out.print(f"  {name}{' (chosen)' if name == chosen else ''}: {_seconds(times['step_s'])} {unit}, "
                       f"{_seconds(times['image_s'])} per image, {_seconds(times['queue_s'])} per queue")
     else:

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+from dm_cli.planning.modes import Mode
 from dm_cli.render import console, plain
 from dm_cli.render.run import RunView, step_cache_summary
 from dm_cli.run.distributed import Ranks
@@ -190,7 +191,7 @@ class QueueView(RunView):
         for index, why in sorted(result.redone.items()):
             self._say(f"Item {index}: the existing file is {why}: generating it again")
         todo = result.mine - len(result.skipped)
-        if todo and result.mode != "resident":
+        if todo and result.mode != Mode.RESIDENT:
             size = lambda n: format_size(n, binary=self.binary)  # noqa: E731
             how = ("--chunk-size" if result.chunk_size_given else
                    f"{size(result.bytes_per_item)} of embeddings and latents per item, budget {size(result.chunk_budget)}; "
@@ -219,7 +220,7 @@ class QueueView(RunView):
             self._say(cache)
         loads = stage_summary(result.stages)
         if loads:
-            per = "once per chunk" if result.mode != "resident" else "once for the whole queue"
+            per = "once per chunk" if result.mode != Mode.RESIDENT else "once for the whole queue"
             self._say(f"Each stage loads its components {per}: {loads}")
         if result.manifest:
             self._say(f"Wrote {result.manifest}")

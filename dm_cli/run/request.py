@@ -26,7 +26,7 @@ from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec, chec
 from dm_cli.io.checkpoint import open_checkpoint
 from dm_cli.io.input_images import describe_image, split_keyframe
 from dm_cli.model.lora import read_loras
-from dm_cli.planning.modes import Strategy
+from dm_cli.planning.modes import Parallel, Strategy
 from dm_cli.planning.step_cache import parse_cache
 from dm_cli.run.hooks.compile import parse_compile
 
@@ -74,7 +74,7 @@ class RunRequest:
     # needs one checks each prompt's, not the session's default generation
     per_prompt_images: bool = False
     # --parallel (dm_cli.run.ranks.parallel): how torchrun ranks share each step; None follows the plan file's `parallel`
-    parallel: str | None = None
+    parallel: Parallel | None = None
     pipeline: str | None = None  # --pipeline: SOURCE is a single file, the rest of the pipeline comes from here
     component_files: dict | None = None  # --component-file NAME=FILE: these components from these single files
     cache_off: bool = False  # --cache none: a plan file's step cache is switched off (check_plan_cache)
@@ -83,8 +83,10 @@ class RunRequest:
     queue: int = 1  # the prompts this run generates (a queue's items): the predicted time is for them
 
     def __post_init__(self) -> None:
-        """The prompt is text the tokenizer takes (the check queue items and `dmap serve` share), before SOURCE."""
+        """The prompt is text the tokenizer takes (the check queue items and `dmap serve` share), before SOURCE;
+        --parallel's word becomes its member here, at the door, so that the checks inside compare members."""
         check_text(self.prompt, "--prompt")
+        self.parallel = parallel_choice(self.parallel)
 
     @classmethod
     def of(cls, source: str | None, prompt: str, *, device_map: str = "auto", settings: dict | None = None,
@@ -112,6 +114,16 @@ class RunRequest:
     @property
     def negative_prompt(self) -> str | None:
         return self.generation.negative_prompt
+
+
+def parallel_choice(word: str | None) -> Parallel | None:
+    """--parallel's word (the CLI's parser, the API's `parallel=`, a queue's choice) as its member; a word that is
+    none of them refused in one sentence, as the CLI's parser words it."""
+    if word is None or isinstance(word, Parallel):
+        return word
+    if word not in Parallel.words():
+        raise UsageError(f"--parallel must be {', '.join(Parallel.words()[:-1])} or auto, not {word!r}.")
+    return Parallel(word)
 
 
 def input_images(values, where: str = "--image") -> tuple[InputImage, ...]:
@@ -182,7 +194,7 @@ def plan_digest(plan: Plan) -> str:
 
 def cpu_rank_devices(world_size: int) -> str:
     """Pipeline ranks on a machine without GPUs: each rank's CPU stands for GPU r (as the run places them,
-    `dm_cli.run.ranks.parallel.cpu_ranks`), with an equal share of the available RAM."""
+    `dm_cli.run.settle.layout.cpu_ranks`), with an equal share of the available RAM."""
     from dm_cli.planning.placement.budgets import available_ram  # lazy: looked up per call (tests patch available_ram)
 
     share = available_ram() // world_size

@@ -26,7 +26,7 @@ from dm_cli.errors import UsageError
 from dm_cli.families import all_settings
 from dm_cli.io.images import check_metadata_room
 from dm_cli.io.input_images import describe_bytes
-from dm_cli.run.checks import check_seed, load_json
+from dm_cli.run.entry_checks import check_seed, load_json
 from dm_cli.run.sessions.queue import QueueItem, default_output_name, queue_item
 
 MAX_N = 10  # images per request, as OpenAI's images API

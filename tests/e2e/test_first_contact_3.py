@@ -181,6 +181,9 @@ def test_a_tiny_plan_does_not_predict_zero_seconds(tmp_path):
 def test_a_plan_made_under_torchrun_does_not_advise_launching_torchrun(tmp_path, monkeypatch):
     from dm_cli.model.demo import write_random_pipeline
     from dm_cli.model.sources import PRESETS_DIR
+    from dm_cli.planning.modes import Layout
+    from dm_cli.run.distributed import Ranks
+    from dm_cli.run.ranks.parallel import StepSharing
     from dm_cli.run.request import RunRequest
     from dm_cli.run.settle.checks import make_run_plan, prepare, settle_generation
 
@@ -191,7 +194,7 @@ def test_a_plan_made_under_torchrun_does_not_advise_launching_torchrun(tmp_path,
     request = RunRequest.of(str(folder), "fox", parallel="pipeline", height=64, width=64, max_memory="0=4GB,1=4GB")
     source, family, _, defaults, _ = prepare(request)
     generation = settle_generation(request.generation, source, family, defaults, False)
-    plan = make_run_plan(source, request, generation, family)
+    plan = make_run_plan(source, request, generation, family, StepSharing(Layout.PIPELINE, 1, 1, Ranks.from_env()))
     assert plan.parallel.layout == "pipeline"
     assert not any("run it with torchrun" in warning for warning in plan.warnings), plan.warnings
     code, out, err = run_dmap("plan", folder, "-m", "0=4GB,1=4GB", "--world-size", "2", "--parallel", "pipeline",

@@ -218,7 +218,7 @@ def test_9_negative_seeds_are_refused(monkeypatch, tmp_path, seed):
 
 
 def test_9_the_largest_seed_is_still_accepted():
-    from dm_cli.run.checks import check_seed
+    from dm_cli.run.entry_checks import check_seed
 
     assert check_seed(2**64 - 1, "--seed") == 2**64 - 1
     assert check_seed(0, "--seed") == 0

@@ -295,7 +295,7 @@ def test_parallel_refusals_are_one_sentence(folders, tmp_path):
 def test_layouts_a_pipeline_cannot_run_are_refused_before_loading(folders, preset, choice, message):
     from dm_cli.errors import UsageError
     from dm_cli.run.distributed import Ranks
-    from dm_cli.run.ranks.parallel import step_sharing
+    from dm_cli.run.settle.layout import step_sharing
 
     run = _settled(folders[preset])
     with pytest.raises(UsageError, match=message):
@@ -314,7 +314,7 @@ def test_a_plans_parallel_is_followed_only_with_its_world_size(folders):
 
     from dm_cli.errors import UsageError
     from dm_cli.run.distributed import Ranks
-    from dm_cli.run.ranks.parallel import step_sharing
+    from dm_cli.run.settle.layout import step_sharing
 
     run = _settled(folders["tiny-sdxl"])
     plan = SimpleNamespace(parallel=SimpleNamespace(layout="cfg", world_size=2, title="CFG-parallel (2 branches)"))

@@ -106,7 +106,7 @@ def test_a_pipelines_refusal_runs_once_for_a_plan_made_here_as_for_a_plan_file(w
     for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "CUDA_VISIBLE_DEVICES": ""}.items():
         monkeypatch.setenv(name, value)
-    refusals = _counted(monkeypatch, "dm_cli.run.ranks.parallel", "pipeline_refusal")
+    refusals = _counted(monkeypatch, "dm_cli.run.settle.layout", "pipeline_refusal")
     placement = {"device_map": "p.json"} if plan_file else {"max_memory": "0=1GB,1=1GB"}
     settled = settle(RunRequest.of("./flux", "a fox", height=64, width=64, steps=1, parallel="pipeline", **placement))
     assert settled.pipelined and len(refusals) == 1

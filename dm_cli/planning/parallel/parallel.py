@@ -130,7 +130,7 @@ class ParallelRequest:
             if isinstance(in_flight, bool) or not isinstance(in_flight, int) or not 1 <= in_flight <= MAX_IN_FLIGHT:
                 raise UsageError(f"--in-flight must be a whole number from 1 to {MAX_IN_FLIGHT}, not "
                                  f"{shorten(in_flight, quote=True)}.")
-            if choice not in ("pipeline", "auto"):
+            if choice not in (Parallel.PIPELINE, Parallel.AUTO):
                 raise UsageError(f"--in-flight sets the micro-batches of --parallel pipeline, which --parallel {choice} "
                                  "does not use: drop it, or use --parallel pipeline or auto.")
         for latency in (self.link_latency_s, self.collective_latency_s):
@@ -212,11 +212,11 @@ class Candidate:
 def layout_title(layout: str, cfg: int, ulysses: int, world_size: int = 0) -> str:
     if layout == Layout.SPLIT:
         return f"device-map split over {world_size} GPUs" if world_size else "device-map split"
-    if layout == "pipeline":
+    if layout == Layout.PIPELINE:
         return f"pipeline parallel ({world_size} slices)" if world_size else "pipeline parallel"
-    if layout == "cfg":
+    if layout == Layout.CFG:
         return "CFG-parallel (2 branches)"
-    if layout == "context":
+    if layout == Layout.CONTEXT:
         return f"context parallel (Ulysses {ulysses})"
     return f"CFG-parallel 2 x context parallel (Ulysses {ulysses})"
 
@@ -262,30 +262,30 @@ def candidates(request: ParallelRequest, guidance: Guidance, shape: DenoiserShap
     world, choice = request.world_size, request.choice
     found: list[Candidate] = [Candidate(Layout.SPLIT.value)] if choice == Parallel.AUTO else []
     refused: dict[str, str] = {}
-    if choice in ("pipeline", "auto"):
+    if choice in (Parallel.PIPELINE, Parallel.AUTO):
         problem = pipeline_refusal(shape, world)
-        if problem and choice == "pipeline":
+        if problem and choice == Parallel.PIPELINE:
             raise UsageError(problem)
-        if choice == "pipeline":
+        if choice == Parallel.PIPELINE:
             return [Candidate("pipeline")], refused
     wanted = [layout.value for layout in ((Layout.CFG, Layout.CONTEXT, Layout.CFG_CONTEXT) if choice == Parallel.AUTO
                                           else (Parallel(choice).layout,))]
     for layout in wanted:
-        cfg = 2 if layout != "context" else 1
-        ulysses = world // cfg if layout != "cfg" else 1
+        cfg = 2 if layout != Layout.CONTEXT else 1
+        ulysses = world // cfg if layout != Layout.CFG else 1
         problem = None
-        if cfg * ulysses != world or (layout == "cfg+context" and ulysses < 2):
+        if cfg * ulysses != world or (layout == Layout.CFG_CONTEXT and ulysses < 2):
             problem = (f"{layout_title(layout, cfg, max(ulysses, 2))} needs a world size of "
-                       + ("2" if layout == "cfg" else "2 x the Ulysses degree (4, 6, 8, ...)") + f", not {world}.")
+                       + ("2" if layout == Layout.CFG else "2 x the Ulysses degree (4, 6, 8, ...)") + f", not {world}.")
         problem = problem or (cfg_refusal(guidance) if cfg == 2 else None) or (
             context_refusal(shape, ulysses) if ulysses > 1 else None)
-        if problem and choice != "auto":
+        if problem and choice != Parallel.AUTO:
             raise UsageError(problem)
         if problem:
             refused[layout] = problem
         else:
             found.append(Candidate(layout, cfg, ulysses))
-    if choice == "auto":
+    if choice == Parallel.AUTO:
         problem = pipeline_refusal(shape, world)
         if problem:
             refused["pipeline"] = problem
@@ -441,7 +441,7 @@ def step_seconds(cand: Candidate, shape: DenoiserShape, guidance: Guidance, load
     flops, link = step_flops(shape, load.params), request.link_gbps * 1e9
     model = request.compute
     compute = model.call_s() * shape.calls if model is not None else flops / (request.device_tflops * 1e12)
-    if cand.layout == "split":
+    if cand.layout == Layout.SPLIT:
         hidden_bytes = (shape.image_tokens + shape.text_tokens) * shape.hidden * shape.element_bytes * shape.batch
         moved = load.hops * hidden_bytes * shape.calls + load.offloaded_bytes * shape.calls
         return compute + moved / link

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from dm_cli.errors import DoesNotFitError, UsageError
-from dm_cli.planning.modes import Layout
+from dm_cli.planning.modes import Layout, Parallel
 from dm_cli.planning.parallel.parallel import (
     DEFAULT_DEVICE_TFLOPS,
     DEFAULT_LINK_GBPS,
@@ -66,7 +66,7 @@ class ParallelLayout:
                 "ring": self.ring, "per_rank_peak_bytes": dict(self.per_rank_peak_bytes),
                 "predicted_step_s": dict(self.predicted_step_s), "rejected": dict(self.rejected),
                 "reason": self.reason, "experts": self.experts, "device_tflops": self.device_tflops,
-                "link_gbps": self.link_gbps, **(pipeline if self.layout == "pipeline" else {})}
+                "link_gbps": self.link_gbps, **(pipeline if self.layout == Layout.PIPELINE else {})}
 
     @classmethod
     def from_json(cls, data) -> "ParallelLayout":
@@ -83,8 +83,8 @@ class ParallelLayout:
         ring = _whole(data.get("ring", 1), "'parallel' ring", 1, 1)
         expected = {"split": (1, 1), "cfg": (2, 1), "context": (1, world), "cfg+context": (2, world // 2),
                     "pipeline": (1, 1)}[layout]
-        if (cfg, ulysses) != expected or (layout not in ("split", "pipeline") and cfg * ulysses * ring != world) or (
-                layout == "cfg+context" and ulysses < 2):
+        if (cfg, ulysses) != expected or (layout not in (Layout.SPLIT, Layout.PIPELINE) and cfg * ulysses * ring != world) or (
+                layout == Layout.CFG_CONTEXT and ulysses < 2):
             raise ValueError(f"'parallel' {layout} with cfg {cfg} x ulysses {ulysses} x ring {ring} does not make "
                              f"world_size {world}")
         peaks = _mapping(data.get("per_rank_peak_bytes"), "'parallel' per_rank_peak_bytes")
@@ -106,7 +106,7 @@ class ParallelLayout:
                                 positive=True),
                         _number(data.get("link_gbps", DEFAULT_LINK_GBPS), "'parallel' link_gbps", positive=True))
         extra = [k for k in ("slices", "in_flight", "predicted_speedup", "speedup_basis") if k in data]
-        if layout != "pipeline":
+        if layout != Layout.PIPELINE:
             if extra:
                 raise ValueError(f"'parallel' {extra[0]} belongs to the pipeline layout, not {layout}")
             return layout_of
@@ -141,14 +141,14 @@ def choose_layout(request: ParallelRequest, guidance: Guidance, shape: DenoiserS
     fitting: list[tuple[float, Candidate, dict, bool]] = []
     piped = None
     for cand in found:
-        if cand.layout == "pipeline":
+        if cand.layout == Layout.PIPELINE:
             piped = pipeline_candidate(request, shape, load.activation_peak, ranks, cut, rejected)
             if piped is not None:  # its speed-up over its own cut's split, on the basis the other layouts share (the
                 # cut's per-slice FLOPs count the tokens each weight multiplies, step_seconds 2 x params x all tokens)
                 times["pipeline"] = figures(times["split"] * piped[1] / piped[2] if piped[2] else piped[1])
             continue
         times[cand.layout] = figures(step_seconds(cand, shape, guidance, load, request))
-        if cand.layout == "split":
+        if cand.layout == Layout.SPLIT:
             peaks = {str(i): int(load.split_peaks.get(rank.gpu, 0)) for i, rank in enumerate(ranks)}
             fitting.append((times["split"], cand, peaks, True))
             continue
@@ -163,11 +163,11 @@ def choose_layout(request: ParallelRequest, guidance: Guidance, shape: DenoiserS
             rejected[cand.layout] = (f"{cand.title} does not fit: the whole denoiser on every rank "
                                      f"({format_size(max(load.weights))} of weights per expert) plus its activations; "
                                      + "; ".join(short[:3]) + ".")
-            if request.choice != "auto":
+            if request.choice != Parallel.AUTO:
                 raise DoesNotFitError(rejected[cand.layout], {"per_rank": peaks})
             continue
         fitting.append((times[cand.layout], cand, peaks, together))
-    sharing = [item for item in fitting if item[1].layout != "split"]
+    sharing = [item for item in fitting if item[1].layout != Layout.SPLIT]
     if piped is not None and not sharing:
         return _pipeline_layout(request, piped, times, rejected)
     if piped is not None:
@@ -176,8 +176,8 @@ def choose_layout(request: ParallelRequest, guidance: Guidance, shape: DenoiserS
                                 f"every step when one fits ({', '.join(item[1].layout for item in sharing)} does here): "
                                 "they speed up one prompt as well.")
     fastest = min(fitting, key=lambda item: item[0])
-    split = next((item for item in fitting if item[1].layout == "split"), None)
-    close = request.choice == "auto" and split is not None and fastest[0] * AUTO_MARGIN > split[0]
+    split = next((item for item in fitting if item[1].layout == Layout.SPLIT), None)
+    close = request.choice == Parallel.AUTO and split is not None and fastest[0] * AUTO_MARGIN > split[0]
     best_time, best, peaks, together = split if close else fastest  # within the prediction's error: the split
     layout = ParallelLayout(request.world_size, best.layout, best.cfg, best.ulysses, 1, peaks, times, rejected,
                             experts="together" if together else "one at a time",
@@ -198,7 +198,7 @@ def pipeline_candidate(request: ParallelRequest, shape: DenoiserShape, activatio
     pipeline layout, or None with the sentence in `rejected` (auto); UsageError or DoesNotFitError when asked for."""
     if not isinstance(cut, PipelineCut):
         problem = cut or "pipeline parallel found no cut of the denoiser for these ranks."
-        if request.choice == "pipeline":
+        if request.choice == Parallel.PIPELINE:
             raise UsageError(problem)
         rejected["pipeline"] = problem
         return None
@@ -219,7 +219,7 @@ def pipeline_candidate(request: ParallelRequest, shape: DenoiserShape, activatio
                    f"{format_size(activation_peak)} of activations, {format_size(buffers)} of send and receive "
                    f"buffers for {in_flight} micro-batches in flight (--in-flight) and {format_size(rank.overhead)} of "
                    "overhead; use more ranks, fewer micro-batches in flight or a smaller size.")
-        if request.choice == "pipeline":
+        if request.choice == Parallel.PIPELINE:
             raise DoesNotFitError(problem, {"per_rank": peaks})
         rejected["pipeline"] = problem
         return None
@@ -235,7 +235,7 @@ def _pipeline_layout(request: ParallelRequest, piped, times: dict, rejected: dic
                             device_tflops=request.device_tflops, link_gbps=request.link_gbps,
                             slices={str(r): list(names) for r, names in enumerate(cut.slices)},
                             in_flight=request.planned_in_flight, predicted_speedup=speedup, speedup_basis=SPEEDUP_BASIS)
-    how = "as asked" if request.choice != "auto" else "as no layout that shares every step fits"
+    how = "as asked" if request.choice != Parallel.AUTO else "as no layout that shares every step fits"
     layout.reason = (f"{layout.title}, {how}: predicted {speedup:.2f}x the split's images per second for a queue of "
                      f"{queue} prompts or more ({seconds:.3g} s per image-step against {split:.3g} s/step for the "
                      "same cut run in one process; one prompt alone runs at the split's speed, or its two CFG calls "
@@ -246,8 +246,8 @@ def _pipeline_layout(request: ParallelRequest, piped, times: dict, rejected: dic
 
 def _reason(layout: ParallelLayout, best: float, times: dict[str, float], request: ParallelRequest) -> str:
     """One line: what was chosen, its predicted step against the split's, and the largest rank's peak."""
-    how = "as asked" if request.choice != "auto" else "the fastest layout that fits"
-    against = f" against {times['split']:.3g} s/step split" if "split" in times and layout.layout != "split" else ""
+    how = "as asked" if request.choice != Parallel.AUTO else "the fastest layout that fits"
+    against = f" against {times['split']:.3g} s/step split" if Layout.SPLIT in times and layout.layout != Layout.SPLIT else ""
     others = [f"{k} {v:.3g} s" for k, v in times.items() if k not in (layout.layout, "split", "pipeline")]
     if others:
         against += f" ({', '.join(others)})"

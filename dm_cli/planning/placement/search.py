@@ -458,12 +458,12 @@ class _ResidencySearch:
         """(cand, use) pairs a strategy proposes; use None for one that does not fit."""
         exec_order = list(self.comps)
         gpus, full = self.gpus, self.full
-        if strategy == "sequential":
+        if strategy == Strategy.SEQUENTIAL:
             return [self.refill(_FillSpec(exec_order, gpus, full, False))]
-        if strategy == "balanced":
+        if strategy == Strategy.BALANCED:
             got = self.balanced(exec_order, gpus, False)
             return [got if got else self.refill(_FillSpec(exec_order, gpus, full, False))]
-        if strategy == "balanced_low_0":
+        if strategy == Strategy.BALANCED_LOW_0:
             order = gpus[1:] + gpus[:1]
             got = self.balanced(exec_order, order, False, zero_first=True) if len(gpus) > 1 else None
             if got is None:
@@ -645,7 +645,7 @@ class _Pipeline:
         """Per-device use during a stage: resident keeps every component's weights loaded, but only this
         stage's components run (activations, reserves); staged loads only this stage's components."""
         comps = [self.by_comp[n] for n in stage.components]
-        if kind != "resident":
+        if kind != Mode.RESIDENT:
             return _evaluate(comps, maps, self.by_dev)
         use = _evaluate(self.components, maps, self.by_dev)
         acts = _evaluate(comps, maps, self.by_dev)
@@ -697,9 +697,9 @@ def plan_pipeline(components: list[ComponentInput], stages: list[Stage], devices
     if mode not in Mode.words():
         raise ValueError(f"unknown mode {mode}")
     pipeline = _Pipeline(components, stages, devices, strategy)
-    if mode == "resident":
+    if mode == Mode.RESIDENT:
         return pipeline.resident()
-    if mode == "staged":
+    if mode == Mode.STAGED:
         return pipeline.staged()
     try:
         plan = pipeline.resident()

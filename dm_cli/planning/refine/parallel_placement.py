@@ -8,6 +8,7 @@ from dataclasses import replace
 from dm_cli.devices import device_key
 from dm_cli.errors import UsageError
 from dm_cli.families import family_parts
+from dm_cli.planning.modes import Layout, Mode, Parallel
 from dm_cli.planning.parallel.parallel import (
     DenoiserLoad,
     Rank,
@@ -49,7 +50,7 @@ def parallel_request(source, comps, devices: list[Device], options: PlanOptions)
         raise UsageError(f"--world-size {world} puts rank r on GPU r, and --max-memory (or this machine) lists "
                          f"{len(gpus)} GPU(s), without GPU {missing[0]}: list one GPU per rank.")
     placement = options.placement
-    if placement.mode == "resident":
+    if placement.mode == Mode.RESIDENT:
         raise UsageError(f"--world-size {world} plans the stages one after another (every rank loads the denoiser "
                          "whole once the encoders are freed): use --mode staged or auto.")
     guidance = guidance_branches(family, options.inputs, options.negative_prompt, options.settings)
@@ -89,7 +90,7 @@ def parallel_layout(placement: Placement, specs: list[ComponentInput], prepared:
              for r in range(options.parallel.world_size)]
     layout = choose_layout(options.parallel, guidance, shape, load, ranks, cut)
     fixed = next((s for s in specs if s.name == family.denoiser), None)
-    if layout.layout != "pipeline" or fixed is None or fixed.fixed_map is not None:
+    if layout.layout != Layout.PIPELINE or fixed is None or fixed.fixed_map is not None:
         return layout, placement, prepared
     cut_specs = [replace(s, fixed_map=dict(cut.block_map)) if s.name in experts else s for s in specs]
     cut_placement = place_or_none(cut_specs, stages, devices, options)
@@ -109,14 +110,14 @@ def denoiser_cut(prepared: list[PreparedComponent], devices: list[Device], optio
     come back with the denoiser's map fixed to the cut (never searched)."""
     request = options.parallel
     prep = next((p for p in prepared if p.spec.name == family.denoiser), None)
-    if request.choice not in ("pipeline", "auto") or prep is None:
+    if request.choice not in (Parallel.PIPELINE, Parallel.AUTO) or prep is None:
         return None, prepared
     names = [family.denoiser, *(p.spec.name for p in prepared if p.spec.name in family.experts)]
     experts = [p for p in prepared if p.spec.name in names[1:]]
     if any([(b.name, b.keys) for b in p.spec.blocks] != [(b.name, b.keys) for b in prep.spec.blocks] for p in experts):
         problem = (f"pipeline parallel cuts {', '.join(names)} at the same blocks, and their blocks differ: use "
                    "--parallel cfg or context.")
-        if request.choice == "pipeline":
+        if request.choice == Parallel.PIPELINE:
             raise UsageError(problem)
         return problem, prepared
     owner = {key: block.name for block in prep.spec.blocks for key in block.keys}
@@ -143,7 +144,7 @@ def denoiser_cut(prepared: list[PreparedComponent], devices: list[Device], optio
     room = [max(0, (by_key[r].capacity or 0) - by_key[r].overhead - extras) if r in by_key else 0
             for r in range(request.world_size)]  # the block weights each rank can hold beside the rest
     cut = pipeline_cut(units, request.world_size, shape, room)
-    if request.choice == "pipeline":
+    if request.choice == Parallel.PIPELINE:
         ranks = [Rank(r, by_key[r].capacity or 0, by_key[r].overhead) for r in range(request.world_size)]
         pipeline_candidate(request, shape, activation_peak, ranks, cut, {})  # refuses, one sentence
         return cut, _with_cut(prepared, names, cut)

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from dm_cli.errors import DoesNotFitError, UsageError
 from dm_cli.families import family_for
+from dm_cli.planning.modes import Layout
 from dm_cli.planning.placement.components import PreparedComponent
 from dm_cli.planning.placement.placement import Placement
 from dm_cli.planning.placement.search import Device
@@ -22,7 +23,7 @@ def step_cache_footprints(source, prepared: list[PreparedComponent], options: Pl
     state is counted where each slice's rank holds it (the bytes on GPU r are rank r's)."""
     if options.cache is None or options.inputs.weights_only:
         return {}
-    sliced = getattr(layout, "layout", None) == "pipeline"
+    sliced = getattr(layout, "layout", None) == Layout.PIPELINE
     family = family_for(source.pipeline_class)
     if family is None:
         raise UsageError(f"dmap knows no pipeline family in {source.spec}, so it cannot apply --cache: drop it.")
@@ -62,7 +63,7 @@ def step_cache_report(plan: Plan, source, prepared, options: PlanOptions, footpr
         components[name] = {"bytes": placed, "total_bytes": footprint.total,
                             "contexts": footprint.contexts, "holders": footprint.holders}
         if layout is not None and layout.world_size > 1:
-            components[name]["ranks"] = {str(r): placed.get(str(r), 0) if layout.layout == "pipeline"
+            components[name]["ranks"] = {str(r): placed.get(str(r), 0) if layout.layout == Layout.PIPELINE
                                          else footprint.total for r in range(layout.world_size)}
     return {"name": cache.name, "settings": dict(cache.settings), "label": cache.label, "components": components}
 

@@ -17,7 +17,7 @@ from dm_cli.run.loops.stage_kinds import StageRunners
 
 def on_this_rank(planned: dict, cuda: bool, simulate: bool) -> dict:
     """Where a component loads on a rank sharing a job: as planned, except that without GPUs (and without --simulate,
-    whose split check reads the planned devices) each rank's CPU stands for the plan's GPUs (`run.parallel.cpu_ranks`)."""
+    whose split check reads the planned devices) each rank's CPU stands for the plan's GPUs (`run/settle/layout.py`'s `cpu_ranks`)."""
     if cuda or simulate:
         return planned
     return {key: "cpu" if is_gpu(device_key(dev)) else dev for key, dev in planned.items()}

@@ -33,11 +33,8 @@ from dataclasses import dataclass
 
 from dm_cli.errors import UsageError
 from dm_cli.inputs import InputSpec
-from dm_cli.planning.modes import Layout, Parallel
+from dm_cli.planning.modes import Layout
 from dm_cli.planning.parallel.parallel import (
-    ParallelRequest,
-    candidates,
-    denoiser_shape,
     guidance_branches,
     layout_title,
 )
@@ -46,22 +43,21 @@ from dm_cli.run.hooks.component_hooks import StepCache
 from dm_cli.run.hooks.step_cache import agree_across
 from dm_cli.run.loops.main_rank import MainRankRunners, on_this_rank
 from dm_cli.run.loops.stages import StageLoop
-from dm_cli.run.ranks.pipeline import pipeline_refusal, plan_slices
-from dm_cli.run.request import run_inputs, visible_gpus
-
-LAUNCH = ("launch it with torchrun --nproc-per-node N (N = 2 for cfg, the Ulysses degree for context, the plan's GPUs "
-          "for pipeline)")
 
 
 @dataclass(frozen=True)
 class StepSharing:
     """How this torchrun launch shares each denoising step: layout, degrees, and where this rank stands."""
 
-    layout: str  # cfg, context, cfg+context or pipeline (dm_cli.run.ranks.pipeline)
+    layout: Layout  # cfg, context, cfg+context or pipeline (dm_cli.run.ranks.pipeline)
     cfg: int
     ulysses: int
     ranks: Ranks
     guidance: str = ""  # "batch" or "separate" (cfg): how the pipeline runs its two branches
+
+    def __post_init__(self) -> None:
+        """The layout as its member, whoever made the sharing (a candidate's word, a test's)."""
+        object.__setattr__(self, "layout", Layout(self.layout))
 
     @property
     def branch(self) -> int:
@@ -76,104 +72,6 @@ class StepSharing:
         if self.layout == Layout.PIPELINE:
             return f"pipeline parallel: one slice of the denoiser on each of {self.ranks.world_size} torchrun ranks"
         return f"{layout_title(self.layout, self.cfg, self.ulysses)} over {self.ranks.world_size} torchrun ranks"
-
-
-# --- settling the choice ------------------------------------------------------------------------------
-
-
-def step_sharing(choice: str | None, plan, source, family, generation,
-                 ranks: Ranks | None = None) -> tuple[StepSharing | None, tuple[str, ...]]:
-    """The sharing this run uses and what to tell the user of it: `choice` (--parallel; None: follow the plan file's
-    `parallel` when torchrun started as many ranks as it records), or None for one process per image; `source`,
-    `family` and the settled `generation` are the run's (dm_cli.run.settle.settle). Refusals are one sentence; a pipeline's
-    (`checked_pipeline`) are settle's, once, when the plan it reads is known."""
-    ranks = ranks or Ranks.from_env()
-    recorded = getattr(plan, "parallel", None)
-    if choice is None and recorded is not None and recorded.layout != Layout.SPLIT:
-        if ranks.world_size == 1:
-            return None, (f"The plan shares each step over {recorded.world_size} torchrun ranks ({recorded.title}); "
-                          "this is one process, so it runs the single-process placement: launch with torchrun "
-                          f"--nproc-per-node {recorded.world_size} to share.",)
-        check_rank_count(recorded, ranks)
-        choice = Layout(recorded.layout).choice.value
-    if choice in (None, Parallel.NONE):
-        return None, ()
-    if choice not in Parallel.words():
-        raise UsageError(f"--parallel must be {', '.join(Parallel.words()[:-1])} or auto, not {choice!r}.")
-    if choice == "pipeline":
-        return StepSharing("pipeline", 1, 1, ranks), ()
-    if ranks.world_size == 1:
-        raise UsageError(f"--parallel {choice} shares each step among torchrun ranks and this is one process: {LAUNCH}.")
-    layout, guidance = _layout(choice, ranks.world_size, source, family, generation)
-    sharing = StepSharing(layout.layout, layout.cfg, layout.ulysses, ranks, guidance.kind)
-    return sharing, (f"Each denoising step is shared: {sharing.describe()}; rank 0 encodes, decodes and writes the "
-                     "outputs.",)
-
-
-def check_rank_count(recorded, ranks: Ranks) -> None:
-    """A plan's recorded sharing (`plan.parallel`) followed under torchrun needs the ranks it records: another count
-    is refused in one sentence (one run or a queue alike; one plain process runs the single-process placement)."""
-    if ranks.distributed and ranks.world_size != recorded.world_size:
-        raise UsageError(f"The plan shares each step over {recorded.world_size} ranks ({recorded.title}) but "
-                         f"torchrun started {ranks.world_size}: launch with --nproc-per-node "
-                         f"{recorded.world_size}, or give --parallel none.")
-
-
-def pipelined(choice: str | None, plan, ranks: Ranks | None = None) -> bool:
-    """Whether this launch runs the pipeline: --parallel pipeline, or a plan file's pipeline layout followed under
-    torchrun with as many ranks as it records."""
-    ranks = ranks or Ranks.from_env()
-    recorded = getattr(plan, "parallel", None)
-    return choice == Parallel.PIPELINE or (choice is None and recorded is not None and recorded.layout == Layout.PIPELINE
-                                    and ranks.world_size == recorded.world_size)
-
-
-def shares_steps(choice: str | None, plan, ranks: Ranks) -> bool:
-    """Whether this launch's ranks share each image's steps: a --parallel layout other than none, or a plan file's
-    recorded sharing followed with as many ranks as it records."""
-    recorded = getattr(plan, "parallel", None)
-    if choice in (None, Parallel.AUTO):  # the plan's choice
-        return recorded is not None and recorded.layout != Layout.SPLIT and ranks.world_size == recorded.world_size
-    return choice != Parallel.NONE and choice in Parallel.words()
-
-
-def cpu_ranks(choice: str | None, plan) -> int:
-    """GPUs 0 .. N - 1 of a plan that N torchrun ranks without a GPU stand in for, each on its CPU (0: none): the
-    ranks of a pipeline, or of cfg / context parallel (the denoiser whole on each rank's CPU, as on each GPU)."""
-    ranks = Ranks.from_env()
-    if ranks.world_size < 2 or not shares_steps(choice, plan, ranks):
-        return 0
-
-    return ranks.world_size if visible_gpus() == 0 else 0
-
-
-def checked_pipeline(plan, family, generation, ranks: Ranks) -> tuple[StepSharing, tuple[str, ...]]:
-    """Pipeline parallel (dm_cli.run.ranks.pipeline): refused in one sentence unless the plan cuts the denoiser into one
-    slice per rank (`plan` None: a plan still to be made, what can be known without it); and what to tell the user."""
-    problem = pipeline_refusal(family, generation, plan, ranks.world_size)
-    if problem:
-        raise UsageError(problem)
-    sharing = StepSharing("pipeline", 1, 1, ranks)
-    if plan is None:
-        return sharing, ()
-    slices = plan_slices(plan, family.denoiser, ranks.world_size)
-    return sharing, (f"The denoiser is cut into {ranks.world_size} slices ({sharing.describe()}), up to "
-                     f"{slices.in_flight} prompts in flight; rank 0 encodes, decodes and writes the outputs.",)
-
-
-def _layout(choice: str, world_size: int, source, family, generation):
-    """(candidate, guidance) for `choice` on this SOURCE and generation; auto prefers cfg+context, then cfg
-    (one exchange per step), then context."""
-    inputs = run_inputs(generation)
-    comp = next(c for c in source.components if c.name == family.denoiser)
-    guidance = guidance_branches(family, inputs, generation.negative_prompt, dict(generation.settings))
-    shape = denoiser_shape(comp, source.pipeline_class, inputs, family, 4)
-    found, refused = candidates(ParallelRequest(world_size, choice).settled(), guidance, shape)
-    order = ("cfg+context", "cfg", "context")  # auto without a plan's memory model: the layouts that share a step
-    found = [c for c in found if c.layout in order]
-    if not found:
-        raise UsageError(f"--parallel auto finds no layout for {world_size} ranks: " + " ".join(refused.values()))
-    return min(found, key=lambda c: order.index(c.layout)), guidance
 
 
 def check_job(sharing: StepSharing, family, job) -> None:

@@ -34,7 +34,7 @@ from dm_cli.io.images import DEFAULT_IMAGE_SUFFIX, IMAGE_FORMATS, check_file_nam
 from dm_cli.io.outputs import MATCHED_METADATA
 from dm_cli.io.strict_json import json_text
 from dm_cli.planning.step_cache import parse_cache
-from dm_cli.run.checks import check_seed, load_json
+from dm_cli.run.entry_checks import check_seed, load_json
 from dm_cli.run.options import queue_keys
 from dm_cli.run.request import input_images, last_input_image
 

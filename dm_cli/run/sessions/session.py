@@ -18,7 +18,7 @@ from dm_cli.families.calls import TensorSpec
 from dm_cli.inputs import InputSpec, check_count, check_text
 from dm_cli.model.lora import chosen_loras
 from dm_cli.model.single_file_weights import component_files_metadata
-from dm_cli.run.checks import check_seed
+from dm_cli.run.entry_checks import check_seed
 from dm_cli.run.hooks.compile import CompileHook, CompileMode
 from dm_cli.run.loops.stages import StageLoop, fused_loras
 from dm_cli.run.ranks.parallel import ParallelStageLoop
@@ -26,6 +26,7 @@ from dm_cli.run.ranks.pipeline import PipelineStageLoop
 from dm_cli.run.request import input_images, last_input_image
 from dm_cli.run.sessions.outputs import job_metadata
 from dm_cli.run.sessions.queue import QueueItem, chunk_size_for, chunks, default_output_name
+from dm_cli.run.settle.settle import Loop
 from dm_cli.units import DTYPE_BYTES, numel
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
@@ -68,6 +69,12 @@ class Generated:
         return self.images[0]
 
 
+# the class of each stage loop settle chooses (SettledRun.loop): one process, ranks sharing each step, or the
+# denoiser cut among the ranks
+STAGE_LOOPS = {Loop.RESIDENT: StageLoop, Loop.STAGED: StageLoop, Loop.CFG: ParallelStageLoop,
+               Loop.CONTEXT: ParallelStageLoop, Loop.CFG_CONTEXT: ParallelStageLoop, Loop.PIPELINE: PipelineStageLoop}
+
+
 def _settled(name: str) -> property:
     """A Session's read-only view of what its settled run decided (`SettledRun.<name>`)."""
     return property(lambda session: getattr(session.settled, name), doc=f"The settled run's `{name}`.")
@@ -90,12 +97,10 @@ class Session:
         request = settled.request
         self.settled = settled  # kept whole: what it decided is read from it (the properties below), never copied
         self.notices = list(settled.notices)  # the loop adds what it learns as it runs (a pipeline's notices)
-        if self.pipelined:
-            loop, shared = PipelineStageLoop, {"sharing": self.sharing, "notices": self.notices}
-        elif self.sharing is not None:
-            loop, shared = ParallelStageLoop, {"sharing": self.sharing}
-        else:
-            loop, shared = StageLoop, {}
+        loop = STAGE_LOOPS[settled.loop]
+        shared = {} if loop is StageLoop else {"sharing": self.sharing}
+        if loop is PipelineStageLoop:
+            shared["notices"] = self.notices
         self._loop = loop(self.source, self.plan, self.family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
                           largest_shard=settled.largest_shard,
                           track_activations=request.simulate or request.track_activations, on_status=on_status,

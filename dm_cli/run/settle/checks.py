@@ -26,19 +26,19 @@ from dm_cli.model.formats.weight_formats import parse_weights_spec, storage_dtyp
 from dm_cli.model.single_file_weights import named_component_files, resolve_with_pipeline, without_weights
 from dm_cli.model.sources import PRESETS, config_digest, looks_like_path, preset_refusal
 from dm_cli.planning.make import launch_warning, make_named_plan
-from dm_cli.planning.modes import Parallel
+from dm_cli.planning.modes import Layout
 from dm_cli.planning.parallel.parallel import ParallelRequest
 from dm_cli.planning.plan_command import lora_flags, plan_command
 from dm_cli.planning.plan_options import PlanOptions
 from dm_cli.planning.time.plan_prediction import MAX_QUEUE, PredictionRequest
 from dm_cli.planning.trace.trace import can_tile
-from dm_cli.run.distributed import Ranks
 from dm_cli.run.hooks.compile import parse_compile
 from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
     from dm_cli.model.sources import Source
     from dm_cli.planning.plan_file import Plan
+    from dm_cli.run.ranks.parallel import StepSharing
 from dm_cli.run.request import (
     RunRequest,
     cpu_rank_devices,
@@ -267,10 +267,11 @@ def check_tiled_decode(plan: Plan, source: Source, where: str) -> None:
                              f"plan again with dmap plan {source.spec} --output PLAN.json.")
 
 
-def make_run_plan(source: Source, request: RunRequest, generation: Generation, family: Family | None = None) -> Plan:
+def make_run_plan(source: Source, request: RunRequest, generation: Generation, family: Family | None = None,
+                  sharing: StepSharing | None = None) -> Plan:
     """Plan with dmap's planner (`dm_cli.planning.make.make_plan`) for this settled generation (batch 1) and the
     request's devices: `PlanOptions.of`, as `dmap plan` and `dm_cli.plan` make theirs, so that no setting of the
-    generation is left out of an inline plan.
+    generation is left out of an inline plan; `sharing` (settle's decision) says whether it is cut for pipeline ranks.
 
     A session whose prompts bring their own input images (`per_prompt_images`) and gave none is planned for
     the images the family needs, each of the output's size (what an image-to-image pipeline resizes it to)."""
@@ -284,7 +285,7 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
                   None)
     root, pipeline = (str(single.path), str(source.root)) if single is not None else (str(source.root), None)
     files = tuple(named_component_files(source).items())  # --component-file's, planned as given
-    parallel = _planned_parallel(request)
+    parallel = _planned_parallel(sharing)
     placement = request.placement
     if parallel.active and placement.max_memory is None and visible_gpus() == 0:
         placement = replace(placement, max_memory=cpu_rank_devices(parallel.world_size))
@@ -299,12 +300,12 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
     return plan
 
 
-def _planned_parallel(request: RunRequest):
-    """What the inline plan plans for the ranks: `--parallel pipeline` under torchrun cuts the denoiser into one
-    slice per rank (dm_cli.run.ranks.pipeline); the other layouts run the single-process plan."""
-    ranks = Ranks.from_env()
-    if request.parallel == Parallel.PIPELINE and ranks.world_size > 1:
-        return ParallelRequest(ranks.world_size, "pipeline")
+def _planned_parallel(sharing: StepSharing | None) -> ParallelRequest:
+    """What the inline plan plans for the ranks, read from the sharing settle decided (dm_cli.run.settle.layout): a
+    pipeline under torchrun cuts the denoiser into one slice per rank (dm_cli.run.ranks.pipeline); the other layouts
+    run the single-process plan."""
+    if sharing is not None and sharing.layout is Layout.PIPELINE and sharing.ranks.world_size > 1:
+        return ParallelRequest(sharing.ranks.world_size, "pipeline")
     return ParallelRequest()
 
 

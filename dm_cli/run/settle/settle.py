@@ -16,7 +16,7 @@ The order, the same for every entry (where two checks could fire, the earlier on
 3. `check_run_request`: the seed, the outputs and the plan file (`dmap run --prompt`, before anything is loaded;
    the plan it reads is handed to `settle`, which does not read it again);
 4. `settle`: --dtype, the plan file (read once), SOURCE, the devices of a given plan, the generation, the outputs
-   as settled, the plan against the run, its step cache; how ranks share each step (the queue's choice included);
+   as settled, the plan against the run, its step cache; how ranks share each step (a queue's and a server's defaults included);
    the weights' files; the tiled decode; the plan made here and its devices; int8 placements; a queue's videos.
 """
 
@@ -36,12 +36,11 @@ from dm_cli.io.video import names_folder
 from dm_cli.model.formats.weight_formats import int8_offload_problem
 from dm_cli.model.single_file_weights import component_files_metadata
 from dm_cli.planning.make import launch_warning
-from dm_cli.planning.modes import Layout, Mode, Strategy, Word
+from dm_cli.planning.modes import Layout, Mode, Parallel, Strategy, Word
 from dm_cli.planning.placement.lora_sizing import lora_targets
-from dm_cli.run.checks import check_seed
 from dm_cli.run.distributed import Ranks
+from dm_cli.run.entry_checks import check_seed
 from dm_cli.run.hooks.compile import compile_choice
-from dm_cli.run.ranks.parallel import check_rank_count, checked_pipeline, cpu_ranks, pipelined, step_sharing
 from dm_cli.run.request import inputs_from_plan, plan_digest, prediction_at, run_inputs
 from dm_cli.run.settle import checks  # the module: tests patch make_run_plan, count check_devices_present's calls
 from dm_cli.run.settle.checks import (
@@ -53,6 +52,7 @@ from dm_cli.run.settle.checks import (
     settle_generation,
     source_of_plan,
 )
+from dm_cli.run.settle.layout import checked_pipeline, cpu_ranks, queue_parallel, step_sharing
 from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here w
 
 
 class Entry(Word):
-    """Who asked for the run: it decides the defaults that differ between them (a queue's --parallel)."""
+    """Who asked for the run: it decides the defaults that differ between them (a queue's and a server's --parallel)."""
 
     SINGLE = "single"  # dmap run --prompt (dm_cli.run.sessions.single)
     QUEUE = "queue"  # dmap run --prompts (dm_cli.run.sessions.queue_runner)
@@ -96,7 +96,6 @@ class SettledRun:
     demo: bool
     generation: Generation  # settled: every default filled in, its LoRAs' targets, the plan's step cache
     defaults: Job  # the job each prompt starts from
-    fps: int | None  # video families
     plan: Plan  # the plan file's, the given one, or the one made here
     plan_digest: str
     planned_here: bool
@@ -114,6 +113,11 @@ class SettledRun:
     def pipelined(self) -> bool:
         return self.loop is Loop.PIPELINE
 
+    @property
+    def fps(self) -> int | None:
+        """The settled generation's frame rate, for video families (None for images)."""
+        return self.generation.fps if self.generation.num_frames else None
+
 
 # --- 1-3: what `dmap run` refuses before it reads a request -------------------------------------------------
 
@@ -129,16 +133,16 @@ def check_options(dtype: str | None, *, steps, num_images, height, width, max_se
         parse_dtype(dtype)
 
 
-def refuse_single_only(fields: dict) -> None:
+def refuse_single_only(*, num_images: int | None, save_latents: str | None, frames: int | None, fps: int | None,
+                       settings: dict, track_activations: bool, parallel: Parallel | None) -> None:
     """Options that only make sense for one prompt, refused with --prompts rather than silently ignored (a queue's
     --parallel left unset is chosen by `settle`, from the plan file it reads)."""
-    if fields["num_images"] not in (None, 1):
+    if num_images not in (None, 1):
         raise UsageError("--num-images is for one prompt: with --prompts, repeat a line with another seed instead.")
-    if (fields["save_latents"] or fields["num_frames"] or fields["fps"] or "guidance_scale_2" in fields["settings"]
-            or fields["track_activations"]):
+    if save_latents or frames or fps or "guidance_scale_2" in settings or track_activations:
         raise UsageError("--save-latents, --frames, --fps, --guidance-scale-2 and --track-activations are for one "
                          "prompt, not --prompts.")
-    if fields["parallel"] not in (None, "none", "pipeline"):
+    if parallel not in (None, Parallel.NONE, Parallel.PIPELINE):
         raise UsageError("--parallel shares one image's steps among the torchrun ranks; with --prompts the ranks "
                          "already share the queue (one prompt each at a time): drop --parallel, or give --parallel "
                          "pipeline to cut the denoiser among them.")
@@ -203,6 +207,8 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
         plan = _load_plan(request.plan_file)
     if entry is Entry.QUEUE and request.parallel is None:  # a queue's ranks take prompts, not steps
         request = replace(request, parallel=queue_parallel(plan, ranks))
+    if entry is Entry.SERVE and request.parallel is None:  # a server's ranks run a session each, unless --parallel
+        request = replace(request, parallel=Parallel.NONE)
     generation, job, plan = _generation(request, plan, source, family, defaults, source_from_plan)
     # torchrun ranks sharing each step (--parallel, or the plan file's `parallel`): refused (one sentence) before
     # anything is imported or planned
@@ -215,7 +221,7 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
     notices = [*notices, *shared]
     largest = _checked_weights(source, status)
     planned_here = plan is None
-    plan = _final_plan(request, plan, source, family, generation, status, on_plan)
+    plan = _final_plan(request, plan, source, family, generation, sharing, status, on_plan)
     if pipeline and planned_here:
         sharing, shared = checked_pipeline(plan, family, generation, sharing.ranks)
         notices += shared
@@ -224,7 +230,7 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
     compiled, eager = compile_choice(request.compile, request, plan, family, sharing)
     notices += [eager] if eager else []
     return SettledRun(request=request, entry=entry, source=source, family=family, demo=demo, generation=generation,
-                      defaults=job, fps=generation.fps if generation.num_frames else None, plan=plan,
+                      defaults=job, plan=plan,
                       plan_digest=plan_digest(plan), planned_here=planned_here, source_from_plan=source_from_plan,
                       where=_where(request), sharing=sharing, loop=_loop(plan, sharing),
                       staged=plan.mode != Mode.RESIDENT, is_main=sharing is None or sharing.is_main,
@@ -283,7 +289,7 @@ def _generation(request: RunRequest, plan: Plan | None, source: Source, family: 
 
 
 def _final_plan(request: RunRequest, plan: Plan | None, source: Source, family: Family, generation: Generation,
-                status, on_plan) -> Plan:
+                sharing: StepSharing | None, status, on_plan) -> Plan:
     """The libraries imported; a given plan's tiled decode checked, or the plan made here and its devices; shown
     (`on_plan`); int8 placements refused (unless simulated)."""
     from dm_cli.model.models import quiet_libraries  # lazy: looked up per call (tests patch quiet_libraries)
@@ -294,7 +300,7 @@ def _final_plan(request: RunRequest, plan: Plan | None, source: Source, family: 
     planned_here = plan is None
     if planned_here:
         status(f"Planning {source.spec} (meta-device traces are cached after the first run)…")
-        plan = checks.make_run_plan(source, request, generation, family)
+        plan = checks.make_run_plan(source, request, generation, family, sharing)
     else:
         check_tiled_decode(plan, source, _where(request))
     status(None)
@@ -317,18 +323,6 @@ def _run_warnings(plan: Plan) -> list[str]:
     if layout is None or Ranks.from_env().world_size != layout.world_size:
         return list(plan.warnings)
     return [warning for warning in plan.warnings if warning != launch_warning(layout)]
-
-
-def queue_parallel(plan: Plan | None, ranks) -> str:
-    """A queue's --parallel when none is given: "pipeline" when the plan file records a pipeline layout for as many
-    torchrun ranks as this launch has (they then hold slices of one denoiser and every prompt passes through all of
-    them), else "none" (each rank takes its own prompts; one process runs the plan's single-process placement). A
-    pipeline plan under torchrun with another number of ranks is refused (one sentence, on every rank, before
-    anything loads or joins), as for one prompt: its slices are cut for its own count."""
-    recorded = getattr(plan, "parallel", None)
-    if recorded is not None and recorded.layout == Layout.PIPELINE:
-        check_rank_count(recorded, ranks)
-    return "pipeline" if plan is not None and pipelined(None, plan, ranks) else "none"
 
 
 def _checked_weights(source: Source, status) -> dict:
