@@ -155,11 +155,12 @@ def table2(folder: str, size: int, steps: int, pairs: int, threads: int,
             for tool in tools:
                 out = work / f"{tool}-{compiled}.png"
                 times[tool, compiled].append(timed(makers[tool](folder, size, steps, out, compiled), threads))
-    reference = pixels(work / "diffusers-cli-False.png")
+    reference = pixels(work / f"diffusers-cli-{kinds[0]}.png")  # eager's, unless --kinds compiled alone
+    against = "--compile" if kinds[0] else "eager"
     print(f"\nTable 2: whole processes, demo pipeline {size}x{size}, {steps} steps, seed 0, float32, {threads} "
           f"thread(s), {pairs} pairs alternating (after one warm-up run each)")
     print("| kind | dmap s (median) | diffusers-cli s (median) | dmap / diffusers-cli (median of pairs) | "
-          "CPU s, dmap / diffusers-cli (medians) | max pixel diff vs diffusers-cli eager (dmap, diffusers-cli) |")
+          f"CPU s, dmap / diffusers-cli (medians) | max pixel diff vs diffusers-cli {against} (dmap, diffusers-cli) |")
     print("|---|---|---|---|---|---|")
     for compiled in kinds:
         ours, theirs = times["dmap", compiled], times["diffusers-cli", compiled]
