@@ -62,6 +62,7 @@ def test_a_gpus_name_finds_its_row_of_the_bundled_table(name, row):
         table_profile(row)  # a row the table has
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_the_kernels_section_measures_each_rule_beside_the_table_rows_model(capsys):
     """On this CPU at tiny sizes, in-process, with the H100's row as the model: every table prints its model column
