@@ -38,6 +38,12 @@ NOT_DMAP = {
     "--gpus-per-node": "SLURM's (#SBATCH) in the multi-node script",
     "--cpus-per-task": "SLURM's (#SBATCH) in the multi-node script",
     "--flops": "scripts/bench_cache.py's, where the page quotes its FLOP counts",
+    "--cpu-offload": "diffusers-cli run's, in the page's comparison with it",
+    "--context-parallel": "diffusers-cli run's, in the page's comparison with it",
+    "--attention-backend": "diffusers-cli run's, in the page's comparison with it",
+    "--vae-tiling": "diffusers-cli run's, in the page's comparison with it",
+    "--vae-slicing": "diffusers-cli run's, in the page's comparison with it",
+    "--remote": "diffusers-cli run's, in the page's comparison with it",
     "--sections": "scripts/gpu_check.py's, where the page points at its NF4 measurement",
 }
 
