@@ -278,14 +278,13 @@ def _generation(request: RunRequest, plan: Plan | None, source: Source, family: 
     if generation.loras:  # each LoRA with the component it patches, as the planner settles them
         generation = replace(generation, loras=lora_targets(source, generation.loras))
     refuse_existing_outputs(request, family, generation.num_images)
-    job = Job.of(generation, request.prompt, request.seed)
     if plan is not None:
         where = _where(request)
         check_plan_matches(plan, source, run_inputs(generation), request.placement, where, generation.loras,
                            plan_file=request.plan_file, source_from_plan=source_from_plan)
         plan = check_plan_cache(plan, request.generation.cache, where, off=request.cache_off)
         generation = replace(generation, cache=plan.cache)
-    return generation, job, plan
+    return generation, Job.of(generation, request.prompt, request.seed), plan
 
 
 def _final_plan(request: RunRequest, plan: Plan | None, source: Source, family: Family, generation: Generation,
