@@ -28,11 +28,11 @@ from dm_cli.model.demo import source_root
 from dm_cli.model.lora import read_loras
 from dm_cli.model.single_file_weights import parse_component_files
 from dm_cli.planning.make import make_named_plan
+from dm_cli.planning.modes import parse_compile
 from dm_cli.planning.parallel.parallel import ParallelRequest
 from dm_cli.planning.plan_options import PlanOptions
 from dm_cli.planning.step_cache import parse_cache
 from dm_cli.planning.time.plan_prediction import PredictionRequest
-from dm_cli.run.hooks.compile import parse_compile
 from dm_cli.run.load.loading import execution_device
 from dm_cli.run.options import refuse_untaken
 from dm_cli.run.request import RunRequest, input_images, last_input_image
@@ -104,7 +104,7 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
                              pipeline=pipeline, component_files=tuple(parse_component_files(component_files).items()),
                              loras=read_loras(lora, "lora"),
                              prediction=PredictionRequest(profile, pick(steps, "steps"), queue, prompt,
-                                                          parse_compile(compile).value))
+                                                          parse_compile(compile)))
     return make_named_plan(root, spec, options)
 
 
@@ -172,7 +172,7 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
                             max_sequence_length=max_sequence_length, settings=settings, weights=weights,
                             num_frames=num_frames, fps=fps, negative_prompt=negative_prompt, images=image, simulate=simulate,
                             last_image=last_image, output=None, per_prompt_images=True, parallel=parallel, pipeline=pipeline,
-                            component_files=component_files, loras=lora, cache=cache, compile=compile or "none")
+                            component_files=component_files, loras=lora, cache=cache, compile=compile)
     from dm_cli.run.settle.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
 
     settled = settle(request, None if isinstance(plan, (str, Path)) else plan, entry=Entry.API, on_plan=on_plan,

@@ -4,6 +4,9 @@
   `dm_cli.planning.modes`' Strategy, Mode, Layout or Parallel other than "none", which is also a compile, LoRA and
   cache word) instead of its enum member; a source's kind ("pipeline": a folder) and a size ("auto") are other
   vocabularies and not counted;
+- raw compile words: the same comparisons with a word of `dm_cli.planning.modes.CompileMode` ("regional", "full";
+  "auto" is counted as a mode word above); "none" and "" count only where the compared expression or the function
+  around it speaks of compiling (elsewhere "none" is a LoRA's, a cache's or --parallel's word);
 - function-level imports: `import dm_cli...` or `from dm_cli... import` (or a relative import) inside a function.
 
 Usage: python scripts/house_counts.py [ROOT=dm_cli] [-v]: the two totals; -v lists each place.
@@ -18,6 +21,9 @@ from pathlib import Path
 
 MODE_WORDS = {"auto", "sequential", "balanced", "balanced_low_0", "resident", "staged", "split", "cfg", "context",
               "cfg+context", "pipeline"}
+COMPILE_WORDS = {"regional", "full"}
+COMPILE_NONE = {"none", ""}
+COMPILING = re.compile(r"compil")
 OTHER_VOCABULARIES = re.compile(r"source\.kind|result\.kind|\bsize\b")
 
 
@@ -51,6 +57,22 @@ def raw_mode_words(tree: ast.AST) -> list[ast.Compare]:
     return found
 
 
+def raw_compile_words(tree: ast.AST) -> list[ast.Compare]:
+    found = []
+    functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for function in [tree, *functions]:
+        for node in ast.walk(function):
+            if not isinstance(node, ast.Compare) or id(node) in {id(f) for f in found}:
+                continue
+            sides = [node.left, *node.comparators]
+            words = {w for side in sides for w in (_strings(side) or [])}
+            others = " ".join(ast.unparse(side) for side in sides if _strings(side) is None)
+            about_compiling = COMPILING.search(others) or COMPILING.search(getattr(function, "name", ""))
+            if COMPILE_WORDS & words or (COMPILE_NONE & words and about_compiling):
+                found.append(node)
+    return found
+
+
 def function_imports(tree: ast.AST) -> list[ast.stmt]:
     found: dict[int, ast.stmt] = {}
     for function in ast.walk(tree):
@@ -67,18 +89,22 @@ def function_imports(tree: ast.AST) -> list[ast.stmt]:
 def main() -> int:
     args = [a for a in sys.argv[1:] if not a.startswith("-")]
     verbose = "-v" in sys.argv
-    words = imports = 0
+    words = compile_words = imports = 0
     for path in sorted(Path(args[0] if args else "dm_cli").rglob("*.py")):
         tree = ast.parse(path.read_text())
-        for kind, nodes in (("mode word", raw_mode_words(tree)), ("function import", function_imports(tree))):
+        for kind, nodes in (("mode word", raw_mode_words(tree)), ("compile word", raw_compile_words(tree)),
+                            ("function import", function_imports(tree))):
             for node in nodes:
                 if verbose:
                     print(f"{path}:{node.lineno}: {kind}: {ast.unparse(node)[:100]}")
             if kind == "mode word":
                 words += len(nodes)
+            elif kind == "compile word":
+                compile_words += len(nodes)
             else:
                 imports += len(nodes)
     print(f"raw mode-word comparisons: {words}")
+    print(f"raw compile-word comparisons: {compile_words}")
     print(f"function-level imports of dm_cli modules: {imports}")
     return 0
 

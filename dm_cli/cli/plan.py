@@ -11,11 +11,10 @@ from dm_cli.cli._cli_utils import table_options
 from dm_cli.cli._output import print_json
 from dm_cli.io.atomic import refuse_existing
 from dm_cli.io.claims import claim_outputs
-from dm_cli.planning.modes import Mode, Parallel, Strategy
+from dm_cli.planning.modes import CompileMode, Mode, Parallel, Strategy
 from dm_cli.planning.plan_file import write_plan
 from dm_cli.render.plan import render_plan
 from dm_cli.render.queue import TickingStatus
-from dm_cli.run.hooks.compile import CompileMode
 
 
 # every parameter but ctx and settings is its row of dm_cli.run.options: its type and default as the table has

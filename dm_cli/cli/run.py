@@ -9,11 +9,10 @@ import typer
 from dm_cli.cli._cli_utils import table_options
 from dm_cli.cli._errors import usage_error
 from dm_cli.cli._output import print_json
-from dm_cli.planning.modes import Mode, Parallel
+from dm_cli.planning.modes import CompileMode, Mode, Parallel
 from dm_cli.render.queue import QueueView
 from dm_cli.render.run import RunView
 from dm_cli.run.distributed import Ranks, select_gpus
-from dm_cli.run.hooks.compile import CompileMode
 from dm_cli.run.request import RunRequest
 from dm_cli.run.sessions.queue_runner import QueueEvents, QueueRequest, run_queue
 from dm_cli.run.settle.settle import check_options, check_run_request, refuse_single_only

@@ -10,9 +10,8 @@ import sys
 
 from dm_cli.cli._cli_utils import table_options
 from dm_cli.inputs import check_counts
-from dm_cli.planning.modes import Mode, Parallel
+from dm_cli.planning.modes import CompileMode, Mode, Parallel
 from dm_cli.run.distributed import Ranks
-from dm_cli.run.hooks.compile import CompileMode
 from dm_cli.run.request import RunRequest
 from dm_cli.serve.server import ServeRequest, launch_sigterm_notice, startup_lines
 from dm_cli.serve.server import serve as serve_forever
@@ -40,7 +39,7 @@ def serve(
                         steps=steps, guidance_scale=guidance_scale, negative_prompt=negative_prompt, height=height,
                         width=width, max_sequence_length=max_sequence_length, num_frames=frames, fps=fps, dtype=dtype,
                         weights=weights, simulate=simulate, parallel=parallel, pipeline=pipeline,
-                        component_files=component_file or None, loras=lora or None, cache=cache, compile=str(compile),
+                        component_files=component_file or None, loras=lora or None, cache=cache, compile=compile,
                         settings=dict(settings or {}),
                         output=None, per_prompt_images=True)
     request = ServeRequest(run, host, port, api_key, queue_size, max_batch, max_body, model_name, gpus_per_rank,

@@ -23,7 +23,7 @@ from pathlib import Path
 from dm_cli.errors import UsageError
 from dm_cli.families.calls import CallSpec, Component, block_scale, component_call
 from dm_cli.families.stages import declared, default_stages
-from dm_cli.inputs import SCALES, Generation, InputImage, InputSpec, check_number, check_scale, check_text
+from dm_cli.inputs import SCALES, Generation, InputSpec, check_number, check_scale, check_text
 from dm_cli.units import shorten
 
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
@@ -84,37 +84,41 @@ class Setting:
         return check_scale(value, where) if self.name in SCALES else check_number(value, where)
 
 
+def _from_generation(name: str) -> property:
+    """A Job's reading of its generation's `name` (the job holds the record, it does not copy it)."""
+    return property(lambda job: getattr(job.generation, name), doc=f"The generation's {name}.")
+
+
 @dataclass(frozen=True)
 class Job:
-    """One generation, with every default settled: what a stage needs to encode, denoise or decode."""
+    """One generation, with every default settled: what a stage needs to encode, denoise or decode. Its settings are
+    the settled `Generation` it was made from, held whole and read through the properties below, so that the
+    request, the settled run and the job share one record of them."""
 
     prompt: str
-    negative_prompt: str | None
     seed: int
-    steps: int
-    guidance_scale: float
-    height: int
-    width: int
-    num_images: int = 1
-    max_sequence_length: int | None = None
-    num_frames: int | None = None  # video families only
-    settings: tuple[tuple[str, object], ...] = ()  # the family's own settings (Family.settings), given or default
-    images: tuple[InputImage, ...] = ()  # input images, in order (read with dm_cli.io.input_images.read_image)
-    last_image: InputImage | None = None  # a first-last-frame video's last frame (Wan 2.2 image-to-video)
-    # the LoRA adapters this job runs with (settled, in order): the run's, or those a queue item or request chose
-    loras: tuple = ()
+    generation: Generation  # settled: every default filled in (Family.settle)
+
+    negative_prompt = _from_generation("negative_prompt")
+    steps = _from_generation("steps")
+    guidance_scale = _from_generation("guidance_scale")
+    height = _from_generation("height")
+    width = _from_generation("width")
+    num_images = _from_generation("num_images")
+    max_sequence_length = _from_generation("max_sequence_length")
+    num_frames = _from_generation("num_frames")  # video families only
+    settings = _from_generation("settings")  # the family's own settings (Family.settings), given or default
+    images = _from_generation("images")  # input images, in order (read with dm_cli.io.input_images.read_image)
+    last_image = _from_generation("last_image")  # a first-last-frame video's last frame (Wan 2.2 image-to-video)
+    loras = _from_generation("loras")  # the LoRA adapters this job runs with (settled, in order)
 
     def setting(self, name: str, default=None):
-        return dict(self.settings).get(name, default)
+        return self.generation.setting(name, default)
 
     @classmethod
     def of(cls, generation: Generation, prompt: str, seed: int) -> "Job":
         """The job of a settled generation."""
-        return cls(prompt=prompt, negative_prompt=generation.negative_prompt, seed=seed, steps=generation.steps,
-                   guidance_scale=generation.guidance_scale, height=generation.height, width=generation.width,
-                   num_images=generation.num_images, max_sequence_length=generation.max_sequence_length,
-                   num_frames=generation.num_frames, settings=generation.settings, images=generation.images,
-                   last_image=generation.last_image, loras=generation.loras)
+        return cls(prompt=prompt, seed=seed, generation=generation)
 
 
 def denormalized(vae, latents):

@@ -1,5 +1,6 @@
 """The words of dmap's modes, each vocabulary declared once as a `str` Enum: the placement strategy (--strategy,
---device-map), the residency mode (--mode), what --parallel chooses and the layout a plan records (`parallel`).
+--device-map), the residency mode (--mode), what --parallel chooses and the layout a plan records (`parallel`), and
+--compile's (here, below the plan's prediction that times the step as it compiles and the run's hook that compiles).
 
 A member is its word: equal to it, hashed and printed as it (f-strings, JSON), so that the CLI hands the member Typer
 parsed to the core and a plan file reads the same bytes. --parallel none and a plan's layout "split" are one thing
@@ -9,6 +10,8 @@ under the CLI's word and the plan file's: no step sharing, the single-process de
 from __future__ import annotations
 
 from enum import Enum
+
+from dm_cli.errors import UsageError
 
 
 class Word(str, Enum):
@@ -72,3 +75,24 @@ class Parallel(Word):
     def layout(self) -> Layout | None:
         """The layout this choice asks for (None: auto, which the plan chooses)."""
         return None if self is Parallel.AUTO else Layout.SPLIT if self is Parallel.NONE else Layout(self.value)
+
+
+class CompileMode(Word):
+    """--compile's words (dm_cli.run.hooks.compile runs them; the plan's prediction times them)."""
+
+    NONE = "none"
+    REGIONAL = "regional"
+    AUTO = "auto"  # regional where the model declares its repeated blocks, else whole (as regional)
+    FULL = "full"
+
+
+def parse_compile(value, where: str = "--compile") -> CompileMode:
+    """--compile / compile= as a CompileMode (None and False: none; True: auto); anything else one sentence."""
+    if value is None or value is False:
+        return CompileMode.NONE
+    if value is True:
+        return CompileMode.AUTO
+    try:
+        return CompileMode(str(value).strip().lower())
+    except ValueError:
+        raise UsageError(f"{where} must be one of {', '.join(CompileMode.words())}, not {value!r}.") from None

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from dm_cli.errors import UsageError
-from dm_cli.planning.modes import Mode, Parallel, Strategy, Word
-from dm_cli.run.hooks.compile import CompileMode
+from dm_cli.planning.modes import CompileMode, Mode, Parallel, Strategy, Word
 
 # who takes the options: the three commands, the two API functions (`dm_cli.plan`, `dm_cli.load`) and a queue item
 # (a `--prompts` JSONL line's keys, dm_cli.run.sessions.queue.queue_item)

@@ -26,9 +26,8 @@ from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec, chec
 from dm_cli.io.checkpoint import open_checkpoint
 from dm_cli.io.input_images import describe_image, split_keyframe
 from dm_cli.model.lora import read_loras
-from dm_cli.planning.modes import Parallel, Strategy
+from dm_cli.planning.modes import CompileMode, Parallel, Strategy, parse_compile
 from dm_cli.planning.step_cache import parse_cache
-from dm_cli.run.hooks.compile import parse_compile
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
     from dm_cli.planning.plan_file import Plan
@@ -79,14 +78,16 @@ class RunRequest:
     component_files: dict | None = None  # --component-file NAME=FILE: these components from these single files
     cache_off: bool = False  # --cache none: a plan file's step cache is switched off (check_plan_cache)
     switch_loras: bool = False  # the inline plan keeps the LoRAs unfused: served requests, queue items choose
-    compile: str = "none"  # --compile: none | regional | auto | full (dm_cli.run.hooks.compile)
+    compile: CompileMode = CompileMode.NONE  # --compile (dm_cli.run.hooks.compile)
     queue: int = 1  # the prompts this run generates (a queue's items): the predicted time is for them
 
     def __post_init__(self) -> None:
         """The prompt is text the tokenizer takes (the check queue items and `dmap serve` share), before SOURCE;
-        --parallel's word becomes its member here, at the door, so that the checks inside compare members."""
+        --parallel's and --compile's words become their members here, at the door, so that the checks inside
+        compare members."""
         check_text(self.prompt, "--prompt")
         self.parallel = parallel_choice(self.parallel)
+        self.compile = parse_compile(self.compile)
 
     @classmethod
     def of(cls, source: str | None, prompt: str, *, device_map: str = "auto", settings: dict | None = None,
@@ -100,7 +101,7 @@ class RunRequest:
         loras = read_loras(options.pop("loras", None))
 
         if "compile" in options:  # a bad compile= refused before SOURCE is resolved (the CLI's parser did it there)
-            options["compile"] = parse_compile(options["compile"]).value
+            options["compile"] = parse_compile(options["compile"])
         asked_cache = options.pop("cache", None)
         cache = parse_cache(asked_cache)
         options["cache_off"] = asked_cache is not None and cache is None  # "none" settles to None, as no --cache

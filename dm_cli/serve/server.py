@@ -19,6 +19,7 @@ from typing import Callable
 
 from dm_cli.devices import device_key, device_label, device_rank, is_gpu
 from dm_cli.errors import UsageError
+from dm_cli.planning.modes import CompileMode
 from dm_cli.run.distributed import Ranks, select_gpus
 from dm_cli.run.options import option
 from dm_cli.run.request import RunRequest
@@ -127,8 +128,8 @@ def startup_lines(request: ServeRequest, session, url: str) -> tuple[str, str]:
 
 def compiled_words(session) -> str:
     """How the served denoiser runs: compiled (--compile, during the warm-up) or eager."""
-    mode = getattr(getattr(session, "settled", None), "compile", "none")
-    return "eager (no compile)" if mode == "none" else f"compiled ({mode}, at the warm-up)"
+    mode = getattr(getattr(session, "settled", None), "compile", CompileMode.NONE)
+    return "eager (no compile)" if mode is CompileMode.NONE else f"compiled ({mode}, at the warm-up)"
 
 
 def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Callable[[str | None], None] | None = None,

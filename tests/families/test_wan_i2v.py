@@ -212,6 +212,7 @@ def test_last_image_in_queue_items_metadata_and_the_resume_key(frames_in, tmp_pa
     from dataclasses import replace
 
     from dm_cli.families import Job
+    from dm_cli.inputs import Generation
     from dm_cli.io.input_images import describe_image
     from dm_cli.run.sessions.outputs import job_metadata
     from dm_cli.run.sessions.queue import read_prompts, resume_keys
@@ -223,10 +224,12 @@ def test_last_image_in_queue_items_metadata_and_the_resume_key(frames_in, tmp_pa
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": PROMPT, "last_image": [str(frames_in["last"])]}) + "\n")
     with pytest.raises(UsageError, match="'last_image' must be a path"):
         read_prompts(tmp_path / "bad.jsonl")
-    job = Job(PROMPT, None, SEED, STEPS, 5.0, 32, 32, images=item.images, last_image=item.last_image)
+    job = Job.of(Generation(steps=STEPS, guidance_scale=5.0, height=32, width=32, num_images=1, images=item.images,
+                            last_image=item.last_image), PROMPT, SEED)
     meta = job_metadata(job, "x", "WanImageToVideoPipeline", "d", False)
     assert meta["last_image"] == f"64x64:{item.last_image.digest}" and "last_image" in resume_keys()
-    other = job_metadata(replace(job, last_image=item.images[0]), "x", "WanImageToVideoPipeline", "d", False)
+    another = replace(job, generation=replace(job.generation, last_image=item.images[0]))
+    other = job_metadata(another, "x", "WanImageToVideoPipeline", "d", False)
     assert other["last_image"] != meta["last_image"]  # another last frame is another job
 
 

@@ -143,11 +143,12 @@ def test_5_the_python_api_has_the_same_bounds():
 def test_5_a_queue_item_gets_the_same_steps_bound():
     from dm_cli.errors import UsageError
     from dm_cli.families import Job, family_for
+    from dm_cli.inputs import Generation
     from dm_cli.run.sessions.queue import QueueItem
     from dm_cli.run.sessions.session import Session
 
     class Fake:
-        defaults = Job("a", None, 0, 4, 3.5, 64, 64)
+        defaults = Job("a", 0, Generation(steps=4, guidance_scale=3.5, height=64, width=64, num_images=1))
         family = family_for("FluxPipeline")
 
     with pytest.raises(UsageError, match="Item 3: 'steps' must be a whole number >= 1 \\(at most 10000\\)"):

@@ -42,6 +42,8 @@ def flux_plan() -> Plan:
 
 
 def run_result():
+    from dm_cli.families import Job
+    from dm_cli.inputs import Generation
     from dm_cli.run.loops.stages import StageResult
     from dm_cli.run.sessions.single import RunResult
 
@@ -57,8 +59,8 @@ def run_result():
                     planned_peak={"0": 1_563 * MB}, load_rss_delta=12 * MB, tracked="all"),
     ]
     return RunResult(source="flux", pipeline_class="FluxPipeline", demo=False, plan=flux_plan(),
-                     plan_digest="5d41402abc4b2a76", planned_here=True, simulate=True, seed=0, steps=28,
-                     guidance_scale=3.5, height=512, width=512, num_images=1,
+                     plan_digest="5d41402abc4b2a76", planned_here=True, simulate=True,
+                     job=Job.of(Generation(steps=28, guidance_scale=3.5, height=512, width=512, num_images=1), "", 0),
                      images=["fox.png"], latents_path=None, stages=stages, split_check=True)
 
 

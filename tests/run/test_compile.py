@@ -104,10 +104,11 @@ def test_ranks_sharing_a_step_are_refused_in_one_sentence():
 
 
 def test_serve_says_compiled_or_eager():
+    from dm_cli.planning.modes import CompileMode
     from dm_cli.serve.server import compiled_words
 
-    assert compiled_words(SimpleNamespace(settled=SimpleNamespace(compile="none"))) == "eager (no compile)"
-    assert compiled_words(SimpleNamespace(settled=SimpleNamespace(compile="regional"))) == \
+    assert compiled_words(SimpleNamespace(settled=SimpleNamespace(compile=CompileMode.NONE))) == "eager (no compile)"
+    assert compiled_words(SimpleNamespace(settled=SimpleNamespace(compile=CompileMode.REGIONAL))) == \
         "compiled (regional, at the warm-up)"
 
 

@@ -2,6 +2,8 @@
 
 from types import SimpleNamespace
 
+from dm_cli.families import Job
+from dm_cli.inputs import Generation
 from dm_cli.run.loops.carry import RESULT_JSON_VERSION, StageResult, stages_json
 from dm_cli.run.sessions.queue_runner import QueueResult
 from dm_cli.run.sessions.single import RunResult
@@ -11,8 +13,9 @@ def _run_json() -> dict:
     stages = [StageResult("encode", ["text_encoder"], load_s=0.5, run_s=0.1),
               StageResult("denoise", ["transformer"], load_s=1.0, run_s=2.0)]
     return RunResult(source="demo", pipeline_class="FluxPipeline", demo=True, plan=SimpleNamespace(mode="staged"),
-                     plan_digest="0" * 16, planned_here=True, simulate=False, seed=0, steps=2, guidance_scale=3.5,
-                     height=32, width=32, num_images=1, images=[], latents_path=None, stages=stages).to_json()
+                     plan_digest="0" * 16, planned_here=True, simulate=False,
+                     job=Job.of(Generation(steps=2, guidance_scale=3.5, height=32, width=32, num_images=1), "", 0),
+                     images=[], latents_path=None, stages=stages).to_json()
 
 
 def _queue_json() -> dict:

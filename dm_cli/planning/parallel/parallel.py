@@ -56,6 +56,7 @@ from dataclasses import dataclass, field, replace
 from dm_cli.errors import UsageError
 from dm_cli.families import GUIDANCE_BATCH, GUIDANCE_SEPARATE, Job, call_spec
 from dm_cli.families.calls import TensorSpec
+from dm_cli.inputs import Generation
 from dm_cli.planning.modes import Layout, Parallel
 from dm_cli.units import shorten
 
@@ -314,8 +315,11 @@ def guidance_branches(family, inputs, negative_prompt: str | None, settings: dic
                                            f"scale {family.guidance_scale(inputs):g} makes one call per step: "
                                            "raise --guidance-scale or use --parallel context.")
         declared = {s.name: s.default for s in family.settings if s.default is not None}
-        job = Job("", negative_prompt, 0, 1, family.guidance_scale(inputs), inputs.height or 0, inputs.width or 0,
-                  settings=tuple(sorted({**declared, **{k: v for k, v in settings.items() if v is not None}}.items())))
+        generation = Generation(negative_prompt=negative_prompt, steps=1, guidance_scale=family.guidance_scale(inputs),
+                                height=inputs.height or 0, width=inputs.width or 0, num_images=1,
+                                settings=tuple(sorted({**declared, **{k: v for k, v in settings.items()
+                                                                      if v is not None}}.items())))
+        job = Job("", 0, generation)
         true_cfg = getattr(family, "true_cfg", None)
         if callable(true_cfg) and not true_cfg(job):
             return Guidance("separate", 1, f"CFG-parallel needs two guidance branches, and {title} runs its second "

@@ -10,6 +10,7 @@ from dm_cli.errors import UsageError
 from dm_cli.families import family_parts
 from dm_cli.inputs import check_count
 from dm_cli.model.formats.weight_formats import layer_compute_bytes
+from dm_cli.planning.modes import CompileMode, parse_compile
 from dm_cli.planning.parallel.parallel import PIPELINE_LISTS, denoiser_shape, step_flops
 from dm_cli.planning.placement.components import trace_facts
 from dm_cli.planning.time.overlap import OVERLAPPED
@@ -31,10 +32,11 @@ class PredictionRequest:
     steps: int | None = None  # None: the family's (or the demo's) default
     queue: int = 1
     prompt: str | None = None  # the prompt: pipelines that drop the text's padding run its own length
-    compile: str = "none"  # --compile as the run asks it (none, regional, auto, full): the step as it compiles
+    compile: CompileMode = CompileMode.NONE  # --compile as the run asks it: the step as it compiles
 
     def __post_init__(self) -> None:
-        """--steps and --queue checked, one sentence each."""
+        """--steps and --queue checked, one sentence each; compile's word (or "", None: none) as its member."""
+        object.__setattr__(self, "compile", parse_compile(self.compile or None))
         if self.steps is not None:
             check_count("steps", self.steps, "--steps")
         if isinstance(self.queue, bool) or not isinstance(self.queue, int) or not 1 <= self.queue <= MAX_QUEUE:
@@ -126,7 +128,7 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
     shape = denoiser_shape(denoiser, source.pipeline_class, inputs, family, element)
     work = replace(CallWork.of(work_facts, placed.weights_bytes), cast_bytes=cast_bytes(prep))
     compiles, eager = compile_mode(plan, denoiser.name, request.compile, options)
-    work = compiled(work, compiles) if compiles != "none" else work
+    work = compiled(work, compiles) if compiles is not CompileMode.NONE else work
     devices = set(map(str, placed.device_map.values()))
     hooked = len(prep.facts.execution_order or ()) if placed.offloaded_bytes else (
         len(placed.device_map) if len(devices) > 1 else 0)  # offloaded: every module holding weights; split: each key
@@ -140,7 +142,7 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
                      encoders, stage_seconds(plan, prepared, profile, "decode"))
     if text_tokens is not None:
         result["text_tokens"] = text_tokens
-    if request.compile not in ("none", ""):
+    if request.compile is not CompileMode.NONE:
         result.update(compile=compiles, **({"compile_eager_because": eager} if eager else {}))
     return result
 
@@ -149,11 +151,11 @@ def plan_prediction(plan, source, prepared, options, request: PredictionRequest)
 EAGER_WEIGHTS = ("fp8", "nf4", "gguf")
 
 
-def compile_mode(plan, name: str, asked: str, options) -> tuple[str, str | None]:
-    """(what a run asking `--compile asked` compiles of denoiser `name`: "none", "regional" or "full"; why it runs
-    eager instead), by the rules run/hooks/compile.py's `eager_reason` applies to this plan."""
-    if asked in ("none", ""):
-        return "none", None
+def compile_mode(plan, name: str, asked: CompileMode, options) -> tuple[CompileMode, str | None]:
+    """(what a run asking `--compile asked` compiles of denoiser `name`: none, regional or full; why it runs eager
+    instead), by the rules run/hooks/compile.py's `eager_reason` applies to this plan."""
+    if asked is CompileMode.NONE:
+        return CompileMode.NONE, None
     placed = plan.components[name]
     where = {str(device) for device in placed.device_map.values()}
     if "disk" in where or ("cpu" in where and len(where) > 1):
@@ -165,8 +167,8 @@ def compile_mode(plan, name: str, asked: str, options) -> tuple[str, str | None]
     elif options.cache is not None:
         reason = "the step cache decides in Python at each call which blocks run"
     else:
-        return ("full" if asked == "full" else "regional"), None
-    return "none", reason
+        return (CompileMode.FULL if asked is CompileMode.FULL else CompileMode.REGIONAL), None
+    return CompileMode.NONE, reason
 
 
 def cast_bytes(prep) -> float:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 
 from dm_cli.errors import UsageError
-from dm_cli.planning.modes import Word
+from dm_cli.planning.modes import CompileMode, parse_compile
 from dm_cli.run.hooks.hooks import LoopHook
 
 # dynamo's per-code-object recompile limit (8 by default): a block compiled per device it runs on, per shape a
@@ -33,27 +33,6 @@ PYTHON_WEIGHTS = {
     "nf4": "are dequantized by bitsandbytes at each call",
     "gguf": "are dequantized in Python at each call",
 }
-
-
-class CompileMode(Word):
-    """--compile's words."""
-
-    NONE = "none"
-    REGIONAL = "regional"
-    AUTO = "auto"  # regional where the model declares its repeated blocks, else whole (as regional)
-    FULL = "full"
-
-
-def parse_compile(value, where: str = "--compile") -> CompileMode:
-    """--compile / compile= as a CompileMode (None and False: none; True: auto); anything else one sentence."""
-    if value is None or value is False:
-        return CompileMode.NONE
-    if value is True:
-        return CompileMode.AUTO
-    try:
-        return CompileMode(str(value).strip().lower())
-    except ValueError:
-        raise UsageError(f"{where} must be one of {', '.join(CompileMode.words())}, not {value!r}.") from None
 
 
 def compile_choice(mode, request, plan, family, sharing) -> tuple[CompileMode, str | None]:

@@ -18,8 +18,9 @@ from dm_cli.families.calls import TensorSpec
 from dm_cli.inputs import InputSpec, check_count, check_text
 from dm_cli.model.lora import chosen_loras
 from dm_cli.model.single_file_weights import component_files_metadata
+from dm_cli.planning.modes import CompileMode
 from dm_cli.run.entry_checks import check_seed
-from dm_cli.run.hooks.compile import CompileHook, CompileMode
+from dm_cli.run.hooks.compile import CompileHook
 from dm_cli.run.loops.stages import StageLoop, fused_loras
 from dm_cli.run.ranks.parallel import ParallelStageLoop
 from dm_cli.run.ranks.pipeline import PipelineStageLoop
@@ -105,8 +106,8 @@ class Session:
                           largest_shard=settled.largest_shard,
                           track_activations=request.simulate or request.track_activations, on_status=on_status,
                           measure=measure, loras=self.generation.loras, **shared)
-        if settled.compile != "none":  # --compile: the denoiser compiled as it loads, after every other hook
-            self._loop.hooks.register_hook(CompileHook(CompileMode(settled.compile), self.family), "compile")
+        if settled.compile is not CompileMode.NONE:  # --compile: the denoiser compiled as it loads, after every hook
+            self._loop.hooks.register_hook(CompileHook(settled.compile, self.family), "compile")
         # per stage of the plan, over every generate(): how often its components were loaded, and the time
         # spent loading and running them (what a queue saves by loading once per chunk)
         self.stage_totals: dict[str, dict] = {s.name: {"loads": 0, "load_s": 0.0, "run_s": 0.0}

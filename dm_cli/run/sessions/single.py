@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import UsageError
-from dm_cli.families import all_settings
+from dm_cli.families import Job, all_settings
 from dm_cli.io.outputs import save_images, save_latents, save_videos, written_together
 from dm_cli.run.loops.carry import RESULT_JSON_VERSION, stages_json
 from dm_cli.run.loops.stages import StageResult
@@ -19,8 +19,17 @@ if TYPE_CHECKING:  # annotations only: the plan module costs start-up time
     from dm_cli.planning.plan_file import Plan
 
 
+def _of_job(name: str) -> property:
+    """A result's reading of the job it ran (the result holds the job and its generation, it does not copy them)."""
+    return property(lambda result: getattr(result.job, name), doc=f"The job's {name}.")
+
+
 @dataclass
 class RunResult:
+    """What one prompt's run made and measured. What it generated is the job it ran (its prompt, seed and settled
+    `Generation`), held whole and read through the properties below; `to_json` writes `dmap run --json`'s document
+    (docs/CONTRACTS.md) from them, key for key."""
+
     source: str
     pipeline_class: str
     demo: bool
@@ -28,12 +37,7 @@ class RunResult:
     plan_digest: str
     planned_here: bool
     simulate: bool
-    seed: int
-    steps: int
-    guidance_scale: float
-    height: int
-    width: int
-    num_images: int
+    job: Job  # the prompt, seed and settled generation this run made
     images: list[str]  # written files (a video and its JSON sidecar for video families)
     latents_path: str | None
     stages: list[StageResult]
@@ -42,11 +46,26 @@ class RunResult:
     notices: list[str] = field(default_factory=list)
     images_data: list = field(default_factory=list, repr=False)  # PIL images, or uint8 frame arrays (not in JSON)
     latents: object = field(default=None, repr=False)
-    num_frames: int | None = None  # video families
-    fps: int | None = None
-    settings: dict = field(default_factory=dict)  # the family's own (Family.settings), settled
     # --cache: {"label": NAME:K=V,..., "counts": {denoiser: {"calls", "computed", "skipped"}}} (dm_cli.run.hooks.step_cache)
     step_cache: dict = field(default_factory=dict)
+
+    seed = _of_job("seed")
+    steps = _of_job("steps")
+    guidance_scale = _of_job("guidance_scale")
+    height = _of_job("height")
+    width = _of_job("width")
+    num_images = _of_job("num_images")
+    num_frames = _of_job("num_frames")  # video families
+
+    @property
+    def fps(self) -> int | None:
+        """The settled frame rate, for video families (None for images), as `SettledRun.fps`."""
+        return self.job.generation.fps if self.job.num_frames else None
+
+    @property
+    def settings(self) -> dict:
+        """The family's own settings (Family.settings), settled."""
+        return dict(self.job.settings)
 
     def device_peaks(self) -> dict[str, tuple[int, int]]:
         """device -> (measured peak over all stages, planned peak over all stages)."""
@@ -105,10 +124,7 @@ def _run(request: RunRequest, plan: Plan | None, on_plan, on_step, on_status, fr
     result = RunResult(
         source=pipeline.source.spec, pipeline_class=pipeline.source.pipeline_class, demo=pipeline.demo,
         plan=pipeline.plan, plan_digest=pipeline.plan_digest, planned_here=pipeline.planned_here,
-        simulate=request.simulate, seed=job.seed, steps=job.steps, guidance_scale=job.guidance_scale,
-        height=job.height, width=job.width, num_images=job.num_images, images=[],
-        latents_path=None, stages=[], notices=pipeline.notices, num_frames=job.num_frames, fps=pipeline.fps,
-        settings=dict(job.settings),
+        simulate=request.simulate, job=job, images=[], latents_path=None, stages=[], notices=pipeline.notices,
     )
     if freeze:  # what the stages free is collected without walking the libraries (see run())
         gc.freeze()

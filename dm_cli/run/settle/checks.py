@@ -26,13 +26,12 @@ from dm_cli.model.formats.weight_formats import parse_weights_spec, storage_dtyp
 from dm_cli.model.single_file_weights import named_component_files, resolve_with_pipeline, without_weights
 from dm_cli.model.sources import PRESETS, config_digest, looks_like_path, preset_refusal
 from dm_cli.planning.make import launch_warning, make_named_plan
-from dm_cli.planning.modes import Layout
+from dm_cli.planning.modes import CompileMode, Layout
 from dm_cli.planning.parallel.parallel import ParallelRequest
 from dm_cli.planning.plan_command import lora_flags, plan_command
 from dm_cli.planning.plan_options import PlanOptions
 from dm_cli.planning.time.plan_prediction import MAX_QUEUE, PredictionRequest
 from dm_cli.planning.trace.trace import can_tile
-from dm_cli.run.hooks.compile import parse_compile
 from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
@@ -309,9 +308,9 @@ def _planned_parallel(sharing: StepSharing | None) -> ParallelRequest:
     return ParallelRequest()
 
 
-def _planned_compile(request) -> str:
+def _planned_compile(request) -> CompileMode:
     """--compile as the run's own plan predicts it: none where the activation tracker makes the run eager whatever
     the plan (run/hooks/compile.py `eager_reason`; the plan says the reasons it can see itself)."""
     if request.simulate or request.track_activations:
-        return "none"
-    return parse_compile(request.compile).value
+        return CompileMode.NONE
+    return request.compile

@@ -36,7 +36,7 @@ from dm_cli.io.video import names_folder
 from dm_cli.model.formats.weight_formats import int8_offload_problem
 from dm_cli.model.single_file_weights import component_files_metadata
 from dm_cli.planning.make import launch_warning
-from dm_cli.planning.modes import Layout, Mode, Parallel, Strategy, Word
+from dm_cli.planning.modes import CompileMode, Layout, Mode, Parallel, Strategy, Word
 from dm_cli.planning.placement.lora_sizing import lora_targets
 from dm_cli.run.distributed import Ranks
 from dm_cli.run.entry_checks import check_seed
@@ -107,7 +107,7 @@ class SettledRun:
     is_main: bool  # this rank decodes and gets the images (every process when steps are not shared)
     largest_shard: dict  # component -> its largest weights file's bytes
     notices: tuple[str, ...] = ()
-    compile: str = "none"  # --compile as it runs (dm_cli.run.hooks.compile.compile_choice): none, regional, auto or full
+    compile: CompileMode = CompileMode.NONE  # --compile as it runs (dm_cli.run.hooks.compile.compile_choice)
 
     @property
     def pipelined(self) -> bool:
@@ -234,7 +234,7 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
                       plan_digest=plan_digest(plan), planned_here=planned_here, source_from_plan=source_from_plan,
                       where=_where(request), sharing=sharing, loop=_loop(plan, sharing),
                       staged=plan.mode != Mode.RESIDENT, is_main=sharing is None or sharing.is_main,
-                      largest_shard=largest, notices=tuple(notices), compile=str(compiled))
+                      largest_shard=largest, notices=tuple(notices), compile=compiled)
 
 
 def _plan_file(request: RunRequest, plan: Plan | None) -> tuple[RunRequest, Plan | None, bool]:
@@ -278,14 +278,13 @@ def _generation(request: RunRequest, plan: Plan | None, source: Source, family: 
     if generation.loras:  # each LoRA with the component it patches, as the planner settles them
         generation = replace(generation, loras=lora_targets(source, generation.loras))
     refuse_existing_outputs(request, family, generation.num_images)
-    job = Job.of(generation, request.prompt, request.seed)
     if plan is not None:
         where = _where(request)
         check_plan_matches(plan, source, run_inputs(generation), request.placement, where, generation.loras,
                            plan_file=request.plan_file, source_from_plan=source_from_plan)
         plan = check_plan_cache(plan, request.generation.cache, where, off=request.cache_off)
         generation = replace(generation, cache=plan.cache)
-    return generation, job, plan
+    return generation, Job.of(generation, request.prompt, request.seed), plan
 
 
 def _final_plan(request: RunRequest, plan: Plan | None, source: Source, family: Family, generation: Generation,
