@@ -5,6 +5,7 @@ from the trace's own ops, where eager runs each op and writes each intermediate.
 import pytest
 from test_step_time import hand_profile
 
+from dm_cli.planning.modes import CompileMode
 from dm_cli.planning.time.step_time import CallWork, Traffic, call_terms, compiled
 
 
@@ -74,12 +75,12 @@ def test_compiled_step_moves_the_fused_bytes_and_launches_the_fused_kernels():
                     outside_fused_kernels=2)
     profile = hand_profile(memory_gbps=1e9)  # weights read at no cost: the elementwise bytes alone
     eager = call_terms(work, profile, "bfloat16", Traffic())
-    full = call_terms(compiled(work, "full"), profile, "bfloat16", Traffic())
+    full = call_terms(compiled(work, CompileMode.FULL), profile, "bfloat16", Traffic())
     assert eager["memory"] == pytest.approx(1.0) and full["memory"] == pytest.approx(0.2)
     assert eager["ops"] == pytest.approx(1.005) and full["ops"] == pytest.approx(0.015)
-    regional = compiled(work, "regional")  # blocks fused (1.5e8 bytes, 8 kernels), the outside eager (1e8, 105 ops)
+    regional = compiled(work, CompileMode.REGIONAL)  # blocks fused (1.5e8 bytes, 8 kernels), the outside eager (1e8, 105 ops)
     assert regional.other_bytes == pytest.approx(2.5e8) and regional.ops == 5 + 8 + 105
-    assert compiled(CallWork(1e12, 0, 1e9, 1005, 0, 5), "full").other_bytes == 1e9  # no fused counts: eager's
+    assert compiled(CallWork(1e12, 0, 1e9, 1005, 0, 5), CompileMode.FULL).other_bytes == 1e9  # no fused counts: eager's
 
 
 def test_the_plan_predicts_the_compiled_step_or_says_why_it_runs_eager():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from dm_cli.planning.modes import CompileMode
 from dm_cli.planning.time.profiles import DeviceProfile
 
 # An empty CUDA kernel occupies the GPU about 3 us: at best 334,000 back-to-back launches a second (M. Boyer, "CUDA
@@ -87,7 +88,7 @@ class CallWork:
                    float(work.get("attention_kernel_flops", 0)))
 
 
-def compiled(work: CallWork, mode: str) -> CallWork:
+def compiled(work: CallWork, mode: CompileMode) -> CallWork:
     """One call as `--compile` runs it: each run of elementwise ops between two matmuls (or attentions) one kernel
     that reads and writes its tensors once (the trace's `fused_*`), where eager runs every op as its own kernel and
     writes every intermediate; matmuls, convolutions and attention as eager runs them. "regional" compiles the
@@ -97,7 +98,7 @@ def compiled(work: CallWork, mode: str) -> CallWork:
     if not work.fused_kernels:
         return work
     heavy = work.matmul_ops + work.attention_ops
-    if mode == "full" or work.outside_ops >= work.ops:
+    if mode is CompileMode.FULL or work.outside_ops >= work.ops:
         return replace(work, other_bytes=work.fused_bytes, ops=heavy + work.fused_kernels,
                        outside_bytes=work.outside_fused_bytes, outside_ops=work.outside_fused_kernels)
     blocks_bytes = work.fused_bytes - work.outside_fused_bytes
