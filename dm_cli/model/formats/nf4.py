@@ -20,6 +20,10 @@ The sizes need no torch; the rule on a built model and the loader's two calls im
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import sys
+
 from dm_cli.errors import UsageError
 
 NF4_BLOCK = 64  # bitsandbytes' 4-bit blocksize (Linear4bit's default)
@@ -93,9 +97,6 @@ def import_bitsandbytes_deferring_compile() -> None:
     on first call instead, they compute what they did: dynamo compiles on the first call either way, and
     bitsandbytes falls back to the plain function when compiling fails, then or now. A missing or broken
     bitsandbytes is left for diffusers' import (or `bitsandbytes()`) to report, as before."""
-    import importlib.util
-    import sys
-
     if "bitsandbytes" in sys.modules or importlib.util.find_spec("bitsandbytes") is None:
         return
     import torch  # lazy: torch (heavy, off start-up)
@@ -112,8 +113,6 @@ def import_bitsandbytes_deferring_compile() -> None:
 
 def _compile_on_first_call(compile_now):
     """`torch.compile` for plain functions, compiling each on its first call; modules compiled at once."""
-    import functools
-
     def compile(model=None, **options):
         if model is None:  # used as @torch.compile(**options)
             return lambda function: compile(function, **options)
