@@ -80,6 +80,15 @@ def run_dmap(*args, env=None, cwd=None):
     return code, out.getvalue(), err.getvalue()
 
 
+def wan_transformer_inputs(config):
+    """A tiny Wan transformer's call, seeded: latents of 3 frames at 8x8, timestep 500, 8 text tokens."""
+    import torch  # lazy: collecting the suite imports no torch here
+
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(1, config.in_channels, 3, 8, 8, generator=generator), torch.tensor([500]),
+            torch.randn(1, 8, config.text_dim, generator=generator))
+
+
 def run_dmap_process(*args, env=None, cwd=None):
     """Run the real CLI in a subprocess: exit code, stdout, stderr."""
     full_env = dict(os.environ)

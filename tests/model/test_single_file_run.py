@@ -12,7 +12,7 @@ import json
 import shutil
 
 import pytest
-from conftest import run_dmap
+from conftest import run_dmap, wan_transformer_inputs
 from original_layouts import q8_0_rows, wan_name, write_gguf
 
 PROMPT, SIZE, FRAMES, STEPS, SEED = "a red fox in the snow", 32, 9, 4, 7
@@ -370,10 +370,7 @@ def test_gguf_blocks_streamed_from_the_cpu_keep_their_types_and_adapters(wan_fil
     ffn = streamed.blocks[0].ffn.net[2]
     assert ffn.base_layer.weight.device.type == "meta" and ffn.base_layer.weight.quant_type is not None
     assert ffn.lora_A["dmap_lora_0"].weight.device.type == "meta"
-    config = resident.config
-    generator = torch.Generator().manual_seed(0)
-    inputs = (torch.randn(1, config.in_channels, 3, 8, 8, generator=generator), torch.tensor([500]),
-              torch.randn(1, 8, config.text_dim, generator=generator))
+    inputs = wan_transformer_inputs(resident.config)
     with torch.no_grad():
         expected, got = resident(*inputs).sample, streamed(*inputs).sample
     assert torch.equal(got, expected)

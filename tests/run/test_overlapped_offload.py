@@ -8,7 +8,7 @@ import diffusers
 import numpy as np
 import pytest
 import torch
-from conftest import run_dmap
+from conftest import run_dmap, wan_transformer_inputs
 from test_single_file_run import wan_files  # noqa: F401 - a fixture: a tiny Wan 2.2 and its GGUF single file
 
 SIZE = 64
@@ -294,10 +294,7 @@ def test_gguf_blocks_prefetched_keep_their_types_and_give_the_synchronous_output
     prefetch = overlapped._dmap_prefetch
     assert prefetch.order == ["blocks.0", "blocks.1"]
     assert overlapped.blocks[0].ffn.net[2].weight.quant_type is not None  # still a GGUF layer
-    config = synchronous.config
-    generator = torch.Generator().manual_seed(0)
-    inputs = (torch.randn(1, config.in_channels, 3, 8, 8, generator=generator), torch.tensor([500]),
-              torch.randn(1, 8, config.text_dim, generator=generator))
+    inputs = wan_transformer_inputs(synchronous.config)
     with torch.no_grad():
         expected, got = synchronous(*inputs).sample, overlapped(*inputs).sample
     assert torch.equal(got, expected) and prefetch.prefetched == 2
