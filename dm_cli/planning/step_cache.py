@@ -30,6 +30,7 @@ from dm_cli.inputs import InputSpec, StepCache
 from dm_cli.io.cache import cache_key, read_cached, write_cached
 from dm_cli.planning.placement.search import DeviceUse
 from dm_cli.planning.trace import trace  # the module: tests replace its _run to see that no trace runs
+from dm_cli.planning.trace.trace_session import iter_tensors
 from dm_cli.units import shorten
 
 AUTO = "auto"  # a setting left to the family (Key.auto)
@@ -422,22 +423,11 @@ def _held(model, cache: StepCache, torch, sliced: bool = False) -> dict[str, int
     tensors_seen: set = set()
     for prefix, name, value in found:
         where = tail if sliced and name in TRAVEL else head if name in HEAD_STATE else tail if name in TAIL_STATE else prefix
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(value, torch) if not (
+        nbytes = sum(t.numel() * t.element_size() for t in iter_tensors(value, torch) if not (
             id(t) in tensors_seen or tensors_seen.add(id(t))))
         if nbytes and where is not None:
             holders[where] = holders.get(where, 0) + nbytes * (terms if cache.name == "taylorseer" else 1)
     return holders
-
-
-def _tensors(value, torch):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item, torch)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item, torch)
 
 
 # --- where the bytes go ---------------------------------------------------------------------------

@@ -30,16 +30,16 @@ _META = "meta"  # the one place a trace counts activations against
 _BLOCK_ENTRY = re.compile(rf"(?:{'|'.join(PIPELINE_LISTS)})\.[0-9]+")  # a block of the lists a pipeline cuts
 
 
-def _iter_tensors(value, torch):
+def iter_tensors(value, torch):
     """Tensors in an op's or a module's arguments (nested lists, tuples and dicts)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _iter_tensors(item, torch)
+            yield from iter_tensors(item, torch)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _iter_tensors(item, torch)
+            yield from iter_tensors(item, torch)
 
 
 @lru_cache(maxsize=1)
@@ -165,7 +165,7 @@ class _ModuleHooks:
         def hook(module, args, kwargs_or_output, output=None):
             self.exit_module(prefix)
             produced = kwargs_or_output if output is None else output
-            size = sum(t.numel() * t.element_size() for t in _iter_tensors(produced, self.torch))
+            size = sum(t.numel() * t.element_size() for t in iter_tensors(produced, self.torch))
             if size > self.module_outputs.get(prefix, 0):
                 self.module_outputs[prefix] = size
             return None
@@ -201,16 +201,16 @@ class _OpAccounting:
 
     def after_op(self, func, args, kwargs, out) -> None:
         torch = self.torch
-        inputs = list(_iter_tensors(args, torch))
+        inputs = list(iter_tensors(args, torch))
         if kwargs:
-            inputs.extend(_iter_tensors(kwargs, torch))
+            inputs.extend(iter_tensors(kwargs, torch))
         input_ids = {id(t) for t in inputs}
         for tensor in inputs:
             owner = self.weight_owner.get(id(tensor))
             if owner is not None and owner not in self.ordered:
                 self.ordered.add(owner)
                 self.order.append(owner)
-        outputs = [t for t in _iter_tensors(out, torch) if id(t) not in input_ids]
+        outputs = [t for t in iter_tensors(out, torch) if id(t) not in input_ids]
         if self.tag_mode is not None:
             tag = self.combine(inputs, func)
             if tag is not None:
@@ -248,7 +248,7 @@ class _OpAccounting:
             self._flop_formulas = flop_registry
         if getattr(func, "is_view", False):
             if any(id(t) in self.fused_made for t in inputs):  # a view of a run's tensor: the run's still
-                self.fused_made.update(self.fused_key(t) for t in _iter_tensors(out, self.torch))
+                self.fused_made.update(self.fused_key(t) for t in iter_tensors(out, self.torch))
             return
         work = self.work
         work["ops"] += 1
@@ -271,7 +271,7 @@ class _OpAccounting:
                 return
             except Exception:  # noqa: BLE001 - a formula that does not take this call: counted as bytes
                 pass
-        moved = sum(t.numel() * t.element_size() for t in (*inputs, *_iter_tensors(out, self.torch)))
+        moved = sum(t.numel() * t.element_size() for t in (*inputs, *iter_tensors(out, self.torch)))
         work["other_bytes"] += moved
         work["outside_bytes"] += moved if outside else 0
         self.count_fused(inputs, out, outside)
@@ -313,7 +313,7 @@ class _OpAccounting:
             elif key not in self.fused_read:
                 self.fused_read.add(key)
                 fused += nbytes
-        outputs = list(_iter_tensors(out, self.torch))
+        outputs = list(iter_tensors(out, self.torch))
         self.fused_made.update(self.fused_key(t) for t in outputs)
         fused += sum(t.numel() * t.element_size() for t in outputs)
         work["fused_bytes"] += fused
