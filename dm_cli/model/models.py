@@ -21,10 +21,16 @@ from dm_cli.model.formats.weight_formats import quiet_torchao
 _VOLATILE_KEYS = ("_name_or_path", "transformers_version")
 
 
+def before_diffusers_import() -> None:
+    """What must come before diffusers' first import, which imports torchao and bitsandbytes when they are installed:
+    torchao's logs quieted, and bitsandbytes imported with its kernels' compiles waiting for their first use."""
+    quiet_torchao()
+    import_bitsandbytes_deferring_compile()
+
+
 def quiet_libraries() -> None:
     """dmap prints its own progress and summary: the libraries' load bars and advice would drown it."""
-    quiet_torchao()
-    import_bitsandbytes_deferring_compile()  # before diffusers imports it: its compiles on first use
+    before_diffusers_import()
     # transformers: imported on use, so start-up stays free of torch
     import transformers
 
@@ -38,8 +44,7 @@ def quiet_libraries() -> None:
 
 
 def _library_module(library: str | None, class_name: str):
-    quiet_torchao()  # before diffusers' first import, which imports torchao when it is installed
-    import_bitsandbytes_deferring_compile()  # and bitsandbytes, whose kernels' compiles wait for their first use
+    before_diffusers_import()
     if library in ("diffusers", "transformers"):
         return importlib.import_module(library)
     if isinstance(library, str) and library.isidentifier() and not library.startswith("_"):

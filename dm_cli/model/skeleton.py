@@ -15,8 +15,8 @@ from dm_cli.errors import DmapError, SourceError
 from dm_cli.io.cache import cache_key, read_cached, write_cached
 from dm_cli.io.checkpoint import legacy_files_loaded, load_legacy_weights, open_checkpoint
 from dm_cli.model.formats.prequantized import check_readable, held_bytes
-from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, low_precision_bytes, low_precision_tags, quiet_torchao
-from dm_cli.model.models import build_model
+from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, low_precision_bytes, low_precision_tags
+from dm_cli.model.models import before_diffusers_import, build_model
 from dm_cli.units import DTYPE_BYTES, FLOATING_DTYPES, numel
 
 SKELETON_FORMAT_VERSION = 4  # 4: nf4 tags
@@ -347,7 +347,7 @@ def build_on_meta(library: str, class_name: str, config: dict):
 
 def guess_library(class_name: str) -> str | None:
     """Which library has `class_name`, for a config.json that does not say."""
-    quiet_torchao()
+    before_diffusers_import()
     # diffusers and transformers: imported on use, so start-up stays free of torch
     import diffusers
     import transformers
