@@ -42,10 +42,11 @@ def fast_check(args, work: Path, env: dict, torch, flux_folder) -> bool:
         os.environ.setdefault("DMAP_COMPILE_BACKEND", "eager")
     sync = (lambda: torch.cuda.synchronize(torch.device(args.device))) if gpu else (lambda: None)
     rows, images, choice = [], {}, {}
-    for label, memory, compile_mode in (("eager", resident, "none"), ("compiled", resident, "regional"),
-                                        ("offloaded", offloaded, "none")):
-        step_s, cold_s, choice[label] = dmap_measure(str(folder), memory, compile_mode, size, steps, dtype, sync,
-                                                     work / f"fast-dmap-{label}.png")
+    for label, memory, mode, compile_mode in (("eager", resident, "resident", "none"),
+                                              ("compiled", resident, "resident", "regional"),
+                                              ("offloaded", offloaded, "auto", "none")):
+        step_s, cold_s, choice[label] = dmap_measure(str(folder), memory, mode, compile_mode, size, steps, dtype,
+                                                     sync, work / f"fast-dmap-{label}.png")
         rows.append((f"dmap {label}", step_s, cold_s))
         images[label] = work / f"fast-dmap-{label}.png"
         if gpu:
@@ -63,14 +64,13 @@ def fast_check(args, work: Path, env: dict, torch, flux_folder) -> bool:
     return _report(args, size, steps, dtype, rows, images, choice)
 
 
-def dmap_measure(source: str, memory: str, compile_mode: str, size: int, steps: int, dtype: str, sync,
+def dmap_measure(source: str, memory: str, mode: str, compile_mode: str, size: int, steps: int, dtype: str, sync,
                  output: Path) -> tuple[float, float, dict]:
     """dmap's API on the folder: the cold call timed whole, then the warm call per step (median, each step waiting
     for the device); (warm s/step, cold call s, the plan's offload of the transformer)."""
     from dm_cli.api import load
 
-    session = load(source, max_memory=memory, mode="resident" if "cpu=64GB" not in memory else "auto",
-                   dtype=dtype, height=size, width=size, compile=compile_mode)
+    session = load(source, max_memory=memory, mode=mode, dtype=dtype, height=size, width=size, compile=compile_mode)
     started = time.perf_counter()
     list(session.generate([PROMPT.format(0)], steps=steps, seed=0))
     sync()
