@@ -77,7 +77,7 @@ def test_pipeline_advice_for_a_queue_does_not_send_it_back_to_pipeline():
     from types import SimpleNamespace
 
     from dm_cli.inputs import Generation
-    from dm_cli.run.ranks.pipeline import pipeline_refusal
+    from dm_cli.run.settle.layout import pipeline_refusal
 
     family = SimpleNamespace(denoiser="unet", experts=(), title=lambda: "SDXL")
     plan = SimpleNamespace(components={"unet": SimpleNamespace(cls="UNet2DConditionModel")})
@@ -183,9 +183,9 @@ def test_a_plan_made_under_torchrun_does_not_advise_launching_torchrun(tmp_path,
     from dm_cli.model.sources import PRESETS_DIR
     from dm_cli.planning.modes import Layout
     from dm_cli.run.distributed import Ranks
-    from dm_cli.run.ranks.parallel import StepSharing
     from dm_cli.run.request import RunRequest
     from dm_cli.run.settle.checks import make_run_plan, prepare, settle_generation
+    from dm_cli.run.settle.layout import StepSharing
 
     folder = write_random_pipeline(PRESETS_DIR / "tiny-flux", tmp_path / "flux", seed=0)
     for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",

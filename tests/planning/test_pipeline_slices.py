@@ -18,7 +18,8 @@ from dm_cli.families.calls import TensorSpec
 from dm_cli.inputs import InputSpec
 from dm_cli.model.models import build_model
 from dm_cli.model.sources import resolve_source
-from dm_cli.run.ranks.pipeline import PIPELINE_CLASSES, SliceDone, Slices, Turns, cut_to_slice, plan_slices
+from dm_cli.run.ranks.pipeline import SliceDone, Turns, cut_to_slice
+from dm_cli.run.settle.layout import PIPELINE_CLASSES, Slices, plan_slices
 
 # preset, its denoiser's config changed to have enough blocks to cut three ways, input size
 CASES = {

@@ -29,49 +29,16 @@ included, is diffusers' own).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from dm_cli.errors import UsageError
 from dm_cli.inputs import InputSpec
-from dm_cli.planning.modes import Layout
 from dm_cli.planning.parallel.parallel import (
     guidance_branches,
-    layout_title,
 )
-from dm_cli.run.distributed import Ranks
 from dm_cli.run.hooks.component_hooks import StepCache
 from dm_cli.run.hooks.step_cache import agree_across
 from dm_cli.run.loops.main_rank import MainRankRunners, on_this_rank
 from dm_cli.run.loops.stages import StageLoop
-
-
-@dataclass(frozen=True)
-class StepSharing:
-    """How this torchrun launch shares each denoising step: layout, degrees, and where this rank stands."""
-
-    layout: Layout  # cfg, context, cfg+context or pipeline (dm_cli.run.ranks.pipeline)
-    cfg: int
-    ulysses: int
-    ranks: Ranks
-    guidance: str = ""  # "batch" or "separate" (cfg): how the pipeline runs its two branches
-
-    def __post_init__(self) -> None:
-        """The layout as its member, whoever made the sharing (a candidate's word, a test's)."""
-        object.__setattr__(self, "layout", Layout(self.layout))
-
-    @property
-    def branch(self) -> int:
-        """The CFG branch this rank computes (0: the first half or the first call; 1: the other)."""
-        return self.ranks.rank // self.ulysses if self.cfg == 2 else 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.ranks.is_main
-
-    def describe(self) -> str:
-        if self.layout == Layout.PIPELINE:
-            return f"pipeline parallel: one slice of the denoiser on each of {self.ranks.world_size} torchrun ranks"
-        return f"{layout_title(self.layout, self.cfg, self.ulysses)} over {self.ranks.world_size} torchrun ranks"
+from dm_cli.run.settle.layout import StepSharing
 
 
 def check_job(sharing: StepSharing, family, job) -> None:

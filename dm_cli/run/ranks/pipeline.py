@@ -41,16 +41,12 @@ import copy
 import ctypes.util
 import dataclasses
 import platform
-import re
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 
-from dm_cli.devices import device_key, is_gpu
 from dm_cli.errors import UsageError
 from dm_cli.families.stages import DENOISE
-from dm_cli.planning.parallel.parallel import PIPELINE_CLASSES, ParallelRequest
 from dm_cli.planning.step_cache import CACHES, diffusers_config, enable, resolved_lite
 from dm_cli.run.distributed import TerminateRaises
 from dm_cli.run.hooks.adapters import load_loras
@@ -75,49 +71,7 @@ from dm_cli.run.ranks.pipeline_links import (
     _Stopped,
     join_all,
 )
-
-PIPELINE = "pipeline"
-_BLOCK_KEY = re.compile(r"(?P<list>[A-Za-z_][\w.]*)\.(?P<index>[0-9]+)")
-
-
-@dataclass(frozen=True)
-class Slices:
-    """Rank r's block keys (`transformer_blocks.3`), in execution order, and how many prompts may be in flight."""
-
-    blocks: tuple[tuple[str, ...], ...]
-    in_flight: int
-
-    @property
-    def world_size(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def every_block(self) -> tuple[str, ...]:
-        return tuple(key for part in self.blocks for key in part)
-
-
-def plan_slices(plan, denoiser: str, world_size: int) -> Slices:
-    """The slices of the plan's split: rank r holds the denoiser's blocks the plan puts on GPU r. Refused (one
-    sentence) unless the blocks are cut into `world_size` contiguous, non-empty runs on GPUs 0 .. N - 1."""
-    device_map = plan.components[denoiser].device_map
-    blocks = [(key, device_key(dev)) for key, dev in device_map.items() if _BLOCK_KEY.fullmatch(key)]
-    how = (f"plan it with dmap plan --world-size {world_size} --parallel pipeline (and the same --max-memory), then "
-           "run that plan with -d")
-    if not blocks:
-        raise UsageError(f"The plan puts {denoiser} on its devices whole, not block by block, so there is nothing to "
-                         f"cut into {world_size} slices: {how}.")
-    owners = [dev for _, dev in blocks]
-    if any(not (is_gpu(dev) and isinstance(dev, int) and dev < world_size) for dev in owners):
-        where = sorted({str(dev) for dev in owners}, key=str)
-        raise UsageError(f"--parallel pipeline gives rank r the blocks the plan puts on GPU r, and this plan puts "
-                         f"{denoiser}'s blocks on {', '.join(where)} for {world_size} ranks: {how}.")
-    if owners != sorted(owners) or set(owners) != set(range(world_size)):
-        raise UsageError(f"The plan does not cut {denoiser}'s blocks into {world_size} runs, one per GPU 0 to "
-                         f"{world_size - 1} in order: {how}.")
-    parts = tuple(tuple(key for key, dev in blocks if dev == rank) for rank in range(world_size))
-    recorded = getattr(getattr(plan, "parallel", None), "in_flight", None)
-    return Slices(parts, recorded or ParallelRequest(world_size, PIPELINE).planned_in_flight)  # the planner's default
-
+from dm_cli.run.settle.layout import BLOCK_KEY, Slices, plan_slices
 
 # --- the slice of the denoiser ------------------------------------------------------------------------
 
@@ -162,7 +116,7 @@ def cut_to_slice(model, slices: Slices, rank: int, send, receive) -> None:
     everything = set(slices.every_block)
     lists: dict[str, list[str]] = {}
     for key in slices.every_block:
-        match = _BLOCK_KEY.fullmatch(key)
+        match = BLOCK_KEY.fullmatch(key)
         lists.setdefault(match["list"], []).append(key)
     following = slices.blocks[rank + 1][0] if rank + 1 < slices.world_size else None
     for list_name, keys in lists.items():
@@ -339,18 +293,6 @@ class SliceForward:
 
 
 # --- the stage loop -------------------------------------------------------------------------------------
-
-
-def pipeline_refusal(family, generation, plan, world_size: int) -> str | None:
-    """Why this run cannot be pipelined (None: it can)."""
-    if world_size < 2:
-        return ("--parallel pipeline cuts the denoiser among torchrun ranks and this is one process: launch it with "
-                "torchrun --nproc-per-node N (N = the plan's GPUs).")
-    denoiser = plan.components[family.denoiser].cls if plan is not None else None
-    if denoiser is not None and denoiser not in PIPELINE_CLASSES:
-        return (f"--parallel pipeline cuts the denoisers whose blocks pass their whole state from one to the next "
-                f"({', '.join(PIPELINE_CLASSES)}), not {denoiser}: for one prompt use --parallel cfg or context; for a queue drop --parallel (the ranks then share the prompts).")
-    return None
 
 
 def _one_malloc_arena() -> None:

@@ -37,7 +37,7 @@ from dm_cli.units import parse_dtype
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
     from dm_cli.model.sources import Source
     from dm_cli.planning.plan_file import Plan
-    from dm_cli.run.ranks.parallel import StepSharing
+    from dm_cli.run.settle.layout import StepSharing
 from dm_cli.run.request import (
     RunRequest,
     cpu_rank_devices,

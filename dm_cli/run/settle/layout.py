@@ -5,21 +5,111 @@ sentence each), and the CPU ranks that stand in for a plan's GPUs. The loops tha
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dm_cli.devices import device_key, is_gpu
 from dm_cli.errors import UsageError
 from dm_cli.planning.modes import Layout, Parallel
-from dm_cli.planning.parallel.parallel import ParallelRequest, candidates, denoiser_shape, guidance_branches
+from dm_cli.planning.parallel.parallel import (
+    PIPELINE_CLASSES,
+    ParallelRequest,
+    candidates,
+    denoiser_shape,
+    guidance_branches,
+    layout_title,
+)
 from dm_cli.run.distributed import Ranks
-from dm_cli.run.ranks.parallel import StepSharing
-from dm_cli.run.ranks.pipeline import pipeline_refusal, plan_slices
 from dm_cli.run.request import parallel_choice, run_inputs, visible_gpus
 
 if TYPE_CHECKING:  # the core nouns, for annotations only
     from dm_cli.planning.plan_file import Plan
 
+# a block of a block list in a device map ("transformer_blocks.3"): what pipeline parallel cuts
+BLOCK_KEY = re.compile(r"(?P<list>[A-Za-z_][\w.]*)\.(?P<index>[0-9]+)")
 LAUNCH = ("launch it with torchrun --nproc-per-node N (N = 2 for cfg, the Ulysses degree for context, the plan's GPUs "
           "for pipeline)")
+
+
+@dataclass(frozen=True)
+class StepSharing:
+    """How this torchrun launch shares each denoising step: layout, degrees, and where this rank stands."""
+
+    layout: Layout  # cfg, context, cfg+context or pipeline (dm_cli.run.ranks.pipeline)
+    cfg: int
+    ulysses: int
+    ranks: Ranks
+    guidance: str = ""  # "batch" or "separate" (cfg): how the pipeline runs its two branches
+
+    def __post_init__(self) -> None:
+        """The layout as its member, whoever made the sharing (a candidate's word, a test's)."""
+        object.__setattr__(self, "layout", Layout(self.layout))
+
+    @property
+    def branch(self) -> int:
+        """The CFG branch this rank computes (0: the first half or the first call; 1: the other)."""
+        return self.ranks.rank // self.ulysses if self.cfg == 2 else 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.ranks.is_main
+
+    def describe(self) -> str:
+        if self.layout == Layout.PIPELINE:
+            return f"pipeline parallel: one slice of the denoiser on each of {self.ranks.world_size} torchrun ranks"
+        return f"{layout_title(self.layout, self.cfg, self.ulysses)} over {self.ranks.world_size} torchrun ranks"
+
+
+@dataclass(frozen=True)
+class Slices:
+    """Rank r's block keys (`transformer_blocks.3`), in execution order, and how many prompts may be in flight."""
+
+    blocks: tuple[tuple[str, ...], ...]
+    in_flight: int
+
+    @property
+    def world_size(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def every_block(self) -> tuple[str, ...]:
+        return tuple(key for part in self.blocks for key in part)
+
+
+def plan_slices(plan, denoiser: str, world_size: int) -> Slices:
+    """The slices of the plan's split: rank r holds the denoiser's blocks the plan puts on GPU r. Refused (one
+    sentence) unless the blocks are cut into `world_size` contiguous, non-empty runs on GPUs 0 .. N - 1."""
+    device_map = plan.components[denoiser].device_map
+    blocks = [(key, device_key(dev)) for key, dev in device_map.items() if BLOCK_KEY.fullmatch(key)]
+    how = (f"plan it with dmap plan --world-size {world_size} --parallel pipeline (and the same --max-memory), then "
+           "run that plan with -d")
+    if not blocks:
+        raise UsageError(f"The plan puts {denoiser} on its devices whole, not block by block, so there is nothing to "
+                         f"cut into {world_size} slices: {how}.")
+    owners = [dev for _, dev in blocks]
+    if any(not (is_gpu(dev) and isinstance(dev, int) and dev < world_size) for dev in owners):
+        where = sorted({str(dev) for dev in owners}, key=str)
+        raise UsageError(f"--parallel pipeline gives rank r the blocks the plan puts on GPU r, and this plan puts "
+                         f"{denoiser}'s blocks on {', '.join(where)} for {world_size} ranks: {how}.")
+    if owners != sorted(owners) or set(owners) != set(range(world_size)):
+        raise UsageError(f"The plan does not cut {denoiser}'s blocks into {world_size} runs, one per GPU 0 to "
+                         f"{world_size - 1} in order: {how}.")
+    parts = tuple(tuple(key for key, dev in blocks if dev == rank) for rank in range(world_size))
+    recorded = getattr(getattr(plan, "parallel", None), "in_flight", None)
+    return Slices(parts, recorded or ParallelRequest(world_size, Layout.PIPELINE).planned_in_flight)  # the planner's default
+
+
+def pipeline_refusal(family, generation, plan, world_size: int) -> str | None:
+    """Why this run cannot be pipelined (None: it can)."""
+    if world_size < 2:
+        return ("--parallel pipeline cuts the denoiser among torchrun ranks and this is one process: launch it with "
+                "torchrun --nproc-per-node N (N = the plan's GPUs).")
+    denoiser = plan.components[family.denoiser].cls if plan is not None else None
+    if denoiser is not None and denoiser not in PIPELINE_CLASSES:
+        return (f"--parallel pipeline cuts the denoisers whose blocks pass their whole state from one to the next "
+                f"({', '.join(PIPELINE_CLASSES)}), not {denoiser}: for one prompt use --parallel cfg or context; for a queue drop --parallel (the ranks then share the prompts).")
+    return None
 
 
 def step_sharing(choice: Parallel | str | None, plan, source, family, generation,

@@ -7,7 +7,9 @@ how torchrun ranks share a step, which stage loop runs) and refuses what cannot 
 there receives a half-built Session. As litgpt checks its options once in `__post_init__`, the checks happen here
 and nowhere else; the run's own checks are plain functions beside this module (dm_cli.run.settle.checks:
 `prepare`, `check_plan_matches`, `make_run_plan`, ...), the facts they compare in dm_cli.run.request, and the checks
-of other wings' facts (`pipeline_refusal`, `int8_offload_problem`, ...) stay beside those facts.
+of other wings' facts (`int8_offload_problem`, ...) stay beside those facts. How ranks share a step is decided in
+dm_cli.run.settle.layout, with the records the rank loops read (`StepSharing`, `Slices`): settling imports no loop
+(an import-linter contract), so the loops depend on the decision, not the other way round.
 
 The order, the same for every entry (where two checks could fire, the earlier one speaks):
 
@@ -60,8 +62,8 @@ if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here w
     from dm_cli.inputs import Generation
     from dm_cli.model.sources import Source
     from dm_cli.planning.plan_file import Plan
-    from dm_cli.run.ranks.parallel import StepSharing
     from dm_cli.run.request import RunRequest
+    from dm_cli.run.settle.layout import StepSharing
 
 
 class Entry(Word):
