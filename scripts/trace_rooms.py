@@ -7,7 +7,15 @@ stage loop's first `run_job` (where the pipeline is called), counts:
 - entries: calls from one dm_cli module into another (a room entered again counts again), in all and for the
   run layer's rooms (cli, api, run);
 - returns into cli/run.py: calls made by cli/run.py's own code into another room that came back to it (each one a
-  step the command line had to sequence itself).
+  step the command line had to sequence itself);
+- stays and climbs back up (issue 56): the walk seen from the run layer only, each moment in the run-layer room
+  whose function runs (what it calls below the run layer, the planner, families, io, is part of that stay). A stay
+  starts when that room changes: by a call (an entry) or by a return into a room the walk had left (a climb back
+  up, a room that sequences steps itself: it called down, got an answer, and goes on). Counted for the whole walk
+  and for its first 400 events (calls and returns of run-layer functions), as the issue measured;
+- calls against the imports: a call from room A into room B where B imports A (directly or through others, per
+  grimp's import graph): control climbing back up the house, a lower room calling a higher one through a callback
+  it was handed (a status line, a progress bar, a hook). The house's layers forbid the imports, not these calls.
 
 Usage: python scripts/trace_rooms.py [SOURCE] [--json]. SOURCE defaults to a random-weight tiny-flux written to a
 temporary folder (as the tests make theirs); its files and the output are removed at the end.
@@ -23,6 +31,8 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+
+import grimp
 
 CLI_RUN = "dm_cli.cli.run"
 # the rooms a run request is settled and sequenced in (the planner, the families and io below them are what they
@@ -42,6 +52,20 @@ def walk(source: str, output: str) -> dict:
     returns_into_cli: list[str] = []
     doors: list[str] = []  # each entry into a run-layer room: from where, into which function
     state = {"done": False}
+    layer_stack: list[str] = []  # the run-layer rooms of the frames running, innermost last
+    stays: list[tuple[str, str]] = []  # (how it began: "call" or "climb", room), in order
+    events = [0]  # run-layer calls and returns so far
+    climbs_at: list[int] = []  # the event count at each climb
+    graph = grimp.build_graph("dm_cli")
+    above: dict[str, set] = {}  # room -> the rooms it imports, directly or not
+    upward: list[str] = []  # calls against the imports, "caller -> callee.function"
+
+    def moved(how: str) -> None:
+        room = layer_stack[-1] if layer_stack else ""
+        if room and (not stays or stays[-1][1] != room):
+            stays.append((how, room))
+            if how == "climb":
+                climbs_at.append(events[0])
 
     def module_of(frame) -> str:
         return frame.f_globals.get("__name__", "") or ""
@@ -54,10 +78,23 @@ def walk(source: str, output: str) -> dict:
             return
         caller = frame.f_back
         came_from = module_of(caller) if caller is not None else ""
+        if event == "call" and here == "dm_cli.run.loops.stages" and frame.f_code.co_name == "run_job":
+            state["done"] = True  # the pipeline call: the walk ends here
+            return
+        if here.startswith(RUN_LAYER):
+            events[0] += 1
+            if event == "call":
+                layer_stack.append(here)
+                moved("call")
+            elif layer_stack:
+                layer_stack.pop()
+                moved("climb")
+        if event == "call" and came_from.startswith("dm_cli") and came_from != here and here in graph.modules:
+            if here not in above:
+                above[here] = graph.find_upstream_modules(here)
+            if came_from in above[here]:
+                upward.append(f"{came_from} -> {here}.{frame.f_code.co_name}")
         if event == "call":
-            if here == "dm_cli.run.loops.stages" and frame.f_code.co_name == "run_job":
-                state["done"] = True  # the pipeline call: the walk ends here
-                return
             if here not in rooms:
                 rooms.append(here)
             if came_from.startswith("dm_cli") and came_from != here:
@@ -79,7 +116,11 @@ def walk(source: str, output: str) -> dict:
     finally:
         sys.setprofile(None)
     run_layer = [room for room in rooms if room.startswith(RUN_LAYER)]
-    return {"exit_code": code, "reached_pipeline_call": state["done"], "rooms": len(rooms),
+    climbs = [room for how, room in stays if how == "climb"]
+    return {"calls_against_imports": len(upward), "calls_against_imports_list": upward, "stays": len(stays), "climbs_back_up": len(climbs), "run_layer_events": events[0],
+            "climbs_in_first_400_events": sum(1 for at in climbs_at if at <= 400),
+            "climbs_by_room": dict(Counter(climbs).most_common()),
+            "stays_by_room": dict(Counter(room for _, room in stays).most_common()), "exit_code": code, "reached_pipeline_call": state["done"], "rooms": len(rooms),
             "entries": sum(entries.values()), "run_layer_rooms": len(run_layer),
             "run_layer_entries": sum(entries[room] for room in run_layer),
             "returns_into_cli_run": len(returns_into_cli), "room_list": rooms,
@@ -108,6 +149,12 @@ def main() -> int:
         print(f"run-layer rooms (cli, api, run): {found['run_layer_rooms']}, entered {found['run_layer_entries']} "
               f"times: {found['run_layer_entries_by_room']}")
         print(f"returns into cli/run.py: {found['returns_into_cli_run']}")
+        print(f"stays in run-layer rooms: {found['stays']} over {found['run_layer_events']} events; climbs back up: "
+              f"{found['climbs_back_up']} ({found['climbs_in_first_400_events']} in the first 400 events): "
+              f"{found['climbs_by_room']}")
+        print(f"stays by room: {found['stays_by_room']}")
+        print(f"calls against the imports (a lower room calling a higher one): {found['calls_against_imports']}")
+        print("  " + "\n  ".join(dict.fromkeys(found["calls_against_imports_list"])))
         print("returns:", ", ".join(found["returns"]))
         print("run-layer entries:\n  " + "\n  ".join(found["run_layer_doors"]))
     return 0
