@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from dm_cli.errors import UsageError
 from dm_cli.units import shorten
@@ -390,6 +390,12 @@ class InputSpec:
         return cls(**fields)
 
 
+def read_through(holder: str, name: str) -> property:
+    """A read-only attribute that reads `holder`'s `name`: for records held whole where they are kept (a job's
+    Generation, a result's Job, a session's SettledRun), so that no holder copies them."""
+    return property(lambda self: getattr(getattr(self, holder), name), doc=f"The {holder}'s `{name}`.")
+
+
 @dataclass(frozen=True)
 class Generation:
     """One generation request: everything that changes pixels or memory, but the prompt and the seed.
@@ -427,6 +433,15 @@ class Generation:
 
     def setting(self, name: str, default=None):
         return dict(self.settings).get(name, default)
+
+    def given_over(self, base: "Generation") -> "Generation":
+        """`base` with every setting this one gives in its place: a queue line's or a served request's own settings
+        (`QueueItem.given`) over the run's generation. A field left at its default (None, (), a batch of 1) is not
+        given and keeps `base`'s; the family's settings merge, these over `base`'s."""
+        blank = Generation()
+        given = {f.name: getattr(self, f.name) for f in fields(self)
+                 if f.name != "settings" and getattr(self, f.name) != getattr(blank, f.name)}
+        return replace(base, **given).with_settings(dict(self.settings))
 
     def with_settings(self, values: dict) -> "Generation":
         """These settings over the ones already given (None leaves a setting as it is)."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from dm_cli.errors import UsageError
 from dm_cli.families.calls import CallSpec, Component, block_scale, component_call
 from dm_cli.families.stages import declared, default_stages
-from dm_cli.inputs import SCALES, Generation, InputSpec, check_number, check_scale, check_text
+from dm_cli.inputs import SCALES, Generation, InputSpec, check_number, check_scale, check_text, read_through
 from dm_cli.units import shorten
 
 # One module per family, in the order they are asked: the first that matches wins, so a family whose
@@ -84,11 +84,6 @@ class Setting:
         return check_scale(value, where) if self.name in SCALES else check_number(value, where)
 
 
-def _from_generation(name: str) -> property:
-    """A Job's reading of its generation's `name` (the job holds the record, it does not copy it)."""
-    return property(lambda job: getattr(job.generation, name), doc=f"The generation's {name}.")
-
-
 @dataclass(frozen=True)
 class Job:
     """One generation, with every default settled: what a stage needs to encode, denoise or decode. Its settings are
@@ -99,18 +94,18 @@ class Job:
     seed: int
     generation: Generation  # settled: every default filled in (Family.settle)
 
-    negative_prompt = _from_generation("negative_prompt")
-    steps = _from_generation("steps")
-    guidance_scale = _from_generation("guidance_scale")
-    height = _from_generation("height")
-    width = _from_generation("width")
-    num_images = _from_generation("num_images")
-    max_sequence_length = _from_generation("max_sequence_length")
-    num_frames = _from_generation("num_frames")  # video families only
-    settings = _from_generation("settings")  # the family's own settings (Family.settings), given or default
-    images = _from_generation("images")  # input images, in order (read with dm_cli.io.input_images.read_image)
-    last_image = _from_generation("last_image")  # a first-last-frame video's last frame (Wan 2.2 image-to-video)
-    loras = _from_generation("loras")  # the LoRA adapters this job runs with (settled, in order)
+    negative_prompt = read_through("generation", "negative_prompt")
+    steps = read_through("generation", "steps")
+    guidance_scale = read_through("generation", "guidance_scale")
+    height = read_through("generation", "height")
+    width = read_through("generation", "width")
+    num_images = read_through("generation", "num_images")
+    max_sequence_length = read_through("generation", "max_sequence_length")
+    num_frames = read_through("generation", "num_frames")  # video families only
+    settings = read_through("generation", "settings")  # the family's own settings (Family.settings), given or default
+    images = read_through("generation", "images")  # input images, in order (read with dm_cli.io.input_images.read_image)
+    last_image = read_through("generation", "last_image")  # a first-last-frame video's last frame (Wan 2.2 image-to-video)
+    loras = read_through("generation", "loras")  # the LoRA adapters this job runs with (settled, in order)
 
     def setting(self, name: str, default=None):
         return self.generation.setting(name, default)

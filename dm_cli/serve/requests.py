@@ -153,8 +153,9 @@ def parse_request(data: dict, served: Served, session) -> ServedRequest:
     last = _last_image(data.get("last_image"), served)
     if output_format == "JPEG":
         check_metadata_room("served.jpg", first.prompt, first.negative_prompt, f"{WHERE}'s 'output_format' jpeg")
+    given = replace(first.given, images=images, last_image=last)  # the images as the server read them
     items = tuple(replace(first, index=i, seed=check_seed(first.seed + i, f"{WHERE}: the seed of image {i + 1}"),
-                          output=default_output_name(i), images=images, last_image=last) for i in range(n))
+                          output=default_output_name(i), given=given) for i in range(n))
     try:
         job = session.job_for(items[0])  # the rules a queue item meets: settled and checked as Family.validate says
     except UsageError as error:

@@ -141,18 +141,16 @@ def test_5_the_python_api_has_the_same_bounds():
 
 
 def test_5_a_queue_item_gets_the_same_steps_bound():
+    """A line's steps get --steps' bound where the line is read, the line named; an item built in Python cannot hold
+    them either (its settings are a Generation)."""
     from dm_cli.errors import UsageError
-    from dm_cli.families import Job, family_for
     from dm_cli.inputs import Generation
-    from dm_cli.run.sessions.queue import QueueItem
-    from dm_cli.run.sessions.session import Session
-
-    class Fake:
-        defaults = Job("a", 0, Generation(steps=4, guidance_scale=3.5, height=64, width=64, num_images=1))
-        family = family_for("FluxPipeline")
+    from dm_cli.run.sessions.queue import queue_item
 
     with pytest.raises(UsageError, match="Item 3: 'steps' must be a whole number >= 1 \\(at most 10000\\)"):
-        Session.job_for(Fake(), QueueItem(3, "a fox", 0, "item-3.png", steps=10**20))
+        queue_item({"prompt": "a fox", "steps": 10**20}, 3, 0, "Item 3")
+    with pytest.raises(UsageError, match="steps must be a whole number >= 1 \\(at most 10000\\)"):
+        Generation(steps=10**20)
 
 
 # --- 6. a plan file passes the checks of the command line that could have written it -----------------

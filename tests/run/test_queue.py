@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from dm_cli.errors import UsageError
+from dm_cli.inputs import Generation
 from dm_cli.io.outputs import is_complete
 from dm_cli.run.distributed import Ranks, select_gpus
 from dm_cli.run.sessions.queue import (
@@ -50,7 +51,7 @@ def test_jsonl_per_item_fields_and_defaults(tmp_path):
     with pytest.raises(UsageError, match="--seed -3 is out of range"):  # torch would wrap it: refused as with --prompt
         read_prompts(path, base_seed=-3)
     assert items[0] == QueueItem(0, "a fox", 5, "00000.png")
-    assert items[1] == QueueItem(1, "a cat", 99, "cat.png", "blur", 3, 7.0)
+    assert items[1] == QueueItem(1, "a cat", 99, "cat.png", Generation(negative_prompt="blur", steps=3, guidance_scale=7.0))
     assert items[2].seed == 7 and items[2].output == "dog.png"
 
 
@@ -64,7 +65,7 @@ def test_jsonl_per_item_fields_and_defaults(tmp_path):
     ('{"prompt": "a", "seed": 1.5}', "'seed' must be an integer"),
     ('{"prompt": "a", "seed": true}', "'seed' must be an integer"),
     ('{"prompt": "a", "seed": 18446744073709551616}', "the seed 18446744073709551616 is out of range"),
-    ('{"prompt": "a", "steps": 0}', "'steps' must be a positive integer"),
+    ('{"prompt": "a", "steps": 0}', "'steps' must be a whole number >= 1"),
     ('{"prompt": "a", "guidance_scale": "7"}', "'guidance_scale' must be a number"),
     ('{"prompt": "a", "output": "../x.png"}', "plain file name"),
     ('{"prompt": "a", "output": "/etc/x.png"}', "plain file name"),
@@ -231,10 +232,30 @@ def test_a_queue_item_takes_the_runs_negative_prompt_and_steps_unless_it_has_its
     pipe.settled = SimpleNamespace(family=family_for("StableDiffusionPipeline"),
                                    source=resolve_source("tiny-sd15"),  # its configs: the rules applied to each item
                                    generation=generation, defaults=Job.of(generation, "", 0))
-    plain, own = QueueItem(0, "a fox", 3, "a.png"), QueueItem(1, "a cat", 4, "b.png", "dark", 2, 1.5)
+    plain, own = QueueItem(0, "a fox", 3, "a.png"), QueueItem(1, "a cat", 4, "b.png", Generation(negative_prompt="dark", steps=2, guidance_scale=1.5))
     assert (pipe.job_for(plain).negative_prompt, pipe.job_for(plain).steps) == ("blur", 5)
     assert (pipe.job_for(own).negative_prompt, pipe.job_for(own).steps, pipe.job_for(own).guidance_scale) == \
         ("dark", 2, 1.5)
     pipe.settled.family, pipe.settled.source = family_for("FluxPipeline"), resolve_source("tiny-flux")  # guidance-distilled: the run's negative prompt is refused per item
     with pytest.raises(UsageError, match="Item 0"):
         pipe.job_for(plain)
+
+
+def test_an_items_settings_are_one_generation_given_over_the_runs():
+    """A queue item restates no setting: what its line gives is a Generation (`given`), laid over the run's by one
+    function, a field left at its default the run's. Only `loras` shares a name: an item's are choices among the
+    loaded adapters, not adapters."""
+    from dataclasses import fields
+
+    assert {f.name for f in fields(QueueItem)} & {f.name for f in fields(Generation)} == {"loras"}
+    run = Generation(height=64, width=64, steps=8, guidance_scale=3.5, negative_prompt="blur", batch_size=2,
+                     settings=(("true_cfg_scale", 4.0),))
+    given = Generation(steps=2, guidance_scale=0.0, settings=(("guidance_scale_2", 1.0),))
+    merged = given.given_over(run)
+    assert (merged.steps, merged.guidance_scale, merged.negative_prompt, merged.batch_size, merged.height) == \
+        (2, 0.0, "blur", 2, 64)  # a guidance of 0.0 is given (not a default), the batch and size are the run's
+    assert merged.settings == (("guidance_scale_2", 1.0), ("true_cfg_scale", 4.0))
+    assert Generation().given_over(run) == run
+    item = QueueItem(0, "a fox", 1, "a.png", given)
+    assert (item.steps, item.guidance_scale, item.settings) == (2, 0.0, given.settings)
+    assert item.to_json()["steps"] == 2 and item.to_json()["negative_prompt"] is None

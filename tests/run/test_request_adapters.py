@@ -154,6 +154,7 @@ def test_the_lora_value_is_read_by_one_parser_on_the_cli_a_queue_and_a_request(a
 
 def test_the_server_batches_only_requests_with_the_same_adapters():
     """Waiting A(fox), B(owl), C(fox), D(fox): the oldest heads each batch, with the later ones of its set."""
+    from dm_cli.inputs import Generation
     from dm_cli.run.sessions.queue import QueueItem
     from dm_cli.serve.worker import Batcher, Output, Ticket
 
@@ -167,7 +168,7 @@ def test_the_server_batches_only_requests_with_the_same_adapters():
     answered = []
     batcher = Batcher(compute, 16, 8)
     for name, adapters in (("A", ("fox",)), ("B", ("owl",)), ("C", ("fox",)), ("D", ("fox",)), ("E", ())):
-        item = QueueItem(0, name, 0, "0.png", steps=1)
+        item = QueueItem(0, name, 0, "0.png", Generation(steps=1))
         batcher.submit(Ticket(SimpleNamespace(items=(item,), output_format="PNG", adapters=adapters), answered.append))
     batcher.start()
     try:

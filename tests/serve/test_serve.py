@@ -119,7 +119,7 @@ def test_a_served_image_is_dmap_runs_file_byte_for_byte(server, tmp_path):
     ({"prompt": "a fox", "bogus": 1}, "unknown key(s) 'bogus'"),
     ({"prompt": "a fox", "size": "128x128"}, "over what this server's plan holds (64x64)"),
     ({"prompt": "a fox", "size": "32x32"}, "not this server's size"),
-    ({"prompt": "a fox", "steps": 0}, "'steps' must be a positive integer"),
+    ({"prompt": "a fox", "steps": 0}, "'steps' must be a whole number >= 1"),
     ({"prompt": "a fox", "n": 11}, "'n' must be an integer from 1 to 10"),
     ({"prompt": "a fox", "response_format": "url"}, "keeps no file to link to"),
     ({"prompt": "a fox", "output_format": "gif"}, "'output_format' must be png, jpeg or webp"),

@@ -77,6 +77,7 @@ def test_openai_keys_one_rule_and_models_retrieve(served):
 def test_the_batch_limit_is_what_measured_batches_say_pays():
     """A fake device: each batch advances a fake clock by its cost. Where a batch costs more per image (a CPU) the
     batches stay at one image after one larger batch is measured; where it costs less (a GPU), they grow."""
+    from dm_cli.inputs import Generation
     from dm_cli.run.sessions.queue import QueueItem
     from dm_cli.serve.worker import Batcher, BatchSizer, Output, Ticket
 
@@ -92,7 +93,7 @@ def test_the_batch_limit_is_what_measured_batches_say_pays():
         answered = []
         batcher = Batcher(compute, 64, 8, sizer=BatchSizer(8, start), clock=lambda: clock[0])
         for n in range(16):
-            item = QueueItem(0, f"prompt {n}", n, "0.png", steps=2)
+            item = QueueItem(0, f"prompt {n}", n, "0.png", Generation(steps=2))
             batcher.submit(Ticket(SimpleNamespace(items=(item,), output_format="PNG"), answered.append))
         batcher.start()
         assert _until(lambda: len(answered) == 16, 30)

@@ -30,7 +30,6 @@ included, is diffusers' own).
 from __future__ import annotations
 
 from dm_cli.errors import UsageError
-from dm_cli.inputs import InputSpec
 from dm_cli.planning.parallel.parallel import (
     guidance_branches,
 )
@@ -38,6 +37,7 @@ from dm_cli.run.hooks.component_hooks import StepCache
 from dm_cli.run.hooks.step_cache import agree_across
 from dm_cli.run.loops.main_rank import MainRankRunners, on_this_rank
 from dm_cli.run.loops.stages import StageLoop
+from dm_cli.run.request import run_inputs
 from dm_cli.run.settle.layout import StepSharing
 
 
@@ -46,9 +46,7 @@ def check_job(sharing: StepSharing, family, job) -> None:
     if sharing.cfg != 2:
         return
 
-    inputs = InputSpec(job.height, job.width, 1, job.num_images, job.guidance_scale, job.max_sequence_length,
-                       job.num_frames)
-    guidance = guidance_branches(family, inputs, job.negative_prompt, dict(job.settings))
+    guidance = guidance_branches(family, run_inputs(job.generation), job.negative_prompt, dict(job.settings))
     if guidance.branches != 2:
         raise UsageError(guidance.why_not)
 

@@ -22,12 +22,12 @@ import errno
 import glob
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from dm_cli.errors import CheckpointError, UsageError
 from dm_cli.families import all_settings
-from dm_cli.inputs import check_scale, check_text, lora_choices
+from dm_cli.inputs import Generation, check_count, check_scale, check_text, lora_choices, read_through
 from dm_cli.io.atomic import atomic_write
 from dm_cli.io.checkpoint import open_regular
 from dm_cli.io.images import DEFAULT_IMAGE_SUFFIX, IMAGE_FORMATS, check_file_name, check_metadata_room, name_limits
@@ -45,28 +45,34 @@ JSONL_KEYS = queue_keys()  # the options a queue item takes (dm_cli.run.options:
 
 @dataclass(frozen=True)
 class QueueItem:
-    """One prompt of the queue. None: the run's value (--steps, --guidance-scale, ...)."""
+    """One prompt of the queue: its prompt, seed and file, and the settings its line gives. `given` is a Generation
+    of what the line sets (negative prompt, steps, guidance, the family's settings, input images, a last frame, a
+    step cache); a field left at its default is the run's (`Generation.given_over`). `loras` are choices among the
+    adapters the run loaded, not adapters, so they stand beside it; None: the run's."""
 
     index: int
     prompt: str
     seed: int
     output: str  # file name inside the output folder
-    negative_prompt: str | None = None
-    steps: int | None = None
-    guidance_scale: float | None = None
-    settings: tuple[tuple[str, object], ...] = ()  # the family's own (dm_cli.families.Setting), from its JSONL keys
-    images: tuple = ()  # input images (dm_cli.inputs.InputImage), from the JSONL key "image"; (): the run's
-    last_image: object = None  # a video's last frame (InputImage), from the JSONL key "last_image"; None: the run's
+    given: Generation = Generation()
     # the adapters loaded at start it chooses (dm_cli.inputs.LoraChoice), from the JSONL key "lora"; None: the run's
     loras: tuple | None = None
-    cache: object = None  # a step cache (dm_cli.inputs.StepCache), from the JSONL key "cache"; None: the run's
+
+    negative_prompt = read_through("given", "negative_prompt")
+    steps = read_through("given", "steps")
+    guidance_scale = read_through("given", "guidance_scale")
+    settings = read_through("given", "settings")  # the family's own (dm_cli.families.Setting), from its JSONL keys
+    images = read_through("given", "images")  # from the JSONL key "image"; (): the run's
+    last_image = read_through("given", "last_image")  # from the JSONL key "last_image"; None: the run's
+    cache = read_through("given", "cache")  # from the JSONL key "cache"; None: the run's
 
     def to_json(self) -> dict:
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
         last = self.last_image.to_json() if self.last_image is not None else None
         loras = [choice.label for choice in self.loras] if self.loras is not None else None
-        return {**data, "settings": dict(self.settings), "images": [image.to_json() for image in self.images],
-                "last_image": last, "loras": loras}
+        return {"index": self.index, "prompt": self.prompt, "seed": self.seed, "output": self.output,
+                "negative_prompt": self.negative_prompt, "steps": self.steps, "guidance_scale": self.guidance_scale,
+                "settings": dict(self.settings), "images": [image.to_json() for image in self.images],
+                "last_image": last, "loras": loras, "cache": self.cache}
 
 
 def default_output_name(index: int) -> str:
@@ -149,16 +155,18 @@ def queue_item(data: dict, index: int, base_seed: int, where: str) -> QueueItem:
     if not _is_int(seed):
         raise UsageError(f"{where}: 'seed' must be an integer.")
     steps = data.get("steps")
-    if steps is not None and (not _is_int(steps) or steps < 1):
-        raise UsageError(f"{where}: 'steps' must be a positive integer.")
+    if steps is not None:  # --steps' bound, the line named
+        check_count("steps", steps, f"{where}: 'steps'")
     guidance = data.get("guidance_scale")
     if guidance is not None:
         guidance = check_scale(guidance, f"{where}: 'guidance_scale'")
     output = data.get("output")
     output = default_output_name(index) if output is None else _output_name(output, where)
-    return QueueItem(index, prompt.strip(), check_seed(seed, f"{where}: the seed"), output, negative or None, steps, guidance,
-                     settings, _item_images(data.get("image"), where), _item_last_image(data.get("last_image"), where),
-                     _item_loras(data.get("lora"), where), _item_cache(data.get("cache"), where))
+    given = Generation(negative_prompt=negative or None, steps=steps, guidance_scale=guidance, settings=settings,
+                       images=_item_images(data.get("image"), where), last_image=_item_last_image(data.get("last_image"), where),
+                       cache=_item_cache(data.get("cache"), where))
+    return QueueItem(index, prompt.strip(), check_seed(seed, f"{where}: the seed"), output, given,
+                     _item_loras(data.get("lora"), where))
 
 
 def _item_cache(value, where: str):

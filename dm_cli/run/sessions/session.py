@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 from dm_cli.errors import UsageError
 from dm_cli.families import Job, call_spec
 from dm_cli.families.calls import TensorSpec
-from dm_cli.inputs import InputSpec, check_count, check_text
+from dm_cli.inputs import Generation, check_count, check_text, read_through
 from dm_cli.model.lora import chosen_loras
 from dm_cli.model.single_file_weights import component_files_metadata
 from dm_cli.planning.modes import CompileMode
@@ -24,7 +24,7 @@ from dm_cli.run.hooks.compile import CompileHook
 from dm_cli.run.loops.stages import StageLoop, fused_loras
 from dm_cli.run.ranks.parallel import ParallelStageLoop
 from dm_cli.run.ranks.pipeline import PipelineStageLoop
-from dm_cli.run.request import input_images, last_input_image
+from dm_cli.run.request import input_images, last_input_image, run_inputs
 from dm_cli.run.sessions.outputs import job_metadata
 from dm_cli.run.sessions.queue import QueueItem, chunk_size_for, chunks, default_output_name
 from dm_cli.run.settle.settle import Loop
@@ -76,11 +76,6 @@ STAGE_LOOPS = {Loop.RESIDENT: StageLoop, Loop.STAGED: StageLoop, Loop.CFG: Paral
                Loop.CONTEXT: ParallelStageLoop, Loop.CFG_CONTEXT: ParallelStageLoop, Loop.PIPELINE: PipelineStageLoop}
 
 
-def _settled(name: str) -> property:
-    """A Session's read-only view of what its settled run decided (`SettledRun.<name>`)."""
-    return property(lambda session: getattr(session.settled, name), doc=f"The settled run's `{name}`.")
-
-
 class Session:
     """A settled run (`dm_cli.run.settle.settle.SettledRun`) ready to generate; components load per the plan's mode.
 
@@ -117,20 +112,20 @@ class Session:
 
     # --- what the settled run decided (dm_cli.run.settle.settle.SettledRun), read from it ---------------------
 
-    source = _settled("source")
-    family = _settled("family")
-    demo = _settled("demo")
-    generation = _settled("generation")  # the settled generation: every default filled in
-    defaults = _settled("defaults")  # the job each prompt starts from
-    fps = _settled("fps")
-    plan = _settled("plan")
-    plan_digest = _settled("plan_digest")
-    planned_here = _settled("planned_here")
-    source_from_plan = _settled("source_from_plan")
-    sharing = _settled("sharing")
-    is_main = _settled("is_main")
-    staged = _settled("staged")
-    pipelined = _settled("pipelined")
+    source = read_through("settled", "source")
+    family = read_through("settled", "family")
+    demo = read_through("settled", "demo")
+    generation = read_through("settled", "generation")  # the settled generation: every default filled in
+    defaults = read_through("settled", "defaults")  # the job each prompt starts from
+    fps = read_through("settled", "fps")
+    plan = read_through("settled", "plan")
+    plan_digest = read_through("settled", "plan_digest")
+    planned_here = read_through("settled", "planned_here")
+    source_from_plan = read_through("settled", "source_from_plan")
+    sharing = read_through("settled", "sharing")
+    is_main = read_through("settled", "is_main")
+    staged = read_through("settled", "staged")
+    pipelined = read_through("settled", "pipelined")
 
     @property
     def simulate(self) -> bool:
@@ -139,23 +134,17 @@ class Session:
     # --- what a queue needs to know before it starts -------------------------------------------
 
     def job_for(self, item: QueueItem, settings: dict | None = None):
-        """The settled job of one queue item: the run's generation with the item's own seed, steps, guidance,
-        negative prompt and settings (`settings`: a generate() call's, under the item's), checked as
-        `dmap plan` and `dmap run` check theirs."""
-        job = self.defaults
-        if item.steps is not None:  # a queue line's steps get --steps' bound
-            check_count("steps", item.steps, f"Item {item.index}: 'steps'")
-        loras = self.generation.loras if item.loras is None else self.chosen_loras(item.loras, f"Item {item.index}")
+        """The settled job of one queue item: the settings its line gives over the run's generation
+        (`Generation.given_over`; `settings`: a generate() call's, under the item's), checked as `dmap plan` and
+        `dmap run` check theirs."""
         if item.cache is not None and item.cache != self.generation.cache:
             run = self.generation.cache.label if self.generation.cache is not None else "none"
             raise UsageError(f"Item {item.index} asks for --cache {item.cache.label}, this run uses {run}: the plan counts "
                              "one step cache's state per run; give such items a queue of their own, with its --cache.")
-        generation = replace(self.generation, negative_prompt=item.negative_prompt or job.negative_prompt,
-                             steps=item.steps or job.steps, images=item.images or self.generation.images,
-                             last_image=item.last_image or self.generation.last_image,
-                             guidance_scale=job.guidance_scale if item.guidance_scale is None else item.guidance_scale,
-                             loras=loras)
-        generation = generation.with_settings({**(settings or {}), **dict(item.settings)})
+        generation = self.generation.with_settings(settings or {})
+        generation = item.given.given_over(generation)
+        if item.loras is not None:
+            generation = replace(generation, loras=self.chosen_loras(item.loras, f"Item {item.index}"))
         try:
             self._validate(generation)
         except UsageError as error:
@@ -202,8 +191,7 @@ class Session:
         """Embeddings and latents one prompt holds between stages: what the pipeline feeds the denoiser per step."""
         job = self.defaults
         denoiser = next((c for c in self.source.components if c.name == self.family.denoiser), None)
-        inputs = InputSpec(job.height, job.width, 1, job.num_images, job.guidance_scale, job.max_sequence_length)
-        spec = call_spec(denoiser, self.source.pipeline_class, inputs) if denoiser is not None else None
+        spec = call_spec(denoiser, self.source.pipeline_class, run_inputs(job.generation)) if denoiser is not None else None
         item_size = {"float": DTYPE_BYTES.get(self.plan.dtype or "float32", 4), "float32": 4}
         total = 0
         stack = list(spec.kwargs.values()) if spec is not None else []
@@ -305,6 +293,8 @@ def _items(prompts, seed: int, negative_prompt, steps, guidance_scale, image=Non
 
     if steps is not None:  # generate(steps=...) gets --steps' bound before anything runs
         check_count("steps", steps, "steps")
+    given = Generation(negative_prompt=negative_prompt or None, steps=steps, guidance_scale=guidance_scale, images=images,
+                       last_image=last)
     if isinstance(prompts, str):
         prompts = [prompts]
     items = []
@@ -314,8 +304,7 @@ def _items(prompts, seed: int, negative_prompt, steps, guidance_scale, image=Non
         elif isinstance(entry, str):
             check_text(entry, f"Prompt {index}")
             items.append(QueueItem(index, entry, check_seed(seed + index, f"Prompt {index}: the seed"),
-                                   default_output_name(index), negative_prompt, steps, guidance_scale,
-                                   images=images, last_image=last))
+                                   default_output_name(index), given))
         else:
             raise UsageError(f"Prompt {index} is a {type(entry).__name__}: give strings (or dm_cli.run.sessions.queue.QueueItem).")
     return items

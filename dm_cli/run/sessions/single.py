@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import UsageError
 from dm_cli.families import Job, all_settings
+from dm_cli.inputs import read_through
 from dm_cli.io.outputs import save_images, save_latents, save_videos, written_together
 from dm_cli.run.loops.carry import RESULT_JSON_VERSION, stages_json
 from dm_cli.run.loops.stages import StageResult
@@ -17,11 +18,6 @@ from dm_cli.run.sessions.session import Session, frozen_gc
 
 if TYPE_CHECKING:  # annotations only: the plan module costs start-up time
     from dm_cli.planning.plan_file import Plan
-
-
-def _of_job(name: str) -> property:
-    """A result's reading of the job it ran (the result holds the job and its generation, it does not copy them)."""
-    return property(lambda result: getattr(result.job, name), doc=f"The job's {name}.")
 
 
 @dataclass
@@ -49,13 +45,13 @@ class RunResult:
     # --cache: {"label": NAME:K=V,..., "counts": {denoiser: {"calls", "computed", "skipped"}}} (dm_cli.run.hooks.step_cache)
     step_cache: dict = field(default_factory=dict)
 
-    seed = _of_job("seed")
-    steps = _of_job("steps")
-    guidance_scale = _of_job("guidance_scale")
-    height = _of_job("height")
-    width = _of_job("width")
-    num_images = _of_job("num_images")
-    num_frames = _of_job("num_frames")  # video families
+    seed = read_through("job", "seed")
+    steps = read_through("job", "steps")
+    guidance_scale = read_through("job", "guidance_scale")
+    height = read_through("job", "height")
+    width = read_through("job", "width")
+    num_images = read_through("job", "num_images")
+    num_frames = read_through("job", "num_frames")  # video families
 
     @property
     def fps(self) -> int | None:

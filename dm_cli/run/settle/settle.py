@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable
 
 from dm_cli.errors import UsageError
 from dm_cli.families import Job
-from dm_cli.inputs import InputSpec, check_count, check_counts
+from dm_cli.inputs import Generation, check_count
 from dm_cli.io.atomic import check_writable_file
 from dm_cli.io.images import check_image_output, image_paths
 from dm_cli.io.video import names_folder
@@ -59,7 +59,6 @@ from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
     from dm_cli.families import Family
-    from dm_cli.inputs import Generation
     from dm_cli.model.sources import Source
     from dm_cli.planning.plan_file import Plan
     from dm_cli.run.request import RunRequest
@@ -127,10 +126,10 @@ class SettledRun:
 def check_options(dtype: str | None, *, steps, num_images, height, width, max_sequence_length, frames, fps) -> None:
     """What no run could use, refused before outputs, plans or SOURCE are touched: cheap, and the user hears of a
     typo before minutes of loading rather than after."""
-    check_counts(steps=steps, num_images=num_images, height=height, width=width,
-                 max_sequence_length=max_sequence_length, num_frames=frames, fps=fps)
+    generation = Generation(steps=steps, num_images=num_images, height=height, width=width,  # the counts' bounds
+                            max_sequence_length=max_sequence_length, num_frames=frames, fps=fps)
     if height and width:  # a size given in full: its pixels per call (inputs.MAX_PIXELS) before SOURCE is resolved
-        InputSpec(height, width, num_images=num_images or 1, num_frames=frames)
+        generation.inputs()
     if dtype is not None:
         parse_dtype(dtype)
 
