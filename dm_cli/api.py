@@ -27,16 +27,21 @@ from dm_cli.io.input_images import parse_image_size
 from dm_cli.model.demo import source_root
 from dm_cli.model.lora import read_loras
 from dm_cli.model.single_file_weights import parse_component_files
+from dm_cli.planning import plan_file as plan_files  # the modules, not their functions: tests patch these
 from dm_cli.planning.make import make_named_plan
 from dm_cli.planning.modes import parse_compile
 from dm_cli.planning.parallel.parallel import ParallelRequest
 from dm_cli.planning.plan_options import PlanOptions
 from dm_cli.planning.step_cache import parse_cache
 from dm_cli.planning.time.plan_prediction import PredictionRequest
+from dm_cli.planning.trace import trace as tracing
 from dm_cli.run.load.loading import execution_device
 from dm_cli.run.options import refuse_untaken
 from dm_cli.run.request import RunRequest, input_images, last_input_image
 from dm_cli.run.sessions.session import Session
+from dm_cli.run.settle import checks as settle_checks
+from dm_cli.run.settle import settle as settling
+from dm_cli.run.settle.settle import Entry
 from dm_cli.units import parse_dtype
 
 if TYPE_CHECKING:  # annotations only: the plan module costs start-up time
@@ -173,9 +178,7 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
                             num_frames=num_frames, fps=fps, negative_prompt=negative_prompt, images=image, simulate=simulate,
                             last_image=last_image, output=None, per_prompt_images=True, parallel=parallel, pipeline=pipeline,
                             component_files=component_files, loras=lora, cache=cache, compile=compile)
-    from dm_cli.run.settle.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
-
-    settled = settle(request, None if isinstance(plan, (str, Path)) else plan, entry=Entry.API, on_plan=on_plan,
+    settled = settling.settle(request, None if isinstance(plan, (str, Path)) else plan, entry=Entry.API, on_plan=on_plan,
                      on_status=on_status)
     return Session(settled, on_status=on_status)
 
@@ -195,13 +198,8 @@ def dispatch(pipe, plan: Plan | str | Path):
     from accelerate import dispatch_model  # lazy: accelerate (heavy, off start-up)
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module  # lazy: accelerate (heavy, off start-up)
 
-    # lazy: looked up per call (tests patch model_tiles, count load_plan's and check_devices_present's calls)
-    from dm_cli.planning.plan_file import load_plan
-    from dm_cli.planning.trace.trace import model_tiles
-    from dm_cli.run.settle.checks import check_devices_present
-
     if isinstance(plan, (str, Path)):
-        plan = load_plan(plan)
+        plan = plan_files.load_plan(plan)
     for name, placement in plan.components.items():
         model = getattr(pipe, name, None)
         if model is None or not hasattr(model, "named_parameters"):
@@ -209,9 +207,9 @@ def dispatch(pipe, plan: Plan | str | Path):
         if placement.cls not in ("?", "", None) and type(model).__name__ != placement.cls:
             raise UsageError(f"The plan places '{name}' as {placement.cls} but this pipeline's is "
                              f"{type(model).__name__}: it is a plan for another model.")
-    check_devices_present(plan)
+    settle_checks.check_devices_present(plan)
     for name in plan.tiled_decode:
-        if not model_tiles(getattr(pipe, name)):
+        if not tracing.model_tiles(getattr(pipe, name)):
             raise UsageError(f"The plan decodes '{name}' in tiles, but {type(getattr(pipe, name)).__name__} cannot "
                              "(it has no enable_tiling).")
     for name, placement in plan.components.items():

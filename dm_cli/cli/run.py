@@ -14,6 +14,7 @@ from dm_cli.render.queue import QueueView
 from dm_cli.render.run import RunView
 from dm_cli.run.distributed import Ranks, select_gpus
 from dm_cli.run.request import RunRequest
+from dm_cli.run.sessions import single  # the module: tests patch its run
 from dm_cli.run.sessions.queue_runner import QueueEvents, QueueRequest, run_queue
 from dm_cli.run.settle.settle import check_options, check_run_request, refuse_single_only
 
@@ -82,19 +83,17 @@ def _refuse_early(ctx, prompt, prompts, dtype, *, steps, num_images, height, wid
 def _run_one(request: RunRequest, plan, as_json: bool, quiet: bool, binary: bool) -> int:
     """One prompt, its outputs checked and its plan file read: the run, printed as JSON or drawn live by the
     renderer."""
-    from dm_cli.run.sessions.single import run as run_pipeline  # lazy: looked up per call (tests patch run)
-
     if not Ranks.from_env().is_main:  # torchrun's other ranks (sharing each step: rank 0 writes) report nothing
-        run_pipeline(request, plan=plan)
+        single.run(request, plan=plan)
         return 0
     if as_json:
-        result = run_pipeline(request, plan=plan)
+        result = single.run(request, plan=plan)
 
         print_json(result.to_json())
         return 0
 
     with RunView(quiet=quiet, binary=binary, plan_file=_source_from(request)) as view:
-        result = run_pipeline(request, on_plan=view.show_plan, on_step=view.step, on_status=view.status, plan=plan)
+        result = single.run(request, on_plan=view.show_plan, on_step=view.step, on_status=view.status, plan=plan)
     view.summary(result)
     return 0
 

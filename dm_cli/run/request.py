@@ -27,6 +27,7 @@ from dm_cli.io.checkpoint import open_checkpoint
 from dm_cli.io.input_images import describe_image, split_keyframe
 from dm_cli.model.lora import read_loras
 from dm_cli.planning.modes import CompileMode, Parallel, Strategy, parse_compile
+from dm_cli.planning.placement import budgets  # the module: tests patch its available_ram
 from dm_cli.planning.step_cache import parse_cache
 
 if TYPE_CHECKING:  # the core nouns, for annotations only: importing them here would cost start-up time
@@ -196,9 +197,8 @@ def plan_digest(plan: Plan) -> str:
 def cpu_rank_devices(world_size: int) -> str:
     """Pipeline ranks on a machine without GPUs: each rank's CPU stands for GPU r (as the run places them,
     `dm_cli.run.settle.layout.cpu_ranks`), with an equal share of the available RAM."""
-    from dm_cli.planning.placement.budgets import available_ram  # lazy: looked up per call (tests patch available_ram)
 
-    share = available_ram() // world_size
+    share = budgets.available_ram() // world_size
     return ",".join(f"{rank}={share}B" for rank in range(world_size))
 
 

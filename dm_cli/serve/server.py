@@ -24,6 +24,8 @@ from dm_cli.run.distributed import Ranks, select_gpus
 from dm_cli.run.options import option
 from dm_cli.run.request import RunRequest
 from dm_cli.run.sessions.session import Session
+from dm_cli.run.settle import settle as settling  # the module: tests patch its settle
+from dm_cli.run.settle.settle import Entry
 from dm_cli.serve.app import AppState, make_app
 from dm_cli.serve.connections import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -136,7 +138,6 @@ def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Cal
           on_ready: Callable[[str, object], None] | None = None) -> int:
     """Load, serve until SIGTERM or Ctrl-C, stop; returns the number of images answered. `on_ready(url, session)`
     when the server listens (rank 0)."""
-    from dm_cli.run.settle.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
 
     request.check()
     ranks = Ranks.from_env()
@@ -148,7 +149,7 @@ def serve(request: ServeRequest, on_plan: Callable | None = None, on_status: Cal
     sock = bind(request.host, request.port) if ranks.is_main else None
     try:
         # its LoRAs stay unfused: each request chooses among them (dm_cli.serve.requests), switched per batch
-        session = Session(settle(replace(request.run, switch_loras=True), entry=Entry.SERVE, on_plan=on_plan,
+        session = Session(settling.settle(replace(request.run, switch_loras=True), entry=Entry.SERVE, on_plan=on_plan,
                                  on_status=on_status), on_status=on_status)
     except BaseException:
         if sock is not None:

@@ -29,6 +29,7 @@ from dm_cli.errors import DiskFullError, UsageError
 from dm_cli.io.images import image_save_options
 from dm_cli.io.input_images import size_decode_budget
 from dm_cli.io.outputs import save_video
+from dm_cli.planning.placement import budgets  # the module: tests patch its available_ram
 
 USAGE = "UsageError:"  # a rank's problem that is the request's fault (a 400), as gathered to rank 0
 STOPPING = "The server is stopping (SIGTERM): this request had not started; send it again to another server."
@@ -308,9 +309,8 @@ DECODE_RAM_SHARE = 0.25
 
 def decode_room() -> int:
     """Bytes the server's concurrent decodes of input images may take: a share of the RAM its loaded plan leaves."""
-    from dm_cli.planning.placement.budgets import available_ram  # lazy: looked up per call (tests patch available_ram)
 
-    return int(available_ram() * DECODE_RAM_SHARE)
+    return int(budgets.available_ram() * DECODE_RAM_SHARE)
 
 
 class RankCompute:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from dm_cli.errors import UsageError
+from dm_cli.io import outputs  # the module: tests patch its save_images
 from dm_cli.io.outputs import is_complete
 from dm_cli.model.lora import chosen_loras
 from dm_cli.run.distributed import Ranks, broadcast, select_gpus
@@ -34,6 +35,8 @@ from dm_cli.run.sessions.queue import (
     write_manifest,
 )
 from dm_cli.run.sessions.session import Session
+from dm_cli.run.settle import settle as settling  # the module: tests patch its settle
+from dm_cli.run.settle.settle import Entry
 from dm_cli.units import parse_size
 
 
@@ -106,7 +109,6 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UsageError(f"Cannot create the output folder {folder}: {error.strerror or error}.") from None
-    from dm_cli.run.settle.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
 
     started = time.perf_counter()
     # every check, the plan and the queue's --parallel (dm_cli.run.settle.settle), on every rank before anything joins
@@ -114,7 +116,7 @@ def run_queue(request: QueueRequest, events: QueueEvents | None = None) -> Queue
     # the predicted time is for the whole queue
     run = replace(request.run, switch_loras=request.run.switch_loras or chooses_loras(items, request.run.generation.loras),
                   queue=max(1, len(items)))
-    settled = settle(run, entry=Entry.QUEUE, on_plan=events.on_plan, on_status=events.on_status)
+    settled = settling.settle(run, entry=Entry.QUEUE, on_plan=events.on_plan, on_status=events.on_status)
     # a pipeline's ranks each hold a slice of one denoiser: every prompt passes through all of them (rank 0 writes)
     pipelined = settled.pipelined
     mine = items if pipelined else items_for_rank(items, ranks.rank, ranks.world_size)
@@ -166,7 +168,6 @@ def _run_share(request, settled, events, ranks: Ranks, items, mine, folder: Path
     if events.on_start is not None:
         events.on_start(result)
     manifest = folder / (MANIFEST if not ranks.distributed else rank_manifest_name(ranks.rank))
-    from dm_cli.io.outputs import save_images  # lazy: looked up per call (tests patch save_images)
 
     by_index = {item.index: item for item in todo}
     try:
@@ -177,7 +178,7 @@ def _run_share(request, settled, events, ranks: Ranks, items, mine, folder: Path
                 result.generated.append(item.index)
                 continue
             path = folder / item.output
-            save_images(generated.images[:1], str(path), generated.metadata)
+            outputs.save_images(generated.images[:1], str(path), generated.metadata)
             record = _record(item, jobs[item.index], pipeline.plan_digest, generated.seconds, ranks.rank)
             append_record(manifest, record)
             records[item.index] = record

@@ -19,6 +19,8 @@ from dm_cli.inputs import Generation, check_count, check_text, read_through
 from dm_cli.model.lora import chosen_loras
 from dm_cli.model.single_file_weights import component_files_metadata
 from dm_cli.planning.modes import CompileMode
+from dm_cli.planning.placement import budgets  # the module: tests patch its available_ram
+from dm_cli.run import request as run_request  # the module: tests patch its TRACKED_STEPS
 from dm_cli.run.entry_checks import check_seed
 from dm_cli.run.hooks.compile import CompileHook
 from dm_cli.run.loops.stages import StageLoop, fused_loras
@@ -88,7 +90,6 @@ class Session:
         """The stage loop `settled` chose (dm_cli.run.settle.settle decided and checked everything); nothing is loaded
         yet. measure=False: no activation tracker (Python work on every op) nor RSS sampling; `dmap run --prompt`
         measures each stage, a queue only wants its images."""
-        from dm_cli.run.request import TRACKED_STEPS  # lazy: looked up per call (tests patch TRACKED_STEPS)
 
         request = settled.request
         self.settled = settled  # kept whole: what it decided is read from it (the properties below), never copied
@@ -97,7 +98,7 @@ class Session:
         shared = {} if loop is StageLoop else {"sharing": self.sharing}
         if loop is PipelineStageLoop:
             shared["notices"] = self.notices
-        self._loop = loop(self.source, self.plan, self.family, simulate=request.simulate, tracked_steps=TRACKED_STEPS,
+        self._loop = loop(self.source, self.plan, self.family, simulate=request.simulate, tracked_steps=run_request.TRACKED_STEPS,
                           largest_shard=settled.largest_shard,
                           track_activations=request.simulate or request.track_activations, on_status=on_status,
                           measure=measure, loras=self.generation.loras, **shared)
@@ -205,10 +206,8 @@ class Session:
 
     def chunk_size(self, items: int, chunk_memory: int | None = None) -> tuple[int, int, int]:
         """(chunk size, bytes per item, budget): as many items as the RAM budget holds between stages."""
-        # lazy: looked up per call (tests patch available_ram)
-        from dm_cli.planning.placement.budgets import available_ram
 
-        budget = chunk_memory if chunk_memory is not None else int(available_ram() * DEFAULT_CHUNK_MEMORY_SHARE)
+        budget = chunk_memory if chunk_memory is not None else int(budgets.available_ram() * DEFAULT_CHUNK_MEMORY_SHARE)
         per_item = self.bytes_per_item()
         if not self.staged:
             return max(1, items), per_item, budget  # resident: one item at a time, nothing waits between stages

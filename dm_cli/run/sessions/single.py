@@ -15,6 +15,8 @@ from dm_cli.run.loops.stages import StageResult
 from dm_cli.run.request import RunRequest, output_path
 from dm_cli.run.sessions.outputs import claim_run_outputs
 from dm_cli.run.sessions.session import Session, frozen_gc
+from dm_cli.run.settle import settle as settling  # the module: tests patch its settle
+from dm_cli.run.settle.settle import Entry
 
 if TYPE_CHECKING:  # annotations only: the plan module costs start-up time
     from dm_cli.planning.plan_file import Plan
@@ -112,9 +114,7 @@ def run(request: RunRequest, on_plan: Callable[[object], None] | None = None,
 
 def _run(request: RunRequest, plan: Plan | None, on_plan, on_step, on_status, freeze: bool) -> RunResult:
     """One prompt through the session (`dm_cli.run.sessions.session.Session`), every stage measured."""
-    from dm_cli.run.settle.settle import Entry, settle  # lazy: looked up per call (tests patch settle)
-
-    pipeline = Session(settle(request, plan, entry=Entry.SINGLE, on_plan=on_plan, on_status=on_status),
+    pipeline = Session(settling.settle(request, plan, entry=Entry.SINGLE, on_plan=on_plan, on_status=on_status),
                        on_status=on_status, measure=True)
     job = pipeline.defaults
     result = RunResult(

@@ -35,11 +35,14 @@ from dm_cli.inputs import Generation, check_count
 from dm_cli.io.atomic import check_writable_file
 from dm_cli.io.images import check_image_output, image_paths
 from dm_cli.io.video import names_folder
+from dm_cli.model import models  # the module: tests patch its quiet_libraries
 from dm_cli.model.formats.weight_formats import int8_offload_problem
 from dm_cli.model.single_file_weights import component_files_metadata
+from dm_cli.planning import plan_file as plan_files  # the module: tests count its load_plan's calls
 from dm_cli.planning.make import launch_warning
 from dm_cli.planning.modes import CompileMode, Layout, Mode, Parallel, Strategy, Word
 from dm_cli.planning.placement.lora_sizing import lora_targets
+from dm_cli.run import request as run_request  # the module: tests patch its check_component_files
 from dm_cli.run.distributed import Ranks
 from dm_cli.run.entry_checks import check_seed
 from dm_cli.run.hooks.compile import compile_choice
@@ -177,9 +180,7 @@ def check_run_request(output: str | None, save_latents: str | None, num_images: 
         return None
     if not device_map.endswith(".json") and not os.path.lexists(device_map):
         raise UsageError(device_map_refusal(device_map))
-    from dm_cli.planning.plan_file import load_plan  # lazy: looked up per call (tests count its calls)
-
-    return load_plan(device_map)  # a FIFO, /dev/zero or a broken plan: refused here, read boundedly
+    return plan_files.load_plan(device_map)  # a FIFO, /dev/zero or a broken plan: refused here, read boundedly
 
 
 def device_map_refusal(device_map: str) -> str:
@@ -255,9 +256,7 @@ def _plan_file(request: RunRequest, plan: Plan | None) -> tuple[RunRequest, Plan
 
 
 def _load_plan(path: str) -> Plan:
-    from dm_cli.planning.plan_file import load_plan  # lazy: looked up per call (tests count its calls)
-
-    return load_plan(path)
+    return plan_files.load_plan(path)
 
 
 def _where(request: RunRequest) -> str:
@@ -292,11 +291,10 @@ def _final_plan(request: RunRequest, plan: Plan | None, source: Source, family: 
                 sharing: StepSharing | None, status, on_plan) -> Plan:
     """The libraries imported; a given plan's tiled decode checked, or the plan made here and its devices; shown
     (`on_plan`); int8 placements refused (unless simulated)."""
-    from dm_cli.model.models import quiet_libraries  # lazy: looked up per call (tests patch quiet_libraries)
 
 
     status("Importing torch, diffusers and transformers…")
-    quiet_libraries()
+    models.quiet_libraries()
     planned_here = plan is None
     if planned_here:
         status(f"Planning {source.spec} (meta-device traces are cached after the first run)…")
@@ -329,9 +327,8 @@ def _checked_weights(source: Source, status) -> dict:
     """Missing or corrupt weights are bad input: said before importing the libraries or planning; the largest
     shard of each component (what its load may add to the host's peak). Single files are hashed for the
     outputs' metadata."""
-    from dm_cli.run.request import check_component_files  # lazy: looked up per call (tests patch check_component_files)
 
-    largest = {c.name: check_component_files(c) for c in source.components}
+    largest = {c.name: run_request.check_component_files(c) for c in source.components}
     if any(c.single_file is not None for c in source.components):  # their sha256 goes into the metadata
         status("Hashing the single files (sha256, for the outputs' metadata)…")
         component_files_metadata(source)
