@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dm_cli.families import family_for  # noqa: E402
-from dm_cli.inputs import InputSpec, PlacementSpec  # noqa: E402
+from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec  # noqa: E402
 from dm_cli.model.formats.weight_formats import STORAGE_DTYPES, parse_weights_spec  # noqa: E402
 from dm_cli.model.sources import resolve_source  # noqa: E402
 from dm_cli.planning.make import make_plan  # noqa: E402
@@ -53,7 +53,13 @@ class Case:
 
     @property
     def inputs(self) -> InputSpec:
-        return InputSpec(self.size, self.width or self.size, num_frames=self.frames, image_sizes=self.images)
+        return self.generation.inputs()
+
+    @property
+    def generation(self) -> Generation:
+        """What dmap plans for: the size, the frames and the input images' sizes."""
+        return Generation(height=self.size, width=self.width or self.size, num_frames=self.frames,
+                          images=tuple(InputImage(w, h) for w, h in self.images))
 
     @property
     def model(self) -> str:
@@ -220,8 +226,8 @@ def gb(n: int) -> str:
 
 def case_options(case: Case, weights_only: bool = False, component: str | None = None) -> PlanOptions:
     """The options of one of a case's dmap plans: the pipeline, a component alone, or a component's weights only."""
-    inputs = InputSpec(0, 0, num_frames=case.frames) if weights_only else case.inputs
-    return PlanOptions(PlacementSpec(case.budget, dtype=case.dtype, weights=case.weights), inputs=inputs,
+    generation = Generation(height=0, width=0, num_frames=case.frames) if weights_only else case.generation
+    return PlanOptions(PlacementSpec(case.budget, dtype=case.dtype, weights=case.weights), generation,
                        component=component)
 
 

@@ -243,24 +243,23 @@ def settled_options(source, comps, options: PlanOptions) -> PlanOptions:
     """The generation settled and checked as `dmap run` settles and checks its own (`Family.settle`, then
     `Family.validate`): every default the run would fill in (size, frames, guidance, the family's settings) is
     the plan's, from the same Generation. Multiples of 8 for what no family knows."""
-    inputs = options.inputs
-    if 0 in (inputs.height, inputs.width) and None in (inputs.height, inputs.width):
-        inputs = replace(inputs, height=0, width=0)  # --height 0 (or --width 0) alone: weights only
-    check_weights_only(inputs)
-    options = replace(options, inputs=inputs)
+    generation = options.generation
+    if 0 in (generation.height, generation.width) and None in (generation.height, generation.width):
+        generation = replace(generation, height=0, width=0)  # --height 0 (or --width 0) alone: weights only
+    check_weights_only(generation.inputs())
     family, denoiser, vae = family_parts(source.pipeline_class, source.components if source.pipeline_class else comps)
     if family is None or denoiser is None:
-        if options.settings:
-            raise UsageError(f"dmap knows no pipeline family in {source.spec}: drop --{next(iter(options.settings))}.")
-        inputs = replace(inputs, height=FALLBACK_IMAGE_SIZE if inputs.height is None else inputs.height,
-                         width=FALLBACK_IMAGE_SIZE if inputs.width is None else inputs.width)
-        if inputs.height % 8 or inputs.width % 8:
-            raise UsageError(f"--height and --width must be multiples of 8 (got {inputs.height}x{inputs.width}).")
-        if inputs.num_frames is not None or inputs.fps is not None:
+        if generation.settings:
+            raise UsageError(f"dmap knows no pipeline family in {source.spec}: drop --{generation.settings[0][0]}.")
+        generation = replace(generation, height=FALLBACK_IMAGE_SIZE if generation.height is None else generation.height,
+                             width=FALLBACK_IMAGE_SIZE if generation.width is None else generation.width)
+        if generation.height % 8 or generation.width % 8:
+            raise UsageError(f"--height and --width must be multiples of 8 (got {generation.height}x{generation.width}).")
+        if generation.num_frames is not None or generation.fps is not None:
             raise UsageError(f"dmap knows no video pipeline in {source.spec}: drop --frames and --fps.")
-        return replace(options, inputs=inputs)
+        return replace(options, generation=generation)
     vae_config = vae.config if vae is not None else None
-    generation = family.settle(options.generation(), denoiser.config or {}, vae_config)
+    generation = family.settle(generation, denoiser.config or {}, vae_config)
     family.validate(generation, source.pipeline_class or denoiser.cls, denoiser.config or {}, vae_config,
                     tuple(c.name for c in source.components))
-    return options.with_generation(generation)
+    return replace(options, generation=generation)

@@ -250,14 +250,16 @@ def test_plan_reports_what_the_references_add_and_suggests_fewer_when_they_do_no
     """`dmap plan` with references: the tokens each adds and the transformer's activations with and without them
     (also in the plan file); on a device too small for three, the nearest change names the most that fit."""
     from dm_cli.errors import DoesNotFitError
-    from dm_cli.inputs import InputSpec, PlacementSpec
+    from dm_cli.inputs import Generation, InputImage, PlacementSpec
     from dm_cli.planning.make import make_plan
     from dm_cli.planning.plan_file import Plan
     from dm_cli.planning.plan_options import PlanOptions
 
     def plan(count: int, budget: str = "0=10GB"):
-        inputs = InputSpec(64, 64, image_sizes=((128, 128),) * count, max_sequence_length=16)  # the denoise peaks
-        return make_plan("tiny-flux2", PlanOptions(PlacementSpec(budget, mode="staged", overhead="0=0"), inputs=inputs, check=False))
+        generation = Generation(height=64, width=64, images=(InputImage(128, 128),) * count,
+                                max_sequence_length=16)  # the denoise peaks
+        return make_plan("tiny-flux2", PlanOptions(PlacementSpec(budget, mode="staged", overhead="0=0"), generation=generation,
+                                                  check=False))
 
     three = plan(3)
     report = three.input_images

@@ -231,14 +231,15 @@ def test_families_match_before_flux_and_run_their_own_pipelines():
 
 
 def test_plan_flux_kontext_with_a_1024_reference_fits_two_24gb_gpus():
-    from dm_cli.inputs import InputSpec, PlacementSpec
+    from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec
     from dm_cli.model.sources import resolve_source
     from dm_cli.planning.make import make_plan
     from dm_cli.planning.plan_options import PlanOptions
     from dm_cli.planning.trace.trace import trace_component
 
     plan = make_plan("flux-kontext", PlanOptions(PlacementSpec("0=24GB,1=24GB,cpu=64GB"), check=False,
-                                                 inputs=InputSpec(1024, 1024, image_sizes=((1024, 1024),))))
+                                                 generation=Generation(height=1024, width=1024,
+                                                                       images=(InputImage(1024, 1024),))))
     assert [s.name for s in plan.stages] == STAGES and plan.components["vae"].stages == ("encode_image", "decode")
     assert plan.offloaded_bytes == 0 and plan.dtype == "bfloat16"
     assert all(peak <= 24e9 for s in plan.stages for d, peak in s.peak_bytes.items() if d != "cpu")

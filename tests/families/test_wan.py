@@ -6,7 +6,7 @@ import pytest
 from conftest import run_dmap
 
 from dm_cli.errors import UsageError
-from dm_cli.inputs import InputSpec, PlacementSpec
+from dm_cli.inputs import Generation, InputSpec, PlacementSpec
 from dm_cli.model.sources import resolve_source
 from dm_cli.planning.make import make_plan
 from dm_cli.planning.plan_options import PlanOptions
@@ -44,7 +44,7 @@ def test_bad_video_inputs_are_one_sentence_and_exit_2(args, message):
 
 def test_frames_on_an_image_pipeline_is_refused():
     with pytest.raises(UsageError, match="make images, not videos"):
-        make_plan("tiny-sd15", PlanOptions(PlacementSpec("0=1GB"), inputs=InputSpec(64, 64, num_frames=9)))
+        make_plan("tiny-sd15", PlanOptions(PlacementSpec("0=1GB"), generation=Generation(height=64, width=64, num_frames=9)))
 
 
 def test_trace_feeds_5d_latents_and_activations_follow_frames():
@@ -86,7 +86,7 @@ def test_a_split_separating_scale_shift_table_from_proj_out_passes_the_check():
 def wan_plans():
     """dmap plan wan2.2 at its defaults (480x832, 81 frames) on the three device sets of the issue."""
     specs = {"2x24": "0=24GB,1=24GB,cpu=128GB", "1x80": "0=80GB", "4x16": "0=16GB,1=16GB,2=16GB,3=16GB"}
-    return {name: make_plan("wan2.2", PlanOptions(PlacementSpec(spec, dtype="bf16"), inputs=InputSpec(None, None)))
+    return {name: make_plan("wan2.2", PlanOptions(PlacementSpec(spec, dtype="bf16"), generation=Generation()))
             for name, spec in specs.items()}
 
 

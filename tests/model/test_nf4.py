@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dm_cli.errors import UsageError
-from dm_cli.inputs import InputSpec, PlacementSpec
+from dm_cli.inputs import Generation, PlacementSpec
 from dm_cli.model.formats.nf4 import nf4_bytes
 from dm_cli.model.formats.weight_formats import int8_offload_problem, parse_weights_spec
 
@@ -93,7 +93,7 @@ def test_planned_bytes_and_layers_are_the_libraries(preset, folders):
     folder = folders(preset)
     source = resolve_source(str(folder))
     plan = make_plan(str(folder), PlanOptions(PlacementSpec("cpu=10GB", weights="nf4", dtype="bfloat16"),
-                                              inputs=InputSpec(0, 0), check=False)).to_json()
+                                              generation=Generation(height=0, width=0), check=False)).to_json()
     for name, planned in plan["components"].items():
         if name == "vae":
             assert planned["storage_dtype"] == "bfloat16"  # a bare nf4 leaves the VAE alone
@@ -151,7 +151,7 @@ def test_issue_goals_fit_at_1024(preset, weights, memory, mode):
     from dm_cli.planning.plan_options import PlanOptions
 
     plan = make_plan(preset, PlanOptions(PlacementSpec(memory, mode=mode, weights=weights),
-                                         inputs=InputSpec(1024, 1024), check=False)).to_json()
+                                         generation=Generation(height=1024, width=1024), check=False)).to_json()
     assert plan["mode"] == mode
     for name, comp in plan["components"].items():
         assert set(map(str, comp["device_map"].values())) <= {"0", "1"}, name  # nothing on cpu or disk

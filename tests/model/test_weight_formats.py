@@ -116,13 +116,13 @@ def _real_bytes(model) -> int:
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("preset", ["tiny-flux", "tiny-sd3", "tiny-flux2"])
 def test_planned_bytes_are_the_bytes_after_casting(preset, fmt):
-    from dm_cli.inputs import InputSpec
+    from dm_cli.inputs import Generation
     from dm_cli.model.sources import resolve_source
     from dm_cli.planning.make import make_plan
     from dm_cli.planning.plan_options import PlanOptions
 
     source = resolve_source(preset)
-    plan = make_plan(preset, PlanOptions(PlacementSpec("cpu=10GB", weights=f"{fmt},vae={fmt}"), inputs=InputSpec(0, 0), check=False)).to_json()
+    plan = make_plan(preset, PlanOptions(PlacementSpec("cpu=10GB", weights=f"{fmt},vae={fmt}"), generation=Generation(height=0, width=0), check=False)).to_json()
     for name, planned in plan["components"].items():
         model = _build(source.component(name), torch.bfloat16)
         if fmt == "fp8":
@@ -136,14 +136,14 @@ def test_planned_bytes_are_the_bytes_after_casting(preset, fmt):
 
 
 def test_compute_copy_of_the_largest_layer_is_in_the_peak():
-    from dm_cli.inputs import InputSpec
+    from dm_cli.inputs import Generation
     from dm_cli.model.sources import resolve_source
     from dm_cli.planning.make import make_plan
     from dm_cli.planning.plan_options import PlanOptions
 
-    inputs = InputSpec(64, 64)
-    plain = make_plan("tiny-flux", PlanOptions(PlacementSpec("cpu=10GB"), inputs=inputs, check=False)).to_json()
-    fp8 = make_plan("tiny-flux", PlanOptions(PlacementSpec("cpu=10GB", weights="fp8"), inputs=inputs, check=False)).to_json()
+    generation = Generation(height=64, width=64)
+    plain = make_plan("tiny-flux", PlanOptions(PlacementSpec("cpu=10GB"), generation=generation, check=False)).to_json()
+    fp8 = make_plan("tiny-flux", PlanOptions(PlacementSpec("cpu=10GB", weights="fp8"), generation=generation, check=False)).to_json()
     model = _build(resolve_source("tiny-flux").component("transformer"), torch.bfloat16)
     _cast_like_diffusers(model, torch.bfloat16)
     largest = max(sum(p.numel() * 2 for p in m.parameters(recurse=False)) for m in model.modules()
@@ -257,13 +257,13 @@ def test_run_refuses_a_plan_with_other_storage_and_int8_offload(folders, tmp_pat
 def test_int8_without_torchao_plans_and_refuses_to_run(folders, tmp_path, monkeypatch):
     import sys
 
-    from dm_cli.inputs import InputSpec
+    from dm_cli.inputs import Generation
     from dm_cli.planning.make import make_plan
     from dm_cli.planning.plan_options import PlanOptions
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao -> ImportError
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)
-    plan = make_plan("tiny-flux", PlanOptions(PlacementSpec("cpu=1GB", weights="int8"), inputs=InputSpec(0, 0), check=False))
+    plan = make_plan("tiny-flux", PlanOptions(PlacementSpec("cpu=1GB", weights="int8"), generation=Generation(height=0, width=0), check=False))
     assert plan.to_json()["components"]["transformer"]["storage_dtype"] == "int8"
     folder = folders("tiny-flux")
     with pytest.raises(UsageError, match="--weights int8 needs torchao"):
@@ -271,7 +271,7 @@ def test_int8_without_torchao_plans_and_refuses_to_run(folders, tmp_path, monkey
 
 
 def test_shard_fp8_writes_a_checkpoint_diffusers_loads_dmap_plans_from_and_runs(folders, tmp_path):
-    from dm_cli.inputs import InputSpec
+    from dm_cli.inputs import Generation
     from dm_cli.io.checkpoint import open_checkpoint
     from dm_cli.model.shard import shard
     from dm_cli.model.skeleton import skeleton_for_component
@@ -294,7 +294,7 @@ def test_shard_fp8_writes_a_checkpoint_diffusers_loads_dmap_plans_from_and_runs(
         fp8 = {n for n, e in header.items() if e.dtype == "float8_e4m3fn"}
         assert fp8 == (set() if comp.name == "vae" else cast & set(header)), comp.name
         assert {e.dtype for n, e in header.items() if n not in fp8} <= {"float32", "int64"}  # skipped modules kept
-    plan = make_plan(str(out), PlanOptions(PlacementSpec("cpu=1GB"), inputs=InputSpec(0, 0), check=False)).to_json()
+    plan = make_plan(str(out), PlanOptions(PlacementSpec("cpu=1GB"), generation=Generation(height=0, width=0), check=False)).to_json()
     assert plan["dtype"] == "float32"
     for comp in written.components:  # planned from the checkpoint's real sizes, fp8 found without --weights
         skeleton, checkpoint = skeleton_for_component(comp)

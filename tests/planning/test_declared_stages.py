@@ -113,7 +113,7 @@ def test_a_vae_that_encodes_before_the_denoiser_and_decodes_after_plans_and_runs
     pytest.importorskip("torch")
     from PIL import Image
 
-    from dm_cli.inputs import InputSpec
+    from dm_cli.inputs import Generation
     from dm_cli.planning.make import make_plan
     from dm_cli.planning.plan_file import Plan
     from dm_cli.planning.plan_options import PlanOptions
@@ -123,7 +123,7 @@ def test_a_vae_that_encodes_before_the_denoiser_and_decodes_after_plans_and_runs
     expected = _oracle(sd15)
     loaded = _recording_loads(monkeypatch)
     for mode, vae_loads in (("staged", 2), ("resident", 1)):
-        plan = make_plan(str(sd15), PlanOptions(PlacementSpec("cpu=8GB", mode=mode), inputs=InputSpec(SIZE, SIZE), check=False))
+        plan = make_plan(str(sd15), PlanOptions(PlacementSpec("cpu=8GB", mode=mode), generation=Generation(height=SIZE, width=SIZE), check=False))
         assert plan.mode == mode
         assert [(s.name, s.components) for s in plan.stages] == IMG2IMG_STAGES  # both of the VAE's, in order
         assert plan.components["vae"].stage == "encode_image"

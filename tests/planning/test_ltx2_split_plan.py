@@ -13,14 +13,14 @@ torch = pytest.importorskip("torch")
 
 
 def planned_transformer_map(folder) -> dict:
-    from dm_cli.inputs import InputSpec, PlacementSpec
+    from dm_cli.inputs import Generation, PlacementSpec
     from dm_cli.planning.make import make_plan
     from dm_cli.planning.plan_options import PlanOptions
 
     # weights only (the tiny twin's activations are MBs against KBs of weights): two devices that each hold about
     # half of the 152 KB fp32 transformer
     placement = PlacementSpec("0=100KB,1=100KB", overhead="0=0,1=0", dtype="float32")
-    plan = make_plan(str(folder), PlanOptions(placement, inputs=InputSpec(0, 0, num_frames=FRAMES),
+    plan = make_plan(str(folder), PlanOptions(placement, generation=Generation(height=0, width=0, num_frames=FRAMES),
                                               component="transformer"))
     return plan.to_json()["components"]["transformer"]["device_map"]
 

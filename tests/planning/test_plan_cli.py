@@ -6,7 +6,7 @@ import pytest
 from conftest import run_dmap
 
 from dm_cli.errors import DoesNotFitError, UsageError
-from dm_cli.inputs import InputSpec, PlacementSpec
+from dm_cli.inputs import Generation, PlacementSpec
 from dm_cli.model.skeleton import skeleton_for_component
 from dm_cli.model.sources import resolve_source
 from dm_cli.planning.make import make_plan
@@ -72,7 +72,7 @@ def test_does_not_fit_exit_3_with_shortfall_and_nearest_change():
     assert code == 3
     assert "does not fit" in err and "more on GPU 0" in err and "cpu=" in err
     with pytest.raises(DoesNotFitError) as info:
-        make_plan("tiny-sd15", PlanOptions(PlacementSpec("0=30KB", dtype="fp32"), inputs=InputSpec(0, 0)))
+        make_plan("tiny-sd15", PlanOptions(PlacementSpec("0=30KB", dtype="fp32"), generation=Generation(height=0, width=0)))
     assert info.value.details["shortfall_bytes"]["0"] > 0
 
 
@@ -88,7 +88,7 @@ def test_sdxl_unet_fp32_splits_on_6_and_10_gib():
 
 
 def test_sdxl_unet_on_5_and_5_gib_offloads_nothing_where_accelerate_offloads_6_5_gib():
-    plan = make_plan("sdxl", PlanOptions(PlacementSpec("0=5GiB,1=5GiB,cpu=30GiB", dtype="fp32"), component="unet", inputs=InputSpec(0, 0), check=False))
+    plan = make_plan("sdxl", PlanOptions(PlacementSpec("0=5GiB,1=5GiB,cpu=30GiB", dtype="fp32"), component="unet", generation=Generation(height=0, width=0), check=False))
     assert plan.offloaded_bytes == 0
     assert set(plan.components["unet"].device_map.values()) == {0, 1}
 
@@ -117,7 +117,7 @@ def test_sdxl_unet_at_1024_explains_what_activations_cost():
 
 
 def test_flux_dev_bf16_on_two_16gb_gpus_at_1024_is_staged_with_no_offload():
-    plan = make_plan("flux", PlanOptions(PlacementSpec("0=16GB,1=16GB", dtype="bf16"), inputs=InputSpec(1024, 1024)))
+    plan = make_plan("flux", PlanOptions(PlacementSpec("0=16GB,1=16GB", dtype="bf16"), generation=Generation(height=1024, width=1024)))
     assert plan.mode == "staged"
     assert plan.offloaded_bytes == 0
     assert plan.check["ran"] and plan.check["problems"] == []
@@ -133,7 +133,7 @@ def test_flux_dev_bf16_on_two_16gb_gpus_at_1024_is_staged_with_no_offload():
 
 
 def test_write_plan_is_atomic(tmp_path):
-    plan = make_plan("tiny-sd15", PlanOptions(PlacementSpec("0=1MB", dtype="fp32"), inputs=InputSpec(0, 0), check=False))
+    plan = make_plan("tiny-sd15", PlanOptions(PlacementSpec("0=1MB", dtype="fp32"), generation=Generation(height=0, width=0), check=False))
     target = tmp_path / "p.json"
     write_plan(plan, target)
     assert json.loads(target.read_text())["components"]["unet"]["device_map"] == {"": 0}
@@ -141,9 +141,9 @@ def test_write_plan_is_atomic(tmp_path):
 
 
 def test_does_not_fit_suggests_a_smaller_resolution():
-    options = PlanOptions(PlacementSpec("0=1GB", dtype="fp32", overhead="0=0"), inputs=InputSpec(768, 768), check=False)
+    options = PlanOptions(PlacementSpec("0=1GB", dtype="fp32", overhead="0=0"), generation=Generation(height=768, width=768), check=False)
     fitting = make_plan("tiny-sd15", options)
     peak = max(max(s.peak_bytes.values()) for s in fitting.stages)
     with pytest.raises(DoesNotFitError) as info:
-        make_plan("tiny-sd15", PlanOptions(PlacementSpec(f"0={peak}", dtype="fp32", overhead="0=0"), inputs=InputSpec(1024, 1024), check=False))
+        make_plan("tiny-sd15", PlanOptions(PlacementSpec(f"0={peak}", dtype="fp32", overhead="0=0"), generation=Generation(height=1024, width=1024), check=False))
     assert "fits at 768x768" in str(info.value)

@@ -22,7 +22,7 @@ from dm_cli.families import (  # noqa: E402
     family_for,
 )
 from dm_cli.families.calls import TensorSpec  # noqa: E402
-from dm_cli.inputs import InputSpec, PlacementSpec  # noqa: E402
+from dm_cli.inputs import Generation, InputSpec, PlacementSpec  # noqa: E402
 from dm_cli.model.skeleton import skeleton_for_component  # noqa: E402
 from dm_cli.model.sources import resolve_source  # noqa: E402
 from dm_cli.planning.make import make_plan  # noqa: E402
@@ -193,7 +193,8 @@ def test_tiny_split_plan_passes_the_check_on_meta_and_on_cpu(preset, name):
     assert share < weights
     activations = max(b.activation for b in blocks)
     spec = ",".join(f"{i}={(share + activations) // 1000 + 1}KB" for i in range(4))
-    options = PlanOptions(PlacementSpec(spec, dtype="fp32", overhead="0=0,1=0,2=0,3=0"), component=name, inputs=INPUTS, check=True)
+    options = PlanOptions(PlacementSpec(spec, dtype="fp32", overhead="0=0,1=0,2=0,3=0"), component=name,
+                          generation=Generation(height=INPUTS.height, width=INPUTS.width), check=True)
     plan = make_plan(preset, options)
     placed = plan.components[name]
     assert len(set(placed.device_map.values())) >= 2, placed.device_map

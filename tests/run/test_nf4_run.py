@@ -86,12 +86,12 @@ def test_nf4_without_bitsandbytes_plans_and_refuses_to_run(folders, tmp_path, mo
     import sys
 
     from dm_cli.errors import UsageError
-    from dm_cli.inputs import InputSpec, PlacementSpec
+    from dm_cli.inputs import Generation, PlacementSpec
     from dm_cli.planning.make import make_plan
     from dm_cli.planning.plan_options import PlanOptions
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes -> ImportError
-    plan = make_plan("tiny-flux", PlanOptions(PlacementSpec("cpu=1GB", weights="nf4"), inputs=InputSpec(0, 0), check=False))
+    plan = make_plan("tiny-flux", PlanOptions(PlacementSpec("cpu=1GB", weights="nf4"), generation=Generation(height=0, width=0), check=False))
     assert plan.to_json()["components"]["transformer"]["storage_dtype"] == "uint8"
     folder = folders("tiny-flux")
     with pytest.raises(UsageError, match="--weights nf4 needs bitsandbytes"):

@@ -185,13 +185,13 @@ def test_the_plan_counts_every_adapter_loaded_and_keeps_them_switchable(adapters
     """A server's (or a choosing queue's) plan holds every adapter loaded, unfused, beside the layers it patches."""
     from dataclasses import replace
 
-    from dm_cli.inputs import InputSpec, PlacementSpec
+    from dm_cli.inputs import Generation, PlacementSpec
     from dm_cli.model.lora import read_loras
     from dm_cli.planning.make import make_plan
     from dm_cli.planning.plan_options import PlanOptions
 
     folder, fox, owl = adapters
-    base = PlanOptions(PlacementSpec(max_memory="cpu=8GB"), InputSpec(SIZE, SIZE), check=False)
+    base = PlanOptions(PlacementSpec(max_memory="cpu=8GB"), generation=Generation(height=SIZE, width=SIZE), check=False)
     loras = read_loras([str(fox), f"{owl}:0.5"])
     bare = make_plan(str(folder), base)
     switched = make_plan(str(folder), replace(base, loras=loras, switch_loras=True))

@@ -315,7 +315,7 @@ def test_a_preset_has_no_weights_and_run_says_so_before_importing_torch():
 
 def test_plan_digest_depends_only_on_the_placement(monkeypatch):
     import dm_cli.planning.placement.budgets as budgets
-    from dm_cli.inputs import InputSpec
+    from dm_cli.inputs import Generation
     from dm_cli.planning.make import make_plan
     from dm_cli.planning.plan_options import PlanOptions
     from dm_cli.run.request import plan_digest
@@ -323,7 +323,7 @@ def test_plan_digest_depends_only_on_the_placement(monkeypatch):
     plans = []
     for ram in (30 * 10**9, 31 * 10**9):
         monkeypatch.setattr(budgets, "available_ram", lambda ram=ram: ram)
-        plans.append(make_plan("tiny-sd15", PlanOptions(inputs=InputSpec(32, 32))))
+        plans.append(make_plan("tiny-sd15", PlanOptions(generation=Generation(height=32, width=32))))
     assert plans[0].to_json()["devices"] != plans[1].to_json()["devices"]
     assert plan_digest(plans[0]) == plan_digest(plans[1])
 
