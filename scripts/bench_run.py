@@ -211,7 +211,7 @@ def install_marks():
     original = single.run
     single.run = run
     checks = lambda: state["phase"] != "header checks" and switch("header checks")
-    wrap(request, "check_component_files", before=checks)
+    wrap(settle_checks, "check_component_files", before=checks)
     wrap(settle_checks, "make_run_plan", before=lambda: switch("planning (inline plan)"),
          after=lambda: switch("plan checked and shown"))
     wrap(stages.StageLoop, "__init__", before=lambda: switch("pipeline object (placeholders, tokenizers, scheduler)"),

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dm_cli.errors import CheckpointError, UsageError
+from dm_cli.errors import UsageError
 from dm_cli.families import Family
 from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec, check_text
-from dm_cli.io.checkpoint import open_checkpoint
 from dm_cli.io.input_images import describe_image, split_keyframe
 from dm_cli.model.lora import read_loras
 from dm_cli.planning.modes import CompileMode, Parallel, Strategy, parse_compile
@@ -287,16 +286,3 @@ def output_path(request: RunRequest, family: Family) -> str:
     if family.default_num_frames is not None and request.output == RunRequest.output:
         return "dmap.mp4"
     return request.output
-
-
-def check_component_files(comp) -> int:
-    """Headers of a component's safetensors validated; returns the largest shard's size."""
-    if comp.single_file is not None:  # its header was read (and checked) when SOURCE was resolved
-        return comp.single_file.path.stat().st_size
-    if comp.weights is None:
-        raise CheckpointError(
-            f"Component '{comp.name}' has no safetensors weights in {comp.folder}: add them (dmap shard converts .bin files) "
-            "or pick the folder that has them."
-        )
-    checkpoint = open_checkpoint(comp.weights, strict=True)
-    return max((p.stat().st_size for p in checkpoint.files), default=0)

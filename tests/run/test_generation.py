@@ -56,7 +56,7 @@ def accepting(monkeypatch):
         raise Accepted(ACCEPTED)
 
     monkeypatch.setattr("dm_cli.planning.make.parse_device_spec", accept)
-    monkeypatch.setattr("dm_cli.run.request.check_component_files", accept)
+    monkeypatch.setattr("dm_cli.run.settle.checks.check_component_files", accept)
 
 
 def _outcome(call) -> str:

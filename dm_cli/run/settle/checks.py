@@ -1,10 +1,10 @@
 """The checks `settle` applies to a run, once, in the order its docstring states (dm_cli.run.settle.settle):
 SOURCE (`source_of_plan`, `prepare`), the devices of a given plan (`check_devices_present`), the generation
 (`settle_generation`), the outputs as settled (`refuse_existing_outputs`), the plan against the run
-(`check_plan_matches`) and its step cache (`check_plan_cache`); then a given plan's tiled decode
-(`check_tiled_decode`), or the plan made here (`make_run_plan`) and its devices. The facts they compare (the
+(`check_plan_matches`) and its step cache (`check_plan_cache`); the weights' files
+(`check_weight_files`); then a given plan's tiled decode (`check_tiled_decode`), or the plan made here (`make_run_plan`) and its devices. The facts they compare (the
 request, its inputs, the visible devices) stay with the `RunRequest` in dm_cli.run.request; `settle` calls these
-through this module, the seam tests patch (`make_run_plan`, `check_devices_present`)."""
+through this module, the seam tests patch (`make_run_plan`, `check_devices_present`, `check_component_files`)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from dm_cli.devices import device_key
-from dm_cli.errors import SourceError, UsageError
+from dm_cli.errors import CheckpointError, SourceError, UsageError
 from dm_cli.families import Family, family_for, supported_pipelines
 from dm_cli.inputs import Generation, InputImage, InputSpec, PlacementSpec
 from dm_cli.io.atomic import refuse_existing
+from dm_cli.io.checkpoint import open_checkpoint
 from dm_cli.io.images import check_image_output, check_metadata_room, existing_image_paths
 from dm_cli.io.video import sidecar_path
 from dm_cli.model.demo import DEMO_NOTICE, is_demo, source_root
@@ -314,3 +315,22 @@ def _planned_compile(request) -> CompileMode:
     if request.simulate or request.track_activations:
         return CompileMode.NONE
     return request.compile
+
+
+def check_weight_files(source) -> dict[str, int]:
+    """Every component's weights checked (one sentence for missing or corrupt files, before the libraries are
+    imported): the largest shard of each, what its load may add to the host's peak."""
+    return {comp.name: check_component_files(comp) for comp in source.components}
+
+
+def check_component_files(comp) -> int:
+    """Headers of a component's safetensors validated; returns the largest shard's size."""
+    if comp.single_file is not None:  # its header was read (and checked) when SOURCE was resolved
+        return comp.single_file.path.stat().st_size
+    if comp.weights is None:
+        raise CheckpointError(
+            f"Component '{comp.name}' has no safetensors weights in {comp.folder}: add them (dmap shard converts .bin files) "
+            "or pick the folder that has them."
+        )
+    checkpoint = open_checkpoint(comp.weights, strict=True)
+    return max((p.stat().st_size for p in checkpoint.files), default=0)

@@ -42,7 +42,6 @@ from dm_cli.planning import plan_file as plan_files  # the module: tests count i
 from dm_cli.planning.make import launch_warning
 from dm_cli.planning.modes import CompileMode, Layout, Mode, Parallel, Strategy, Word
 from dm_cli.planning.placement.lora_sizing import lora_targets
-from dm_cli.run import request as run_request  # the module: tests patch its check_component_files
 from dm_cli.run.distributed import Ranks
 from dm_cli.run.entry_checks import check_seed
 from dm_cli.run.hooks.compile import compile_choice
@@ -328,7 +327,7 @@ def _checked_weights(source: Source, status) -> dict:
     shard of each component (what its load may add to the host's peak). Single files are hashed for the
     outputs' metadata."""
 
-    largest = {c.name: run_request.check_component_files(c) for c in source.components}
+    largest = checks.check_weight_files(source)
     if any(c.single_file is not None for c in source.components):  # their sha256 goes into the metadata
         status("Hashing the single files (sha256, for the outputs' metadata)…")
         component_files_metadata(source)
