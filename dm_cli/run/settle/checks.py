@@ -1,10 +1,11 @@
-"""The checks `settle` applies to a run, once, in the order its docstring states (dm_cli.run.settle.settle):
-SOURCE (`source_of_plan`, `prepare`), the devices of a given plan (`check_devices_present`), the generation
+"""The checks `settle` applies to a run, once, in the order its docstring states (dm_cli.run.settle.settle): SOURCE
+(`source_of_plan`, `prepare`), the devices of a given plan (`check_devices_present`), the generation
 (`settle_generation`), the outputs as settled (`refuse_existing_outputs`), the plan against the run
-(`check_plan_matches`) and its step cache (`check_plan_cache`); the weights' files
-(`check_weight_files`); then a given plan's tiled decode (`check_tiled_decode`), or the plan made here (`make_run_plan`) and its devices. The facts they compare (the
-request, its inputs, the visible devices) stay with the `RunRequest` in dm_cli.run.request; `settle` calls these
-through this module, the seam tests patch (`make_run_plan`, `check_devices_present`, `check_component_files`)."""
+(`check_plan_matches`) and its step cache (`check_plan_cache`); the weights' files (`check_weight_files`); then a
+given plan's tiled decode (`check_tiled_decode`), or the plan made here (`make_run_plan`) and its devices. The facts
+they compare (the request, its inputs, the visible devices) stay with the `RunRequest` in dm_cli.run.request;
+`settle` calls these through this module, the seam tests patch (`make_run_plan`, `check_devices_present`,
+`check_component_files`)."""
 
 from __future__ import annotations
 
