@@ -291,7 +291,6 @@ def _final_plan(request: RunRequest, plan: Plan | None, source: Source, family: 
     """The libraries imported; a given plan's tiled decode checked, or the plan made here and its devices; shown
     (`on_plan`); int8 placements refused (unless simulated)."""
 
-
     status("Importing torch, diffusers and transformers…")
     models.quiet_libraries()
     planned_here = plan is None
