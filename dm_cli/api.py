@@ -100,14 +100,13 @@ def plan(source: str | None = None, *, max_memory: str | None = None, height: in
                             num_frames=num_frames, fps=fps, negative_prompt=negative_prompt,
                             images=_input_image_sizes(image, image_size),
                             last_image=InputImage(*last) if last is not None else None,
-                            cache=parse_cache(cache)).with_settings(settings)
+                            loras=read_loras(lora, "lora"), cache=parse_cache(cache)).with_settings(settings)
     placement = PlacementSpec(max_memory, strategy, mode, overhead, parse_dtype(dtype) if dtype is not None else None,
                               weights)
     options = PlanOptions.of(generation, placement, component=component, check=check, use_cache=use_cache,
                              on_progress=on_progress, parallel=ParallelRequest(world_size, parallel, device_tflops, link_gbps,
                                                                               in_flight),
                              pipeline=pipeline, component_files=tuple(parse_component_files(component_files).items()),
-                             loras=read_loras(lora, "lora"),
                              prediction=PredictionRequest(profile, pick(steps, "steps"), queue, prompt,
                                                           parse_compile(compile)))
     return make_named_plan(root, spec, options)

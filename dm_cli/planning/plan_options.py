@@ -31,7 +31,6 @@ class PlanOptions:
     pipeline: str | None = None  # --pipeline: SOURCE is a single file, the rest of the pipeline comes from here
     # --component-file: (component, file) pairs, these components from these single files
     component_files: tuple[tuple[str, str], ...] = ()
-    loras: tuple = ()  # LoRA adapters (dm_cli.inputs.LoraAdapter, --lora): their bytes beside the layers they patch
     # the LoRAs stay unfused, switchable per image: `dmap serve`'s requests (and a queue's items) choose among them
     switch_loras: bool = False
     prediction: PredictionRequest = field(default_factory=PredictionRequest)  # --profile, --steps, --queue
@@ -62,6 +61,11 @@ class PlanOptions:
     def negative_prompt(self) -> str | None:
         """Checked as dmap run checks it (FLUX refuses one); true CFG is planned anyway."""
         return self.generation.negative_prompt
+
+    @property
+    def loras(self) -> tuple:
+        """LoRA adapters (dm_cli.inputs.LoraAdapter, --lora): their bytes beside the layers they patch."""
+        return self.generation.loras
 
     @property
     def cache(self) -> StepCache | None:

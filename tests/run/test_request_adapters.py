@@ -194,8 +194,9 @@ def test_the_plan_counts_every_adapter_loaded_and_keeps_them_switchable(adapters
     base = PlanOptions(PlacementSpec(max_memory="cpu=8GB"), generation=Generation(height=SIZE, width=SIZE), check=False)
     loras = read_loras([str(fox), f"{owl}:0.5"])
     bare = make_plan(str(folder), base)
-    switched = make_plan(str(folder), replace(base, loras=loras, switch_loras=True))
-    fused = make_plan(str(folder), replace(base, loras=loras))
+    with_loras = replace(base.generation, loras=loras)
+    switched = make_plan(str(folder), replace(base, generation=with_loras, switch_loras=True))
+    fused = make_plan(str(folder), replace(base, generation=with_loras))
     added = switched.components["transformer"].weights_bytes - bare.components["transformer"].weights_bytes
     assert added == sum(entry["bytes"] for entry in switched.loras) > 0
     assert [entry["fused"] for entry in switched.loras] == [False, False]

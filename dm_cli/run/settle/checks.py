@@ -293,7 +293,7 @@ def make_run_plan(source: Source, request: RunRequest, generation: Generation, f
     prediction = PredictionRequest(steps=generation.steps, queue=min(max(1, request.queue), MAX_QUEUE),
                                    prompt=request.prompt or None, compile=_planned_compile(request))
     plan = make_named_plan(root, source.spec, PlanOptions.of(generation, placement, pipeline=pipeline,
-                                                             component_files=files, loras=generation.loras,
+                                                             component_files=files,
                                                              switch_loras=request.switch_loras,
                                                              parallel=parallel, prediction=prediction))
     if plan.parallel is not None:  # planned for the ranks of this very launch: no advice to launch it
