@@ -452,6 +452,11 @@ class Generation:
     def weights_only(self) -> bool:
         return self.height == 0 or self.width == 0
 
+    @property
+    def video_fps(self) -> int | None:
+        """The frame rate a video is written at; None for images (a frame rate without frames means nothing)."""
+        return self.fps if self.num_frames else None
+
     def inputs(self) -> InputSpec:
         """What the tracer and the planner read of it (the pixel bound is checked there)."""
         return InputSpec(self.height, self.width, self.batch_size, self.num_images or 1, self.guidance_scale,

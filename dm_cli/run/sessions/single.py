@@ -57,8 +57,7 @@ class RunResult:
 
     @property
     def fps(self) -> int | None:
-        """The settled frame rate, for video families (None for images), as `SettledRun.fps`."""
-        return self.job.generation.fps if self.job.num_frames else None
+        return self.job.generation.video_fps
 
     @property
     def settings(self) -> dict:

@@ -106,8 +106,6 @@ class SettledRun:
     where: str  # what messages call the plan
     sharing: StepSharing | None  # how torchrun ranks share each step; None: one process per image
     loop: Loop
-    staged: bool  # the plan loads stage by stage (not resident), whichever loop runs it
-    is_main: bool  # this rank decodes and gets the images (every process when steps are not shared)
     largest_shard: dict  # component -> its largest weights file's bytes
     notices: tuple[str, ...] = ()
     compile: CompileMode = CompileMode.NONE  # --compile as it runs (dm_cli.run.hooks.compile.compile_choice)
@@ -117,9 +115,18 @@ class SettledRun:
         return self.loop is Loop.PIPELINE
 
     @property
+    def staged(self) -> bool:
+        """The plan loads stage by stage (not resident), whichever loop runs it."""
+        return self.plan.mode != Mode.RESIDENT
+
+    @property
+    def is_main(self) -> bool:
+        """This rank decodes and gets the images (every process when steps are not shared)."""
+        return self.sharing is None or self.sharing.is_main
+
+    @property
     def fps(self) -> int | None:
-        """The settled generation's frame rate, for video families (None for images)."""
-        return self.generation.fps if self.generation.num_frames else None
+        return self.generation.video_fps
 
 
 # --- 1-3: what `dmap run` refuses before it reads a request -------------------------------------------------
@@ -233,9 +240,7 @@ def settle(request: RunRequest, plan: Plan | None = None, *, entry: Entry = Entr
     return SettledRun(request=request, entry=entry, source=source, family=family, demo=demo, generation=generation,
                       defaults=job, plan=plan,
                       plan_digest=plan_digest(plan), planned_here=planned_here, source_from_plan=source_from_plan,
-                      where=_where(request), sharing=sharing, loop=_loop(plan, sharing),
-                      staged=plan.mode != Mode.RESIDENT, is_main=sharing is None or sharing.is_main,
-                      largest_shard=largest, notices=tuple(notices), compile=compiled)
+                      where=_where(request), sharing=sharing, loop=_loop(plan, sharing), largest_shard=largest, notices=tuple(notices), compile=compiled)
 
 
 def _plan_file(request: RunRequest, plan: Plan | None) -> tuple[RunRequest, Plan | None, bool]:
@@ -325,7 +330,6 @@ def _checked_weights(source: Source, status) -> dict:
     """Missing or corrupt weights are bad input: said before importing the libraries or planning; the largest
     shard of each component (what its load may add to the host's peak). Single files are hashed for the
     outputs' metadata."""
-
     largest = checks.check_weight_files(source)
     if any(c.single_file is not None for c in source.components):  # their sha256 goes into the metadata
         status("Hashing the single files (sha256, for the outputs' metadata)…")
