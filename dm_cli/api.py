@@ -177,8 +177,8 @@ def load(source: str | None = None, plan: Plan | str | Path | None = None, *, si
                             num_frames=num_frames, fps=fps, negative_prompt=negative_prompt, images=image, simulate=simulate,
                             last_image=last_image, output=None, per_prompt_images=True, parallel=parallel, pipeline=pipeline,
                             component_files=component_files, loras=lora, cache=cache, compile=compile)
-    settled = settling.settle(request, None if isinstance(plan, (str, Path)) else plan, entry=Entry.API, on_plan=on_plan,
-                     on_status=on_status)
+    settled = settling.settle(request, None if isinstance(plan, (str, Path)) else plan, entry=Entry.API,
+                              on_plan=on_plan, on_status=on_status)
     return Session(settled, on_status=on_status)
 
 

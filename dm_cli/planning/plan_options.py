@@ -17,7 +17,7 @@ class PlanOptions:
     """What `make_plan` is asked: where (the placement), for what (the generation), and how to work.
 
     The generation is held once, as the one `Generation` that `dmap run` settles: `inputs`, `settings`,
-    `negative_prompt` and `cache` are read from it, so no setting can be restated here and drift."""
+    `negative_prompt`, `loras` and `cache` are read from it, so no setting can be restated here and drift."""
 
     placement: PlacementSpec = field(default_factory=PlacementSpec)  # devices, strategy, mode, overhead, dtype, weights
     # what is generated: size, frames, guidance, the family's settings, the negative prompt, input image sizes, --cache

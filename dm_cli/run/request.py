@@ -196,7 +196,6 @@ def plan_digest(plan: Plan) -> str:
 def cpu_rank_devices(world_size: int) -> str:
     """Pipeline ranks on a machine without GPUs: each rank's CPU stands for GPU r (as the run places them,
     `dm_cli.run.settle.layout.cpu_ranks`), with an equal share of the available RAM."""
-
     share = budgets.available_ram() // world_size
     return ",".join(f"{rank}={share}B" for rank in range(world_size))
 

@@ -5,13 +5,12 @@ updated.
 Overlapped: while block k computes, block k+1's weights are copied from pinned host memory on a second CUDA stream,
 so the execution device holds the prefetched block beside the running one (the running block's room is the offload
 reserve search.py already charges; the prefetched one, the largest block the cpu holds, is added to it), and the
-cpu's blocks are kept in RAM as pinned copies (the RAM search.py already charges them as the cpu's weights). The time
-model (step_time.py) then counts max(compute, transfer) per block instead of their sum: never slower, so the plan
-overlaps wherever the prefetched block fits. What stays synchronous: a CPU that computes (nothing to overlap with; a VAE, which dmap places whole, offloaded is
-computed there, so a decode, tiled or not, never streams),
-an execution device that is not CUDA (mps: no second stream dmap drives), blocks on disk (read from the checkpoint
-on each use, no pinned copy), and a prefetched block that does not fit beside the running one.
-"""
+cpu's blocks are kept in RAM as pinned copies (the RAM search.py already charges them as the cpu's weights). The
+time model (step_time.py) then counts max(compute, transfer) per block instead of their sum: never slower, so the
+plan overlaps wherever the prefetched block fits. What stays synchronous: a CPU that computes (nothing to overlap
+with; a VAE, which dmap places whole, offloaded is computed there, so a decode, tiled or not, never streams), an
+execution device that is not CUDA (mps: no second stream dmap drives), blocks on disk (read from the checkpoint on
+each use, no pinned copy), and a prefetched block that does not fit beside the running one."""
 
 from __future__ import annotations
 

@@ -1,21 +1,21 @@
-"""Overlapped offload (the plan's `offload.mode` "overlapped", planning/time/overlap.py): the blocks a plan streams from
-the cpu fetched one block ahead of their turn on a second CUDA stream, so that block k+1's weights cross the bus
-while block k computes.
+"""Overlapped offload (the plan's `offload.mode` "overlapped", planning/time/overlap.py): the blocks a plan streams
+from the cpu fetched one block ahead of their turn on a second CUDA stream, so that block k+1's weights cross the
+bus while block k computes.
 
 accelerate's offload hooks (loading.py `_dispatch`) still put each layer's weights in place before its forward and
 drop them after; what changes is the mapping they read. `PrefetchedWeights` hands them the copy already on the
 execution device where one was prefetched, else the host copy, which they copy in turn as before. The host copies
 are the cpu blocks' weights read and cast once at load, pinned where CUDA runs (a copy from pageable memory cannot
-overlap; a GGUF single file's parameters pinned as they are, their quant type kept: `pinned`). A forward pre-hook on each of those blocks takes its copies (the compute stream waits for their event; each
-is recorded on the compute stream, so the allocator does not hand its memory to the next copy while a kernel still
-reads it) and starts the next block's; the component's own pre-hook starts the first, which then crosses while the
-modules before it compute. At most two blocks are on the device at once: the running one and the prefetched one,
-what the plan charges. accelerate's hooks inside those blocks skip the allocator flush they run for each tensor
-(`quiet_hook_class`: its cudaFree would synchronize the device, waiting for the next block's copy). Blocks on disk
-stay synchronous: read from the checkpoint on each use. Where CUDA is absent (a
-CPU execution device: tests, CPU runs) the same path copies at once on the one stream; the values are the host
-copies either way, so the pixels are the synchronous path's. No Typer, no Rich.
-"""
+overlap; a GGUF single file's parameters pinned as they are, their quant type kept: `pinned`). A forward pre-hook on
+each of those blocks takes its copies (the compute stream waits for their event; each is recorded on the compute
+stream, so the allocator does not hand its memory to the next copy while a kernel still reads it) and starts the
+next block's; the component's own pre-hook starts the first, which then crosses while the modules before it compute.
+At most two blocks are on the device at once: the running one and the prefetched one, what the plan charges.
+accelerate's hooks inside those blocks skip the allocator flush they run for each tensor (`quiet_hook_class`: its
+cudaFree would synchronize the device, waiting for the next block's copy). Blocks on disk stay synchronous: read
+from the checkpoint on each use. Where CUDA is absent (a CPU execution device: tests, CPU runs) the same path copies
+at once on the one stream; the values are the host copies either way, so the pixels are the synchronous path's. No
+Typer, no Rich."""
 
 from __future__ import annotations
 

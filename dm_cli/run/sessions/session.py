@@ -90,7 +90,6 @@ class Session:
         """The stage loop `settled` chose (dm_cli.run.settle.settle decided and checked everything); nothing is loaded
         yet. measure=False: no activation tracker (Python work on every op) nor RSS sampling; `dmap run --prompt`
         measures each stage, a queue only wants its images."""
-
         request = settled.request
         self.settled = settled  # kept whole: what it decided is read from it (the properties below), never copied
         self.notices = list(settled.notices)  # the loop adds what it learns as it runs (a pipeline's notices)
@@ -98,8 +97,8 @@ class Session:
         shared = {} if loop is StageLoop else {"sharing": self.sharing}
         if loop is PipelineStageLoop:
             shared["notices"] = self.notices
-        self._loop = loop(self.source, self.plan, self.family, simulate=request.simulate, tracked_steps=run_request.TRACKED_STEPS,
-                          largest_shard=settled.largest_shard,
+        self._loop = loop(self.source, self.plan, self.family, simulate=request.simulate,
+                          tracked_steps=run_request.TRACKED_STEPS, largest_shard=settled.largest_shard,
                           track_activations=request.simulate or request.track_activations, on_status=on_status,
                           measure=measure, loras=self.generation.loras, **shared)
         if settled.compile is not CompileMode.NONE:  # --compile: the denoiser compiled as it loads, after every hook
@@ -206,7 +205,6 @@ class Session:
 
     def chunk_size(self, items: int, chunk_memory: int | None = None) -> tuple[int, int, int]:
         """(chunk size, bytes per item, budget): as many items as the RAM budget holds between stages."""
-
         budget = chunk_memory if chunk_memory is not None else int(budgets.available_ram() * DEFAULT_CHUNK_MEMORY_SHARE)
         per_item = self.bytes_per_item()
         if not self.staged:

@@ -28,7 +28,7 @@ from dm_cli.model.formats.weight_formats import parse_weights_spec, storage_dtyp
 from dm_cli.model.single_file_weights import named_component_files, resolve_with_pipeline, without_weights
 from dm_cli.model.sources import PRESETS, config_digest, looks_like_path, preset_refusal
 from dm_cli.planning.make import launch_warning, make_named_plan
-from dm_cli.planning.modes import CompileMode, Layout
+from dm_cli.planning.modes import CompileMode, Layout, Parallel
 from dm_cli.planning.parallel.parallel import ParallelRequest
 from dm_cli.planning.plan_command import lora_flags, plan_command
 from dm_cli.planning.plan_options import PlanOptions
@@ -306,7 +306,7 @@ def _planned_parallel(sharing: StepSharing | None) -> ParallelRequest:
     pipeline under torchrun cuts the denoiser into one slice per rank (dm_cli.run.ranks.pipeline); the other layouts
     run the single-process plan."""
     if sharing is not None and sharing.layout is Layout.PIPELINE and sharing.ranks.world_size > 1:
-        return ParallelRequest(sharing.ranks.world_size, "pipeline")
+        return ParallelRequest(sharing.ranks.world_size, Parallel.PIPELINE)
     return ParallelRequest()
 
 
